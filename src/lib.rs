@@ -3,5 +3,15 @@
 //! See `ARCHITECTURE.md` for the code map, the invariants and a glossary.
 #![forbid(unsafe_code)]
 
+pub mod auth;
+pub mod backoff;
+pub mod config;
 pub mod conversation;
+pub mod engine;
+pub mod handler;
+pub mod heartbeat;
+pub mod lease;
+pub mod metrics;
+pub mod runner;
 pub mod secret;
+pub mod telemetry;

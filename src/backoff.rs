@@ -1,0 +1,82 @@
+//! Exponential backoff with full jitter, one policy type for every retry loop of the worker
+//! (engine calls, the poll loop, heartbeat retries). Jitter can be switched off for tests.
+
+use std::time::Duration;
+
+/// How a retry loop waits: `base * 2^n`, capped at `max`, then jittered.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Backoff {
+    pub base: Duration,
+    pub max: Duration,
+    /// Fraction of the delay that is randomised (0.0 = none, 1.0 = full jitter).
+    pub jitter: f64,
+}
+
+impl Backoff {
+    pub const fn new(base: Duration, max: Duration) -> Self {
+        Backoff {
+            base,
+            max,
+            jitter: 0.5,
+        }
+    }
+
+    pub const fn without_jitter(mut self) -> Self {
+        self.jitter = 0.0;
+        self
+    }
+
+    /// The delay before retry number `attempt` (0-based).
+    pub fn delay(&self, attempt: u32) -> Duration {
+        let exp = self
+            .base
+            .saturating_mul(1u32.checked_shl(attempt.min(30)).unwrap_or(u32::MAX));
+        let capped = exp.min(self.max);
+        if self.jitter <= 0.0 {
+            return capped;
+        }
+        let jitter = self.jitter.min(1.0);
+        let keep = capped.mul_f64(1.0 - jitter);
+        let random = capped.mul_f64(jitter * rand::random::<f64>());
+        keep + random
+    }
+}
+
+/// Spreads a periodic wait by up to `fraction` either way, so replicas do not line up.
+pub fn jittered(period: Duration, fraction: f64) -> Duration {
+    if fraction <= 0.0 || period.is_zero() {
+        return period;
+    }
+    let f = fraction.min(1.0);
+    let factor = 1.0 - f + 2.0 * f * rand::random::<f64>();
+    period.mul_f64(factor)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grows_exponentially_and_caps() {
+        let b = Backoff::new(Duration::from_millis(100), Duration::from_secs(2)).without_jitter();
+        assert_eq!(b.delay(0), Duration::from_millis(100));
+        assert_eq!(b.delay(1), Duration::from_millis(200));
+        assert_eq!(b.delay(3), Duration::from_millis(800));
+        assert_eq!(b.delay(10), Duration::from_secs(2));
+        assert_eq!(b.delay(u32::MAX), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn jitter_stays_within_bounds() {
+        let b = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+        for n in 0..8 {
+            let d = b.delay(n);
+            let cap = Duration::from_millis(100 * (1 << n)).min(Duration::from_secs(2));
+            assert!(d <= cap && d >= cap / 2, "{d:?} vs {cap:?}");
+        }
+        for _ in 0..100 {
+            let d = jittered(Duration::from_secs(1), 0.1);
+            assert!(d >= Duration::from_millis(900) && d <= Duration::from_millis(1100));
+        }
+    }
+}

@@ -1,0 +1,583 @@
+//! Configuration: every `ABADA_AGENT_*` variable, parsed once into a typed [`Config`] through an
+//! injectable [`EnvSource`], so tests pass a map instead of mutating the process environment.
+//!
+//! A bad value is a [`ConfigError`] naming the variable, what is wrong with the value and the
+//! allowed range; `main` prints it on one line and exits 2 before touching the network. Secret
+//! values are never echoed.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::secret::SecretSource;
+
+pub const ENV_ENGINE_URL: &str = "ABADA_AGENT_ENGINE_URL";
+pub const ENV_WORKER_ID: &str = "ABADA_AGENT_WORKER_ID";
+pub const ENV_TOPICS: &str = "ABADA_AGENT_TOPICS";
+pub const ENV_MAX_TASKS: &str = "ABADA_AGENT_MAX_TASKS";
+pub const ENV_POLL_INTERVAL_MS: &str = "ABADA_AGENT_POLL_INTERVAL_MS";
+pub const ENV_LOCK_DURATION_MS: &str = "ABADA_AGENT_LOCK_DURATION_MS";
+pub const ENV_SHUTDOWN_GRACE_MS: &str = "ABADA_AGENT_SHUTDOWN_GRACE_MS";
+pub const ENV_HTTP_ADDR: &str = "ABADA_AGENT_HTTP_ADDR";
+pub const ENV_LOG_FORMAT: &str = "ABADA_AGENT_LOG_FORMAT";
+pub const ENV_ENGINE_TIMEOUT_MS: &str = "ABADA_AGENT_ENGINE_TIMEOUT_MS";
+pub const ENV_OIDC_ISSUER_URL: &str = "ABADA_AGENT_OIDC_ISSUER_URL";
+pub const ENV_OIDC_CLIENT_ID: &str = "ABADA_AGENT_OIDC_CLIENT_ID";
+pub const ENV_OIDC_CLIENT_SECRET: &str = "ABADA_AGENT_OIDC_CLIENT_SECRET";
+pub const ENV_OIDC_CLIENT_SECRET_FILE: &str = "ABADA_AGENT_OIDC_CLIENT_SECRET_FILE";
+pub const ENV_OIDC_SCOPES: &str = "ABADA_AGENT_OIDC_SCOPES";
+pub const ENV_OIDC_CLIENT_AUTH: &str = "ABADA_AGENT_OIDC_CLIENT_AUTH";
+pub const ENV_PROVIDERS: &str = "ABADA_AGENT_PROVIDERS";
+pub const ENV_AGENTS_FILE: &str = "ABADA_AGENT_AGENTS_FILE";
+pub const ENV_CA_FILE: &str = "ABADA_AGENT_CA_FILE";
+
+/// Where variables come from.
+pub trait EnvSource {
+    fn get(&self, key: &str) -> Option<String>;
+}
+
+/// The process environment.
+pub struct ProcessEnv;
+
+impl EnvSource for ProcessEnv {
+    fn get(&self, key: &str) -> Option<String> {
+        std::env::var(key).ok()
+    }
+}
+
+impl EnvSource for HashMap<String, String> {
+    fn get(&self, key: &str) -> Option<String> {
+        HashMap::get(self, key).cloned()
+    }
+}
+
+impl EnvSource for HashMap<&str, &str> {
+    fn get(&self, key: &str) -> Option<String> {
+        HashMap::get(self, key).map(|v| v.to_string())
+    }
+}
+
+/// A configuration problem: which variable, what is wrong, what is allowed.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("{var}: {problem}")]
+pub struct ConfigError {
+    pub var: String,
+    pub problem: String,
+}
+
+impl ConfigError {
+    fn new(var: impl Into<String>, problem: impl Into<String>) -> Self {
+        ConfigError {
+            var: var.into(),
+            problem: problem.into(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Json,
+    Pretty,
+}
+
+/// How the OIDC client authenticates at the token endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClientAuthMethod {
+    Basic,
+    RequestBody,
+}
+
+/// OIDC client-credentials settings (protocol.md A.5).
+#[derive(Clone, Debug)]
+pub struct OidcConfig {
+    pub issuer_url: String,
+    pub client_id: String,
+    pub client_secret: Arc<SecretSource>,
+    pub scopes: Vec<String>,
+    pub client_auth: ClientAuthMethod,
+}
+
+/// One model provider as configured by `ABADA_AGENT_PROVIDER_<NAME>_*`.
+#[derive(Clone, Debug)]
+pub struct ProviderConfig {
+    /// The name models are addressed by (`name/model`), lower case.
+    pub name: String,
+    /// `openai` or `anthropic`.
+    pub kind: String,
+    pub base_url: Option<String>,
+    pub api_key: Option<Arc<SecretSource>>,
+    pub max_concurrency: Option<usize>,
+    pub request_timeout: Duration,
+}
+
+/// The worker's whole configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub engine_url: String,
+    pub worker_id: String,
+    pub topics: Vec<String>,
+    pub max_tasks: u32,
+    pub poll_interval: Duration,
+    pub lock_duration: Duration,
+    pub shutdown_grace: Duration,
+    pub http_addr: SocketAddr,
+    pub log_format: LogFormat,
+    pub engine_timeout: Duration,
+    pub oidc: Option<OidcConfig>,
+    pub providers: Vec<ProviderConfig>,
+    pub agents_file: Option<PathBuf>,
+    pub ca_file: Option<PathBuf>,
+}
+
+impl Config {
+    /// Parses every variable; the first problem found is returned.
+    pub fn from_env(env: &dyn EnvSource) -> Result<Config, ConfigError> {
+        let get = |key: &str| env.get(key).filter(|v| !v.trim().is_empty());
+
+        let engine_url = match get(ENV_ENGINE_URL) {
+            None => {
+                return Err(ConfigError::new(
+                    ENV_ENGINE_URL,
+                    "is required: set it to the engine's API root, e.g. http://abada-engine:5601/api",
+                ));
+            }
+            Some(v) => parse_http_url(ENV_ENGINE_URL, v.trim())?,
+        };
+        let worker_id = match get(ENV_WORKER_ID) {
+            Some(v) => {
+                let v = v.trim().to_string();
+                if v.len() > 200 || v.chars().any(char::is_control) {
+                    return Err(ConfigError::new(
+                        ENV_WORKER_ID,
+                        "must be at most 200 printable characters",
+                    ));
+                }
+                v
+            }
+            None => default_worker_id(),
+        };
+        let topics = match get(ENV_TOPICS) {
+            None => vec!["abada:agent".to_string()],
+            Some(v) => {
+                let topics: Vec<String> = v.split(',').map(|t| t.trim().to_string()).collect();
+                if topics.iter().any(|t| t.is_empty()) {
+                    return Err(ConfigError::new(
+                        ENV_TOPICS,
+                        format!(
+                            "{v:?} has a blank entry: give comma-separated topic names, e.g. abada:agent"
+                        ),
+                    ));
+                }
+                topics
+            }
+        };
+        let max_tasks = parse_range(&get, ENV_MAX_TASKS, 4, 1, 50)? as u32;
+        let poll_interval = ms(parse_range(&get, ENV_POLL_INTERVAL_MS, 1000, 1, 3_600_000)?);
+        let lock_duration = ms(parse_range(
+            &get,
+            ENV_LOCK_DURATION_MS,
+            120_000,
+            1,
+            3_600_000,
+        )?);
+        let shutdown_grace = ms(parse_range(
+            &get,
+            ENV_SHUTDOWN_GRACE_MS,
+            25_000,
+            0,
+            3_600_000,
+        )?);
+        let engine_timeout = ms(parse_range(
+            &get,
+            ENV_ENGINE_TIMEOUT_MS,
+            10_000,
+            100,
+            600_000,
+        )?);
+        let http_addr = match get(ENV_HTTP_ADDR) {
+            None => SocketAddr::from(([0, 0, 0, 0], 9464)),
+            Some(v) => v.trim().parse().map_err(|_| {
+                ConfigError::new(
+                    ENV_HTTP_ADDR,
+                    format!("{v:?} is not a socket address: use host:port, e.g. 0.0.0.0:9464"),
+                )
+            })?,
+        };
+        let log_format = match get(ENV_LOG_FORMAT).map(|v| v.trim().to_ascii_lowercase()) {
+            None => LogFormat::Json,
+            Some(v) if v == "json" => LogFormat::Json,
+            Some(v) if v == "pretty" => LogFormat::Pretty,
+            Some(v) => {
+                return Err(ConfigError::new(
+                    ENV_LOG_FORMAT,
+                    format!("{v:?} is not a log format: allowed json or pretty"),
+                ));
+            }
+        };
+        let oidc = parse_oidc(env)?;
+        let providers = parse_providers(env)?;
+        let agents_file = get(ENV_AGENTS_FILE).map(PathBuf::from);
+        let ca_file = get(ENV_CA_FILE).map(PathBuf::from);
+        Ok(Config {
+            engine_url,
+            worker_id,
+            topics,
+            max_tasks,
+            poll_interval,
+            lock_duration,
+            shutdown_grace,
+            http_addr,
+            log_format,
+            engine_timeout,
+            oidc,
+            providers,
+            agents_file,
+            ca_file,
+        })
+    }
+}
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+fn parse_range(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &str,
+    default: u64,
+    min: u64,
+    max: u64,
+) -> Result<u64, ConfigError> {
+    let Some(raw) = get(var) else {
+        return Ok(default);
+    };
+    let n: u64 = raw.trim().parse().map_err(|_| {
+        ConfigError::new(
+            var,
+            format!("{raw:?} is not a whole number: allowed {min}..={max}"),
+        )
+    })?;
+    if n < min || n > max {
+        return Err(ConfigError::new(
+            var,
+            format!("{n} is out of range: allowed {min}..={max}"),
+        ));
+    }
+    Ok(n)
+}
+
+fn parse_http_url(var: &str, raw: &str) -> Result<String, ConfigError> {
+    let ok = raw
+        .strip_prefix("http://")
+        .or_else(|| raw.strip_prefix("https://"))
+        .is_some_and(|rest| {
+            let host = rest.split(['/', '?', '#']).next().unwrap_or("");
+            !host.is_empty() && !host.contains(char::is_whitespace)
+        });
+    if !ok {
+        return Err(ConfigError::new(
+            var,
+            format!("{raw:?} is not an http(s) URL: use e.g. http://abada-engine:5601/api"),
+        ));
+    }
+    Ok(raw.trim_end_matches('/').to_string())
+}
+
+/// `<hostname>-<random>`, unique per process.
+fn default_worker_id() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+        })
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "worker".to_string());
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..8];
+    format!("{host}-{suffix}")
+}
+
+/// A secret from `VAR` or `VAR_FILE`; both set is an error (which one wins would be a guess).
+fn secret_source(env: &dyn EnvSource, var: &str) -> Result<Option<Arc<SecretSource>>, ConfigError> {
+    let file_var = format!("{var}_FILE");
+    let value = env.get(var).filter(|v| !v.is_empty());
+    let file = env.get(&file_var).filter(|v| !v.trim().is_empty());
+    match (value, file) {
+        (Some(_), Some(_)) => Err(ConfigError::new(
+            var,
+            format!("is set together with {file_var}: set only one of them"),
+        )),
+        (Some(v), None) => Ok(Some(Arc::new(SecretSource::value(v)))),
+        (None, Some(path)) => {
+            let source = SecretSource::file(PathBuf::from(path.trim()));
+            source
+                .load()
+                .map_err(|e| ConfigError::new(file_var.clone(), e.to_string()))?;
+            Ok(Some(Arc::new(source)))
+        }
+        (None, None) => Ok(None),
+    }
+}
+
+fn parse_oidc(env: &dyn EnvSource) -> Result<Option<OidcConfig>, ConfigError> {
+    let get = |key: &str| env.get(key).filter(|v| !v.trim().is_empty());
+    let Some(issuer) = get(ENV_OIDC_ISSUER_URL) else {
+        for var in [
+            ENV_OIDC_CLIENT_ID,
+            ENV_OIDC_CLIENT_SECRET,
+            ENV_OIDC_CLIENT_SECRET_FILE,
+        ] {
+            if get(var).is_some() {
+                return Err(ConfigError::new(
+                    ENV_OIDC_ISSUER_URL,
+                    format!("is required when {var} is set"),
+                ));
+            }
+        }
+        return Ok(None);
+    };
+    // The issuer must match the discovery document exactly: keep it as written (no trimming of '/').
+    let issuer_url = issuer.trim().to_string();
+    parse_http_url(ENV_OIDC_ISSUER_URL, &issuer_url)?;
+    let client_id = get(ENV_OIDC_CLIENT_ID).ok_or_else(|| {
+        ConfigError::new(
+            ENV_OIDC_CLIENT_ID,
+            "is required when ABADA_AGENT_OIDC_ISSUER_URL is set",
+        )
+    })?;
+    let client_secret = secret_source(env, ENV_OIDC_CLIENT_SECRET)?.ok_or_else(|| {
+        ConfigError::new(
+            ENV_OIDC_CLIENT_SECRET,
+            "is required when ABADA_AGENT_OIDC_ISSUER_URL is set (or set ABADA_AGENT_OIDC_CLIENT_SECRET_FILE)",
+        )
+    })?;
+    let scopes = match get(ENV_OIDC_SCOPES) {
+        None => vec!["worker:execute".to_string()],
+        Some(v) => {
+            let s: Vec<String> = v
+                .split([',', ' '])
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect();
+            if s.is_empty() {
+                return Err(ConfigError::new(ENV_OIDC_SCOPES, "lists no scope"));
+            }
+            s
+        }
+    };
+    let client_auth = match get(ENV_OIDC_CLIENT_AUTH).map(|v| v.trim().to_ascii_lowercase()) {
+        None => ClientAuthMethod::Basic,
+        Some(v) if v == "basic" => ClientAuthMethod::Basic,
+        Some(v) if v == "request-body" || v == "post" => ClientAuthMethod::RequestBody,
+        Some(v) => {
+            return Err(ConfigError::new(
+                ENV_OIDC_CLIENT_AUTH,
+                format!(
+                    "{v:?} is not a client authentication method: allowed basic or request-body"
+                ),
+            ));
+        }
+    };
+    Ok(Some(OidcConfig {
+        issuer_url,
+        client_id: client_id.trim().to_string(),
+        client_secret,
+        scopes,
+        client_auth,
+    }))
+}
+
+fn parse_providers(env: &dyn EnvSource) -> Result<Vec<ProviderConfig>, ConfigError> {
+    let Some(list) = env.get(ENV_PROVIDERS).filter(|v| !v.trim().is_empty()) else {
+        return Ok(Vec::new());
+    };
+    let mut providers: Vec<ProviderConfig> = Vec::new();
+    for raw in list.split(',') {
+        let name = raw.trim().to_ascii_lowercase();
+        let valid = !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !valid {
+            return Err(ConfigError::new(
+                ENV_PROVIDERS,
+                format!(
+                    "{raw:?} is not a provider name: use letters, digits, '-' or '_', comma-separated"
+                ),
+            ));
+        }
+        if providers.iter().any(|p| p.name == name) {
+            return Err(ConfigError::new(
+                ENV_PROVIDERS,
+                format!("lists {name:?} twice"),
+            ));
+        }
+        let prefix = format!(
+            "ABADA_AGENT_PROVIDER_{}_",
+            name.to_ascii_uppercase().replace('-', "_")
+        );
+        let var = |suffix: &str| format!("{prefix}{suffix}");
+        let get = |suffix: &str| env.get(&var(suffix)).filter(|v| !v.trim().is_empty());
+        let kind = get("KIND")
+            .map(|k| k.trim().to_ascii_lowercase())
+            .unwrap_or_else(|| name.clone());
+        if kind != "openai" && kind != "anthropic" {
+            return Err(ConfigError::new(
+                var("KIND"),
+                format!(
+                    "{kind:?} is not a provider kind: allowed openai or anthropic (it defaults to the provider name)"
+                ),
+            ));
+        }
+        let base_url = get("BASE_URL")
+            .map(|u| parse_http_url(&var("BASE_URL"), u.trim()))
+            .transpose()?;
+        let api_key = secret_source(env, &var("API_KEY"))?;
+        let max_concurrency = get("MAX_CONCURRENCY")
+            .map(|_| {
+                parse_range(&|k| env.get(k), &var("MAX_CONCURRENCY"), 0, 1, 10_000)
+                    .map(|n| n as usize)
+            })
+            .transpose()?;
+        let request_timeout = ms(parse_range(
+            &|k| env.get(k).filter(|v| !v.trim().is_empty()),
+            &var("TIMEOUT_MS"),
+            120_000,
+            100,
+            3_600_000,
+        )?);
+        providers.push(ProviderConfig {
+            name,
+            kind,
+            base_url,
+            api_key,
+            max_concurrency,
+            request_timeout,
+        });
+    }
+    Ok(providers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn base() -> Vec<(&'static str, &'static str)> {
+        vec![(ENV_ENGINE_URL, "http://engine:5601/api/")]
+    }
+
+    fn err(extra: &[(&str, &str)]) -> ConfigError {
+        let mut pairs = base();
+        pairs.extend_from_slice(extra);
+        Config::from_env(&env(&pairs)).unwrap_err()
+    }
+
+    #[test]
+    fn defaults() {
+        let c = Config::from_env(&env(&base())).unwrap();
+        assert_eq!(c.engine_url, "http://engine:5601/api");
+        assert_eq!(c.topics, vec!["abada:agent"]);
+        assert_eq!(c.max_tasks, 4);
+        assert_eq!(c.poll_interval, Duration::from_millis(1000));
+        assert_eq!(c.lock_duration, Duration::from_millis(120_000));
+        assert_eq!(c.shutdown_grace, Duration::from_millis(25_000));
+        assert_eq!(c.http_addr, "0.0.0.0:9464".parse().unwrap());
+        assert_eq!(c.log_format, LogFormat::Json);
+        assert!(c.oidc.is_none());
+        assert!(c.providers.is_empty());
+        assert!(!c.worker_id.is_empty());
+    }
+
+    #[test]
+    fn every_bad_value_names_the_variable_and_the_range() {
+        let e = Config::from_env(&env(&[])).unwrap_err();
+        assert_eq!(e.var, ENV_ENGINE_URL);
+        assert!(e.problem.contains("required"));
+        let e = err(&[(ENV_MAX_TASKS, "0")]);
+        assert_eq!(
+            e.to_string(),
+            "ABADA_AGENT_MAX_TASKS: 0 is out of range: allowed 1..=50"
+        );
+        let e = err(&[(ENV_MAX_TASKS, "51")]);
+        assert_eq!(
+            e.to_string(),
+            "ABADA_AGENT_MAX_TASKS: 51 is out of range: allowed 1..=50"
+        );
+        let e = err(&[(ENV_LOCK_DURATION_MS, "3600001")]);
+        assert_eq!(
+            e.to_string(),
+            "ABADA_AGENT_LOCK_DURATION_MS: 3600001 is out of range: allowed 1..=3600000"
+        );
+        let e = err(&[(ENV_LOCK_DURATION_MS, "0")]);
+        assert!(e.to_string().contains("allowed 1..=3600000"));
+        let e = err(&[(ENV_POLL_INTERVAL_MS, "soon")]);
+        assert_eq!(
+            e.to_string(),
+            "ABADA_AGENT_POLL_INTERVAL_MS: \"soon\" is not a whole number: allowed 1..=3600000"
+        );
+        let e = err(&[(ENV_LOG_FORMAT, "xml")]);
+        assert_eq!(
+            e.to_string(),
+            "ABADA_AGENT_LOG_FORMAT: \"xml\" is not a log format: allowed json or pretty"
+        );
+        assert_eq!(err(&[(ENV_TOPICS, "a,,b")]).var, ENV_TOPICS);
+        assert_eq!(err(&[(ENV_HTTP_ADDR, "nope")]).var, ENV_HTTP_ADDR);
+        let e = Config::from_env(&env(&[(ENV_ENGINE_URL, "ftp://x")])).unwrap_err();
+        assert_eq!(e.var, ENV_ENGINE_URL);
+    }
+
+    #[test]
+    fn providers_and_oidc() {
+        let c = Config::from_env(&env(&[
+            (ENV_ENGINE_URL, "https://e/api"),
+            (ENV_PROVIDERS, "openai, Claude"),
+            ("ABADA_AGENT_PROVIDER_OPENAI_API_KEY", "sk-marker-1"),
+            ("ABADA_AGENT_PROVIDER_CLAUDE_KIND", "anthropic"),
+            ("ABADA_AGENT_PROVIDER_CLAUDE_MAX_CONCURRENCY", "3"),
+            (ENV_OIDC_ISSUER_URL, "http://localhost:8080"),
+            (ENV_OIDC_CLIENT_ID, "worker"),
+            (ENV_OIDC_CLIENT_SECRET, "oidc-marker-2"),
+        ]))
+        .unwrap();
+        assert_eq!(c.providers.len(), 2);
+        assert_eq!(c.providers[0].kind, "openai");
+        assert_eq!(c.providers[1].name, "claude");
+        assert_eq!(c.providers[1].kind, "anthropic");
+        assert_eq!(c.providers[1].max_concurrency, Some(3));
+        let oidc = c.oidc.as_ref().unwrap();
+        assert_eq!(oidc.scopes, vec!["worker:execute"]);
+        let printed = format!("{c:?}");
+        assert!(!printed.contains("sk-marker-1"));
+        assert!(!printed.contains("oidc-marker-2"));
+
+        let e = err(&[(ENV_PROVIDERS, "mystery")]);
+        assert_eq!(e.var, "ABADA_AGENT_PROVIDER_MYSTERY_KIND");
+        let e = err(&[(ENV_OIDC_ISSUER_URL, "http://localhost:1")]);
+        assert_eq!(e.var, ENV_OIDC_CLIENT_ID);
+        let e = err(&[
+            ("ABADA_AGENT_PROVIDER_OPENAI_API_KEY", "secret-value-3"),
+            ("ABADA_AGENT_PROVIDER_OPENAI_API_KEY_FILE", "/nonexistent"),
+            (ENV_PROVIDERS, "openai"),
+        ]);
+        assert!(!e.to_string().contains("secret-value-3"));
+        let e = err(&[
+            (
+                "ABADA_AGENT_PROVIDER_OPENAI_API_KEY_FILE",
+                "/nonexistent/key",
+            ),
+            (ENV_PROVIDERS, "openai"),
+        ]);
+        assert_eq!(e.var, "ABADA_AGENT_PROVIDER_OPENAI_API_KEY_FILE");
+    }
+}

@@ -1,0 +1,140 @@
+//! The engine boundary: the one narrow trait through which the worker talks to the Abada engine,
+//! the domain types it speaks in, and the typed errors callers act on (protocol.md Part A and B).
+//!
+//! `client` is the HTTP implementation; tests and the devkit may plug in others.
+
+pub mod client;
+pub mod error;
+pub mod trace;
+pub mod wire;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde_json::{Map, Value};
+
+pub use error::{EngineError, LeaseLostReason};
+pub use trace::TraceParent;
+
+/// A task the engine locked for this worker, mapped from the wire at the edge.
+#[derive(Clone, Debug)]
+pub struct Task {
+    pub id: String,
+    pub topic: String,
+    pub variables: Map<String, Value>,
+    pub process_instance_id: Option<String>,
+    pub activity_id: Option<String>,
+    /// Retries left as the engine counts them; `None` when the engine sent null.
+    pub retries: Option<i32>,
+    pub lock_expiration_time: Option<String>,
+    pub trace_parent: Option<TraceParent>,
+    /// agent/1 fencing token; `None` on a plain v1 engine.
+    pub attempt: Option<u32>,
+    /// The agent definition as the engine sent it (parsed by the agent module).
+    pub agent: Option<Value>,
+}
+
+impl Task {
+    /// The identity every call about this task carries.
+    pub fn task_ref(&self) -> TaskRef {
+        TaskRef {
+            task_id: self.id.clone(),
+            attempt: self.attempt,
+            trace_parent: self.trace_parent.clone(),
+        }
+    }
+}
+
+/// Which task (and which attempt of it) a call is about.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TaskRef {
+    pub task_id: String,
+    pub attempt: Option<u32>,
+    pub trace_parent: Option<TraceParent>,
+}
+
+/// A fetch-and-lock request.
+#[derive(Clone, Debug)]
+pub struct FetchRequest {
+    pub topics: Vec<String>,
+    pub lock_duration: Duration,
+    pub max_tasks: u32,
+}
+
+/// A technical failure report (`/failure`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FailureReport {
+    pub error_message: String,
+    pub error_details: String,
+    pub retries: i32,
+    pub retry_timeout: Duration,
+}
+
+/// A business error report (`/bpmn-error`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BpmnErrorReport {
+    pub error_code: String,
+    pub error_message: String,
+    pub variables: Map<String, Value>,
+}
+
+/// A journal step (protocol.md B.2), kept close to the wire because the journal is a contract
+/// read by other programs.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct JournalStep {
+    pub seq: u64,
+    pub kind: String,
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    #[serde(default)]
+    pub data: Value,
+}
+
+/// The journal as read at the start of an attempt.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Journal {
+    pub attempt: Option<u32>,
+    pub steps: Vec<JournalStep>,
+}
+
+/// Whether an append wrote a new step or found the identical one already there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AppendOutcome {
+    Created,
+    AlreadyPresent,
+}
+
+/// A short-lived tool-server secret (protocol.md B.3).
+#[derive(Clone, Debug)]
+pub struct ToolCredential {
+    pub token: crate::secret::Secret,
+    pub expires_at: Option<String>,
+}
+
+/// Everything the worker asks of the engine. Implementations carry the worker id, the
+/// authentication and the retry rules of protocol.md A.2/A.3; callers see typed errors.
+#[async_trait]
+pub trait Engine: Send + Sync + 'static {
+    async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError>;
+    async fn heartbeat(&self, task: &TaskRef, lock_duration: Duration) -> Result<(), EngineError>;
+    async fn complete(
+        &self,
+        task: &TaskRef,
+        variables: &Map<String, Value>,
+    ) -> Result<(), EngineError>;
+    async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError>;
+    async fn bpmn_error(&self, task: &TaskRef, report: &BpmnErrorReport)
+    -> Result<(), EngineError>;
+    async fn read_journal(&self, task: &TaskRef) -> Result<Journal, EngineError>;
+    async fn append_journal(
+        &self,
+        task: &TaskRef,
+        step: &JournalStep,
+    ) -> Result<AppendOutcome, EngineError>;
+    async fn tool_credential(
+        &self,
+        task: &TaskRef,
+        server: &str,
+    ) -> Result<ToolCredential, EngineError>;
+}

@@ -1,0 +1,747 @@
+//! The HTTP engine client: protocol.md Part A to the letter (paths, bodies, headers, error codes)
+//! plus the agent/1 calls of Part B, with the idempotency rules of A.3, bounded concurrency and a
+//! timeout on every call.
+//!
+//! Retry rules live here and nowhere else for engine calls:
+//! - commands (complete, failure, bpmn-error, journal append, tool credential) are retried on
+//!   transient errors with backoff and jitter, reusing their one idempotency key;
+//! - a completion refused with 409 CONCURRENT_MODIFICATION is retried once with the same key;
+//! - a fetch whose response was lost is retried once with the same key (the engine replays the
+//!   tasks it locked instead of stranding them);
+//! - a heartbeat is sent once with a fresh key; its scheduler decides when to try again;
+//! - a 401 triggers one forced token refresh and one retry.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use reqwest::StatusCode;
+use reqwest::header::{HeaderMap, HeaderValue};
+use serde_json::{Map, Value};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use super::error::{EngineError, LeaseLostReason};
+use super::wire::{self, PROTOCOL_HEADER, PROTOCOL_VERSION};
+use super::{
+    AppendOutcome, BpmnErrorReport, Engine, FailureReport, FetchRequest, Journal, JournalStep,
+    Task, TaskRef, ToolCredential,
+};
+use crate::auth::TokenProvider;
+use crate::backoff::Backoff;
+use crate::metrics::Metrics;
+use crate::secret::Secret;
+
+/// Largest engine response body the worker reads (a fetch of 50 tasks with big variables fits).
+const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+
+/// Settings of the engine client.
+#[derive(Clone, Debug)]
+pub struct EngineClientSettings {
+    /// Engine API root, e.g. `http://abada-engine:5601/api`.
+    pub engine_url: String,
+    pub worker_id: String,
+    /// Timeout of one HTTP exchange.
+    pub request_timeout: Duration,
+    /// Most engine requests in flight at once (the connection pool's real bound).
+    pub max_in_flight: usize,
+    /// How often a command is tried in all before its error is returned.
+    pub command_attempts: u32,
+    pub command_backoff: Backoff,
+}
+
+impl EngineClientSettings {
+    pub fn new(engine_url: impl Into<String>, worker_id: impl Into<String>) -> Self {
+        EngineClientSettings {
+            engine_url: engine_url.into(),
+            worker_id: worker_id.into(),
+            request_timeout: Duration::from_secs(10),
+            max_in_flight: 64,
+            command_attempts: 6,
+            command_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
+        }
+    }
+}
+
+/// The engine over HTTP.
+pub struct HttpEngine {
+    http: reqwest::Client,
+    base: String,
+    worker_id: String,
+    tokens: Option<Arc<dyn TokenProvider>>,
+    in_flight: Semaphore,
+    settings: EngineClientSettings,
+    metrics: Arc<Metrics>,
+}
+
+/// One HTTP exchange to make (possibly several times, with the same key).
+struct Call<'a> {
+    op: &'static str,
+    task_id: Option<&'a str>,
+    path: String,
+    body: Vec<u8>,
+    idempotency_key: Option<String>,
+    traceparent: Option<String>,
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Vec<u8>,
+}
+
+impl HttpEngine {
+    pub fn new(
+        http: reqwest::Client,
+        settings: EngineClientSettings,
+        tokens: Option<Arc<dyn TokenProvider>>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let root = settings.engine_url.trim_end_matches('/');
+        HttpEngine {
+            http,
+            base: format!("{root}/v1/external-tasks"),
+            worker_id: settings.worker_id.clone(),
+            tokens,
+            in_flight: Semaphore::new(settings.max_in_flight.max(1)),
+            settings,
+            metrics,
+        }
+    }
+
+    pub fn worker_id(&self) -> &str {
+        &self.worker_id
+    }
+
+    fn task_path(&self, task_id: &str, action: &str) -> String {
+        format!("{}/{}/{}", self.base, encode_path_segment(task_id), action)
+    }
+
+    fn new_key() -> String {
+        uuid::Uuid::now_v7().to_string()
+    }
+
+    /// One exchange, with one forced token refresh and one retry on 401.
+    async fn exchange(&self, call: &Call<'_>) -> Result<Answer, EngineError> {
+        let mut token = match &self.tokens {
+            Some(t) => Some(t.token().await.map_err(|e| EngineError::Auth {
+                configuration: e.is_configuration_error(),
+                message: e.to_string(),
+            })?),
+            None => None,
+        };
+        let mut refreshed = false;
+        loop {
+            let answer = self.send(call, token.as_ref()).await?;
+            if answer.status == StatusCode::UNAUTHORIZED
+                && !refreshed
+                && let (Some(tokens), Some(sent)) = (&self.tokens, &token)
+            {
+                refreshed = true;
+                token = Some(tokens.refresh_after_rejection(sent).await.map_err(|e| {
+                    EngineError::Auth {
+                        configuration: e.is_configuration_error(),
+                        message: e.to_string(),
+                    }
+                })?);
+                continue;
+            }
+            return Ok(answer);
+        }
+    }
+
+    async fn send(&self, call: &Call<'_>, token: Option<&Secret>) -> Result<Answer, EngineError> {
+        let _permit = tokio::time::timeout(self.settings.request_timeout, self.in_flight.acquire())
+            .await
+            .map_err(|_| EngineError::Transient {
+                op: call.op,
+                request_sent: false,
+                message: format!(
+                    "no free engine connection within {} ms",
+                    self.settings.request_timeout.as_millis()
+                ),
+            })?
+            .expect("engine semaphore is never closed");
+        let started = Instant::now();
+        let mut req = self
+            .http
+            .post(&call.path)
+            .timeout(self.settings.request_timeout)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(reqwest::header::ACCEPT, "application/json")
+            .header(PROTOCOL_HEADER, PROTOCOL_VERSION)
+            .body(call.body.clone());
+        if let Some(key) = &call.idempotency_key {
+            req = req.header("Idempotency-Key", key);
+        }
+        if let Some(tp) = &call.traceparent {
+            req = req.header("traceparent", tp);
+        }
+        if let Some(token) = token {
+            let mut value =
+                HeaderValue::from_str(&format!("Bearer {}", token.expose())).map_err(|_| {
+                    EngineError::Auth {
+                        configuration: true,
+                        message: "the access token holds characters not allowed in a header".into(),
+                    }
+                })?;
+            value.set_sensitive(true);
+            req = req.header(reqwest::header::AUTHORIZATION, value);
+        }
+        let result = async {
+            let mut resp = req.send().await?;
+            let status = resp.status();
+            let headers = resp.headers().clone();
+            let mut body = Vec::new();
+            while let Some(chunk) = resp.chunk().await? {
+                if body.len() + chunk.len() > MAX_BODY_BYTES {
+                    return Ok(Err(body.len() + chunk.len()));
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok::<_, reqwest::Error>(Ok(Answer {
+                status,
+                headers,
+                body,
+            }))
+        }
+        .await;
+        let took = started.elapsed();
+        match result {
+            Ok(Ok(answer)) => {
+                self.metrics.observe_engine_request(
+                    call.op,
+                    answer.status.as_u16().to_string(),
+                    took,
+                );
+                Ok(answer)
+            }
+            Ok(Err(size)) => {
+                self.metrics
+                    .observe_engine_request(call.op, "too_large".into(), took);
+                Err(EngineError::MalformedResponse {
+                    op: call.op,
+                    detail: format!("body larger than {MAX_BODY_BYTES} bytes (at least {size})"),
+                })
+            }
+            Err(e) => {
+                let kind = if e.is_timeout() { "timeout" } else { "error" };
+                self.metrics
+                    .observe_engine_request(call.op, kind.into(), took);
+                Err(EngineError::Transient {
+                    op: call.op,
+                    request_sent: !e.is_connect(),
+                    message: describe_transport_error(&e, &call.path),
+                })
+            }
+        }
+    }
+
+    /// A command: retried with its one idempotency key while the error is transient.
+    async fn command(&self, call: Call<'_>) -> Result<Answer, EngineError> {
+        let mut attempt = 0u32;
+        let mut concurrent_retry_used = false;
+        loop {
+            attempt += 1;
+            let err = match self.exchange(&call).await {
+                Ok(answer) if answer.status.is_success() => return Ok(answer),
+                Ok(answer) => classify(&call, &answer),
+                Err(e) => e,
+            };
+            if matches!(err, EngineError::ConcurrentModification { .. })
+                && call.op == "complete"
+                && !concurrent_retry_used
+            {
+                concurrent_retry_used = true;
+                tracing::info!(
+                    op = call.op,
+                    "engine reported a concurrent modification; retrying the completion once with the same idempotency key"
+                );
+                continue;
+            }
+            if let EngineError::IdempotencyConflict { key, .. } = &err {
+                tracing::error!(op = call.op, idempotency_key = %key, "idempotency key reused for a different body: this is a worker bug");
+            }
+            if !err.is_retryable() || attempt >= self.settings.command_attempts {
+                return Err(err);
+            }
+            let wait = match &err {
+                EngineError::Throttled {
+                    retry_after: Some(d),
+                    ..
+                } => (*d).min(self.settings.command_backoff.max),
+                _ => self.settings.command_backoff.delay(attempt - 1),
+            };
+            tracing::debug!(op = call.op, attempt, wait_ms = wait.as_millis() as u64, error = %err, "retrying engine command");
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    fn json<T: serde::Serialize>(body: &T) -> Vec<u8> {
+        serde_json::to_vec(body).expect("request bodies always serialise")
+    }
+
+    fn trace(task: &TaskRef) -> Option<String> {
+        task.trace_parent.as_ref().map(|t| t.child_header())
+    }
+}
+
+/// Maps a non-success answer to its typed error (protocol.md A.2, B.2).
+fn classify(call: &Call<'_>, answer: &Answer) -> EngineError {
+    let op = call.op;
+    let body: wire::ErrorBody = serde_json::from_slice(&answer.body).unwrap_or_default();
+    let code = body.code.unwrap_or_default();
+    let message = body.message.unwrap_or_else(|| {
+        String::from_utf8_lossy(&answer.body)
+            .chars()
+            .take(300)
+            .collect()
+    });
+    let status = answer.status.as_u16();
+    let lost = |reason| EngineError::LeaseLost {
+        op,
+        task_id: call.task_id.unwrap_or_default().to_string(),
+        reason,
+    };
+    match (status, code.as_str()) {
+        (403, "WORKER_LOCK_NOT_OWNED") => lost(LeaseLostReason::NotOwned),
+        (409, "WORKER_LOCK_EXPIRED") => lost(LeaseLostReason::Expired),
+        (409, "STALE_ATTEMPT") => lost(LeaseLostReason::StaleAttempt),
+        (409, "JOURNAL_CONFLICT") => lost(LeaseLostReason::JournalConflict),
+        (400, "ENGINE_COMMAND_REJECTED")
+            if message.starts_with("External task is not locked")
+                || message.starts_with("External task not found") =>
+        {
+            lost(LeaseLostReason::NotLocked)
+        }
+        (409, "CONCURRENT_MODIFICATION") => EngineError::ConcurrentModification { op },
+        (400, "IDEMPOTENCY_CONFLICT") => EngineError::IdempotencyConflict {
+            op,
+            key: call.idempotency_key.clone().unwrap_or_default(),
+        },
+        (401, _) => EngineError::Unauthenticated { op, message },
+        (403, "ACCESS_DENIED") => EngineError::AccessDenied { op, message },
+        (400, "INVALID_REQUEST") => EngineError::InvalidRequest { op, message },
+        (404, _) => EngineError::NotFound { op, code, message },
+        (429, _) | (503, _) => EngineError::Throttled {
+            op,
+            status,
+            retry_after: retry_after(&answer.headers),
+        },
+        (500..=599, _) => EngineError::Transient {
+            op,
+            request_sent: true,
+            message: format!("HTTP {status} {code}: {message}"),
+        },
+        _ => EngineError::Rejected {
+            op,
+            status,
+            code,
+            message,
+        },
+    }
+}
+
+/// `Retry-After` in seconds or as an HTTP date.
+pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let raw = headers
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim();
+    if let Ok(secs) = raw.parse::<u64>() {
+        return Some(Duration::from_secs(secs.min(24 * 3600)));
+    }
+    let when = httpdate::parse_http_date(raw).ok()?;
+    Some(
+        when.duration_since(std::time::SystemTime::now())
+            .unwrap_or_default()
+            .min(Duration::from_secs(24 * 3600)),
+    )
+}
+
+fn describe_transport_error(e: &reqwest::Error, url: &str) -> String {
+    let what = if e.is_timeout() {
+        "timed out"
+    } else if e.is_connect() {
+        "could not connect"
+    } else if e.is_body() || e.is_decode() {
+        "lost the response body"
+    } else {
+        "failed"
+    };
+    let mut source: Option<&dyn std::error::Error> = std::error::Error::source(e);
+    let mut detail = String::new();
+    while let Some(s) = source {
+        detail = s.to_string();
+        source = s.source();
+    }
+    format!("POST {url} {what}: {detail}")
+}
+
+/// Percent-encodes a task id as one path segment.
+fn encode_path_segment(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len());
+    for b in raw.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                out.push(b as char)
+            }
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
+}
+
+#[async_trait]
+impl Engine for HttpEngine {
+    async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError> {
+        let op = "fetch-and-lock";
+        let call = Call {
+            op,
+            task_id: None,
+            path: format!("{}/fetch-and-lock", self.base),
+            body: Self::json(&wire::FetchAndLockBody {
+                worker_id: &self.worker_id,
+                topics: &request.topics,
+                lock_duration: request.lock_duration.as_millis() as u64,
+                max_tasks: request.max_tasks,
+            }),
+            idempotency_key: Some(Self::new_key()),
+            traceparent: Some(super::TraceParent::new_root().header()),
+        };
+        let started = Instant::now();
+        // A lost response is retried once with the same key: the engine replays what it locked.
+        let mut answer = self.exchange(&call).await;
+        let retry = match &answer {
+            Err(EngineError::Transient { request_sent, .. }) => *request_sent,
+            Ok(a) => a.status.is_server_error() && a.status != StatusCode::SERVICE_UNAVAILABLE,
+            Err(_) => false,
+        };
+        if retry {
+            tracing::debug!(
+                "fetch-and-lock response lost; retrying once with the same idempotency key"
+            );
+            answer = self.exchange(&call).await;
+        }
+        self.metrics
+            .fetch_duration
+            .observe(started.elapsed().as_secs_f64());
+        let answer = answer?;
+        if !answer.status.is_success() {
+            return Err(classify(&call, &answer));
+        }
+        let version = answer
+            .headers
+            .get(PROTOCOL_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim);
+        if version != Some(PROTOCOL_VERSION) {
+            return Err(EngineError::UnsupportedProtocolVersion {
+                op,
+                got: version.map(str::to_string),
+            });
+        }
+        let (tasks, rejected) = wire::decode_locked_tasks(&answer.body)
+            .map_err(|detail| EngineError::MalformedResponse { op, detail })?;
+        for problem in rejected {
+            tracing::error!(problem = %problem, "engine sent a locked task the worker cannot read; it is left to expire and be retried");
+        }
+        Ok(tasks)
+    }
+
+    async fn heartbeat(&self, task: &TaskRef, lock_duration: Duration) -> Result<(), EngineError> {
+        let call = Call {
+            op: "heartbeat",
+            task_id: Some(&task.task_id),
+            path: self.task_path(&task.task_id, "heartbeat"),
+            body: Self::json(&wire::HeartbeatBody {
+                worker_id: &self.worker_id,
+                lock_duration: lock_duration.as_millis() as u64,
+                attempt: task.attempt,
+            }),
+            // Fresh per heartbeat: a reused key would be answered from storage and extend nothing.
+            idempotency_key: Some(Self::new_key()),
+            traceparent: Self::trace(task),
+        };
+        let answer = self.exchange(&call).await?;
+        if answer.status.is_success() {
+            Ok(())
+        } else {
+            Err(classify(&call, &answer))
+        }
+    }
+
+    async fn complete(
+        &self,
+        task: &TaskRef,
+        variables: &Map<String, Value>,
+    ) -> Result<(), EngineError> {
+        self.command(Call {
+            op: "complete",
+            task_id: Some(&task.task_id),
+            path: self.task_path(&task.task_id, "complete"),
+            body: Self::json(&wire::CompleteBody {
+                worker_id: &self.worker_id,
+                variables,
+                attempt: task.attempt,
+            }),
+            idempotency_key: Some(Self::new_key()),
+            traceparent: Self::trace(task),
+        })
+        .await
+        .map(|_| ())
+    }
+
+    async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
+        self.command(Call {
+            op: "failure",
+            task_id: Some(&task.task_id),
+            path: self.task_path(&task.task_id, "failure"),
+            body: Self::json(&wire::FailureBody {
+                worker_id: &self.worker_id,
+                error_message: &report.error_message,
+                error_details: &report.error_details,
+                retries: report.retries,
+                retry_timeout: report.retry_timeout.as_millis() as u64,
+                attempt: task.attempt,
+            }),
+            idempotency_key: Some(Self::new_key()),
+            traceparent: Self::trace(task),
+        })
+        .await
+        .map(|_| ())
+    }
+
+    async fn bpmn_error(
+        &self,
+        task: &TaskRef,
+        report: &BpmnErrorReport,
+    ) -> Result<(), EngineError> {
+        self.command(Call {
+            op: "bpmn-error",
+            task_id: Some(&task.task_id),
+            path: self.task_path(&task.task_id, "bpmn-error"),
+            body: Self::json(&wire::BpmnErrorBody {
+                worker_id: &self.worker_id,
+                error_code: &report.error_code,
+                error_message: &report.error_message,
+                variables: &report.variables,
+                attempt: task.attempt,
+            }),
+            idempotency_key: Some(Self::new_key()),
+            traceparent: Self::trace(task),
+        })
+        .await
+        .map(|_| ())
+    }
+
+    async fn read_journal(&self, task: &TaskRef) -> Result<Journal, EngineError> {
+        let op = "journal-read";
+        let answer = self
+            .command(Call {
+                op,
+                task_id: Some(&task.task_id),
+                path: self.task_path(&task.task_id, "journal/read"),
+                body: Self::json(&wire::JournalReadBody {
+                    worker_id: &self.worker_id,
+                    attempt: task.attempt,
+                }),
+                idempotency_key: None,
+                traceparent: Self::trace(task),
+            })
+            .await?;
+        let wire: wire::JournalWire =
+            serde_json::from_slice(&answer.body).map_err(|e| EngineError::MalformedResponse {
+                op,
+                detail: format!("journal of task {}: {e}", task.task_id),
+            })?;
+        Ok(Journal {
+            attempt: wire.attempt,
+            steps: wire.steps,
+        })
+    }
+
+    async fn append_journal(
+        &self,
+        task: &TaskRef,
+        step: &JournalStep,
+    ) -> Result<AppendOutcome, EngineError> {
+        let answer = self
+            .command(Call {
+                op: "journal-append",
+                task_id: Some(&task.task_id),
+                path: format!(
+                    "{}/{}/journal",
+                    self.base,
+                    encode_path_segment(&task.task_id)
+                ),
+                body: Self::json(&wire::JournalAppendBody {
+                    worker_id: &self.worker_id,
+                    attempt: task.attempt,
+                    step,
+                }),
+                // Stable per step: a retried append is recognised by (task, attempt, seq).
+                idempotency_key: Some(format!(
+                    "abada-journal:{}:{}:{}",
+                    task.task_id,
+                    task.attempt.unwrap_or(0),
+                    step.seq
+                )),
+                traceparent: Self::trace(task),
+            })
+            .await?;
+        Ok(if answer.status == StatusCode::CREATED {
+            AppendOutcome::Created
+        } else {
+            AppendOutcome::AlreadyPresent
+        })
+    }
+
+    async fn tool_credential(
+        &self,
+        task: &TaskRef,
+        server: &str,
+    ) -> Result<ToolCredential, EngineError> {
+        let op = "tool-credentials";
+        let answer = self
+            .command(Call {
+                op,
+                task_id: Some(&task.task_id),
+                path: self.task_path(&task.task_id, "tool-credentials"),
+                body: Self::json(&wire::ToolCredentialBody {
+                    worker_id: &self.worker_id,
+                    attempt: task.attempt,
+                    server,
+                }),
+                idempotency_key: Some(Self::new_key()),
+                traceparent: Self::trace(task),
+            })
+            .await?;
+        let wire: wire::ToolCredentialWire =
+            serde_json::from_slice(&answer.body).map_err(|_| EngineError::MalformedResponse {
+                op,
+                // Never echo the body: it may hold a token.
+                detail: format!(
+                    "tool credential for server {server:?} of task {} is not {{\"token\", \"expiresAt\"}}",
+                    task.task_id
+                ),
+            })?;
+        Ok(ToolCredential {
+            token: Secret::new(wire.token),
+            expires_at: wire.expires_at,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn task_ids_are_encoded_as_one_segment() {
+        assert_eq!(encode_path_segment("c0a8-1"), "c0a8-1");
+        assert_eq!(encode_path_segment("a/b c?"), "a%2Fb%20c%3F");
+        assert_eq!(encode_path_segment("é"), "%C3%A9");
+    }
+
+    fn answer(status: u16, body: &str) -> Answer {
+        Answer {
+            status: StatusCode::from_u16(status).unwrap(),
+            headers: HeaderMap::new(),
+            body: body.as_bytes().to_vec(),
+        }
+    }
+
+    fn call() -> Call<'static> {
+        Call {
+            op: "complete",
+            task_id: Some("t1"),
+            path: String::new(),
+            body: Vec::new(),
+            idempotency_key: Some("k1".into()),
+            traceparent: None,
+        }
+    }
+
+    #[test]
+    fn every_row_of_the_refusal_table_is_typed() {
+        let c = call();
+        let lost = |s, b: &str| classify(&c, &answer(s, b)).lease_lost();
+        assert_eq!(
+            lost(403, r#"{"code":"WORKER_LOCK_NOT_OWNED"}"#),
+            Some(LeaseLostReason::NotOwned)
+        );
+        assert_eq!(
+            lost(409, r#"{"code":"WORKER_LOCK_EXPIRED"}"#),
+            Some(LeaseLostReason::Expired)
+        );
+        assert_eq!(
+            lost(409, r#"{"code":"STALE_ATTEMPT"}"#),
+            Some(LeaseLostReason::StaleAttempt)
+        );
+        assert_eq!(
+            lost(409, r#"{"code":"JOURNAL_CONFLICT"}"#),
+            Some(LeaseLostReason::JournalConflict)
+        );
+        assert_eq!(
+            lost(
+                400,
+                r#"{"code":"ENGINE_COMMAND_REJECTED","message":"External task is not locked: t1"}"#
+            ),
+            Some(LeaseLostReason::NotLocked)
+        );
+        assert_eq!(
+            lost(
+                400,
+                r#"{"code":"ENGINE_COMMAND_REJECTED","message":"External task not found: t1"}"#
+            ),
+            Some(LeaseLostReason::NotLocked)
+        );
+        assert!(matches!(
+            classify(
+                &c,
+                &answer(
+                    400,
+                    r#"{"code":"ENGINE_COMMAND_REJECTED","message":"other"}"#
+                )
+            ),
+            EngineError::Rejected { .. }
+        ));
+        assert!(matches!(
+            classify(&c, &answer(409, r#"{"code":"CONCURRENT_MODIFICATION"}"#)),
+            EngineError::ConcurrentModification { .. }
+        ));
+        assert!(
+            matches!(classify(&c, &answer(400, r#"{"code":"IDEMPOTENCY_CONFLICT"}"#)), EngineError::IdempotencyConflict { ref key, .. } if key == "k1")
+        );
+        assert!(matches!(
+            classify(&c, &answer(401, r#"{"code":"AUTHENTICATION_REQUIRED"}"#)),
+            EngineError::Unauthenticated { .. }
+        ));
+        assert!(matches!(
+            classify(&c, &answer(403, r#"{"code":"ACCESS_DENIED"}"#)),
+            EngineError::AccessDenied { .. }
+        ));
+        assert!(matches!(
+            classify(&c, &answer(400, r#"{"code":"INVALID_REQUEST"}"#)),
+            EngineError::InvalidRequest { .. }
+        ));
+        assert!(matches!(
+            classify(&c, &answer(404, r#"{"code":"RESOURCE_NOT_FOUND"}"#)),
+            EngineError::NotFound { .. }
+        ));
+        assert!(matches!(
+            classify(&c, &answer(502, "<html>bad gateway</html>")),
+            EngineError::Transient { .. }
+        ));
+        assert!(matches!(
+            classify(&c, &answer(503, "")),
+            EngineError::Throttled { .. }
+        ));
+        assert!(matches!(
+            classify(&c, &answer(429, "not json")),
+            EngineError::Throttled { .. }
+        ));
+    }
+}

@@ -1,0 +1,82 @@
+//! A lease: the engine-provable fact that this worker owns one attempt of one task, and the
+//! latch that fires, once, when that ownership is lost.
+//!
+//! Anyone may find out first that a lease is lost: the heartbeat scheduler (a refused extension
+//! or local expiry), the task itself (a refused journal append or credential request), or the
+//! runner (a newer attempt of the same task was fetched). Whoever does calls
+//! [`Lease::mark_lost`]; from then on the task makes no further call about the task.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::{LeaseLostReason, TaskRef};
+
+/// A process-unique lease id (a task id is not enough: an older attempt of the same task may
+/// still be winding down here).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LeaseId(u64);
+
+impl LeaseId {
+    fn next() -> LeaseId {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        LeaseId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// A cheap, cloneable view of one lease.
+#[derive(Clone, Debug)]
+pub struct Lease {
+    id: LeaseId,
+    task: Arc<TaskRef>,
+    lost: CancellationToken,
+    reason: Arc<OnceLock<LeaseLostReason>>,
+}
+
+impl Lease {
+    pub fn new(task: TaskRef) -> Lease {
+        Lease {
+            id: LeaseId::next(),
+            task: Arc::new(task),
+            lost: CancellationToken::new(),
+            reason: Arc::new(OnceLock::new()),
+        }
+    }
+
+    pub fn id(&self) -> LeaseId {
+        self.id
+    }
+
+    pub fn task(&self) -> &TaskRef {
+        &self.task
+    }
+
+    /// Marks the lease lost; returns true for the call that did it first.
+    pub fn mark_lost(&self, reason: LeaseLostReason) -> bool {
+        let first = self.reason.set(reason).is_ok();
+        self.lost.cancel();
+        if first {
+            tracing::warn!(
+                task_id = %self.task.task_id,
+                attempt = ?self.task.attempt,
+                reason = %reason,
+                "lease lost: the task stops and reports nothing"
+            );
+        }
+        first
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.lost.is_cancelled()
+    }
+
+    pub fn lost_reason(&self) -> Option<LeaseLostReason> {
+        self.reason.get().copied()
+    }
+
+    /// Resolves when the lease is lost.
+    pub async fn lost(&self) {
+        self.lost.cancelled().await
+    }
+}

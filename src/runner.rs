@@ -1,0 +1,583 @@
+//! The runner: slots, the poll loop, one future per task, reporting, and staged shutdown.
+//!
+//! - A semaphore of `MAX_TASKS` slots. Each fetch asks for exactly the free slots, and none when
+//!   none is free: the worker never holds work it cannot start.
+//! - Each task runs as its own spawned future owning its slot permit; when it ends, the permit
+//!   is released and the poller woken at once, so a freed slot is refilled after one round trip.
+//! - An empty or partial fetch waits the poll interval (jittered); a full batch fetches again at
+//!   once; engine errors back off exponentially with jitter, by class, reset on success.
+//! - A lease lost at any point stops its task at its next await; nothing is reported for it.
+//! - On shutdown: stop fetching, let tasks finish within the grace period, then ask the rest to
+//!   stop at their next step boundary and release them (`failure`, retries unchanged,
+//!   `retryTimeout` 0) so another replica resumes them at once.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::backoff::{self, Backoff};
+use crate::engine::{Engine, EngineError, FailureReport, FetchRequest, Task};
+use crate::handler::{FailureKind, Outcome, TaskContext, TaskHandler, retries_consumed};
+use crate::heartbeat::{self, HeartbeatEvent, HeartbeatHandle, HeartbeatSettings};
+use crate::lease::Lease;
+use crate::metrics::{Metrics, OutcomeLabel, ReasonLabel, ResultLabel};
+
+/// How the runner behaves (from [`crate::config::Config`]).
+#[derive(Clone, Debug)]
+pub struct RunnerSettings {
+    pub worker_id: String,
+    pub topics: Vec<String>,
+    pub max_tasks: u32,
+    pub poll_interval: Duration,
+    /// Fraction of the poll interval randomised either way, so replicas do not line up.
+    pub poll_jitter: f64,
+    pub lock_duration: Duration,
+    pub shutdown_grace: Duration,
+    /// After the grace period: how long a task has to reach its next step boundary before it is
+    /// dropped and released anyway.
+    pub stop_wait: Duration,
+    /// Backoff after transient engine errors (5xx, timeouts, connection errors).
+    pub error_backoff: Backoff,
+    /// Backoff after the engine asked to slow down (429/503 without Retry-After) or refused us
+    /// (authentication, access).
+    pub throttle_backoff: Backoff,
+    pub heartbeat: HeartbeatSettings,
+}
+
+impl RunnerSettings {
+    pub fn new(worker_id: impl Into<String>, lock_duration: Duration) -> Self {
+        RunnerSettings {
+            worker_id: worker_id.into(),
+            topics: vec!["abada:agent".into()],
+            max_tasks: 4,
+            poll_interval: Duration::from_millis(1000),
+            poll_jitter: 0.1,
+            lock_duration,
+            shutdown_grace: Duration::from_secs(25),
+            stop_wait: Duration::from_millis(500),
+            error_backoff: Backoff::new(Duration::from_millis(1000), Duration::from_secs(6)),
+            throttle_backoff: Backoff::new(Duration::from_secs(2), Duration::from_secs(30)),
+            heartbeat: HeartbeatSettings::new(lock_duration),
+        }
+    }
+}
+
+/// Something that happened, for tests, the demo's timeline and benchmarks.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunnerEvent {
+    /// A fetch asked for `requested` tasks (the free slots) and got `got`.
+    Fetched {
+        requested: u32,
+        got: usize,
+    },
+    FetchFailed {
+        error: String,
+    },
+    TaskStarted {
+        task_id: String,
+        attempt: Option<u32>,
+    },
+    /// `outcome` is an [`Outcome::label`] or `report_failed`.
+    TaskEnded {
+        task_id: String,
+        attempt: Option<u32>,
+        outcome: &'static str,
+    },
+    Heartbeat(HeartbeatEvent),
+}
+
+/// What liveness and readiness are computed from; shared with the admin endpoints.
+pub struct WorkerStatus {
+    started: Instant,
+    last_tick_ms: AtomicU64,
+    engine_ok: AtomicBool,
+    draining: AtomicBool,
+    problem: Mutex<Option<String>>,
+}
+
+impl Default for WorkerStatus {
+    fn default() -> Self {
+        WorkerStatus {
+            started: Instant::now(),
+            last_tick_ms: AtomicU64::new(0),
+            engine_ok: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            problem: Mutex::new(Some("no fetch has succeeded yet".into())),
+        }
+    }
+}
+
+impl WorkerStatus {
+    fn tick(&self) {
+        let ms = self.started.elapsed().as_millis() as u64;
+        self.last_tick_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Time since the poll loop last went round.
+    pub fn since_last_tick(&self) -> Duration {
+        let now = self.started.elapsed().as_millis() as u64;
+        Duration::from_millis(now.saturating_sub(self.last_tick_ms.load(Ordering::Relaxed)))
+    }
+
+    fn engine_ok(&self) {
+        if !self.engine_ok.swap(true, Ordering::Relaxed) {
+            tracing::info!("engine reachable: the worker is ready");
+        }
+        *self.problem.lock().expect("status lock") = None;
+    }
+
+    fn engine_failed(&self, problem: String) {
+        self.engine_ok.store(false, Ordering::Relaxed);
+        *self.problem.lock().expect("status lock") = Some(problem);
+    }
+
+    /// Engine reachable and authenticated, and not draining.
+    pub fn is_ready(&self) -> bool {
+        self.engine_ok.load(Ordering::Relaxed) && !self.draining.load(Ordering::Relaxed)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Why the worker is not ready, if it is not.
+    pub fn problem(&self) -> Option<String> {
+        if self.is_draining() {
+            return Some("shutting down".into());
+        }
+        self.problem.lock().expect("status lock").clone()
+    }
+}
+
+/// The runner of one worker process.
+pub struct Runner {
+    engine: Arc<dyn Engine>,
+    handler: Arc<dyn TaskHandler>,
+    settings: RunnerSettings,
+    metrics: Arc<Metrics>,
+    status: Arc<WorkerStatus>,
+    events: Option<mpsc::UnboundedSender<RunnerEvent>>,
+}
+
+/// What the running tasks share with the poller.
+struct Shared {
+    engine: Arc<dyn Engine>,
+    handler: Arc<dyn TaskHandler>,
+    heartbeat: HeartbeatHandle,
+    metrics: Arc<Metrics>,
+    slots: Arc<Semaphore>,
+    max_tasks: u32,
+    slot_freed: Notify,
+    /// Task id -> the lease of the attempt running here (to stop an older attempt).
+    running: Mutex<HashMap<String, Lease>>,
+    stop: CancellationToken,
+    stop_wait: Duration,
+    worker_span: tracing::Span,
+    events: Option<mpsc::UnboundedSender<RunnerEvent>>,
+}
+
+impl Shared {
+    fn emit(&self, event: RunnerEvent) {
+        if let Some(tx) = &self.events {
+            let _ = tx.send(event);
+        }
+    }
+
+    fn update_slot_gauge(&self) {
+        let in_use = self.max_tasks as i64 - self.slots.available_permits() as i64;
+        self.metrics.slots_in_use.set(in_use);
+    }
+}
+
+impl Runner {
+    pub fn new(
+        engine: Arc<dyn Engine>,
+        handler: Arc<dyn TaskHandler>,
+        settings: RunnerSettings,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Runner {
+            engine,
+            handler,
+            settings,
+            metrics,
+            status: Arc::new(WorkerStatus::default()),
+            events: None,
+        }
+    }
+
+    /// Sends every [`RunnerEvent`] to `events`.
+    pub fn with_events(mut self, events: mpsc::UnboundedSender<RunnerEvent>) -> Self {
+        self.events = Some(events);
+        self
+    }
+
+    pub fn status(&self) -> Arc<WorkerStatus> {
+        self.status.clone()
+    }
+
+    /// Runs until `shutdown` fires, then drains (see the module docs) and returns.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let s = &self.settings;
+        let heartbeat_events = self.events.clone().map(|runner_events| {
+            let (tx, mut rx) = mpsc::unbounded_channel();
+            tokio::spawn(async move {
+                while let Some(e) = rx.recv().await {
+                    if runner_events.send(RunnerEvent::Heartbeat(e)).is_err() {
+                        break;
+                    }
+                }
+            });
+            tx
+        });
+        let heartbeat = heartbeat::spawn(
+            self.engine.clone(),
+            s.heartbeat.clone(),
+            self.metrics.clone(),
+            heartbeat_events,
+        );
+        let shared = Arc::new(Shared {
+            engine: self.engine.clone(),
+            handler: self.handler.clone(),
+            heartbeat,
+            metrics: self.metrics.clone(),
+            slots: Arc::new(Semaphore::new(s.max_tasks as usize)),
+            max_tasks: s.max_tasks,
+            slot_freed: Notify::new(),
+            running: Mutex::new(HashMap::new()),
+            stop: CancellationToken::new(),
+            stop_wait: s.stop_wait,
+            worker_span: tracing::info_span!("worker", worker_id = %s.worker_id),
+            events: self.events.clone(),
+        });
+        self.metrics.slots_total.set(s.max_tasks as i64);
+        let tracker = TaskTracker::new();
+
+        self.poll_loop(&shared, &tracker, &shutdown)
+            .instrument(shared.worker_span.clone())
+            .await;
+
+        // Drain: stop fetching (done), let tasks finish within the grace period.
+        self.status.draining.store(true, Ordering::Relaxed);
+        tracker.close();
+        let running = tracker.len();
+        if running > 0 {
+            tracing::info!(parent: &shared.worker_span, running, grace_ms = s.shutdown_grace.as_millis() as u64, "shutting down: waiting for running tasks");
+        }
+        if tokio::time::timeout(s.shutdown_grace, tracker.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(parent: &shared.worker_span, still_running = tracker.len(), "grace period over: stopping the remaining tasks at their next step and releasing them");
+            shared.stop.cancel();
+            tracker.wait().await;
+        }
+        tracing::info!(parent: &shared.worker_span, "worker stopped");
+    }
+
+    async fn poll_loop(
+        &self,
+        shared: &Arc<Shared>,
+        tracker: &TaskTracker,
+        shutdown: &CancellationToken,
+    ) {
+        let s = &self.settings;
+        let mut error_streak: u32 = 0;
+        loop {
+            self.status.tick();
+            if shutdown.is_cancelled() {
+                return;
+            }
+            let free = shared.slots.available_permits() as u32;
+            if free == 0 {
+                tokio::select! {
+                    _ = shared.slot_freed.notified() => {}
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(LIVENESS_TICK) => {}
+                }
+                continue;
+            }
+            let batch = shared
+                .slots
+                .clone()
+                .try_acquire_many_owned(free)
+                .expect("only the poller takes permits, so the free ones are there");
+            let acquired_at = Instant::now();
+            let request = FetchRequest {
+                topics: s.topics.clone(),
+                lock_duration: s.lock_duration,
+                max_tasks: free,
+            };
+            // An in-flight fetch is not cancelled on shutdown: the engine may have locked tasks
+            // for us; they are started (and drained or released) rather than stranded.
+            let result = shared.engine.fetch_and_lock(&request).await;
+            let wait = match result {
+                Ok(tasks) => {
+                    error_streak = 0;
+                    self.metrics.backoff_seconds.set(0.0);
+                    self.status.engine_ok();
+                    let got = tasks.len();
+                    self.metrics
+                        .fetches
+                        .get_or_create(&ResultLabel {
+                            result: if got == 0 { "empty" } else { "tasks" },
+                        })
+                        .inc();
+                    shared.emit(RunnerEvent::Fetched {
+                        requested: free,
+                        got,
+                    });
+                    let mut batch = batch;
+                    for task in tasks.into_iter().take(free as usize) {
+                        let permit = batch
+                            .split(1)
+                            .expect("at most `free` tasks, one permit each");
+                        self.start_task(shared, tracker, task, permit, acquired_at);
+                    }
+                    drop(batch);
+                    shared.update_slot_gauge();
+                    if got as u32 >= free {
+                        continue;
+                    }
+                    backoff::jittered(s.poll_interval, s.poll_jitter)
+                }
+                Err(e) => {
+                    drop(batch);
+                    error_streak += 1;
+                    self.metrics
+                        .fetches
+                        .get_or_create(&ResultLabel { result: "error" })
+                        .inc();
+                    shared.emit(RunnerEvent::FetchFailed {
+                        error: e.to_string(),
+                    });
+                    let wait = self.error_wait(&e, error_streak);
+                    self.metrics.backoff_seconds.set(wait.as_secs_f64());
+                    if e.is_engine_down() {
+                        self.status.engine_failed(e.to_string());
+                    }
+                    tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, failures = error_streak, "fetch-and-lock failed");
+                    wait
+                }
+            };
+            let until = Instant::now() + wait;
+            while Instant::now() < until {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(until.min(Instant::now() + LIVENESS_TICK)) => self.status.tick(),
+                    _ = shutdown.cancelled() => return,
+                }
+            }
+        }
+    }
+
+    fn error_wait(&self, e: &EngineError, streak: u32) -> Duration {
+        let s = &self.settings;
+        match e {
+            EngineError::Throttled {
+                retry_after: Some(d),
+                ..
+            } => (*d).min(s.throttle_backoff.max),
+            EngineError::Throttled { .. }
+            | EngineError::Unauthenticated { .. }
+            | EngineError::AccessDenied { .. }
+            | EngineError::Auth { .. } => s.throttle_backoff.delay(streak - 1),
+            _ => s.error_backoff.delay(streak - 1),
+        }
+    }
+
+    fn start_task(
+        &self,
+        shared: &Arc<Shared>,
+        tracker: &TaskTracker,
+        task: Task,
+        permit: OwnedSemaphorePermit,
+        acquired_at: Instant,
+    ) {
+        let lease = Lease::new(task.task_ref());
+        let older = shared
+            .running
+            .lock()
+            .expect("running lock")
+            .insert(task.id.clone(), lease.clone());
+        if let Some(older) = older {
+            // The engine gave us the task again: our older attempt's lease is gone.
+            older.mark_lost(crate::engine::LeaseLostReason::Superseded);
+        }
+        shared.heartbeat.register(lease.clone(), acquired_at);
+        self.metrics.tasks_claimed.inc();
+        shared.emit(RunnerEvent::TaskStarted {
+            task_id: task.id.clone(),
+            attempt: task.attempt,
+        });
+        tracker.spawn(run_task(
+            shared.clone(),
+            Arc::new(task),
+            lease,
+            permit,
+            acquired_at,
+        ));
+    }
+}
+
+/// How often the poll loop proves it is alive while it waits.
+const LIVENESS_TICK: Duration = Duration::from_secs(5);
+
+fn task_span(parent: &tracing::Span, task: &Task) -> tracing::Span {
+    tracing::info_span!(
+        parent: parent,
+        "task",
+        task_id = %task.id,
+        process_instance_id = task.process_instance_id.as_deref().unwrap_or(""),
+        activity_id = task.activity_id.as_deref().unwrap_or(""),
+        attempt = task.attempt.map(i64::from).unwrap_or(-1),
+        trace_id = task.trace_parent.as_ref().map(|t| t.trace_id()).unwrap_or(""),
+    )
+}
+
+async fn run_task(
+    shared: Arc<Shared>,
+    task: Arc<Task>,
+    lease: Lease,
+    permit: OwnedSemaphorePermit,
+    acquired_at: Instant,
+) {
+    let started = Instant::now();
+    shared
+        .metrics
+        .pickup_latency
+        .observe(started.saturating_duration_since(acquired_at).as_secs_f64());
+    let span = task_span(&shared.worker_span, &task);
+    async {
+        tracing::info!(topic = %task.topic, retries = ?task.retries, "task started");
+        let ctx = TaskContext::new(shared.engine.clone(), lease.clone(), shared.stop.clone());
+        let handler = shared.handler.clone();
+        let mut handle = tokio::spawn(
+            {
+                let task = task.clone();
+                async move { handler.handle(task, ctx).await }
+            }
+            .in_current_span(),
+        );
+        let stop_deadline = async {
+            shared.stop.cancelled().await;
+            tokio::time::sleep(shared.stop_wait).await;
+        };
+        let outcome = tokio::select! {
+            biased;
+            _ = lease.lost() => {
+                handle.abort();
+                Outcome::Abandoned
+            }
+            joined = &mut handle => match joined {
+                Ok(outcome) => outcome,
+                Err(e) if e.is_panic() => {
+                    tracing::error!("the task handler panicked; the task is failed technically so it can be retried");
+                    Outcome::Failure {
+                        kind: FailureKind::Technical,
+                        report: FailureReport {
+                            error_message: "the worker's task handler panicked".into(),
+                            error_details: panic_message(e),
+                            retries: retries_consumed(&task),
+                            retry_timeout: Duration::from_secs(10),
+                        },
+                    }
+                }
+                Err(_) => Outcome::Abandoned,
+            },
+            _ = stop_deadline => {
+                handle.abort();
+                Outcome::released(&task, "the worker shut down before the task finished; another worker resumes it")
+            }
+        };
+        let label = report(&shared, &task, &lease, outcome).await;
+        if let Some(reason) = lease.lost_reason() {
+            shared
+                .metrics
+                .leases_lost
+                .get_or_create(&ReasonLabel {
+                    reason: reason.as_str(),
+                })
+                .inc();
+        }
+        shared.heartbeat.release(lease.id());
+        {
+            let mut running = shared.running.lock().expect("running lock");
+            if running.get(&task.id).is_some_and(|l| l.id() == lease.id()) {
+                running.remove(&task.id);
+            }
+        }
+        let took = started.elapsed().as_secs_f64();
+        shared
+            .metrics
+            .tasks_ended
+            .get_or_create(&OutcomeLabel { outcome: label })
+            .inc();
+        shared
+            .metrics
+            .task_duration
+            .get_or_create(&OutcomeLabel { outcome: label })
+            .observe(took);
+        tracing::info!(outcome = label, duration_ms = (took * 1000.0) as u64, "task ended");
+        shared.emit(RunnerEvent::TaskEnded {
+            task_id: task.id.clone(),
+            attempt: task.attempt,
+            outcome: label,
+        });
+    }
+    .instrument(span)
+    .await;
+    drop(permit);
+    shared.update_slot_gauge();
+    shared.slot_freed.notify_one();
+}
+
+/// Turns an outcome into its one engine call; nothing when the lease is lost.
+async fn report(shared: &Shared, task: &Task, lease: &Lease, outcome: Outcome) -> &'static str {
+    let label = outcome.label();
+    if lease.is_lost() || matches!(outcome, Outcome::Abandoned) {
+        return "lease_lost";
+    }
+    let ctx = TaskContext::new(
+        shared.engine.clone(),
+        lease.clone(),
+        CancellationToken::new(),
+    );
+    let task_ref = lease.task();
+    let result = match &outcome {
+        Outcome::Complete { variables } => {
+            ctx.fenced(shared.engine.complete(task_ref, variables))
+                .await
+        }
+        Outcome::BpmnError(r) => ctx.fenced(shared.engine.bpmn_error(task_ref, r)).await,
+        Outcome::Failure { report, .. } => {
+            ctx.fenced(shared.engine.failure(task_ref, report)).await
+        }
+        Outcome::Abandoned => unreachable!("handled above"),
+    };
+    match result {
+        Ok(()) => label,
+        Err(e) if e.lease_lost().is_some() => "lease_lost",
+        Err(e) => {
+            tracing::error!(task_id = %task.id, error = %e, outcome = label, "could not report the task's outcome; its lease will expire and the engine will offer it again");
+            "report_failed"
+        }
+    }
+}
+
+fn panic_message(e: tokio::task::JoinError) -> String {
+    let payload = e.into_panic();
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}

@@ -1,0 +1,4 @@
+//! The integration test binary (one binary keeps link time down): one module per area.
+
+mod runner;
+mod support;

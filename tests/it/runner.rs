@@ -1,0 +1,466 @@
+//! The runner and the heartbeat scheduler under tokio's paused clock, against the in-memory
+//! fake engine: slots, refill, heartbeat cadence, lease loss, local expiry, supersession,
+//! shutdown and panics.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use abada_agent_worker::engine::{Engine, Task};
+use abada_agent_worker::handler::{Outcome, TaskContext, TaskHandler};
+use abada_agent_worker::metrics::Metrics;
+use abada_agent_worker::runner::{Runner, RunnerEvent, RunnerSettings};
+use async_trait::async_trait;
+use serde_json::Map;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::fake_engine::{FakeEngine, task};
+
+/// Sleeps (virtual time) and completes; counts how many run at once.
+struct SleepHandler {
+    work: Duration,
+    running: AtomicUsize,
+    most: AtomicUsize,
+}
+
+impl SleepHandler {
+    fn new(work: Duration) -> Arc<Self> {
+        Arc::new(SleepHandler {
+            work,
+            running: AtomicUsize::new(0),
+            most: AtomicUsize::new(0),
+        })
+    }
+}
+
+#[async_trait]
+impl TaskHandler for SleepHandler {
+    async fn handle(&self, task: Arc<Task>, ctx: TaskContext) -> Outcome {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        struct Dec<'a>(&'a AtomicUsize);
+        impl Drop for Dec<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        let _dec = Dec(&self.running);
+        tokio::select! {
+            _ = tokio::time::sleep(self.work) => {}
+            _ = ctx.stopped() => return Outcome::released(&task, "shutting down"),
+        }
+        let mut variables = Map::new();
+        variables.insert("done".into(), true.into());
+        Outcome::Complete { variables }
+    }
+}
+
+fn settings(lock: Duration) -> RunnerSettings {
+    let mut s = RunnerSettings::new("w-test", lock);
+    s.poll_jitter = 0.0;
+    s.error_backoff = s.error_backoff.without_jitter();
+    s.throttle_backoff = s.throttle_backoff.without_jitter();
+    s.heartbeat.retry_backoff = s.heartbeat.retry_backoff.without_jitter();
+    s
+}
+
+struct Running {
+    shutdown: CancellationToken,
+    join: tokio::task::JoinHandle<()>,
+    events: mpsc::UnboundedReceiver<RunnerEvent>,
+}
+
+fn start(engine: &FakeEngine, handler: Arc<dyn TaskHandler>, s: RunnerSettings) -> Running {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let runner = Runner::new(
+        Arc::new(engine.clone()) as Arc<dyn Engine>,
+        handler,
+        s,
+        Arc::new(Metrics::new()),
+    )
+    .with_events(tx);
+    let shutdown = CancellationToken::new();
+    let join = tokio::spawn(runner.run(shutdown.clone()));
+    Running {
+        shutdown,
+        join,
+        events: rx,
+    }
+}
+
+async fn wait_until(mut cond: impl FnMut() -> bool, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while !cond() {
+        assert!(
+            Instant::now() < deadline,
+            "condition not reached in {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn completed(engine: &FakeEngine) -> usize {
+    engine.state.lock().unwrap().completed.len()
+}
+
+#[tokio::test(start_paused = true)]
+async fn four_slots_twenty_tasks_never_more_than_four_and_fetch_asks_for_the_free_slots() {
+    let engine = FakeEngine::with_tasks(20);
+    let handler = SleepHandler::new(Duration::from_secs(10));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 4;
+    // A poll interval far longer than the run: refills must not wait for it.
+    s.poll_interval = Duration::from_secs(3600);
+    let started = Instant::now();
+    let r = start(&engine, handler.clone(), s);
+    wait_until(|| completed(&engine) == 20, Duration::from_secs(600)).await;
+    let took = started.elapsed();
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+
+    assert_eq!(
+        handler.most.load(Ordering::SeqCst),
+        4,
+        "at most 4 at once, and 4 reached"
+    );
+    let fetches: Vec<_> = engine
+        .calls()
+        .into_iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .collect();
+    for f in &fetches {
+        assert_eq!(
+            f.max_tasks as usize,
+            4 - f.outstanding,
+            "a fetch must ask for exactly the free slots"
+        );
+        assert!(f.max_tasks > 0, "no fetch with no free slot");
+    }
+    // 20 tasks of 10 s on 4 slots: 5 rounds; refilled at once, not after the 1 h poll interval.
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    assert!(
+        engine
+            .state
+            .lock()
+            .unwrap()
+            .completed
+            .values()
+            .all(|&n| n == 1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_empty_fetch_waits_the_poll_interval_and_a_full_batch_fetches_again_at_once() {
+    let engine = FakeEngine::with_tasks(0);
+    let handler = SleepHandler::new(Duration::from_secs(1));
+    let mut s = settings(Duration::from_secs(120));
+    s.poll_interval = Duration::from_secs(2);
+    let r = start(&engine, handler, s);
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let fetches: Vec<_> = engine
+        .calls()
+        .into_iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .collect();
+    // t = 0, 2, 4, 6, 8, 10 (each plus 1 ms of fake latency): 6 fetches, 1 per poll interval.
+    assert_eq!(fetches.len(), 6);
+    for pair in fetches.windows(2) {
+        let gap = pair[1].at - pair[0].at;
+        assert!(
+            gap >= Duration::from_secs(2) && gap < Duration::from_millis(2010),
+            "{gap:?}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn heartbeats_every_third_of_the_lock_and_a_task_ten_times_slower_keeps_its_lease() {
+    let engine = FakeEngine::with_tasks(3);
+    let lock = Duration::from_secs(30);
+    let handler = SleepHandler::new(lock * 10);
+    let mut s = settings(lock);
+    s.poll_interval = Duration::from_secs(3600);
+    let r = start(&engine, handler, s);
+    wait_until(|| completed(&engine) == 3, Duration::from_secs(400)).await;
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    for id in ["t-0000", "t-0001", "t-0002"] {
+        let beats: Vec<Instant> = engine
+            .calls_for(id)
+            .into_iter()
+            .filter(|c| c.op == "heartbeat")
+            .map(|c| c.at)
+            .collect();
+        // 300 s of work, one extension every 10 s: 29 or 30 of them.
+        assert!(beats.len() >= 29, "{id}: {} heartbeats", beats.len());
+        for pair in beats.windows(2) {
+            let gap = pair[1] - pair[0];
+            assert!(
+                gap >= Duration::from_millis(9_990) && gap <= Duration::from_millis(10_010),
+                "{id}: heartbeat gap {gap:?}"
+            );
+        }
+        let calls = engine.calls_for(id);
+        assert_eq!(
+            calls.last().unwrap().op,
+            "complete",
+            "{id}: completed, lease kept"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_extension_stops_the_task_silently_and_frees_its_slot() {
+    let engine = FakeEngine::default();
+    engine.push(task("lost"));
+    engine
+        .state
+        .lock()
+        .unwrap()
+        .refuse_heartbeat
+        .insert("lost".into());
+    let handler = SleepHandler::new(Duration::from_secs(100));
+    let mut s = settings(Duration::from_secs(30));
+    s.max_tasks = 1;
+    s.poll_interval = Duration::from_secs(1);
+    let mut r = start(&engine, handler.clone(), s);
+    // The first extension (t = 10 s) is refused: the task must end as lease_lost.
+    loop {
+        match r.events.recv().await.unwrap() {
+            RunnerEvent::TaskEnded {
+                task_id, outcome, ..
+            } => {
+                assert_eq!(task_id, "lost");
+                assert_eq!(outcome, "lease_lost");
+                break;
+            }
+            _ => continue,
+        }
+    }
+    // The slot is free again: the next task is taken and completed.
+    engine.push(task("next"));
+    wait_until(|| completed(&engine) == 1, Duration::from_secs(200)).await;
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let calls = engine.calls_for("lost");
+    let ops: Vec<_> = calls.iter().map(|c| c.op).collect();
+    assert_eq!(ops, vec!["heartbeat"], "nothing after the refusal: {ops:?}");
+    assert_eq!(
+        handler.running.load(Ordering::SeqCst),
+        0,
+        "the handler was dropped"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_accepted_extension_for_a_lock_duration_loses_the_lease_with_the_engine_down() {
+    let engine = FakeEngine::default();
+    engine.push(task("cut-off"));
+    engine.state.lock().unwrap().heartbeat_transient = true;
+    let handler = SleepHandler::new(Duration::from_secs(1000));
+    let lock = Duration::from_secs(30);
+    let mut s = settings(lock);
+    s.max_tasks = 1;
+    s.poll_interval = Duration::from_secs(3600);
+    let mut r = start(&engine, handler, s);
+    let started = Instant::now();
+    loop {
+        if let RunnerEvent::TaskEnded { outcome, .. } = r.events.recv().await.unwrap() {
+            assert_eq!(outcome, "lease_lost");
+            break;
+        }
+    }
+    let lost_after = started.elapsed();
+    // Lost by the worker's own clock before the engine's lease could run out (L minus margin).
+    assert!(lost_after <= lock, "{lost_after:?}");
+    assert!(
+        lost_after >= lock - lock / 10 - Duration::from_millis(50),
+        "{lost_after:?}"
+    );
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let ops: Vec<_> = engine.calls_for("cut-off").iter().map(|c| c.op).collect();
+    assert!(ops.iter().all(|op| *op == "heartbeat"), "{ops:?}");
+    assert!(ops.len() >= 3, "transient failures are retried: {ops:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_same_task_fetched_again_stops_the_older_attempt() {
+    let engine = FakeEngine::default();
+    engine.push(task("dup"));
+    let handler = SleepHandler::new(Duration::from_secs(50));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 2;
+    s.poll_interval = Duration::from_secs(5);
+    let mut r = start(&engine, handler, s);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut newer = task("dup");
+    newer.attempt = Some(2);
+    engine.push(newer);
+    let mut ended = Vec::new();
+    while ended.len() < 2 {
+        if let RunnerEvent::TaskEnded {
+            attempt, outcome, ..
+        } = r.events.recv().await.unwrap()
+        {
+            ended.push((attempt, outcome));
+        }
+    }
+    assert_eq!(ended, vec![(Some(1), "lease_lost"), (Some(2), "completed")]);
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let completes: Vec<_> = engine
+        .calls_for("dup")
+        .into_iter()
+        .filter(|c| c.op == "complete")
+        .collect();
+    assert_eq!(completes.len(), 1);
+    assert_eq!(completes[0].attempt, Some(2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_lets_short_tasks_finish_and_releases_the_rest_with_retries_unchanged() {
+    let engine = FakeEngine::default();
+    let mut short = task("short");
+    short.retries = Some(2);
+    engine.push(short);
+    let mut long = task("long");
+    long.retries = Some(2);
+    engine.push(long);
+    struct Mixed;
+    #[async_trait]
+    impl TaskHandler for Mixed {
+        async fn handle(&self, task: Arc<Task>, ctx: TaskContext) -> Outcome {
+            let work = if task.id == "short" { 5 } else { 500 };
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(work)) => Outcome::Complete { variables: Map::new() },
+                _ = ctx.stopped() => Outcome::released(&task, "shutting down"),
+            }
+        }
+    }
+    let mut s = settings(Duration::from_secs(120));
+    s.shutdown_grace = Duration::from_secs(20);
+    let r = start(&engine, Arc::new(Mixed), s);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let fetches_before = engine
+        .calls()
+        .iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .count();
+    let signalled = Instant::now();
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let took = signalled.elapsed();
+    assert!(took <= Duration::from_secs(21), "exited after {took:?}");
+    let fetches_after = engine
+        .calls()
+        .iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .count();
+    assert_eq!(fetches_before, fetches_after, "no fetch after the signal");
+    let st = engine.state.lock().unwrap();
+    assert_eq!(st.completed.get("short"), Some(&1));
+    assert_eq!(st.failures.len(), 1);
+    let (id, report) = &st.failures[0];
+    assert_eq!(id, "long");
+    assert_eq!(report.retries, 2, "retries unchanged");
+    assert_eq!(report.retry_timeout, Duration::ZERO);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_that_ignores_the_stop_signal_is_dropped_and_released_anyway() {
+    let engine = FakeEngine::with_tasks(1);
+    let handler = SleepHandler::new(Duration::from_secs(10_000));
+    struct Stubborn(Arc<SleepHandler>);
+    #[async_trait]
+    impl TaskHandler for Stubborn {
+        async fn handle(&self, _task: Arc<Task>, _ctx: TaskContext) -> Outcome {
+            tokio::time::sleep(self.0.work).await;
+            Outcome::Complete {
+                variables: Map::new(),
+            }
+        }
+    }
+    let mut s = settings(Duration::from_secs(120));
+    s.shutdown_grace = Duration::from_secs(3);
+    let r = start(&engine, Arc::new(Stubborn(handler)), s);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let st = engine.state.lock().unwrap();
+    assert_eq!(st.failures.len(), 1);
+    assert_eq!(st.failures[0].1.retries, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_handler_fails_the_task_technically_and_keeps_its_slot() {
+    let engine = FakeEngine::with_tasks(2);
+    struct Panics;
+    #[async_trait]
+    impl TaskHandler for Panics {
+        async fn handle(&self, task: Arc<Task>, _ctx: TaskContext) -> Outcome {
+            if task.id == "t-0000" {
+                panic!("boom");
+            }
+            Outcome::Complete {
+                variables: Map::new(),
+            }
+        }
+    }
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 1;
+    let r = start(&engine, Arc::new(Panics), s);
+    wait_until(|| completed(&engine) == 1, Duration::from_secs(30)).await;
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let st = engine.state.lock().unwrap();
+    assert_eq!(st.failures.len(), 1);
+    assert_eq!(st.failures[0].1.retries, 2, "one retry consumed");
+    assert!(st.failures[0].1.error_details.contains("boom"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn fetch_errors_back_off_exponentially_and_reset_on_success() {
+    let engine = FakeEngine::default();
+    engine.state.lock().unwrap().fetch_transient = true;
+    let handler = SleepHandler::new(Duration::from_secs(1));
+    let mut s = settings(Duration::from_secs(120));
+    s.poll_interval = Duration::from_millis(500);
+    let r = start(&engine, handler, s);
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let during_outage = engine
+        .calls()
+        .iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .count();
+    // 1 + 2 + 4 + 6 + 6 ... seconds apart: about a dozen attempts in a minute, not 120.
+    assert!(
+        (10..=13).contains(&during_outage),
+        "{during_outage} fetches in 60 s"
+    );
+    engine.state.lock().unwrap().fetch_transient = false;
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let n1 = engine
+        .calls()
+        .iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .count();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let n2 = engine
+        .calls()
+        .iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .count();
+    // Healthy again: one fetch per 500 ms poll interval.
+    assert!(
+        (9..=11).contains(&(n2 - n1)),
+        "{} fetches in 5 s after recovery",
+        n2 - n1
+    );
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+}

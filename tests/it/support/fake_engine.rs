@@ -1,0 +1,198 @@
+//! An in-memory [`Engine`] for paused-clock tests of the runner and the heartbeat scheduler: no
+//! sockets, so tokio's clock can auto-advance. It records every call with its virtual time.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use abada_agent_worker::engine::{
+    AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
+    JournalStep, LeaseLostReason, Task, TaskRef, ToolCredential,
+};
+use async_trait::async_trait;
+use serde_json::{Map, Value};
+use tokio::time::Instant;
+
+#[derive(Clone, Debug)]
+pub struct Call {
+    pub at: Instant,
+    pub op: &'static str,
+    pub task_id: Option<String>,
+    pub attempt: Option<u32>,
+    /// For fetches: the maxTasks asked for, and the tasks handed out but not yet reported.
+    pub max_tasks: u32,
+    pub outstanding: usize,
+}
+
+#[derive(Default)]
+pub struct FakeState {
+    pub open: VecDeque<Task>,
+    pub outstanding: HashSet<String>,
+    pub calls: Vec<Call>,
+    pub completed: HashMap<String, u32>,
+    pub failures: Vec<(String, FailureReport)>,
+    pub refuse_heartbeat: HashSet<String>,
+    pub heartbeat_transient: bool,
+    pub fetch_transient: bool,
+}
+
+#[derive(Clone, Default)]
+pub struct FakeEngine {
+    pub state: Arc<Mutex<FakeState>>,
+}
+
+pub fn task(id: &str) -> Task {
+    Task {
+        id: id.to_string(),
+        topic: "abada:agent".into(),
+        variables: Map::new(),
+        process_instance_id: Some(format!("p-{id}")),
+        activity_id: Some("agent".into()),
+        retries: Some(3),
+        lock_expiration_time: None,
+        trace_parent: None,
+        attempt: Some(1),
+        agent: None,
+    }
+}
+
+impl FakeEngine {
+    pub fn with_tasks(n: usize) -> Self {
+        let e = FakeEngine::default();
+        for i in 0..n {
+            e.push(task(&format!("t-{i:04}")));
+        }
+        e
+    }
+
+    pub fn push(&self, task: Task) {
+        self.state.lock().unwrap().open.push_back(task);
+    }
+
+    pub fn calls(&self) -> Vec<Call> {
+        self.state.lock().unwrap().calls.clone()
+    }
+
+    pub fn calls_for(&self, task_id: &str) -> Vec<Call> {
+        self.calls()
+            .into_iter()
+            .filter(|c| c.task_id.as_deref() == Some(task_id))
+            .collect()
+    }
+
+    fn record(&self, op: &'static str, task: Option<&TaskRef>, max_tasks: u32) {
+        let mut s = self.state.lock().unwrap();
+        let outstanding = s.outstanding.len();
+        s.calls.push(Call {
+            at: Instant::now(),
+            op,
+            task_id: task.map(|t| t.task_id.clone()),
+            attempt: task.and_then(|t| t.attempt),
+            max_tasks,
+            outstanding,
+        });
+    }
+
+    fn end(&self, task: &TaskRef) {
+        self.state.lock().unwrap().outstanding.remove(&task.task_id);
+    }
+}
+
+#[async_trait]
+impl Engine for FakeEngine {
+    async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError> {
+        self.record("fetch-and-lock", None, request.max_tasks);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let mut s = self.state.lock().unwrap();
+        if s.fetch_transient {
+            return Err(EngineError::Transient {
+                op: "fetch-and-lock",
+                message: "down".into(),
+                request_sent: false,
+            });
+        }
+        let mut out = Vec::new();
+        while out.len() < request.max_tasks as usize {
+            let Some(t) = s.open.pop_front() else { break };
+            s.outstanding.insert(t.id.clone());
+            out.push(t);
+        }
+        Ok(out)
+    }
+
+    async fn heartbeat(&self, task: &TaskRef, _lock: Duration) -> Result<(), EngineError> {
+        self.record("heartbeat", Some(task), 0);
+        let s = self.state.lock().unwrap();
+        if s.refuse_heartbeat.contains(&task.task_id) {
+            return Err(EngineError::LeaseLost {
+                op: "heartbeat",
+                task_id: task.task_id.clone(),
+                reason: LeaseLostReason::NotOwned,
+            });
+        }
+        if s.heartbeat_transient {
+            return Err(EngineError::Transient {
+                op: "heartbeat",
+                message: "down".into(),
+                request_sent: false,
+            });
+        }
+        Ok(())
+    }
+
+    async fn complete(&self, task: &TaskRef, _v: &Map<String, Value>) -> Result<(), EngineError> {
+        self.record("complete", Some(task), 0);
+        *self
+            .state
+            .lock()
+            .unwrap()
+            .completed
+            .entry(task.task_id.clone())
+            .or_default() += 1;
+        self.end(task);
+        Ok(())
+    }
+
+    async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
+        self.record("failure", Some(task), 0);
+        self.state
+            .lock()
+            .unwrap()
+            .failures
+            .push((task.task_id.clone(), report.clone()));
+        self.end(task);
+        Ok(())
+    }
+
+    async fn bpmn_error(&self, task: &TaskRef, _r: &BpmnErrorReport) -> Result<(), EngineError> {
+        self.record("bpmn-error", Some(task), 0);
+        self.end(task);
+        Ok(())
+    }
+
+    async fn read_journal(&self, task: &TaskRef) -> Result<Journal, EngineError> {
+        self.record("journal-read", Some(task), 0);
+        Ok(Journal::default())
+    }
+
+    async fn append_journal(
+        &self,
+        task: &TaskRef,
+        _step: &JournalStep,
+    ) -> Result<AppendOutcome, EngineError> {
+        self.record("journal-append", Some(task), 0);
+        Ok(AppendOutcome::Created)
+    }
+
+    async fn tool_credential(
+        &self,
+        task: &TaskRef,
+        _server: &str,
+    ) -> Result<ToolCredential, EngineError> {
+        self.record("tool-credentials", Some(task), 0);
+        Ok(ToolCredential {
+            token: abada_agent_worker::secret::Secret::new("tok"),
+            expires_at: None,
+        })
+    }
+}
