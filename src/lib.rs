@@ -3,6 +3,8 @@
 //! See `ARCHITECTURE.md` for the code map, the invariants and a glossary.
 #![forbid(unsafe_code)]
 
+pub mod admin;
+pub mod app;
 pub mod auth;
 pub mod backoff;
 pub mod config;
