@@ -64,10 +64,10 @@ impl ToolResult {
                 _ => parts.push(block.to_string()),
             }
         }
-        if parts.is_empty() {
-            if let Some(s) = &self.structured_content {
-                parts.push(s.to_string());
-            }
+        if parts.is_empty()
+            && let Some(s) = &self.structured_content
+        {
+            parts.push(s.to_string());
         }
         parts.join("\n")
     }

@@ -4,4 +4,6 @@
 #![forbid(unsafe_code)]
 
 pub mod conversation;
+pub mod devkit;
+pub mod provider;
 pub mod secret;

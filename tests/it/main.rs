@@ -1,0 +1,3 @@
+//! The one integration test binary; each area has its own module.
+
+mod provider;
