@@ -171,7 +171,7 @@ pub fn parse_response(body: &[u8], names: &ToolNames) -> Result<ModelResponse, S
             WireBlock::Other => {}
         }
     }
-    let text = (!texts.is_empty()).then(|| texts.join("\n"));
+    let text = Some(texts.join("\n")).filter(|t| !t.is_empty());
     let u = wire.usage;
     Ok(ModelResponse {
         message: AssistantMessage { text, tool_calls },

@@ -280,3 +280,42 @@ fn describe(e: &reqwest::Error) -> String {
         format!("{kind} ({cause})")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::ProviderKind;
+    use std::time::Duration;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_wait_for_a_concurrency_permit_is_bounded_by_the_request_timeout() {
+        let core = HttpCore::new(
+            ProviderSettings {
+                name: "local".into(),
+                kind: ProviderKind::OpenAi,
+                // Never contacted: the only permit is taken below.
+                base_url: "http://127.0.0.1:9".into(),
+                api_key: None,
+                max_concurrency: Some(1),
+                request_timeout: Duration::from_secs(5),
+            },
+            reqwest::Client::new(),
+        );
+        let held = core.permits.clone().unwrap().acquire_owned().await.unwrap();
+        let start = tokio::time::Instant::now();
+        let err = core
+            .post_json(
+                "/chat/completions",
+                "m",
+                HeaderMap::new(),
+                None,
+                None,
+                &Value::Null,
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.outcome(), "unavailable", "{err}");
+        assert_eq!(start.elapsed(), Duration::from_secs(5));
+        drop(held);
+    }
+}

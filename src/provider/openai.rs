@@ -117,15 +117,18 @@ struct WireMessage {
 
 #[derive(Deserialize)]
 struct WireToolCall {
-    id: String,
+    /// Some compatible servers (Ollama, a few vLLM parsers) leave the id out.
+    #[serde(default)]
+    id: Option<String>,
     function: WireFunction,
 }
 
 #[derive(Deserialize)]
 struct WireFunction {
     name: String,
+    /// A JSON string per the API; some compatible servers send the object itself.
     #[serde(default)]
-    arguments: Option<String>,
+    arguments: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -157,20 +160,26 @@ pub fn parse_response(body: &[u8], names: &ToolNames) -> Result<ModelResponse, S
                 .join(""),
         ),
         Some(other) => return Err(format!("unexpected message content {other}")),
-    };
+    }
+    .filter(|t| !t.is_empty());
     let tool_calls = choice
         .message
         .tool_calls
         .unwrap_or_default()
         .into_iter()
         .map(|c| {
-            let raw = c.function.arguments.unwrap_or_default();
-            let arguments = if raw.trim().is_empty() {
-                json!({})
-            } else {
-                serde_json::from_str(&raw).unwrap_or(Value::String(raw))
+            let arguments = match c.function.arguments {
+                None | Some(Value::Null) => json!({}),
+                Some(Value::String(raw)) if raw.trim().is_empty() => json!({}),
+                Some(Value::String(raw)) => {
+                    serde_json::from_str(&raw).unwrap_or(Value::String(raw))
+                }
+                Some(other) => other,
             };
-            names.tool_call(c.id, &c.function.name, arguments)
+            let id =
+                c.id.filter(|id| !id.is_empty())
+                    .unwrap_or_else(|| format!("call_{}", uuid::Uuid::new_v4().simple()));
+            names.tool_call(id, &c.function.name, arguments)
         })
         .collect();
     let usage = wire

@@ -1307,3 +1307,31 @@ async fn a_resumed_conversation_continues_at_its_turn_and_tasks_stay_apart() {
     assert!(!recorded[1].body.to_string().contains("secret-words"));
     devkit.shutdown().await;
 }
+
+#[tokio::test]
+async fn lenient_with_compatible_servers_that_send_object_arguments_and_no_ids() {
+    let body = json!({
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": "",
+            "tool_calls": [{"function": {"name": "orders__get_order", "arguments": {"order_id": "o-9"}}}]
+        }}]
+    });
+    let server = FixtureServer::start(ok(body.to_string())).await;
+    let p = provider(
+        ProviderKind::OpenAi,
+        server.base_url(ProviderKind::OpenAi),
+        None,
+    );
+    let req = ModelRequest {
+        model: "llama".into(),
+        messages: vec![Message::User { text: "x".into() }],
+        tools: tools(),
+        ..ModelRequest::default()
+    };
+    let r = p.complete(&req).await.unwrap();
+    let call = &r.message.tool_calls[0];
+    assert_eq!(call.arguments, json!({"order_id": "o-9"}));
+    assert!(call.call_id.starts_with("call_"));
+    assert_eq!(r.message.text, None);
+    assert_eq!(r.usage, Usage::default());
+}
