@@ -1,4 +1,5 @@
 //! The integration test binary (one binary keeps link time down): one module per area.
 
+mod provider;
 mod runner;
 mod support;

@@ -1,0 +1,721 @@
+//! A scripted model provider: one loopback HTTP server speaking both the OpenAI Chat
+//! Completions (`/v1/chat/completions`) and the Anthropic Messages (`/v1/messages`) wire formats.
+//!
+//! A script is chosen by the request's model name (or the `*` script); its turn is chosen
+//! statelessly by how many assistant turns the request's conversation already holds, so a
+//! resumed conversation continues at the right turn. Past the end, the last turn repeats.
+//! Faults, latency and token usage are configurable per model, and every call is counted and
+//! its body recorded, so tests can check isolation between tasks.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::serve::ListenerExt;
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::conversation::Usage;
+
+/// The script used for models that have none of their own.
+pub const DEFAULT_SCRIPT: &str = "*";
+
+/// Which wire format a call used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WireFormat {
+    OpenAi,
+    Anthropic,
+}
+
+/// One tool call of a scripted turn.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ScriptedCall {
+    /// The MCP tool name; the call uses the offered function name that equals it or ends in
+    /// `__<tool>`, else this name as it is (a tool nobody offered).
+    pub tool: String,
+    /// A JSON template: every string in it is rendered like a text template.
+    pub arguments: Value,
+}
+
+/// One answer of a script.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Turn {
+    ToolCalls(Vec<ScriptedCall>),
+    /// A final answer; a template with `${input}`, `${last_tool_result}` and `${call_index}`
+    /// (this model's call count including this call, from 1).
+    Text(String),
+}
+
+impl Turn {
+    pub fn text(template: impl Into<String>) -> Self {
+        Turn::Text(template.into())
+    }
+
+    pub fn call(tool: impl Into<String>, arguments: Value) -> Self {
+        Turn::ToolCalls(vec![ScriptedCall {
+            tool: tool.into(),
+            arguments,
+        }])
+    }
+}
+
+/// What a model answers, turn by turn.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Script {
+    pub turns: Vec<Turn>,
+    /// Waited before every answer.
+    pub latency: Duration,
+    /// Usage reported per call; None estimates about four characters per token.
+    pub usage: Option<Usage>,
+}
+
+impl Script {
+    pub fn new(turns: Vec<Turn>) -> Self {
+        Script {
+            turns,
+            latency: Duration::ZERO,
+            usage: None,
+        }
+    }
+
+    pub fn with_latency(mut self, latency: Duration) -> Self {
+        self.latency = latency;
+        self
+    }
+
+    pub fn with_usage(mut self, input_tokens: u64, output_tokens: u64) -> Self {
+        self.usage = Some(Usage {
+            input_tokens,
+            output_tokens,
+        });
+        self
+    }
+}
+
+/// A failure to inject.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Fault {
+    /// 429 with `retry-after` (whole seconds, rounded up) and `retry-after-ms` when given.
+    RateLimited { retry_after: Option<Duration> },
+    /// 503.
+    ServiceUnavailable,
+    /// 529 `overloaded_error`.
+    Overloaded,
+    /// 500.
+    ServerError,
+    /// 200 with JSON that is no response of the format.
+    MalformedBody,
+    /// 200 with the first half of a valid response.
+    TruncatedBody,
+    /// Waits this long (longer than the client timeout) before answering normally.
+    Hang(Duration),
+}
+
+/// How often a fault applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultTimes {
+    Next(u32),
+    Always,
+}
+
+/// One call as the server received it.
+#[derive(Clone, Debug)]
+pub struct RecordedRequest {
+    pub format: WireFormat,
+    pub model: String,
+    pub body: Value,
+    /// Request headers; `authorization` and `x-api-key` values are masked.
+    pub headers: Vec<(String, String)>,
+}
+
+#[derive(Default)]
+struct Shared {
+    scripts: HashMap<String, Script>,
+    faults: HashMap<String, Vec<(Fault, Option<u32>)>>,
+    calls: HashMap<(String, WireFormat), u64>,
+    requests: Vec<RecordedRequest>,
+}
+
+struct Inner {
+    shared: Mutex<Shared>,
+    stop: CancellationToken,
+    addr: SocketAddr,
+    server: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A running scripted model server; clones share it.
+#[derive(Clone)]
+pub struct ScriptedModel {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ScriptedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScriptedModel")
+            .field("addr", &self.inner.addr)
+            .finish()
+    }
+}
+
+impl ScriptedModel {
+    /// Starts the server on `127.0.0.1`, on a free port.
+    pub async fn start() -> std::io::Result<Self> {
+        Self::start_on(SocketAddr::from(([127, 0, 0, 1], 0))).await
+    }
+
+    pub async fn start_on(addr: SocketAddr) -> std::io::Result<Self> {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let inner = Arc::new(Inner {
+            shared: Mutex::new(Shared::default()),
+            stop: CancellationToken::new(),
+            addr,
+            server: Mutex::new(None),
+        });
+        let app = Router::new()
+            .route("/v1/chat/completions", post(openai_handler))
+            .route("/v1/messages", post(anthropic_handler))
+            .layer(DefaultBodyLimit::max(64 * 1024 * 1024))
+            .with_state(inner.clone());
+        // Without TCP_NODELAY, Nagle plus delayed ACKs add tens of ms per call.
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        let stop = inner.stop.clone();
+        let handle = tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await;
+        });
+        *lock(&inner.server) = Some(handle);
+        Ok(ScriptedModel { inner })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// Base URL for an OpenAI-kind provider.
+    pub fn base_url_openai(&self) -> String {
+        format!("http://{}/v1", self.inner.addr)
+    }
+
+    /// Base URL for an Anthropic-kind provider.
+    pub fn base_url_anthropic(&self) -> String {
+        format!("http://{}", self.inner.addr)
+    }
+
+    /// Sets the script of `model` ([`DEFAULT_SCRIPT`] for every model without one).
+    pub fn set_script(&self, model: impl Into<String>, script: Script) {
+        lock(&self.inner.shared)
+            .scripts
+            .insert(model.into(), script);
+    }
+
+    /// Adds a fault for `model`; faults apply in the order added, each until used up.
+    pub fn inject_fault(&self, model: impl Into<String>, fault: Fault, times: FaultTimes) {
+        let remaining = match times {
+            FaultTimes::Next(n) => Some(n),
+            FaultTimes::Always => None,
+        };
+        lock(&self.inner.shared)
+            .faults
+            .entry(model.into())
+            .or_default()
+            .push((fault, remaining));
+    }
+
+    pub fn clear_faults(&self, model: &str) {
+        lock(&self.inner.shared).faults.remove(model);
+    }
+
+    /// Calls received for `model`, in both formats, faulted ones included.
+    pub fn calls(&self, model: &str) -> u64 {
+        lock(&self.inner.shared)
+            .calls
+            .iter()
+            .filter(|((m, _), _)| m == model)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    pub fn calls_in_format(&self, model: &str, format: WireFormat) -> u64 {
+        lock(&self.inner.shared)
+            .calls
+            .get(&(model.to_string(), format))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    pub fn total_calls(&self) -> u64 {
+        lock(&self.inner.shared).calls.values().sum()
+    }
+
+    /// Every request received so far, in arrival order.
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        lock(&self.inner.shared).requests.clone()
+    }
+
+    /// Stops the server; hanging calls are cut short.
+    pub async fn shutdown(&self) {
+        self.inner.stop.cancel();
+        let handle = lock(&self.inner.server).take();
+        if let Some(h) = handle {
+            let _ = h.await;
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding this lock cannot leave the counters inconsistent enough to matter.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+async fn openai_handler(
+    State(inner): State<Arc<Inner>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    handle(inner, WireFormat::OpenAi, headers, body).await
+}
+
+async fn anthropic_handler(
+    State(inner): State<Arc<Inner>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    handle(inner, WireFormat::Anthropic, headers, body).await
+}
+
+/// What the script needs from the conversation of one request.
+struct Conversation {
+    assistant_turns: usize,
+    input: String,
+    last_tool_result: String,
+    offered_tools: Vec<String>,
+}
+
+async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: Bytes) -> Response {
+    let Ok(body) = serde_json::from_slice::<Value>(&raw) else {
+        return error(format, 400, "invalid_request_error", "the body is not JSON");
+    };
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let (call_index, fault, script) = {
+        let mut shared = lock(&inner.shared);
+        let count = shared.calls.entry((model.clone(), format)).or_default();
+        *count += 1;
+        let call_index = shared
+            .calls
+            .iter()
+            .filter(|((m, _), _)| *m == model)
+            .map(|(_, n)| *n)
+            .sum::<u64>();
+        shared.requests.push(RecordedRequest {
+            format,
+            model: model.clone(),
+            body: body.clone(),
+            headers: headers
+                .iter()
+                .map(|(k, v)| {
+                    let value = if k == "authorization" || k == "x-api-key" {
+                        crate::secret::MASK.to_string()
+                    } else {
+                        String::from_utf8_lossy(v.as_bytes()).into_owned()
+                    };
+                    (k.as_str().to_string(), value)
+                })
+                .collect(),
+        });
+        let fault = take_fault(&mut shared, &model);
+        let script = shared
+            .scripts
+            .get(&model)
+            .or_else(|| shared.scripts.get(DEFAULT_SCRIPT))
+            .cloned();
+        (call_index, fault, script)
+    };
+    if let Some(script) = &script
+        && !script.latency.is_zero()
+        && !sleep_or_stop(&inner, script.latency).await
+    {
+        return error(format, 503, "api_error", "server shutting down");
+    }
+    if let Some(fault) = fault {
+        match fault {
+            Fault::Hang(d) => {
+                if !sleep_or_stop(&inner, d).await {
+                    return error(format, 503, "api_error", "server shutting down");
+                }
+            }
+            other => return fault_response(format, &model, &other, script.as_ref(), &body),
+        }
+    }
+    let Some(script) = script else {
+        return not_found(format, &model);
+    };
+    answer(format, &model, &script, &body, call_index)
+}
+
+fn take_fault(shared: &mut Shared, model: &str) -> Option<Fault> {
+    let faults = shared.faults.get_mut(model)?;
+    let (fault, remaining) = faults.first_mut()?;
+    let fault = fault.clone();
+    if let Some(n) = remaining {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            faults.remove(0);
+        }
+    }
+    Some(fault)
+}
+
+async fn sleep_or_stop(inner: &Inner, d: Duration) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => true,
+        _ = inner.stop.cancelled() => false,
+    }
+}
+
+fn json_response(status: u16, body: &Value) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        status,
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn error_body(format: WireFormat, kind: &str, code: Option<&str>, message: &str) -> Value {
+    match format {
+        WireFormat::OpenAi => json!({
+            "error": {"message": message, "type": kind, "param": null, "code": code}
+        }),
+        WireFormat::Anthropic => json!({
+            "type": "error",
+            "error": {"type": kind, "message": message},
+            "request_id": "req_devkit"
+        }),
+    }
+}
+
+fn error(format: WireFormat, status: u16, kind: &str, message: &str) -> Response {
+    json_response(status, &error_body(format, kind, None, message))
+}
+
+fn not_found(format: WireFormat, model: &str) -> Response {
+    let body = match format {
+        WireFormat::OpenAi => error_body(
+            format,
+            "invalid_request_error",
+            Some("model_not_found"),
+            &format!("The model `{model}` does not exist or you do not have access to it."),
+        ),
+        WireFormat::Anthropic => {
+            error_body(format, "not_found_error", None, &format!("model: {model}"))
+        }
+    };
+    json_response(404, &body)
+}
+
+fn fault_response(
+    format: WireFormat,
+    model: &str,
+    fault: &Fault,
+    script: Option<&Script>,
+    request: &Value,
+) -> Response {
+    let anthropic = format == WireFormat::Anthropic;
+    match fault {
+        Fault::RateLimited { retry_after } => {
+            let body = if anthropic {
+                error_body(
+                    format,
+                    "rate_limit_error",
+                    None,
+                    "This request would exceed the rate limit for your organization.",
+                )
+            } else {
+                error_body(
+                    format,
+                    "requests",
+                    Some("rate_limit_exceeded"),
+                    &format!("Rate limit reached for {model} on requests per min (RPM)."),
+                )
+            };
+            let mut response = json_response(429, &body);
+            if let Some(ra) = retry_after {
+                let h = response.headers_mut();
+                let millis = u64::try_from(ra.as_millis()).unwrap_or(u64::MAX);
+                h.insert("retry-after", millis.div_ceil(1000).into());
+                h.insert("retry-after-ms", millis.into());
+            }
+            response
+        }
+        Fault::ServiceUnavailable => error(
+            format,
+            503,
+            if anthropic {
+                "api_error"
+            } else {
+                "server_error"
+            },
+            "The service is temporarily unavailable.",
+        ),
+        Fault::Overloaded => error(
+            format,
+            529,
+            if anthropic {
+                "overloaded_error"
+            } else {
+                "server_error"
+            },
+            "Overloaded",
+        ),
+        Fault::ServerError => error(
+            format,
+            500,
+            if anthropic {
+                "api_error"
+            } else {
+                "server_error"
+            },
+            "The server had an error while processing your request.",
+        ),
+        Fault::MalformedBody => json_response(200, &json!({"unexpected": "not a model response"})),
+        Fault::TruncatedBody => {
+            let fallback = Script::new(vec![Turn::text("truncated")]);
+            let full = answer_body(format, model, script.unwrap_or(&fallback), request, 0);
+            let text = full.to_string();
+            let half = &text.as_bytes()[..text.len() / 2];
+            (
+                StatusCode::OK,
+                [(axum::http::header::CONTENT_TYPE, "application/json")],
+                half.to_vec(),
+            )
+                .into_response()
+        }
+        Fault::Hang(_) => error(format, 500, "api_error", "unreachable fault"),
+    }
+}
+
+fn answer(
+    format: WireFormat,
+    model: &str,
+    script: &Script,
+    request: &Value,
+    call_index: u64,
+) -> Response {
+    json_response(
+        200,
+        &answer_body(format, model, script, request, call_index),
+    )
+}
+
+fn conversation(format: WireFormat, request: &Value) -> Conversation {
+    let empty = Vec::new();
+    let messages = request
+        .get("messages")
+        .and_then(Value::as_array)
+        .unwrap_or(&empty);
+    let role = |m: &Value, r: &str| m.get("role").and_then(Value::as_str) == Some(r);
+    let assistant_turns = messages.iter().filter(|m| role(m, "assistant")).count();
+    let input = messages
+        .iter()
+        .find(|m| role(m, "user"))
+        .map(|m| content_text(m.get("content")))
+        .unwrap_or_default();
+    let last_tool_result = match format {
+        WireFormat::OpenAi => messages
+            .iter()
+            .rev()
+            .find(|m| role(m, "tool"))
+            .map(|m| content_text(m.get("content"))),
+        WireFormat::Anthropic => messages
+            .iter()
+            .rev()
+            .filter_map(|m| m.get("content").and_then(Value::as_array))
+            .flat_map(|blocks| blocks.iter().rev())
+            .find(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))
+            .map(|b| content_text(b.get("content"))),
+    }
+    .unwrap_or_default();
+    let offered_tools = request
+        .get("tools")
+        .and_then(Value::as_array)
+        .map(|tools| {
+            tools
+                .iter()
+                .filter_map(|t| {
+                    t.get("function")
+                        .and_then(|f| f.get("name"))
+                        .or_else(|| t.get("name"))
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Conversation {
+        assistant_turns,
+        input,
+        last_tool_result,
+        offered_tools,
+    }
+}
+
+/// The text of a message content: a string, or the text blocks/parts of an array.
+fn content_text(content: Option<&Value>) -> String {
+    match content {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter(|p| matches!(p.get("type").and_then(Value::as_str), Some("text") | None))
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+fn render(template: &str, conv: &Conversation, call_index: u64) -> String {
+    template
+        .replace("${input}", &conv.input)
+        .replace("${last_tool_result}", &conv.last_tool_result)
+        .replace("${call_index}", &call_index.to_string())
+}
+
+fn render_value(template: &Value, conv: &Conversation, call_index: u64) -> Value {
+    match template {
+        Value::String(s) => Value::String(render(s, conv, call_index)),
+        Value::Array(items) => Value::Array(
+            items
+                .iter()
+                .map(|v| render_value(v, conv, call_index))
+                .collect(),
+        ),
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| (k.clone(), render_value(v, conv, call_index)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+fn offered_name(conv: &Conversation, tool: &str) -> String {
+    let suffix = format!("__{tool}");
+    conv.offered_tools
+        .iter()
+        .find(|n| n.as_str() == tool)
+        .or_else(|| conv.offered_tools.iter().find(|n| n.ends_with(&suffix)))
+        .cloned()
+        .unwrap_or_else(|| tool.to_string())
+}
+
+fn answer_body(
+    format: WireFormat,
+    model: &str,
+    script: &Script,
+    request: &Value,
+    call_index: u64,
+) -> Value {
+    let conv = conversation(format, request);
+    let turn = script
+        .turns
+        .get(conv.assistant_turns)
+        .or(script.turns.last())
+        .cloned()
+        .unwrap_or_else(|| Turn::text("(empty script)"));
+    let (text, calls) = match &turn {
+        Turn::Text(t) => (Some(render(t, &conv, call_index)), Vec::new()),
+        Turn::ToolCalls(calls) => (
+            None,
+            calls
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    (
+                        format!("{}_{}", conv.assistant_turns, i),
+                        offered_name(&conv, &c.tool),
+                        render_value(&c.arguments, &conv, call_index),
+                    )
+                })
+                .collect::<Vec<_>>(),
+        ),
+    };
+    let output_chars = text.as_ref().map_or(0, String::len)
+        + calls.iter().map(|c| c.2.to_string().len()).sum::<usize>();
+    let usage = script.usage.unwrap_or(Usage {
+        input_tokens: (request.to_string().len() as u64 / 4).max(1),
+        output_tokens: (output_chars as u64 / 4).max(1),
+    });
+    match format {
+        WireFormat::OpenAi => {
+            let mut message = json!({"role": "assistant", "content": text, "refusal": null});
+            if !calls.is_empty() {
+                message["tool_calls"] = calls
+                    .iter()
+                    .map(|(id, name, args)| {
+                        json!({
+                            "id": format!("call_{id}"),
+                            "type": "function",
+                            "function": {"name": name, "arguments": args.to_string()},
+                        })
+                    })
+                    .collect();
+            }
+            json!({
+                "id": format!("chatcmpl-devkit-{call_index}"),
+                "object": "chat.completion",
+                "created": chrono::Utc::now().timestamp(),
+                "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": message,
+                    "logprobs": null,
+                    "finish_reason": if calls.is_empty() { "stop" } else { "tool_calls" },
+                }],
+                "usage": {
+                    "prompt_tokens": usage.input_tokens,
+                    "completion_tokens": usage.output_tokens,
+                    "total_tokens": usage.total(),
+                },
+            })
+        }
+        WireFormat::Anthropic => {
+            let mut content: Vec<Value> = text
+                .iter()
+                .map(|t| json!({"type": "text", "text": t}))
+                .collect();
+            content.extend(calls.iter().map(|(id, name, args)| {
+                json!({"type": "tool_use", "id": format!("toolu_{id}"), "name": name, "input": args})
+            }));
+            json!({
+                "id": format!("msg_devkit_{call_index}"),
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": content,
+                "stop_reason": if calls.is_empty() { "end_turn" } else { "tool_use" },
+                "stop_sequence": null,
+                "usage": {
+                    "input_tokens": usage.input_tokens,
+                    "output_tokens": usage.output_tokens,
+                },
+            })
+        }
+    }
+}

@@ -1,0 +1,344 @@
+//! Model providers: the provider-neutral request and response, the `ModelProvider` trait every
+//! adapter implements, the classification of provider failures (protocol.md Part C), and the
+//! registry that hands out one adapter per configured provider.
+//!
+//! Adapters never retry; the one retry loop lives in [`fallback`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+
+use crate::conversation::{AssistantMessage, Message, ToolSpec, Usage};
+use crate::secret::SecretSource;
+
+pub mod anthropic;
+pub mod fallback;
+mod http;
+pub mod openai;
+pub mod tool_names;
+
+/// Which wire format a provider speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ProviderKind {
+    /// OpenAI-compatible Chat Completions (OpenAI, Azure-style gateways, vLLM, Ollama, ...).
+    OpenAi,
+    /// Anthropic Messages.
+    Anthropic,
+}
+
+/// A provider kind that is neither `openai` nor `anthropic`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown provider kind {0:?}; use \"openai\" (Chat Completions) or \"anthropic\" (Messages)"
+)]
+pub struct UnknownProviderKind(pub String);
+
+impl ProviderKind {
+    /// Parses `openai` or `anthropic`, case-insensitively, surrounding blanks ignored. No aliases.
+    pub fn parse(value: &str) -> Result<Self, UnknownProviderKind> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "openai" => Ok(ProviderKind::OpenAi),
+            "anthropic" => Ok(ProviderKind::Anthropic),
+            _ => Err(UnknownProviderKind(value.to_string())),
+        }
+    }
+
+    /// The public API root of the kind's own vendor.
+    pub fn default_base_url(self) -> &'static str {
+        match self {
+            ProviderKind::OpenAi => "https://api.openai.com/v1",
+            ProviderKind::Anthropic => "https://api.anthropic.com",
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProviderKind::OpenAi => "openai",
+            ProviderKind::Anthropic => "anthropic",
+        }
+    }
+}
+
+/// One configured model provider (from `ABADA_AGENT_PROVIDER_<NAME>_*`).
+#[derive(Clone, Debug)]
+pub struct ProviderSettings {
+    /// The name models are prefixed with (`openai` in `openai/gpt-4.1-mini`).
+    pub name: String,
+    pub kind: ProviderKind,
+    /// API root without a trailing path of the operation (`https://api.openai.com/v1`).
+    pub base_url: String,
+    /// None for local servers that need no key (Ollama, llama.cpp).
+    pub api_key: Option<Arc<SecretSource>>,
+    /// At most this many requests in flight to this provider from this process.
+    pub max_concurrency: Option<usize>,
+    /// Bounds one request, and separately the wait for a concurrency permit.
+    pub request_timeout: Duration,
+}
+
+/// A model named `provider/model`; the model part may itself contain `/`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ModelRef {
+    pub provider: String,
+    pub model: String,
+}
+
+/// A model name that is not `provider/model`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("model name {0:?} is not of the form \"provider/model\" (e.g. \"openai/gpt-4.1-mini\")")]
+pub struct ModelRefError(pub String);
+
+impl ModelRef {
+    pub fn parse(value: &str) -> Result<Self, ModelRefError> {
+        let trimmed = value.trim();
+        match trimmed.split_once('/') {
+            Some((provider, model)) if !provider.trim().is_empty() && !model.trim().is_empty() => {
+                Ok(ModelRef {
+                    provider: provider.trim().to_string(),
+                    model: model.trim().to_string(),
+                })
+            }
+            _ => Err(ModelRefError(value.to_string())),
+        }
+    }
+}
+
+impl std::str::FromStr for ModelRef {
+    type Err = ModelRefError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ModelRef::parse(s)
+    }
+}
+
+impl std::fmt::Display for ModelRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.provider, self.model)
+    }
+}
+
+/// One model call, provider-neutral.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ModelRequest {
+    /// The provider-local model name (`gpt-4.1-mini`, without the provider prefix).
+    pub model: String,
+    pub system: String,
+    pub messages: Vec<Message>,
+    pub tools: Vec<ToolSpec>,
+    pub max_output_tokens: Option<u32>,
+    /// W3C trace context of the task, sent as the `traceparent` header.
+    pub traceparent: Option<String>,
+}
+
+/// What a model answered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelResponse {
+    pub message: AssistantMessage,
+    pub usage: Usage,
+    /// The provider's own word (`stop`, `tool_calls`, `end_turn`, `tool_use`, `max_tokens`, ...).
+    pub stop_reason: String,
+}
+
+/// A model behind one provider.
+#[async_trait]
+pub trait ModelProvider: Send + Sync {
+    /// One request, one answer; never retries.
+    async fn complete(&self, req: &ModelRequest) -> Result<ModelResponse, ProviderError>;
+}
+
+/// Why one model call failed, classified by what the caller should do about it (protocol.md
+/// Part C). Messages name the provider and model, never the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    /// Rate-limited or overloaded (429, 503, 529, "overloaded"): try the next model at once.
+    #[error(
+        "model {provider}/{model} is unavailable now{}: {message}",
+        status.map(|s| format!(" (HTTP {s})")).unwrap_or_default()
+    )]
+    Unavailable {
+        provider: String,
+        model: String,
+        status: Option<u16>,
+        message: String,
+        /// What the provider asked us to wait (`Retry-After`, `retry-after-ms`).
+        retry_after: Option<Duration>,
+    },
+    /// Other 5xx, timeouts, connection errors: worth a retry after a backoff.
+    #[error("model {provider}/{model} failed transiently: {message}")]
+    Transient {
+        provider: String,
+        model: String,
+        message: String,
+    },
+    /// The conversation does not fit the model's context window; another model may take it.
+    #[error("model {provider}/{model} refused the request as too long for its context: {message}")]
+    ContextTooLong {
+        provider: String,
+        model: String,
+        message: String,
+    },
+    /// Any other 4xx: the request itself is wrong (bad key, unknown model, invalid tools).
+    #[error("model {provider}/{model} rejected the request (HTTP {status}): {message}")]
+    Rejected {
+        provider: String,
+        model: String,
+        status: u16,
+        message: String,
+    },
+    /// A body that does not parse into an answer (truncated, missing fields, not JSON).
+    #[error("model {provider}/{model} sent a malformed answer: {message}")]
+    Malformed {
+        provider: String,
+        model: String,
+        message: String,
+    },
+    /// The worker could not prepare the request (unreadable key file, invalid key characters).
+    #[error("cannot call model {provider}/{model}: {message}")]
+    Setup {
+        provider: String,
+        model: String,
+        message: String,
+    },
+}
+
+impl ProviderError {
+    /// A short stable word for metrics and logs.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            ProviderError::Unavailable { .. } => "unavailable",
+            ProviderError::Transient { .. } => "transient",
+            ProviderError::ContextTooLong { .. } => "context_too_long",
+            ProviderError::Rejected { .. } => "rejected",
+            ProviderError::Malformed { .. } => "malformed",
+            ProviderError::Setup { .. } => "setup",
+        }
+    }
+}
+
+/// Parses `retry-after-ms` (milliseconds, may be fractional), else `Retry-After` (seconds or
+/// an HTTP date; a date in the past means zero). None when neither is present and valid.
+pub fn parse_retry_after(
+    headers: &reqwest::header::HeaderMap,
+    now: SystemTime,
+) -> Option<Duration> {
+    let text = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
+    if let Some(ms) = text("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
+        && ms.is_finite()
+        && ms >= 0.0
+    {
+        return Some(Duration::from_secs_f64(ms / 1000.0));
+    }
+    let value = text("retry-after")?;
+    if let Ok(secs) = value.parse::<f64>() {
+        return (0.0..1e9)
+            .contains(&secs)
+            .then(|| Duration::from_secs_f64(secs));
+    }
+    let when = httpdate::parse_http_date(value).ok()?;
+    Some(when.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// Every configured provider, by name.
+#[derive(Clone, Default)]
+pub struct ProviderRegistry {
+    providers: HashMap<String, Arc<dyn ModelProvider>>,
+}
+
+impl std::fmt::Debug for ProviderRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut names: Vec<&String> = self.providers.keys().collect();
+        names.sort();
+        f.debug_struct("ProviderRegistry")
+            .field("providers", &names)
+            .finish()
+    }
+}
+
+impl ProviderRegistry {
+    /// Builds one adapter per setting, all sharing the one HTTP client (connection pool).
+    pub fn new(settings: Vec<ProviderSettings>, http: reqwest::Client) -> Self {
+        let mut registry = ProviderRegistry::default();
+        for s in settings {
+            let name = s.name.clone();
+            let provider: Arc<dyn ModelProvider> = match s.kind {
+                ProviderKind::OpenAi => Arc::new(openai::OpenAiProvider::new(s, http.clone())),
+                ProviderKind::Anthropic => {
+                    Arc::new(anthropic::AnthropicProvider::new(s, http.clone()))
+                }
+            };
+            registry.providers.insert(name, provider);
+        }
+        registry
+    }
+
+    /// Adds or replaces a provider (tests and the devkit plug fakes in here).
+    pub fn insert(&mut self, name: impl Into<String>, provider: Arc<dyn ModelProvider>) {
+        self.providers.insert(name.into(), provider);
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<dyn ModelProvider>> {
+        self.providers.get(name).cloned()
+    }
+
+    /// The configured provider names, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.providers.keys().cloned().collect();
+        names.sort();
+        names
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::{HeaderMap, HeaderValue};
+
+    #[test]
+    fn kinds_parse_case_insensitively() {
+        assert_eq!(ProviderKind::parse("OpenAI"), Ok(ProviderKind::OpenAi));
+        assert_eq!(
+            ProviderKind::parse(" anthropic "),
+            Ok(ProviderKind::Anthropic)
+        );
+        assert!(ProviderKind::parse("gemini").is_err());
+    }
+
+    #[test]
+    fn model_refs_split_at_the_first_slash() {
+        let m = ModelRef::parse("vllm/meta-llama/Llama-3.1-8B").unwrap();
+        assert_eq!(m.provider, "vllm");
+        assert_eq!(m.model, "meta-llama/Llama-3.1-8B");
+        assert_eq!(m.to_string(), "vllm/meta-llama/Llama-3.1-8B");
+        for bad in ["gpt-4", "/gpt", "openai/", ""] {
+            assert!(ModelRef::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn retry_after_forms() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let mut h = HeaderMap::new();
+        assert_eq!(parse_retry_after(&h, now), None);
+        h.insert("retry-after", HeaderValue::from_static("7"));
+        assert_eq!(parse_retry_after(&h, now), Some(Duration::from_secs(7)));
+        h.insert("retry-after-ms", HeaderValue::from_static("1500"));
+        assert_eq!(
+            parse_retry_after(&h, now),
+            Some(Duration::from_millis(1500))
+        );
+        let mut h = HeaderMap::new();
+        let date = httpdate::fmt_http_date(now + Duration::from_secs(30));
+        h.insert("retry-after", HeaderValue::from_str(&date).unwrap());
+        assert_eq!(parse_retry_after(&h, now), Some(Duration::from_secs(30)));
+        let past = httpdate::fmt_http_date(now - Duration::from_secs(30));
+        h.insert("retry-after", HeaderValue::from_str(&past).unwrap());
+        assert_eq!(parse_retry_after(&h, now), Some(Duration::ZERO));
+        h.insert("retry-after", HeaderValue::from_static("soon"));
+        assert_eq!(parse_retry_after(&h, now), None);
+    }
+}

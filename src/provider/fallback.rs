@@ -1,0 +1,233 @@
+//! THE retry loop for model calls: the agent's model, then its `fallbackModels`, with a
+//! bounded backoff on transient failures (protocol.md Part C). No adapter retries beneath it.
+//!
+//! | failure | what happens |
+//! | --- | --- |
+//! | `Unavailable` (429, 503, 529, overloaded) | next model at once; its Retry-After is kept |
+//! | `Transient`, `Malformed` | same model again after a backoff, `transient_retries` times, then next model |
+//! | `ContextTooLong`, `Setup` | next model |
+//! | `Rejected` | stop: a hard error of the task |
+//!
+//! When no model answered: any technical failure makes [`ModelCallError::Technical`]; else any
+//! unavailable model makes [`ModelCallError::AllUnavailable`] with the earliest Retry-After (a
+//! deferral may find it free); else every model found the conversation too long.
+
+use std::time::Duration;
+
+use rand::Rng;
+
+use super::{ModelRef, ModelRequest, ModelResponse, ProviderError, ProviderRegistry};
+use crate::conversation::Usage;
+
+/// How hard to retry one model.
+#[derive(Clone, Debug)]
+pub struct RetryPolicy {
+    /// Retries of the same model after a transient or malformed failure, before the next model.
+    pub transient_retries: u32,
+    /// The first backoff; doubled on every further retry.
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+    /// The fraction (0..=1) of each backoff that is randomly taken off, so that workers hit by
+    /// the same outage do not retry in step. Tests set 0.
+    pub jitter: f64,
+    /// The deferral when every model was unavailable and none said for how long.
+    pub unavailable_default: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            transient_retries: 2,
+            initial_backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(16),
+            jitter: 0.5,
+            unavailable_default: Duration::from_secs(30),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The wait before retry number `retry` (0-based).
+    pub fn backoff(&self, retry: u32) -> Duration {
+        let factor = 2u32.saturating_pow(retry.min(31));
+        let full = self
+            .initial_backoff
+            .saturating_mul(factor)
+            .min(self.max_backoff);
+        let jitter = self.jitter.clamp(0.0, 1.0);
+        if jitter == 0.0 {
+            return full;
+        }
+        let r: f64 = rand::rng().random();
+        full.mul_f64(1.0 - jitter * r)
+    }
+}
+
+/// One call to one model, for metrics (calls by provider, model and outcome).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallAttempt {
+    pub model: ModelRef,
+    /// `ok`, or [`ProviderError::outcome`] of the failure.
+    pub outcome: &'static str,
+    /// Tokens of a successful call.
+    pub usage: Option<Usage>,
+}
+
+/// Why no model answered.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelCallError {
+    /// The agent definition names no model.
+    #[error("the agent names no model to call; set its \"model\"")]
+    NoModels,
+    /// A model names a provider that is not configured: an error of the definition.
+    #[error(
+        "model {model} names provider {:?}, which is not configured (configured: {known}); \
+         fix the agent definition or set ABADA_AGENT_PROVIDERS",
+        model.provider
+    )]
+    UnknownProvider { model: ModelRef, known: String },
+    /// A model refused the request outright: a hard error of the task, no fallback.
+    #[error("model call failed for good: {source}")]
+    Task {
+        model: ModelRef,
+        #[source]
+        source: Box<ProviderError>,
+    },
+    /// Every model was rate-limited or overloaded (or too small for the context): defer the
+    /// task for `retry_after`, without consuming an attempt.
+    #[error("every model is unavailable now; try again in {retry_after:?} (last: {last})")]
+    AllUnavailable {
+        retry_after: Duration,
+        last: Box<ProviderError>,
+    },
+    /// Models failed technically (transient or malformed after retries, unreadable key).
+    #[error("no model answered after retries: {last}")]
+    Technical { last: Box<ProviderError> },
+    /// Every model said the conversation is longer than its context window.
+    #[error("the conversation is too long for every model: {last}")]
+    ContextTooLong { last: Box<ProviderError> },
+}
+
+/// Calls the models in order until one answers; see the module docs for the rules.
+/// `request.model` is ignored and set from each [`ModelRef`].
+pub async fn call_with_fallback(
+    registry: &ProviderRegistry,
+    models: &[ModelRef],
+    request: &ModelRequest,
+    policy: &RetryPolicy,
+) -> Result<(ModelRef, ModelResponse), ModelCallError> {
+    call_with_fallback_observed(registry, models, request, policy, &mut |_| {}).await
+}
+
+/// [`call_with_fallback`], reporting every single call to `observe` as it ends.
+pub async fn call_with_fallback_observed(
+    registry: &ProviderRegistry,
+    models: &[ModelRef],
+    request: &ModelRequest,
+    policy: &RetryPolicy,
+    observe: &mut (dyn FnMut(&CallAttempt) + Send),
+) -> Result<(ModelRef, ModelResponse), ModelCallError> {
+    if models.is_empty() {
+        return Err(ModelCallError::NoModels);
+    }
+    let mut providers = Vec::with_capacity(models.len());
+    for m in models {
+        match registry.get(&m.provider) {
+            Some(p) => providers.push(p),
+            None => {
+                return Err(ModelCallError::UnknownProvider {
+                    model: m.clone(),
+                    known: registry.names().join(", "),
+                });
+            }
+        }
+    }
+    let mut req = request.clone();
+    let mut earliest_retry_after: Option<Duration> = None;
+    let mut unavailable = 0usize;
+    let mut technical = 0usize;
+    let mut last: Option<ProviderError> = None;
+    for (model, provider) in models.iter().zip(providers) {
+        req.model = model.model.clone();
+        let mut retries = 0u32;
+        loop {
+            let result = provider.complete(&req).await;
+            observe(&CallAttempt {
+                model: model.clone(),
+                outcome: match &result {
+                    Ok(_) => "ok",
+                    Err(e) => e.outcome(),
+                },
+                usage: result.as_ref().ok().map(|r| r.usage),
+            });
+            let error = match result {
+                Ok(response) => return Ok((model.clone(), response)),
+                Err(e) => e,
+            };
+            match &error {
+                ProviderError::Unavailable { retry_after, .. } => {
+                    unavailable += 1;
+                    if let Some(ra) = retry_after {
+                        earliest_retry_after =
+                            Some(earliest_retry_after.map_or(*ra, |e| e.min(*ra)));
+                    }
+                }
+                ProviderError::Transient { .. } | ProviderError::Malformed { .. }
+                    if retries < policy.transient_retries =>
+                {
+                    tracing::warn!(model = %model, error = %error, retry = retries + 1, "model call failed, retrying");
+                    tokio::time::sleep(policy.backoff(retries)).await;
+                    retries += 1;
+                    continue;
+                }
+                ProviderError::Transient { .. }
+                | ProviderError::Malformed { .. }
+                | ProviderError::Setup { .. } => technical += 1,
+                ProviderError::ContextTooLong { .. } => {}
+                ProviderError::Rejected { .. } => {
+                    return Err(ModelCallError::Task {
+                        model: model.clone(),
+                        source: Box::new(error),
+                    });
+                }
+            }
+            tracing::warn!(model = %model, error = %error, "model failed, trying the next one");
+            last = Some(error);
+            break;
+        }
+    }
+    let last = Box::new(last.expect("at least one model was tried and failed"));
+    Err(if technical > 0 {
+        ModelCallError::Technical { last }
+    } else if unavailable > 0 {
+        ModelCallError::AllUnavailable {
+            retry_after: earliest_retry_after.unwrap_or(policy.unavailable_default),
+            last,
+        }
+    } else {
+        ModelCallError::ContextTooLong { last }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_and_jitter_only_shortens() {
+        let p = RetryPolicy {
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(350),
+            jitter: 0.0,
+            ..RetryPolicy::default()
+        };
+        assert_eq!(p.backoff(0), Duration::from_millis(100));
+        assert_eq!(p.backoff(1), Duration::from_millis(200));
+        assert_eq!(p.backoff(2), Duration::from_millis(350));
+        assert_eq!(p.backoff(40), Duration::from_millis(350));
+        let j = RetryPolicy { jitter: 1.0, ..p };
+        for _ in 0..20 {
+            assert!(j.backoff(1) <= Duration::from_millis(200));
+        }
+    }
+}
