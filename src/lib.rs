@@ -4,4 +4,6 @@
 #![forbid(unsafe_code)]
 
 pub mod conversation;
+pub mod devkit;
 pub mod secret;
+pub mod tools;

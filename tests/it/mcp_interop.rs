@@ -1,0 +1,1 @@
+//! Interop with MCP servers nobody here wrote.
