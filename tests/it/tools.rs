@@ -391,3 +391,36 @@ async fn a_rejected_credential_and_a_refused_one_are_typed() {
     assert!(error.is_lease_lost(), "{error:?}");
     orders.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_call_slower_than_its_timeout_is_transient() {
+    let orders = server("orders").await;
+    let mut sessions = ToolSessions::new(
+        reqwest::Client::new(),
+        vec![ToolServerRef {
+            name: "orders".into(),
+            url: orders.url(),
+        }],
+        Arc::new(TestCredentials::default()),
+        None,
+        ToolSessionOptions {
+            call_timeout: Duration::from_millis(300),
+            ..options()
+        },
+    );
+    sessions.tools().await.unwrap();
+    orders.set_latency(Duration::from_secs(30));
+    let error = sessions
+        .call("orders", "echo", args(json!({})), None)
+        .await
+        .unwrap_err();
+    assert!(error.is_transient(), "{error:?}");
+    assert!(error.to_string().contains("no answer within"), "{error}");
+    orders.set_latency(Duration::ZERO);
+    sessions
+        .call("orders", "echo", args(json!({})), None)
+        .await
+        .unwrap();
+    sessions.close().await;
+    orders.shutdown().await;
+}
