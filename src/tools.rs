@@ -325,3 +325,18 @@ impl Drop for ToolSessions {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send<T: Send>(_: &T) {}
+
+    /// The agent spawns each task: the session set and its futures must be `Send`.
+    #[allow(dead_code, clippy::diverging_sub_expression)]
+    fn futures_are_send(mut sessions: ToolSessions) {
+        assert_send(&sessions.tools());
+        assert_send(&sessions.call("s", "t", serde_json::Map::new(), None));
+        assert_send(&sessions.close());
+    }
+}
