@@ -1,3 +1,5 @@
-//! Faithful stand-ins for the systems around the worker (engine, model providers, tool servers), used by the tests and the demo.
+//! The devkit: small, faithful stand-ins for the engine, model providers and tool servers, used
+//! by the tests and by `abada-agent-worker demo`.
 
 pub mod model;
+pub mod tools;

@@ -19,3 +19,4 @@ pub mod provider;
 pub mod runner;
 pub mod secret;
 pub mod telemetry;
+pub mod tools;

@@ -1,5 +1,7 @@
 //! The integration test binary (one binary keeps link time down): one module per area.
 
+mod mcp_interop;
 mod provider;
 mod runner;
 mod support;
+mod tools;

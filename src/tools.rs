@@ -1,0 +1,342 @@
+//! Per-task MCP tool sessions (protocol.md B.2, B.3 and Part C).
+//!
+//! A task builds one [`ToolSessions`] over the tool servers its agent names. A server's session is
+//! opened on first use with a credential asked for at that moment (B.3), sent as
+//! `Authorization: Bearer`; every call carries the task's trace context and, for keyed writes, the
+//! idempotency key in `params._meta`. Every session is closed when the task ends: by
+//! [`ToolSessions::close`], or, if the value is dropped without it (panic, cancellation), by a
+//! closing task spawned from `Drop` on the current runtime.
+//!
+//! Calls take `&mut self`, so calls within one task are sequential by construction, which keeps the
+//! journal's order strict (B.2).
+
+mod session;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde_json::Value;
+
+use crate::conversation::{ToolResult, ToolSpec};
+use crate::secret::Secret;
+
+use session::{Session, SessionFailure};
+
+/// The `_meta` key carrying the idempotency key of a keyed write (protocol.md B.2).
+pub const IDEMPOTENCY_KEY_META: &str = "io.abada/idempotency-key";
+/// The `_meta` key carrying the task's W3C trace context.
+pub const TRACEPARENT_META: &str = "traceparent";
+
+/// One tool server an agent may use, as the agent definition names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolServerRef {
+    /// The name the agent definition and the journal use for the server.
+    pub name: String,
+    /// The streamable HTTP endpoint, e.g. `http://orders-mcp:8080/mcp`.
+    pub url: String,
+}
+
+/// Why a tool credential could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialError {
+    /// The engine refused: the lease is lost (403/409) or the task is no longer ours. The task
+    /// must stop and report nothing.
+    #[error("the engine refused a credential for tool server {server}: the lease is lost")]
+    LeaseLost { server: String },
+    /// The engine could not be asked now (connection error, 5xx, timeout); worth retrying.
+    #[error("could not get a credential for tool server {server}: {reason}")]
+    Transient { server: String, reason: String },
+}
+
+/// Where a task gets the short-lived credential for one tool server (protocol.md B.3). The agent
+/// wires it to the engine's `tool-credentials` call for the task's lease.
+#[async_trait]
+pub trait CredentialSource: Send + Sync {
+    async fn credential(&self, server: &str) -> Result<Secret, CredentialError>;
+}
+
+/// Why a tool listing or call failed. Messages name the server, tool and URL, never a credential.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    /// Connection refused, 5xx, 429, timeout, dropped connection, or a credential that could not be
+    /// fetched for a transient reason. The caller retries a bounded number of times, then fails
+    /// the task technically.
+    #[error("tool server {server} ({url}) is unavailable: {reason}; retry later")]
+    Unavailable {
+        server: String,
+        url: String,
+        reason: String,
+    },
+    /// The engine refused the credential: the lease is lost. Stop the task silently.
+    #[error("the credential for tool server {server} was refused by the engine: the lease is lost")]
+    CredentialRefused { server: String },
+    /// The tool server answered 401/403 to the credential the engine issued for it.
+    #[error(
+        "tool server {server} ({url}) rejected the credential the engine issued for it; check that the engine and the server agree on credentials"
+    )]
+    Unauthorized { server: String, url: String },
+    /// The agent named a server its definition does not list.
+    #[error("unknown tool server {server}; the agent definition lists: {known}")]
+    UnknownServer { server: String, known: String },
+    /// The server does not offer that tool.
+    #[error("tool server {server} ({url}) has no tool named {tool}")]
+    UnknownTool {
+        server: String,
+        url: String,
+        tool: String,
+    },
+    /// The server broke the protocol or answered with a JSON-RPC error.
+    #[error("tool server {server} ({url}) failed{}: {reason}", tool.as_deref().map(|t| format!(" calling {t}")).unwrap_or_default())]
+    Protocol {
+        server: String,
+        url: String,
+        tool: Option<String>,
+        reason: String,
+    },
+}
+
+impl ToolError {
+    /// True when retrying the same call later may succeed.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, ToolError::Unavailable { .. })
+    }
+
+    /// True when the task has lost its lease and must stop without reporting.
+    pub fn is_lease_lost(&self) -> bool {
+        matches!(self, ToolError::CredentialRefused { .. })
+    }
+}
+
+/// Limits of a task's tool sessions.
+#[derive(Clone, Debug)]
+pub struct ToolSessionOptions {
+    /// Time allowed to open a session (credential excluded): connect, discover or initialize.
+    pub open_timeout: Duration,
+    /// Time allowed for one `tools/list` page sequence or one `tools/call`.
+    pub call_timeout: Duration,
+    /// Cap on a tool result kept for the model and the journal, in bytes of its JSON content and
+    /// structured content. A larger result is cut to this size and a text block saying so is
+    /// appended (see [`DEFAULT_MAX_RESULT_BYTES`]).
+    pub max_result_bytes: usize,
+    /// Hard cap on one HTTP response or SSE event from a tool server, bounding memory per call.
+    /// A larger JSON response is not read and the call answers with an error result saying so;
+    /// a larger SSE event ends the session's transport, so the call fails as
+    /// [`ToolError::Unavailable`] and the next call opens a new session.
+    pub max_response_bytes: usize,
+    /// Time allowed to close one session when the task ends.
+    pub close_timeout: Duration,
+    /// How sessions are opened.
+    pub protocol: ToolProtocol,
+}
+
+/// How a session is opened.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ToolProtocol {
+    /// MCP 2026-07-28 (`server/discover`, no session) when the server speaks it, else the
+    /// `initialize` handshake of 2025-11-25 with a server-side session.
+    #[default]
+    Auto,
+    /// Always the `initialize` handshake (2025-11-25).
+    Initialize,
+}
+
+/// Default cap on a tool result kept for the model: 64 KiB.
+pub const DEFAULT_MAX_RESULT_BYTES: usize = 64 * 1024;
+/// Default cap on one response read from a tool server: 4 MiB.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+
+impl Default for ToolSessionOptions {
+    fn default() -> Self {
+        ToolSessionOptions {
+            open_timeout: Duration::from_secs(15),
+            call_timeout: Duration::from_secs(60),
+            max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            close_timeout: Duration::from_secs(5),
+            protocol: ToolProtocol::Auto,
+        }
+    }
+}
+
+/// The MCP sessions of one task: at most one per tool server, opened on first use.
+pub struct ToolSessions {
+    http: reqwest::Client,
+    servers: Vec<ToolServerRef>,
+    credentials: Arc<dyn CredentialSource>,
+    traceparent: Option<String>,
+    options: ToolSessionOptions,
+    /// Open sessions by server name.
+    open: HashMap<String, Session>,
+}
+
+impl ToolSessions {
+    /// Sessions for one task. Nothing is opened until [`tools`](Self::tools) or
+    /// [`call`](Self::call) needs a server.
+    pub fn new(
+        http: reqwest::Client,
+        servers: Vec<ToolServerRef>,
+        credentials: Arc<dyn CredentialSource>,
+        traceparent: Option<String>,
+        options: ToolSessionOptions,
+    ) -> Self {
+        ToolSessions {
+            http,
+            servers,
+            credentials,
+            traceparent,
+            options,
+            open: HashMap::new(),
+        }
+    }
+
+    /// Every tool of every server of the task, opening sessions as needed. The listing of a
+    /// session is fetched once (all pages) and reused.
+    pub async fn tools(&mut self) -> Result<Vec<ToolSpec>, ToolError> {
+        let names: Vec<String> = self.servers.iter().map(|s| s.name.clone()).collect();
+        let mut specs = Vec::new();
+        for name in names {
+            let session = self.session(&name).await?;
+            specs.extend(session.tools().iter().cloned());
+        }
+        Ok(specs)
+    }
+
+    /// Calls one tool. `idempotency_key` is sent in `params._meta["io.abada/idempotency-key"]`
+    /// and the task's traceparent in `params._meta.traceparent`. A session the server expired
+    /// is opened again once, with a fresh credential, and the call re-sent with the same key.
+    pub async fn call(
+        &mut self,
+        server: &str,
+        tool: &str,
+        arguments: serde_json::Map<String, Value>,
+        idempotency_key: Option<&str>,
+    ) -> Result<ToolResult, ToolError> {
+        let mut meta = serde_json::Map::new();
+        if let Some(key) = idempotency_key {
+            meta.insert(IDEMPOTENCY_KEY_META.into(), Value::String(key.into()));
+        }
+        if let Some(tp) = &self.traceparent {
+            meta.insert(TRACEPARENT_META.into(), Value::String(tp.clone()));
+        }
+        let mut reopened = false;
+        loop {
+            let session = self.session(server).await?;
+            if !session.has_tool(tool) {
+                return Err(ToolError::UnknownTool {
+                    server: server.into(),
+                    url: session.url().into(),
+                    tool: tool.into(),
+                });
+            }
+            match session.call(tool, arguments.clone(), meta.clone()).await {
+                Ok(result) => return Ok(result),
+                Err(SessionFailure::Expired) if !reopened => {
+                    reopened = true;
+                    tracing::info!(server, tool, "tool session expired; opening a new one");
+                    if let Some(old) = self.open.remove(server) {
+                        old.close().await;
+                    }
+                }
+                Err(failure) => {
+                    let error = failure.into_tool_error(server, session.url(), Some(tool));
+                    if matches!(
+                        error,
+                        ToolError::Unavailable { .. } | ToolError::Unauthorized { .. }
+                    ) {
+                        // The session may be dead: the caller's retry opens a new one.
+                        if let Some(old) = self.open.remove(server) {
+                            old.close().await;
+                        }
+                    }
+                    return Err(error);
+                }
+            }
+        }
+    }
+
+    /// Closes every open session (HTTP DELETE of the session for stateful servers).
+    pub async fn close(mut self) {
+        let sessions: Vec<Session> = self.open.drain().map(|(_, s)| s).collect();
+        futures::future::join_all(sessions.into_iter().map(Session::close)).await;
+    }
+
+    /// Names of the servers with an open session (for logs and tests).
+    pub fn open_servers(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.open.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    async fn session(&mut self, server: &str) -> Result<&mut Session, ToolError> {
+        if !self.open.contains_key(server) {
+            let Some(server_ref) = self.servers.iter().find(|s| s.name == server).cloned() else {
+                return Err(ToolError::UnknownServer {
+                    server: server.into(),
+                    known: self
+                        .servers
+                        .iter()
+                        .map(|s| s.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            };
+            let credential = self
+                .credentials
+                .credential(server)
+                .await
+                .map_err(|e| match e {
+                    CredentialError::LeaseLost { .. } => ToolError::CredentialRefused {
+                        server: server.into(),
+                    },
+                    CredentialError::Transient { reason, .. } => ToolError::Unavailable {
+                        server: server.into(),
+                        url: server_ref.url.clone(),
+                        reason: format!("no credential: {reason}"),
+                    },
+                })?;
+            let session = Session::open(&self.http, &server_ref, credential, &self.options)
+                .await
+                .map_err(|failure| failure.into_tool_error(server, &server_ref.url, None))?;
+            self.open.insert(server.to_owned(), session);
+        }
+        Ok(self.open.get_mut(server).expect("inserted above"))
+    }
+}
+
+impl Drop for ToolSessions {
+    fn drop(&mut self) {
+        if self.open.is_empty() {
+            return;
+        }
+        let sessions: Vec<Session> = self.open.drain().map(|(_, s)| s).collect();
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    futures::future::join_all(sessions.into_iter().map(Session::close)).await;
+                });
+            }
+            Err(_) => {
+                // No runtime left: dropping each client cancels its transport, which closes the
+                // connection; the server expires the session on its own.
+                drop(sessions);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send<T: Send>(_: &T) {}
+
+    /// The agent spawns each task: the session set and its futures must be `Send`.
+    #[allow(dead_code, clippy::diverging_sub_expression)]
+    fn futures_are_send(mut sessions: ToolSessions) {
+        assert_send(&sessions.tools());
+        assert_send(&sessions.call("s", "t", serde_json::Map::new(), None));
+        assert_send(&sessions.close());
+    }
+}

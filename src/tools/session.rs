@@ -1,0 +1,438 @@
+//! One open MCP session with one tool server: opening it (rmcp client over streamable HTTP with
+//! the task's credential), its tool listing, calls, closing it, and the mapping of rmcp's errors
+//! to what a caller acts on.
+
+use std::error::Error as StdError;
+
+use rmcp::model::{
+    CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig, Implementation,
+    MetaObject, ProtocolVersion, RequestMetaObject,
+};
+use rmcp::service::RunningService;
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::transport::streamable_http_client::{
+    StreamableHttpClientTransportConfig, StreamableHttpError,
+};
+use rmcp::{ClientLifecycleMode, ClientServiceExt, RoleClient, ServiceError};
+use serde_json::Value;
+
+use super::{ToolError, ToolProtocol, ToolServerRef, ToolSessionOptions};
+use crate::conversation::{ToolResult, ToolSpec};
+use crate::secret::Secret;
+
+/// What went wrong with a session, before it is named with server and tool.
+#[derive(Debug)]
+pub(crate) enum SessionFailure {
+    /// The server no longer knows the session (HTTP 404 on its session id).
+    Expired,
+    /// The server answered 401/403 to our credential.
+    Unauthorized,
+    /// Worth retrying later: connection, 5xx, 429, timeout, closed stream.
+    Unavailable(String),
+    /// The response was larger than the transport's byte cap and was not read.
+    TooLarge(usize),
+    /// A protocol violation or a JSON-RPC error.
+    Protocol(String),
+    /// `server/discover` answered, but the server supports only versions with `initialize`.
+    LegacyOnly,
+}
+
+impl SessionFailure {
+    pub(crate) fn into_tool_error(self, server: &str, url: &str, tool: Option<&str>) -> ToolError {
+        let (server, url) = (server.to_owned(), url.to_owned());
+        match self {
+            SessionFailure::Unauthorized => ToolError::Unauthorized { server, url },
+            SessionFailure::Unavailable(reason) => ToolError::Unavailable {
+                server,
+                url,
+                reason,
+            },
+            SessionFailure::Expired => ToolError::Unavailable {
+                server,
+                url,
+                reason: "the server expired the session again right after it was re-opened".into(),
+            },
+            SessionFailure::TooLarge(max) => ToolError::Protocol {
+                server,
+                url,
+                tool: tool.map(str::to_owned),
+                reason: format!("the response exceeded {max} bytes and was not read"),
+            },
+            SessionFailure::LegacyOnly => ToolError::Protocol {
+                server,
+                url,
+                tool: tool.map(str::to_owned),
+                reason: "the server supports no protocol version this client speaks".into(),
+            },
+            SessionFailure::Protocol(reason) => ToolError::Protocol {
+                server,
+                url,
+                tool: tool.map(str::to_owned),
+                reason,
+            },
+        }
+    }
+}
+
+/// An open session and the tools it lists.
+pub(crate) struct Session {
+    url: String,
+    client: RunningService<RoleClient, ClientConfig>,
+    tools: Vec<ToolSpec>,
+    options: ToolSessionOptions,
+}
+
+impl Session {
+    /// Opens a session (discover or initialize) and lists its tools, all pages.
+    pub(crate) async fn open(
+        http: &reqwest::Client,
+        server: &ToolServerRef,
+        credential: Secret,
+        options: &ToolSessionOptions,
+    ) -> Result<Session, SessionFailure> {
+        let client = match connect(http, server, &credential, options, options.protocol).await {
+            // A server that answers `server/discover` but supports only versions with the
+            // `initialize` handshake: open a session the older way.
+            Err(SessionFailure::LegacyOnly) if options.protocol == ToolProtocol::Auto => {
+                connect(http, server, &credential, options, ToolProtocol::Initialize).await?
+            }
+            other => other?,
+        };
+        let mut session = Session {
+            url: server.url.clone(),
+            client,
+            tools: Vec::new(),
+            options: options.clone(),
+        };
+        let listed = match tokio::time::timeout(
+            options.call_timeout,
+            session.client.peer().list_all_tools(),
+        )
+        .await
+        {
+            Err(_) => Err(SessionFailure::Unavailable(format!(
+                "tools/list had no answer within {:?}",
+                options.call_timeout
+            ))),
+            Ok(Err(e)) => Err(classify_service(&e)),
+            Ok(Ok(tools)) => Ok(tools),
+        };
+        let tools = match listed {
+            Ok(tools) => tools,
+            Err(failure) => {
+                session.close().await;
+                return Err(failure);
+            }
+        };
+        session.tools = tools
+            .into_iter()
+            .map(|tool| ToolSpec {
+                server: server.name.clone(),
+                tool: tool.name.to_string(),
+                description: tool.description.as_deref().unwrap_or_default().to_owned(),
+                input_schema: Value::Object((*tool.input_schema).clone()),
+                read_only: tool
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.read_only_hint)
+                    .unwrap_or(false),
+            })
+            .collect();
+        Ok(session)
+    }
+
+    pub(crate) fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub(crate) fn tools(&self) -> &[ToolSpec] {
+        &self.tools
+    }
+
+    pub(crate) fn has_tool(&self, tool: &str) -> bool {
+        self.tools.iter().any(|t| t.tool == tool)
+    }
+
+    /// One `tools/call` with `meta` as `params._meta`.
+    pub(crate) async fn call(
+        &self,
+        tool: &str,
+        arguments: serde_json::Map<String, Value>,
+        meta: serde_json::Map<String, Value>,
+    ) -> Result<ToolResult, SessionFailure> {
+        let mut params = CallToolRequestParams::new(tool.to_owned()).with_arguments(arguments);
+        if !meta.is_empty() {
+            params.meta = Some(RequestMetaObject(MetaObject(meta)));
+        }
+        match tokio::time::timeout(
+            self.options.call_timeout,
+            self.client.peer().call_tool(params),
+        )
+        .await
+        {
+            Err(_) => Err(SessionFailure::Unavailable(format!(
+                "no answer within {:?}",
+                self.options.call_timeout
+            ))),
+            Ok(Ok(result)) => Ok(cap_result(
+                convert_result(result),
+                self.options.max_result_bytes,
+            )),
+            Ok(Err(e)) => match classify_service(&e) {
+                SessionFailure::TooLarge(max) => Ok(ToolResult::error_text(format!(
+                    "the tool result was larger than {max} bytes and was discarded"
+                ))),
+                other => Err(other),
+            },
+        }
+    }
+
+    /// Closes the session (a DELETE of the session id for stateful servers), bounded in time.
+    pub(crate) async fn close(mut self) {
+        match self
+            .client
+            .close_with_timeout(self.options.close_timeout)
+            .await
+        {
+            Ok(Some(_)) => {}
+            Ok(None) => tracing::warn!(url = %self.url, "closing a tool session timed out"),
+            Err(e) => tracing::warn!(url = %self.url, error = %e, "closing a tool session failed"),
+        }
+    }
+}
+
+/// Opens the transport and runs the lifecycle start (discover, or initialize).
+async fn connect(
+    http: &reqwest::Client,
+    server: &ToolServerRef,
+    credential: &Secret,
+    options: &ToolSessionOptions,
+    protocol: ToolProtocol,
+) -> Result<RunningService<RoleClient, ClientConfig>, SessionFailure> {
+    let config = StreamableHttpClientTransportConfig::with_uri(server.url.as_str())
+        .auth_header(credential.expose())
+        // We re-open expired sessions ourselves, with a fresh credential.
+        .reinit_on_expired_session(false)
+        .max_json_response_size(options.max_response_bytes)
+        .max_sse_event_size(options.max_response_bytes);
+    let transport = StreamableHttpClientTransport::with_client(http.clone(), config);
+    let info = ClientConfig::new(
+        ClientCapabilities::default(),
+        Implementation::new("abada-agent-worker", env!("CARGO_PKG_VERSION")),
+    );
+    let (info, lifecycle) = match protocol {
+        ToolProtocol::Auto => (
+            info,
+            ClientLifecycleMode::Auto {
+                preferred_versions: vec![ProtocolVersion::LATEST],
+                legacy_version: Some(ProtocolVersion::LATEST_WITH_INITIALIZE),
+            },
+        ),
+        ToolProtocol::Initialize => (
+            info.with_protocol_version(ProtocolVersion::LATEST_WITH_INITIALIZE),
+            ClientLifecycleMode::Initialize,
+        ),
+    };
+    match tokio::time::timeout(
+        options.open_timeout,
+        info.serve_with_lifecycle(transport, lifecycle),
+    )
+    .await
+    {
+        Err(_) => Err(SessionFailure::Unavailable(format!(
+            "no session within {:?}",
+            options.open_timeout
+        ))),
+        Ok(Err(e)) => Err(classify_init(&e)),
+        Ok(Ok(client)) => Ok(client),
+    }
+}
+
+fn convert_result(result: CallToolResult) -> ToolResult {
+    ToolResult {
+        content: result
+            .content
+            .iter()
+            .filter_map(|block| serde_json::to_value(block).ok())
+            .collect(),
+        structured_content: result.structured_content,
+        is_error: result.is_error.unwrap_or(false),
+    }
+}
+
+/// Cuts a result to about `cap` bytes of JSON: blocks are kept in order while they fit, the
+/// first text block that does not fit is cut at a character boundary, other blocks that do not fit
+/// are dropped, structured content is kept only if it fits, and a text block saying what was cut
+/// is appended.
+pub(crate) fn cap_result(result: ToolResult, cap: usize) -> ToolResult {
+    let size_of = |v: &Value| {
+        serde_json::to_string(v)
+            .map(|s| s.len())
+            .unwrap_or(usize::MAX)
+    };
+    let total: usize = result.content.iter().map(size_of).sum::<usize>()
+        + result.structured_content.as_ref().map(size_of).unwrap_or(0);
+    if total <= cap {
+        return result;
+    }
+    let mut budget = cap;
+    let mut content = Vec::new();
+    for block in result.content {
+        let size = size_of(&block);
+        if size <= budget {
+            budget -= size;
+            content.push(block);
+            continue;
+        }
+        if let (Some("text"), Some(Value::String(text))) =
+            (block.get("type").and_then(Value::as_str), block.get("text"))
+        {
+            // JSON escaping may make the kept text slightly larger than the budget; the cap
+            // is about size, not exact bytes.
+            let overhead = 32;
+            if budget > overhead {
+                let mut end = (budget - overhead).min(text.len());
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                content.push(serde_json::json!({"type": "text", "text": &text[..end]}));
+            }
+        }
+        budget = 0;
+    }
+    let structured_content = result.structured_content.filter(|s| size_of(s) <= budget);
+    content.push(serde_json::json!({
+        "type": "text",
+        "text": format!("[the tool result was {total} bytes; only the first {cap} bytes were kept]"),
+    }));
+    ToolResult {
+        content,
+        structured_content,
+        is_error: result.is_error,
+    }
+}
+
+fn classify_init(error: &rmcp::service::ClientInitializeError) -> SessionFailure {
+    use rmcp::service::ClientInitializeError as E;
+    match error {
+        E::TransportError { error, .. } => classify_chain(error.error.as_ref()),
+        E::LegacyFallbackFailed { fallback, .. } => classify_init(fallback),
+        E::ConnectionClosed(reason) => {
+            SessionFailure::Unavailable(format!("the connection closed: {reason}"))
+        }
+        E::Cancelled => SessionFailure::Unavailable("opening the session was cancelled".into()),
+        E::NoCompatibleProtocolVersion {
+            server_supported, ..
+        } if !server_supported.is_empty()
+            && server_supported.iter().all(ProtocolVersion::has_initialize) =>
+        {
+            SessionFailure::LegacyOnly
+        }
+        other => SessionFailure::Protocol(other.to_string()),
+    }
+}
+
+fn classify_service(error: &ServiceError) -> SessionFailure {
+    match error {
+        ServiceError::TransportSend(e) => classify_chain(e.error.as_ref()),
+        ServiceError::McpError(e) => {
+            SessionFailure::Protocol(format!("JSON-RPC error {}: {}", e.code.0, e.message))
+        }
+        ServiceError::TransportClosed => {
+            SessionFailure::Unavailable("the connection to the server closed".into())
+        }
+        ServiceError::Timeout { timeout } => {
+            SessionFailure::Unavailable(format!("no answer within {timeout:?}"))
+        }
+        other => SessionFailure::Protocol(other.to_string()),
+    }
+}
+
+fn classify_chain(top: &(dyn StdError + Send + Sync + 'static)) -> SessionFailure {
+    let mut current: Option<&(dyn StdError + 'static)> = Some(top);
+    while let Some(error) = current {
+        if let Some(http) = error.downcast_ref::<StreamableHttpError<reqwest::Error>>() {
+            return classify_http(http);
+        }
+        if let Some(e) = error.downcast_ref::<reqwest::Error>() {
+            return SessionFailure::Unavailable(describe_reqwest(e));
+        }
+        current = error.source();
+    }
+    SessionFailure::Unavailable(top.to_string())
+}
+
+fn classify_http(error: &StreamableHttpError<reqwest::Error>) -> SessionFailure {
+    use StreamableHttpError as H;
+    match error {
+        H::SessionExpired => SessionFailure::Expired,
+        H::AuthRequired(_) | H::InsufficientScope(_) => SessionFailure::Unauthorized,
+        H::ResponseBodyTooLarge { max_size } => SessionFailure::TooLarge(*max_size),
+        H::HttpStatus(status) => SessionFailure::Unavailable(format!("HTTP {}", status.status)),
+        H::Client(e) => SessionFailure::Unavailable(describe_reqwest(e)),
+        H::Io(_)
+        | H::Sse(_)
+        | H::UnexpectedEndOfStream
+        | H::TransportChannelClosed
+        | H::TokioJoinError(_)
+        | H::ControlRequestTimeout
+        | H::SessionRecoveryTimeout => SessionFailure::Unavailable(error.to_string()),
+        other => SessionFailure::Protocol(other.to_string()),
+    }
+}
+
+fn describe_reqwest(e: &reqwest::Error) -> String {
+    let kind = if e.is_connect() {
+        "cannot connect"
+    } else if e.is_timeout() {
+        "timed out"
+    } else {
+        "HTTP error"
+    };
+    let mut text = format!("{kind}: {e}");
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn small_results_are_kept_whole() {
+        let r = ToolResult {
+            content: vec![json!({"type": "text", "text": "hello"})],
+            structured_content: Some(json!({"a": 1})),
+            is_error: false,
+        };
+        assert_eq!(cap_result(r.clone(), 1024), r);
+    }
+
+    #[test]
+    fn large_results_are_cut_with_a_note() {
+        let big = "é".repeat(10_000);
+        let r = ToolResult {
+            content: vec![
+                json!({"type": "text", "text": "first"}),
+                json!({"type": "text", "text": big}),
+                json!({"type": "image", "data": "x".repeat(5000), "mimeType": "image/png"}),
+            ],
+            structured_content: Some(json!({"big": "y".repeat(5000)})),
+            is_error: true,
+        };
+        let capped = cap_result(r, 1000);
+        let size: usize = capped.content.iter().map(|b| b.to_string().len()).sum();
+        assert!(size < 1200, "{size}");
+        assert!(capped.is_error);
+        assert!(capped.structured_content.is_none());
+        assert_eq!(capped.content[0]["text"], "first");
+        let note = capped.content.last().unwrap()["text"].as_str().unwrap();
+        assert!(note.contains("only the first 1000 bytes"), "{note}");
+    }
+}

@@ -1,0 +1,214 @@
+//! Interop: ToolSessions (rmcp client) against MCP servers nobody here wrote: the official
+//! reference server `@modelcontextprotocol/server-everything` (Node) and a server built with the
+//! Python `mcp` SDK (tests/interop/python_server.py).
+//!
+//! The peers are installed by `scripts/install-interop-peers` into `target/interop/`. When they
+//! are missing these tests fail and say so, unless `ABADA_SKIP_INTEROP=1`.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use abada_agent_worker::secret::Secret;
+use abada_agent_worker::tools::{
+    CredentialError, CredentialSource, ToolServerRef, ToolSessionOptions, ToolSessions,
+};
+use async_trait::async_trait;
+use serde_json::{Map, Value, json};
+use tokio::process::{Child, Command};
+
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// `<server>-credential` for every server.
+struct NamedCredentials;
+
+#[async_trait]
+impl CredentialSource for NamedCredentials {
+    async fn credential(&self, server: &str) -> Result<Secret, CredentialError> {
+        Ok(Secret::new(format!("{server}-credential")))
+    }
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The installed peer at `relative` under target/interop/, or None when the tests are skipped.
+fn peer(relative: &str) -> Option<PathBuf> {
+    let path = repo().join("target/interop").join(relative);
+    if path.exists() {
+        return Some(path);
+    }
+    if std::env::var("ABADA_SKIP_INTEROP").as_deref() == Ok("1") {
+        eprintln!("skipping interop test: {} is missing", path.display());
+        return None;
+    }
+    panic!(
+        "interop peer {} is missing: run scripts/install-interop-peers (or set ABADA_SKIP_INTEROP=1 to skip these tests)",
+        path.display()
+    );
+}
+
+/// A free loopback port: bind port 0, read it, release it.
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// Waits until the child listens on the port, failing if it exits first.
+async fn wait_listening(child: &mut Child, port: u16, what: &str) {
+    for _ in 0..600 {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("{what} exited before listening on 127.0.0.1:{port}: {status}");
+        }
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{what} did not listen on 127.0.0.1:{port} within 30 s");
+}
+
+fn sessions(name: &str, port: u16) -> ToolSessions {
+    ToolSessions::new(
+        reqwest::Client::new(),
+        vec![ToolServerRef {
+            name: name.into(),
+            url: format!("http://127.0.0.1:{port}/mcp"),
+        }],
+        Arc::new(NamedCredentials),
+        Some(TRACEPARENT.into()),
+        ToolSessionOptions {
+            open_timeout: Duration::from_secs(20),
+            call_timeout: Duration::from_secs(20),
+            ..Default::default()
+        },
+    )
+}
+
+fn args(value: Value) -> Map<String, Value> {
+    match value {
+        Value::Object(map) => map,
+        _ => panic!("arguments must be an object"),
+    }
+}
+
+fn spawn(command: &mut Command) -> Child {
+    command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn reference_server_everything() {
+    let Some(bin) = peer("node/node_modules/.bin/mcp-server-everything") else {
+        return;
+    };
+    let preload: &Path = &repo().join("tests/interop/force-loopback.js");
+    let port = free_port();
+    let mut child = spawn(
+        Command::new("node")
+            .arg("-r")
+            .arg(preload)
+            .arg(&bin)
+            .arg("streamableHttp")
+            .env("PORT", port.to_string()),
+    );
+    wait_listening(&mut child, port, "mcp-server-everything").await;
+
+    let mut sessions = sessions("everything", port);
+    let tools = sessions.tools().await.unwrap();
+    let read_only = |name: &str| {
+        tools
+            .iter()
+            .find(|t| t.tool == name)
+            .unwrap_or_else(|| panic!("no tool {name} in {tools:?}"))
+            .read_only
+    };
+    assert!(read_only("echo"));
+    assert!(read_only("get-sum"));
+    assert!(!read_only("toggle-simulated-logging"));
+    assert!(tools.iter().all(|t| t.server == "everything"));
+
+    let echo = sessions
+        .call("everything", "echo", args(json!({"message": "hi"})), None)
+        .await
+        .unwrap();
+    assert!(!echo.is_error, "isError absent means false: {echo:?}");
+    assert_eq!(echo.to_model_text(), "Echo: hi");
+
+    let sum = sessions
+        .call(
+            "everything",
+            "get-sum",
+            args(json!({"a": 2, "b": 3})),
+            Some("abada:t-1:2"),
+        )
+        .await
+        .unwrap();
+    assert!(sum.to_model_text().contains("is 5"), "{sum:?}");
+    sessions.close().await;
+    child.kill().await.unwrap();
+}
+
+#[tokio::test]
+async fn python_sdk_server_receives_key_traceparent_and_credential() {
+    let Some(python) = peer("venv/bin/python") else {
+        return;
+    };
+    let port = free_port();
+    let mut child = spawn(
+        Command::new(python)
+            .arg(repo().join("tests/interop/python_server.py"))
+            .arg(port.to_string()),
+    );
+    wait_listening(&mut child, port, "python_server.py").await;
+
+    let mut sessions = sessions("pyorders", port);
+    let tools = sessions.tools().await.unwrap();
+    let spec = |name: &str| tools.iter().find(|t| t.tool == name).unwrap().clone();
+    assert!(spec("shout").read_only);
+    assert!(!spec("record_key").read_only);
+    assert_eq!(
+        spec("record_key").input_schema["properties"]["note"]["type"],
+        "string"
+    );
+
+    let shout = sessions
+        .call("pyorders", "shout", args(json!({"text": "hey"})), None)
+        .await
+        .unwrap();
+    assert!(shout.to_model_text().contains("HEY"), "{shout:?}");
+
+    let result = sessions
+        .call(
+            "pyorders",
+            "record_key",
+            args(json!({"note": "refund"})),
+            Some("abada:c0a8-task:4"),
+        )
+        .await
+        .unwrap();
+    assert!(!result.is_error, "{result:?}");
+    let seen = match &result.structured_content {
+        Some(Value::Object(map)) if map.contains_key("idempotencyKey") => {
+            Value::Object(map.clone())
+        }
+        Some(Value::Object(map)) if map.contains_key("result") => map["result"].clone(),
+        _ => serde_json::from_str(&result.to_model_text()).unwrap(),
+    };
+    assert_eq!(seen["idempotencyKey"], "abada:c0a8-task:4", "{result:?}");
+    assert_eq!(seen["traceparent"], TRACEPARENT);
+    assert_eq!(seen["authorization"], "Bearer pyorders-credential");
+    assert_eq!(seen["note"], "refund");
+    sessions.close().await;
+    child.kill().await.unwrap();
+}

@@ -1,0 +1,426 @@
+//! ToolSessions (src/tools.rs) against the devkit MCP tool server (src/devkit/tools.rs).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use abada_agent_worker::devkit::tools::{AcceptAny, StaticTokens, ToolServer, ToolServerOptions};
+use abada_agent_worker::secret::Secret;
+use abada_agent_worker::tools::{
+    CredentialError, CredentialSource, ToolError, ToolServerRef, ToolSessionOptions, ToolSessions,
+};
+use async_trait::async_trait;
+use serde_json::{Map, Value, json};
+
+const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+
+/// Hands out `<server>-token-<n>` (n counts per server from 1), or refuses every request.
+#[derive(Default)]
+pub struct TestCredentials {
+    issued: Mutex<HashMap<String, u64>>,
+    pub refuse: bool,
+    pub fixed: Option<String>,
+    pub requests: AtomicU64,
+}
+
+impl TestCredentials {
+    pub fn fixed(token: &str) -> Self {
+        TestCredentials {
+            fixed: Some(token.into()),
+            ..Default::default()
+        }
+    }
+}
+
+#[async_trait]
+impl CredentialSource for TestCredentials {
+    async fn credential(&self, server: &str) -> Result<Secret, CredentialError> {
+        self.requests.fetch_add(1, Ordering::SeqCst);
+        if self.refuse {
+            return Err(CredentialError::LeaseLost {
+                server: server.into(),
+            });
+        }
+        if let Some(token) = &self.fixed {
+            return Ok(Secret::new(token.clone()));
+        }
+        let mut issued = self.issued.lock().unwrap();
+        let n = issued.entry(server.to_owned()).or_default();
+        *n += 1;
+        Ok(Secret::new(format!("{server}-token-{n}")))
+    }
+}
+
+async fn server(name: &str) -> ToolServer {
+    ToolServer::start(ToolServerOptions::new(name, Arc::new(AcceptAny)))
+        .await
+        .unwrap()
+}
+
+fn options() -> ToolSessionOptions {
+    ToolSessionOptions {
+        open_timeout: Duration::from_secs(10),
+        call_timeout: Duration::from_secs(10),
+        ..Default::default()
+    }
+}
+
+fn sessions_for(servers: &[&ToolServer], credentials: Arc<dyn CredentialSource>) -> ToolSessions {
+    ToolSessions::new(
+        reqwest::Client::new(),
+        servers
+            .iter()
+            .map(|s| ToolServerRef {
+                name: s.name().to_owned(),
+                url: s.url(),
+            })
+            .collect(),
+        credentials,
+        Some(TRACEPARENT.to_owned()),
+        options(),
+    )
+}
+
+fn args(value: Value) -> Map<String, Value> {
+    match value {
+        Value::Object(map) => map,
+        _ => panic!("arguments must be an object"),
+    }
+}
+
+#[tokio::test]
+async fn lists_tools_with_read_only_annotations() {
+    let orders = server("orders").await;
+    let mut sessions = sessions_for(&[&orders], Arc::new(TestCredentials::default()));
+    let tools = sessions.tools().await.unwrap();
+    let by_name: HashMap<&str, bool> = tools
+        .iter()
+        .map(|t| (t.tool.as_str(), t.read_only))
+        .collect();
+    assert_eq!(by_name.len(), 3, "{tools:?}");
+    assert!(by_name["lookup_order"]);
+    assert!(by_name["echo"]);
+    assert!(!by_name["issue_refund"]);
+    assert!(tools.iter().all(|t| t.server == "orders"));
+    let lookup = tools.iter().find(|t| t.tool == "lookup_order").unwrap();
+    assert_eq!(lookup.input_schema["required"], json!(["orderId"]));
+
+    let result = sessions
+        .call(
+            "orders",
+            "lookup_order",
+            args(json!({"orderId": "o-1"})),
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(!result.is_error);
+    assert_eq!(
+        result.structured_content.as_ref().unwrap()["orderId"],
+        "o-1"
+    );
+    sessions.close().await;
+    orders.shutdown().await;
+}
+
+#[tokio::test]
+async fn keyed_write_is_applied_once_and_carries_key_and_traceparent() {
+    let orders = server("orders").await;
+    let mut sessions = sessions_for(&[&orders], Arc::new(TestCredentials::default()));
+    let refund = args(json!({"orderId": "o-7", "amountCents": 1250}));
+    let first = sessions
+        .call(
+            "orders",
+            "issue_refund",
+            refund.clone(),
+            Some("abada:t-1:4"),
+        )
+        .await
+        .unwrap();
+    let second = sessions
+        .call(
+            "orders",
+            "issue_refund",
+            refund.clone(),
+            Some("abada:t-1:4"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(first, second, "a repeated key returns the first result");
+    let unkeyed = sessions
+        .call("orders", "issue_refund", refund, None)
+        .await
+        .unwrap();
+    assert_ne!(unkeyed, first);
+
+    let counters = orders.counters().await;
+    assert_eq!(counters.writes_applied, 2);
+    assert_eq!(counters.writes_unkeyed, 1);
+    assert_eq!(counters.duplicates, 1);
+    assert_eq!(counters.duplicates_per_key["abada:t-1:4"], 1);
+    assert_eq!(counters.calls_per_tool["issue_refund"], 3);
+
+    let calls = orders.calls();
+    assert_eq!(calls[0].idempotency_key.as_deref(), Some("abada:t-1:4"));
+    assert_eq!(calls[1].idempotency_key.as_deref(), Some("abada:t-1:4"));
+    assert_eq!(calls[2].idempotency_key, None);
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.traceparent.as_deref() == Some(TRACEPARENT))
+    );
+    sessions.close().await;
+    orders.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_credential_goes_only_to_its_own_server() {
+    let orders = server("orders").await;
+    let billing = server("billing").await;
+    let mut sessions = sessions_for(&[&orders, &billing], Arc::new(TestCredentials::default()));
+    let tools = sessions.tools().await.unwrap();
+    assert_eq!(tools.len(), 6);
+    sessions
+        .call("orders", "echo", args(json!({"to": "orders"})), None)
+        .await
+        .unwrap();
+    sessions
+        .call("billing", "echo", args(json!({"to": "billing"})), None)
+        .await
+        .unwrap();
+    let orders_calls = orders.calls();
+    let billing_calls = billing.calls();
+    assert_eq!(orders_calls.len(), 1);
+    assert_eq!(billing_calls.len(), 1);
+    assert_eq!(orders_calls[0].token.as_deref(), Some("orders-token-1"));
+    assert_eq!(billing_calls[0].token.as_deref(), Some("billing-token-1"));
+    assert_eq!(orders_calls[0].arguments, json!({"to": "orders"}));
+    sessions.close().await;
+    orders.shutdown().await;
+    billing.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_expired_session_is_reopened_once_with_a_new_credential() {
+    let orders = server("orders").await;
+    let credentials = Arc::new(TestCredentials::default());
+    let mut sessions = sessions_for(&[&orders], credentials.clone());
+    let refund = args(json!({"orderId": "o-9", "amountCents": 500}));
+    sessions
+        .call(
+            "orders",
+            "lookup_order",
+            args(json!({"orderId": "o-9"})),
+            None,
+        )
+        .await
+        .unwrap();
+    orders.expire_sessions().await;
+    let result = sessions
+        .call("orders", "issue_refund", refund, Some("abada:t-2:3"))
+        .await
+        .unwrap();
+    assert!(!result.is_error);
+    assert_eq!(credentials.requests.load(Ordering::SeqCst), 2);
+    let calls = orders.calls();
+    let last = calls.last().unwrap();
+    assert_eq!(last.idempotency_key.as_deref(), Some("abada:t-2:3"));
+    assert_eq!(last.token.as_deref(), Some("orders-token-2"));
+    assert_ne!(calls[0].session_id, last.session_id);
+    let counters = orders.counters().await;
+    assert_eq!(counters.sessions_opened, 2);
+    assert_eq!(counters.sessions_expired, 1);
+    assert_eq!(counters.writes_applied, 1);
+    sessions.close().await;
+    assert_eq!(orders.counters().await.sessions_open, 0);
+    orders.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_down_server_gives_a_transient_error_and_recovers() {
+    let orders = server("orders").await;
+    let mut sessions = sessions_for(&[&orders], Arc::new(TestCredentials::default()));
+    orders.set_down(true);
+    let error = sessions.tools().await.unwrap_err();
+    assert!(error.is_transient(), "{error:?}");
+    assert!(error.to_string().contains(&orders.url()), "{error}");
+    orders.set_down(false);
+    sessions.tools().await.unwrap();
+
+    // Down in the middle of a session: the call fails transiently, the retry reopens.
+    orders.set_down(true);
+    let error = sessions
+        .call("orders", "echo", args(json!({})), None)
+        .await
+        .unwrap_err();
+    assert!(error.is_transient(), "{error:?}");
+    orders.set_down(false);
+    sessions
+        .call("orders", "echo", args(json!({})), None)
+        .await
+        .unwrap();
+    sessions.close().await;
+    orders.shutdown().await;
+
+    // Nobody listening at all.
+    let mut sessions = sessions_for(&[&orders], Arc::new(TestCredentials::default()));
+    let error = sessions.tools().await.unwrap_err();
+    assert!(matches!(error, ToolError::Unavailable { .. }), "{error:?}");
+}
+
+#[tokio::test]
+async fn oversized_results_are_capped_with_a_note_and_error_results_pass_through() {
+    let orders = server("orders").await;
+    let mut sessions = ToolSessions::new(
+        reqwest::Client::new(),
+        vec![ToolServerRef {
+            name: "orders".into(),
+            url: orders.url(),
+        }],
+        Arc::new(TestCredentials::default()),
+        None,
+        ToolSessionOptions {
+            max_result_bytes: 4096,
+            max_response_bytes: 512 * 1024,
+            ..options()
+        },
+    );
+    orders.set_oversized_results(Some(100_000));
+    let result = sessions
+        .call("orders", "echo", args(json!({"a": 1})), None)
+        .await
+        .unwrap();
+    let size: usize = result.content.iter().map(|b| b.to_string().len()).sum();
+    assert!(size < 4096 + 200, "{size}");
+    assert!(result.to_model_text().contains("only the first 4096 bytes"));
+
+    // Larger than the transport cap: never buffered whole. Over SSE (this server's stateful
+    // mode) the transport gives up on the session, the call fails as unavailable, and the next
+    // call opens a new session.
+    orders.set_oversized_results(Some(1024 * 1024));
+    match sessions
+        .call("orders", "echo", args(json!({"a": 1})), None)
+        .await
+    {
+        Ok(result) => assert!(result.is_error && result.to_model_text().contains("larger than")),
+        Err(error) => assert!(error.is_transient(), "{error:?}"),
+    }
+    orders.set_oversized_results(None);
+
+    orders.set_error_results(true);
+    let result = sessions
+        .call("orders", "echo", args(json!({"a": 1})), None)
+        .await
+        .unwrap();
+    assert!(result.is_error);
+    assert!(result.to_model_text().contains("injected failure"));
+    assert_eq!(orders.calls().last().unwrap().traceparent, None);
+    sessions.close().await;
+    orders.shutdown().await;
+}
+
+#[tokio::test]
+async fn close_leaves_no_session_open_and_drop_closes_too() {
+    let orders = server("orders").await;
+    let billing = server("billing").await;
+    let mut sessions = sessions_for(&[&orders, &billing], Arc::new(TestCredentials::default()));
+    sessions.tools().await.unwrap();
+    assert_eq!(orders.counters().await.sessions_open, 1);
+    assert_eq!(billing.counters().await.sessions_open, 1);
+    sessions.close().await;
+    for server in [&orders, &billing] {
+        let counters = server.counters().await;
+        assert_eq!(counters.sessions_open, 0, "{counters:?}");
+        assert_eq!(counters.sessions_closed, 1);
+    }
+
+    // Dropped without close (a cancelled task): closed in the background.
+    let mut sessions = sessions_for(&[&orders], Arc::new(TestCredentials::default()));
+    sessions.tools().await.unwrap();
+    assert_eq!(orders.counters().await.sessions_open, 1);
+    drop(sessions);
+    let mut waited = 0;
+    while orders.counters().await.sessions_open > 0 {
+        waited += 1;
+        assert!(waited < 500, "the dropped session was never closed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(orders.counters().await.sessions_closed, 2);
+    orders.shutdown().await;
+    billing.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_rejected_credential_and_a_refused_one_are_typed() {
+    let orders = ToolServer::start(ToolServerOptions::new(
+        "orders",
+        Arc::new(StaticTokens::new(["good-token"])),
+    ))
+    .await
+    .unwrap();
+    let mut sessions = sessions_for(&[&orders], Arc::new(TestCredentials::fixed("bad-token")));
+    let error = sessions.tools().await.unwrap_err();
+    assert!(matches!(error, ToolError::Unauthorized { .. }), "{error:?}");
+    assert!(!error.to_string().contains("bad-token"));
+    assert!(orders.counters().await.unauthorized >= 1);
+
+    let mut sessions = sessions_for(&[&orders], Arc::new(TestCredentials::fixed("good-token")));
+    sessions.tools().await.unwrap();
+    let error = sessions
+        .call("orders", "nope", Map::new(), None)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, ToolError::UnknownTool { .. }), "{error:?}");
+    let error = sessions
+        .call("elsewhere", "echo", Map::new(), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, ToolError::UnknownServer { .. }),
+        "{error:?}"
+    );
+    sessions.close().await;
+
+    let refusing = TestCredentials {
+        refuse: true,
+        ..Default::default()
+    };
+    let mut sessions = sessions_for(&[&orders], Arc::new(refusing));
+    let error = sessions.tools().await.unwrap_err();
+    assert!(error.is_lease_lost(), "{error:?}");
+    orders.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_call_slower_than_its_timeout_is_transient() {
+    let orders = server("orders").await;
+    let mut sessions = ToolSessions::new(
+        reqwest::Client::new(),
+        vec![ToolServerRef {
+            name: "orders".into(),
+            url: orders.url(),
+        }],
+        Arc::new(TestCredentials::default()),
+        None,
+        ToolSessionOptions {
+            call_timeout: Duration::from_millis(300),
+            ..options()
+        },
+    );
+    sessions.tools().await.unwrap();
+    orders.set_latency(Duration::from_secs(30));
+    let error = sessions
+        .call("orders", "echo", args(json!({})), None)
+        .await
+        .unwrap_err();
+    assert!(error.is_transient(), "{error:?}");
+    assert!(error.to_string().contains("no answer within"), "{error}");
+    orders.set_latency(Duration::ZERO);
+    sessions
+        .call("orders", "echo", args(json!({})), None)
+        .await
+        .unwrap();
+    sessions.close().await;
+    orders.shutdown().await;
+}
