@@ -8,8 +8,9 @@
 //! | `ContextTooLong`, `Setup` | next model |
 //! | `Rejected` | stop: a hard error of the task |
 //!
-//! When no model answered: any technical failure makes [`ModelCallError::Technical`]; else any
-//! unavailable model makes [`ModelCallError::AllUnavailable`] with the earliest Retry-After (a
+//! When no model answered: any technical failure (malformed answers after retries, an unreadable
+//! key) makes [`ModelCallError::Technical`]; else any unavailable model (including one still
+//! failing transiently after its retries) makes [`ModelCallError::AllUnavailable`] with the earliest Retry-After (a
 //! deferral may find it free); else every model found the conversation too long.
 
 use std::time::Duration;
@@ -71,6 +72,8 @@ pub struct CallAttempt {
     pub outcome: &'static str,
     /// Tokens of a successful call.
     pub usage: Option<Usage>,
+    /// How long the call took.
+    pub duration: Duration,
 }
 
 /// Why no model answered.
@@ -151,8 +154,10 @@ pub async fn call_with_fallback_observed(
         req.model = model.model.clone();
         let mut retries = 0u32;
         loop {
+            let started = tokio::time::Instant::now();
             let result = provider.complete(&req).await;
             observe(&CallAttempt {
+                duration: started.elapsed(),
                 model: model.clone(),
                 outcome: match &result {
                     Ok(_) => "ok",
@@ -180,9 +185,10 @@ pub async fn call_with_fallback_observed(
                     retries += 1;
                     continue;
                 }
-                ProviderError::Transient { .. }
-                | ProviderError::Malformed { .. }
-                | ProviderError::Setup { .. } => technical += 1,
+                // Issue 3: a model still failing transiently after its retries is unavailable
+                // now (a deferral may find it back), not a technical error of the task.
+                ProviderError::Transient { .. } => unavailable += 1,
+                ProviderError::Malformed { .. } | ProviderError::Setup { .. } => technical += 1,
                 ProviderError::ContextTooLong { .. } => {}
                 ProviderError::Rejected { .. } => {
                     return Err(ModelCallError::Task {

@@ -950,7 +950,7 @@ async fn transient_failures_are_retried_with_backoff_on_the_same_model() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn exhausted_retries_move_on_and_end_technical() {
+async fn exhausted_transient_retries_move_on_and_count_as_unavailable() {
     let a = Fake::new(vec![]);
     let b = Fake::new(vec![Err(unavailable(Some(5)))]);
     let (r, models) = two(&a, &b);
@@ -959,7 +959,12 @@ async fn exhausted_retries_move_on_and_end_technical() {
         .unwrap_err();
     assert_eq!(a.calls(), 3);
     assert_eq!(b.calls(), 1);
-    assert!(matches!(err, ModelCallError::Technical { .. }), "{err}");
+    match err {
+        ModelCallError::AllUnavailable { retry_after, .. } => {
+            assert_eq!(retry_after, Duration::from_secs(5))
+        }
+        other => panic!("expected a deferral, got {other}"),
+    }
 }
 
 #[tokio::test(start_paused = true)]
