@@ -4,4 +4,5 @@
 #![forbid(unsafe_code)]
 
 pub mod conversation;
+pub mod devkit;
 pub mod secret;

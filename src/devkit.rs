@@ -1,0 +1,5 @@
+//! Development kit: small, faithful in-process stand-ins for the systems the worker talks to
+//! (the Abada engine, model providers, MCP tool servers). They serve the tests, the
+//! `dev-engine` subcommand and the demo.
+
+pub mod engine;

@@ -1,0 +1,3 @@
+//! The one integration test binary: each area of the crate has its own module.
+
+mod emulator;
