@@ -192,6 +192,8 @@ pub(crate) struct Shared {
     clock: Clock,
     protocol: ProtocolLevel,
     authorizer: Option<Arc<dyn Authorizer>>,
+    /// Woken after every request and admin change, for [`EngineEmulator::wait_for`].
+    changed: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -206,8 +208,17 @@ impl Shared {
     }
 
     fn create_tasks(&self, specs: Vec<TaskSpec>) -> Vec<String> {
-        let mut state = self.state();
-        specs.into_iter().map(|s| state.create_task(s)).collect()
+        let ids = {
+            let mut state = self.state();
+            specs.into_iter().map(|s| state.create_task(s)).collect()
+        };
+        self.changed.notify_waiters();
+        ids
+    }
+
+    fn record_call(&self, record: CallRecord) {
+        self.state().record_call(record);
+        self.changed.notify_waiters();
     }
 }
 
@@ -246,6 +257,7 @@ pub async fn start(opts: EmulatorOptions) -> Result<EngineEmulator, EmulatorErro
         clock: Clock::new(),
         protocol: opts.protocol,
         authorizer: opts.authorizer,
+        changed: tokio::sync::Notify::new(),
     });
     let server_closed = Arc::new(AtomicBool::new(false));
     let listener = http::EmulatorListener {
@@ -290,7 +302,8 @@ impl EngineEmulator {
 
     /// Creates one task; returns its id.
     pub fn create_task(&self, spec: TaskSpec) -> String {
-        self.shared.state().create_task(spec)
+        let mut ids = self.shared.create_tasks(vec![spec]);
+        ids.pop().unwrap_or_default()
     }
 
     /// Creates several tasks at once, in order; returns their ids.
@@ -311,7 +324,28 @@ impl EngineEmulator {
 
     /// The engine's "set retries": the task is `OPEN` again. False when there is no such task.
     pub fn set_retries(&self, id: &str, retries: i32) -> bool {
-        self.shared.state().set_retries(id, retries)
+        let found = self.shared.state().set_retries(id, retries);
+        self.shared.changed.notify_waiters();
+        found
+    }
+
+    /// Waits until `check` returns `Some`, re-checking after every request the emulator
+    /// answers and every admin change (no polling interval, no sleep). Wrap it in a timeout.
+    ///
+    /// ```ignore
+    /// let done = emu.wait_for(|e| e.task(&id).filter(|t| t.status == TaskStatus::Completed)).await;
+    /// ```
+    pub async fn wait_for<T>(&self, mut check: impl FnMut(&EngineEmulator) -> Option<T>) -> T {
+        loop {
+            let notified = self.shared.changed.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a change between check and await is not lost.
+            notified.as_mut().enable();
+            if let Some(value) = check(self) {
+                return value;
+            }
+            notified.await;
+        }
     }
 
     /// Every request received (up to the capacity), oldest first.
@@ -331,6 +365,7 @@ impl EngineEmulator {
     /// Moves the emulator's clock forward (leases expire, hidden tasks reappear).
     pub fn advance(&self, by: Duration) {
         self.shared.clock.advance(by);
+        self.shared.changed.notify_waiters();
     }
 
     pub fn inject(&self, fault: Fault) {

@@ -1144,3 +1144,37 @@ async fn the_admin_api_over_http() {
         "shut down"
     );
 }
+
+#[tokio::test]
+async fn wait_for_wakes_on_the_change_it_waits_for() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    let emu = h.emu.clone();
+    let waiter = {
+        let id = id.clone();
+        tokio::spawn(async move {
+            emu.wait_for(|e| e.task(&id).filter(|t| t.status == TaskStatus::Completed))
+                .await
+        })
+    };
+    h.fetch_one("w1").await;
+    h.call(
+        &format!("{id}/complete"),
+        json!({"workerId": "w1", "variables": {}}),
+    )
+    .await;
+    let done = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("woken")
+        .unwrap();
+    assert_eq!(done.counters.completes, 1);
+
+    // Unknown API paths are logged too, and task times serialize as the engine prints them.
+    h.call("t-000001/nope", json!({})).await;
+    let last = h.emu.calls().pop().unwrap();
+    assert_eq!((last.operation, last.status), (Operation::Unknown, 404));
+    let view = serde_json::to_value(h.emu.task(&id).unwrap()).unwrap();
+    assert!(view["lockExpirationTime"].is_null());
+    let call = serde_json::to_value(&last).unwrap();
+    assert!(call["at"].as_str().unwrap().ends_with('Z'));
+}

@@ -295,7 +295,7 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
         }
         record.status = StatusCode::SERVICE_UNAVAILABLE.as_u16();
         record.response_dropped = true;
-        shared.state().record_call(record);
+        shared.record_call(record);
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
 
@@ -345,7 +345,7 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
         conn.kill();
         record.response_dropped = true;
     }
-    shared.state().record_call(record);
+    shared.record_call(record);
     response
 }
 
@@ -374,17 +374,7 @@ async fn pipeline(call: &ApiCall, op: Operation, parsed_body: Option<Value>) -> 
     if let Some(authorizer) = &shared.authorizer
         && let Err(rejection) = authorizer.authorize(&call.headers)
     {
-        let error = match rejection {
-            AuthRejection::Unauthenticated(m) => ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                wire::code::AUTHENTICATION_REQUIRED,
-                m,
-            ),
-            AuthRejection::AccessDenied(m) => {
-                ApiError::new(StatusCode::FORBIDDEN, wire::code::ACCESS_DENIED, m)
-            }
-        };
-        return refused(error, Disposition::Refused);
+        return refused(auth_error(rejection), Disposition::Refused);
     }
 
     let delay = shared.faults().latency(op);
@@ -544,32 +534,53 @@ fn parse_complete(body: Value, secured: bool) -> Result<wire::CompleteRequest, A
     })
 }
 
+fn auth_error(rejection: AuthRejection) -> ApiError {
+    match rejection {
+        AuthRejection::Unauthenticated(m) => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            wire::code::AUTHENTICATION_REQUIRED,
+            m,
+        ),
+        AuthRejection::AccessDenied(m) => {
+            ApiError::new(StatusCode::FORBIDDEN, wire::code::ACCESS_DENIED, m)
+        }
+    }
+}
+
+/// 404 `RESOURCE_NOT_FOUND` (after the authorizer, for `/api`); `/api` misses are logged as
+/// [`Operation::Unknown`].
 async fn not_found(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     let path = req.uri().path().to_string();
-    if path.starts_with("/api/") {
-        let mut record_error = ApiError::not_found_resource();
-        if let Some(authorizer) = &shared.authorizer
-            && let Err(rejection) = authorizer.authorize(req.headers())
-        {
-            record_error = match rejection {
-                AuthRejection::Unauthenticated(m) => ApiError::new(
-                    StatusCode::UNAUTHORIZED,
-                    wire::code::AUTHENTICATION_REQUIRED,
-                    m,
-                ),
-                AuthRejection::AccessDenied(m) => {
-                    ApiError::new(StatusCode::FORBIDDEN, wire::code::ACCESS_DENIED, m)
-                }
-            };
-        }
-        return error_response(&shared, &record_error, &path, req.headers());
+    if !path.starts_with("/api/") {
+        return error_response(
+            &shared,
+            &ApiError::not_found_resource(),
+            &path,
+            req.headers(),
+        );
     }
-    error_response(
-        &shared,
-        &ApiError::not_found_resource(),
-        &path,
-        req.headers(),
-    )
+    let error = match shared
+        .authorizer
+        .as_ref()
+        .map(|a| a.authorize(req.headers()))
+    {
+        Some(Err(rejection)) => auth_error(rejection),
+        _ => ApiError::not_found_resource(),
+    };
+    shared.record_call(CallRecord {
+        at: shared.clock.now(),
+        operation: Operation::Unknown,
+        task_id: None,
+        worker_id: None,
+        attempt: None,
+        idempotency_key: header_str(req.headers(), "idempotency-key").map(str::to_string),
+        status: error.status.as_u16(),
+        error_code: Some(error.code.to_string()),
+        disposition: Disposition::Refused,
+        response_dropped: false,
+        task_ids: Vec::new(),
+    });
+    error_response(&shared, &error, &path, req.headers())
 }
 
 async fn method_not_allowed(State(shared): State<Arc<Shared>>, req: Request) -> Response {

@@ -116,6 +116,7 @@ pub struct TaskView {
     pub attempt: u32,
     pub retries: Option<i32>,
     /// The lease, or for a task hidden by `retryTimeout`, when it becomes visible again.
+    #[serde(serialize_with = "wire::serialize_opt_time")]
     pub lock_expiration_time: Option<chrono::DateTime<chrono::Utc>>,
     /// True when the task is `LOCKED` without a worker: hidden by a failure's `retryTimeout`
     /// (the engine keeps such a task `LOCKED` until its timeout expires).
@@ -153,6 +154,7 @@ pub enum Disposition {
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CallRecord {
+    #[serde(serialize_with = "wire::serialize_time")]
     pub at: chrono::DateTime<chrono::Utc>,
     pub operation: Operation,
     pub task_id: Option<String>,

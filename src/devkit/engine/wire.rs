@@ -265,6 +265,24 @@ pub(crate) fn format_time(millis: i64) -> String {
         .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
+/// Serializes a time as the engine prints it (kept independent of chrono's `serde` feature).
+pub(crate) fn serialize_time<S: serde::Serializer>(
+    time: &chrono::DateTime<chrono::Utc>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&format_time(time.timestamp_millis()))
+}
+
+pub(crate) fn serialize_opt_time<S: serde::Serializer>(
+    time: &Option<chrono::DateTime<chrono::Utc>>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    match time {
+        Some(time) => serialize_time(time, serializer),
+        None => serializer.serialize_none(),
+    }
+}
+
 /// The trace id for an error body: the incoming `traceparent`'s, else a fresh one (the engine's
 /// server span always exists, so its trace id is always present).
 pub(crate) fn trace_id(traceparent: Option<&str>) -> String {
