@@ -167,7 +167,9 @@ impl Clock {
     /// Milliseconds since the Unix epoch, emulator time.
     pub(crate) fn now_ms(&self) -> i64 {
         let elapsed = i64::try_from(self.start.elapsed().as_millis()).unwrap_or(i64::MAX / 4);
-        self.start_wall_ms + elapsed + self.offset_ms.load(Ordering::SeqCst)
+        self.start_wall_ms
+            .saturating_add(elapsed)
+            .saturating_add(self.offset_ms.load(Ordering::SeqCst))
     }
 
     pub(crate) fn now(&self) -> chrono::DateTime<chrono::Utc> {
@@ -180,7 +182,11 @@ impl Clock {
 
     pub(crate) fn advance(&self, by: Duration) {
         let by = i64::try_from(by.as_millis()).unwrap_or(i64::MAX / 4);
-        self.offset_ms.fetch_add(by, Ordering::SeqCst);
+        let _ = self
+            .offset_ms
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |offset| {
+                Some(offset.saturating_add(by))
+            });
     }
 }
 

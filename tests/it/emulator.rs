@@ -516,6 +516,17 @@ async fn idempotency_replays_the_stored_answer_and_refuses_another_body() {
     );
     assert_eq!(h.emu.task(&id2).unwrap().lock_expiration_time, lease);
     assert_eq!(h.emu.task(&id2).unwrap().counters.heartbeats, 1);
+
+    // Records live 24 hours: after that the key is free again.
+    h.emu.advance(Duration::from_secs(24 * 3600 + 1));
+    let reused = h
+        .call_keyed(
+            "fetch-and-lock",
+            json!({"workerId": "w1", "topics": ["x"], "lockDuration": 1}),
+            "k-complete",
+        )
+        .await;
+    assert_eq!(reused.status, 200);
 }
 
 #[tokio::test]
@@ -1047,6 +1058,28 @@ async fn the_authorizer_guards_api_but_not_admin() {
         .await
         .unwrap();
     assert_eq!(ok.status(), 200);
+    // A secured engine wants the v1 completion body with a workerId.
+    let id = h.emu.create_task(agent_task());
+    let complete = h
+        .http
+        .post(format!(
+            "{}/v1/external-tasks/{id}/complete",
+            h.emu.base_url()
+        ))
+        .bearer_auth("good")
+        .json(&json!({"variables": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(complete.status(), 400);
+    let body: Value = complete.json().await.unwrap();
+    assert_eq!(
+        (body["code"].as_str(), body["message"].as_str()),
+        (
+            Some("INVALID_REQUEST"),
+            Some("workerId is required for external-task completion")
+        )
+    );
     let admin = h
         .http
         .get(format!("{}/admin/calls", h.emu.root_url()))

@@ -303,7 +303,8 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
 
     let mut drop_response = false;
     let mut omit_header = false;
-    if outcome.disposition != Disposition::Injected || outcome.result.is_ok() {
+    // Injected answers never executed, so they neither drop nor strip anything.
+    if outcome.disposition != Disposition::Injected {
         let mut faults = shared.faults();
         drop_response = faults.take_drop(op);
         omit_header =

@@ -446,7 +446,7 @@ impl EngineState {
             return Ok((record.reply.clone(), Disposition::Replayed));
         }
         let reply = self.execute(task, command, now)?;
-        let expires_at = now + IDEMPOTENCY_TTL_MS;
+        let expires_at = now.saturating_add(IDEMPOTENCY_TTL_MS);
         self.idempotency.insert(
             key.to_string(),
             IdempotencyRecord {
@@ -539,8 +539,8 @@ impl EngineState {
                 };
                 task.status = TaskStatus::Locked;
                 task.worker_id = Some(worker.to_string());
-                task.lock_expiration = Some(now + lock_duration);
-                task.attempt += 1;
+                task.lock_expiration = Some(now.saturating_add(lock_duration));
+                task.attempt = task.attempt.saturating_add(1);
                 task.counters.acquisitions += 1;
                 locked.push(self.locked_task_json(number));
                 self.index(number);
@@ -650,7 +650,7 @@ impl EngineState {
         }
         self.unindex(number);
         if let Some(task) = self.tasks.get_mut(&number) {
-            task.lock_expiration = Some(now + lock_duration);
+            task.lock_expiration = Some(now.saturating_add(lock_duration));
             task.counters.heartbeats += 1;
         }
         self.index(number);
@@ -797,7 +797,7 @@ impl EngineState {
         let mut bytes = [0u8; 24];
         rand::rng().fill_bytes(&mut bytes);
         let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        let expires_at = now + self.credential_ttl_ms;
+        let expires_at = now.saturating_add(self.credential_ttl_ms);
         if self.credentials.len() >= 1024 {
             self.credentials.retain(|_, c| c.expires_at > now);
         }
