@@ -52,6 +52,7 @@
 //! fetch). Only successful commands are stored for idempotency (a refusal rolls the engine's
 //! reservation back), so a refused command retried with the same key runs again.
 
+mod admin;
 mod faults;
 mod http;
 mod state;

@@ -1,6 +1,6 @@
 //! The emulator's HTTP side: the listener (TCP_NODELAY, and a per-connection kill switch so a
 //! response can be dropped after its command committed), the `/api` worker-protocol routes with
-//! the request pipeline, and the `/admin` routes.
+//! the request pipeline.
 //!
 //! Pipeline of an `/api` request: outage (connection closed) → authorizer (401/403) → injected
 //! latency → injected 5xx / 409 → refused heartbeats → protocol level (agent/1 endpoints may be
@@ -20,14 +20,12 @@ use axum::extract::connect_info::Connected;
 use axum::extract::{ConnectInfo, FromRequest, Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use serde::Deserialize;
+use axum::routing::post;
 use serde_json::Value;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::faults::Fault;
-use super::state::{CallRecord, Disposition, Operation, Reply, TaskSpec};
+use super::state::{CallRecord, Disposition, Operation, Reply};
 use super::wire::{self, ApiError, Command, PROTOCOL_HEADER};
 use super::{AuthRejection, ProtocolLevel, Shared};
 
@@ -191,24 +189,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             &format!("{TASKS}/{{id}}/tool-credentials"),
             post(api(Operation::ToolCredentials)),
         )
-        .route(
-            "/admin/tasks",
-            post(admin_create_tasks).get(admin_list_tasks),
-        )
-        .route("/admin/tasks/{id}", get(admin_get_task))
-        .route("/admin/tasks/{id}/retries", post(admin_set_retries))
-        .route("/admin/calls", get(admin_calls).delete(admin_clear_calls))
-        .route("/admin/clock", get(admin_clock))
-        .route("/admin/clock/advance", post(admin_advance))
-        .route(
-            "/admin/faults",
-            post(admin_add_fault).delete(admin_clear_faults),
-        )
-        .route("/admin/outage", post(admin_outage))
-        .route(
-            "/admin/tool-credentials/verify",
-            post(admin_verify_credential),
-        )
+        .merge(super::admin::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(shared)
@@ -591,168 +572,4 @@ async fn method_not_allowed(State(shared): State<Arc<Shared>>, req: Request) -> 
         "Method Not Allowed",
     );
     error_response(&shared, &error, req.uri().path(), req.headers())
-}
-
-// ---- admin ----------------------------------------------------------------------------------
-
-fn admin_error(status: StatusCode, message: impl Into<String>) -> Response {
-    (
-        status,
-        axum::Json(serde_json::json!({"error": message.into()})),
-    )
-        .into_response()
-}
-
-async fn admin_create_tasks(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    let specs: Vec<TaskSpec> = match serde_json::from_slice::<Value>(&body) {
-        Ok(Value::Array(items)) => match serde_json::from_value(Value::Array(items)) {
-            Ok(specs) => specs,
-            Err(e) => {
-                return admin_error(StatusCode::BAD_REQUEST, format!("invalid task list: {e}"));
-            }
-        },
-        Ok(item) => match serde_json::from_value(item) {
-            Ok(spec) => vec![spec],
-            Err(e) => return admin_error(StatusCode::BAD_REQUEST, format!("invalid task: {e}")),
-        },
-        Err(e) => {
-            return admin_error(
-                StatusCode::BAD_REQUEST,
-                format!("body must be a task object or an array of them: {e}"),
-            );
-        }
-    };
-    let ids = shared.create_tasks(specs);
-    (
-        StatusCode::CREATED,
-        axum::Json(serde_json::json!({"ids": ids})),
-    )
-        .into_response()
-}
-
-async fn admin_list_tasks(State(shared): State<Arc<Shared>>) -> Response {
-    axum::Json(shared.state().task_views(shared.clock.now_ms())).into_response()
-}
-
-async fn admin_get_task(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
-    match shared.state().task_view(&id, shared.clock.now_ms()) {
-        Some(view) => axum::Json(view).into_response(),
-        None => admin_error(StatusCode::NOT_FOUND, format!("no task {id}")),
-    }
-}
-
-#[derive(Deserialize)]
-struct RetriesBody {
-    retries: i32,
-}
-
-async fn admin_set_retries(
-    State(shared): State<Arc<Shared>>,
-    Path(id): Path<String>,
-    body: Bytes,
-) -> Response {
-    let Ok(RetriesBody { retries }) = serde_json::from_slice(&body) else {
-        return admin_error(
-            StatusCode::BAD_REQUEST,
-            "body must be {\"retries\": <integer>}",
-        );
-    };
-    if shared.state().set_retries(&id, retries) {
-        StatusCode::NO_CONTENT.into_response()
-    } else {
-        admin_error(StatusCode::NOT_FOUND, format!("no task {id}"))
-    }
-}
-
-async fn admin_calls(State(shared): State<Arc<Shared>>) -> Response {
-    axum::Json(shared.state().calls()).into_response()
-}
-
-async fn admin_clear_calls(State(shared): State<Arc<Shared>>) -> Response {
-    shared.state().clear_calls();
-    StatusCode::NO_CONTENT.into_response()
-}
-
-fn clock_json(shared: &Shared) -> Response {
-    axum::Json(serde_json::json!({
-        "now": wire::format_time(shared.clock.now_ms()),
-        "offsetMs": shared.clock.offset_ms(),
-    }))
-    .into_response()
-}
-
-async fn admin_clock(State(shared): State<Arc<Shared>>) -> Response {
-    clock_json(&shared)
-}
-
-#[derive(Deserialize)]
-struct AdvanceBody {
-    ms: u64,
-}
-
-async fn admin_advance(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    let Ok(AdvanceBody { ms }) = serde_json::from_slice(&body) else {
-        return admin_error(
-            StatusCode::BAD_REQUEST,
-            "body must be {\"ms\": <milliseconds>}",
-        );
-    };
-    shared.clock.advance(std::time::Duration::from_millis(ms));
-    clock_json(&shared)
-}
-
-async fn admin_add_fault(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    match serde_json::from_slice::<Fault>(&body) {
-        Ok(fault) => {
-            shared.faults().add(fault);
-            StatusCode::NO_CONTENT.into_response()
-        }
-        Err(e) => admin_error(StatusCode::BAD_REQUEST, format!("invalid fault: {e}")),
-    }
-}
-
-async fn admin_clear_faults(State(shared): State<Arc<Shared>>) -> Response {
-    *shared.faults() = Default::default();
-    StatusCode::NO_CONTENT.into_response()
-}
-
-#[derive(Deserialize)]
-struct OutageBody {
-    enabled: bool,
-}
-
-async fn admin_outage(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    let Ok(OutageBody { enabled }) = serde_json::from_slice(&body) else {
-        return admin_error(
-            StatusCode::BAD_REQUEST,
-            "body must be {\"enabled\": true|false}",
-        );
-    };
-    shared.faults().outage = enabled;
-    StatusCode::NO_CONTENT.into_response()
-}
-
-#[derive(Deserialize)]
-struct VerifyBody {
-    server: String,
-    token: String,
-}
-
-async fn admin_verify_credential(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    let Ok(VerifyBody { server, token }) = serde_json::from_slice(&body) else {
-        return admin_error(
-            StatusCode::BAD_REQUEST,
-            "body must be {\"server\": .., \"token\": ..}",
-        );
-    };
-    let verdict = shared
-        .state()
-        .verify_tool_credential(&server, &token, shared.clock.now_ms());
-    let body = match verdict {
-        Some((task_id, attempt)) => {
-            serde_json::json!({"valid": true, "taskId": task_id, "attempt": attempt})
-        }
-        None => serde_json::json!({"valid": false}),
-    };
-    axum::Json(body).into_response()
 }
