@@ -319,14 +319,12 @@ impl EngineEmulator {
     }
 
     pub fn task(&self, id: &str) -> Option<TaskView> {
-        self.shared
-            .state()
-            .task_view(id, self.shared.clock.now_ms())
+        self.shared.state().task_view(id)
     }
 
     /// Every task, in id order.
     pub fn tasks(&self) -> Vec<TaskView> {
-        self.shared.state().task_views(self.shared.clock.now_ms())
+        self.shared.state().task_views()
     }
 
     /// The engine's "set retries": the task is `OPEN` again. False when there is no such task.

@@ -67,11 +67,11 @@ async fn create_tasks(State(shared): State<Arc<Shared>>, body: Bytes) -> Respons
 }
 
 async fn list_tasks(State(shared): State<Arc<Shared>>) -> Response {
-    axum::Json(shared.state().task_views(shared.clock.now_ms())).into_response()
+    axum::Json(shared.state().task_views()).into_response()
 }
 
 async fn get_task(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
-    match shared.state().task_view(&id, shared.clock.now_ms()) {
+    match shared.state().task_view(&id) {
         Some(view) => axum::Json(view).into_response(),
         None => admin_error(StatusCode::NOT_FOUND, format!("no task {id}")),
     }

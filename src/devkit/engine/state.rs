@@ -371,13 +371,13 @@ impl EngineState {
         true
     }
 
-    pub fn task_view(&self, id: &str, now: i64) -> Option<TaskView> {
+    pub fn task_view(&self, id: &str) -> Option<TaskView> {
         let number = parse_task_id(id)?;
-        self.tasks.get(&number).map(|t| view(t, now))
+        self.tasks.get(&number).map(view)
     }
 
-    pub fn task_views(&self, now: i64) -> Vec<TaskView> {
-        self.tasks.values().map(|t| view(t, now)).collect()
+    pub fn task_views(&self) -> Vec<TaskView> {
+        self.tasks.values().map(view).collect()
     }
 
     pub fn record_call(&mut self, record: CallRecord) {
@@ -829,7 +829,7 @@ fn journal_conflict(message: String) -> ApiError {
     ApiError::new(StatusCode::CONFLICT, wire::code::JOURNAL_CONFLICT, message)
 }
 
-fn view(task: &Task, _now: i64) -> TaskView {
+fn view(task: &Task) -> TaskView {
     TaskView {
         id: task.id.clone(),
         topic: task.topic.clone(),
