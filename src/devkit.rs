@@ -1,5 +1,7 @@
-//! The devkit: small, faithful stand-ins for the engine, model providers and tool servers, used
-//! by the tests and by `abada-agent-worker demo`.
+//! The devkit: small, faithful in-process stand-ins for the systems the worker talks to (the
+//! Abada engine, model providers, MCP tool servers). They serve the tests, the `dev-engine`
+//! subcommand and the demo.
 
+pub mod engine;
 pub mod model;
 pub mod tools;

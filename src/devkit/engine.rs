@@ -1,0 +1,420 @@
+//! The engine emulator: an in-process HTTP server that speaks the Abada external-worker protocol
+//! v1 exactly as the real engine does (`protocol.md` Part A: status codes, error bodies and
+//! messages, idempotency replay, lease expiry and takeover) plus the agent/1 extension (Part B:
+//! attempts as fencing tokens, the journal, tool credentials). It is the reference the worker is
+//! tested against, and what `dev-engine` and the demo run.
+//!
+//! Clients use `http://127.0.0.1:<port>/api` as the engine URL ([`EngineEmulator::base_url`]).
+//! Time is the emulator's own clock: real time plus an offset that [`EngineEmulator::advance`]
+//! moves forward, so a test can expire leases without sleeping. Leases are evaluated lazily
+//! against it.
+//!
+//! # Admin API
+//!
+//! Everything below is also a method on [`EngineEmulator`]. It is served on the same port, is
+//! never subject to the [`Authorizer`], and answers admin mistakes with `400 {"error": ".."}`.
+//!
+//! | method and path | body | answer |
+//! | --- | --- | --- |
+//! | `POST /admin/tasks` | a [`TaskSpec`] or an array of them | 201 `{"ids": [..]}` |
+//! | `GET /admin/tasks` | | array of [`TaskView`] (status, worker, attempt, retries, lease, results, journal, counters) |
+//! | `GET /admin/tasks/{id}` | | one [`TaskView`], or 404 |
+//! | `POST /admin/tasks/{id}/retries` | `{"retries": 3}` | 204: an operator resolves an incident, the task is `OPEN` again |
+//! | `GET /admin/calls` | | array of [`CallRecord`], oldest first |
+//! | `DELETE /admin/calls` | | 204, call log emptied |
+//! | `GET /admin/clock` | | `{"now": "..", "offsetMs": n}` |
+//! | `POST /admin/clock/advance` | `{"ms": 120000}` | the new clock |
+//! | `POST /admin/faults` | a [`Fault`] | 204 |
+//! | `DELETE /admin/faults` | | 204, every fault and the outage cleared |
+//! | `POST /admin/outage` | `{"enabled": true}` | 204 |
+//! | `POST /admin/tool-credentials/verify` | `{"server": "orders", "token": ".."}` | `{"valid": true, "taskId": "t-000001", "attempt": 1}` or `{"valid": false}` |
+//!
+//! ```text
+//! curl -s -XPOST localhost:5601/admin/tasks -H 'content-type: application/json' \
+//!      -d '{"variables": {"customerId": "c-17"}, "retries": 3}'
+//! curl -s localhost:5601/admin/tasks/t-000001
+//! curl -s -XPOST localhost:5601/admin/clock/advance -d '{"ms": 130000}'
+//! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "dropResponse", "operation": "complete", "count": 1}'
+//! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "latency", "operation": "heartbeat", "delayMs": 2000}'
+//! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "serverError", "operation": "fetch-and-lock", "count": 3}'
+//! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "omitProtocolHeader", "count": 1}'
+//! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "refuseHeartbeats", "taskId": "t-000001"}'
+//! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "concurrentModification", "operation": "complete", "count": 1}'
+//! curl -s -XPOST localhost:5601/admin/outage -d '{"enabled": true}'
+//! curl -s -XDELETE localhost:5601/admin/faults
+//! ```
+//!
+//! Outage: while on, every `/api` request has its connection closed without an HTTP response
+//! (clients see a connection error, as with an engine pod that is gone); `/admin` still answers.
+//!
+//! Fidelity notes: the real engine sends `X-Abada-Worker-Protocol-Version` only on fetch
+//! responses; the emulator sends it on every `/api` response (a worker must only rely on it for
+//! fetch). Only successful commands are stored for idempotency (a refusal rolls the engine's
+//! reservation back), so a refused command retried with the same key runs again.
+
+mod admin;
+mod faults;
+mod http;
+mod state;
+mod wire;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use axum::http::HeaderMap;
+pub use faults::Fault;
+pub use state::{
+    AGENT_TOPIC, CallRecord, Disposition, Operation, TaskCounters, TaskSpec, TaskStatus, TaskView,
+};
+
+/// How much of Part B the emulated engine speaks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ProtocolLevel {
+    /// Part A plus agent/1: `attempt` and `agent` on tasks, journal, tool credentials, fencing.
+    #[default]
+    AgentV1,
+    /// agent/1 without a journal: both journal endpoints answer 404 `RESOURCE_NOT_FOUND`.
+    AgentV1WithoutJournal,
+    /// Plain engine 0.11: no `attempt`/`agent` on tasks, every agent/1 endpoint answers 404,
+    /// and an `attempt` in a body is ignored.
+    PlainV1,
+}
+
+/// Why an [`Authorizer`] refused a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AuthRejection {
+    /// 401 `AUTHENTICATION_REQUIRED` with this message.
+    Unauthenticated(String),
+    /// 403 `ACCESS_DENIED` with this message.
+    AccessDenied(String),
+}
+
+/// Decides whether an `/api` request may proceed (the engine's secured modes). Not applied to
+/// `/admin`. With an authorizer set the emulator also behaves as a secured engine for
+/// completion bodies (`workerId` required, no legacy body).
+pub trait Authorizer: Send + Sync {
+    fn authorize(&self, headers: &HeaderMap) -> Result<(), AuthRejection>;
+}
+
+/// How to start the emulator.
+#[derive(Clone)]
+pub struct EmulatorOptions {
+    /// Default `127.0.0.1:0` (a free loopback port).
+    pub bind: SocketAddr,
+    pub protocol: ProtocolLevel,
+    pub authorizer: Option<Arc<dyn Authorizer>>,
+    /// Lifetime of an issued tool credential. Default 10 minutes.
+    pub credential_ttl: Duration,
+    /// The call log keeps the most recent this many calls. Default 100 000.
+    pub call_log_capacity: usize,
+}
+
+impl Default for EmulatorOptions {
+    fn default() -> Self {
+        EmulatorOptions {
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            protocol: ProtocolLevel::default(),
+            authorizer: None,
+            credential_ttl: Duration::from_secs(600),
+            call_log_capacity: 100_000,
+        }
+    }
+}
+
+impl std::fmt::Debug for EmulatorOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmulatorOptions")
+            .field("bind", &self.bind)
+            .field("protocol", &self.protocol)
+            .field("authorizer", &self.authorizer.as_ref().map(|_| "<set>"))
+            .field("credential_ttl", &self.credential_ttl)
+            .field("call_log_capacity", &self.call_log_capacity)
+            .finish()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EmulatorError {
+    #[error("engine emulator cannot listen on {addr}: {source}; choose a free address or port 0")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The emulator's clock: wall time at start, plus monotonic time elapsed since, plus an offset
+/// that only moves forward, so "now" never goes back.
+pub(crate) struct Clock {
+    start_wall_ms: i64,
+    start: std::time::Instant,
+    offset_ms: AtomicI64,
+}
+
+impl Clock {
+    fn new() -> Self {
+        Clock {
+            start_wall_ms: chrono::Utc::now().timestamp_millis(),
+            start: std::time::Instant::now(),
+            offset_ms: AtomicI64::new(0),
+        }
+    }
+
+    /// Milliseconds since the Unix epoch, emulator time.
+    pub(crate) fn now_ms(&self) -> i64 {
+        let elapsed = i64::try_from(self.start.elapsed().as_millis()).unwrap_or(i64::MAX / 4);
+        self.start_wall_ms
+            .saturating_add(elapsed)
+            .saturating_add(self.offset_ms.load(Ordering::SeqCst))
+    }
+
+    pub(crate) fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        chrono::DateTime::from_timestamp_millis(self.now_ms()).unwrap_or_default()
+    }
+
+    pub(crate) fn offset_ms(&self) -> i64 {
+        self.offset_ms.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn advance(&self, by: Duration) {
+        let by = i64::try_from(by.as_millis()).unwrap_or(i64::MAX / 4);
+        let _ = self
+            .offset_ms
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |offset| {
+                Some(offset.saturating_add(by))
+            });
+    }
+}
+
+/// What the HTTP handlers and the handle share.
+pub(crate) struct Shared {
+    /// Never held across an await: every command is one short critical section.
+    state: Mutex<state::EngineState>,
+    faults: Mutex<faults::Faults>,
+    clock: Clock,
+    protocol: ProtocolLevel,
+    authorizer: Option<Arc<dyn Authorizer>>,
+    /// Woken after every request and admin change, for [`EngineEmulator::wait_for`].
+    changed: tokio::sync::Notify,
+}
+
+impl Shared {
+    /// The state, even if a panicking thread poisoned the lock (the state is still consistent:
+    /// every command validates before it mutates).
+    fn state(&self) -> MutexGuard<'_, state::EngineState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn faults(&self) -> MutexGuard<'_, faults::Faults> {
+        self.faults.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn create_tasks(&self, specs: Vec<TaskSpec>) -> Vec<String> {
+        let ids = {
+            let mut state = self.state();
+            specs.into_iter().map(|s| state.create_task(s)).collect()
+        };
+        self.changed.notify_waiters();
+        ids
+    }
+
+    fn record_call(&self, record: CallRecord) {
+        self.state().record_call(record);
+        self.changed.notify_waiters();
+    }
+}
+
+/// A cloneable handle on a running emulator. Dropping handles does not stop the server;
+/// [`EngineEmulator::shutdown`] does.
+#[derive(Clone)]
+pub struct EngineEmulator {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    stop: CancellationToken,
+    server_closed: Arc<AtomicBool>,
+    server: Arc<Mutex<Option<JoinHandle<()>>>>,
+}
+
+/// Starts the emulator on `opts.bind` and returns once it accepts connections.
+pub async fn start(opts: EmulatorOptions) -> Result<EngineEmulator, EmulatorError> {
+    let listener = tokio::net::TcpListener::bind(opts.bind)
+        .await
+        .map_err(|source| EmulatorError::Bind {
+            addr: opts.bind,
+            source,
+        })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| EmulatorError::Bind {
+            addr: opts.bind,
+            source,
+        })?;
+    let shared = Arc::new(Shared {
+        state: Mutex::new(state::EngineState::new(
+            opts.protocol,
+            i64::try_from(opts.credential_ttl.as_millis()).unwrap_or(i64::MAX / 4),
+            opts.call_log_capacity,
+        )),
+        faults: Mutex::new(faults::Faults::default()),
+        clock: Clock::new(),
+        protocol: opts.protocol,
+        authorizer: opts.authorizer,
+        changed: tokio::sync::Notify::new(),
+    });
+    let server_closed = Arc::new(AtomicBool::new(false));
+    let listener = http::EmulatorListener {
+        inner: listener,
+        server_closed: server_closed.clone(),
+    };
+    let app =
+        http::router(shared.clone()).into_make_service_with_connect_info::<http::ConnHandle>();
+    let stop = CancellationToken::new();
+    let serve = axum::serve(listener, app).with_graceful_shutdown(stop.clone().cancelled_owned());
+    let server = tokio::spawn(async move {
+        // The listener retries failed accepts itself, so serve only ends at shutdown.
+        let _ = serve.await;
+    });
+    Ok(EngineEmulator {
+        shared,
+        addr,
+        stop,
+        server_closed,
+        server: Arc::new(Mutex::new(Some(server))),
+    })
+}
+
+impl EngineEmulator {
+    /// The engine URL for clients: `http://127.0.0.1:<port>/api`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}/api", self.addr)
+    }
+
+    /// The root URL, for the admin API: `http://127.0.0.1:<port>`.
+    pub fn root_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn protocol(&self) -> ProtocolLevel {
+        self.shared.protocol
+    }
+
+    /// Creates one task; returns its id.
+    pub fn create_task(&self, spec: TaskSpec) -> String {
+        let mut ids = self.shared.create_tasks(vec![spec]);
+        ids.pop().unwrap_or_default()
+    }
+
+    /// Creates several tasks at once, in order; returns their ids.
+    pub fn create_tasks(&self, specs: impl IntoIterator<Item = TaskSpec>) -> Vec<String> {
+        self.shared.create_tasks(specs.into_iter().collect())
+    }
+
+    pub fn task(&self, id: &str) -> Option<TaskView> {
+        self.shared.state().task_view(id)
+    }
+
+    /// Every task, in id order.
+    pub fn tasks(&self) -> Vec<TaskView> {
+        self.shared.state().task_views()
+    }
+
+    /// The engine's "set retries": the task is `OPEN` again. False when there is no such task.
+    pub fn set_retries(&self, id: &str, retries: i32) -> bool {
+        let found = self.shared.state().set_retries(id, retries);
+        self.shared.changed.notify_waiters();
+        found
+    }
+
+    /// Waits until `check` returns `Some`, re-checking after every request the emulator
+    /// answers and every admin change (no polling interval, no sleep). Wrap it in a timeout.
+    ///
+    /// ```ignore
+    /// let done = emu.wait_for(|e| e.task(&id).filter(|t| t.status == TaskStatus::Completed)).await;
+    /// ```
+    pub async fn wait_for<T>(&self, mut check: impl FnMut(&EngineEmulator) -> Option<T>) -> T {
+        loop {
+            let notified = self.shared.changed.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a change between check and await is not lost.
+            notified.as_mut().enable();
+            if let Some(value) = check(self) {
+                return value;
+            }
+            notified.await;
+        }
+    }
+
+    /// Every request received (up to the capacity), oldest first.
+    pub fn calls(&self) -> Vec<CallRecord> {
+        self.shared.state().calls()
+    }
+
+    pub fn clear_calls(&self) {
+        self.shared.state().clear_calls();
+    }
+
+    /// The emulator's "now".
+    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        self.shared.clock.now()
+    }
+
+    /// Moves the emulator's clock forward (leases expire, hidden tasks reappear).
+    pub fn advance(&self, by: Duration) {
+        self.shared.clock.advance(by);
+        self.shared.changed.notify_waiters();
+    }
+
+    pub fn inject(&self, fault: Fault) {
+        self.shared.faults().add(fault);
+    }
+
+    /// Removes every fault and ends an outage.
+    pub fn clear_faults(&self) {
+        *self.shared.faults() = Default::default();
+    }
+
+    /// Turns the outage on or off (see the module docs).
+    pub fn set_outage(&self, enabled: bool) {
+        self.shared.faults().outage = enabled;
+    }
+
+    /// For tool servers: `Some((task id, attempt))` when `token` was issued for `server`, has
+    /// not expired, and its task is still `LOCKED` by the same worker on the same attempt.
+    pub fn verify_tool_credential(&self, server: &str, token: &str) -> Option<(String, u32)> {
+        self.shared
+            .state()
+            .verify_tool_credential(server, token, self.shared.clock.now_ms())
+    }
+
+    /// Stops the server: no new connections, open connections are closed. Idempotent.
+    pub async fn shutdown(&self) {
+        self.stop.cancel();
+        self.server_closed.store(true, Ordering::SeqCst);
+        let server = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(mut server) = server
+            && tokio::time::timeout(Duration::from_secs(5), &mut server)
+                .await
+                .is_err()
+        {
+            server.abort();
+        }
+    }
+}
+
+impl std::fmt::Debug for EngineEmulator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineEmulator")
+            .field("addr", &self.addr)
+            .field("protocol", &self.shared.protocol)
+            .finish()
+    }
+}

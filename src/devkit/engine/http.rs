@@ -1,0 +1,575 @@
+//! The emulator's HTTP side: the listener (TCP_NODELAY, and a per-connection kill switch so a
+//! response can be dropped after its command committed), the `/api` worker-protocol routes with
+//! the request pipeline.
+//!
+//! Pipeline of an `/api` request: outage (connection closed) → authorizer (401/403) → injected
+//! latency → injected 5xx / 409 → refused heartbeats → protocol level (agent/1 endpoints may be
+//! 404) → body parsing (415/400) → idempotency + command under the state mutex → injected
+//! response drop → response with the protocol header → call log.
+
+use std::convert::Infallible;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::connect_info::Connected;
+use axum::extract::{ConnectInfo, FromRequest, Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use serde_json::Value;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::state::{CallRecord, Disposition, Operation, Reply};
+use super::wire::{self, ApiError, Command, PROTOCOL_HEADER};
+use super::{AuthRejection, ProtocolLevel, Shared};
+
+// ---- listener with a kill switch ------------------------------------------------------------
+
+/// A handle on one accepted connection, given to handlers as connect info.
+#[derive(Clone, Debug)]
+pub(crate) struct ConnHandle {
+    killed: Arc<AtomicBool>,
+}
+
+impl ConnHandle {
+    /// Makes every further read and write on the connection fail, so hyper closes it without
+    /// writing the response it is about to send.
+    fn kill(&self) {
+        self.killed.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A TCP stream that fails once its connection, or the whole server, has been killed.
+pub(crate) struct KillableIo {
+    inner: TcpStream,
+    killed: Arc<AtomicBool>,
+    server_closed: Arc<AtomicBool>,
+}
+
+impl KillableIo {
+    fn dead(&self) -> bool {
+        self.killed.load(Ordering::SeqCst) || self.server_closed.load(Ordering::SeqCst)
+    }
+}
+
+fn aborted() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "connection dropped by the engine emulator",
+    )
+}
+
+impl AsyncRead for KillableIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.dead() {
+            return Poll::Ready(Err(aborted()));
+        }
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for KillableIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if self.dead() {
+            return Poll::Ready(Err(aborted()));
+        }
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.dead() {
+            return Poll::Ready(Err(aborted()));
+        }
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+pub(crate) struct EmulatorListener {
+    pub inner: TcpListener,
+    /// Set by `shutdown()`: every connection fails on its next read or write.
+    pub server_closed: Arc<AtomicBool>,
+}
+
+impl axum::serve::Listener for EmulatorListener {
+    type Io = KillableIo;
+    type Addr = ConnHandle;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            match self.inner.accept().await {
+                Ok((stream, _peer)) => {
+                    // Without it, small request/response pairs wait on Nagle + delayed ACK.
+                    let _ = stream.set_nodelay(true);
+                    let killed = Arc::new(AtomicBool::new(false));
+                    let io = KillableIo {
+                        inner: stream,
+                        killed: killed.clone(),
+                        server_closed: self.server_closed.clone(),
+                    };
+                    return (io, ConnHandle { killed });
+                }
+                // Out of file descriptors and the like: wait a little instead of spinning.
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.inner.local_addr()?;
+        Ok(ConnHandle {
+            killed: Arc::new(AtomicBool::new(false)),
+        })
+    }
+}
+
+impl Connected<axum::serve::IncomingStream<'_, EmulatorListener>> for ConnHandle {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, EmulatorListener>) -> Self {
+        stream.remote_addr().clone()
+    }
+}
+
+// ---- router ---------------------------------------------------------------------------------
+
+const TASKS: &str = "/api/v1/external-tasks";
+
+pub(crate) fn router(shared: Arc<Shared>) -> Router {
+    let api = |op: Operation| move |call: ApiCall| handle(call, op);
+    Router::new()
+        .route(
+            &format!("{TASKS}/fetch-and-lock"),
+            post(api(Operation::FetchAndLock)),
+        )
+        .route(
+            &format!("{TASKS}/{{id}}/heartbeat"),
+            post(api(Operation::Heartbeat)),
+        )
+        .route(
+            &format!("{TASKS}/{{id}}/extend-lock"),
+            post(api(Operation::ExtendLock)),
+        )
+        .route(
+            &format!("{TASKS}/{{id}}/complete"),
+            post(api(Operation::Complete)),
+        )
+        .route(
+            &format!("{TASKS}/{{id}}/bpmn-error"),
+            post(api(Operation::BpmnError)),
+        )
+        .route(
+            &format!("{TASKS}/{{id}}/failure"),
+            post(api(Operation::Failure)),
+        )
+        .route(
+            &format!("{TASKS}/{{id}}/journal/read"),
+            post(api(Operation::JournalRead)),
+        )
+        .route(
+            &format!("{TASKS}/{{id}}/journal"),
+            post(api(Operation::JournalAppend)),
+        )
+        .route(
+            &format!("{TASKS}/{{id}}/tool-credentials"),
+            post(api(Operation::ToolCredentials)),
+        )
+        .merge(super::admin::routes())
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(shared)
+}
+
+/// Everything an `/api` handler needs from the request.
+struct ApiCall {
+    shared: Arc<Shared>,
+    conn: Option<ConnHandle>,
+    path: String,
+    task_id: Option<String>,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl FromRequest<Arc<Shared>> for ApiCall {
+    type Rejection = Infallible;
+
+    async fn from_request(req: Request, state: &Arc<Shared>) -> Result<Self, Infallible> {
+        let (mut parts, body) = req.into_parts();
+        let conn = parts
+            .extensions
+            .get::<ConnectInfo<ConnHandle>>()
+            .map(|c| c.0.clone());
+        let task_id = <Path<String> as axum::extract::FromRequestParts<_>>::from_request_parts(
+            &mut parts, state,
+        )
+        .await
+        .ok()
+        .map(|p| p.0);
+        // A body that cannot be read (too large, broken) parses as malformed below.
+        let body = axum::body::to_bytes(body, 16 * 1024 * 1024)
+            .await
+            .unwrap_or_default();
+        Ok(ApiCall {
+            shared: state.clone(),
+            conn,
+            path: parts.uri.path().to_string(),
+            task_id,
+            headers: parts.headers,
+            body,
+        })
+    }
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// What the pipeline produced: an answer (or refusal), plus bookkeeping for the call log.
+struct Outcome {
+    result: Result<Reply, ApiError>,
+    disposition: Disposition,
+}
+
+async fn handle(call: ApiCall, op: Operation) -> Response {
+    let shared = call.shared.clone();
+    let parsed_body: Option<Value> = serde_json::from_slice(&call.body).ok();
+    let mut record = CallRecord {
+        at: shared.clock.now(),
+        operation: op,
+        task_id: call.task_id.clone(),
+        worker_id: parsed_body
+            .as_ref()
+            .and_then(|b| b.get("workerId"))
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        attempt: parsed_body
+            .as_ref()
+            .and_then(|b| b.get("attempt"))
+            .and_then(Value::as_i64),
+        idempotency_key: header_str(&call.headers, "idempotency-key").map(str::to_string),
+        status: 0,
+        error_code: None,
+        disposition: Disposition::Injected,
+        response_dropped: false,
+        task_ids: Vec::new(),
+    };
+
+    let outage = shared.faults().outage;
+    if outage {
+        if let Some(conn) = &call.conn {
+            conn.kill();
+        }
+        record.status = StatusCode::SERVICE_UNAVAILABLE.as_u16();
+        record.response_dropped = true;
+        shared.record_call(record);
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+
+    let outcome = pipeline(&call, op, parsed_body).await;
+
+    let mut drop_response = false;
+    let mut omit_header = false;
+    // Injected answers never executed, so they neither drop nor strip anything.
+    if outcome.disposition != Disposition::Injected {
+        let mut faults = shared.faults();
+        drop_response = faults.take_drop(op);
+        omit_header =
+            op == Operation::FetchAndLock && outcome.result.is_ok() && faults.take_omit_header();
+    }
+
+    let path = call.path.as_str();
+    let response = match &outcome.result {
+        Ok(reply) => {
+            if op == Operation::FetchAndLock
+                && let Some(Value::Array(tasks)) = &reply.body
+            {
+                record.task_ids = tasks
+                    .iter()
+                    .filter_map(|t| t.get("id").and_then(Value::as_str))
+                    .map(str::to_string)
+                    .collect();
+            }
+            let mut response = match &reply.body {
+                Some(body) => (reply.status, axum::Json(body.clone())).into_response(),
+                None => reply.status.into_response(),
+            };
+            if !omit_header {
+                response
+                    .headers_mut()
+                    .insert(PROTOCOL_HEADER, HeaderValue::from_static("1"));
+            }
+            record.status = reply.status.as_u16();
+            response
+        }
+        Err(error) => {
+            record.status = error.status.as_u16();
+            record.error_code = Some(error.code.to_string());
+            error_response(&shared, error, path, &call.headers)
+        }
+    };
+    record.disposition = outcome.disposition;
+    if drop_response && let Some(conn) = &call.conn {
+        conn.kill();
+        record.response_dropped = true;
+    }
+    shared.record_call(record);
+    response
+}
+
+fn error_response(shared: &Shared, error: &ApiError, path: &str, headers: &HeaderMap) -> Response {
+    let body = error.body(
+        &wire::format_time(shared.clock.now_ms()),
+        path,
+        &wire::trace_id(header_str(headers, "traceparent")),
+    );
+    let mut response = (error.status, axum::Json(body)).into_response();
+    response
+        .headers_mut()
+        .insert(PROTOCOL_HEADER, HeaderValue::from_static("1"));
+    response
+}
+
+fn refused(error: ApiError, disposition: Disposition) -> Outcome {
+    Outcome {
+        result: Err(error),
+        disposition,
+    }
+}
+
+async fn pipeline(call: &ApiCall, op: Operation, parsed_body: Option<Value>) -> Outcome {
+    let shared = &call.shared;
+    if let Some(authorizer) = &shared.authorizer
+        && let Err(rejection) = authorizer.authorize(&call.headers)
+    {
+        return refused(auth_error(rejection), Disposition::Refused);
+    }
+
+    let delay = shared.faults().latency(op);
+    if let Some(delay) = delay {
+        tokio::time::sleep(delay).await;
+    }
+    {
+        let mut faults = shared.faults();
+        if let Some(status) = faults.take_server_error(op) {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return refused(ApiError::internal(status), Disposition::Injected);
+        }
+        if faults.take_conflict(op) {
+            return refused(ApiError::concurrent_modification(), Disposition::Injected);
+        }
+        if matches!(op, Operation::Heartbeat | Operation::ExtendLock)
+            && let Some(id) = &call.task_id
+            && faults.refuses_heartbeat(id)
+        {
+            return refused(ApiError::not_owned(id), Disposition::Injected);
+        }
+    }
+
+    let protocol = shared.protocol;
+    let available = match op {
+        Operation::JournalRead | Operation::JournalAppend => protocol == ProtocolLevel::AgentV1,
+        Operation::ToolCredentials => protocol != ProtocolLevel::PlainV1,
+        _ => true,
+    };
+    if !available {
+        return refused(ApiError::not_found_resource(), Disposition::Refused);
+    }
+
+    let command = match parse_command(op, &call.headers, parsed_body, shared.authorizer.is_some()) {
+        Ok(command) => command,
+        Err(error) => return refused(error, Disposition::Refused),
+    };
+    let key = header_str(&call.headers, "idempotency-key");
+    let now = shared.clock.now_ms();
+    let result = shared
+        .state()
+        .run(op, call.task_id.as_deref(), key, &command, now);
+    match result {
+        Ok((reply, disposition)) => Outcome {
+            result: Ok(reply),
+            disposition,
+        },
+        Err(error) => refused(error, Disposition::Refused),
+    }
+}
+
+fn is_json(headers: &HeaderMap) -> bool {
+    header_str(headers, header::CONTENT_TYPE.as_str()).is_some_and(|ct| {
+        let mime = ct
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase();
+        mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
+    })
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: Value) -> Result<T, ApiError> {
+    serde_json::from_value(body).map_err(|_| ApiError::malformed())
+}
+
+/// Reads a request body the way the engine's controllers do.
+fn parse_command(
+    op: Operation,
+    headers: &HeaderMap,
+    body: Option<Value>,
+    secured: bool,
+) -> Result<Command, ApiError> {
+    if !is_json(headers) {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            wire::code::INVALID_REQUEST,
+            "Unsupported Media Type",
+        ));
+    }
+    let body = body.ok_or_else(ApiError::malformed)?;
+    Ok(match op {
+        Operation::FetchAndLock => Command::FetchAndLock(parse(body)?),
+        Operation::Heartbeat | Operation::ExtendLock => Command::ExtendLock(parse(body)?),
+        Operation::Complete => Command::Complete(parse_complete(body, secured)?),
+        Operation::Failure => Command::Failure(parse(body)?),
+        Operation::BpmnError => Command::BpmnError(parse(body)?),
+        Operation::JournalRead => Command::JournalRead(parse(body)?),
+        Operation::JournalAppend => {
+            let request: wire::JournalAppendRequest = parse(body)?;
+            let seq_ok = request
+                .step
+                .as_ref()
+                .filter(|s| s.is_object())
+                .and_then(|s| s.get("seq"))
+                .and_then(Value::as_u64)
+                .is_some_and(|seq| seq >= 1);
+            if !seq_ok {
+                return Err(ApiError::invalid(
+                    "step must be a JSON object with an integer seq >= 1",
+                ));
+            }
+            Command::JournalAppend(request)
+        }
+        Operation::ToolCredentials => {
+            let request: wire::ToolCredentialsRequest = parse(body)?;
+            if request
+                .server
+                .as_deref()
+                .is_none_or(|s| s.trim().is_empty())
+            {
+                return Err(ApiError::invalid(
+                    "server is required: name the tool server",
+                ));
+            }
+            Command::ToolCredentials(request)
+        }
+        Operation::Unknown => return Err(ApiError::not_found_resource()),
+    })
+}
+
+/// The engine's completion body: `{workerId, variables}`, or (unsecured engines only) the legacy
+/// body that is the variables map itself.
+fn parse_complete(body: Value, secured: bool) -> Result<wire::CompleteRequest, ApiError> {
+    let v1 = body
+        .as_object()
+        .is_some_and(|o| o.contains_key("workerId") || o.contains_key("variables"));
+    if v1 {
+        let request: wire::CompleteRequest = parse(body)?;
+        if secured
+            && request
+                .worker_id
+                .as_deref()
+                .is_none_or(|w| w.trim().is_empty())
+        {
+            return Err(ApiError::invalid(
+                "workerId is required for external-task completion",
+            ));
+        }
+        return Ok(request);
+    }
+    if secured {
+        return Err(ApiError::invalid(
+            "Use the worker protocol v1 completion body with workerId and variables",
+        ));
+    }
+    let variables = match body {
+        Value::Null => serde_json::Map::new(),
+        Value::Object(map) => map,
+        _ => return Err(ApiError::malformed()),
+    };
+    Ok(wire::CompleteRequest {
+        worker_id: None,
+        variables: Some(variables),
+        attempt: None,
+    })
+}
+
+fn auth_error(rejection: AuthRejection) -> ApiError {
+    match rejection {
+        AuthRejection::Unauthenticated(m) => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            wire::code::AUTHENTICATION_REQUIRED,
+            m,
+        ),
+        AuthRejection::AccessDenied(m) => {
+            ApiError::new(StatusCode::FORBIDDEN, wire::code::ACCESS_DENIED, m)
+        }
+    }
+}
+
+/// 404 `RESOURCE_NOT_FOUND` (after the authorizer, for `/api`); `/api` misses are logged as
+/// [`Operation::Unknown`].
+async fn not_found(State(shared): State<Arc<Shared>>, req: Request) -> Response {
+    let path = req.uri().path().to_string();
+    if !path.starts_with("/api/") {
+        return error_response(
+            &shared,
+            &ApiError::not_found_resource(),
+            &path,
+            req.headers(),
+        );
+    }
+    let error = match shared
+        .authorizer
+        .as_ref()
+        .map(|a| a.authorize(req.headers()))
+    {
+        Some(Err(rejection)) => auth_error(rejection),
+        _ => ApiError::not_found_resource(),
+    };
+    shared.record_call(CallRecord {
+        at: shared.clock.now(),
+        operation: Operation::Unknown,
+        task_id: None,
+        worker_id: None,
+        attempt: None,
+        idempotency_key: header_str(req.headers(), "idempotency-key").map(str::to_string),
+        status: error.status.as_u16(),
+        error_code: Some(error.code.to_string()),
+        disposition: Disposition::Refused,
+        response_dropped: false,
+        task_ids: Vec::new(),
+    });
+    error_response(&shared, &error, &path, req.headers())
+}
+
+async fn method_not_allowed(State(shared): State<Arc<Shared>>, req: Request) -> Response {
+    let error = ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        wire::code::INVALID_REQUEST,
+        "Method Not Allowed",
+    );
+    error_response(&shared, &error, req.uri().path(), req.headers())
+}

@@ -1,0 +1,899 @@
+//! The emulated engine's state and its commands: tasks, the acquisition indexes, idempotency
+//! records, tool credentials and the call log. Everything here is synchronous and takes "now"
+//! as an argument; the HTTP layer holds the one mutex around it for a short critical section.
+//!
+//! Ownership check order (the engine's `requireOwnedActiveLock`, then agent/1's fencing):
+//! 1. task exists, else 400 `ENGINE_COMMAND_REJECTED` "External task not found: {id}";
+//! 2. status `LOCKED` with a lease, else 400 `ENGINE_COMMAND_REJECTED` "External task is not locked: {id}";
+//! 3. lease not expired (`expiry < now`), else 409 `WORKER_LOCK_EXPIRED`;
+//! 4. caller's `workerId` is the holder, else 403 `WORKER_LOCK_NOT_OWNED` (v1 commands skip
+//!    this when the body has no `workerId`, as the engine does; journal and credentials never);
+//! 5. agent/1 only: `attempt`, when sent (always required on journal and credentials), is the
+//!    current one, else 409 `STALE_ATTEMPT`.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use axum::http::StatusCode;
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+
+use super::ProtocolLevel;
+use super::wire::{self, ApiError, Command};
+
+/// Idempotency records live this long, as in the engine.
+const IDEMPOTENCY_TTL_MS: i64 = 24 * 60 * 60 * 1000;
+const MAX_LOCK_DURATION_MS: i64 = 3_600_000;
+const MAX_TASKS: i64 = 50;
+/// The topic of agent tasks, the default for created tasks.
+pub const AGENT_TOPIC: &str = "abada:agent";
+
+/// An operation of the worker protocol, as named in the call log and in faults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Operation {
+    FetchAndLock,
+    Heartbeat,
+    ExtendLock,
+    Complete,
+    BpmnError,
+    Failure,
+    JournalRead,
+    JournalAppend,
+    ToolCredentials,
+    /// A request to a path the API does not have.
+    Unknown,
+}
+
+impl Operation {
+    /// The operation name the engine stores with an idempotency key; `None` for reads.
+    fn idempotency_name(self) -> Option<&'static str> {
+        Some(match self {
+            Operation::FetchAndLock => "external-task.fetch-and-lock",
+            Operation::Heartbeat => "external-task.heartbeat",
+            Operation::ExtendLock => "external-task.extend-lock",
+            Operation::Complete => "external-task.complete",
+            Operation::BpmnError => "external-task.bpmn-error",
+            Operation::Failure => "external-task.failure",
+            Operation::JournalAppend => "external-task.journal",
+            Operation::ToolCredentials => "external-task.tool-credentials",
+            Operation::JournalRead | Operation::Unknown => return None,
+        })
+    }
+}
+
+/// The lifecycle of an external task, named as the engine's table names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum TaskStatus {
+    Open,
+    Locked,
+    Completed,
+    /// An incident: `failure` with `retries: 0`.
+    Failed,
+    BpmnError,
+}
+
+/// A task to create through the admin API. Every field has a default.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct TaskSpec {
+    /// Default `abada:agent`.
+    pub topic: Option<String>,
+    pub variables: Map<String, Value>,
+    /// The agent/1 definition sent as `agent`; `None` sends none.
+    pub agent: Option<Value>,
+    pub retries: Option<i32>,
+    /// Default `agentTask`.
+    pub activity_id: Option<String>,
+    /// Default `p-<task number>`.
+    pub process_instance_id: Option<String>,
+    pub trace_parent: Option<String>,
+}
+
+/// How often each command really executed on a task (replays and refusals not counted).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskCounters {
+    pub acquisitions: u32,
+    pub heartbeats: u32,
+    pub completes: u32,
+    pub failures: u32,
+    pub bpmn_errors: u32,
+    pub journal_appends: u32,
+    pub credentials_issued: u32,
+}
+
+/// The full state of one task, for the admin API.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskView {
+    pub id: String,
+    pub topic: String,
+    pub status: TaskStatus,
+    pub worker_id: Option<String>,
+    pub attempt: u32,
+    pub retries: Option<i32>,
+    /// The lease, or for a task hidden by `retryTimeout`, when it becomes visible again.
+    #[serde(serialize_with = "wire::serialize_opt_time")]
+    pub lock_expiration_time: Option<chrono::DateTime<chrono::Utc>>,
+    /// True when the task is `LOCKED` without a worker: hidden by a failure's `retryTimeout`
+    /// (the engine keeps such a task `LOCKED` until its timeout expires).
+    pub hidden: bool,
+    pub variables: Map<String, Value>,
+    pub process_instance_id: String,
+    pub activity_id: String,
+    pub trace_parent: Option<String>,
+    pub agent: Option<Value>,
+    /// Variables sent by `complete` or `bpmn-error`.
+    pub result_variables: Option<Map<String, Value>>,
+    pub error_message: Option<String>,
+    pub error_details: Option<String>,
+    pub bpmn_error_code: Option<String>,
+    pub bpmn_error_message: Option<String>,
+    pub journal: Vec<Value>,
+    pub counters: TaskCounters,
+}
+
+/// What became of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Disposition {
+    /// The command ran (and committed).
+    Executed,
+    /// Answered from the idempotency store without running.
+    Replayed,
+    /// Refused by the engine's rules (an error response).
+    Refused,
+    /// Answered by an injected fault without running.
+    Injected,
+}
+
+/// One request the emulator received.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CallRecord {
+    #[serde(serialize_with = "wire::serialize_time")]
+    pub at: chrono::DateTime<chrono::Utc>,
+    pub operation: Operation,
+    pub task_id: Option<String>,
+    pub worker_id: Option<String>,
+    pub attempt: Option<i64>,
+    pub idempotency_key: Option<String>,
+    pub status: u16,
+    pub error_code: Option<String>,
+    pub disposition: Disposition,
+    /// The connection was closed instead of sending the response (fault or outage).
+    pub response_dropped: bool,
+    /// Fetch only: the ids returned.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub task_ids: Vec<String>,
+}
+
+/// A successful answer: status and optional JSON body.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Reply {
+    pub status: StatusCode,
+    pub body: Option<Value>,
+}
+
+impl Reply {
+    fn empty(status: StatusCode) -> Self {
+        Reply { status, body: None }
+    }
+}
+
+struct Task {
+    id: String,
+    topic: String,
+    variables: Map<String, Value>,
+    process_instance_id: String,
+    activity_id: String,
+    retries: Option<i32>,
+    status: TaskStatus,
+    worker_id: Option<String>,
+    /// Milliseconds since the epoch, emulator clock.
+    lock_expiration: Option<i64>,
+    attempt: u32,
+    trace_parent: Option<String>,
+    agent: Option<Value>,
+    result_variables: Option<Map<String, Value>>,
+    error_message: Option<String>,
+    error_details: Option<String>,
+    bpmn_error_code: Option<String>,
+    bpmn_error_message: Option<String>,
+    journal: Vec<Value>,
+    counters: TaskCounters,
+}
+
+struct IdempotencyRecord {
+    operation: &'static str,
+    hash: [u8; 32],
+    expires_at: i64,
+    reply: Reply,
+}
+
+struct Credential {
+    server: String,
+    task: u64,
+    attempt: u32,
+    worker_id: String,
+    expires_at: i64,
+}
+
+/// The whole emulated engine.
+pub(crate) struct EngineState {
+    protocol: ProtocolLevel,
+    credential_ttl_ms: i64,
+    call_log_capacity: usize,
+    next_task: u64,
+    tasks: BTreeMap<u64, Task>,
+    /// Per topic, the tasks a fetch may take: `OPEN`, or `LOCKED` with a lease known to have
+    /// expired. Ordered by id, like the engine's `order by id`.
+    acquirable: HashMap<String, BTreeSet<u64>>,
+    /// Every `LOCKED` task by lease expiry; a fetch first moves the expired ones to `acquirable`.
+    leases: BTreeSet<(i64, u64)>,
+    idempotency: HashMap<String, IdempotencyRecord>,
+    /// Keys in insertion order with their expiry, to drop expired records cheaply.
+    idempotency_expiry: VecDeque<(i64, String)>,
+    credentials: HashMap<String, Credential>,
+    calls: VecDeque<CallRecord>,
+}
+
+/// The task id format: sortable, e.g. `t-000017`.
+fn task_id(number: u64) -> String {
+    format!("t-{number:06}")
+}
+
+fn parse_task_id(id: &str) -> Option<u64> {
+    let number: u64 = id.strip_prefix("t-")?.parse().ok()?;
+    (task_id(number) == id).then_some(number)
+}
+
+fn is_blank(value: Option<&str>) -> bool {
+    value.is_none_or(|v| v.trim().is_empty())
+}
+
+impl EngineState {
+    pub fn new(protocol: ProtocolLevel, credential_ttl_ms: i64, call_log_capacity: usize) -> Self {
+        EngineState {
+            protocol,
+            credential_ttl_ms,
+            call_log_capacity,
+            next_task: 1,
+            tasks: BTreeMap::new(),
+            acquirable: HashMap::new(),
+            leases: BTreeSet::new(),
+            idempotency: HashMap::new(),
+            idempotency_expiry: VecDeque::new(),
+            credentials: HashMap::new(),
+            calls: VecDeque::new(),
+        }
+    }
+
+    // ---- indexes -------------------------------------------------------------------------
+
+    fn unindex(&mut self, number: u64) {
+        let Some(task) = self.tasks.get(&number) else {
+            return;
+        };
+        if let Some(expiry) = task.lock_expiration {
+            self.leases.remove(&(expiry, number));
+        }
+        if let Some(set) = self.acquirable.get_mut(&task.topic) {
+            set.remove(&number);
+        }
+    }
+
+    fn index(&mut self, number: u64) {
+        let Some(task) = self.tasks.get(&number) else {
+            return;
+        };
+        match (task.status, task.lock_expiration) {
+            (TaskStatus::Open, _) => {
+                self.acquirable
+                    .entry(task.topic.clone())
+                    .or_default()
+                    .insert(number);
+            }
+            (TaskStatus::Locked, Some(expiry)) => {
+                self.leases.insert((expiry, number));
+            }
+            _ => {}
+        }
+    }
+
+    /// Moves leases that expired by `now` into the acquirable sets (the engine's
+    /// `lock_expiration_time <= :now`).
+    fn promote_expired(&mut self, now: i64) {
+        while let Some(&(expiry, number)) = self.leases.first() {
+            if expiry > now {
+                break;
+            }
+            self.leases.pop_first();
+            if let Some(task) = self.tasks.get(&number) {
+                self.acquirable
+                    .entry(task.topic.clone())
+                    .or_default()
+                    .insert(number);
+            }
+        }
+    }
+
+    // ---- admin ---------------------------------------------------------------------------
+
+    pub fn create_task(&mut self, spec: TaskSpec) -> String {
+        let number = self.next_task;
+        self.next_task += 1;
+        let id = task_id(number);
+        let task = Task {
+            id: id.clone(),
+            topic: spec.topic.unwrap_or_else(|| AGENT_TOPIC.to_string()),
+            variables: spec.variables,
+            process_instance_id: spec
+                .process_instance_id
+                .unwrap_or_else(|| format!("p-{number:06}")),
+            activity_id: spec.activity_id.unwrap_or_else(|| "agentTask".to_string()),
+            retries: spec.retries,
+            status: TaskStatus::Open,
+            worker_id: None,
+            lock_expiration: None,
+            attempt: 0,
+            trace_parent: spec.trace_parent,
+            agent: spec.agent,
+            result_variables: None,
+            error_message: None,
+            error_details: None,
+            bpmn_error_code: None,
+            bpmn_error_message: None,
+            journal: Vec::new(),
+            counters: TaskCounters::default(),
+        };
+        self.tasks.insert(number, task);
+        self.index(number);
+        id
+    }
+
+    /// The engine's "set retries" (an operator resolving an incident): the task is `OPEN` again.
+    pub fn set_retries(&mut self, id: &str, retries: i32) -> bool {
+        let Some(number) = parse_task_id(id).filter(|n| self.tasks.contains_key(n)) else {
+            return false;
+        };
+        self.unindex(number);
+        if let Some(task) = self.tasks.get_mut(&number) {
+            task.retries = Some(retries);
+            task.status = TaskStatus::Open;
+            task.worker_id = None;
+            task.lock_expiration = None;
+        }
+        self.index(number);
+        true
+    }
+
+    pub fn task_view(&self, id: &str) -> Option<TaskView> {
+        let number = parse_task_id(id)?;
+        self.tasks.get(&number).map(view)
+    }
+
+    pub fn task_views(&self) -> Vec<TaskView> {
+        self.tasks.values().map(view).collect()
+    }
+
+    pub fn record_call(&mut self, record: CallRecord) {
+        if self.call_log_capacity == 0 {
+            return;
+        }
+        while self.calls.len() >= self.call_log_capacity {
+            self.calls.pop_front();
+        }
+        self.calls.push_back(record);
+    }
+
+    pub fn calls(&self) -> Vec<CallRecord> {
+        self.calls.iter().cloned().collect()
+    }
+
+    pub fn clear_calls(&mut self) {
+        self.calls.clear();
+    }
+
+    /// The tool server side of B.3: `Some((task id, attempt))` while the token is valid for
+    /// `server`, unexpired, and its task is still `LOCKED` by the same worker on the same attempt.
+    pub fn verify_tool_credential(
+        &self,
+        server: &str,
+        token: &str,
+        now: i64,
+    ) -> Option<(String, u32)> {
+        let credential = self.credentials.get(token)?;
+        if credential.server != server || credential.expires_at <= now {
+            return None;
+        }
+        let task = self.tasks.get(&credential.task)?;
+        let live = task.status == TaskStatus::Locked
+            && task.lock_expiration.is_some_and(|e| e >= now)
+            && task.worker_id.as_deref() == Some(credential.worker_id.as_str())
+            && task.attempt == credential.attempt;
+        live.then(|| (task.id.clone(), task.attempt))
+    }
+
+    // ---- commands ------------------------------------------------------------------------
+
+    /// Runs one command under the idempotency rules of A.3: with a key, a stored answer for the
+    /// same operation and body is replayed, another body is `IDEMPOTENCY_CONFLICT`, and only a
+    /// successful command is stored (a refusal rolls the reservation back, as in the engine).
+    pub fn run(
+        &mut self,
+        operation: Operation,
+        task: Option<&str>,
+        key: Option<&str>,
+        command: &Command,
+        now: i64,
+    ) -> Result<(Reply, Disposition), ApiError> {
+        let key = key.filter(|k| !k.trim().is_empty());
+        let (Some(key), Some(op_name)) = (key, operation.idempotency_name()) else {
+            return self
+                .execute(task, command, now)
+                .map(|r| (r, Disposition::Executed));
+        };
+        self.drop_expired_idempotency(now);
+        let hash: [u8; 32] = Sha256::digest(command.canonical(task).to_string().as_bytes()).into();
+        if let Some(record) = self.idempotency.get(key) {
+            if record.operation != op_name || record.hash != hash {
+                return Err(ApiError::idempotency_conflict());
+            }
+            return Ok((record.reply.clone(), Disposition::Replayed));
+        }
+        let reply = self.execute(task, command, now)?;
+        let expires_at = now.saturating_add(IDEMPOTENCY_TTL_MS);
+        self.idempotency.insert(
+            key.to_string(),
+            IdempotencyRecord {
+                operation: op_name,
+                hash,
+                expires_at,
+                reply: reply.clone(),
+            },
+        );
+        self.idempotency_expiry
+            .push_back((expires_at, key.to_string()));
+        Ok((reply, Disposition::Executed))
+    }
+
+    fn drop_expired_idempotency(&mut self, now: i64) {
+        while let Some((expires_at, _)) = self.idempotency_expiry.front() {
+            if *expires_at > now {
+                break;
+            }
+            if let Some((expires_at, key)) = self.idempotency_expiry.pop_front()
+                && self
+                    .idempotency
+                    .get(&key)
+                    .is_some_and(|r| r.expires_at == expires_at)
+            {
+                self.idempotency.remove(&key);
+            }
+        }
+    }
+
+    fn execute(
+        &mut self,
+        task: Option<&str>,
+        command: &Command,
+        now: i64,
+    ) -> Result<Reply, ApiError> {
+        let id = task.unwrap_or_default();
+        match command {
+            Command::FetchAndLock(r) => self.fetch_and_lock(r, now),
+            Command::ExtendLock(r) => self.extend_lock(id, r, now),
+            Command::Complete(r) => self.complete(id, r, now),
+            Command::Failure(r) => self.failure(id, r, now),
+            Command::BpmnError(r) => self.bpmn_error(id, r, now),
+            Command::JournalRead(r) => self.journal_read(id, r, now),
+            Command::JournalAppend(r) => self.journal_append(id, r, now),
+            Command::ToolCredentials(r) => self.tool_credentials(id, r, now),
+        }
+    }
+
+    fn fetch_and_lock(
+        &mut self,
+        r: &wire::FetchAndLockRequest,
+        now: i64,
+    ) -> Result<Reply, ApiError> {
+        let worker = r.worker_id.as_deref().unwrap_or_default();
+        if is_blank(r.worker_id.as_deref()) {
+            return Err(ApiError::rejected("workerId is required"));
+        }
+        let topics = r.topics.as_deref().unwrap_or_default();
+        if topics.is_empty() || topics.iter().any(|t| t.trim().is_empty()) {
+            return Err(ApiError::rejected(
+                "At least one non-blank topic is required",
+            ));
+        }
+        let lock_duration = r.lock_duration.unwrap_or(0);
+        if !(1..=MAX_LOCK_DURATION_MS).contains(&lock_duration) {
+            return Err(ApiError::rejected(
+                "lockDuration must be between 1 and 3600000 milliseconds",
+            ));
+        }
+        let max_tasks = r.max_tasks.unwrap_or(1);
+        if !(1..=MAX_TASKS).contains(&max_tasks) {
+            return Err(ApiError::rejected("maxTasks must be between 1 and 50"));
+        }
+        let max_tasks = max_tasks as usize;
+
+        self.promote_expired(now);
+        let mut locked = Vec::new();
+        // The engine's loop: one task per topic per round, in the order the topics were sent.
+        'rounds: while locked.len() < max_tasks {
+            let mut acquired = false;
+            for topic in topics {
+                let Some(number) = self.acquirable.get_mut(topic).and_then(|s| s.pop_first())
+                else {
+                    continue;
+                };
+                self.unindex(number);
+                let Some(task) = self.tasks.get_mut(&number) else {
+                    continue;
+                };
+                task.status = TaskStatus::Locked;
+                task.worker_id = Some(worker.to_string());
+                task.lock_expiration = Some(now.saturating_add(lock_duration));
+                task.attempt = task.attempt.saturating_add(1);
+                task.counters.acquisitions += 1;
+                locked.push(self.locked_task_json(number));
+                self.index(number);
+                acquired = true;
+                if locked.len() >= max_tasks {
+                    break 'rounds;
+                }
+            }
+            if !acquired {
+                break;
+            }
+        }
+        Ok(Reply {
+            status: StatusCode::OK,
+            body: Some(Value::Array(locked)),
+        })
+    }
+
+    fn locked_task_json(&self, number: u64) -> Value {
+        let Some(task) = self.tasks.get(&number) else {
+            return Value::Null;
+        };
+        let mut json = serde_json::json!({
+            "id": task.id,
+            "topicName": task.topic,
+            "variables": task.variables,
+            "processInstanceId": task.process_instance_id,
+            "activityId": task.activity_id,
+            "retries": task.retries,
+            "lockExpirationTime": task.lock_expiration.map(wire::format_time),
+            "traceParent": task.trace_parent,
+            "protocolVersion": "1",
+        });
+        if self.protocol != ProtocolLevel::PlainV1
+            && let Value::Object(map) = &mut json
+        {
+            map.insert("attempt".into(), task.attempt.into());
+            if let Some(agent) = &task.agent {
+                map.insert("agent".into(), agent.clone());
+            }
+        }
+        json
+    }
+
+    /// The ownership checks, in the order documented at the top of this module.
+    fn owned(
+        &self,
+        id: &str,
+        worker: Option<&str>,
+        attempt: Option<i64>,
+        agent_call: bool,
+        now: i64,
+    ) -> Result<u64, ApiError> {
+        let number = parse_task_id(id)
+            .filter(|n| self.tasks.contains_key(n))
+            .ok_or_else(|| ApiError::task_not_found(id))?;
+        let task = &self.tasks[&number];
+        self.check_lock(task, worker, attempt, agent_call, now)?;
+        Ok(number)
+    }
+
+    fn check_lock(
+        &self,
+        task: &Task,
+        worker: Option<&str>,
+        attempt: Option<i64>,
+        agent_call: bool,
+        now: i64,
+    ) -> Result<(), ApiError> {
+        let Some(expiry) = task
+            .lock_expiration
+            .filter(|_| task.status == TaskStatus::Locked)
+        else {
+            return Err(ApiError::not_locked(&task.id));
+        };
+        if expiry < now {
+            return Err(ApiError::lock_expired(&task.id));
+        }
+        let worker_mismatch = match worker {
+            Some(w) => task.worker_id.as_deref() != Some(w),
+            None => agent_call,
+        };
+        if worker_mismatch {
+            return Err(ApiError::not_owned(&task.id));
+        }
+        if self.protocol != ProtocolLevel::PlainV1
+            && (attempt.is_some() || agent_call)
+            && attempt != Some(i64::from(task.attempt))
+        {
+            return Err(ApiError::stale_attempt(task.attempt));
+        }
+        Ok(())
+    }
+
+    fn extend_lock(
+        &mut self,
+        id: &str,
+        r: &wire::ExtendLockRequest,
+        now: i64,
+    ) -> Result<Reply, ApiError> {
+        let number = self.owned(id, r.worker_id.as_deref(), r.attempt, false, now)?;
+        let lock_duration = r.lock_duration.unwrap_or(0);
+        if !(1..=MAX_LOCK_DURATION_MS).contains(&lock_duration) {
+            return Err(ApiError::rejected(
+                "lockDuration must be between 1 and 3600000 milliseconds",
+            ));
+        }
+        self.unindex(number);
+        if let Some(task) = self.tasks.get_mut(&number) {
+            task.lock_expiration = Some(now.saturating_add(lock_duration));
+            task.counters.heartbeats += 1;
+        }
+        self.index(number);
+        Ok(Reply::empty(StatusCode::NO_CONTENT))
+    }
+
+    fn complete(
+        &mut self,
+        id: &str,
+        r: &wire::CompleteRequest,
+        now: i64,
+    ) -> Result<Reply, ApiError> {
+        let number = parse_task_id(id)
+            .filter(|n| self.tasks.contains_key(n))
+            .ok_or_else(|| ApiError::task_not_found(id))?;
+        if self.tasks[&number].status == TaskStatus::Completed {
+            return Ok(Reply::empty(StatusCode::OK));
+        }
+        self.check_lock(
+            &self.tasks[&number],
+            r.worker_id.as_deref(),
+            r.attempt,
+            false,
+            now,
+        )?;
+        self.unindex(number);
+        if let Some(task) = self.tasks.get_mut(&number) {
+            task.status = TaskStatus::Completed;
+            task.lock_expiration = None;
+            task.result_variables = Some(r.variables.clone().unwrap_or_default());
+            task.counters.completes += 1;
+        }
+        Ok(Reply::empty(StatusCode::OK))
+    }
+
+    fn failure(&mut self, id: &str, r: &wire::FailureRequest, now: i64) -> Result<Reply, ApiError> {
+        let number = self.owned(id, r.worker_id.as_deref(), r.attempt, false, now)?;
+        self.unindex(number);
+        if let Some(task) = self.tasks.get_mut(&number) {
+            task.error_message = r.error_message.clone();
+            task.error_details = r.error_details.clone();
+            task.retries = r.retries;
+            if r.retries == Some(0) {
+                task.status = TaskStatus::Failed;
+                task.lock_expiration = None;
+            } else {
+                match r.retry_timeout.filter(|t| *t > 0) {
+                    // The engine hides a task by keeping it LOCKED, without a worker, until then.
+                    Some(timeout) => {
+                        task.status = TaskStatus::Locked;
+                        task.lock_expiration = Some(now.saturating_add(timeout));
+                    }
+                    None => {
+                        task.status = TaskStatus::Open;
+                        task.lock_expiration = None;
+                    }
+                }
+            }
+            task.worker_id = None;
+            task.counters.failures += 1;
+        }
+        self.index(number);
+        Ok(Reply::empty(StatusCode::OK))
+    }
+
+    fn bpmn_error(
+        &mut self,
+        id: &str,
+        r: &wire::BpmnErrorRequest,
+        now: i64,
+    ) -> Result<Reply, ApiError> {
+        if is_blank(r.error_code.as_deref()) {
+            return Err(ApiError::rejected("BPMN errorCode is required"));
+        }
+        let number = self.owned(id, r.worker_id.as_deref(), r.attempt, false, now)?;
+        self.unindex(number);
+        if let Some(task) = self.tasks.get_mut(&number) {
+            task.status = TaskStatus::BpmnError;
+            task.bpmn_error_code = r.error_code.clone();
+            task.bpmn_error_message = r.error_message.clone();
+            task.worker_id = None;
+            task.lock_expiration = None;
+            task.result_variables = Some(r.variables.clone().unwrap_or_default());
+            task.counters.bpmn_errors += 1;
+        }
+        Ok(Reply::empty(StatusCode::NO_CONTENT))
+    }
+
+    fn journal_read(
+        &mut self,
+        id: &str,
+        r: &wire::JournalReadRequest,
+        now: i64,
+    ) -> Result<Reply, ApiError> {
+        let number = self.owned(id, r.worker_id.as_deref(), r.attempt, true, now)?;
+        let task = &self.tasks[&number];
+        Ok(Reply {
+            status: StatusCode::OK,
+            body: Some(serde_json::json!({"attempt": task.attempt, "steps": task.journal})),
+        })
+    }
+
+    fn journal_append(
+        &mut self,
+        id: &str,
+        r: &wire::JournalAppendRequest,
+        now: i64,
+    ) -> Result<Reply, ApiError> {
+        let number = self.owned(id, r.worker_id.as_deref(), r.attempt, true, now)?;
+        // The HTTP layer checked that the step is an object with an integer seq >= 1.
+        let step = r.step.clone().unwrap_or_default();
+        let seq = step.get("seq").and_then(Value::as_u64).unwrap_or(0);
+        let Some(task) = self.tasks.get_mut(&number) else {
+            return Err(ApiError::task_not_found(id));
+        };
+        let next = task.journal.len() as u64 + 1;
+        if seq < next {
+            let stored = &task.journal[(seq - 1) as usize];
+            if *stored == step {
+                return Ok(Reply::empty(StatusCode::OK));
+            }
+            return Err(journal_conflict(format!(
+                "Journal step {seq} of external task {id} holds a different step"
+            )));
+        }
+        if seq > next {
+            return Err(journal_conflict(format!(
+                "Journal step {seq} of external task {id} leaves a gap: the next step is {next}"
+            )));
+        }
+        task.journal.push(step);
+        task.counters.journal_appends += 1;
+        Ok(Reply::empty(StatusCode::CREATED))
+    }
+
+    fn tool_credentials(
+        &mut self,
+        id: &str,
+        r: &wire::ToolCredentialsRequest,
+        now: i64,
+    ) -> Result<Reply, ApiError> {
+        let number = self.owned(id, r.worker_id.as_deref(), r.attempt, true, now)?;
+        let server = r.server.clone().unwrap_or_default();
+        let mut bytes = [0u8; 24];
+        rand::rng().fill_bytes(&mut bytes);
+        let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let expires_at = now.saturating_add(self.credential_ttl_ms);
+        if self.credentials.len() >= 1024 {
+            self.credentials.retain(|_, c| c.expires_at > now);
+        }
+        let Some(task) = self.tasks.get_mut(&number) else {
+            return Err(ApiError::task_not_found(id));
+        };
+        task.counters.credentials_issued += 1;
+        self.credentials.insert(
+            token.clone(),
+            Credential {
+                server,
+                task: number,
+                attempt: task.attempt,
+                worker_id: task.worker_id.clone().unwrap_or_default(),
+                expires_at,
+            },
+        );
+        Ok(Reply {
+            status: StatusCode::OK,
+            body: Some(serde_json::json!({
+                "token": token,
+                "expiresAt": wire::format_time(expires_at),
+            })),
+        })
+    }
+}
+
+fn journal_conflict(message: String) -> ApiError {
+    ApiError::new(StatusCode::CONFLICT, wire::code::JOURNAL_CONFLICT, message)
+}
+
+fn view(task: &Task) -> TaskView {
+    TaskView {
+        id: task.id.clone(),
+        topic: task.topic.clone(),
+        status: task.status,
+        worker_id: task.worker_id.clone(),
+        attempt: task.attempt,
+        retries: task.retries,
+        lock_expiration_time: task
+            .lock_expiration
+            .and_then(chrono::DateTime::from_timestamp_millis),
+        hidden: task.status == TaskStatus::Locked && task.worker_id.is_none(),
+        variables: task.variables.clone(),
+        process_instance_id: task.process_instance_id.clone(),
+        activity_id: task.activity_id.clone(),
+        trace_parent: task.trace_parent.clone(),
+        agent: task.agent.clone(),
+        result_variables: task.result_variables.clone(),
+        error_message: task.error_message.clone(),
+        error_details: task.error_details.clone(),
+        bpmn_error_code: task.bpmn_error_code.clone(),
+        bpmn_error_message: task.bpmn_error_message.clone(),
+        journal: task.journal.clone(),
+        counters: task.counters.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn task_ids_round_trip_and_reject_other_spellings() {
+        assert_eq!(task_id(17), "t-000017");
+        assert_eq!(parse_task_id("t-000017"), Some(17));
+        assert_eq!(parse_task_id("t-17"), None);
+        assert_eq!(parse_task_id("x"), None);
+    }
+
+    #[test]
+    fn acquisition_round_robins_topics_in_id_order() {
+        let mut state = EngineState::new(ProtocolLevel::AgentV1, 60_000, 10);
+        for topic in ["a", "a", "b"] {
+            state.create_task(TaskSpec {
+                topic: Some(topic.into()),
+                ..Default::default()
+            });
+        }
+        let fetch = Command::FetchAndLock(wire::FetchAndLockRequest {
+            worker_id: Some("w".into()),
+            topics: Some(vec!["a".into(), "b".into()]),
+            lock_duration: Some(1000),
+            max_tasks: Some(3),
+        });
+        let (reply, _) = state
+            .run(Operation::FetchAndLock, None, None, &fetch, 0)
+            .unwrap();
+        let ids: Vec<_> = reply
+            .body
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["id"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(ids, ["t-000001", "t-000003", "t-000002"]);
+    }
+}

@@ -1,0 +1,1213 @@
+//! The engine emulator against protocol.md, over real HTTP: every refusal of A.2 and B.2 with its
+//! body, idempotency, acquisition and takeover, failure semantics, the journal, tool credentials,
+//! each fault kind, protocol levels and the authorizer hook.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use abada_agent_worker::devkit::engine::{
+    self, AuthRejection, Authorizer, Disposition, EmulatorOptions, EngineEmulator, Fault,
+    HeaderMap, Operation, ProtocolLevel, TaskSpec, TaskStatus,
+};
+use serde_json::{Value, json};
+
+const LEASE_MS: u64 = 60_000;
+
+struct Harness {
+    emu: EngineEmulator,
+    http: reqwest::Client,
+}
+
+struct Answer {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: Value,
+}
+
+async fn harness_with(opts: EmulatorOptions) -> Harness {
+    let emu = engine::start(opts).await.expect("emulator starts");
+    Harness {
+        emu,
+        http: reqwest::Client::new(),
+    }
+}
+
+async fn harness() -> Harness {
+    harness_with(EmulatorOptions::default()).await
+}
+
+fn agent_task() -> TaskSpec {
+    TaskSpec {
+        variables: serde_json::from_value(json!({"customerId": "c-17"})).unwrap(),
+        agent: Some(json!({"name": "refund-agent", "model": "openai/gpt-4.1-mini"})),
+        retries: Some(3),
+        trace_parent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+        ..Default::default()
+    }
+}
+
+impl Harness {
+    async fn try_call(
+        &self,
+        path: &str,
+        body: Value,
+        key: Option<&str>,
+    ) -> reqwest::Result<Answer> {
+        let mut request = self
+            .http
+            .post(format!("{}/v1/external-tasks/{path}", self.emu.base_url()))
+            .header("X-Abada-Worker-Protocol-Version", "1")
+            .json(&body);
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        let response = request.send().await?;
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let text = response.text().await?;
+        let body = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).expect("JSON body")
+        };
+        Ok(Answer {
+            status,
+            headers,
+            body,
+        })
+    }
+
+    async fn call(&self, path: &str, body: Value) -> Answer {
+        self.try_call(path, body, None)
+            .await
+            .expect("request goes through")
+    }
+
+    async fn call_keyed(&self, path: &str, body: Value, key: &str) -> Answer {
+        self.try_call(path, body, Some(key))
+            .await
+            .expect("request goes through")
+    }
+
+    async fn fetch(&self, worker: &str, max: u32) -> Vec<Value> {
+        let answer = self
+            .call(
+                "fetch-and-lock",
+                json!({"workerId": worker, "topics": ["abada:agent"], "lockDuration": LEASE_MS, "maxTasks": max}),
+            )
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        answer.body.as_array().cloned().expect("array")
+    }
+
+    async fn fetch_one(&self, worker: &str) -> Value {
+        let mut tasks = self.fetch(worker, 1).await;
+        assert_eq!(tasks.len(), 1, "one task acquired");
+        tasks.remove(0)
+    }
+}
+
+fn ids(tasks: &[Value]) -> Vec<String> {
+    tasks
+        .iter()
+        .map(|t| t["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Checks the error envelope and returns its message.
+fn assert_error(answer: &Answer, status: u16, code: &str, path_suffix: &str) -> String {
+    assert_eq!(answer.status, status, "status of {}", answer.body);
+    let body = &answer.body;
+    assert_eq!(body["status"], status);
+    assert_eq!(body["code"], code, "{body}");
+    assert!(
+        body["timestamp"].as_str().is_some_and(|t| t.ends_with('Z')),
+        "{body}"
+    );
+    assert!(
+        body["path"]
+            .as_str()
+            .unwrap()
+            .starts_with("/api/v1/external-tasks/")
+    );
+    assert!(
+        body["path"].as_str().unwrap().ends_with(path_suffix),
+        "{body}"
+    );
+    assert!(
+        body["traceId"].as_str().is_some_and(|t| t.len() == 32),
+        "{body}"
+    );
+    body["message"].as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn fetch_returns_locked_tasks_in_id_order_with_every_field() {
+    let h = harness().await;
+    let ids_created = h
+        .emu
+        .create_tasks([agent_task(), agent_task(), agent_task()]);
+    let answer = h
+        .call(
+            "fetch-and-lock",
+            json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": LEASE_MS, "maxTasks": 2, "unknownField": true}),
+        )
+        .await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.headers["x-abada-worker-protocol-version"], "1");
+    let tasks = answer.body.as_array().unwrap();
+    assert_eq!(ids(tasks), ids_created[..2]);
+    let task = &tasks[0];
+    assert_eq!(task["topicName"], "abada:agent");
+    assert_eq!(task["variables"]["customerId"], "c-17");
+    assert_eq!(task["retries"], 3);
+    assert_eq!(task["attempt"], 1);
+    assert_eq!(task["agent"]["name"], "refund-agent");
+    assert_eq!(task["protocolVersion"], "1");
+    assert!(task["processInstanceId"].is_string() && task["activityId"].is_string());
+    assert_eq!(
+        task["traceParent"],
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    );
+    let lease: chrono::DateTime<chrono::Utc> = task["lockExpirationTime"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let expected = h.emu.now() + chrono::Duration::milliseconds(LEASE_MS as i64);
+    assert!(
+        (lease - expected).num_seconds().abs() < 30,
+        "lease is now + lockDuration"
+    );
+
+    let view = h.emu.task(&ids_created[0]).unwrap();
+    assert_eq!(view.status, TaskStatus::Locked);
+    assert_eq!(view.worker_id.as_deref(), Some("w1"));
+    assert_eq!(view.counters.acquisitions, 1);
+    // The third is left for the next fetch; then nothing is left.
+    assert_eq!(ids(&h.fetch("w2", 50).await), ids_created[2..]);
+    assert!(h.fetch("w2", 50).await.is_empty());
+}
+
+#[tokio::test]
+async fn fetch_bounds_and_malformed_bodies_are_refused_like_the_engine() {
+    let h = harness().await;
+    let cases = [
+        (
+            json!({"workerId": " ", "topics": ["a"], "lockDuration": 1}),
+            "workerId is required",
+        ),
+        (
+            json!({"workerId": "w", "topics": [], "lockDuration": 1}),
+            "At least one non-blank topic is required",
+        ),
+        (
+            json!({"workerId": "w", "topics": ["a", " "], "lockDuration": 1}),
+            "At least one non-blank topic is required",
+        ),
+        (
+            json!({"workerId": "w", "topics": ["a"], "lockDuration": 0}),
+            "lockDuration must be between 1 and 3600000 milliseconds",
+        ),
+        (
+            json!({"workerId": "w", "topics": ["a"], "lockDuration": 3_600_001}),
+            "lockDuration must be between 1 and 3600000 milliseconds",
+        ),
+        (
+            json!({"workerId": "w", "topics": ["a"], "lockDuration": 1, "maxTasks": 0}),
+            "maxTasks must be between 1 and 50",
+        ),
+        (
+            json!({"workerId": "w", "topics": ["a"], "lockDuration": 1, "maxTasks": 51}),
+            "maxTasks must be between 1 and 50",
+        ),
+    ];
+    for (body, message) in cases {
+        let answer = h.call("fetch-and-lock", body).await;
+        assert_eq!(
+            assert_error(&answer, 400, "ENGINE_COMMAND_REJECTED", "/fetch-and-lock"),
+            message
+        );
+    }
+    let ok = h
+        .call(
+            "fetch-and-lock",
+            json!({"workerId": "w", "topics": ["a"], "lockDuration": 3_600_000, "maxTasks": 50}),
+        )
+        .await;
+    assert_eq!(ok.status, 200);
+
+    let malformed = h
+        .call(
+            "fetch-and-lock",
+            json!({"workerId": "w", "topics": "not-a-list"}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&malformed, 400, "INVALID_REQUEST", "/fetch-and-lock"),
+        "Request validation failed"
+    );
+    assert_eq!(
+        malformed.body["details"]["reason"],
+        "Malformed or invalid request body"
+    );
+    let raw = h
+        .http
+        .post(format!(
+            "{}/v1/external-tasks/fetch-and-lock",
+            h.emu.base_url()
+        ))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.status(), 400);
+    let unknown = h.call("no-such-thing/at/all", json!({})).await;
+    assert_error(&unknown, 404, "RESOURCE_NOT_FOUND", "/no-such-thing/at/all");
+}
+
+#[tokio::test]
+async fn every_ownership_refusal_has_its_code_and_message() {
+    let h = harness().await;
+    let [open, held]: [String; 2] = h
+        .emu
+        .create_tasks([agent_task(), agent_task()])
+        .try_into()
+        .unwrap();
+    // Take both, then fail the first so that it is OPEN again.
+    assert_eq!(h.fetch("w1", 2).await.len(), 2);
+    let reopen = h
+        .call(
+            &format!("{open}/failure"),
+            json!({"workerId": "w1", "retries": 3, "retryTimeout": 0}),
+        )
+        .await;
+    assert_eq!(reopen.status, 200);
+
+    let missing = h
+        .call(
+            "t-999999/heartbeat",
+            json!({"workerId": "w1", "lockDuration": 1000}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(
+            &missing,
+            400,
+            "ENGINE_COMMAND_REJECTED",
+            "/t-999999/heartbeat"
+        ),
+        "External task not found: t-999999"
+    );
+    let not_locked = h
+        .call(
+            &format!("{open}/heartbeat"),
+            json!({"workerId": "w1", "lockDuration": 1000}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&not_locked, 400, "ENGINE_COMMAND_REJECTED", "/heartbeat"),
+        format!("External task is not locked: {open}")
+    );
+    let not_owned = h
+        .call(
+            &format!("{held}/complete"),
+            json!({"workerId": "w2", "variables": {}}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&not_owned, 403, "WORKER_LOCK_NOT_OWNED", "/complete"),
+        format!("Worker does not own external task lock: {held}")
+    );
+    let bad_duration = h
+        .call(
+            &format!("{held}/extend-lock"),
+            json!({"workerId": "w1", "lockDuration": 0}),
+        )
+        .await;
+    assert_error(
+        &bad_duration,
+        400,
+        "ENGINE_COMMAND_REJECTED",
+        "/extend-lock",
+    );
+    let stale = h
+        .call(
+            &format!("{held}/heartbeat"),
+            json!({"workerId": "w1", "lockDuration": 1000, "attempt": 7}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&stale, 409, "STALE_ATTEMPT", "/heartbeat"),
+        "The task is on attempt 1"
+    );
+
+    h.emu.advance(Duration::from_millis(LEASE_MS + 1));
+    for op in [
+        "heartbeat",
+        "extend-lock",
+        "complete",
+        "failure",
+        "bpmn-error",
+    ] {
+        let body = json!({"workerId": "w1", "lockDuration": 1000, "errorCode": "E", "variables": {}, "retries": 1});
+        let expired = h.call(&format!("{held}/{op}"), body).await;
+        assert_eq!(
+            assert_error(&expired, 409, "WORKER_LOCK_EXPIRED", op),
+            format!("External task lock has expired: {held}")
+        );
+    }
+    // Idempotent refusals are not stored: nothing was executed.
+    assert_eq!(h.emu.task(&held).unwrap().counters.completes, 0);
+}
+
+#[tokio::test]
+async fn a_lease_that_expired_is_taken_over_and_the_old_owner_is_fenced() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    let first = h.fetch_one("w1").await;
+    assert_eq!(first["attempt"], 1);
+    assert!(
+        h.fetch("w2", 5).await.is_empty(),
+        "a live lease is never handed out twice"
+    );
+    h.emu.advance(Duration::from_millis(LEASE_MS + 1));
+    let second = h.fetch_one("w2").await;
+    assert_eq!(
+        (second["id"].as_str().unwrap(), second["attempt"].as_i64()),
+        (id.as_str(), Some(2))
+    );
+    let old = h
+        .call(
+            &format!("{id}/heartbeat"),
+            json!({"workerId": "w1", "lockDuration": 1000, "attempt": 1}),
+        )
+        .await;
+    assert_error(&old, 403, "WORKER_LOCK_NOT_OWNED", "/heartbeat");
+    let ok = h
+        .call(
+            &format!("{id}/heartbeat"),
+            json!({"workerId": "w2", "lockDuration": 1000, "attempt": 2}),
+        )
+        .await;
+    assert_eq!(ok.status, 204);
+
+    // A worker re-acquiring its own expired task: the older attempt is stale even for it.
+    h.emu.advance(Duration::from_millis(1001));
+    let third = h.fetch_one("w2").await;
+    assert_eq!(third["attempt"], 3);
+    let stale = h
+        .call(
+            &format!("{id}/complete"),
+            json!({"workerId": "w2", "variables": {}, "attempt": 2}),
+        )
+        .await;
+    assert_error(&stale, 409, "STALE_ATTEMPT", "/complete");
+    let done = h
+        .call(
+            &format!("{id}/complete"),
+            json!({"workerId": "w2", "variables": {"x": 1}, "attempt": 3}),
+        )
+        .await;
+    assert_eq!((done.status, &done.body), (200, &Value::Null));
+    assert_eq!(h.emu.task(&id).unwrap().counters.acquisitions, 3);
+}
+
+#[tokio::test]
+async fn complete_twice_is_a_no_op_the_second_time() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    for _ in 0..2 {
+        let answer = h
+            .call(
+                &format!("{id}/complete"),
+                json!({"workerId": "w1", "variables": {"agentResult": "ok"}}),
+            )
+            .await;
+        assert_eq!(answer.status, 200);
+    }
+    // Even another worker gets 200 on a completed task, as in the engine.
+    let other = h
+        .call(
+            &format!("{id}/complete"),
+            json!({"workerId": "w9", "variables": {}}),
+        )
+        .await;
+    assert_eq!(other.status, 200);
+    let view = h.emu.task(&id).unwrap();
+    assert_eq!(view.status, TaskStatus::Completed);
+    assert_eq!(view.counters.completes, 1);
+    assert_eq!(view.result_variables.unwrap()["agentResult"], "ok");
+}
+
+#[tokio::test]
+async fn idempotency_replays_the_stored_answer_and_refuses_another_body() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    let body = json!({"workerId": "w1", "variables": {"a": 1, "b": 2}});
+    assert_eq!(
+        h.call_keyed(&format!("{id}/complete"), body.clone(), "k-complete")
+            .await
+            .status,
+        200
+    );
+    // Same body with its keys in another order and an unknown field: same request.
+    let replay = h
+        .call_keyed(
+            &format!("{id}/complete"),
+            json!({"variables": {"b": 2, "a": 1}, "workerId": "w1", "x": 0}),
+            "k-complete",
+        )
+        .await;
+    assert_eq!(replay.status, 200);
+    let conflict = h
+        .call_keyed(
+            &format!("{id}/complete"),
+            json!({"workerId": "w1", "variables": {"a": 9}}),
+            "k-complete",
+        )
+        .await;
+    assert_eq!(
+        assert_error(&conflict, 400, "IDEMPOTENCY_CONFLICT", "/complete"),
+        "Idempotency-Key was already used for a different request"
+    );
+    // The same key on another operation is a conflict too.
+    let other_op = h
+        .call_keyed(&format!("{id}/heartbeat"), body, "k-complete")
+        .await;
+    assert_error(&other_op, 400, "IDEMPOTENCY_CONFLICT", "/heartbeat");
+    assert_eq!(h.emu.task(&id).unwrap().counters.completes, 1);
+    let dispositions: Vec<_> = h
+        .emu
+        .calls()
+        .into_iter()
+        .filter(|c| c.operation == Operation::Complete)
+        .map(|c| c.disposition)
+        .collect();
+    assert_eq!(
+        dispositions,
+        [
+            Disposition::Executed,
+            Disposition::Replayed,
+            Disposition::Refused
+        ]
+    );
+
+    // A heartbeat that reuses its key is answered from storage and extends nothing.
+    let id2 = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    let hb = json!({"workerId": "w1", "lockDuration": 1000});
+    assert_eq!(
+        h.call_keyed(&format!("{id2}/heartbeat"), hb.clone(), "k-hb")
+            .await
+            .status,
+        204
+    );
+    let lease = h.emu.task(&id2).unwrap().lock_expiration_time;
+    h.emu.advance(Duration::from_millis(500));
+    assert_eq!(
+        h.call_keyed(&format!("{id2}/heartbeat"), hb, "k-hb")
+            .await
+            .status,
+        204
+    );
+    assert_eq!(h.emu.task(&id2).unwrap().lock_expiration_time, lease);
+    assert_eq!(h.emu.task(&id2).unwrap().counters.heartbeats, 1);
+
+    // Records live 24 hours: after that the key is free again.
+    h.emu.advance(Duration::from_secs(24 * 3600 + 1));
+    let reused = h
+        .call_keyed(
+            "fetch-and-lock",
+            json!({"workerId": "w1", "topics": ["x"], "lockDuration": 1}),
+            "k-complete",
+        )
+        .await;
+    assert_eq!(reused.status, 200);
+}
+
+#[tokio::test]
+async fn a_fetch_replay_returns_the_stored_list_and_locks_nothing_more() {
+    let h = harness().await;
+    h.emu.create_tasks([agent_task(), agent_task()]);
+    let body = json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": LEASE_MS, "maxTasks": 5});
+    let first = h
+        .call_keyed("fetch-and-lock", body.clone(), "k-fetch")
+        .await;
+    assert_eq!(first.body.as_array().unwrap().len(), 2);
+    h.emu.create_tasks([agent_task(), agent_task()]);
+    let replay = h.call_keyed("fetch-and-lock", body, "k-fetch").await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.headers["x-abada-worker-protocol-version"], "1");
+    assert_eq!(replay.body, first.body);
+    let open = h
+        .emu
+        .tasks()
+        .into_iter()
+        .filter(|t| t.status == TaskStatus::Open)
+        .count();
+    assert_eq!(open, 2, "the replay locked nothing more");
+}
+
+#[tokio::test]
+async fn failure_sets_retries_hides_for_the_timeout_and_makes_incidents() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    let failed = h
+        .call(&format!("{id}/failure"), json!({"workerId": "w1", "errorMessage": "boom", "errorDetails": "trace", "retries": 2, "retryTimeout": 0}))
+        .await;
+    assert_eq!((failed.status, &failed.body), (200, &Value::Null));
+    let view = h.emu.task(&id).unwrap();
+    assert_eq!(
+        (view.status, view.retries, view.worker_id),
+        (TaskStatus::Open, Some(2), None)
+    );
+    assert_eq!(view.error_message.as_deref(), Some("boom"));
+
+    let again = h.fetch_one("w2").await;
+    assert_eq!(
+        (again["retries"].as_i64(), again["attempt"].as_i64()),
+        (Some(2), Some(2))
+    );
+    let hidden = h
+        .call(
+            &format!("{id}/failure"),
+            json!({"workerId": "w2", "retries": 1, "retryTimeout": 5000}),
+        )
+        .await;
+    assert_eq!(hidden.status, 200);
+    let view = h.emu.task(&id).unwrap();
+    assert!(view.hidden && view.worker_id.is_none());
+    assert!(
+        h.fetch("w3", 5).await.is_empty(),
+        "hidden until the retry timeout"
+    );
+    // The engine keeps a hidden task LOCKED without a worker: nobody owns it.
+    let poke = h
+        .call(
+            &format!("{id}/heartbeat"),
+            json!({"workerId": "w2", "lockDuration": 1000}),
+        )
+        .await;
+    assert_error(&poke, 403, "WORKER_LOCK_NOT_OWNED", "/heartbeat");
+    h.emu.advance(Duration::from_millis(5001));
+    h.fetch_one("w3").await;
+
+    let incident = h
+        .call(
+            &format!("{id}/failure"),
+            json!({"workerId": "w3", "retries": 0}),
+        )
+        .await;
+    assert_eq!(incident.status, 200);
+    assert_eq!(h.emu.task(&id).unwrap().status, TaskStatus::Failed);
+    h.emu.advance(Duration::from_millis(LEASE_MS * 2));
+    assert!(
+        h.fetch("w3", 5).await.is_empty(),
+        "an incident is not handed out"
+    );
+    assert!(h.emu.set_retries(&id, 1));
+    h.fetch_one("w3").await;
+}
+
+#[tokio::test]
+async fn bpmn_error_records_the_business_error() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    let blank = h
+        .call(
+            &format!("{id}/bpmn-error"),
+            json!({"workerId": "w1", "errorCode": " "}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&blank, 400, "ENGINE_COMMAND_REJECTED", "/bpmn-error"),
+        "BPMN errorCode is required"
+    );
+    let answer = h
+        .call(&format!("{id}/bpmn-error"), json!({"workerId": "w1", "errorCode": "REFUSED", "errorMessage": "no", "variables": {"why": "policy"}}))
+        .await;
+    assert_eq!(answer.status, 204);
+    let view = h.emu.task(&id).unwrap();
+    assert_eq!(view.status, TaskStatus::BpmnError);
+    assert_eq!(view.bpmn_error_code.as_deref(), Some("REFUSED"));
+    assert_eq!(view.result_variables.unwrap()["why"], "policy");
+}
+
+#[tokio::test]
+async fn the_journal_is_contiguous_across_attempts_and_refuses_conflicts() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    let read = h
+        .call(
+            &format!("{id}/journal/read"),
+            json!({"workerId": "w1", "attempt": 1}),
+        )
+        .await;
+    assert_eq!(read.body, json!({"attempt": 1, "steps": []}));
+    let step1 = json!({"seq": 1, "kind": "input", "state": "finished", "data": {"instructions": "i", "input": "u"}});
+    let append = |step: Value, attempt: i64, worker: &'static str| {
+        let h = &h;
+        let id = id.clone();
+        async move {
+            h.call(
+                &format!("{id}/journal"),
+                json!({"workerId": worker, "attempt": attempt, "step": step}),
+            )
+            .await
+        }
+    };
+    assert_eq!(append(step1.clone(), 1, "w1").await.status, 201);
+    assert_eq!(
+        append(step1.clone(), 1, "w1").await.status,
+        200,
+        "identical step: a retried append"
+    );
+    let different = append(
+        json!({"seq": 1, "kind": "model", "state": "finished", "data": {}}),
+        1,
+        "w1",
+    )
+    .await;
+    assert_error(&different, 409, "JOURNAL_CONFLICT", "/journal");
+    let gap = append(
+        json!({"seq": 3, "kind": "model", "state": "finished", "data": {}}),
+        1,
+        "w1",
+    )
+    .await;
+    assert_error(&gap, 409, "JOURNAL_CONFLICT", "/journal");
+    let stale = append(
+        json!({"seq": 2, "kind": "model", "state": "finished", "data": {}}),
+        0,
+        "w1",
+    )
+    .await;
+    assert_error(&stale, 409, "STALE_ATTEMPT", "/journal");
+    let foreign = append(
+        json!({"seq": 2, "kind": "model", "state": "finished", "data": {}}),
+        1,
+        "w2",
+    )
+    .await;
+    assert_error(&foreign, 403, "WORKER_LOCK_NOT_OWNED", "/journal");
+    let no_attempt = h
+        .call(&format!("{id}/journal/read"), json!({"workerId": "w1"}))
+        .await;
+    assert_error(&no_attempt, 409, "STALE_ATTEMPT", "/journal/read");
+    let bad_step = h
+        .call(
+            &format!("{id}/journal"),
+            json!({"workerId": "w1", "attempt": 1, "step": {"seq": 0}}),
+        )
+        .await;
+    assert_error(&bad_step, 400, "INVALID_REQUEST", "/journal");
+
+    h.emu.advance(Duration::from_millis(LEASE_MS + 1));
+    let expired = h
+        .call(
+            &format!("{id}/journal/read"),
+            json!({"workerId": "w1", "attempt": 1}),
+        )
+        .await;
+    assert_error(&expired, 409, "WORKER_LOCK_EXPIRED", "/journal/read");
+    h.fetch_one("w2").await;
+    let step2 = json!({"seq": 2, "kind": "model", "state": "finished", "data": {"model": "m"}});
+    assert_eq!(
+        append(step2.clone(), 2, "w2").await.status,
+        201,
+        "seq continues on the next attempt"
+    );
+    let read = h
+        .call(
+            &format!("{id}/journal/read"),
+            json!({"workerId": "w2", "attempt": 2}),
+        )
+        .await;
+    assert_eq!(read.body, json!({"attempt": 2, "steps": [step1, step2]}));
+    assert_eq!(h.emu.task(&id).unwrap().journal.len(), 2);
+}
+
+#[tokio::test]
+async fn tool_credentials_go_to_the_lease_holder_only() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    let issued = h
+        .call(
+            &format!("{id}/tool-credentials"),
+            json!({"workerId": "w1", "attempt": 1, "server": "orders"}),
+        )
+        .await;
+    assert_eq!(issued.status, 200);
+    let token = issued.body["token"].as_str().unwrap().to_string();
+    assert!(issued.body["expiresAt"].is_string());
+    assert_eq!(
+        h.emu.verify_tool_credential("orders", &token),
+        Some((id.clone(), 1))
+    );
+    assert_eq!(
+        h.emu.verify_tool_credential("billing", &token),
+        None,
+        "bound to its server"
+    );
+    assert_eq!(h.emu.verify_tool_credential("orders", "forged"), None);
+
+    let foreign = h
+        .call(
+            &format!("{id}/tool-credentials"),
+            json!({"workerId": "w2", "attempt": 1, "server": "orders"}),
+        )
+        .await;
+    assert_error(&foreign, 403, "WORKER_LOCK_NOT_OWNED", "/tool-credentials");
+    let stale = h
+        .call(
+            &format!("{id}/tool-credentials"),
+            json!({"workerId": "w1", "attempt": 5, "server": "orders"}),
+        )
+        .await;
+    assert_error(&stale, 409, "STALE_ATTEMPT", "/tool-credentials");
+
+    h.emu.advance(Duration::from_millis(LEASE_MS + 1));
+    assert_eq!(
+        h.emu.verify_tool_credential("orders", &token),
+        None,
+        "lease gone, credential dead"
+    );
+    let expired = h
+        .call(
+            &format!("{id}/tool-credentials"),
+            json!({"workerId": "w1", "attempt": 1, "server": "orders"}),
+        )
+        .await;
+    assert_error(&expired, 409, "WORKER_LOCK_EXPIRED", "/tool-credentials");
+}
+
+#[tokio::test]
+async fn injected_server_errors_latency_and_conflicts() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    h.emu.inject(Fault::ServerError {
+        operation: Operation::FetchAndLock,
+        count: 2,
+        status: None,
+    });
+    for _ in 0..2 {
+        let answer = h
+            .call(
+                "fetch-and-lock",
+                json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": LEASE_MS}),
+            )
+            .await;
+        assert_error(&answer, 500, "INTERNAL_ERROR", "/fetch-and-lock");
+    }
+    h.emu.inject(Fault::Latency {
+        operation: Operation::FetchAndLock,
+        delay_ms: 20,
+    });
+    h.fetch_one("w1").await;
+
+    h.emu.inject(Fault::ConcurrentModification {
+        operation: Operation::Complete,
+        count: 1,
+    });
+    let body = json!({"workerId": "w1", "variables": {}});
+    let conflict = h
+        .call_keyed(&format!("{id}/complete"), body.clone(), "k1")
+        .await;
+    assert_error(&conflict, 409, "CONCURRENT_MODIFICATION", "/complete");
+    assert_eq!(
+        h.call_keyed(&format!("{id}/complete"), body, "k1")
+            .await
+            .status,
+        200
+    );
+    assert_eq!(h.emu.task(&id).unwrap().counters.completes, 1);
+}
+
+#[tokio::test]
+async fn a_dropped_response_still_commits_and_the_retry_replays() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    h.emu.inject(Fault::DropResponse {
+        operation: Operation::Complete,
+        count: 1,
+    });
+    let body = json!({"workerId": "w1", "variables": {"r": 1}});
+    let lost = h
+        .try_call(&format!("{id}/complete"), body.clone(), Some("k-done"))
+        .await;
+    assert!(lost.is_err(), "the client sees a connection error");
+    assert_eq!(
+        h.emu.task(&id).unwrap().status,
+        TaskStatus::Completed,
+        "the command committed"
+    );
+    let retry = h
+        .call_keyed(&format!("{id}/complete"), body, "k-done")
+        .await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(h.emu.task(&id).unwrap().counters.completes, 1);
+    let calls: Vec<_> = h
+        .emu
+        .calls()
+        .into_iter()
+        .filter(|c| c.operation == Operation::Complete)
+        .collect();
+    assert!(calls[0].response_dropped && calls[0].disposition == Disposition::Executed);
+    assert_eq!(calls[1].disposition, Disposition::Replayed);
+
+    // A lost fetch response: the retry with the same key gets the same tasks.
+    h.emu.create_task(agent_task());
+    h.emu.inject(Fault::DropResponse {
+        operation: Operation::FetchAndLock,
+        count: 1,
+    });
+    let fetch = json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": LEASE_MS});
+    assert!(
+        h.try_call("fetch-and-lock", fetch.clone(), Some("k-f"))
+            .await
+            .is_err()
+    );
+    let replay = h.call_keyed("fetch-and-lock", fetch, "k-f").await;
+    assert_eq!(replay.body.as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn the_protocol_header_can_be_omitted_and_heartbeats_refused() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    h.emu.inject(Fault::OmitProtocolHeader { count: 1 });
+    let fetch = json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": LEASE_MS});
+    let without = h.call("fetch-and-lock", fetch.clone()).await;
+    assert!(
+        without
+            .headers
+            .get("x-abada-worker-protocol-version")
+            .is_none()
+    );
+    let with = h.call("fetch-and-lock", fetch).await;
+    assert_eq!(with.headers["x-abada-worker-protocol-version"], "1");
+
+    h.emu.inject(Fault::RefuseHeartbeats {
+        task_id: id.clone(),
+    });
+    let refused = h
+        .call(
+            &format!("{id}/heartbeat"),
+            json!({"workerId": "w1", "lockDuration": 1000}),
+        )
+        .await;
+    assert_error(&refused, 403, "WORKER_LOCK_NOT_OWNED", "/heartbeat");
+    h.emu.clear_faults();
+    let ok = h
+        .call(
+            &format!("{id}/heartbeat"),
+            json!({"workerId": "w1", "lockDuration": 1000}),
+        )
+        .await;
+    assert_eq!(ok.status, 204);
+}
+
+#[tokio::test]
+async fn an_outage_drops_api_connections_but_not_admin() {
+    let h = harness().await;
+    h.emu.create_task(agent_task());
+    h.emu.set_outage(true);
+    let fetch = json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": LEASE_MS});
+    assert!(
+        h.try_call("fetch-and-lock", fetch.clone(), None)
+            .await
+            .is_err()
+    );
+    let admin = h
+        .http
+        .get(format!("{}/admin/tasks", h.emu.root_url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(admin.status(), 200);
+    let off = h
+        .http
+        .post(format!("{}/admin/outage", h.emu.root_url()))
+        .json(&json!({"enabled": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(off.status(), 204);
+    assert_eq!(
+        h.call("fetch-and-lock", fetch)
+            .await
+            .body
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn protocol_levels_without_journal_and_plain_v1() {
+    let h = harness_with(EmulatorOptions {
+        protocol: ProtocolLevel::AgentV1WithoutJournal,
+        ..Default::default()
+    })
+    .await;
+    let id = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    let read = h
+        .call(
+            &format!("{id}/journal/read"),
+            json!({"workerId": "w1", "attempt": 1}),
+        )
+        .await;
+    assert_error(&read, 404, "RESOURCE_NOT_FOUND", "/journal/read");
+    let creds = h
+        .call(
+            &format!("{id}/tool-credentials"),
+            json!({"workerId": "w1", "attempt": 1, "server": "s"}),
+        )
+        .await;
+    assert_eq!(creds.status, 200);
+
+    let h = harness_with(EmulatorOptions {
+        protocol: ProtocolLevel::PlainV1,
+        ..Default::default()
+    })
+    .await;
+    let id = h.emu.create_task(agent_task());
+    let task = h.fetch_one("w1").await;
+    assert!(task.get("attempt").is_none() && task.get("agent").is_none());
+    let creds = h
+        .call(
+            &format!("{id}/tool-credentials"),
+            json!({"workerId": "w1", "attempt": 1, "server": "s"}),
+        )
+        .await;
+    assert_error(&creds, 404, "RESOURCE_NOT_FOUND", "/tool-credentials");
+    let ignored = h
+        .call(
+            &format!("{id}/heartbeat"),
+            json!({"workerId": "w1", "lockDuration": 1000, "attempt": 42}),
+        )
+        .await;
+    assert_eq!(ignored.status, 204, "plain v1 ignores attempt");
+}
+
+struct BearerOnly;
+
+impl Authorizer for BearerOnly {
+    fn authorize(&self, headers: &HeaderMap) -> Result<(), AuthRejection> {
+        match headers.get("authorization").and_then(|v| v.to_str().ok()) {
+            None => Err(AuthRejection::Unauthenticated(
+                "Bearer token required".into(),
+            )),
+            Some("Bearer good") => Ok(()),
+            Some(_) => Err(AuthRejection::AccessDenied(
+                "worker:execute scope required".into(),
+            )),
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_authorizer_guards_api_but_not_admin() {
+    let h = harness_with(EmulatorOptions {
+        authorizer: Some(Arc::new(BearerOnly)),
+        ..Default::default()
+    })
+    .await;
+    let fetch = json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": LEASE_MS});
+    let anonymous = h.call("fetch-and-lock", fetch.clone()).await;
+    assert_eq!(
+        assert_error(
+            &anonymous,
+            401,
+            "AUTHENTICATION_REQUIRED",
+            "/fetch-and-lock"
+        ),
+        "Bearer token required"
+    );
+    let url = format!("{}/v1/external-tasks/fetch-and-lock", h.emu.base_url());
+    let denied = h
+        .http
+        .post(&url)
+        .bearer_auth("bad")
+        .json(&fetch)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(denied.status(), 403);
+    assert_eq!(
+        denied.json::<Value>().await.unwrap()["code"],
+        "ACCESS_DENIED"
+    );
+    let ok = h
+        .http
+        .post(&url)
+        .bearer_auth("good")
+        .json(&fetch)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    // A secured engine wants the v1 completion body with a workerId.
+    let id = h.emu.create_task(agent_task());
+    let complete = h
+        .http
+        .post(format!(
+            "{}/v1/external-tasks/{id}/complete",
+            h.emu.base_url()
+        ))
+        .bearer_auth("good")
+        .json(&json!({"variables": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(complete.status(), 400);
+    let body: Value = complete.json().await.unwrap();
+    assert_eq!(
+        (body["code"].as_str(), body["message"].as_str()),
+        (
+            Some("INVALID_REQUEST"),
+            Some("workerId is required for external-task completion")
+        )
+    );
+    let admin = h
+        .http
+        .get(format!("{}/admin/calls", h.emu.root_url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(admin.status(), 200);
+}
+
+#[tokio::test]
+async fn the_admin_api_over_http() {
+    let h = harness().await;
+    let root = h.emu.root_url();
+    let created: Value = h
+        .http
+        .post(format!("{root}/admin/tasks"))
+        .json(&json!([{"variables": {"a": 1}}, {"topic": "other", "retries": 2}]))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids = created["ids"].as_array().unwrap();
+    assert_eq!(ids.len(), 2);
+    let task: Value = h
+        .http
+        .get(format!("{root}/admin/tasks/{}", ids[1].as_str().unwrap()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            task["topic"].as_str(),
+            task["status"].as_str(),
+            task["retries"].as_i64()
+        ),
+        (Some("other"), Some("OPEN"), Some(2))
+    );
+    h.fetch_one("w1").await;
+    let fault = h
+        .http
+        .post(format!("{root}/admin/faults"))
+        .json(&json!({"kind": "serverError", "operation": "heartbeat", "count": 1, "status": 503}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(fault.status(), 204);
+    let hb = h
+        .call(
+            &format!("{}/heartbeat", ids[0].as_str().unwrap()),
+            json!({"workerId": "w1", "lockDuration": 10}),
+        )
+        .await;
+    assert_error(&hb, 503, "INTERNAL_ERROR", "/heartbeat");
+    let advanced: Value = h
+        .http
+        .post(format!("{root}/admin/clock/advance"))
+        .json(&json!({"ms": LEASE_MS + 1}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(advanced["offsetMs"], LEASE_MS + 1);
+    assert_eq!(h.fetch_one("w2").await["attempt"], 2);
+    let calls: Value = h
+        .http
+        .get(format!("{root}/admin/calls"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let calls = calls.as_array().unwrap();
+    assert_eq!(calls.last().unwrap()["operation"], "fetch-and-lock");
+    assert_eq!(calls.last().unwrap()["workerId"], "w2");
+    assert!(
+        calls
+            .iter()
+            .any(|c| c["status"] == 503 && c["disposition"] == "injected")
+    );
+    h.emu.shutdown().await;
+    assert!(
+        h.http
+            .get(format!("{root}/admin/tasks"))
+            .send()
+            .await
+            .is_err(),
+        "shut down"
+    );
+}
+
+#[tokio::test]
+async fn wait_for_wakes_on_the_change_it_waits_for() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    let emu = h.emu.clone();
+    let waiter = {
+        let id = id.clone();
+        tokio::spawn(async move {
+            emu.wait_for(|e| e.task(&id).filter(|t| t.status == TaskStatus::Completed))
+                .await
+        })
+    };
+    h.fetch_one("w1").await;
+    h.call(
+        &format!("{id}/complete"),
+        json!({"workerId": "w1", "variables": {}}),
+    )
+    .await;
+    let done = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("woken")
+        .unwrap();
+    assert_eq!(done.counters.completes, 1);
+
+    // Unknown API paths are logged too, and task times serialize as the engine prints them.
+    h.call("t-000001/nope", json!({})).await;
+    let last = h.emu.calls().pop().unwrap();
+    assert_eq!((last.operation, last.status), (Operation::Unknown, 404));
+    let view = serde_json::to_value(h.emu.task(&id).unwrap()).unwrap();
+    assert!(view["lockExpirationTime"].is_null());
+    let call = serde_json::to_value(&last).unwrap();
+    assert!(call["at"].as_str().unwrap().ends_with('Z'));
+}
