@@ -127,18 +127,21 @@ mod tests {
     }
 
     #[test]
-    fn garbage_inside_a_certificate_block_is_refused() {
-        let path = temp_file(
-            b"-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n",
+    fn garbage_inside_a_certificate_block_is_refused_with_its_position() {
+        let ca = ca_params()
+            .self_signed(&rcgen::KeyPair::generate().unwrap())
+            .unwrap();
+        let bundle = format!(
+            "{}-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n",
+            ca.pem()
         );
+        let path = temp_file(bundle.as_bytes());
         let e = http_client_builder(Some(&path)).unwrap_err();
         assert!(
-            matches!(
-                e,
-                TlsError::BadCertificate { index: 1, .. } | TlsError::NotPem { .. }
-            ),
+            matches!(e, TlsError::BadCertificate { index: 2, .. }),
             "{e}"
         );
+        assert!(e.to_string().contains(path.to_str().unwrap()), "{e}");
     }
 
     #[test]
@@ -156,5 +159,84 @@ mod tests {
         let path = temp_file(bundle.as_bytes());
         assert_eq!(load_ca_bundle(&path).unwrap().len(), 2);
         http_client_builder(Some(&path)).unwrap().build().unwrap();
+    }
+
+    fn ca_params() -> rcgen::CertificateParams {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "Abada test CA");
+        params
+    }
+
+    /// An HTTPS server on 127.0.0.1 whose certificate the returned CA (PEM) signed; it answers
+    /// every request with 200 "ok".
+    async fn https_server() -> (String, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio_rustls::rustls;
+
+        let ca =
+            rcgen::CertifiedIssuer::self_signed(ca_params(), rcgen::KeyPair::generate().unwrap())
+                .unwrap();
+        let server_key = rcgen::KeyPair::generate().unwrap();
+        let server_cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
+            .unwrap()
+            .signed_by(&server_key, &ca)
+            .unwrap();
+        let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![server_cert.der().clone()],
+                rustls::pki_types::PrivatePkcs8KeyDer::from(server_key.serialize_der()).into(),
+            )
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}/", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let mut request = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match tls.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => request.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let response =
+                        "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok";
+                    let _ = tls.write_all(response.as_bytes()).await;
+                    let _ = tls.shutdown().await;
+                });
+            }
+        });
+        (url, ca.pem())
+    }
+
+    #[tokio::test]
+    async fn a_server_certified_by_the_bundle_ca_is_trusted_and_no_other_client_trusts_it() {
+        let (url, ca_pem) = https_server().await;
+        let path = temp_file(ca_pem.as_bytes());
+
+        let trusting = http_client_builder(Some(&path)).unwrap().build().unwrap();
+        let response = trusting.get(&url).send().await.unwrap();
+        assert_eq!(response.status(), reqwest::StatusCode::OK);
+        assert_eq!(response.text().await.unwrap(), "ok");
+
+        let default = http_client_builder(None).unwrap().build().unwrap();
+        assert!(default.get(&url).send().await.is_err());
     }
 }
