@@ -409,6 +409,13 @@ enum IssuerHttpError {
     Request(String),
     #[error("{0}")]
     Reqwest(#[from] reqwest::Error),
+    /// A server error without an OAuth 2.0 error body (a proxy's error page, an overloaded
+    /// issuer): transient, and reported with its status instead of as an unreadable body.
+    #[error("HTTP status {status} from {url}")]
+    ServerError {
+        status: reqwest::StatusCode,
+        url: String,
+    },
 }
 
 impl<'c> AsyncHttpClient<'c> for IssuerHttpClient {
@@ -420,7 +427,19 @@ impl<'c> AsyncHttpClient<'c> for IssuerHttpClient {
             let request: reqwest::Request = request
                 .try_into()
                 .map_err(|e: reqwest::Error| IssuerHttpError::Request(e.to_string()))?;
+            let url = request.url().clone();
             let response = self.0.execute(request).await?;
+            let json = response
+                .headers()
+                .get(reqwest::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.contains("json"));
+            if response.status().is_server_error() && !json {
+                return Err(IssuerHttpError::ServerError {
+                    status: response.status(),
+                    url: url.to_string(),
+                });
+            }
             let mut builder = http_response_builder(response.status(), response.version());
             for (name, value) in response.headers() {
                 builder = builder.header(name, value);

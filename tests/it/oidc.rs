@@ -366,3 +366,22 @@ async fn an_issuer_url_other_than_the_advertised_one_is_a_configuration_error() 
     );
     assert!(e.is_configuration_error());
 }
+
+#[tokio::test]
+async fn an_issuer_answering_server_errors_is_transient_and_says_the_status() {
+    use axum::routing::get;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let issuer = format!("http://{}", listener.local_addr().unwrap());
+    let router = axum::Router::new().route(
+        "/.well-known/openid-configuration",
+        get(|| async { (StatusCode::SERVICE_UNAVAILABLE, "<html>down</html>") }),
+    );
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let e = provider(&issuer, SecretSource::value("s"), &[])
+        .token()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, AuthError::IssuerUnreachable { .. }), "{e}");
+    assert!(e.to_string().contains("503"), "{e}");
+    assert!(!e.is_configuration_error());
+}
