@@ -3,5 +3,6 @@
 //! subcommand and the demo.
 
 pub mod engine;
+pub mod jwt;
 pub mod model;
 pub mod tools;

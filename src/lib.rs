@@ -19,4 +19,5 @@ pub mod provider;
 pub mod runner;
 pub mod secret;
 pub mod telemetry;
+pub mod tls;
 pub mod tools;

@@ -2,6 +2,7 @@
 
 mod emulator;
 mod mcp_interop;
+mod oidc;
 mod provider;
 mod runner;
 mod support;

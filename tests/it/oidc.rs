@@ -1,0 +1,387 @@
+//! OIDC: the worker's token provider and the devkit's JWT validator against oauth2-mock-server
+//! (a real issuer with real keys, installed by `scripts/install-oidc-peer`), plus error mapping
+//! against small in-process issuers where the mock cannot misbehave on demand (it accepts any
+//! client secret).
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use abada_agent_worker::auth::{
+    AuthError, AuthStatus, ClientAuth, OidcSettings, OidcTokenProvider, TokenProvider,
+};
+use abada_agent_worker::devkit::jwt::{JwtRejection, JwtValidator};
+use abada_agent_worker::secret::SecretSource;
+use axum::http::{HeaderMap, StatusCode};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+/// A running oauth2-mock-server on 127.0.0.1; killed when dropped.
+struct MockIssuer {
+    /// As the mock advertises itself: `http://localhost:<port>`.
+    issuer: String,
+    _child: tokio::process::Child,
+}
+
+fn peer_entry_point() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("target/interop/oidc/node_modules/oauth2-mock-server/dist/oauth2-mock-server.mjs")
+}
+
+/// Starts the mock issuer, or returns `None` when it is not installed and
+/// `ABADA_SKIP_INTEROP=1` says that is fine.
+async fn mock_issuer() -> Option<MockIssuer> {
+    let entry = peer_entry_point();
+    if !entry.exists() {
+        if std::env::var("ABADA_SKIP_INTEROP").as_deref() == Ok("1") {
+            eprintln!("skipping: oauth2-mock-server is not installed (ABADA_SKIP_INTEROP=1)");
+            return None;
+        }
+        panic!(
+            "oauth2-mock-server is not installed at {}: run scripts/install-oidc-peer (or set ABADA_SKIP_INTEROP=1 to skip interop tests)",
+            entry.display()
+        );
+    }
+    let mut child = tokio::process::Command::new("node")
+        .arg(&entry)
+        .args(["-a", "127.0.0.1", "-p", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("cannot start node: is Node.js installed?");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let wait_for_issuer = async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if let Some(issuer) = line.strip_prefix("OAuth 2 issuer is ") {
+                return issuer.trim().to_string();
+            }
+        }
+        panic!("oauth2-mock-server exited before announcing its issuer");
+    };
+    let issuer = tokio::time::timeout(Duration::from_secs(60), wait_for_issuer)
+        .await
+        .expect("oauth2-mock-server did not start within 60 s");
+    // Keep draining stdout so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Some(MockIssuer {
+        issuer,
+        _child: child,
+    })
+}
+
+fn provider(issuer: &str, secret: SecretSource, scopes: &[&str]) -> OidcTokenProvider {
+    let mut settings = OidcSettings::new(issuer, "worker-client", Arc::new(secret));
+    if !scopes.is_empty() {
+        settings.scopes = scopes.iter().map(|s| s.to_string()).collect();
+    }
+    OidcTokenProvider::new(settings, reqwest::Client::builder()).unwrap()
+}
+
+/// The claims of a JWT, unverified (for looking at what the issuer put in).
+fn payload(token: &str) -> Value {
+    jsonwebtoken::dangerous::insecure_decode_claims::<Value>(token).unwrap()
+}
+
+fn bearer(token: &str) -> String {
+    format!("Bearer {token}")
+}
+
+#[tokio::test]
+async fn discovery_and_client_credentials_against_the_mock_issuer() {
+    let Some(mock) = mock_issuer().await else {
+        return;
+    };
+    for client_auth in [ClientAuth::Basic, ClientAuth::RequestBody] {
+        let mut settings = OidcSettings::new(
+            &mock.issuer,
+            "worker-client",
+            Arc::new(SecretSource::value("any-secret")),
+        );
+        settings.client_auth = client_auth;
+        let p = OidcTokenProvider::new(settings, reqwest::Client::builder()).unwrap();
+        assert_eq!(p.status(), AuthStatus::NotYet);
+        let token = p.token().await.unwrap();
+        let claims = payload(token.expose());
+        assert_eq!(claims["scope"], "worker:execute", "{client_auth:?}");
+        assert_eq!(claims["iss"], mock.issuer.as_str());
+        assert_eq!(p.token().await.unwrap(), token, "the token is cached");
+        assert_eq!(p.status(), AuthStatus::Authenticated);
+        assert!(!format!("{p:?}").contains(token.expose()));
+    }
+}
+
+#[tokio::test]
+async fn the_validator_accepts_mock_tokens_and_refuses_bad_ones() {
+    let Some(mock) = mock_issuer().await else {
+        return;
+    };
+    let validator = JwtValidator::load(&mock.issuer, reqwest::Client::builder())
+        .await
+        .unwrap();
+    let good = provider(&mock.issuer, SecretSource::value("s"), &[])
+        .token()
+        .await
+        .unwrap();
+    let good = good.expose();
+
+    let claims = validator.validate_header(Some(&bearer(good))).unwrap();
+    assert!(claims.scopes.iter().any(|s| s == "worker:execute"));
+    let mut headers = HeaderMap::new();
+    headers.insert("authorization", bearer(good).parse().unwrap());
+    validator.validate_headers(&headers).unwrap();
+    validator.validate(Some(&bearer(good))).await.unwrap();
+
+    // Tampered: the payload of a token with another scope, the signature of the good one.
+    let other = provider(&mock.issuer, SecretSource::value("s"), &["openid"])
+        .token()
+        .await
+        .unwrap();
+    let mut parts: Vec<&str> = good.split('.').collect();
+    parts[1] = other.expose().split('.').nth(1).unwrap();
+    let tampered = parts.join(".");
+    assert!(matches!(
+        validator.validate_header(Some(&bearer(&tampered))),
+        Err(JwtRejection::Unauthenticated(_))
+    ));
+
+    // Expired: the mock issues one-hour tokens (not adjustable from its CLI), so check the same
+    // token as of two hours from now.
+    let later = SystemTime::now() + Duration::from_secs(2 * 3600);
+    assert!(matches!(
+        validator.validate_header_at(Some(&bearer(good)), later),
+        Err(JwtRejection::Unauthenticated(m)) if m.contains("expired")
+    ));
+
+    // Without the scope: signed correctly, no right.
+    assert!(matches!(
+        validator.validate_header(Some(&bearer(other.expose()))),
+        Err(JwtRejection::AccessDenied(_))
+    ));
+    assert!(matches!(
+        validator.validate_headers(&HeaderMap::new()),
+        Err(JwtRejection::Unauthenticated(_))
+    ));
+}
+
+#[tokio::test]
+async fn an_unreachable_issuer_is_named_and_not_a_configuration_error() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let issuer = format!("http://127.0.0.1:{port}");
+    let p = provider(&issuer, SecretSource::value("s3cr3t"), &[]);
+    let e = p.token().await.unwrap_err();
+    eprintln!("{e}");
+    assert!(
+        matches!(&e, AuthError::IssuerUnreachable { issuer_url, .. } if *issuer_url == issuer),
+        "{e}"
+    );
+    assert!(!e.is_configuration_error());
+    assert!(e.to_string().contains(&issuer), "{e}");
+    assert!(!format!("{e} {e:?}").contains("s3cr3t"));
+    assert!(matches!(
+        p.status(),
+        AuthStatus::Failing {
+            configuration_error: false,
+            ..
+        }
+    ));
+}
+
+/// What the in-process issuer saw and how its token endpoint answers.
+#[derive(Default)]
+struct IssuerState {
+    /// The secret the token endpoint accepts; anything else gets 401 `invalid_client`.
+    accepted_secret: String,
+    grants: usize,
+}
+
+/// A minimal issuer on 127.0.0.1: discovery, an empty JWKS, and a token endpoint that checks the
+/// client secret in either the Basic header or the form body.
+async fn in_process_issuer(state: Arc<Mutex<IssuerState>>) -> String {
+    use axum::routing::{get, post};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let issuer = format!("http://{}", listener.local_addr().unwrap());
+    let discovery = json!({
+        "issuer": issuer,
+        "authorization_endpoint": format!("{issuer}/authorize"),
+        "token_endpoint": format!("{issuer}/token"),
+        "jwks_uri": format!("{issuer}/jwks"),
+        "response_types_supported": ["code"],
+        "subject_types_supported": ["public"],
+        "id_token_signing_alg_values_supported": ["RS256"],
+    });
+    let router = axum::Router::new()
+        .route(
+            "/.well-known/openid-configuration",
+            get(move || async move { axum::Json(discovery) }),
+        )
+        .route("/jwks", get(|| async { axum::Json(json!({"keys": []})) }))
+        .route(
+            "/token",
+            post(move |headers: HeaderMap, body: String| async move {
+                let form: Vec<(String, String)> = url_decoded_pairs(&body);
+                let from_body = form
+                    .iter()
+                    .find(|(k, _)| k == "client_secret")
+                    .map(|(_, v)| v.clone());
+                let from_basic = headers
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.strip_prefix("Basic "))
+                    .map(basic_password);
+                let presented = from_body.or(from_basic).unwrap_or_default();
+                let mut s = state.lock().unwrap();
+                if presented != s.accepted_secret {
+                    return (
+                        StatusCode::UNAUTHORIZED,
+                        axum::Json(json!({"error": "invalid_client"})),
+                    );
+                }
+                s.grants += 1;
+                (
+                    StatusCode::OK,
+                    axum::Json(json!({
+                        "access_token": format!("opaque-token-{}", s.grants),
+                        "token_type": "Bearer",
+                        "expires_in": 3600,
+                    })),
+                )
+            }),
+        );
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    issuer
+}
+
+fn url_decoded_pairs(body: &str) -> Vec<(String, String)> {
+    reqwest::Url::parse(&format!("http://x/?{body}"))
+        .unwrap()
+        .query_pairs()
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect()
+}
+
+/// The password of a Basic credential (`client_id:client_secret`, each form-urlencoded as
+/// RFC 6749 2.3.1 asks).
+fn basic_password(encoded: &str) -> String {
+    use base64_decode::decode;
+    let decoded = String::from_utf8(decode(encoded)).unwrap();
+    let (_, password) = decoded.split_once(':').unwrap();
+    url_decoded_pairs(&format!("p={password}")).remove(0).1
+}
+
+/// Enough base64 to read a Basic header without another dependency.
+mod base64_decode {
+    pub fn decode(input: &str) -> Vec<u8> {
+        const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut out = Vec::new();
+        let (mut buffer, mut bits) = (0u32, 0);
+        for c in input.bytes().filter(|c| *c != b'=') {
+            let value = ALPHABET.iter().position(|a| *a == c).unwrap() as u32;
+            buffer = (buffer << 6) | value;
+            bits += 6;
+            if bits >= 8 {
+                bits -= 8;
+                out.push((buffer >> bits) as u8);
+                buffer &= (1 << bits) - 1;
+            }
+        }
+        out
+    }
+}
+
+#[tokio::test]
+async fn a_wrong_client_secret_gives_the_clear_error_and_a_rotated_file_is_picked_up() {
+    let state = Arc::new(Mutex::new(IssuerState {
+        accepted_secret: "right secret/+".to_string(),
+        ..Default::default()
+    }));
+    let issuer = in_process_issuer(state.clone()).await;
+    let dir = std::env::temp_dir().join(format!("abada-oidc-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret_file = dir.join("client-secret");
+    std::fs::write(&secret_file, "wrong secret\n").unwrap();
+
+    for client_auth in [ClientAuth::Basic, ClientAuth::RequestBody] {
+        std::fs::write(&secret_file, "wrong secret\n").unwrap();
+        let mut settings = OidcSettings::new(
+            &issuer,
+            "worker-client",
+            Arc::new(SecretSource::file(&secret_file)),
+        );
+        settings.client_auth = client_auth;
+        let p = OidcTokenProvider::new(settings, reqwest::Client::builder()).unwrap();
+
+        let e = p.token().await.unwrap_err();
+        assert_eq!(
+            e,
+            AuthError::InvalidClient {
+                client_id: "worker-client".into()
+            },
+            "{client_auth:?}"
+        );
+        assert!(e.to_string().starts_with(
+            "the issuer rejected the client credentials for client id worker-client; check ABADA_AGENT_OIDC_CLIENT_SECRET"
+        ));
+        assert!(e.is_configuration_error());
+        assert!(!format!("{e} {e:?}").contains("wrong secret"));
+        assert!(matches!(
+            p.status(),
+            AuthStatus::Failing {
+                configuration_error: true,
+                ..
+            }
+        ));
+
+        // Rotate the mounted secret: the next call uses it, no restart.
+        std::fs::write(&secret_file, "right secret/+\n").unwrap();
+        let token = p.token().await.unwrap();
+        assert!(
+            token.expose().starts_with("opaque-token-"),
+            "{client_auth:?}"
+        );
+        assert_eq!(p.status(), AuthStatus::Authenticated);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn an_issuer_url_other_than_the_advertised_one_is_a_configuration_error() {
+    let Some(mock) = mock_issuer().await else {
+        return;
+    };
+    // Same server, but not the issuer string it advertises (`http://localhost:<port>`).
+    let configured = mock.issuer.replace("localhost", "127.0.0.1");
+    let e = provider(&configured, SecretSource::value("s"), &[])
+        .token()
+        .await
+        .unwrap_err();
+    eprintln!("{e}");
+    assert!(
+        matches!(&e, AuthError::DiscoveryFailed { issuer_url, .. } if *issuer_url == configured),
+        "{e}"
+    );
+    assert!(e.is_configuration_error());
+}
+
+#[tokio::test]
+async fn an_issuer_answering_server_errors_is_transient_and_says_the_status() {
+    use axum::routing::get;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let issuer = format!("http://{}", listener.local_addr().unwrap());
+    let router = axum::Router::new().route(
+        "/.well-known/openid-configuration",
+        get(|| async { (StatusCode::SERVICE_UNAVAILABLE, "<html>down</html>") }),
+    );
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let e = provider(&issuer, SecretSource::value("s"), &[])
+        .token()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, AuthError::IssuerUnreachable { .. }), "{e}");
+    assert!(e.to_string().contains("503"), "{e}");
+    assert!(!e.is_configuration_error());
+}
