@@ -53,7 +53,10 @@ async fn readyz(State(s): State<AdminState>) -> impl IntoResponse {
         (StatusCode::OK, "ready\n".to_string())
     } else {
         let why = s.status.problem().unwrap_or_else(|| "not ready".into());
-        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n"))
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        )
     }
 }
 
@@ -69,7 +72,9 @@ async fn metrics(State(s): State<AdminState>) -> impl IntoResponse {
 
 /// Why the admin server could not start.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot listen on {addr} for the admin endpoints: {source}; set ABADA_AGENT_HTTP_ADDR to a free address")]
+#[error(
+    "cannot listen on {addr} for the admin endpoints: {source}; set ABADA_AGENT_HTTP_ADDR to a free address"
+)]
 pub struct AdminBindError {
     addr: SocketAddr,
     #[source]

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Config;
+use crate::agent::AgentRuntime;
+use crate::auth::{ClientAuth, OidcSettings, OidcTokenProvider, TokenProvider};
+use crate::config::{ClientAuthMethod, Config};
 use crate::engine::Engine;
 use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::handler::TaskHandler;
@@ -35,9 +37,15 @@ pub fn runner_settings(config: &Config) -> RunnerSettings {
     s
 }
 
+/// A client builder trusting the platform roots plus `ABADA_AGENT_CA_FILE`.
+fn client_builder(config: &Config) -> Result<reqwest::ClientBuilder, StartError> {
+    crate::tls::http_client_builder(config.ca_file.as_deref())
+        .map_err(|e| StartError::Setup(e.to_string()))
+}
+
 /// The shared HTTP client for the engine (one connection pool).
 pub fn engine_http_client(config: &Config) -> Result<reqwest::Client, StartError> {
-    reqwest::Client::builder()
+    client_builder(config)?
         .connect_timeout(Duration::from_secs(5))
         .pool_idle_timeout(Duration::from_secs(60))
         .pool_max_idle_per_host(64)
@@ -45,6 +53,37 @@ pub fn engine_http_client(config: &Config) -> Result<reqwest::Client, StartError
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .map_err(|e| StartError::Http(format!("{e} (engine {})", config.engine_url)))
+}
+
+/// The shared HTTP client for model providers and tool servers.
+pub fn outbound_http_client(config: &Config) -> Result<reqwest::Client, StartError> {
+    client_builder(config)?
+        .connect_timeout(Duration::from_secs(10))
+        .pool_idle_timeout(Duration::from_secs(90))
+        .tcp_nodelay(true)
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(|e| StartError::Http(e.to_string()))
+}
+
+/// The OIDC token provider, when `ABADA_AGENT_OIDC_*` is set.
+fn token_provider(config: &Config) -> Result<Option<Arc<dyn TokenProvider>>, StartError> {
+    let Some(oidc) = &config.oidc else {
+        return Ok(None);
+    };
+    let settings = OidcSettings {
+        issuer_url: oidc.issuer_url.clone(),
+        client_id: oidc.client_id.clone(),
+        client_secret: oidc.client_secret.clone(),
+        scopes: oidc.scopes.clone(),
+        client_auth: match oidc.client_auth {
+            ClientAuthMethod::Basic => ClientAuth::Basic,
+            ClientAuthMethod::RequestBody => ClientAuth::RequestBody,
+        },
+    };
+    let provider = OidcTokenProvider::new(settings, client_builder(config)?)
+        .map_err(|e| StartError::Setup(e.to_string()))?;
+    Ok(Some(Arc::new(provider)))
 }
 
 /// A worker that is wired but not yet running.
@@ -55,19 +94,37 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Builds the engine client and the runner around `handler`.
-    pub fn build(config: &Config, handler: Arc<dyn TaskHandler>) -> Result<Worker, StartError> {
+    /// The production worker: the engine client (with OIDC when configured) and the agent
+    /// runtime with the configured providers and agents file.
+    pub fn from_config(config: &Config) -> Result<Worker, StartError> {
         let metrics = Arc::new(Metrics::new());
+        let runtime =
+            AgentRuntime::from_config(config, outbound_http_client(config)?, metrics.clone())
+                .map_err(|e| StartError::Setup(e.to_string()))?;
+        Worker::build(config, metrics, Arc::new(runtime))
+    }
+
+    /// Builds the engine client and the runner around `handler`.
+    pub fn build(
+        config: &Config,
+        metrics: Arc<Metrics>,
+        handler: Arc<dyn TaskHandler>,
+    ) -> Result<Worker, StartError> {
         let mut engine_settings =
             EngineClientSettings::new(config.engine_url.clone(), config.worker_id.clone());
         engine_settings.request_timeout = config.engine_timeout;
         let engine: Arc<dyn Engine> = Arc::new(HttpEngine::new(
             engine_http_client(config)?,
             engine_settings,
-            None,
+            token_provider(config)?,
             metrics.clone(),
         ));
-        let runner = Runner::new(engine.clone(), handler, runner_settings(config), metrics.clone());
+        let runner = Runner::new(
+            engine.clone(),
+            handler,
+            runner_settings(config),
+            metrics.clone(),
+        );
         Ok(Worker {
             runner,
             metrics,

@@ -5,4 +5,5 @@
 pub mod engine;
 pub mod jwt;
 pub mod model;
+pub mod stack;
 pub mod tools;

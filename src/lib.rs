@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod agent;
 pub mod app;
 pub mod auth;
 pub mod backoff;

@@ -1,1 +1,109 @@
-fn main() {}
+//! The `abada-agent-worker` binary: parses the command line and the environment, sets up
+//! logging, waits for signals, and maps the result to an exit code. Everything else is in the
+//! library.
+
+use std::process::ExitCode;
+
+use abada_agent_worker::config::{Config, ProcessEnv};
+use abada_agent_worker::{app, telemetry};
+use tokio_util::sync::CancellationToken;
+
+const USAGE: &str = "\
+usage: abada-agent-worker [COMMAND]
+
+commands:
+  (none), run   run the worker daemon, configured by ABADA_AGENT_* variables
+  demo          run the embedded demo on loopback (see --help of demo)
+  dev-engine    run the engine emulator alone
+  help          print this help
+
+The daemon's variables are listed in README.md (Operations).";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        None | Some("run") => daemon(),
+        Some("help" | "--help" | "-h") => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        Some("--version" | "-V") => {
+            println!("abada-agent-worker {}", env!("CARGO_PKG_VERSION"));
+            ExitCode::SUCCESS
+        }
+        Some(other) => {
+            eprintln!("abada-agent-worker: unknown command {other:?}\n\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn daemon() -> ExitCode {
+    let config = match Config::from_env(&ProcessEnv) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("abada-agent-worker: configuration error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    telemetry::init(config.log_format, &config.worker_id);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("abada-agent-worker: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        tokio::spawn(watch_signals(shutdown.clone()));
+        let worker = match app::Worker::from_config(&config) {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("abada-agent-worker: configuration error: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        tracing::info!(
+            engine_url = %config.engine_url,
+            topics = ?config.topics,
+            max_tasks = config.max_tasks,
+            lock_duration_ms = config.lock_duration.as_millis() as u64,
+            "worker starting"
+        );
+        match worker
+            .run(config.http_addr, config.poll_interval, shutdown, None)
+            .await
+        {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                tracing::error!(error = %e, "worker failed");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
+
+/// First SIGTERM or SIGINT: staged shutdown. Second: exit at once.
+async fn watch_signals(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop the worker with SIGKILL");
+        return;
+    };
+    let first = tokio::select! { _ = term.recv() => "SIGTERM", _ = int.recv() => "SIGINT" };
+    tracing::info!(
+        signal = first,
+        "shutdown requested: no more fetches, draining running tasks"
+    );
+    shutdown.cancel();
+    let second = tokio::select! { _ = term.recv() => "SIGTERM", _ = int.recv() => "SIGINT" };
+    tracing::warn!(signal = second, "second signal: exiting at once");
+    std::process::exit(130);
+}

@@ -290,6 +290,9 @@ impl Runner {
     ) {
         let s = &self.settings;
         let mut error_streak: u32 = 0;
+        // The last fetch error logged at warn level: a repeat of it is logged at debug, so an
+        // outage is one clear line, not one per retry.
+        let mut last_error: Option<String> = None;
         loop {
             self.status.tick();
             if shutdown.is_cancelled() {
@@ -320,6 +323,9 @@ impl Runner {
             let result = shared.engine.fetch_and_lock(&request).await;
             let wait = match result {
                 Ok(tasks) => {
+                    if last_error.take().is_some() {
+                        tracing::info!("fetch-and-lock works again");
+                    }
                     error_streak = 0;
                     self.metrics.backoff_seconds.set(0.0);
                     self.status.engine_ok();
@@ -363,7 +369,13 @@ impl Runner {
                     if e.is_engine_down() {
                         self.status.engine_failed(e.to_string());
                     }
-                    tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, failures = error_streak, "fetch-and-lock failed");
+                    let text = e.to_string();
+                    if last_error.as_deref() == Some(text.as_str()) {
+                        tracing::debug!(error = %text, retry_in_ms = wait.as_millis() as u64, failures = error_streak, "fetch-and-lock failed again");
+                    } else {
+                        tracing::warn!(error = %text, retry_in_ms = wait.as_millis() as u64, failures = error_streak, "fetch-and-lock failed");
+                        last_error = Some(text);
+                    }
                     wait
                 }
             };

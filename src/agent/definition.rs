@@ -33,7 +33,9 @@ pub struct AgentDefinition {
 /// becomes an incident an operator can fix and retry.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum DefinitionError {
-    #[error("task {task_id} carries no agent definition and the agents file has none for activity {activity:?} or topic {topic:?}; add one to ABADA_AGENT_AGENTS_FILE or let the engine send it")]
+    #[error(
+        "task {task_id} carries no agent definition and the agents file has none for activity {activity:?} or topic {topic:?}; add one to ABADA_AGENT_AGENTS_FILE or let the engine send it"
+    )]
     Missing {
         task_id: String,
         activity: String,
@@ -41,7 +43,9 @@ pub enum DefinitionError {
     },
     #[error("agent definition {name:?} is invalid: {reason}")]
     Invalid { name: String, reason: String },
-    #[error("agent {name:?}: its {field} uses ${{{variable}}}, but the process has no variable {variable:?}; set it before the agent node or fix the template")]
+    #[error(
+        "agent {name:?}: its {field} uses ${{{variable}}}, but the process has no variable {variable:?}; set it before the agent node or fix the template"
+    )]
     MissingVariable {
         name: String,
         field: &'static str,
@@ -97,8 +101,7 @@ impl AgentDefinition {
         } else {
             return Err(invalid("it is not a JSON object".into()));
         }
-        let wire: AgentWire =
-            serde_json::from_value(known).map_err(|e| invalid(e.to_string()))?;
+        let wire: AgentWire = serde_json::from_value(known).map_err(|e| invalid(e.to_string()))?;
         let name = wire
             .name
             .filter(|n| !n.trim().is_empty())
@@ -107,10 +110,9 @@ impl AgentDefinition {
             name: name.clone(),
             reason,
         };
-        let model = wire
-            .model
-            .filter(|m| !m.trim().is_empty())
-            .ok_or_else(|| invalid("it names no \"model\" (e.g. \"openai/gpt-4.1-mini\")".into()))?;
+        let model = wire.model.filter(|m| !m.trim().is_empty()).ok_or_else(|| {
+            invalid("it names no \"model\" (e.g. \"openai/gpt-4.1-mini\")".into())
+        })?;
         let mut models = vec![ModelRef::parse(&model).map_err(|e| invalid(e.to_string()))?];
         for m in &wire.fallback_models {
             models.push(ModelRef::parse(m).map_err(|e| invalid(format!("fallbackModels: {e}")))?);
@@ -139,14 +141,18 @@ impl AgentDefinition {
             return Err(invalid("maxTurns must be at least 1".into()));
         }
         if wire.token_budget == Some(0) {
-            return Err(invalid("tokenBudget must be at least 1 (omit it for none)".into()));
+            return Err(invalid(
+                "tokenBudget must be at least 1 (omit it for none)".into(),
+            ));
         }
         let result_variable = wire
             .result_variable
             .filter(|v| !v.trim().is_empty())
             .unwrap_or_else(|| DEFAULT_RESULT_VARIABLE.to_string());
         if wire.input.trim().is_empty() {
-            return Err(invalid("its \"input\" (the first user message) is empty".into()));
+            return Err(invalid(
+                "its \"input\" (the first user message) is empty".into(),
+            ));
         }
         Ok(AgentDefinition {
             name,
@@ -161,7 +167,10 @@ impl AgentDefinition {
     }
 
     /// The rendered instructions and first user message.
-    pub fn render(&self, variables: &Map<String, Value>) -> Result<(String, String), DefinitionError> {
+    pub fn render(
+        &self,
+        variables: &Map<String, Value>,
+    ) -> Result<(String, String), DefinitionError> {
         let render = |field: &'static str, template: &str| {
             render_template(template, variables).map_err(|variable| {
                 DefinitionError::MissingVariable {
@@ -288,7 +297,8 @@ impl AgentsFile {
         let wire: FileWire = toml::from_str(text).map_err(|e| ParseError::Syntax(e.to_string()))?;
         let mut by_key = HashMap::new();
         for (key, value) in wire.agents {
-            let json = serde_json::to_value(&value).map_err(|e| ParseError::Syntax(e.to_string()))?;
+            let json =
+                serde_json::to_value(&value).map_err(|e| ParseError::Syntax(e.to_string()))?;
             let def = AgentDefinition::from_value(&json, &key).map_err(ParseError::Definition)?;
             by_key.insert(key, def);
         }
@@ -350,8 +360,14 @@ mod tests {
             render_template("Customer ${customerId} wrote: ${message}", &v).unwrap(),
             "Customer c-17 wrote: refund please"
         );
-        assert_eq!(render_template("${amount} ${tags}", &v).unwrap(), "12.5 [\"a\"]");
-        assert_eq!(render_template("cost $${amount}", &v).unwrap(), "cost ${amount}");
+        assert_eq!(
+            render_template("${amount} ${tags}", &v).unwrap(),
+            "12.5 [\"a\"]"
+        );
+        assert_eq!(
+            render_template("cost $${amount}", &v).unwrap(),
+            "cost ${amount}"
+        );
         assert_eq!(render_template("open ${brace", &v).unwrap(), "open ${brace");
         assert_eq!(render_template("${missing}", &v).unwrap_err(), "missing");
         assert_eq!(render_template("", &v).unwrap(), "");
@@ -379,7 +395,8 @@ mod tests {
         assert_eq!(def.models.len(), 2);
         assert_eq!(def.models[1].provider, "anthropic");
         assert_eq!(def.max_turns, 12);
-        let min = AgentDefinition::from_value(&json!({"model": "p/m", "input": "hi"}), "act").unwrap();
+        let min =
+            AgentDefinition::from_value(&json!({"model": "p/m", "input": "hi"}), "act").unwrap();
         assert_eq!(min.name, "act");
         assert_eq!(min.max_turns, DEFAULT_MAX_TURNS);
         assert_eq!(min.result_variable, DEFAULT_RESULT_VARIABLE);
@@ -388,14 +405,19 @@ mod tests {
 
     #[test]
     fn bad_definitions_say_what_is_wrong() {
-        let err = |v: Value| AgentDefinition::from_value(&v, "act").unwrap_err().to_string();
+        let err = |v: Value| {
+            AgentDefinition::from_value(&v, "act")
+                .unwrap_err()
+                .to_string()
+        };
         assert!(err(json!("nope")).contains("not a JSON object"));
         assert!(err(json!({"input": "x"})).contains("names no \"model\""));
         assert!(err(json!({"model": "nomodel", "input": "x"})).contains("provider/model"));
         assert!(err(json!({"model": "p/m", "input": "x", "maxTurns": 0})).contains("maxTurns"));
         assert!(err(json!({"model": "p/m", "input": "x", "maxTurns": "many"})).contains("invalid"));
         assert!(err(json!({"model": "p/m", "input": "x", "toolServers": [{"name": "a", "url": "ftp://x"}]})).contains("not http"));
-        let def = AgentDefinition::from_value(&json!({"model": "p/m", "input": "${nope}"}), "a").unwrap();
+        let def =
+            AgentDefinition::from_value(&json!({"model": "p/m", "input": "${nope}"}), "a").unwrap();
         let e = def.render(&Map::new()).unwrap_err();
         assert!(e.to_string().contains("no variable \"nope\""));
     }
@@ -433,7 +455,10 @@ mod tests {
         task.activity_id = Some("other".into());
         assert_eq!(resolve(&task, Some(&file)).unwrap().input, "by topic");
         task.topic = "elsewhere".into();
-        assert!(matches!(resolve(&task, Some(&file)), Err(DefinitionError::Missing { .. })));
+        assert!(matches!(
+            resolve(&task, Some(&file)),
+            Err(DefinitionError::Missing { .. })
+        ));
         assert!(AgentsFile::parse("[agents.x]\nmodel = 3").is_err());
     }
 }

@@ -1,0 +1,425 @@
+//! The journal of an agent task (protocol.md B.2): the exact step shapes written to the engine,
+//! and the replay that rebuilds a run from them on every acquisition.
+//!
+//! Each step stores only what is new (one model answer, one tool result), so the journal grows
+//! linearly with the work. Tool calls are journaled by MCP server and tool name, never by the
+//! name a provider adapter showed the model, so a journal written through one provider resumes
+//! on another.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::conversation::{AssistantMessage, Message, ToolCall, ToolResult, Usage};
+use crate::engine::JournalStep;
+
+pub const KIND_INPUT: &str = "input";
+pub const KIND_MODEL: &str = "model";
+pub const KIND_TOOL: &str = "tool";
+pub const STATE_STARTED: &str = "started";
+pub const STATE_FINISHED: &str = "finished";
+
+/// The idempotency key of a keyed write: `abada:{taskId}:{seq of its started step}`, stable
+/// across attempts.
+pub fn write_key(task_id: &str, started_seq: u64) -> String {
+    format!("abada:{task_id}:{started_seq}")
+}
+
+pub fn input_step(seq: u64, instructions: &str, input: &str) -> JournalStep {
+    JournalStep {
+        seq,
+        kind: KIND_INPUT.into(),
+        state: STATE_FINISHED.into(),
+        key: None,
+        data: json!({"instructions": instructions, "input": input}),
+    }
+}
+
+pub fn model_step(
+    seq: u64,
+    model: &str,
+    message: &AssistantMessage,
+    usage: Usage,
+    stop_reason: &str,
+) -> JournalStep {
+    JournalStep {
+        seq,
+        kind: KIND_MODEL.into(),
+        state: STATE_FINISHED.into(),
+        key: None,
+        data: json!({
+            "model": model,
+            "message": message,
+            "usage": usage,
+            "stopReason": stop_reason,
+        }),
+    }
+}
+
+pub fn tool_started_step(seq: u64, key: &str, call: &ToolCall) -> JournalStep {
+    JournalStep {
+        seq,
+        kind: KIND_TOOL.into(),
+        state: STATE_STARTED.into(),
+        key: Some(key.to_string()),
+        data: json!({
+            "callId": call.call_id,
+            "server": call.server,
+            "tool": call.tool,
+            "arguments": call.arguments,
+        }),
+    }
+}
+
+pub fn tool_finished_step(
+    seq: u64,
+    key: Option<&str>,
+    call: &ToolCall,
+    result: &ToolResult,
+) -> JournalStep {
+    JournalStep {
+        seq,
+        kind: KIND_TOOL.into(),
+        state: STATE_FINISHED.into(),
+        key: key.map(str::to_string),
+        data: json!({
+            "callId": call.call_id,
+            "server": call.server,
+            "tool": call.tool,
+            "result": result,
+        }),
+    }
+}
+
+/// A journal that cannot be replayed: written by something that broke the contract.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error(
+    "the journal cannot be replayed at step {seq}: {reason}; inspect the task's journal in the engine"
+)]
+pub struct ReplayError {
+    pub seq: u64,
+    pub reason: String,
+}
+
+/// A tool call of the last model answer that has no result yet.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PendingCall {
+    pub call: ToolCall,
+    /// Set when a `tool/started` was journaled: the write must be re-sent with this key.
+    pub started_key: Option<String>,
+}
+
+/// Everything an attempt needs to continue where the last one stopped.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Replayed {
+    /// The rendered system prompt and first user message, once journaled.
+    pub input: Option<(String, String)>,
+    /// The conversation after the system prompt.
+    pub messages: Vec<Message>,
+    /// Model answers so far (turns), across every attempt.
+    pub turns: u32,
+    pub usage: Usage,
+    /// The `seq` the next step gets.
+    pub next_seq: u64,
+    /// Tool calls of the last answer still to run, in order.
+    pub pending: Vec<PendingCall>,
+    /// The last model answer had no tool call: this is the final answer.
+    pub final_answer: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct InputData {
+    #[serde(default)]
+    instructions: String,
+    input: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ModelData {
+    message: AssistantMessage,
+    #[serde(default)]
+    usage: Usage,
+}
+
+#[derive(Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ToolData {
+    call_id: String,
+    #[serde(default)]
+    server: String,
+    tool: String,
+    #[serde(default)]
+    arguments: Option<Value>,
+    #[serde(default)]
+    result: Option<ToolResult>,
+}
+
+impl Replayed {
+    /// A run with nothing journaled yet.
+    pub fn empty() -> Self {
+        Replayed {
+            next_seq: 1,
+            ..Default::default()
+        }
+    }
+
+    /// Rebuilds the run from the steps (in any order; sorted by `seq` here).
+    pub fn from_steps(steps: &[JournalStep]) -> Result<Self, ReplayError> {
+        let mut sorted: Vec<&JournalStep> = steps.iter().collect();
+        sorted.sort_by_key(|s| s.seq);
+        let mut r = Replayed::empty();
+        for step in sorted {
+            r.apply(step)?;
+        }
+        Ok(r)
+    }
+
+    /// Adds one step: a step read back from the engine, or one this attempt just journaled.
+    /// On error the state is unchanged.
+    pub fn apply(&mut self, step: &JournalStep) -> Result<(), ReplayError> {
+        let err = |reason: String| ReplayError {
+            seq: step.seq,
+            reason,
+        };
+        if step.seq != self.next_seq {
+            return Err(err(format!(
+                "expected seq {}, found {}",
+                self.next_seq, step.seq
+            )));
+        }
+        match (step.kind.as_str(), step.state.as_str()) {
+            (KIND_INPUT, STATE_FINISHED) => {
+                if self.input.is_some() {
+                    return Err(err("a second input step".into()));
+                }
+                let d: InputData = serde_json::from_value(step.data.clone())
+                    .map_err(|e| err(format!("input data: {e}")))?;
+                self.messages.push(Message::User {
+                    text: d.input.clone(),
+                });
+                self.input = Some((d.instructions, d.input));
+            }
+            (KIND_MODEL, STATE_FINISHED) => {
+                if self.input.is_none() {
+                    return Err(err("a model step before the input step".into()));
+                }
+                if let Some(p) = self.pending.first() {
+                    return Err(err(format!(
+                        "a model step while tool call {} has no result",
+                        p.call.call_id
+                    )));
+                }
+                let d: ModelData = serde_json::from_value(step.data.clone())
+                    .map_err(|e| err(format!("model data: {e}")))?;
+                self.turns += 1;
+                self.usage += d.usage;
+                self.pending = d
+                    .message
+                    .tool_calls
+                    .iter()
+                    .map(|c| PendingCall {
+                        call: c.clone(),
+                        started_key: None,
+                    })
+                    .collect();
+                self.final_answer = if d.message.tool_calls.is_empty() {
+                    Some(d.message.text.clone().unwrap_or_default())
+                } else {
+                    None
+                };
+                self.messages.push(Message::Assistant(d.message));
+            }
+            (KIND_TOOL, state @ (STATE_STARTED | STATE_FINISHED)) => {
+                let d: ToolData = serde_json::from_value(step.data.clone())
+                    .map_err(|e| err(format!("tool data: {e}")))?;
+                // Calls run in order: the step is about the first pending call.
+                let Some(first) = self.pending.first() else {
+                    return Err(err(format!(
+                        "tool call {} answers no model step",
+                        d.call_id
+                    )));
+                };
+                if first.call.call_id != d.call_id {
+                    return Err(err(format!(
+                        "tool call {} is not the next pending call ({})",
+                        d.call_id, first.call.call_id
+                    )));
+                }
+                if state == STATE_STARTED {
+                    let key = step
+                        .key
+                        .clone()
+                        .ok_or_else(|| err("a started tool step without a key".into()))?;
+                    self.pending[0].started_key = Some(key);
+                } else {
+                    let result = d
+                        .result
+                        .ok_or_else(|| err("a finished tool step without a result".into()))?;
+                    let done = self.pending.remove(0);
+                    self.messages.push(Message::ToolResult {
+                        call: done.call,
+                        result,
+                    });
+                }
+            }
+            (kind, state) => {
+                return Err(err(format!("unknown step kind/state {kind}/{state}")));
+            }
+        }
+        self.next_seq += 1;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(id: &str, tool: &str) -> ToolCall {
+        ToolCall {
+            call_id: id.into(),
+            server: "orders".into(),
+            tool: tool.into(),
+            arguments: json!({"orderId": "o-1"}),
+        }
+    }
+
+    fn answer(calls: Vec<ToolCall>, text: Option<&str>) -> AssistantMessage {
+        AssistantMessage {
+            text: text.map(str::to_string),
+            tool_calls: calls,
+        }
+    }
+
+    fn ok_result(text: &str) -> ToolResult {
+        ToolResult {
+            content: vec![json!({"type": "text", "text": text})],
+            structured_content: None,
+            is_error: false,
+        }
+    }
+
+    #[test]
+    fn steps_have_the_documented_shapes() {
+        let s = model_step(
+            2,
+            "openai/gpt",
+            &answer(vec![call("c1", "lookup")], None),
+            Usage {
+                input_tokens: 10,
+                output_tokens: 3,
+            },
+            "tool_calls",
+        );
+        let v = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["kind"], "model");
+        assert_eq!(v["state"], "finished");
+        assert!(v.get("key").is_none());
+        assert_eq!(v["data"]["model"], "openai/gpt");
+        assert_eq!(v["data"]["message"]["toolCalls"][0]["callId"], "c1");
+        assert_eq!(v["data"]["message"]["toolCalls"][0]["server"], "orders");
+        assert_eq!(v["data"]["message"]["text"], Value::Null);
+        assert_eq!(v["data"]["usage"]["inputTokens"], 10);
+        assert_eq!(v["data"]["stopReason"], "tool_calls");
+        let st = tool_started_step(3, "abada:t1:3", &call("c1", "refund"));
+        let v = serde_json::to_value(&st).unwrap();
+        assert_eq!(v["key"], "abada:t1:3");
+        assert_eq!(v["data"]["arguments"]["orderId"], "o-1");
+        let fin = tool_finished_step(
+            4,
+            Some("abada:t1:3"),
+            &call("c1", "refund"),
+            &ok_result("done"),
+        );
+        let v = serde_json::to_value(&fin).unwrap();
+        assert_eq!(v["data"]["result"]["isError"], false);
+        assert_eq!(v["data"]["result"]["content"][0]["text"], "done");
+        assert_eq!(v["data"]["result"]["structuredContent"], Value::Null);
+        assert_eq!(write_key("t1", 3), "abada:t1:3");
+    }
+
+    #[test]
+    fn replay_rebuilds_conversation_turns_usage_and_what_is_left_to_do() {
+        let u = Usage {
+            input_tokens: 100,
+            output_tokens: 20,
+        };
+        let steps = vec![
+            input_step(1, "sys", "hello"),
+            model_step(
+                2,
+                "p/m",
+                &answer(vec![call("c1", "lookup"), call("c2", "refund")], None),
+                u,
+                "tool_calls",
+            ),
+            tool_finished_step(3, None, &call("c1", "lookup"), &ok_result("order o-1")),
+            tool_started_step(4, "abada:t:4", &call("c2", "refund")),
+        ];
+        let r = Replayed::from_steps(&steps).unwrap();
+        assert_eq!(r.turns, 1);
+        assert_eq!(r.usage, u);
+        assert_eq!(r.next_seq, 5);
+        assert_eq!(r.messages.len(), 3);
+        assert_eq!(r.pending.len(), 1);
+        assert_eq!(r.pending[0].call.call_id, "c2");
+        assert_eq!(r.pending[0].started_key.as_deref(), Some("abada:t:4"));
+        assert!(r.final_answer.is_none());
+
+        let mut steps = steps;
+        steps.push(tool_finished_step(
+            5,
+            Some("abada:t:4"),
+            &call("c2", "refund"),
+            &ok_result("refunded"),
+        ));
+        steps.push(model_step(
+            6,
+            "q/n",
+            &answer(vec![], Some("{\"ok\":true}")),
+            u,
+            "stop",
+        ));
+        let r = Replayed::from_steps(&steps).unwrap();
+        assert_eq!(r.turns, 2);
+        assert_eq!(r.usage.total(), 240);
+        assert!(r.pending.is_empty());
+        assert_eq!(r.final_answer.as_deref(), Some("{\"ok\":true}"));
+    }
+
+    #[test]
+    fn broken_journals_are_refused_with_the_step() {
+        let bad = |steps: Vec<JournalStep>| Replayed::from_steps(&steps).unwrap_err();
+        assert_eq!(bad(vec![input_step(2, "s", "i")]).seq, 2);
+        assert!(
+            bad(vec![model_step(
+                1,
+                "p/m",
+                &answer(vec![], Some("x")),
+                Usage::default(),
+                "stop"
+            )])
+            .reason
+            .contains("before the input")
+        );
+        let e = bad(vec![
+            input_step(1, "s", "i"),
+            model_step(
+                2,
+                "p/m",
+                &answer(vec![call("c1", "a")], None),
+                Usage::default(),
+                "tool_calls",
+            ),
+            tool_finished_step(3, None, &call("zz", "a"), &ok_result("x")),
+        ]);
+        assert!(e.reason.contains("not the next pending call"));
+        let mut odd = input_step(1, "s", "i");
+        odd.kind = "mystery".into();
+        assert!(bad(vec![odd]).reason.contains("unknown step"));
+        let mut garbled = input_step(1, "s", "i");
+        garbled.data = json!(42);
+        assert!(bad(vec![garbled]).reason.contains("input data"));
+    }
+}
