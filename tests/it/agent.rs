@@ -95,3 +95,28 @@ async fn a_refund_agent_completes_through_both_wire_formats() {
     assert_eq!(stack.tools.counters().await.sessions_open, 0);
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn the_real_binary_runs_agents_and_drains_on_sigterm() {
+    use crate::support::process::{WorkerProcess, stack_env};
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let ids = stack.engine.create_tasks(
+        (0..3).map(|i| spec(stack.refund_agent("openai/refund", &[]), &format!("o-{i}"))),
+    );
+    let mut worker = WorkerProcess::spawn(&stack_env(&stack, "proc-1")).await;
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(20)).await;
+    assert!(views.iter().all(|v| v.status == TaskStatus::Completed));
+    let (status, body) = worker.admin_get("/readyz").await;
+    assert_eq!(status, 200, "{body}");
+    worker.signal("TERM");
+    let exit = worker.wait(Duration::from_secs(10)).await;
+    assert!(exit.success(), "{exit}");
+    let logs = worker.stdout();
+    assert!(
+        logs.iter()
+            .all(|l| serde_json::from_str::<Value>(l).is_ok()),
+        "every line is JSON"
+    );
+    assert!(logs.iter().all(|l| l.contains("\"worker_id\":\"proc-1\"")));
+    stack.shutdown().await;
+}

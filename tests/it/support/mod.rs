@@ -1,3 +1,4 @@
 //! Shared test helpers.
 
 pub mod fake_engine;
+pub mod process;
