@@ -120,3 +120,374 @@ async fn the_real_binary_runs_agents_and_drains_on_sigterm() {
     assert!(logs.iter().all(|l| l.contains("\"worker_id\":\"proc-1\"")));
     stack.shutdown().await;
 }
+
+mod outcomes {
+    //! Every outcome of protocol.md B.5 through the real HTTP paths.
+
+    use std::time::Duration;
+
+    use abada_agent_worker::devkit::engine::{Fault as EngineFault, Operation, TaskStatus};
+    use abada_agent_worker::devkit::model::{Fault, FaultTimes, Script, Turn};
+    use abada_agent_worker::devkit::stack::{Stack, WorkerOptions};
+    use serde_json::json;
+
+    use super::{spec, wait_all_ended};
+
+    async fn stack() -> Stack {
+        Stack::start(abada_agent_worker::devkit::engine::ProtocolLevel::AgentV1)
+            .await
+            .unwrap()
+    }
+
+    fn looping() -> Script {
+        Script::new(vec![Turn::call(
+            "lookup_order",
+            json!({"orderId": "${input}"}),
+        )])
+        .with_usage(1000, 200)
+    }
+
+    #[tokio::test]
+    async fn max_turns_reached_is_an_incident_with_the_figures() {
+        let s = stack().await;
+        s.model.set_script("loop", looping());
+        let mut agent = s.refund_agent("openai/loop", &[]);
+        agent["maxTurns"] = json!(3);
+        let ids = s.engine.create_tasks([spec(agent, "o-1")]);
+        let w = s.spawn_worker(WorkerOptions::new("w", 2), Stack::fast_agent_settings());
+        let v = &wait_all_ended(&s, &ids, Duration::from_secs(20)).await[0];
+        assert_eq!(v.status, TaskStatus::Failed, "an incident");
+        assert_eq!(v.retries, Some(0));
+        let msg = v.error_message.clone().unwrap();
+        assert!(msg.contains("maxTurns 3 reached"), "{msg}");
+        assert!(msg.contains("3000 tokens in"), "{msg}");
+        assert_eq!(s.model.calls("loop"), 3);
+        w.stop().await;
+        assert_eq!(s.tools.counters().await.sessions_open, 0);
+    }
+
+    #[tokio::test]
+    async fn a_spent_token_budget_is_an_incident_and_caps_each_call() {
+        let s = stack().await;
+        s.model.set_script("loop", looping());
+        let mut agent = s.refund_agent("anthropic/loop", &[]);
+        agent["tokenBudget"] = json!(2500);
+        let ids = s.engine.create_tasks([spec(agent, "o-1")]);
+        let w = s.spawn_worker(WorkerOptions::new("w", 2), Stack::fast_agent_settings());
+        let v = &wait_all_ended(&s, &ids, Duration::from_secs(20)).await[0];
+        assert_eq!(v.status, TaskStatus::Failed);
+        let msg = v.error_message.clone().unwrap();
+        assert!(msg.contains("tokenBudget 2500 spent (3600 tokens"), "{msg}");
+        // 1200 per call: the third call was allowed with what was left as its output cap.
+        let caps: Vec<u64> = s
+            .model
+            .requests()
+            .iter()
+            .filter(|r| r.model == "loop")
+            .map(|r| r.body["max_tokens"].as_u64().unwrap())
+            .collect();
+        assert_eq!(caps, vec![2500, 1300, 100]);
+        w.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_rate_limited_primary_falls_back_and_every_model_unavailable_defers() {
+        let s = stack().await;
+        s.model
+            .set_script("primary", super::super::agent::refund_like());
+        s.model
+            .set_script("fallback", super::super::agent::refund_like());
+        // First: the primary is rate-limited once, the fallback finishes the task.
+        s.model.inject_fault(
+            "primary",
+            Fault::RateLimited {
+                retry_after: Some(Duration::from_secs(5)),
+            },
+            FaultTimes::Next(1),
+        );
+        let agent = s.refund_agent("openai/primary", &["anthropic/fallback"]);
+        let ids = s.engine.create_tasks([spec(agent.clone(), "o-1")]);
+        let w = s.spawn_worker(WorkerOptions::new("w", 2), Stack::fast_agent_settings());
+        let v = &wait_all_ended(&s, &ids, Duration::from_secs(20)).await[0];
+        assert_eq!(v.status, TaskStatus::Completed);
+        assert_eq!(v.journal[1]["data"]["model"], "anthropic/fallback");
+        // Then every model unavailable: deferred, retries unchanged, timeout from Retry-After.
+        for (model, after) in [("primary", 7), ("fallback", 4)] {
+            s.model.inject_fault(
+                model,
+                Fault::RateLimited {
+                    retry_after: Some(Duration::from_secs(after)),
+                },
+                FaultTimes::Always,
+            );
+        }
+        let id = s.engine.create_task(spec(agent, "o-2"));
+        let deferred = tokio::time::timeout(
+            Duration::from_secs(20),
+            s.engine.wait_for(|e| {
+                let t = e.task(&id)?;
+                (t.hidden && t.counters.failures == 1).then_some(t)
+            }),
+        )
+        .await
+        .unwrap();
+        assert_eq!(deferred.retries, Some(3), "the attempt was not consumed");
+        let hidden_for = deferred.lock_expiration_time.unwrap() - s.engine.now();
+        assert!(
+            hidden_for > chrono::Duration::seconds(2) && hidden_for <= chrono::Duration::seconds(4),
+            "retryTimeout follows the earliest Retry-After (4 s): {hidden_for}"
+        );
+        // The provider recovers: the task completes after its retry timeout.
+        s.model.clear_faults("primary");
+        s.model.clear_faults("fallback");
+        s.engine.advance(Duration::from_secs(5));
+        let done = wait_all_ended(&s, &[id], Duration::from_secs(20)).await;
+        assert_eq!(done[0].status, TaskStatus::Completed);
+        w.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_tool_server_down_is_a_technical_failure_that_consumes_one_retry() {
+        let s = stack().await;
+        s.tools.set_down(true);
+        let ids = s
+            .engine
+            .create_tasks([spec(s.refund_agent("openai/refund", &[]), "o-1")]);
+        let w = s.spawn_worker(WorkerOptions::new("w", 2), Stack::fast_agent_settings());
+        let v = tokio::time::timeout(
+            Duration::from_secs(20),
+            s.engine.wait_for(|e| {
+                let t = e.task(&ids[0])?;
+                (t.counters.failures == 1).then_some(t)
+            }),
+        )
+        .await
+        .unwrap();
+        assert_eq!(v.retries, Some(2), "one retry consumed");
+        assert!(v.hidden, "an exponential retryTimeout hides it");
+        assert!(v.error_message.unwrap().contains("orders"));
+        w.stop().await;
+        s.tools.set_down(false);
+        assert_eq!(s.tools.counters().await.sessions_open, 0);
+    }
+
+    #[tokio::test]
+    async fn malformed_model_output_after_retries_is_technical() {
+        let s = stack().await;
+        s.model
+            .set_script("garbled", super::super::agent::refund_like());
+        s.model
+            .inject_fault("garbled", Fault::MalformedBody, FaultTimes::Always);
+        let ids = s
+            .engine
+            .create_tasks([spec(s.refund_agent("openai/garbled", &[]), "o-1")]);
+        let w = s.spawn_worker(WorkerOptions::new("w", 2), Stack::fast_agent_settings());
+        let v = tokio::time::timeout(
+            Duration::from_secs(20),
+            s.engine.wait_for(|e| {
+                let t = e.task(&ids[0])?;
+                (t.counters.failures == 1).then_some(t)
+            }),
+        )
+        .await
+        .unwrap();
+        assert_eq!(v.retries, Some(2));
+        assert_eq!(s.model.calls("garbled"), 3, "one call and two retries");
+        w.stop().await;
+    }
+
+    #[tokio::test]
+    async fn definition_errors_and_hard_model_errors_are_incidents() {
+        let s = stack().await;
+        let mut missing_var = s.refund_agent("openai/refund", &[]);
+        missing_var["input"] = json!("Customer ${customerId}");
+        let unknown_provider = s.refund_agent("mistral/large", &[]);
+        let unscripted = s.refund_agent("openai/no-such-model", &[]);
+        let ids = s.engine.create_tasks([
+            spec(missing_var, "o-1"),
+            spec(unknown_provider, "o-2"),
+            spec(unscripted, "o-3"),
+        ]);
+        let w = s.spawn_worker(WorkerOptions::new("w", 4), Stack::fast_agent_settings());
+        let views = wait_all_ended(&s, &ids, Duration::from_secs(20)).await;
+        for v in &views {
+            assert_eq!(v.status, TaskStatus::Failed, "{v:?}");
+            assert_eq!(v.retries, Some(0));
+        }
+        assert!(
+            views[0]
+                .error_message
+                .as_ref()
+                .unwrap()
+                .contains("no variable \"customerId\"")
+        );
+        assert!(
+            views[1]
+                .error_message
+                .as_ref()
+                .unwrap()
+                .contains("\"mistral\", which is not configured")
+        );
+        assert!(
+            views[2]
+                .error_message
+                .as_ref()
+                .unwrap()
+                .contains("rejected the request")
+        );
+        w.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_lost_lease_stops_the_task_reports_nothing_and_closes_its_sessions() {
+        let s = stack().await;
+        s.model.set_script(
+            "slow",
+            super::super::agent::refund_like().with_latency(Duration::from_millis(400)),
+        );
+        let ids = s
+            .engine
+            .create_tasks([spec(s.refund_agent("openai/slow", &[]), "o-1")]);
+        s.engine.inject(EngineFault::RefuseHeartbeats {
+            task_id: ids[0].clone(),
+        });
+        let mut opts = WorkerOptions::new("w", 2);
+        opts.lock_duration = Duration::from_millis(600);
+        let mut w = s.spawn_worker(opts, Stack::fast_agent_settings());
+        loop {
+            if let Some(abada_agent_worker::runner::RunnerEvent::TaskEnded { outcome, .. }) =
+                w.events.recv().await
+            {
+                assert_eq!(outcome, "lease_lost");
+                break;
+            }
+        }
+        let refused_at = s
+            .engine
+            .calls()
+            .iter()
+            .find(|c| c.operation == Operation::Heartbeat)
+            .map(|c| c.at)
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let late: Vec<_> = s
+            .engine
+            .calls()
+            .into_iter()
+            .filter(|c| c.task_id.as_deref() == Some(ids[0].as_str()) && c.at > refused_at)
+            .collect();
+        assert!(
+            late.is_empty(),
+            "no call about the task after its lease was refused: {late:?}"
+        );
+        let v = s.engine.task(&ids[0]).unwrap();
+        assert_eq!(v.counters.completes + v.counters.failures, 0);
+        w.stop().await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(s.tools.counters().await.sessions_open, 0);
+    }
+
+    #[tokio::test]
+    async fn fifty_tasks_at_once_never_see_each_others_words_credentials_or_usage() {
+        let s = stack().await;
+        let ids = s.engine.create_tasks((0..50).map(|i| {
+            spec(
+                s.refund_agent("openai/refund", &[]),
+                &format!("secret-word-{i:02}x"),
+            )
+        }));
+        let w = s.spawn_worker(WorkerOptions::new("w", 50), Stack::fast_agent_settings());
+        let views = wait_all_ended(&s, &ids, Duration::from_secs(60)).await;
+        for v in &views {
+            assert_eq!(v.status, TaskStatus::Completed);
+            let usage = &v.result_variables.as_ref().unwrap()["agentUsage"];
+            assert_eq!(usage["inputTokens"], 360, "usage is per task");
+            assert_eq!(usage["turns"], 3);
+        }
+        // Every model request mentions exactly one task's words.
+        for r in s.model.requests() {
+            let body = r.body.to_string();
+            let hits: Vec<String> = (0..50)
+                .map(|i| format!("secret-word-{i:02}x"))
+                .filter(|w| body.contains(w.as_str()))
+                .collect();
+            assert_eq!(hits.len(), 1, "a request mixes tasks: {hits:?}");
+        }
+        // Each credential is used by exactly one task's calls, and no two tasks share one.
+        let mut by_token: std::collections::HashMap<String, std::collections::HashSet<String>> =
+            Default::default();
+        for c in s.tools.calls() {
+            let order = c.arguments["orderId"].as_str().unwrap().to_string();
+            by_token
+                .entry(c.token.clone().unwrap())
+                .or_default()
+                .insert(order);
+        }
+        assert!(by_token.values().all(|orders| orders.len() == 1));
+        assert_eq!(by_token.len(), 50, "one credential per task");
+        w.stop().await;
+        assert_eq!(s.tools.counters().await.sessions_open, 0);
+    }
+
+    #[tokio::test]
+    async fn no_mcp_session_outlives_a_mixed_run() {
+        let s = stack().await;
+        s.model.set_script("loop", looping());
+        s.model.set_script(
+            "slow",
+            super::super::agent::refund_like().with_latency(Duration::from_millis(300)),
+        );
+        let mut capped = s.refund_agent("openai/loop", &[]);
+        capped["maxTurns"] = json!(2);
+        let mut specs = vec![];
+        for i in 0..6 {
+            specs.push(spec(
+                s.refund_agent("openai/refund", &[]),
+                &format!("ok-{i}"),
+            ));
+        }
+        specs.push(spec(capped, "capped"));
+        for i in 0..3 {
+            specs.push(spec(
+                s.refund_agent("openai/slow", &[]),
+                &format!("lost-{i}"),
+            ));
+        }
+        for i in 0..3 {
+            specs.push(spec(
+                s.refund_agent("openai/slow", &[]),
+                &format!("cut-{i}"),
+            ));
+        }
+        let ids = s.engine.create_tasks(specs);
+        for id in &ids[7..10] {
+            s.engine.inject(EngineFault::RefuseHeartbeats {
+                task_id: id.clone(),
+            });
+        }
+        let mut opts = WorkerOptions::new("w", 16);
+        opts.lock_duration = Duration::from_millis(600);
+        opts.shutdown_grace = Duration::from_millis(100);
+        let w = s.spawn_worker(opts, Stack::fast_agent_settings());
+        // Successes, the incident and the lost leases end; the slow rest is cut by shutdown.
+        wait_all_ended(&s, &ids[..7], Duration::from_secs(30)).await;
+        w.stop().await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let c = s.tools.counters().await;
+        assert!(c.sessions_opened >= 13, "{c:?}");
+        assert_eq!(c.sessions_open, 0, "{c:?}");
+        // Nothing is left locked to the worker that stopped.
+        for t in s.engine.tasks() {
+            assert!(
+                !(t.status == TaskStatus::Locked && t.worker_id.as_deref() == Some("w")),
+                "{} still locked to the stopped worker",
+                t.id
+            );
+        }
+    }
+}
+
+/// The refund script under another model name.
+pub fn refund_like() -> abada_agent_worker::devkit::model::Script {
+    abada_agent_worker::devkit::stack::refund_script()
+}
