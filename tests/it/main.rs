@@ -1,5 +1,6 @@
 //! The integration test binary (one binary keeps link time down): one module per area.
 
+mod core_http;
 mod emulator;
 mod mcp_interop;
 mod oidc;

@@ -1,3 +1,4 @@
 //! Shared test helpers.
 
+pub mod emulator_worker;
 pub mod fake_engine;
