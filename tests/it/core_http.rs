@@ -536,6 +536,83 @@ async fn a_lost_complete_response_is_retried_and_answered_from_the_replay() {
     assert_eq!(completes[0].idempotency_key, completes[1].idempotency_key);
 }
 
+#[tokio::test]
+async fn a_completion_sent_into_an_engine_outage_is_retried_with_its_key_until_it_lands() {
+    let emu = start_emulator().await;
+    let id = emu.create_task(spec_sleeping(10));
+    let gate = Arc::new(Semaphore::new(0));
+    let w = spawn_worker(
+        &emu,
+        WorkerOptions::new("w-outage", Duration::from_secs(5))
+            .max_tasks(1)
+            .handler(CompletingHandler::new("w-outage", Duration::ZERO).gated(gate.clone())),
+    );
+    w.wait_event(|e| matches!(e, RunnerEvent::TaskStarted { .. }))
+        .await;
+    emu.set_outage(true);
+    gate.add_permits(1);
+    // Two tries of the completion hit the outage (closed connections, nothing executed).
+    within("two completions lost in the outage", async {
+        emu.wait_for(|e| (calls_of(&e.calls(), &id, Operation::Complete).len() >= 2).then_some(()))
+            .await
+    })
+    .await;
+    emu.set_outage(false);
+    let t = wait_completed(&emu, &id).await;
+    assert_eq!(w.wait_ended(&id, 1).await, "completed");
+    w.stop().await;
+
+    assert_eq!(t.counters.completes, 1);
+    let calls = emu.calls();
+    let completes = calls_of(&calls, &id, Operation::Complete);
+    let keys: HashSet<_> = completes
+        .iter()
+        .map(|c| c.idempotency_key.clone())
+        .collect();
+    assert_eq!(keys.len(), 1, "one key for every try: {completes:?}");
+    assert!(completes[..2].iter().all(|c| c.response_dropped));
+    assert_eq!(
+        completes
+            .iter()
+            .filter(|c| c.disposition == Disposition::Executed)
+            .count(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn shutdown_releases_an_unfinished_task_for_another_worker_at_once() {
+    let emu = start_emulator().await;
+    let id = emu.create_task(spec_sleeping(10));
+    let never = Arc::new(Semaphore::new(0));
+    let mut opts = WorkerOptions::new("w-leaving", Duration::from_secs(5))
+        .max_tasks(1)
+        .handler(CompletingHandler::new("w-leaving", Duration::ZERO).gated(never));
+    opts.runner.shutdown_grace = Duration::from_millis(200);
+    let w = spawn_worker(&emu, opts);
+    w.wait_event(|e| matches!(e, RunnerEvent::TaskStarted { .. }))
+        .await;
+    let events = w.stop().await;
+
+    assert!(
+        events.iter().any(|e| matches!(e,
+            RunnerEvent::TaskEnded { task_id, outcome: "released", .. } if *task_id == id)),
+        "{events:?}"
+    );
+    let t = emu.task(&id).unwrap();
+    assert_eq!(t.status, TaskStatus::Open, "available again at once: {t:?}");
+    assert!(!t.hidden);
+    assert_eq!(t.retries, Some(3), "the release consumed no retry");
+    assert_eq!(t.counters.failures, 1);
+    assert_eq!(t.counters.completes, 0);
+    // Another worker takes it straight away and finishes it.
+    let w2 = spawn_worker(&emu, WorkerOptions::new("w-next", Duration::from_secs(5)));
+    let t = wait_completed(&emu, &id).await;
+    assert_eq!(t.attempt, 2);
+    w2.stop().await;
+    check_lease_discipline(&emu.calls());
+}
+
 // 8 -------------------------------------------------------------------------------------------
 
 /// The emulator's call log does not record request headers; its authorizer hook sees them, so
