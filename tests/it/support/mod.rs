@@ -1,4 +1,5 @@
 //! Shared test helpers.
 
+pub mod emulator_worker;
 pub mod fake_engine;
 pub mod process;
