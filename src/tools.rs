@@ -129,6 +129,29 @@ pub struct ToolSessionOptions {
     pub close_timeout: Duration,
     /// How sessions are opened.
     pub protocol: ToolProtocol,
+    /// What each server turned out to speak, shared by every task of the process (clones of the
+    /// options share it): with [`ToolProtocol::Auto`], only the first session to a server probes
+    /// for MCP 2026-07-28; later ones open directly the way that worked. This saves a round trip
+    /// per session and avoids probe sessions that stateful servers would keep open.
+    pub learned: Arc<ProtocolMemo>,
+}
+
+/// The protocol each tool server URL was found to speak (see [`ToolSessionOptions::learned`]).
+#[derive(Debug, Default)]
+pub struct ProtocolMemo {
+    slots: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<ToolProtocol>>>>>,
+}
+
+impl ProtocolMemo {
+    /// The slot of one URL; its async lock is held while the first session to it negotiates.
+    pub(crate) fn slot(&self, url: &str) -> Arc<tokio::sync::Mutex<Option<ToolProtocol>>> {
+        self.slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(url.to_owned())
+            .or_default()
+            .clone()
+    }
 }
 
 /// How a session is opened.
@@ -156,6 +179,7 @@ impl Default for ToolSessionOptions {
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             close_timeout: Duration::from_secs(5),
             protocol: ToolProtocol::Auto,
+            learned: Arc::new(ProtocolMemo::default()),
         }
     }
 }

@@ -158,6 +158,9 @@ struct Faults {
 struct Shared {
     name: String,
     validator: Arc<dyn CredentialValidator>,
+    /// The credential each session was opened with: its owner may always close it (DELETE),
+    /// even after the credential died with the task's lease.
+    session_tokens: Mutex<HashMap<String, String>>,
     records: Mutex<Records>,
     faults: Faults,
     sessions: Arc<LocalSessionManager>,
@@ -190,6 +193,7 @@ impl ToolServer {
         let shared = Arc::new(Shared {
             name: options.name,
             validator: options.validator,
+            session_tokens: Mutex::new(HashMap::new()),
             records: Mutex::new(Records::default()),
             faults: Faults::default(),
             sessions: Arc::new(LocalSessionManager::default()),
@@ -356,8 +360,27 @@ async fn gate(State(shared): State<Arc<Shared>>, request: Request, next: Next) -
     if shared.faults.down.load(Ordering::SeqCst) {
         return (StatusCode::SERVICE_UNAVAILABLE, "the tool server is down").into_response();
     }
-    let authorized = bearer(request.headers())
-        .is_some_and(|token| shared.validator.validate(&shared.name, token));
+    let is_delete = request.method() == Method::DELETE;
+    let session_id = request
+        .headers()
+        .get("mcp-session-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let token = bearer(request.headers()).map(str::to_owned);
+    let owner_closes = is_delete
+        && match (&session_id, &token) {
+            (Some(id), Some(token)) => shared
+                .session_tokens
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(id)
+                .is_some_and(|owner| owner == token),
+            _ => false,
+        };
+    let authorized = owner_closes
+        || token
+            .as_deref()
+            .is_some_and(|token| shared.validator.validate(&shared.name, token));
     if !authorized {
         shared.records().counters.unauthorized += 1;
         return (
@@ -367,10 +390,23 @@ async fn gate(State(shared): State<Arc<Shared>>, request: Request, next: Next) -
         )
             .into_response();
     }
-    let is_delete = request.method() == Method::DELETE;
     let response = next.run(request).await;
     if is_delete && response.status().is_success() {
         shared.records().counters.sessions_closed += 1;
+    }
+    if let (Some(opened), Some(token)) = (
+        response
+            .headers()
+            .get("mcp-session-id")
+            .and_then(|v| v.to_str().ok()),
+        token,
+    ) {
+        shared
+            .session_tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(opened.to_owned())
+            .or_insert(token);
     }
     response
 }

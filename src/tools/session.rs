@@ -84,19 +84,71 @@ pub(crate) struct Session {
 
 impl Session {
     /// Opens a session (discover or initialize) and lists its tools, all pages.
+    ///
+    /// The opening runs in its own spawned task: when the caller is dropped half-way (its task
+    /// was cancelled, its lease lost), the server may already hold a session, so the opening
+    /// finishes anyway and closes what it opened instead of leaving it on the server.
     pub(crate) async fn open(
         http: &reqwest::Client,
         server: &ToolServerRef,
         credential: Secret,
         options: &ToolSessionOptions,
     ) -> Result<Session, SessionFailure> {
-        let client = match connect(http, server, &credential, options, options.protocol).await {
-            // A server that answers `server/discover` but supports only versions with the
-            // `initialize` handshake: open a session the older way.
-            Err(SessionFailure::LegacyOnly) if options.protocol == ToolProtocol::Auto => {
-                connect(http, server, &credential, options, ToolProtocol::Initialize).await?
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (http, server, options) = (http.clone(), server.clone(), options.clone());
+        tokio::spawn(async move {
+            let opened = Session::open_here(&http, &server, credential, &options).await;
+            if let Err(Ok(orphan)) = tx.send(opened) {
+                orphan.close().await;
             }
-            other => other?,
+        });
+        rx.await.unwrap_or_else(|_| {
+            Err(SessionFailure::Unavailable(
+                "the session opening task ended without an answer".into(),
+            ))
+        })
+    }
+
+    async fn open_here(
+        http: &reqwest::Client,
+        server: &ToolServerRef,
+        credential: Secret,
+        options: &ToolSessionOptions,
+    ) -> Result<Session, SessionFailure> {
+        let client = if options.protocol == ToolProtocol::Auto {
+            let slot = options.learned.slot(&server.url);
+            let mut learned = slot.lock().await;
+            match *learned {
+                Some(protocol) => {
+                    drop(learned);
+                    connect(http, server, &credential, options, protocol).await?
+                }
+                None => {
+                    // The first session to this server negotiates while later ones wait.
+                    let (client, protocol) =
+                        match connect(http, server, &credential, options, ToolProtocol::Auto).await
+                        {
+                            // A server that answers `server/discover` but supports only
+                            // versions with the `initialize` handshake: the older way.
+                            Err(SessionFailure::LegacyOnly) => (
+                                connect(
+                                    http,
+                                    server,
+                                    &credential,
+                                    options,
+                                    ToolProtocol::Initialize,
+                                )
+                                .await?,
+                                ToolProtocol::Initialize,
+                            ),
+                            other => (other?, ToolProtocol::Auto),
+                        };
+                    *learned = Some(protocol);
+                    client
+                }
+            }
+        } else {
+            connect(http, server, &credential, options, options.protocol).await?
         };
         let mut session = Session {
             url: server.url.clone(),

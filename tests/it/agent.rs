@@ -476,8 +476,14 @@ mod outcomes {
         let c = s.tools.counters().await;
         assert!(c.sessions_opened >= 13, "{c:?}");
         assert_eq!(c.sessions_open, 0, "{c:?}");
-        // Nothing is left locked to the worker that stopped.
-        for t in s.engine.tasks() {
+        // Nothing it still owned is left locked to the worker that stopped (the emulator keeps
+        // the lost ones locked to it until their lease runs out: it refused their heartbeats).
+        for t in s
+            .engine
+            .tasks()
+            .into_iter()
+            .filter(|t| !ids[7..10].contains(&t.id))
+        {
             assert!(
                 !(t.status == TaskStatus::Locked && t.worker_id.as_deref() == Some("w")),
                 "{} still locked to the stopped worker",
