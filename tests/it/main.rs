@@ -4,6 +4,7 @@ mod agent;
 mod emulator;
 mod mcp_interop;
 mod oidc;
+mod operations;
 mod provider;
 mod runner;
 mod support;
