@@ -103,3 +103,57 @@ pub async fn serve(
     });
     Ok(bound)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::response::Response;
+
+    fn state(stall_limit: Duration) -> AdminState {
+        AdminState {
+            status: Arc::new(WorkerStatus::default()),
+            metrics: Arc::new(Metrics::new()),
+            stall_limit,
+        }
+    }
+
+    /// Calls the endpoint's handler as the router would.
+    async fn get(state: &AdminState, path: &str) -> (StatusCode, String) {
+        let s = State(state.clone());
+        let resp: Response = match path {
+            "/healthz" => healthz(s).await.into_response(),
+            "/readyz" => readyz(s).await.into_response(),
+            "/metrics" => metrics(s).await.into_response(),
+            other => panic!("no endpoint {other}"),
+        };
+        let status = resp.status();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .expect("an in-memory body");
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn healthz_fails_once_the_poll_loop_has_not_gone_round_for_the_stall_limit() {
+        let s = state(Duration::from_secs(60));
+        assert_eq!(get(&s, "/healthz").await.0, StatusCode::OK);
+        tokio::time::advance(Duration::from_secs(59)).await;
+        assert_eq!(get(&s, "/healthz").await.0, StatusCode::OK);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let (status, body) = get(&s, "/healthz").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.contains("poll loop stalled"), "{body}");
+    }
+
+    #[tokio::test]
+    async fn readyz_is_not_ready_before_the_first_fetch_and_metrics_are_text() {
+        let s = state(Duration::from_secs(60));
+        let (status, body) = get(&s, "/readyz").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.contains("no fetch has succeeded yet"), "{body}");
+        let (status, body) = get(&s, "/metrics").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(body.contains("# TYPE abada_agent_slots gauge"), "{body}");
+        assert!(body.ends_with("# EOF\n"), "{body}");
+    }
+}

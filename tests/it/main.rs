@@ -5,6 +5,7 @@ mod core_http;
 mod emulator;
 mod mcp_interop;
 mod oidc;
+mod operations;
 mod provider;
 mod runner;
 mod support;

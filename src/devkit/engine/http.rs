@@ -262,6 +262,7 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
             .and_then(|b| b.get("attempt"))
             .and_then(Value::as_i64),
         idempotency_key: header_str(&call.headers, "idempotency-key").map(str::to_string),
+        traceparent: header_str(&call.headers, "traceparent").map(str::to_string),
         status: 0,
         error_code: None,
         disposition: Disposition::Injected,
@@ -556,6 +557,7 @@ async fn not_found(State(shared): State<Arc<Shared>>, req: Request) -> Response 
         worker_id: None,
         attempt: None,
         idempotency_key: header_str(req.headers(), "idempotency-key").map(str::to_string),
+        traceparent: header_str(req.headers(), "traceparent").map(str::to_string),
         status: error.status.as_u16(),
         error_code: Some(error.code.to_string()),
         disposition: Disposition::Refused,

@@ -161,6 +161,9 @@ pub struct CallRecord {
     pub worker_id: Option<String>,
     pub attempt: Option<i64>,
     pub idempotency_key: Option<String>,
+    /// The request's W3C `traceparent` header, as received.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
     pub status: u16,
     pub error_code: Option<String>,
     pub disposition: Disposition,

@@ -1,0 +1,986 @@
+//! Kubernetes operations (issue 6): staged shutdown of the real binary on SIGTERM/SIGINT, the
+//! second signal, `/readyz` and `/healthz`, `/metrics` checked against what the emulator, the
+//! scripted model and the tool server recorded, W3C trace context on every outgoing call, and the
+//! pretty log format.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use abada_agent_worker::admin::{self, AdminState};
+use abada_agent_worker::devkit::engine::{
+    CallRecord, Disposition, EngineEmulator, Fault, Operation, ProtocolLevel, TaskStatus, TaskView,
+};
+use abada_agent_worker::devkit::model::{Fault as ModelFault, FaultTimes};
+use abada_agent_worker::devkit::stack::{Stack, WorkerOptions, refund_script};
+use abada_agent_worker::runner::RunnerEvent;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::{spec, wait_all_ended};
+use crate::support::process::{WorkerProcess, stack_env};
+
+/// Waits until `check` holds on the emulator (re-checked on every request it answers).
+async fn wait_until<T>(
+    stack: &Stack,
+    what: &str,
+    check: impl FnMut(&EngineEmulator) -> Option<T>,
+) -> T {
+    tokio::time::timeout(Duration::from_secs(60), stack.engine.wait_for(check))
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+}
+
+/// Polls an admin endpoint of `worker` until `accept` holds; returns the last answer.
+async fn poll_admin(
+    worker: &WorkerProcess,
+    path: &str,
+    accept: impl Fn(u16, &str) -> bool,
+) -> (u16, String) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, body) = worker.admin_get(path).await;
+        if accept(status, &body) {
+            return (status, body);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{path} stayed at {status} {body:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// The lines `read` returns once one contains `needle` (the pipe readers may still be draining
+/// the output of a process that has just exited).
+async fn lines_until(read: impl Fn() -> Vec<String>, needle: &str) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let lines = read();
+        if lines.iter().any(|l| l.contains(needle)) {
+            return lines;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no line with {needle:?}: {lines:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn env(stack: &Stack, worker_id: &str, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut env = stack_env(stack, worker_id);
+    env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    env
+}
+
+fn step_kinds(view: &TaskView) -> Vec<String> {
+    view.journal
+        .iter()
+        .map(|s| {
+            format!(
+                "{}/{}",
+                s["kind"].as_str().unwrap_or("?"),
+                s["state"].as_str().unwrap_or("?")
+            )
+        })
+        .collect()
+}
+
+fn has_model_step(view: &TaskView) -> bool {
+    step_kinds(view).iter().any(|k| k == "model/finished")
+}
+
+const FULL_RUN: [&str; 7] = [
+    "input/finished",
+    "model/finished",
+    "tool/finished",
+    "model/finished",
+    "tool/started",
+    "tool/finished",
+    "model/finished",
+];
+
+fn running_on(view: &TaskView, worker: &str) -> bool {
+    view.status == TaskStatus::Locked
+        && view.worker_id.as_deref() == Some(worker)
+        && !view.journal.is_empty()
+}
+
+/// The task was released: `failure` with its retries unchanged and `retryTimeout` 0, so it is
+/// `OPEN` and visible at once.
+fn assert_released(view: &TaskView, retries: i32) {
+    assert_eq!(view.status, TaskStatus::Open, "{view:?}");
+    assert_eq!(view.retries, Some(retries), "retries unchanged: {view:?}");
+    assert!(!view.hidden, "retryTimeout 0: {view:?}");
+    assert_eq!(view.lock_expiration_time, None, "{view:?}");
+    assert_eq!(view.counters.failures, 1, "{view:?}");
+    assert!(
+        view.error_message
+            .as_deref()
+            .is_some_and(|m| m.contains("shut down")),
+        "{view:?}"
+    );
+}
+
+fn no_task_locked_to(stack: &Stack, worker: &str) {
+    for t in stack.engine.tasks() {
+        assert!(
+            !(t.status == TaskStatus::Locked && t.worker_id.as_deref() == Some(worker)),
+            "{} is still locked to {worker}: {t:?}",
+            t.id
+        );
+    }
+}
+
+fn calls_of<'a>(
+    calls: &'a [CallRecord],
+    op: Operation,
+    worker: &'a str,
+) -> impl Iterator<Item = &'a CallRecord> + 'a {
+    calls
+        .iter()
+        .filter(move |c| c.operation == op && c.worker_id.as_deref() == Some(worker))
+}
+
+#[tokio::test]
+async fn sigterm_drains_finishes_short_tasks_releases_long_ones_and_a_second_worker_resumes_them() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    // Long tasks: every model turn takes longer than the grace period.
+    stack
+        .model
+        .set_script("slow", refund_script().with_latency(Duration::from_secs(5)));
+    stack.model.set_script(
+        "quick",
+        refund_script().with_latency(Duration::from_millis(100)),
+    );
+    let grace = Duration::from_millis(2000);
+    let worker_id = "proc-term";
+    let slow = stack.engine.create_tasks(
+        (0..2).map(|i| spec(stack.refund_agent("openai/slow", &[]), &format!("s-{i}"))),
+    );
+    let mut worker = WorkerProcess::spawn(&env(
+        &stack,
+        worker_id,
+        &[
+            ("ABADA_AGENT_MAX_TASKS", "8"),
+            ("ABADA_AGENT_LOCK_DURATION_MS", "3000"),
+            ("ABADA_AGENT_SHUTDOWN_GRACE_MS", "2000"),
+        ],
+    ))
+    .await;
+    // The long tasks have journaled their first model turn and are in their second one.
+    wait_until(&stack, "the long tasks' first model turn", |e| {
+        slow.iter()
+            .all(|id| e.task(id).is_some_and(|t| has_model_step(&t)))
+            .then_some(())
+    })
+    .await;
+    let quick = stack.engine.create_tasks(
+        (0..2).map(|i| spec(stack.refund_agent("openai/quick", &[]), &format!("q-{i}"))),
+    );
+    wait_until(&stack, "the short tasks to start", |e| {
+        quick
+            .iter()
+            .all(|id| e.task(id).is_some_and(|t| running_on(&t, worker_id)))
+            .then_some(())
+    })
+    .await;
+
+    let signal_at = chrono::Utc::now();
+    let signalled = Instant::now();
+    worker.signal("TERM");
+    let exit = worker.wait(Duration::from_secs(20)).await;
+    let took = signalled.elapsed();
+    println!("SIGTERM with 2 long + 2 short tasks: exit after {took:?} (grace {grace:?})");
+    assert!(exit.success(), "exit code 0: {exit}");
+    assert!(
+        took < grace + Duration::from_secs(2),
+        "exit within grace + 1 s (+1 s slack): {took:?}"
+    );
+
+    let calls = stack.engine.calls();
+    assert!(
+        calls_of(&calls, Operation::FetchAndLock, worker_id)
+            .any(|c| c.at <= signal_at && c.at > signal_at - chrono::Duration::seconds(1)),
+        "the worker was fetching until the signal"
+    );
+    // No fetch after the signal (one already in flight at the signal may land just after it).
+    let late: Vec<_> = calls_of(&calls, Operation::FetchAndLock, worker_id)
+        .filter(|c| c.at > signal_at)
+        .collect();
+    assert!(late.len() <= 1, "fetches after the signal: {late:?}");
+    assert!(
+        late.iter()
+            .all(|c| c.at <= signal_at + chrono::Duration::milliseconds(100)),
+        "a fetch started more than 100 ms after the signal: {late:?}"
+    );
+    // Short tasks completed normally during the drain.
+    for id in &quick {
+        let v = stack.engine.task(id).unwrap();
+        assert_eq!(v.status, TaskStatus::Completed, "{v:?}");
+        assert_eq!(v.worker_id.as_deref(), Some(worker_id));
+    }
+    // Long tasks were heartbeated during the drain, then released.
+    for id in &slow {
+        let during_drain = calls_of(&calls, Operation::Heartbeat, worker_id)
+            .filter(|c| c.task_id.as_deref() == Some(id.as_str()) && c.at > signal_at)
+            .filter(|c| c.disposition == Disposition::Executed)
+            .count();
+        assert!(during_drain >= 1, "{id} heartbeated while draining");
+        assert_released(&stack.engine.task(id).unwrap(), 3);
+        let failures: Vec<_> = calls_of(&calls, Operation::Failure, worker_id)
+            .filter(|c| c.task_id.as_deref() == Some(id.as_str()))
+            .collect();
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert_eq!(failures[0].disposition, Disposition::Executed);
+        assert!(failures[0].at > signal_at);
+    }
+    no_task_locked_to(&stack, worker_id);
+    assert_eq!(
+        stack.tools.counters().await.sessions_open,
+        0,
+        "MCP sessions closed"
+    );
+    let logs = lines_until(|| worker.stdout(), "worker stopped").await;
+    assert!(
+        logs.iter().any(|l| l.contains("grace period over")),
+        "the release is logged"
+    );
+    assert!(
+        logs.last().is_some_and(|l| l.contains("worker stopped")),
+        "logs flushed to the last line: {:?}",
+        logs.last()
+    );
+    let started: Vec<Value> = logs
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["message"] == "task started")
+        .collect();
+    for id in slow.iter().chain(&quick) {
+        let line = started
+            .iter()
+            .find(|v| v["task_id"] == id.as_str())
+            .unwrap_or_else(|| panic!("no 'task started' line for {id}"));
+        assert_eq!(line["attempt"], 1, "the task span carries its ids: {line}");
+        assert!(line["process_instance_id"].is_string(), "{line}");
+    }
+    // Two model calls per long task so far: turn 1, and turn 2 cut short by the release.
+    assert_eq!(stack.model.calls("slow"), 4);
+    let before: HashMap<String, Vec<Value>> = slow
+        .iter()
+        .map(|id| (id.clone(), stack.engine.task(id).unwrap().journal))
+        .collect();
+
+    // A second worker resumes the long tasks from their journals.
+    stack.model.set_script("slow", refund_script());
+    let second = stack.spawn_worker(WorkerOptions::new("w-2", 4), Stack::fast_agent_settings());
+    let views = wait_all_ended(&stack, &slow, Duration::from_secs(30)).await;
+    for v in &views {
+        assert_eq!(v.status, TaskStatus::Completed, "{v:?}");
+        assert_eq!(v.worker_id.as_deref(), Some("w-2"));
+        assert_eq!(v.attempt, 2);
+        let old = &before[&v.id];
+        assert!(!old.is_empty());
+        assert_eq!(&v.journal[..old.len()], &old[..], "the journal continues");
+        assert_eq!(step_kinds(v), FULL_RUN, "no finished step redone");
+    }
+    // Turns 2 and 3 per task on the second worker; turn 1 was not asked again.
+    assert_eq!(stack.model.calls("slow"), 8);
+    assert_eq!(stack.tools.counters().await.writes_applied, 4);
+    second.stop().await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn sigint_is_a_staged_shutdown_like_sigterm() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    stack.model.set_script(
+        "stuck",
+        refund_script().with_latency(Duration::from_secs(30)),
+    );
+    let worker_id = "proc-int";
+    let id = stack
+        .engine
+        .create_task(spec(stack.refund_agent("openai/stuck", &[]), "o-1"));
+    let mut worker = WorkerProcess::spawn(&env(
+        &stack,
+        worker_id,
+        &[("ABADA_AGENT_SHUTDOWN_GRACE_MS", "1000")],
+    ))
+    .await;
+    wait_until(&stack, "the task to start", |e| {
+        e.task(&id).filter(|t| running_on(t, worker_id))
+    })
+    .await;
+    // The model call is under way (its tool session is open).
+    while stack.model.calls("stuck") == 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let signalled = Instant::now();
+    worker.signal("INT");
+    let exit = worker.wait(Duration::from_secs(10)).await;
+    let took = signalled.elapsed();
+    println!("SIGINT with 1 long task: exit after {took:?} (grace 1 s)");
+    assert!(exit.success(), "exit code 0: {exit}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    assert_released(&stack.engine.task(&id).unwrap(), 3);
+    no_task_locked_to(&stack, worker_id);
+    assert_eq!(stack.tools.counters().await.sessions_open, 0);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn readyz_flips_on_drain_and_a_second_signal_exits_at_once() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    stack.model.set_script(
+        "stuck",
+        refund_script().with_latency(Duration::from_secs(60)),
+    );
+    let worker_id = "proc-twice";
+    let id = stack
+        .engine
+        .create_task(spec(stack.refund_agent("openai/stuck", &[]), "o-1"));
+    let mut worker = WorkerProcess::spawn(&env(
+        &stack,
+        worker_id,
+        &[("ABADA_AGENT_SHUTDOWN_GRACE_MS", "30000")],
+    ))
+    .await;
+    wait_until(&stack, "the task to start", |e| {
+        e.task(&id).filter(|t| running_on(t, worker_id))
+    })
+    .await;
+    poll_admin(&worker, "/readyz", |s, _| s == 200).await;
+
+    worker.signal("TERM");
+    // The long task holds the drain open: not ready, still alive.
+    let (_, body) = poll_admin(&worker, "/readyz", |s, _| s == 503).await;
+    assert!(body.contains("shutting down"), "{body}");
+    assert_eq!(worker.admin_get("/healthz").await.0, 200);
+
+    let signalled = Instant::now();
+    worker.signal("TERM");
+    let exit = worker.wait(Duration::from_secs(10)).await;
+    let took = signalled.elapsed();
+    println!("second SIGTERM: exit after {took:?} with {exit}");
+    assert!(!exit.success(), "a forced exit is not a clean one: {exit}");
+    assert!(took < Duration::from_secs(2), "exits at once: {took:?}");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn readyz_follows_the_engine_going_away_and_coming_back() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    stack.engine.set_outage(true);
+    let mut worker = WorkerProcess::spawn(&env(&stack, "proc-ready", &[])).await;
+    let (status, body) = worker.admin_get("/readyz").await;
+    assert_eq!(status, 503, "not ready before a fetch succeeded: {body}");
+    let (_, body) = poll_admin(&worker, "/readyz", |s, b| {
+        s == 503 && !b.contains("no fetch has succeeded yet")
+    })
+    .await;
+    assert!(body.starts_with("not ready: "), "{body}");
+    println!("readyz during the outage: {body:?}");
+    assert_eq!(worker.admin_get("/healthz").await.0, 200);
+    let m = scrape(&worker).await;
+    assert!(m.sum("abada_agent_fetches_total", &[("result", "error")]) >= 1.0);
+    assert!(
+        m.sum("abada_agent_backoff_seconds", &[]) > 0.0,
+        "backing off"
+    );
+    assert!(
+        m.sum(
+            "abada_agent_engine_request_duration_seconds_count",
+            &[("operation", "fetch-and-lock"), ("status", "error")]
+        ) >= 1.0
+    );
+
+    stack.engine.set_outage(false);
+    let back = Instant::now();
+    poll_admin(&worker, "/readyz", |s, _| s == 200).await;
+    println!(
+        "ready again {:?} after the engine came back",
+        back.elapsed()
+    );
+    assert_eq!(
+        scrape(&worker)
+            .await
+            .sum("abada_agent_backoff_seconds", &[]),
+        0.0
+    );
+
+    stack.engine.set_outage(true);
+    let (_, body) = poll_admin(&worker, "/readyz", |s, _| s == 503).await;
+    assert!(!body.contains("shutting down"), "{body}");
+    stack.engine.set_outage(false);
+    let back = Instant::now();
+    poll_admin(&worker, "/readyz", |s, _| s == 200).await;
+    println!("ready again {:?} after the second outage", back.elapsed());
+    assert_eq!(worker.admin_get("/healthz").await.0, 200);
+
+    worker.signal("TERM");
+    assert!(worker.wait(Duration::from_secs(10)).await.success());
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn pretty_log_format_writes_human_lines_to_stderr() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let mut worker = WorkerProcess::spawn_raw(
+        &[],
+        &env(
+            &stack,
+            "proc-pretty",
+            &[("ABADA_AGENT_LOG_FORMAT", "pretty")],
+        ),
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let line = loop {
+        if let Some(l) = worker
+            .stderr()
+            .into_iter()
+            .find(|l| l.contains("admin endpoints listening"))
+        {
+            break l;
+        }
+        assert!(Instant::now() < deadline, "{:?}", worker.stderr());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(serde_json::from_str::<Value>(&line).is_err(), "{line}");
+    assert!(line.contains("INFO"), "{line}");
+    assert!(
+        !line.contains('\u{1b}'),
+        "no colours when stderr is no terminal: {line}"
+    );
+    worker.signal("TERM");
+    assert!(worker.wait(Duration::from_secs(10)).await.success());
+    lines_until(|| worker.stderr(), "worker stopped").await;
+    assert!(worker.stdout().is_empty(), "{:?}", worker.stdout());
+    stack.shutdown().await;
+}
+
+/// One sample of the text exposition.
+#[derive(Debug)]
+struct Sample {
+    name: String,
+    labels: BTreeMap<String, String>,
+    value: f64,
+}
+
+/// Parses the exposition: `# TYPE` lines into family -> type, and every sample.
+fn parse_exposition(text: &str) -> (HashMap<String, String>, Vec<Sample>) {
+    let mut types = HashMap::new();
+    let mut samples = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
+            types.insert(name.to_string(), kind.to_string());
+            continue;
+        }
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        let (head, value) = line.rsplit_once(' ').expect("name value");
+        let (name, labels) = match head.split_once('{') {
+            None => (head.to_string(), BTreeMap::new()),
+            Some((name, rest)) => {
+                let body = rest.strip_suffix('}').expect("closing brace");
+                let labels = body
+                    .split("\",")
+                    .filter(|p| !p.is_empty())
+                    .map(|p| {
+                        let (k, v) = p.split_once("=\"").expect("k=\"v\"");
+                        (k.to_string(), v.trim_end_matches('"').to_string())
+                    })
+                    .collect();
+                (name.to_string(), labels)
+            }
+        };
+        samples.push(Sample {
+            name,
+            labels,
+            value: value.parse().expect("a number"),
+        });
+    }
+    (types, samples)
+}
+
+struct Scrape {
+    types: HashMap<String, String>,
+    samples: Vec<Sample>,
+}
+
+impl Scrape {
+    /// Sum of the samples called `name` whose labels include every pair of `with`.
+    fn sum(&self, name: &str, with: &[(&str, &str)]) -> f64 {
+        self.samples
+            .iter()
+            .filter(|s| s.name == name)
+            .filter(|s| {
+                with.iter()
+                    .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+            })
+            .map(|s| s.value)
+            .sum()
+    }
+
+    /// The family exists with this type, and its samples carry exactly these labels.
+    fn check_family(&self, family: &str, kind: &str, labels: &[&str]) {
+        assert_eq!(
+            self.types.get(family).map(String::as_str),
+            Some(kind),
+            "{family} is a {kind}"
+        );
+        let suffixes: &[&str] = match kind {
+            "counter" => &["_total"],
+            "histogram" => &["_bucket", "_sum", "_count"],
+            _ => &[""],
+        };
+        let mut seen = false;
+        for s in &self.samples {
+            let Some(suffix) = s.name.strip_prefix(family) else {
+                continue;
+            };
+            if !suffixes.contains(&suffix) {
+                continue;
+            }
+            seen = true;
+            let mut names: Vec<&str> = s
+                .labels
+                .keys()
+                .map(String::as_str)
+                .filter(|k| *k != "le")
+                .collect();
+            names.sort_unstable();
+            let mut want = labels.to_vec();
+            want.sort_unstable();
+            assert_eq!(names, want, "labels of {}", s.name);
+        }
+        assert!(seen, "{family} has samples");
+    }
+}
+
+/// `/metrics` of a worker process, parsed.
+async fn scrape(worker: &WorkerProcess) -> Scrape {
+    let (status, text) = worker.admin_get("/metrics").await;
+    assert_eq!(status, 200, "{text}");
+    let (types, samples) = parse_exposition(&text);
+    Scrape { types, samples }
+}
+
+#[tokio::test]
+async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let lock = Duration::from_secs(6);
+    // "steady" runs longer than a third of the lock: it gets heartbeats.
+    stack.model.set_script(
+        "steady",
+        refund_script().with_latency(Duration::from_millis(1000)),
+    );
+    stack.model.set_script("limited", refund_script());
+    stack.model.inject_fault(
+        "limited",
+        ModelFault::RateLimited {
+            retry_after: Some(Duration::from_secs(600)),
+        },
+        FaultTimes::Always,
+    );
+    stack.model.set_script(
+        "slow",
+        refund_script().with_latency(Duration::from_secs(60)),
+    );
+    let mut opts = WorkerOptions::new("w-metrics", 8);
+    opts.lock_duration = lock;
+    let mut worker = stack.spawn_worker(opts, Stack::fast_agent_settings());
+    let admin_stop = CancellationToken::new();
+    let admin_addr: SocketAddr = admin::serve(
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        AdminState {
+            status: worker.status.clone(),
+            metrics: worker.metrics.clone(),
+            stall_limit: Duration::from_secs(60),
+        },
+        admin_stop.clone(),
+    )
+    .await
+    .unwrap();
+
+    let mut ended: HashMap<String, &'static str> = HashMap::new();
+    async fn until_ended(
+        events: &mut tokio::sync::mpsc::UnboundedReceiver<RunnerEvent>,
+        ended: &mut HashMap<String, &'static str>,
+        ids: &[String],
+    ) {
+        tokio::time::timeout(Duration::from_secs(60), async {
+            while !ids.iter().all(|id| ended.contains_key(id)) {
+                if let Some(RunnerEvent::TaskEnded {
+                    task_id, outcome, ..
+                }) = events.recv().await
+                {
+                    ended.insert(task_id, outcome);
+                }
+            }
+        })
+        .await
+        .expect("tasks ended in time");
+    }
+
+    // Phase 1: three quick completions, one with heartbeats, one deferred by a 429.
+    let mut phase1 = stack.engine.create_tasks(
+        (0..3).map(|i| spec(stack.refund_agent("openai/refund", &[]), &format!("o-{i}"))),
+    );
+    phase1.push(
+        stack
+            .engine
+            .create_task(spec(stack.refund_agent("openai/steady", &[]), "o-steady")),
+    );
+    let deferred = stack
+        .engine
+        .create_task(spec(stack.refund_agent("openai/limited", &[]), "o-limited"));
+    phase1.push(deferred.clone());
+    until_ended(&mut worker.events, &mut ended, &phase1).await;
+    // Phase 2: a task whose heartbeats the engine refuses: its lease is lost. The worker is
+    // stopped at once, long before the lease expires and the task could be offered again.
+    let lost = stack
+        .engine
+        .create_task(spec(stack.refund_agent("openai/slow", &[]), "o-lost"));
+    stack.engine.inject(Fault::RefuseHeartbeats {
+        task_id: lost.clone(),
+    });
+    until_ended(&mut worker.events, &mut ended, std::slice::from_ref(&lost)).await;
+    let status = worker.status.clone();
+    worker.stop().await;
+    assert!(status.is_draining());
+
+    let expected_outcomes: HashMap<String, &str> = phase1
+        .iter()
+        .map(|id| {
+            (
+                id.clone(),
+                if *id == deferred {
+                    "deferred"
+                } else {
+                    "completed"
+                },
+            )
+        })
+        .chain([(lost.clone(), "lease_lost")])
+        .collect();
+    assert_eq!(
+        ended
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect::<HashMap<_, _>>(),
+        expected_outcomes
+    );
+
+    let text = reqwest::get(format!("http://{admin_addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    admin_stop.cancel();
+    println!("{text}");
+    let (types, samples) = parse_exposition(&text);
+    let m = Scrape { types, samples };
+
+    // Every family of the issue, with its type and labels.
+    for (family, kind, labels) in [
+        ("abada_agent_slots_in_use", "gauge", &[][..]),
+        ("abada_agent_slots", "gauge", &[]),
+        ("abada_agent_fetches", "counter", &["result"]),
+        ("abada_agent_fetch_duration_seconds", "histogram", &[]),
+        ("abada_agent_tasks_claimed", "counter", &[]),
+        ("abada_agent_tasks_ended", "counter", &["outcome"]),
+        (
+            "abada_agent_task_duration_seconds",
+            "histogram",
+            &["outcome"],
+        ),
+        ("abada_agent_pickup_latency_seconds", "histogram", &[]),
+        ("abada_agent_leases_extended", "counter", &[]),
+        ("abada_agent_leases_lost", "counter", &["reason"]),
+        (
+            "abada_agent_engine_request_duration_seconds",
+            "histogram",
+            &["operation", "status"],
+        ),
+        (
+            "abada_agent_model_calls",
+            "counter",
+            &["provider", "model", "outcome"],
+        ),
+        (
+            "abada_agent_model_call_duration_seconds",
+            "histogram",
+            &["provider", "model", "outcome"],
+        ),
+        (
+            "abada_agent_model_tokens",
+            "counter",
+            &["provider", "model", "direction"],
+        ),
+        (
+            "abada_agent_tool_calls",
+            "counter",
+            &["server", "tool", "outcome"],
+        ),
+        ("abada_agent_backoff_seconds", "gauge", &[]),
+    ] {
+        m.check_family(family, kind, labels);
+    }
+
+    let calls = stack.engine.calls();
+    let views = stack.engine.tasks();
+    let count = |op: Operation, ok: &dyn Fn(&CallRecord) -> bool| {
+        calls.iter().filter(|c| c.operation == op && ok(c)).count() as f64
+    };
+    // Slots.
+    assert_eq!(m.sum("abada_agent_slots", &[]), 8.0);
+    assert_eq!(m.sum("abada_agent_slots_in_use", &[]), 0.0);
+    assert_eq!(m.sum("abada_agent_backoff_seconds", &[]), 0.0);
+    // Fetches.
+    let fetches = count(Operation::FetchAndLock, &|_| true);
+    assert!(fetches >= 2.0);
+    assert_eq!(m.sum("abada_agent_fetches_total", &[]), fetches);
+    assert_eq!(
+        m.sum("abada_agent_fetches_total", &[("result", "tasks")]),
+        count(Operation::FetchAndLock, &|c| !c.task_ids.is_empty())
+    );
+    assert_eq!(
+        m.sum("abada_agent_fetches_total", &[("result", "empty")]),
+        count(Operation::FetchAndLock, &|c| c.status == 200
+            && c.task_ids.is_empty())
+    );
+    assert_eq!(
+        m.sum("abada_agent_fetches_total", &[("result", "error")]),
+        0.0
+    );
+    assert_eq!(
+        m.sum("abada_agent_fetch_duration_seconds_count", &[]),
+        fetches
+    );
+    // Claims: every task id a fetch handed out, and the engine's acquisitions.
+    let claimed: usize = calls
+        .iter()
+        .filter(|c| c.operation == Operation::FetchAndLock)
+        .map(|c| c.task_ids.len())
+        .sum();
+    let acquisitions: u32 = views.iter().map(|v| v.counters.acquisitions).sum();
+    assert_eq!(claimed, 6);
+    assert_eq!(acquisitions, 6);
+    assert_eq!(m.sum("abada_agent_tasks_claimed_total", &[]), 6.0);
+    assert_eq!(m.sum("abada_agent_pickup_latency_seconds_count", &[]), 6.0);
+    // Ends by outcome, against the engine's executed commands.
+    let executed = |op| count(op, &|c| c.disposition == Disposition::Executed);
+    for (outcome, n) in [
+        ("completed", executed(Operation::Complete)),
+        ("deferred", executed(Operation::Failure)),
+        ("lease_lost", 1.0),
+    ] {
+        assert_eq!(
+            m.sum("abada_agent_tasks_ended_total", &[("outcome", outcome)]),
+            n,
+            "{outcome}"
+        );
+        assert_eq!(
+            m.sum(
+                "abada_agent_task_duration_seconds_count",
+                &[("outcome", outcome)]
+            ),
+            n,
+            "{outcome}"
+        );
+    }
+    assert_eq!(executed(Operation::Complete), 4.0);
+    assert_eq!(m.sum("abada_agent_tasks_ended_total", &[]), 6.0);
+    let deferred_view = stack.engine.task(&deferred).unwrap();
+    assert_eq!(
+        deferred_view.retries,
+        Some(3),
+        "a deferral keeps the retries"
+    );
+    assert!(deferred_view.hidden, "{deferred_view:?}");
+    // Leases.
+    let extended = executed(Operation::Heartbeat);
+    assert!(extended >= 1.0, "the steady task was heartbeated");
+    assert_eq!(m.sum("abada_agent_leases_extended_total", &[]), extended);
+    assert_eq!(m.sum("abada_agent_leases_lost_total", &[]), 1.0);
+    assert!(
+        count(Operation::Heartbeat, &|c| c.status == 403
+            && c.task_id.as_deref() == Some(lost.as_str()))
+            >= 1.0
+    );
+    // Engine requests: one observation per request the emulator answered, by operation and
+    // status.
+    let mut by_op_status: HashMap<(String, String), f64> = HashMap::new();
+    for c in &calls {
+        let op = serde_json::to_value(c.operation).unwrap();
+        *by_op_status
+            .entry((op.as_str().unwrap().to_string(), c.status.to_string()))
+            .or_default() += 1.0;
+    }
+    let mut observed: HashMap<(String, String), f64> = HashMap::new();
+    for s in m
+        .samples
+        .iter()
+        .filter(|s| s.name == "abada_agent_engine_request_duration_seconds_count")
+    {
+        observed.insert(
+            (s.labels["operation"].clone(), s.labels["status"].clone()),
+            s.value,
+        );
+    }
+    assert_eq!(observed, by_op_status);
+    for op in [
+        "fetch-and-lock",
+        "heartbeat",
+        "complete",
+        "failure",
+        "journal-read",
+        "journal-append",
+        "tool-credentials",
+    ] {
+        assert!(
+            observed.keys().any(|(o, _)| o == op),
+            "{op} observed: {observed:?}"
+        );
+    }
+    // Model calls and tokens, against the scripted model's counters.
+    for (model, outcome) in [
+        ("refund", "ok"),
+        ("steady", "ok"),
+        ("limited", "unavailable"),
+    ] {
+        let calls = stack.model.calls(model) as f64;
+        let labels = [
+            ("provider", "openai"),
+            ("model", model),
+            ("outcome", outcome),
+        ];
+        assert_eq!(
+            m.sum("abada_agent_model_calls_total", &labels),
+            calls,
+            "{model}"
+        );
+        assert_eq!(
+            m.sum("abada_agent_model_calls_total", &[("model", model)]),
+            calls,
+            "{model}: no other outcome"
+        );
+        assert_eq!(
+            m.sum("abada_agent_model_call_duration_seconds_count", &labels),
+            calls,
+            "{model}"
+        );
+        let (input, output) = if outcome == "ok" { (120, 30) } else { (0, 0) };
+        for (direction, per_call) in [("input", input), ("output", output)] {
+            assert_eq!(
+                m.sum(
+                    "abada_agent_model_tokens_total",
+                    &[("model", model), ("direction", direction)]
+                ),
+                calls * per_call as f64,
+                "{model} {direction}"
+            );
+        }
+    }
+    assert_eq!(stack.model.calls("refund"), 9);
+    assert_eq!(stack.model.calls("steady"), 3);
+    // The lost task's call was cut short by the lost lease: received, never answered.
+    assert_eq!(stack.model.calls("slow"), 1);
+    assert_eq!(
+        m.sum("abada_agent_model_calls_total", &[("model", "slow")]),
+        0.0
+    );
+    // Tool calls, against the tool server.
+    let tools = stack.tools.counters().await;
+    for tool in ["lookup_order", "issue_refund"] {
+        assert_eq!(
+            m.sum(
+                "abada_agent_tool_calls_total",
+                &[("server", "orders"), ("tool", tool), ("outcome", "ok")]
+            ),
+            tools.calls_per_tool[tool] as f64,
+            "{tool}"
+        );
+        assert_eq!(tools.calls_per_tool[tool], 4);
+    }
+    assert_eq!(m.sum("abada_agent_tool_calls_total", &[]), 8.0);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_tasks_trace_context_reaches_every_engine_model_and_tool_call() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let parent = format!("00-{trace_id}-00f067aa0ba902b7-01");
+    let mut task = spec(stack.refund_agent("openai/refund", &[]), "o-1");
+    task.trace_parent = Some(parent.clone());
+    let id = stack.engine.create_task(task);
+    let worker = stack.spawn_worker(
+        WorkerOptions::new("w-trace", 2),
+        Stack::fast_agent_settings(),
+    );
+    let views = wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(20)).await;
+    assert_eq!(views[0].status, TaskStatus::Completed);
+    worker.stop().await;
+
+    let continues = |header: Option<&str>| {
+        let h = header.unwrap_or_else(|| panic!("no traceparent"));
+        let parts: Vec<&str> = h.split('-').collect();
+        parts.len() == 4
+            && parts[0] == "00"
+            && parts[1] == trace_id
+            && parts[2].len() == 16
+            && parts[2] != "00f067aa0ba902b7"
+            && parts[3] == "01"
+    };
+    let task_calls: Vec<CallRecord> = stack
+        .engine
+        .calls()
+        .into_iter()
+        .filter(|c| c.task_id.as_deref() == Some(id.as_str()))
+        .collect();
+    for op in [
+        Operation::JournalRead,
+        Operation::JournalAppend,
+        Operation::ToolCredentials,
+        Operation::Complete,
+    ] {
+        assert!(
+            task_calls.iter().any(|c| c.operation == op),
+            "{op:?} was called"
+        );
+    }
+    for c in &task_calls {
+        assert!(
+            continues(c.traceparent.as_deref()),
+            "{:?} carries the task's trace: {:?}",
+            c.operation,
+            c.traceparent
+        );
+    }
+    let model_requests = stack.model.requests();
+    assert_eq!(model_requests.len(), 3);
+    for r in &model_requests {
+        let tp = r
+            .headers
+            .iter()
+            .find(|(k, _)| k == "traceparent")
+            .map(|(_, v)| v.as_str());
+        assert!(continues(tp), "model call carries the trace: {tp:?}");
+    }
+    let tool_calls = stack.tools.calls();
+    assert_eq!(tool_calls.len(), 2);
+    for c in &tool_calls {
+        assert!(
+            continues(c.traceparent.as_deref()),
+            "tool call carries the trace: {:?}",
+            c.traceparent
+        );
+    }
+    stack.shutdown().await;
+}
