@@ -271,15 +271,31 @@ impl Runner {
         if running > 0 {
             tracing::info!(parent: &shared.worker_span, running, grace_ms = s.shutdown_grace.as_millis() as u64, "shutting down: waiting for running tasks");
         }
-        if tokio::time::timeout(s.shutdown_grace, tracker.wait())
-            .await
-            .is_err()
-        {
+        if !self.wait_ticking(&tracker, Some(s.shutdown_grace)).await {
             tracing::warn!(parent: &shared.worker_span, still_running = tracker.len(), "grace period over: stopping the remaining tasks at their next step and releasing them");
             shared.stop.cancel();
-            tracker.wait().await;
+            self.wait_ticking(&tracker, None).await;
         }
         tracing::info!(parent: &shared.worker_span, "worker stopped");
+    }
+
+    /// Waits for every task to end (at most `limit`), proving liveness meanwhile so a long drain
+    /// does not fail `/healthz`. Returns whether they all ended.
+    async fn wait_ticking(&self, tracker: &TaskTracker, limit: Option<Duration>) -> bool {
+        let deadline = limit.map(|l| Instant::now() + l);
+        loop {
+            self.status.tick();
+            let step = Instant::now() + LIVENESS_TICK;
+            let until = deadline.map_or(step, |d| d.min(step));
+            tokio::select! {
+                _ = tracker.wait() => return true,
+                _ = tokio::time::sleep_until(until) => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return false;
+                    }
+                }
+            }
+        }
     }
 
     async fn poll_loop(
