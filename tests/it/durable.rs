@@ -10,7 +10,7 @@
 //! [`Freezable`], an engine decorator that holds chosen calls until the test lets them go.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use abada_agent_worker::agent::journal::{
@@ -131,9 +131,7 @@ impl Freezable {
         });
         if hold {
             let mut rx = self.gate.subscribe();
-            let _ = rx
-                .wait_for(|g| g.open_all || g.open.contains(&op))
-                .await;
+            let _ = rx.wait_for(|g| g.open_all || g.open.contains(&op)).await;
         }
     }
 
@@ -492,7 +490,8 @@ async fn a_started_write_without_result_is_resent_with_its_original_key() {
             opts("w-resume", 2, Duration::from_secs(10)),
             Stack::fast_agent_settings(),
         );
-        let views = wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(20)).await;
+        let views =
+            wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(20)).await;
         let view = &views[0];
         assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
         assert_eq!(view.attempt, 2);
@@ -500,11 +499,18 @@ async fn a_started_write_without_result_is_resent_with_its_original_key() {
             kinds(view)[4..],
             ["tool/started", "tool/finished", "model/finished"]
         );
-        assert_eq!(view.journal[5]["key"], key.as_str(), "finished under the same key");
+        assert_eq!(
+            view.journal[5]["key"],
+            key.as_str(),
+            "finished under the same key"
+        );
         let sent = refund_keys(&stack);
         let expected = if earlier_applied_it { 2 } else { 1 };
         assert_eq!(sent.len(), expected, "{sent:?}");
-        assert!(sent.iter().all(|k| k.as_deref() == Some(key.as_str())), "{sent:?}");
+        assert!(
+            sent.iter().all(|k| k.as_deref() == Some(key.as_str())),
+            "{sent:?}"
+        );
         let counters = stack.tools.counters().await;
         assert_eq!(counters.writes_applied, 1, "applied once");
         assert_eq!(counters.duplicates, u64::from(earlier_applied_it));
@@ -512,7 +518,10 @@ async fn a_started_write_without_result_is_resent_with_its_original_key() {
         assert_eq!(stack.model.total_calls(), 1);
         let result = view.result_variables.as_ref().unwrap();
         assert_eq!(result["agentUsage"]["turns"], 3);
-        assert_eq!(result["agentUsage"]["inputTokens"], 360, "usage across attempts");
+        assert_eq!(
+            result["agentUsage"]["inputTokens"], 360,
+            "usage across attempts"
+        );
         worker.stop().await;
         stack.shutdown().await;
     }
@@ -570,7 +579,11 @@ async fn tool_calls_of_the_last_answer_without_results_run_in_order() {
     assert_eq!(view.journal[3]["data"]["callId"], "call_2");
     assert_eq!(view.journal[3]["key"], write_key(&id, 4).as_str());
     let tools: Vec<String> = stack.tools.calls().into_iter().map(|c| c.tool).collect();
-    assert_eq!(tools, ["lookup_order", "issue_refund"], "in the answer's order");
+    assert_eq!(
+        tools,
+        ["lookup_order", "issue_refund"],
+        "in the answer's order"
+    );
     assert_eq!(refund_keys(&stack), [Some(write_key(&id, 4))]);
     assert_eq!(stack.model.total_calls(), 1);
     assert_eq!(
@@ -627,7 +640,9 @@ async fn a_journal_ending_in_a_final_answer_completes_without_a_model_call() {
     assert_eq!(result["agentUsage"]["outputTokens"], 90);
     let credentials = calls_of(&stack.engine.calls(), &id, Operation::ToolCredentials);
     assert!(
-        credentials.iter().all(|c| c.worker_id.as_deref() != Some("w-resume")),
+        credentials
+            .iter()
+            .all(|c| c.worker_id.as_deref() != Some("w-resume")),
         "no tool session opened"
     );
     worker.stop().await;
@@ -864,9 +879,10 @@ async fn a_worker_stops_an_older_attempt_when_it_fetches_the_task_again() {
         .filter(|c| c.task_id.as_deref() == Some(id.as_str()) && c.attempt == Some(1))
         .collect();
     assert!(
-        from_first
-            .iter()
-            .all(|c| matches!(c.operation, Operation::JournalRead | Operation::JournalAppend | Operation::ToolCredentials)),
+        from_first.iter().all(|c| matches!(
+            c.operation,
+            Operation::JournalRead | Operation::JournalAppend | Operation::ToolCredentials
+        )),
         "{from_first:?}"
     );
     assert_eq!(
@@ -930,14 +946,21 @@ async fn without_a_journal_agents_run_and_the_worker_warns_once() {
         let result = view.result_variables.as_ref().unwrap();
         assert_eq!(result["refundDecision"]["decision"], "refunded");
         let reads = calls_of(&calls, &view.id, Operation::JournalRead);
-        assert_eq!(reads.len() as u32, view.counters.acquisitions, "once per attempt");
+        assert_eq!(
+            reads.len() as u32,
+            view.counters.acquisitions,
+            "once per attempt"
+        );
         assert!(reads.iter().all(|c| c.status == 404));
         assert!(calls_of(&calls, &view.id, Operation::JournalAppend).is_empty());
     }
     // Keyed writes are still keyed.
     let keys = refund_keys(&stack);
     assert_eq!(keys.len(), 3);
-    assert!(keys.iter().all(|k| k.as_deref().is_some_and(|k| k.starts_with("abada:t-"))));
+    assert!(
+        keys.iter()
+            .all(|k| k.as_deref().is_some_and(|k| k.starts_with("abada:t-")))
+    );
     let warnings: Vec<String> = worker
         .stdout()
         .into_iter()
@@ -1005,7 +1028,10 @@ async fn the_seed_story_a_frozen_worker_wakes_to_find_its_task_taken() {
     let gate2 = gate2.unwrap();
     gate2.wait_held(Op::Complete, Duration::from_secs(20)).await;
     let resumed = stack.engine.task(&id).unwrap();
-    assert_eq!((resumed.attempt, resumed.worker_id.as_deref()), (2, Some("w2")));
+    assert_eq!(
+        (resumed.attempt, resumed.worker_id.as_deref()),
+        (2, Some("w2"))
+    );
     assert_eq!(resumed.journal.len(), 7, "w2 finished the run");
     assert_eq!(resumed.journal[5]["key"], write_key(&id, 5).as_str());
 
@@ -1085,7 +1111,10 @@ async fn the_seed_story_a_frozen_worker_wakes_to_find_its_task_taken() {
     let key = write_key(&id, 5);
     assert_eq!(refund_keys(&stack), [Some(key.clone()), Some(key.clone())]);
     let counters = stack.tools.counters().await;
-    assert_eq!(counters.writes_applied, 1, "the keyed write was applied once");
+    assert_eq!(
+        counters.writes_applied, 1,
+        "the keyed write was applied once"
+    );
     assert_eq!(counters.duplicates, 1);
     assert_eq!(counters.duplicates_per_key.get(&key), Some(&1));
     assert_eq!(stack.model.total_calls(), 3, "no model call paid twice");
@@ -1122,4 +1151,356 @@ async fn credential_refusal(client: &HttpEngine, task: &TaskRef) -> Option<Lease
         Ok(_) => None,
         Err(e) => e.lease_lost(),
     }
+}
+
+// ---- the crash test -------------------------------------------------------------------------
+
+/// The order id a recorded model request is about: its first user message.
+fn request_order(body: &Value) -> Option<String> {
+    let messages = body.get("messages")?.as_array()?;
+    let first = messages
+        .iter()
+        .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))?;
+    match first.get("content")? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(blocks) => blocks
+            .iter()
+            .find_map(|b| b.get("text").and_then(Value::as_str))
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+/// What the engine's call log says about writes from stale attempts.
+#[derive(Debug, Default)]
+struct StaleAudit {
+    /// Executed writes whose attempt or worker was not the task's holder at that point.
+    accepted: Vec<String>,
+    /// `complete` on an already completed task: 200 and nothing done (protocol.md A.2).
+    noop_completes: usize,
+    /// Refusals by (operation, code).
+    refusals: HashMap<String, usize>,
+}
+
+/// Replays the emulator's call log in order. Each executed fetch-and-lock hands its tasks a new
+/// attempt (the emulator increments `attempt` on every acquisition) held by the fetching worker;
+/// an executed complete, failure or bpmn-error ends the holding. Every other executed write
+/// about a task (heartbeat, journal append, tool credential, complete, failure, bpmn-error) must
+/// then carry exactly the holder's worker id and attempt; one that does not is a write accepted
+/// from a stale attempt. Replays (`Replayed`) wrote nothing and are skipped.
+///
+/// The log is ordered by when each request finished, not by when it took the emulator's lock;
+/// two requests finishing within the same microsecond could swap. A swap could only show up
+/// here as a false positive, never hide a stale write.
+fn audit_stale_writes(calls: &[CallRecord]) -> StaleAudit {
+    let mut audit = StaleAudit::default();
+    let mut holder: HashMap<String, (u32, Option<String>)> = HashMap::new();
+    let mut completed: HashSet<String> = HashSet::new();
+    for c in calls {
+        if c.disposition == Disposition::Refused {
+            *audit
+                .refusals
+                .entry(format!(
+                    "{:?} {}",
+                    c.operation,
+                    c.error_code.as_deref().unwrap_or("?")
+                ))
+                .or_default() += 1;
+            continue;
+        }
+        if c.disposition != Disposition::Executed {
+            continue;
+        }
+        if c.operation == Operation::FetchAndLock {
+            for t in &c.task_ids {
+                let h = holder.entry(t.clone()).or_insert((0, None));
+                h.0 += 1;
+                h.1 = c.worker_id.clone();
+            }
+            continue;
+        }
+        let writes = matches!(
+            c.operation,
+            Operation::Heartbeat
+                | Operation::ExtendLock
+                | Operation::Complete
+                | Operation::Failure
+                | Operation::BpmnError
+                | Operation::JournalAppend
+                | Operation::ToolCredentials
+        );
+        let Some(task) = c.task_id.clone().filter(|_| writes) else {
+            continue;
+        };
+        if c.operation == Operation::Complete && completed.contains(&task) {
+            audit.noop_completes += 1;
+            continue;
+        }
+        let (attempt, worker) = holder.get(&task).cloned().unwrap_or((0, None));
+        let current =
+            worker.is_some() && c.worker_id == worker && c.attempt == Some(i64::from(attempt));
+        if !current {
+            audit.accepted.push(format!(
+                "{:?} on {task} by {:?} attempt {:?} while the holder was {worker:?} attempt {attempt}",
+                c.operation, c.worker_id, c.attempt
+            ));
+        }
+        if matches!(
+            c.operation,
+            Operation::Complete | Operation::Failure | Operation::BpmnError
+        ) {
+            if let Some(h) = holder.get_mut(&task) {
+                h.1 = None;
+            }
+            if c.operation == Operation::Complete {
+                completed.insert(task);
+            }
+        }
+    }
+    audit
+}
+
+/// The real binary under chaos: 3 worker processes against the emulator, the scripted model and
+/// the tool server; 240 refund tasks (3 model turns, one keyed write each); one worker after
+/// another is SIGKILLed and restarted while another is SIGSTOPped past its lease and resumed.
+/// Then every task must be completed exactly once, every keyed write applied exactly once, no
+/// model call re-paid more than once per interruption, and no write accepted from a stale
+/// attempt. Prints the figures (`--nocapture` shows them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
+    use crate::support::process::{WorkerProcess, stack_env};
+    use rand::{Rng, SeedableRng};
+
+    const TASKS: usize = 240;
+    const WORKERS: usize = 3;
+    const SLOTS: &str = "2";
+    const LOCK: Duration = Duration::from_millis(2000);
+    const MAX_ROUNDS: u32 = 25;
+    const CHAOS_LIMIT: Duration = Duration::from_secs(75);
+    const FINISH_LIMIT: Duration = Duration::from_secs(60);
+
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    stack.model.set_script(
+        REFUND_MODEL,
+        refund_script().with_latency(Duration::from_millis(50)),
+    );
+    let ids = stack.engine.create_tasks((0..TASKS).map(|i| {
+        spec(
+            stack.refund_agent("openai/refund", &[]),
+            &format!("ord-{i:04}"),
+        )
+    }));
+    let order_of: HashMap<String, String> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (format!("ord-{i:04}"), id.clone()))
+        .collect();
+    let env = |id: &str| {
+        let mut env = stack_env(&stack, id);
+        env.push((
+            "ABADA_AGENT_LOCK_DURATION_MS".into(),
+            LOCK.as_millis().to_string(),
+        ));
+        env.push(("ABADA_AGENT_MAX_TASKS".into(), SLOTS.into()));
+        env.push(("ABADA_AGENT_POLL_INTERVAL_MS".into(), "100".into()));
+        env
+    };
+    let name = |k: usize| format!("crash-{k}");
+    let mut workers = Vec::new();
+    for k in 0..WORKERS {
+        workers.push(WorkerProcess::spawn(&env(&name(k))).await);
+    }
+
+    let all_ended = |stack: &Stack| {
+        stack
+            .engine
+            .tasks()
+            .iter()
+            .all(|t| matches!(t.status, TaskStatus::Completed | TaskStatus::Failed))
+    };
+    let seed: u64 = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(7);
+    println!("crash test: chaos seed {seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let started = tokio::time::Instant::now();
+    let (mut kills, mut freezes, mut rounds) = (0u32, 0u32, 0u32);
+    while rounds < MAX_ROUNDS && started.elapsed() < CHAOS_LIMIT && !all_ended(&stack) {
+        rounds += 1;
+        // Freeze one worker past its lease ...
+        let frozen = rng.random_range(0..WORKERS);
+        workers[frozen].signal("STOP");
+        freezes += 1;
+        let frozen_at = tokio::time::Instant::now();
+        tokio::time::sleep(Duration::from_millis(rng.random_range(100..600))).await;
+        // ... and meanwhile kill another one and start it again.
+        let killed = (frozen + rng.random_range(1..WORKERS)) % WORKERS;
+        workers[killed].signal("KILL");
+        workers[killed].wait(Duration::from_secs(10)).await;
+        kills += 1;
+        workers[killed] = WorkerProcess::spawn(&env(&name(killed))).await;
+        let thaw_at = frozen_at + LOCK + Duration::from_millis(rng.random_range(300..900));
+        tokio::time::sleep_until(thaw_at).await;
+        workers[frozen].signal("CONT");
+        tokio::time::sleep(Duration::from_millis(rng.random_range(200..800))).await;
+    }
+    let chaos_took = started.elapsed();
+
+    let finished = tokio::time::timeout(
+        FINISH_LIMIT,
+        stack.engine.wait_for(|e| {
+            e.tasks()
+                .iter()
+                .all(|t| matches!(t.status, TaskStatus::Completed | TaskStatus::Failed))
+                .then_some(())
+        }),
+    )
+    .await;
+    let views = stack.engine.tasks();
+    if finished.is_err() {
+        let mut by_status: HashMap<String, usize> = HashMap::new();
+        for v in &views {
+            *by_status.entry(format!("{:?}", v.status)).or_default() += 1;
+        }
+        panic!("tasks not all ended {FINISH_LIMIT:?} after the chaos: {by_status:?}");
+    }
+    for w in &workers {
+        w.signal("TERM");
+    }
+    for w in &mut workers {
+        w.wait(Duration::from_secs(15)).await;
+    }
+    let total = started.elapsed();
+
+    // Tasks: completed exactly once.
+    let completed_once = views
+        .iter()
+        .filter(|v| v.status == TaskStatus::Completed && v.counters.completes == 1)
+        .count();
+    let not_once: Vec<String> = views
+        .iter()
+        .filter(|v| !(v.status == TaskStatus::Completed && v.counters.completes == 1))
+        .map(|v| {
+            format!(
+                "{} {:?} completes={} failures={} error={:?}",
+                v.id, v.status, v.counters.completes, v.counters.failures, v.error_message
+            )
+        })
+        .collect();
+    let interruptions: HashMap<&str, u32> = views
+        .iter()
+        .map(|v| (v.id.as_str(), v.counters.acquisitions.saturating_sub(1)))
+        .collect();
+    let interrupted_tasks = interruptions.values().filter(|n| **n > 0).count();
+    let interruption_total: u32 = interruptions.values().sum();
+    let failures_reported: u32 = views.iter().map(|v| v.counters.failures).sum();
+
+    // Keyed writes: applied exactly once per task.
+    let counters = stack.tools.counters().await;
+    let mut keys_per_task: HashMap<String, HashSet<String>> = HashMap::new();
+    let mut refund_calls = 0usize;
+    for c in stack.tools.calls() {
+        if c.tool != "issue_refund" {
+            continue;
+        }
+        refund_calls += 1;
+        if let Some(key) = c.idempotency_key {
+            let task = key.split(':').nth(1).unwrap_or_default().to_string();
+            keys_per_task.entry(task).or_default().insert(key);
+        }
+    }
+    let one_key_each = ids
+        .iter()
+        .filter(|id| keys_per_task.get(*id).is_some_and(|k| k.len() == 1))
+        .count();
+
+    // Model calls: re-paid at most once per interruption of the task.
+    let mut model_calls: HashMap<String, u32> = HashMap::new();
+    let mut unattributed = 0;
+    for r in stack.model.requests() {
+        match request_order(&r.body).and_then(|o| order_of.get(&o).cloned()) {
+            Some(id) => *model_calls.entry(id).or_default() += 1,
+            None => unattributed += 1,
+        }
+    }
+    let mut repaid_total = 0u32;
+    let mut repaid_tasks = 0usize;
+    let mut over_budget = Vec::new();
+    for id in &ids {
+        let calls = model_calls.get(id).copied().unwrap_or(0);
+        let repaid = calls.saturating_sub(3);
+        repaid_total += repaid;
+        if repaid > 0 {
+            repaid_tasks += 1;
+        }
+        let allowed = interruptions[id.as_str()];
+        if calls < 3 || repaid > allowed {
+            over_budget.push(format!(
+                "{id}: {calls} model calls, {allowed} interruptions"
+            ));
+        }
+    }
+
+    // Writes accepted from stale attempts.
+    let calls = stack.engine.calls();
+    let audit = audit_stale_writes(&calls);
+    let mut refusals: Vec<(&String, &usize)> = audit.refusals.iter().collect();
+    refusals.sort();
+
+    println!(
+        "crash test: {TASKS} tasks, {WORKERS} workers x {SLOTS} slots, lease {LOCK:?}; chaos {rounds} rounds in {chaos_took:.1?} ({kills} SIGKILL + restart, {freezes} SIGSTOP past the lease + SIGCONT); all done after {total:.1?}"
+    );
+    println!(
+        "  tasks completed exactly once: {completed_once}/{TASKS}; failures reported: {failures_reported}"
+    );
+    println!(
+        "  interrupted tasks (acquired more than once): {interrupted_tasks}, interruptions in all: {interruption_total}"
+    );
+    println!(
+        "  keyed writes applied: {} for {TASKS} tasks (unkeyed {}); refund calls received {refund_calls}, duplicates received and deduplicated {} on {} keys; tasks with exactly one key: {one_key_each}; tool calls refused 401: {}",
+        counters.writes_applied,
+        counters.writes_unkeyed,
+        counters.duplicates,
+        counters.duplicates_per_key.len(),
+        counters.unauthorized
+    );
+    println!(
+        "  model calls: {} in all ({} expected without interruptions), re-paid {repaid_total} on {repaid_tasks} tasks (allowed: at most one per interruption); unattributed {unattributed}",
+        model_calls.values().sum::<u32>(),
+        3 * TASKS
+    );
+    println!(
+        "  writes accepted from a stale attempt: {}; completions of completed tasks answered 200 as no-ops: {}",
+        audit.accepted.len(),
+        audit.noop_completes
+    );
+    println!("  refusals by the engine: {refusals:?}");
+
+    assert!(
+        not_once.is_empty(),
+        "not completed exactly once: {not_once:?}"
+    );
+    assert_eq!(
+        counters.writes_applied, TASKS as u64,
+        "every keyed write applied once"
+    );
+    assert_eq!(counters.writes_unkeyed, 0);
+    assert_eq!(one_key_each, TASKS, "one key per task");
+    assert!(
+        over_budget.is_empty(),
+        "model calls re-paid too often: {over_budget:?}"
+    );
+    assert_eq!(unattributed, 0);
+    assert!(
+        audit.accepted.is_empty(),
+        "stale writes accepted: {:?}",
+        audit.accepted
+    );
+    assert!(
+        kills >= 2 && freezes >= 2,
+        "the chaos ran: {kills} kills, {freezes} freezes"
+    );
+    assert!(interrupted_tasks > 0, "the chaos interrupted tasks");
+    stack.shutdown().await;
 }
