@@ -18,7 +18,7 @@ use abada_agent_worker::agent::journal::{
 };
 use abada_agent_worker::conversation::{AssistantMessage, ToolCall, ToolResult, Usage};
 use abada_agent_worker::devkit::engine::{
-    AGENT_TOPIC, CallRecord, Disposition, Operation, ProtocolLevel, TaskStatus, TaskView,
+    AGENT_TOPIC, CallRecord, Disposition, Fault, Operation, ProtocolLevel, TaskStatus, TaskView,
 };
 use abada_agent_worker::devkit::model::Script;
 use abada_agent_worker::devkit::model::Turn;
@@ -836,6 +836,106 @@ async fn a_stale_attempt_during_a_run_stops_it_silently() {
     assert_eq!(view.status, TaskStatus::Locked);
     assert_eq!(view.attempt, 2);
     assert_eq!(view.journal.len(), 1, "only the input step of attempt 1");
+    stack.shutdown().await;
+}
+
+/// (e) A lease that ran out with nobody taking the task: the append is refused with 409
+/// WORKER_LOCK_EXPIRED and attempt 1 stops silently; the task is offered again and the next
+/// attempt finishes it.
+#[tokio::test]
+async fn an_expired_lease_during_a_run_stops_it_silently() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let id = stack
+        .engine
+        .create_task(spec(stack.refund_agent("openai/refund", &[]), "o-9"));
+    let mut gate = None;
+    let lock = Duration::from_secs(30);
+    let worker = spawn_wrapped(&stack, opts("w-late", 1, lock), |inner| {
+        let f = Freezable::new(inner, |op, _, step| match (op, step) {
+            (Op::JournalAppend, Some(s)) if s.kind == "model" => Hold::ThisCall,
+            _ => Hold::Pass,
+        });
+        gate = Some(f.clone());
+        f
+    });
+    let gate = gate.unwrap();
+    gate.wait_held(Op::JournalAppend, Duration::from_secs(20))
+        .await;
+    stack.engine.advance(lock + Duration::from_secs(1));
+    gate.open(Op::JournalAppend);
+    let refused = tokio::time::timeout(
+        Duration::from_secs(10),
+        stack.engine.wait_for(|e| {
+            e.calls()
+                .into_iter()
+                .find(|c| c.operation == Operation::JournalAppend && c.status >= 400)
+        }),
+    )
+    .await
+    .expect("the worker's append reaches the engine");
+    assert_eq!(refused.status, 409);
+    assert_eq!(refused.error_code.as_deref(), Some("WORKER_LOCK_EXPIRED"));
+    let views = wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(20)).await;
+    let events = worker.stop().await;
+    assert_eq!(views[0].status, TaskStatus::Completed);
+    assert_eq!(views[0].attempt, 2);
+    let calls = stack.engine.calls();
+    let reports_of_first = calls
+        .iter()
+        .filter(|c| {
+            matches!(c.operation, Operation::Complete | Operation::Failure) && c.attempt == Some(1)
+        })
+        .count();
+    assert_eq!(reports_of_first, 0, "attempt 1 reports nothing");
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            RunnerEvent::TaskEnded {
+                attempt: Some(1),
+                outcome: "lease_lost",
+                ..
+            }
+        )),
+        "{events:?}"
+    );
+    stack.shutdown().await;
+}
+
+/// Appends carry the attempt, and an append whose answer was lost is retried under the same
+/// idempotency key: the journal holds each step once.
+#[tokio::test]
+async fn a_retried_append_is_idempotent() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    stack.engine.inject(Fault::DropResponse {
+        operation: Operation::JournalAppend,
+        count: 3,
+    });
+    let id = stack
+        .engine
+        .create_task(spec(stack.refund_agent("openai/refund", &[]), "o-10"));
+    let worker = stack.spawn_worker(
+        opts("w-retry", 1, Duration::from_secs(10)),
+        Stack::fast_agent_settings(),
+    );
+    let views = wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(20)).await;
+    worker.stop().await;
+    let view = &views[0];
+    assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
+    assert_eq!(view.journal.len(), 7);
+    assert_eq!(view.counters.journal_appends, 7, "each step written once");
+    let appends = calls_of(&stack.engine.calls(), &id, Operation::JournalAppend);
+    assert!(appends.iter().all(|c| c.attempt == Some(1)), "{appends:?}");
+    assert_eq!(appends.iter().filter(|c| c.response_dropped).count(), 3);
+    assert_eq!(
+        appends
+            .iter()
+            .filter(|c| c.disposition == Disposition::Replayed)
+            .count(),
+        3,
+        "each lost answer replayed from the idempotency store"
+    );
+    let keys: HashSet<Option<String>> = appends.iter().map(|c| c.idempotency_key.clone()).collect();
+    assert_eq!(keys.len(), 7, "one key per step, reused by its retry");
     stack.shutdown().await;
 }
 
