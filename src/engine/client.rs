@@ -590,7 +590,18 @@ impl Engine for HttpEngine {
                 )),
                 traceparent: Self::trace(task),
             })
-            .await?;
+            .await
+            .map_err(|e| match e {
+                // The step's key is (task, attempt, seq): a conflict means another writer with
+                // our worker id and attempt took this seq with a different step, so the journal
+                // moved on without us, as with 409 JOURNAL_CONFLICT.
+                EngineError::IdempotencyConflict { .. } => EngineError::LeaseLost {
+                    op: "journal-append",
+                    task_id: task.task_id.clone(),
+                    reason: LeaseLostReason::JournalConflict,
+                },
+                other => other,
+            })?;
         Ok(if answer.status == StatusCode::CREATED {
             AppendOutcome::Created
         } else {

@@ -843,3 +843,50 @@ mod config_errors {
         assert_untouched(&listener);
     }
 }
+
+/// Two writers with one worker id and attempt race for a journal seq: the loser's append meets
+/// IDEMPOTENCY_CONFLICT (same key, other body) and must read it as "the journal moved on".
+#[tokio::test]
+async fn an_append_key_conflict_means_the_journal_moved_on() {
+    use abada_agent_worker::engine::client::{EngineClientSettings, HttpEngine};
+    use abada_agent_worker::engine::{Engine, FetchRequest, JournalStep, LeaseLostReason};
+    use abada_agent_worker::metrics::Metrics;
+
+    let emu = abada_agent_worker::devkit::engine::start(Default::default())
+        .await
+        .unwrap();
+    emu.create_task(TaskSpec::default());
+    let client = HttpEngine::new(
+        reqwest::Client::new(),
+        EngineClientSettings::new(emu.base_url(), "w-same"),
+        None,
+        Arc::new(Metrics::new()),
+    );
+    let tasks = client
+        .fetch_and_lock(&FetchRequest {
+            topics: vec!["abada:agent".into()],
+            lock_duration: Duration::from_secs(30),
+            max_tasks: 1,
+        })
+        .await
+        .unwrap();
+    let task = tasks[0].task_ref();
+    let step = |text: &str| JournalStep {
+        seq: 1,
+        kind: "input".into(),
+        state: "finished".into(),
+        key: None,
+        data: serde_json::json!({"instructions": "", "input": text}),
+    };
+    client.append_journal(&task, &step("first")).await.unwrap();
+    let err = client
+        .append_journal(&task, &step("second"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.lease_lost(),
+        Some(LeaseLostReason::JournalConflict),
+        "{err}"
+    );
+    emu.shutdown().await;
+}
