@@ -196,6 +196,10 @@ struct RefreshState {
     /// instead of each trying again.
     attempts: u64,
     last_error: Option<AuthError>,
+    /// The last failure logged at warn level. A failure returned to the caller is the caller's
+    /// to report (the runner logs it once), so only failures hidden behind a still-valid token
+    /// are warned about here, each distinct one once.
+    last_warned: Option<AuthError>,
 }
 
 /// The process-wide OIDC client-credentials token: one cached token shared by every task.
@@ -252,6 +256,7 @@ impl OidcTokenProvider {
             refresh: AsyncMutex::new(RefreshState {
                 attempts: 0,
                 last_error: None,
+                last_warned: None,
             }),
             attempts_seen: StdMutex::new((0, None)),
             status: StdMutex::new(AuthStatus::NotYet),
@@ -313,6 +318,7 @@ impl OidcTokenProvider {
                 };
                 *lock(&self.cached) = Some(cached);
                 state.last_error = None;
+                state.last_warned = None;
                 *lock(&self.status) = AuthStatus::Authenticated;
                 *lock(&self.attempts_seen) = (state.attempts, None);
                 tracing::debug!(
@@ -329,8 +335,14 @@ impl OidcTokenProvider {
                         reason: error.to_string(),
                         configuration_error: error.is_configuration_error(),
                     };
+                    // Returned to the caller, who reports it.
+                    tracing::debug!(error = %error, "could not obtain an OIDC access token");
+                } else if state.last_warned.as_ref() != Some(&error) {
+                    tracing::warn!(error = %error, "could not refresh the OIDC access token early; the current one is used until it expires");
+                    state.last_warned = Some(error.clone());
+                } else {
+                    tracing::debug!(error = %error, "could not refresh the OIDC access token early, again");
                 }
-                tracing::warn!(error = %error, "could not obtain an OIDC access token");
                 Err(error)
             }
         }

@@ -6,5 +6,6 @@ mod mcp_interop;
 mod oidc;
 mod provider;
 mod runner;
+mod secure;
 mod support;
 mod tools;
