@@ -32,6 +32,9 @@ const LIFETIME_WITHOUT_EXPIRY: Duration = Duration::from_secs(300);
 /// The smallest head start a refresh gets before the token expires.
 const MIN_REFRESH_MARGIN: Duration = Duration::from_secs(10);
 
+/// After a failed early refresh, the longest wait before the next attempt.
+const EARLY_RETRY_INTERVAL: Duration = Duration::from_secs(5);
+
 /// Bound on one discovery or token request, so a hung issuer cannot hold the refresh lock.
 const ISSUER_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -48,6 +51,12 @@ pub trait TokenProvider: Send + Sync + 'static {
     /// A token other than `rejected`: refreshes only if the cached token is still the rejected
     /// one (another caller may have refreshed already).
     async fn refresh_after_rejection(&self, rejected: &Secret) -> Result<Secret, AuthError>;
+
+    /// Stops serving `token` without fetching another now: for a token the engine refused with
+    /// 403 `ACCESS_DENIED`, so the next [`token`](Self::token) call (after the caller's backoff)
+    /// gets a new one carrying the issuer's current grants, instead of the refused one until it
+    /// expires. Does nothing when another token has replaced it already.
+    fn discard(&self, _token: &Secret) {}
 }
 
 /// How the client authenticates at the token endpoint.
@@ -196,6 +205,10 @@ struct RefreshState {
     /// instead of each trying again.
     attempts: u64,
     last_error: Option<AuthError>,
+    /// The last failure logged at warn level. A failure returned to the caller is the caller's
+    /// to report (the runner logs it once), so only failures hidden behind a still-valid token
+    /// are warned about here, each distinct one once.
+    last_warned: Option<AuthError>,
 }
 
 /// The process-wide OIDC client-credentials token: one cached token shared by every task.
@@ -252,6 +265,7 @@ impl OidcTokenProvider {
             refresh: AsyncMutex::new(RefreshState {
                 attempts: 0,
                 last_error: None,
+                last_warned: None,
             }),
             attempts_seen: StdMutex::new((0, None)),
             status: StdMutex::new(AuthStatus::NotYet),
@@ -313,6 +327,7 @@ impl OidcTokenProvider {
                 };
                 *lock(&self.cached) = Some(cached);
                 state.last_error = None;
+                state.last_warned = None;
                 *lock(&self.status) = AuthStatus::Authenticated;
                 *lock(&self.attempts_seen) = (state.attempts, None);
                 tracing::debug!(
@@ -329,10 +344,30 @@ impl OidcTokenProvider {
                         reason: error.to_string(),
                         configuration_error: error.is_configuration_error(),
                     };
+                    // Returned to the caller, who reports it.
+                    tracing::debug!(error = %error, "could not obtain an OIDC access token");
+                } else {
+                    self.postpone_early_refresh(received_at);
+                    if state.last_warned.as_ref() != Some(&error) {
+                        tracing::warn!(error = %error, "could not refresh the OIDC access token early; the current one is used until it expires");
+                        state.last_warned = Some(error.clone());
+                    } else {
+                        tracing::debug!(error = %error, "could not refresh the OIDC access token early, again");
+                    }
                 }
-                tracing::warn!(error = %error, "could not obtain an OIDC access token");
                 Err(error)
             }
+        }
+    }
+
+    /// After a failed early refresh, the still-valid token is served without another attempt
+    /// for a while (at most [`EARLY_RETRY_INTERVAL`], at most half its remaining life), so a
+    /// down issuer is not asked on every engine call.
+    fn postpone_early_refresh(&self, now: Instant) {
+        if let Some(cached) = lock(&self.cached).as_mut()
+            && now < cached.expires_at
+        {
+            cached.refresh_at = now + EARLY_RETRY_INTERVAL.min((cached.expires_at - now) / 2);
         }
     }
 
@@ -348,7 +383,15 @@ impl TokenProvider for OidcTokenProvider {
             return Ok(token);
         }
         let attempts_before_wait = self.attempts_now();
-        let mut state = self.refresh.lock().await;
+        let mut state = match self.refresh.try_lock() {
+            Ok(state) => state,
+            // Someone is refreshing. While the current token is still valid, use it rather
+            // than wait: a slow issuer must not hold up heartbeats.
+            Err(_) => match self.valid_cached(Instant::now()) {
+                Some(cached) => return Ok(cached.token),
+                None => self.refresh.lock().await,
+            },
+        };
         let now = Instant::now();
         if let Some(token) = self.fresh_cached(now) {
             return Ok(token);
@@ -379,6 +422,16 @@ impl TokenProvider for OidcTokenProvider {
             }
         }
         self.refresh_locked(&mut state, attempts_before_wait).await
+    }
+
+    fn discard(&self, token: &Secret) {
+        let mut cached = lock(&self.cached);
+        if cached.as_ref().is_some_and(|c| c.token == *token) {
+            *cached = None;
+            tracing::debug!(
+                "the engine refused the OIDC access token; a new one is requested at the next call"
+            );
+        }
     }
 }
 
@@ -713,7 +766,13 @@ mod tests {
         );
         assert_eq!(h.grants.load(Ordering::SeqCst), 1);
 
+        // Past the refresh point: one caller refreshes; the others keep using the still-valid
+        // token meanwhile instead of waiting on the issuer.
         tokio::time::advance(Duration::from_secs(2)).await;
+        let tokens = hundred_callers(&h.provider).await;
+        assert!(tokens.iter().all(|t| t == "token-1" || t == "token-2"));
+        assert!(tokens.iter().any(|t| t == "token-2"));
+        assert_eq!(h.grants.load(Ordering::SeqCst), 2);
         assert!(
             hundred_callers(&h.provider)
                 .await
@@ -759,6 +818,15 @@ mod tests {
         tokio::time::advance(Duration::from_secs(95)).await;
         assert_eq!(h.provider.token().await.unwrap().expose(), "token-1");
         assert_eq!(h.provider.status(), AuthStatus::Authenticated);
+        assert_eq!(h.grants.load(Ordering::SeqCst), 2);
+        // The next attempt waits a little (half the remaining 5 s), not every call.
+        for _ in 0..10 {
+            assert_eq!(h.provider.token().await.unwrap().expose(), "token-1");
+        }
+        assert_eq!(h.grants.load(Ordering::SeqCst), 2);
+        tokio::time::advance(Duration::from_secs(3)).await;
+        assert_eq!(h.provider.token().await.unwrap().expose(), "token-1");
+        assert_eq!(h.grants.load(Ordering::SeqCst), 3);
         tokio::time::advance(Duration::from_secs(10)).await;
         assert_eq!(h.provider.token().await.unwrap_err(), unreachable());
         assert!(matches!(h.provider.status(), AuthStatus::Failing { .. }));
@@ -797,6 +865,95 @@ mod tests {
         h.provider.token().await.unwrap();
         tokio::time::advance(refresh_lead(LIFETIME_WITHOUT_EXPIRY) + Duration::from_secs(1)).await;
         assert_eq!(h.provider.token().await.unwrap().expose(), "token-2");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_discarded_token_is_replaced_at_the_next_call_and_only_that_token() {
+        let h = harness(Some(Duration::from_secs(3600)));
+        let first = h.provider.token().await.unwrap();
+        h.provider.discard(&Secret::new("some-other-token"));
+        assert_eq!(h.provider.token().await.unwrap(), first);
+        assert_eq!(h.grants.load(Ordering::SeqCst), 1);
+        h.provider.discard(&first);
+        assert_eq!(
+            h.grants.load(Ordering::SeqCst),
+            1,
+            "nothing fetched until asked"
+        );
+        assert_eq!(h.provider.token().await.unwrap().expose(), "token-2");
+    }
+
+    /// Collects what the fmt subscriber writes.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<StdMutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            lock(&self.0).extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Captured {
+        fn warn_lines(&self) -> Vec<String> {
+            String::from_utf8(lock(&self.0).clone())
+                .unwrap()
+                .lines()
+                .filter(|l| l.contains("WARN"))
+                .map(str::to_string)
+                .collect()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_are_the_callers_to_report_except_a_hidden_early_refresh_failure_once() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+
+        // No token yet: every failure goes back to the caller, which logs it.
+        let h = harness(Some(Duration::from_secs(100)));
+        *lock(&h.failing) = Some(unreachable());
+        for _ in 0..3 {
+            assert!(h.provider.token().await.is_err());
+        }
+        assert!(
+            captured.warn_lines().is_empty(),
+            "{:?}",
+            captured.warn_lines()
+        );
+
+        // A valid token hides failed early refreshes from the callers: warned once.
+        *lock(&h.failing) = None;
+        h.provider.token().await.unwrap();
+        *lock(&h.failing) = Some(unreachable());
+        tokio::time::advance(Duration::from_secs(95)).await;
+        for _ in 0..3 {
+            assert!(h.provider.token().await.is_ok());
+        }
+        assert_eq!(
+            captured.warn_lines().len(),
+            1,
+            "{:?}",
+            captured.warn_lines()
+        );
+        // Once expired, the failure reaches the callers again.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(h.provider.token().await.is_err());
+        assert_eq!(
+            captured.warn_lines().len(),
+            1,
+            "{:?}",
+            captured.warn_lines()
+        );
     }
 
     #[test]

@@ -2,6 +2,9 @@
 //! signed by the configured issuer, unexpired, whose scope holds `worker:execute` or whose groups
 //! hold `abada-worker`. Keys come from the issuer's JWKS (found by discovery), fetched up front so
 //! checks are synchronous, and fetched again when a token names a key we do not know.
+//!
+//! [`JwtValidator`] is an [`Authorizer`]: put it in `EmulatorOptions::authorizer` (or
+//! `StackOptions::authorizer`) to run the emulator as a secured engine.
 
 use std::sync::{Arc, Mutex as StdMutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -11,6 +14,8 @@ use jsonwebtoken::jwk::Jwk;
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde_json::{Map, Value};
 use tokio::time::Instant;
+
+use super::engine::{AuthRejection, Authorizer, HeaderMap};
 
 /// The scope a worker's token must carry (in `scope` or `scp`).
 pub const REQUIRED_SCOPE: &str = "worker:execute";
@@ -338,6 +343,26 @@ impl JwtValidator {
             }
             _ => unauthenticated("invalid token", &error),
         }))
+    }
+}
+
+impl From<JwtRejection> for AuthRejection {
+    fn from(rejection: JwtRejection) -> Self {
+        match rejection {
+            JwtRejection::Unauthenticated(m) => AuthRejection::Unauthenticated(m),
+            JwtRejection::AccessDenied(m) => AuthRejection::AccessDenied(m),
+        }
+    }
+}
+
+/// The emulator's secured mode: every `/api` request must carry a bearer JWT from this issuer
+/// with the worker right; refusals become 401 `AUTHENTICATION_REQUIRED` or 403 `ACCESS_DENIED`
+/// with the engine's error body.
+impl Authorizer for JwtValidator {
+    fn authorize(&self, headers: &HeaderMap) -> Result<(), AuthRejection> {
+        self.validate_headers(headers)
+            .map(|_| ())
+            .map_err(AuthRejection::from)
     }
 }
 

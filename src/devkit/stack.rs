@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::engine::{self, EmulatorOptions, EngineEmulator, ProtocolLevel};
+use super::engine::{self, Authorizer, EmulatorOptions, EngineEmulator, ProtocolLevel};
 use super::model::{Script, ScriptedModel, Turn};
 use super::tools::{CredentialValidator, ToolServer, ToolServerOptions};
 use crate::agent::{AgentRuntime, AgentSettings};
@@ -44,6 +44,24 @@ struct EmulatorCredentials(EngineEmulator);
 impl CredentialValidator for EmulatorCredentials {
     fn validate(&self, server: &str, token: &str) -> bool {
         self.0.verify_tool_credential(server, token).is_some()
+    }
+}
+
+/// How to start the stack.
+#[derive(Clone, Default)]
+pub struct StackOptions {
+    pub protocol: ProtocolLevel,
+    /// Makes the emulator a secured engine: every `/api` request must pass it (e.g. a
+    /// [`JwtValidator`](super::jwt::JwtValidator) loaded from the issuer the workers use).
+    pub authorizer: Option<Arc<dyn Authorizer>>,
+}
+
+impl std::fmt::Debug for StackOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StackOptions")
+            .field("protocol", &self.protocol)
+            .field("authorizer", &self.authorizer.as_ref().map(|_| "<set>"))
+            .finish()
     }
 }
 
@@ -100,18 +118,25 @@ impl WorkerHandle {
 }
 
 impl Stack {
+    /// An open (unsecured) engine speaking `protocol`, the model and the `orders` tool server.
     pub async fn start(protocol: ProtocolLevel) -> Result<Stack, StackError> {
-        let engine = engine::start(EmulatorOptions {
+        Stack::start_with(StackOptions {
             protocol,
+            authorizer: None,
+        })
+        .await
+    }
+
+    /// The stack as `options` say (e.g. a secured engine).
+    pub async fn start_with(options: StackOptions) -> Result<Stack, StackError> {
+        let engine = engine::start(EmulatorOptions {
+            protocol: options.protocol,
+            authorizer: options.authorizer,
             ..EmulatorOptions::default()
         })
         .await?;
         let model = ScriptedModel::start().await.map_err(StackError::Model)?;
-        let tools = ToolServer::start(ToolServerOptions::new(
-            ORDERS_SERVER,
-            Arc::new(EmulatorCredentials(engine.clone())),
-        ))
-        .await?;
+        let tools = start_tool_server(&engine, ORDERS_SERVER).await?;
         model.set_script(REFUND_MODEL, refund_script());
         let http = reqwest::Client::builder()
             .tcp_nodelay(true)
@@ -123,6 +148,12 @@ impl Stack {
             tools,
             http,
         })
+    }
+
+    /// Another devkit tool server named `name`, accepting exactly the credentials this stack's
+    /// emulator issued for `name` to a live lease. The caller shuts it down.
+    pub async fn start_tool_server(&self, name: &str) -> Result<ToolServer, StackError> {
+        start_tool_server(&self.engine, name).await
     }
 
     /// Providers `openai` and `anthropic`, both served by the scripted model.
@@ -226,6 +257,14 @@ impl Stack {
         self.model.shutdown().await;
         self.engine.shutdown().await;
     }
+}
+
+async fn start_tool_server(engine: &EngineEmulator, name: &str) -> Result<ToolServer, StackError> {
+    Ok(ToolServer::start(ToolServerOptions::new(
+        name,
+        Arc::new(EmulatorCredentials(engine.clone())),
+    ))
+    .await?)
 }
 
 /// Look the order up (read-only), refund it (a keyed write), answer with JSON.

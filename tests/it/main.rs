@@ -9,5 +9,6 @@ mod oidc;
 mod operations;
 mod provider;
 mod runner;
+mod secure;
 mod support;
 mod tools;
