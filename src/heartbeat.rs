@@ -161,7 +161,10 @@ impl Actor {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
         loop {
             let next_timer = self.timers.first().map(|(at, _)| *at);
+            // Biased: a release sent before an extension's answer arrives is seen first, so the
+            // answer of a released lease is ignored rather than marking it lost.
             tokio::select! {
+                biased;
                 cmd = rx.recv() => match cmd {
                     Some(Command::Register { lease, acquired_at }) => self.register(lease, acquired_at),
                     Some(Command::Release { lease }) => self.remove(lease),

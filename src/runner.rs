@@ -458,15 +458,30 @@ impl Runner {
 const LIVENESS_TICK: Duration = Duration::from_secs(5);
 
 fn task_span(parent: &tracing::Span, task: &Task) -> tracing::Span {
-    tracing::info_span!(
+    use tracing::field::Empty;
+    let span = tracing::info_span!(
         parent: parent,
         "task",
         task_id = %task.id,
-        process_instance_id = task.process_instance_id.as_deref().unwrap_or(""),
-        activity_id = task.activity_id.as_deref().unwrap_or(""),
-        attempt = task.attempt.map(i64::from).unwrap_or(-1),
-        trace_id = task.trace_parent.as_ref().map(|t| t.trace_id()).unwrap_or(""),
-    )
+        process_instance_id = Empty,
+        activity_id = Empty,
+        attempt = Empty,
+        trace_id = Empty,
+    );
+    // Fields the engine did not send stay off the log lines rather than showing as blanks.
+    if let Some(p) = &task.process_instance_id {
+        span.record("process_instance_id", p.as_str());
+    }
+    if let Some(a) = &task.activity_id {
+        span.record("activity_id", a.as_str());
+    }
+    if let Some(a) = task.attempt {
+        span.record("attempt", a);
+    }
+    if let Some(t) = &task.trace_parent {
+        span.record("trace_id", t.trace_id());
+    }
+    span
 }
 
 async fn run_task(
@@ -524,8 +539,15 @@ async fn run_task(
                 Outcome::released(&task, "the worker shut down before the task finished; another worker resumes it")
             }
         };
+        // Stop extending before reporting: an extension still in flight could otherwise reach
+        // the engine after the completion, be refused as "not locked" and make a completed task
+        // look lost. The report is short next to the lease (at least 2/3 of it is left here).
+        shared.heartbeat.release(lease.id());
         let label = report(&shared, &task, &lease, outcome).await;
-        if let Some(reason) = lease.lost_reason() {
+        if label == "lease_lost" {
+            let reason = lease
+                .lost_reason()
+                .unwrap_or(crate::engine::LeaseLostReason::NotOwned);
             shared
                 .metrics
                 .leases_lost
@@ -534,7 +556,6 @@ async fn run_task(
                 })
                 .inc();
         }
-        shared.heartbeat.release(lease.id());
         {
             let mut running = shared.running.lock().expect("running lock");
             if running.get(&task.id).is_some_and(|l| l.id() == lease.id()) {

@@ -146,6 +146,15 @@ impl HttpEngine {
                 })?);
                 continue;
             }
+            if answer.status == StatusCode::FORBIDDEN
+                && let (Some(tokens), Some(sent)) = (&self.tokens, &token)
+                && serde_json::from_slice::<wire::ErrorBody>(&answer.body)
+                    .is_ok_and(|b| b.code.as_deref() == Some("ACCESS_DENIED"))
+            {
+                // The token lacks a grant: the next call fetches a fresh one, carrying the
+                // issuer's current grants, instead of reusing this one until it expires.
+                tokens.discard(sent);
+            }
             return Ok(answer);
         }
     }
