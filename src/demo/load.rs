@@ -91,14 +91,15 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     let mut crew = Crew::new();
     for name in ["W1", "W2"] {
         let mut opts = WorkerOptions::new(name, SLOTS);
-        opts.lock_duration = Duration::from_secs(3);
+        // Tasks take about a second, so a 10s lease is extended only when a task is slow.
+        opts.lock_duration = Duration::from_secs(10);
         opts.poll_interval = Duration::from_millis(200);
         crew.add(stack.spawn_worker(opts, Stack::fast_agent_settings()));
     }
     tl.emit(
         "demo",
         "workers_started",
-        format!("W1 and W2 start, {SLOTS} slots each, lease 3s (heartbeat every 1s)"),
+        format!("W1 and W2 start, {SLOTS} slots each, lease 10s (extended every 3.3s)"),
         json!({"workers": ["W1", "W2"], "slots": SLOTS}),
     );
 

@@ -100,6 +100,13 @@ async fn worker_ended(tl: &mut Timeline, crew: &mut Crew, n: usize) -> Result<()
     .await
 }
 
+fn status_text(status: TaskStatus) -> String {
+    serde_json::to_value(status)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| format!("{status:?}"))
+}
+
 fn retries_text(retries: Option<i32>) -> String {
     retries.map_or_else(|| "null".to_string(), |r| r.to_string())
 }
@@ -259,8 +266,8 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
         "the fallback model finished task 1",
         a_view.status == TaskStatus::Completed && p_ok == 0 && p_failed >= 1 && f_ok == 3,
         format!(
-            "{a} {:?}; {primary}: {p_ok} ok, {p_failed} refused; {fallback}: {f_ok} ok",
-            a_view.status
+            "{a} {}; {primary}: {p_ok} ok, {p_failed} refused; {fallback}: {f_ok} ok",
+            status_text(a_view.status)
         ),
     ));
     let deferral_outcome = ended.iter().find(|(id, _, _)| *id == b).map(|(_, _, o)| *o);
@@ -290,8 +297,8 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
             && b_view.retries == Some(RETRIES)
             && final_attempt == Some(2),
         format!(
-            "{b} {:?} on attempt {}, retries {}, {} failure",
-            b_view.status,
+            "{b} {} on attempt {}, retries {}, {} failure",
+            status_text(b_view.status),
             super::attempt_text(final_attempt),
             retries_text(b_view.retries),
             b_view.counters.failures
