@@ -142,14 +142,14 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
                 on_event(&mut tl, &crew, &mut board, &mut pending, i, event);
             }
             _ = &mut all_done, if !engine_done => engine_done = true,
-            _ = sleep_until_opt(next_flush) => flush_stale(&mut tl, &crew, &board, &mut pending),
+            _ = sleep_until_opt(next_flush) => flush_stale(&mut tl, &crew, &mut board, &mut pending),
             _ = tokio::time::sleep_until(deadline) => {
                 return Err(timeout_error(SCENARIO, "all 20 tasks to end", LIMIT));
             }
         }
     }
     for i in 0..crew.workers.len() {
-        flush(&mut tl, &crew, &board, &mut pending, i);
+        flush(&mut tl, &crew, &mut board, &mut pending, i);
     }
     tl.emit(
         "engine",
@@ -259,8 +259,6 @@ fn on_event(
                 // An empty poll with nothing to say.
                 return;
             }
-            *board.running.entry(i).or_default() += got as u32;
-            board.claimed_total += got;
             p.claim = Some((requested, got, Vec::new()));
             if got == 0 {
                 flush(tl, crew, board, pending, i);
@@ -278,8 +276,6 @@ fn on_event(
         RunnerEvent::TaskEnded {
             task_id, outcome, ..
         } => {
-            let running = board.running.entry(i).or_default();
-            *running = running.saturating_sub(1);
             board.ended_total += 1;
             let p = pending.entry(i).or_default();
             p.ended.push((task_id, outcome));
@@ -302,7 +298,7 @@ fn on_event(
 fn flush(
     tl: &mut Timeline,
     crew: &Crew,
-    board: &Board,
+    board: &mut Board,
     pending: &mut HashMap<usize, Pending>,
     i: usize,
 ) {
@@ -316,6 +312,11 @@ fn flush(
     let ended = std::mem::take(&mut p.ended);
     p.since = None;
     let claim = p.claim.take();
+    // The board changes only when a line is printed, so the lines add up as read.
+    let got = claim.as_ref().map_or(0, |c| c.1);
+    let mine = board.running.entry(i).or_default();
+    *mine = mine.saturating_sub(ended.len() as u32) + got as u32;
+    board.claimed_total += got;
     let (running, waiting) = board.totals();
     let mine = board.running.get(&i).copied().unwrap_or(0);
     let state = format!("{name} {mine}/{SLOTS}; {running} running, {waiting} waiting");
@@ -356,7 +357,7 @@ fn flush(
 fn flush_stale(
     tl: &mut Timeline,
     crew: &Crew,
-    board: &Board,
+    board: &mut Board,
     pending: &mut HashMap<usize, Pending>,
 ) {
     let now = Instant::now();
