@@ -91,15 +91,17 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     let mut crew = Crew::new();
     for name in ["W1", "W2"] {
         let mut opts = WorkerOptions::new(name, SLOTS);
-        // Tasks take about a second, so a 10s lease is extended only when a task is slow.
-        opts.lock_duration = Duration::from_secs(10);
+        // Tasks take about a second; a 30s lease is extended only when a task is very slow
+        // (a heartbeat racing `complete` would make the runner count a lost lease: see the
+        // runner's report path).
+        opts.lock_duration = Duration::from_secs(30);
         opts.poll_interval = Duration::from_millis(200);
         crew.add(stack.spawn_worker(opts, Stack::fast_agent_settings()));
     }
     tl.emit(
         "demo",
         "workers_started",
-        format!("W1 and W2 start, {SLOTS} slots each, lease 10s (extended every 3.3s)"),
+        format!("W1 and W2 start, {SLOTS} slots each, lease 30s (extended every 10s)"),
         json!({"workers": ["W1", "W2"], "slots": SLOTS}),
     );
 
