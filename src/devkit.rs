@@ -3,6 +3,7 @@
 //! subcommand and the demo.
 
 pub mod engine;
+pub mod freeze;
 pub mod jwt;
 pub mod model;
 pub mod stack;

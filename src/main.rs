@@ -23,6 +23,8 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         None | Some("run") => daemon(),
+        Some("demo") => abada_agent_worker::demo::cli_demo(&args[1..]),
+        Some("dev-engine") => abada_agent_worker::demo::cli_dev_engine(&args[1..]),
         Some("help" | "--help" | "-h") => {
             println!("{USAGE}");
             ExitCode::SUCCESS

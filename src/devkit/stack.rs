@@ -211,6 +211,17 @@ impl Stack {
 
     /// Starts a worker with the real runner and agent runtime against the emulator.
     pub fn spawn_worker(&self, opts: WorkerOptions, agent: AgentSettings) -> WorkerHandle {
+        self.spawn_worker_with(opts, agent, |engine| engine)
+    }
+
+    /// [`Stack::spawn_worker`] with the worker's engine client wrapped by `wrap` (e.g. a
+    /// [`super::freeze::FreezeEngine`]).
+    pub fn spawn_worker_with(
+        &self,
+        opts: WorkerOptions,
+        agent: AgentSettings,
+        wrap: impl FnOnce(Arc<dyn Engine>) -> Arc<dyn Engine>,
+    ) -> WorkerHandle {
         let metrics = Arc::new(Metrics::new());
         let mut engine_settings =
             EngineClientSettings::new(self.engine.base_url(), opts.worker_id.clone());
@@ -223,6 +234,7 @@ impl Stack {
             None,
             metrics.clone(),
         ));
+        let engine = wrap(engine);
         let runtime = AgentRuntime::new(
             self.providers(),
             None,

@@ -2,6 +2,7 @@
 
 mod agent;
 mod core_http;
+mod demo;
 mod durable;
 mod emulator;
 mod mcp_interop;

@@ -1,0 +1,671 @@
+//! The `demo` and `dev-engine` subcommands: the whole system on loopback with no keys and no
+//! services (the devkit engine emulator, the scripted model provider and the MCP tool server in
+//! this process, and real workers claiming real leases over HTTP), told as a timeline.
+//!
+//! Scenarios: `load` (twenty refund tasks, two workers of four slots), `takeover` (a frozen
+//! worker's lease expires, another resumes the task from its journal, the first is fenced off)
+//! and `rate-limit` (fallback model, then a deferral that keeps the task's retries). Each checks
+//! its own invariants; [`DemoReport::passed`] is the verdict. [`run`] serves both the binary and
+//! the tests.
+
+mod dev_engine;
+mod load;
+mod rate_limit;
+mod takeover;
+mod timeline;
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::devkit::engine::{TaskSpec, TaskStatus, TaskView};
+use crate::devkit::stack::{Stack, StackError, WorkerHandle};
+use crate::heartbeat::HeartbeatEvent;
+use crate::runner::RunnerEvent;
+
+pub use dev_engine::{DevEngineArgs, run_dev_engine};
+use timeline::Timeline;
+pub use timeline::{Event, Output};
+
+/// Which story the demo tells.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scenario {
+    Load,
+    Takeover,
+    RateLimit,
+}
+
+impl Scenario {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::Load => "load",
+            Scenario::Takeover => "takeover",
+            Scenario::RateLimit => "rate-limit",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Scenario> {
+        match name {
+            "load" => Some(Scenario::Load),
+            "takeover" => Some(Scenario::Takeover),
+            "rate-limit" => Some(Scenario::RateLimit),
+            _ => None,
+        }
+    }
+}
+
+/// The demo's command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DemoArgs {
+    pub scenario: Scenario,
+    pub output: Output,
+}
+
+/// What is wrong with a command line.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ArgsError {
+    #[error("unknown scenario {0:?}; choose load, takeover or rate-limit")]
+    UnknownScenario(String),
+    #[error("{0} needs a value")]
+    MissingValue(&'static str),
+    #[error("unknown argument {0:?}")]
+    Unknown(String),
+    #[error("--addr {0:?} is not an address like 127.0.0.1:5601")]
+    BadAddr(String),
+}
+
+pub const DEMO_USAGE: &str = "\
+usage: abada-agent-worker demo [--scenario load|takeover|rate-limit] [--json]
+
+  --scenario   load (default): 20 refund tasks, two workers of 4 slots
+               takeover: a frozen worker's lease expires, another resumes from the journal
+               rate-limit: fallback model on 429, then a deferral that keeps the retries
+  --json       one JSON object per event, then a summary object
+
+Exits 0 when every check of the scenario passes, 1 otherwise.";
+
+/// Parses the arguments after `demo`. `color` says whether stdout is a terminal.
+pub fn parse_demo_args(args: &[String], color: bool) -> Result<DemoArgs, ArgsError> {
+    let mut scenario = Scenario::Load;
+    let mut json = false;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) => (f, Some(v.to_string())),
+            None => (arg.as_str(), None),
+        };
+        match flag {
+            "--scenario" => {
+                let value = inline
+                    .or_else(|| it.next().cloned())
+                    .ok_or(ArgsError::MissingValue("--scenario"))?;
+                scenario = Scenario::parse(&value).ok_or(ArgsError::UnknownScenario(value))?;
+            }
+            "--json" if inline.is_none() => json = true,
+            _ => return Err(ArgsError::Unknown(arg.clone())),
+        }
+    }
+    Ok(DemoArgs {
+        scenario,
+        output: if json {
+            Output::Json
+        } else {
+            Output::Human { color }
+        },
+    })
+}
+
+/// One invariant a scenario checks.
+#[derive(Clone, Debug, Serialize)]
+pub struct Check {
+    pub name: String,
+    pub passed: bool,
+    /// What was measured.
+    pub detail: String,
+}
+
+impl Check {
+    fn new(name: &str, passed: bool, detail: impl Into<String>) -> Check {
+        Check {
+            name: name.to_string(),
+            passed,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// One worker's row of the summary table.
+#[derive(Clone, Debug, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerSummary {
+    pub worker: String,
+    /// Tasks this worker locked (attempts started).
+    pub claimed: u32,
+    /// Tasks it completed (its `complete` accepted).
+    pub completed: u32,
+    /// Most tasks running at once.
+    pub max_running: u32,
+    /// Lease extensions the engine accepted.
+    pub heartbeats: u32,
+    /// Model calls sent (any answer).
+    pub model_calls: u64,
+    /// Tool calls sent (any result).
+    pub tool_calls: u64,
+    /// Keyed writes (`issue_refund`) that returned a result to this worker.
+    pub keyed_writes: u64,
+    /// Fetches that asked for tasks, and what the first one asked for and got.
+    pub fetches: u32,
+    pub first_fetch: Option<(u32, usize)>,
+    /// Attempts that ended with the lease lost.
+    pub leases_lost: u32,
+}
+
+/// What a scenario did and whether its checks passed.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DemoReport {
+    pub scenario: &'static str,
+    pub events: Vec<Event>,
+    pub workers: Vec<WorkerSummary>,
+    pub checks: Vec<Check>,
+    /// Scenario facts the checks are made of (also in the JSON summary).
+    pub facts: Value,
+    pub wall_seconds: f64,
+}
+
+impl DemoReport {
+    /// The verdict: every check passed.
+    pub fn passed(&self) -> bool {
+        !self.checks.is_empty() && self.checks.iter().all(|c| c.passed)
+    }
+
+    pub fn check(&self, name: &str) -> Option<&Check> {
+        self.checks.iter().find(|c| c.name == name)
+    }
+}
+
+/// Why a scenario could not run to its verdict.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error("the demo stack could not start: {0}")]
+    Stack(#[from] StackError),
+    #[error("scenario {scenario}: timed out after {seconds}s waiting for {what}")]
+    Timeout {
+        scenario: &'static str,
+        what: String,
+        seconds: u64,
+    },
+}
+
+/// Runs one scenario to its verdict, printing its timeline as it goes (per `args.output`).
+pub async fn run(args: DemoArgs) -> Result<DemoReport, DemoError> {
+    let report = match args.scenario {
+        Scenario::Load => load::run(args.output).await?,
+        Scenario::Takeover => takeover::run(args.output).await?,
+        Scenario::RateLimit => rate_limit::run(args.output).await?,
+    };
+    Timeline::print_summary(args.output, &report);
+    Ok(report)
+}
+
+/// `abada-agent-worker demo ...`: parses, runs, and maps the verdict to the exit code.
+pub fn cli_demo(args: &[String]) -> ExitCode {
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{DEMO_USAGE}");
+        return ExitCode::SUCCESS;
+    }
+    let color = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let args = match parse_demo_args(args, color) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("abada-agent-worker demo: {e}\n\n{DEMO_USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    init_quiet_logging();
+    let Some(runtime) = build_runtime() else {
+        return ExitCode::FAILURE;
+    };
+    match runtime.block_on(run(args)) {
+        Ok(report) if report.passed() => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("abada-agent-worker demo: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `abada-agent-worker dev-engine [--addr HOST:PORT]`.
+pub fn cli_dev_engine(args: &[String]) -> ExitCode {
+    let args = match DevEngineArgs::parse(args) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!(
+                "abada-agent-worker dev-engine: {e}\n\n{}",
+                dev_engine::DEV_ENGINE_USAGE
+            );
+            return ExitCode::from(2);
+        }
+    };
+    init_quiet_logging();
+    let Some(runtime) = build_runtime() else {
+        return ExitCode::FAILURE;
+    };
+    match runtime.block_on(run_dev_engine(args, wait_for_ctrl_c())) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("abada-agent-worker dev-engine: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn wait_for_ctrl_c() {
+    if tokio::signal::ctrl_c().await.is_err() {
+        // No signal handling: run until killed.
+        std::future::pending::<()>().await;
+    }
+}
+
+fn build_runtime() -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            eprintln!("abada-agent-worker: cannot start the async runtime: {e}");
+            None
+        }
+    }
+}
+
+/// No log output unless `RUST_LOG` asks for it (then to stderr, so stdout stays the timeline).
+fn init_quiet_logging() {
+    if std::env::var_os("RUST_LOG").is_none() {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
+// ---- shared by the scenarios ----------------------------------------------------------------
+
+/// A worker of a scenario: its handle and what its events said.
+pub(crate) struct DemoWorker {
+    pub name: String,
+    pub handle: WorkerHandle,
+    pub stats: WorkerSummary,
+    pub running: u32,
+    /// Each attempt this worker ended: (task, attempt, outcome).
+    pub ended: Vec<(String, Option<u32>, &'static str)>,
+}
+
+/// The workers of a scenario, their events merged into one channel (per-worker order kept).
+pub(crate) struct Crew {
+    pub workers: Vec<DemoWorker>,
+    tx: mpsc::UnboundedSender<(usize, RunnerEvent)>,
+    pub rx: mpsc::UnboundedReceiver<(usize, RunnerEvent)>,
+}
+
+impl Crew {
+    pub fn new() -> Crew {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Crew {
+            workers: Vec::new(),
+            tx,
+            rx,
+        }
+    }
+
+    /// Adds a worker; returns its index.
+    pub fn add(&mut self, mut handle: WorkerHandle) -> usize {
+        let index = self.workers.len();
+        let mut events = std::mem::replace(&mut handle.events, mpsc::unbounded_channel().1);
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            while let Some(e) = events.recv().await {
+                if tx.send((index, e)).is_err() {
+                    break;
+                }
+            }
+        });
+        self.workers.push(DemoWorker {
+            name: handle.worker_id.clone(),
+            stats: WorkerSummary {
+                worker: handle.worker_id.clone(),
+                ..WorkerSummary::default()
+            },
+            handle,
+            running: 0,
+            ended: Vec::new(),
+        });
+        index
+    }
+
+    /// Updates the worker's counters from one event.
+    pub fn absorb(&mut self, index: usize, event: &RunnerEvent) {
+        let w = &mut self.workers[index];
+        match event {
+            RunnerEvent::Fetched { requested, got } => {
+                w.stats.fetches += 1;
+                if w.stats.first_fetch.is_none() {
+                    w.stats.first_fetch = Some((*requested, *got));
+                }
+            }
+            RunnerEvent::FetchFailed { .. } => {}
+            RunnerEvent::TaskStarted { .. } => {
+                w.stats.claimed += 1;
+                w.running += 1;
+                w.stats.max_running = w.stats.max_running.max(w.running);
+            }
+            RunnerEvent::TaskEnded {
+                task_id,
+                attempt,
+                outcome,
+            } => {
+                w.running = w.running.saturating_sub(1);
+                if *outcome == "completed" {
+                    w.stats.completed += 1;
+                }
+                if *outcome == "lease_lost" {
+                    w.stats.leases_lost += 1;
+                }
+                w.ended.push((task_id.clone(), *attempt, outcome));
+            }
+            RunnerEvent::Heartbeat(HeartbeatEvent::Extended { .. }) => w.stats.heartbeats += 1,
+            RunnerEvent::Heartbeat(_) => {}
+        }
+    }
+
+    /// Stops every worker (staged shutdown), drains the remaining events, and fills the model
+    /// and tool counters from each worker's metrics.
+    pub async fn stop(mut self) -> Vec<DemoWorker> {
+        let handles: Vec<_> = self
+            .workers
+            .iter()
+            .map(|w| w.handle.shutdown.clone())
+            .collect();
+        for h in &handles {
+            h.cancel();
+        }
+        for w in &self.workers {
+            while !w.handle.is_finished() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        // Let the forwarders pass on what the runners sent last.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        while let Ok((i, e)) = self.rx.try_recv() {
+            self.absorb(i, &e);
+        }
+        for w in &mut self.workers {
+            let text = w.handle.metrics.encode();
+            w.stats.model_calls = metric_sum(&text, "abada_agent_model_calls_total", &[]);
+            w.stats.tool_calls = metric_sum(&text, "abada_agent_tool_calls_total", &[]);
+            w.stats.keyed_writes = metric_sum(
+                &text,
+                "abada_agent_tool_calls_total",
+                &["tool=\"issue_refund\"", "outcome=\"ok\""],
+            );
+        }
+        self.workers
+    }
+}
+
+/// Sums the samples of a metric whose label set contains every one of `labels`.
+pub(crate) fn metric_sum(text: &str, name: &str, labels: &[&str]) -> u64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            if !(rest.starts_with('{') || rest.starts_with(' ')) {
+                return None;
+            }
+            if !labels.iter().all(|want| rest.contains(want)) {
+                return None;
+            }
+            let value: f64 = rest.rsplit(' ').next()?.parse().ok()?;
+            Some(value as u64)
+        })
+        .sum()
+}
+
+/// A refund task for order `order`.
+pub(crate) fn refund_task(agent: Value, order: &str) -> TaskSpec {
+    let mut variables = serde_json::Map::new();
+    variables.insert("orderId".into(), json!(order));
+    TaskSpec {
+        variables,
+        agent: Some(agent),
+        retries: Some(3),
+        ..TaskSpec::default()
+    }
+}
+
+pub(crate) fn is_final(view: &TaskView) -> bool {
+    matches!(
+        view.status,
+        TaskStatus::Completed | TaskStatus::Failed | TaskStatus::BpmnError
+    )
+}
+
+/// Short `kind/state` names of a journal, e.g. `tool/started issue_refund`.
+pub(crate) fn journal_names(view: &TaskView) -> Vec<String> {
+    view.journal
+        .iter()
+        .map(|s| {
+            let kind = s["kind"].as_str().unwrap_or("?");
+            let state = s["state"].as_str().unwrap_or("?");
+            match s["data"]["tool"].as_str() {
+                Some(tool) => format!("{kind}/{state} {tool}"),
+                None => format!("{kind}/{state}"),
+            }
+        })
+        .collect()
+}
+
+/// Seconds for a timeout error.
+pub(crate) fn timeout_error(scenario: &'static str, what: &str, limit: Duration) -> DemoError {
+    DemoError::Timeout {
+        scenario,
+        what: what.to_string(),
+        seconds: limit.as_secs(),
+    }
+}
+
+/// The counts by model and outcome from a worker's metrics: `(model, outcome) -> calls`.
+pub(crate) fn model_calls_by_outcome(metrics_text: &str) -> HashMap<(String, String), u64> {
+    let mut out = HashMap::new();
+    for line in metrics_text.lines() {
+        let Some(rest) = line.strip_prefix("abada_agent_model_calls_total{") else {
+            continue;
+        };
+        let label = |name: &str| -> String {
+            let key = format!("{name}=\"");
+            rest.split_once(&key)
+                .and_then(|(_, v)| v.split_once('"'))
+                .map(|(v, _)| v.to_string())
+                .unwrap_or_default()
+        };
+        let value: u64 = rest
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            .map(|v| v as u64)
+            .unwrap_or(0);
+        let model = format!("{}/{}", label("provider"), label("model"));
+        *out.entry((model, label("outcome"))).or_insert(0) += value;
+    }
+    out
+}
+
+/// Starts the stack with the refund script slowed to `latency` per model turn, so the
+/// timeline is readable.
+pub(crate) async fn start_stack(latency: Duration) -> Result<Stack, DemoError> {
+    let stack = Stack::start(crate::devkit::engine::ProtocolLevel::AgentV1).await?;
+    stack.model.set_script(
+        crate::devkit::stack::REFUND_MODEL,
+        crate::devkit::stack::refund_script().with_latency(latency),
+    );
+    Ok(stack)
+}
+
+/// Prints a worker event in plain words (scenarios with few tasks); empty polls, fetch counts
+/// and successful heartbeats are left out.
+pub(crate) fn narrate(tl: &mut Timeline, name: &str, event: &RunnerEvent) {
+    match event {
+        RunnerEvent::TaskStarted { task_id, attempt } => tl.emit(
+            name,
+            "claimed",
+            format!("claims {task_id} (attempt {})", attempt_text(*attempt)),
+            json!({"task": task_id, "attempt": attempt}),
+        ),
+        RunnerEvent::TaskEnded {
+            task_id,
+            attempt,
+            outcome,
+        } => {
+            let text = match *outcome {
+                "completed" => format!("{task_id} completed"),
+                "lease_lost" => {
+                    format!("{task_id}: lease lost -> abandons the attempt, reports nothing")
+                }
+                "deferred" => {
+                    format!("{task_id} deferred: failure with retries unchanged and a retryTimeout")
+                }
+                other => format!("{task_id} ended: {other}"),
+            };
+            tl.emit(
+                name,
+                "task_ended",
+                text,
+                json!({"task": task_id, "attempt": attempt, "outcome": outcome}),
+            );
+        }
+        RunnerEvent::FetchFailed { error } => tl.emit(
+            name,
+            "fetch_failed",
+            format!("fetch failed: {error}"),
+            json!({"error": error}),
+        ),
+        RunnerEvent::Heartbeat(HeartbeatEvent::Lost { reason, .. }) => tl.emit(
+            name,
+            "lease_lost",
+            format!("heartbeat: lease lost ({reason})"),
+            json!({"reason": reason.to_string()}),
+        ),
+        RunnerEvent::Fetched { .. } | RunnerEvent::Heartbeat(_) => {}
+    }
+}
+
+pub(crate) fn attempt_text(attempt: Option<u32>) -> String {
+    attempt.map_or_else(|| "-".to_string(), |a| a.to_string())
+}
+
+/// Narrates worker events until `until` resolves; a timeout after `limit`.
+pub(crate) async fn pump<T>(
+    tl: &mut Timeline,
+    crew: &mut Crew,
+    until: impl std::future::Future<Output = T>,
+    scenario: &'static str,
+    what: &str,
+    limit: Duration,
+) -> Result<T, DemoError> {
+    tokio::pin!(until);
+    let deadline = tokio::time::sleep(limit);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            biased;
+            Some((i, event)) = crew.rx.recv() => {
+                crew.absorb(i, &event);
+                let name = crew.workers[i].name.clone();
+                narrate(tl, &name, &event);
+            }
+            value = &mut until => return Ok(value),
+            _ = &mut deadline => return Err(timeout_error(scenario, what, limit)),
+        }
+    }
+}
+
+/// Narrates worker events until `done(crew)` holds.
+pub(crate) async fn pump_until(
+    tl: &mut Timeline,
+    crew: &mut Crew,
+    done: impl Fn(&Crew) -> bool,
+    scenario: &'static str,
+    what: &str,
+    limit: Duration,
+) -> Result<(), DemoError> {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !done(crew) {
+        tokio::select! {
+            Some((i, event)) = crew.rx.recv() => {
+                crew.absorb(i, &event);
+                let name = crew.workers[i].name.clone();
+                narrate(tl, &name, &event);
+            }
+            _ = tokio::time::sleep_until(deadline) => return Err(timeout_error(scenario, what, limit)),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_command_line_is_parsed_by_hand() {
+        let a = parse_demo_args(&args(&[]), true).unwrap();
+        assert_eq!(a.scenario, Scenario::Load);
+        assert_eq!(a.output, Output::Human { color: true });
+        let a = parse_demo_args(&args(&["--scenario", "takeover", "--json"]), true).unwrap();
+        assert_eq!(a.scenario, Scenario::Takeover);
+        assert_eq!(a.output, Output::Json);
+        let a = parse_demo_args(&args(&["--scenario=rate-limit"]), false).unwrap();
+        assert_eq!(a.scenario, Scenario::RateLimit);
+        assert_eq!(
+            parse_demo_args(&args(&["--scenario", "chaos"]), false),
+            Err(ArgsError::UnknownScenario("chaos".into()))
+        );
+        assert_eq!(
+            parse_demo_args(&args(&["--scenario"]), false),
+            Err(ArgsError::MissingValue("--scenario"))
+        );
+        assert_eq!(
+            parse_demo_args(&args(&["--fast"]), false),
+            Err(ArgsError::Unknown("--fast".into()))
+        );
+    }
+
+    #[test]
+    fn metric_sums_filter_by_labels() {
+        let text = "# HELP x\n\
+            abada_agent_tool_calls_total{server=\"orders\",tool=\"issue_refund\",outcome=\"ok\"} 3\n\
+            abada_agent_tool_calls_total{server=\"orders\",tool=\"lookup_order\",outcome=\"ok\"} 4\n\
+            abada_agent_tool_calls_total_other 9\n";
+        assert_eq!(metric_sum(text, "abada_agent_tool_calls_total", &[]), 7);
+        assert_eq!(
+            metric_sum(
+                text,
+                "abada_agent_tool_calls_total",
+                &["tool=\"issue_refund\""]
+            ),
+            3
+        );
+    }
+}

@@ -1,0 +1,190 @@
+//! The demo's three scenarios, run in-process through the library function (as the binary runs
+//! them): each must pass its own checks, and the facts behind the checks are asserted here too.
+
+use abada_agent_worker::demo::{self, DemoArgs, DemoReport, Output, Scenario};
+use serde_json::Value;
+
+async fn run(scenario: Scenario) -> DemoReport {
+    let report = demo::run(DemoArgs {
+        scenario,
+        output: Output::Silent,
+    })
+    .await
+    .expect("the scenario runs to its verdict");
+    let failed: Vec<_> = report.checks.iter().filter(|c| !c.passed).collect();
+    assert!(report.passed(), "failed checks: {failed:#?}");
+    report
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_completes_twenty_tasks_once_with_four_slots_per_worker() {
+    let report = run(Scenario::Load).await;
+    assert_eq!(report.scenario, "load");
+    assert_eq!(report.facts["completedOnce"], 20);
+    assert_eq!(report.facts["writesApplied"], 20);
+    assert_eq!(report.facts["duplicates"], 0);
+    for first in report.facts["firstFetches"].as_array().unwrap() {
+        assert_eq!(first["requested"], 4, "{first}");
+    }
+    assert_eq!(report.workers.len(), 2);
+    let completed: u32 = report.workers.iter().map(|w| w.completed).sum();
+    assert_eq!(completed, 20);
+    for w in &report.workers {
+        assert!(w.max_running <= 4, "{w:?}");
+        assert_eq!(w.claimed, w.completed, "{w:?}");
+        assert_eq!(w.model_calls, 3 * w.completed as u64, "{w:?}");
+        assert_eq!(w.tool_calls, 2 * w.completed as u64, "{w:?}");
+        assert_eq!(w.keyed_writes, w.completed as u64, "{w:?}");
+        assert_eq!(w.leases_lost, 0);
+    }
+    // The timeline opens with the tasks and both 4-task claims.
+    assert_eq!(report.events[0].event, "tasks_open");
+    let claims: Vec<_> = report
+        .events
+        .iter()
+        .filter(|e| e.event == "claimed")
+        .take(2)
+        .collect();
+    assert!(
+        claims
+            .iter()
+            .all(|e| e.data["claimed"].as_array().unwrap().len() == 4)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn takeover_fences_the_frozen_worker_and_deduplicates_the_write() {
+    let report = run(Scenario::Takeover).await;
+    let facts = &report.facts;
+    assert_eq!(facts["writesApplied"], 1);
+    assert_eq!(facts["duplicates"], 1);
+    assert_eq!(facts["w2Attempt"], 2);
+    assert_eq!(facts["completes"], 1);
+    let w1_calls = facts["w1Calls"].as_array().unwrap();
+    assert!(!w1_calls.is_empty());
+    for c in w1_calls {
+        assert_eq!(c["refused"], true, "{c}");
+        assert_eq!(c["attempt"], 1, "{c}");
+        assert!(
+            matches!(
+                c["code"].as_str(),
+                Some("WORKER_LOCK_NOT_OWNED" | "STALE_ATTEMPT")
+            ),
+            "{c}"
+        );
+    }
+    let probes: Vec<(&str, &str)> = facts["probes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            assert_eq!(c["refused"], true, "{c}");
+            (
+                c["operation"].as_str().unwrap(),
+                c["code"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    let ops: Vec<&str> = probes.iter().map(|p| p.0).collect();
+    assert_eq!(
+        ops,
+        [
+            "heartbeat",
+            "journal-append",
+            "tool-credentials",
+            "complete"
+        ]
+    );
+    assert!(
+        probes
+            .iter()
+            .all(|(_, code)| matches!(*code, "WORKER_LOCK_NOT_OWNED" | "STALE_ATTEMPT"))
+    );
+    let w1 = &report.workers[0];
+    assert_eq!((w1.claimed, w1.completed, w1.leases_lost), (1, 0, 1));
+    let w2 = &report.workers[1];
+    assert_eq!((w2.claimed, w2.completed, w2.leases_lost), (1, 1, 0));
+    let journal: Vec<&str> = facts["journal"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(
+        journal
+            .iter()
+            .filter(|s| s.starts_with("tool/started"))
+            .count(),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_falls_back_then_defers_without_consuming_a_retry() {
+    let report = run(Scenario::RateLimit).await;
+    let facts = &report.facts;
+    assert_eq!(facts["primaryOk"], 0);
+    assert_eq!(facts["primaryRefused"], 3);
+    assert_eq!(facts["fallbackOk"], 3);
+    assert_eq!(facts["retriesAfterDeferral"], 3);
+    assert_eq!(facts["hiddenAfterDeferral"], true);
+    assert_eq!(facts["failures"], 1);
+    assert_eq!(facts["completedAttempt"], 2);
+    assert_eq!(facts["retriesAtEnd"], 3);
+    let ended: Vec<&str> = report
+        .events
+        .iter()
+        .filter(|e| e.event == "task_ended")
+        .filter_map(|e| e.data["outcome"].as_str())
+        .collect();
+    assert_eq!(ended, ["completed", "deferred", "completed"]);
+}
+
+#[test]
+fn the_binary_exits_non_zero_on_a_bad_scenario() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_abada-agent-worker"))
+        .args(["demo", "--scenario", "nope"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown scenario"));
+}
+
+#[tokio::test]
+async fn dev_engine_serves_the_admin_api_on_the_given_address() {
+    use tokio::io::AsyncBufReadExt;
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_abada-agent-worker"))
+        .args(["dev-engine", "--addr", &format!("127.0.0.1:{port}")])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut url = None;
+    while let Some(line) = lines.next_line().await.unwrap() {
+        if let Some(rest) = line.trim().strip_prefix("engine URL for workers:") {
+            url = Some(rest.trim().to_string());
+            break;
+        }
+    }
+    assert_eq!(
+        url.as_deref(),
+        Some(format!("http://127.0.0.1:{port}/api").as_str())
+    );
+    let created: Value = reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{port}/admin/tasks"))
+        .json(&serde_json::json!({"variables": {"q": "2+2"}}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(created["ids"][0], "t-000001");
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+}
