@@ -337,7 +337,7 @@ impl EngineEmulator {
     /// Waits until `check` returns `Some`, re-checking after every request the emulator
     /// answers and every admin change (no polling interval, no sleep). Wrap it in a timeout.
     ///
-    /// ```ignore
+    /// ```text
     /// let done = emu.wait_for(|e| e.task(&id).filter(|t| t.status == TaskStatus::Completed)).await;
     /// ```
     pub async fn wait_for<T>(&self, mut check: impl FnMut(&EngineEmulator) -> Option<T>) -> T {
