@@ -4,6 +4,7 @@
 
 pub mod engine;
 pub mod jwt;
+pub mod loadtest;
 pub mod model;
 pub mod stack;
 pub mod tools;

@@ -2,6 +2,7 @@
 
 mod agent;
 mod emulator;
+mod loadtest_smoke;
 mod mcp_interop;
 mod oidc;
 mod provider;
