@@ -5,6 +5,7 @@
 pub mod engine;
 pub mod freeze;
 pub mod jwt;
+pub mod loadtest;
 pub mod model;
 pub mod stack;
 pub mod tools;

@@ -5,6 +5,7 @@ mod core_http;
 mod demo;
 mod durable;
 mod emulator;
+mod loadtest_smoke;
 mod mcp_interop;
 mod oidc;
 mod operations;

@@ -1,0 +1,897 @@
+//! The load harness behind `examples/loadtest.rs`: hosts the engine emulator, the scripted model
+//! and the tool server on loopback, runs the real worker binary (or the floor client) as a child
+//! process, reads the child's CPU and memory from `/proc`, and derives every figure from the
+//! emulator's call log. `BENCHMARKS.md` documents the commands and the results.
+//!
+//! Three scenarios:
+//! - [`Scenario::Backlog`]: the child starts on an empty queue; after its first fetch the whole
+//!   backlog is created at once and the run ends when every task is completed. Throughput, CPU
+//!   per task, slot utilisation, refill delay, heartbeat lateness, lease expiries, peak RSS.
+//! - [`Scenario::Pickup`]: tasks are created one at a time at random moments while slots are
+//!   free; pickup latency is creation to the task's first request (its journal read).
+//! - [`Scenario::Idle`]: no tasks; requests per second and RSS of an idle worker.
+//!
+//! The floor client ([`run_floor_client`]) makes, per task, exactly the HTTP requests the worker
+//! makes for a one-turn agent task (journal read, two journal appends, one model call, complete)
+//! with the same fetch pattern and the same number of slots, and nothing else: its CPU per task
+//! is the physical floor of the protocol on this machine.
+//!
+//! Timestamps of engine calls are the emulator's (millisecond resolution, taken on arrival,
+//! before any injected latency). Nothing here asserts on time; it only measures.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use super::engine::{CallRecord, Disposition, Fault, Operation, TaskSpec, TaskStatus};
+use super::model::{Script, Turn};
+use super::stack::{ORDERS_SERVER, Stack};
+use crate::config;
+
+/// The scripted model every benchmark task calls.
+pub const BENCH_MODEL: &str = "bench";
+
+/// What a run does.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scenario {
+    Backlog,
+    Pickup,
+    Idle { duration: Duration },
+}
+
+/// Which program runs as the child.
+#[derive(Clone, Debug)]
+pub enum ChildProgram {
+    /// The worker binary at this path.
+    Worker(PathBuf),
+    /// `program args.. --floor-client <flags>`: a program that calls [`run_floor_client`].
+    Floor { program: PathBuf, args: Vec<String> },
+}
+
+/// The knobs of one run.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    pub scenario: Scenario,
+    pub slots: u32,
+    pub tasks: u32,
+    /// Waited by the scripted model before every answer.
+    pub model_latency: Duration,
+    /// Tool-call turns before the final answer (each calls `echo` on the devkit tool server).
+    pub tool_calls: u32,
+    /// Added by the emulator to every engine request.
+    pub engine_latency: Duration,
+    pub lock_duration: Duration,
+    pub poll_interval: Duration,
+    /// Size of the text each tool call sends and gets back, so conversations have a realistic
+    /// weight.
+    pub payload_bytes: usize,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            scenario: Scenario::Backlog,
+            slots: 50,
+            tasks: 1000,
+            model_latency: Duration::from_millis(100),
+            tool_calls: 0,
+            engine_latency: Duration::ZERO,
+            lock_duration: Duration::from_secs(60),
+            poll_interval: Duration::from_millis(1000),
+            payload_bytes: 200,
+        }
+    }
+}
+
+/// Why a run could not be done.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot start the devkit stack: {0}")]
+    Stack(#[from] super::stack::StackError),
+    #[error("cannot start {program}: {source}; build it first (cargo build --release)")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the child process {0}")]
+    Child(String),
+    #[error("the floor client supports one-turn tasks only (tool calls 0), got {0}")]
+    FloorWithTools(u32),
+}
+
+/// One named figure of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Figure {
+    pub name: &'static str,
+    pub unit: &'static str,
+    pub value: f64,
+}
+
+/// The figures of one run, in the order they were measured.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Figures(pub Vec<Figure>);
+
+impl Figures {
+    fn put(&mut self, name: &'static str, unit: &'static str, value: f64) {
+        self.0.push(Figure { name, unit, value });
+    }
+
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.0.iter().find(|f| f.name == name).map(|f| f.value)
+    }
+
+    /// Per figure, the median over `runs` (figures missing from a run are left out of it).
+    pub fn median(runs: &[Figures]) -> Figures {
+        let mut out = Figures::default();
+        let Some(first) = runs.first() else {
+            return out;
+        };
+        for f in &first.0 {
+            let mut values: Vec<f64> = runs
+                .iter()
+                .filter_map(|r| r.get(f.name))
+                .filter(|v| v.is_finite())
+                .collect();
+            values.sort_by(f64::total_cmp);
+            let value = match values.len() {
+                0 => f64::NAN,
+                n if n % 2 == 1 => values[n / 2],
+                n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+            };
+            out.put(f.name, f.unit, value);
+        }
+        out
+    }
+
+    /// A Markdown table: figure, unit, value.
+    pub fn table(&self) -> String {
+        let mut s = String::from("| figure | value | unit |\n| --- | ---: | --- |\n");
+        for f in &self.0 {
+            s.push_str(&format!(
+                "| {} | {} | {} |\n",
+                f.name,
+                fmt_value(f.value),
+                f.unit
+            ));
+        }
+        s
+    }
+}
+
+fn fmt_value(v: f64) -> String {
+    if !v.is_finite() {
+        "-".into()
+    } else if v.abs() >= 100.0 || v == v.trunc() {
+        format!("{v:.0}")
+    } else if v.abs() >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+/// The model's script: `tool_calls` calls of `echo`, then one final text turn.
+pub fn bench_script(opts: &LoadOptions) -> Script {
+    let payload = "x".repeat(opts.payload_bytes);
+    let mut turns: Vec<Turn> = (0..opts.tool_calls)
+        .map(|_| Turn::call("echo", json!({"text": payload})))
+        .collect();
+    turns.push(Turn::text(r#"{"decision": "done", "input": "${input}"}"#));
+    Script::new(turns)
+        .with_latency(opts.model_latency)
+        .with_usage(120, 30)
+}
+
+/// The agent definition every benchmark task carries.
+pub fn bench_agent(stack: &Stack, opts: &LoadOptions) -> Value {
+    let mut agent = json!({
+        "name": "bench-agent",
+        "model": format!("openai/{BENCH_MODEL}"),
+        "instructions": "You answer benchmark requests with JSON.",
+        "input": "${orderId}",
+        "maxTurns": opts.tool_calls + 2,
+        "resultVariable": "agentResult"
+    });
+    if opts.tool_calls > 0 {
+        agent["toolServers"] = json!([{"name": ORDERS_SERVER, "url": stack.tools.url()}]);
+    }
+    agent
+}
+
+/// Linux clock ticks per second, for `/proc/<pid>/stat`.
+pub fn clock_ticks() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// User plus system CPU seconds of `pid` so far.
+pub fn cpu_seconds(pid: u32, ticks: f64) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces) start at field 3 (state).
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / ticks)
+}
+
+/// A `kB` line of `/proc/<pid>/status` (`VmRSS`, `VmHWM`), in MB.
+pub fn status_mb(pid: u32, field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|line| {
+        let rest = line.strip_prefix(field)?.strip_prefix(':')?;
+        let kb: f64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+        Some(kb / 1024.0)
+    })
+}
+
+/// A child process that is terminated (then killed) when dropped.
+struct ChildGuard {
+    child: Child,
+    log: PathBuf,
+}
+
+impl ChildGuard {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGTERM, then up to `grace` for the exit, then SIGKILL.
+    fn stop(&mut self, grace: Duration) {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.pid().to_string())
+            .status();
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Lines of the child's output at WARN or ERROR level.
+    fn problem_lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("\"WARN\"") || l.contains("\"ERROR\"") || l.contains("panicked"))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+static RUN_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+fn spawn_child(
+    which: &ChildProgram,
+    stack: &Stack,
+    opts: &LoadOptions,
+) -> Result<ChildGuard, LoadError> {
+    let n = RUN_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let log = std::env::temp_dir().join(format!("abada-loadtest-{}-{n}.log", std::process::id()));
+    let out =
+        std::fs::File::create(&log).map_err(|e| LoadError::Child(format!("log file: {e}")))?;
+    let err = out
+        .try_clone()
+        .map_err(|e| LoadError::Child(format!("log file: {e}")))?;
+    let mut cmd = match which {
+        ChildProgram::Worker(bin) => {
+            let mut cmd = Command::new(bin);
+            cmd.env_clear()
+                .env("PATH", std::env::var("PATH").unwrap_or_default())
+                .env(config::ENV_ENGINE_URL, stack.engine.base_url())
+                .env(config::ENV_WORKER_ID, "bench-worker")
+                .env(config::ENV_PROVIDERS, "openai")
+                .env(
+                    "ABADA_AGENT_PROVIDER_OPENAI_BASE_URL",
+                    stack.model.base_url_openai(),
+                )
+                .env(config::ENV_MAX_TASKS, opts.slots.to_string())
+                .env(
+                    config::ENV_POLL_INTERVAL_MS,
+                    opts.poll_interval.as_millis().to_string(),
+                )
+                .env(
+                    config::ENV_LOCK_DURATION_MS,
+                    opts.lock_duration.as_millis().to_string(),
+                )
+                .env(config::ENV_HTTP_ADDR, "127.0.0.1:0")
+                .env(config::ENV_LOG_FORMAT, "json")
+                .env("RUST_LOG", "warn");
+            cmd
+        }
+        ChildProgram::Floor { program, args } => {
+            let mut cmd = Command::new(program);
+            cmd.args(args).arg("--floor-client").args([
+                "--engine-url",
+                &stack.engine.base_url(),
+                "--model-url",
+                &stack.model.base_url_openai(),
+                "--slots",
+                &opts.slots.to_string(),
+                "--poll-ms",
+                &opts.poll_interval.as_millis().to_string(),
+                "--lock-ms",
+                &opts.lock_duration.as_millis().to_string(),
+            ]);
+            cmd
+        }
+    };
+    cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+    let program = match which {
+        ChildProgram::Worker(p) => p.display().to_string(),
+        ChildProgram::Floor { program, .. } => program.display().to_string(),
+    };
+    let child = cmd
+        .spawn()
+        .map_err(|source| LoadError::Spawn { program, source })?;
+    Ok(ChildGuard { child, log })
+}
+
+fn ms(t: &chrono::DateTime<chrono::Utc>) -> i64 {
+    t.timestamp_millis()
+}
+
+/// The `p`-th percentile (0..=100, nearest rank) of `values` (sorted here).
+pub fn percentile(values: &mut [f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * values.len() as f64).ceil() as usize;
+    values[rank.clamp(1, values.len()) - 1]
+}
+
+async fn wait_first_fetch(stack: &Stack, child: &mut ChildGuard) -> Result<(), LoadError> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if stack
+            .engine
+            .calls()
+            .iter()
+            .any(|c| c.operation == Operation::FetchAndLock)
+        {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.child.try_wait() {
+            return Err(LoadError::Child(format!(
+                "exited with {status} before its first fetch: {:?}",
+                child.problem_lines()
+            )));
+        }
+        if Instant::now() > deadline {
+            return Err(LoadError::Child("made no fetch within 30 s".into()));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Runs one scenario against `which` and returns its figures.
+pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, LoadError> {
+    if matches!(which, ChildProgram::Floor { .. }) && opts.tool_calls > 0 {
+        return Err(LoadError::FloorWithTools(opts.tool_calls));
+    }
+    let ticks = clock_ticks();
+    let stack = Stack::start(super::engine::ProtocolLevel::AgentV1).await?;
+    stack.model.set_script(BENCH_MODEL, bench_script(opts));
+    if !opts.engine_latency.is_zero() {
+        for operation in [
+            Operation::FetchAndLock,
+            Operation::Heartbeat,
+            Operation::ExtendLock,
+            Operation::Complete,
+            Operation::Failure,
+            Operation::BpmnError,
+            Operation::JournalRead,
+            Operation::JournalAppend,
+            Operation::ToolCredentials,
+        ] {
+            stack.engine.inject(Fault::Latency {
+                operation,
+                delay_ms: opts.engine_latency.as_millis() as u64,
+            });
+        }
+    }
+    let started = Instant::now();
+    let mut child = spawn_child(which, &stack, opts)?;
+    wait_first_fetch(&stack, &mut child).await?;
+    let to_first_fetch = started.elapsed();
+    let pid = child.pid();
+    let mut figures = Figures::default();
+    figures.put(
+        "start_to_first_fetch",
+        "ms",
+        to_first_fetch.as_secs_f64() * 1000.0,
+    );
+    let result = match opts.scenario {
+        Scenario::Backlog => backlog(&stack, &mut child, opts, ticks, &mut figures).await,
+        Scenario::Pickup => pickup(&stack, &mut child, opts, &mut figures).await,
+        Scenario::Idle { duration } => {
+            idle(&stack, &mut child, duration, ticks, &mut figures).await
+        }
+    };
+    figures.put(
+        "rss_peak",
+        "MB",
+        status_mb(pid, "VmHWM").unwrap_or(f64::NAN),
+    );
+    let problems = child.problem_lines();
+    child.stop(Duration::from_secs(10));
+    figures.put("child_warn_error_lines", "lines", problems.len() as f64);
+    for line in problems.iter().take(3) {
+        eprintln!("child: {line}");
+    }
+    stack.shutdown().await;
+    result.map(|()| figures)
+}
+
+async fn idle(
+    stack: &Stack,
+    child: &mut ChildGuard,
+    duration: Duration,
+    ticks: f64,
+    figures: &mut Figures,
+) -> Result<(), LoadError> {
+    let pid = child.pid();
+    let cpu0 = cpu_seconds(pid, ticks).unwrap_or(f64::NAN);
+    let from = ms(&stack.engine.now());
+    tokio::time::sleep(duration).await;
+    let to = ms(&stack.engine.now());
+    let cpu1 = cpu_seconds(pid, ticks).unwrap_or(f64::NAN);
+    let calls = stack.engine.calls();
+    let window: Vec<&CallRecord> = calls
+        .iter()
+        .filter(|c| ms(&c.at) > from && ms(&c.at) <= to)
+        .collect();
+    let secs = (to - from) as f64 / 1000.0;
+    figures.put("idle_requests_per_s", "req/s", window.len() as f64 / secs);
+    figures.put("idle_cpu", "% of a core", (cpu1 - cpu0) / secs * 100.0);
+    figures.put(
+        "rss_idle",
+        "MB",
+        status_mb(pid, "VmRSS").unwrap_or(f64::NAN),
+    );
+    Ok(())
+}
+
+async fn pickup(
+    stack: &Stack,
+    child: &mut ChildGuard,
+    opts: &LoadOptions,
+    figures: &mut Figures,
+) -> Result<(), LoadError> {
+    let agent = bench_agent(stack, opts);
+    let mut created = Vec::new();
+    let poll_ms = opts.poll_interval.as_millis() as f64;
+    for i in 0..opts.tasks {
+        // Random phase against the poll loop: 0.3 to 1.7 poll intervals apart.
+        let gap = poll_ms * (0.3 + 1.4 * rand::random::<f64>());
+        tokio::time::sleep(Duration::from_secs_f64(gap / 1000.0)).await;
+        let id = stack.engine.create_task(task_spec(&agent, i));
+        created.push((id, ms(&stack.engine.now())));
+    }
+    wait_all_done(stack, child, opts, &created).await?;
+    let calls = stack.engine.calls();
+    let mut first_call: HashMap<&str, i64> = HashMap::new();
+    for c in &calls {
+        if let Some(id) = &c.task_id {
+            first_call.entry(id.as_str()).or_insert(ms(&c.at));
+        }
+    }
+    let mut latencies: Vec<f64> = created
+        .iter()
+        .filter_map(|(id, at)| first_call.get(id.as_str()).map(|s| (s - at) as f64))
+        .collect();
+    figures.put("pickup_p50", "ms", percentile(&mut latencies, 50.0));
+    figures.put("pickup_p99", "ms", percentile(&mut latencies, 99.0));
+    figures.put("pickup_max", "ms", percentile(&mut latencies, 100.0));
+    Ok(())
+}
+
+fn task_spec(agent: &Value, i: u32) -> TaskSpec {
+    let mut variables = serde_json::Map::new();
+    variables.insert("orderId".into(), json!(format!("o-{i}")));
+    TaskSpec {
+        variables,
+        agent: Some(agent.clone()),
+        ..TaskSpec::default()
+    }
+}
+
+/// Waits until every created task is completed (or failed), sampling peak RSS on the way.
+async fn wait_all_done(
+    stack: &Stack,
+    child: &mut ChildGuard,
+    opts: &LoadOptions,
+    created: &[(String, i64)],
+) -> Result<f64, LoadError> {
+    let pid = child.pid();
+    let expected_model_calls = u64::from(opts.tasks) * u64::from(opts.tool_calls + 1);
+    let mut rss_max: f64 = 0.0;
+    let mut last_progress = (Instant::now(), 0u64);
+    loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Some(rss) = status_mb(pid, "VmRSS") {
+            rss_max = rss_max.max(rss);
+        }
+        let model_calls = stack.model.total_calls();
+        if model_calls != last_progress.1 {
+            last_progress = (Instant::now(), model_calls);
+        }
+        if model_calls >= expected_model_calls {
+            let open = created
+                .iter()
+                .filter(|(id, _)| {
+                    stack.engine.task(id).is_none_or(|t| {
+                        !matches!(
+                            t.status,
+                            TaskStatus::Completed | TaskStatus::Failed | TaskStatus::BpmnError
+                        )
+                    })
+                })
+                .count();
+            if open == 0 {
+                return Ok(rss_max);
+            }
+        }
+        if let Ok(Some(status)) = child.child.try_wait() {
+            return Err(LoadError::Child(format!(
+                "exited with {status} during the run: {:?}",
+                child.problem_lines()
+            )));
+        }
+        let stall = opts.model_latency * 3 + opts.poll_interval * 3 + Duration::from_secs(30);
+        if last_progress.0.elapsed() > stall {
+            return Err(LoadError::Child(format!(
+                "made no progress for {} s ({model_calls} of {expected_model_calls} model calls): {:?}",
+                stall.as_secs(),
+                child.problem_lines()
+            )));
+        }
+    }
+}
+
+async fn backlog(
+    stack: &Stack,
+    child: &mut ChildGuard,
+    opts: &LoadOptions,
+    ticks: f64,
+    figures: &mut Figures,
+) -> Result<(), LoadError> {
+    let pid = child.pid();
+    let agent = bench_agent(stack, opts);
+    figures.put(
+        "rss_before_load",
+        "MB",
+        status_mb(pid, "VmRSS").unwrap_or(f64::NAN),
+    );
+    let cpu0 = cpu_seconds(pid, ticks).unwrap_or(f64::NAN);
+    let wall0 = Instant::now();
+    let ids = stack
+        .engine
+        .create_tasks((0..opts.tasks).map(|i| task_spec(&agent, i)));
+    let created_at = ms(&stack.engine.now());
+    let created: Vec<(String, i64)> = ids.into_iter().map(|id| (id, created_at)).collect();
+    let rss_max = wait_all_done(stack, child, opts, &created).await?;
+    let cpu1 = cpu_seconds(pid, ticks).unwrap_or(f64::NAN);
+    let wall = wall0.elapsed().as_secs_f64();
+    let n = f64::from(opts.tasks);
+    let calls = stack.engine.calls();
+    let a = analyse(&calls, opts);
+
+    figures.put("tasks_per_s", "tasks/s", n / a.span_s);
+    figures.put("cpu_per_task", "ms", (cpu1 - cpu0) / n * 1000.0);
+    figures.put("cpu_total", "s", cpu1 - cpu0);
+    figures.put("cpu_share", "% of a core", (cpu1 - cpu0) / wall * 100.0);
+    figures.put("slot_utilisation", "%", a.utilisation * 100.0);
+    let mut refill = a.refill;
+    figures.put("refill_p50", "ms", percentile(&mut refill, 50.0));
+    figures.put("refill_p99", "ms", percentile(&mut refill, 99.0));
+    figures.put("refill_max", "ms", percentile(&mut refill, 100.0));
+    let mut late = a.heartbeat_lateness;
+    figures.put("heartbeats", "count", late.len() as f64);
+    figures.put("heartbeat_late_p50", "ms", percentile(&mut late, 50.0));
+    figures.put("heartbeat_late_p99", "ms", percentile(&mut late, 99.0));
+    figures.put("heartbeat_late_max", "ms", percentile(&mut late, 100.0));
+    figures.put("lease_expiries", "count", a.lease_expiries as f64);
+    figures.put("requests_per_task", "req", a.requests_per_task);
+    figures.put("fetches_per_task", "req", a.fetches as f64 / n);
+    figures.put("rss_busy_max", "MB", rss_max);
+    Ok(())
+}
+
+/// What the call log of a backlog run says.
+struct Analysis {
+    /// First lock to last complete, seconds.
+    span_s: f64,
+    utilisation: f64,
+    refill: Vec<f64>,
+    heartbeat_lateness: Vec<f64>,
+    lease_expiries: usize,
+    requests_per_task: f64,
+    fetches: usize,
+}
+
+fn analyse(calls: &[CallRecord], opts: &LoadOptions) -> Analysis {
+    let executed = |c: &CallRecord| c.disposition == Disposition::Executed;
+    let fetches: Vec<&CallRecord> = calls
+        .iter()
+        .filter(|c| c.operation == Operation::FetchAndLock)
+        .collect();
+    // Task -> lock time (the fetch that returned it; the latest one if taken again).
+    let mut locked: HashMap<&str, i64> = HashMap::new();
+    let mut acquisitions: HashMap<&str, u32> = HashMap::new();
+    for f in fetches.iter().filter(|c| executed(c)) {
+        for id in &f.task_ids {
+            locked.insert(id.as_str(), ms(&f.at));
+            *acquisitions.entry(id.as_str()).or_default() += 1;
+        }
+    }
+    let completes: Vec<&CallRecord> = calls
+        .iter()
+        .filter(|c| c.operation == Operation::Complete && executed(c))
+        .collect();
+    let first_lock = locked.values().copied().min().unwrap_or(0);
+    let last_lock = locked.values().copied().max().unwrap_or(0);
+    let last_complete = completes.iter().map(|c| ms(&c.at)).max().unwrap_or(0);
+
+    // Slot utilisation over the deep-backlog window: first lock to the fetch that emptied it.
+    let window = (last_lock - first_lock) as f64;
+    let mut busy = 0.0;
+    for c in &completes {
+        let Some(id) = c.task_id.as_deref() else {
+            continue;
+        };
+        let Some(&from) = locked.get(id) else {
+            continue;
+        };
+        let to = ms(&c.at).min(last_lock);
+        if to > from {
+            busy += (to - from) as f64;
+        }
+    }
+    // Tasks still running at the end of the window count up to it.
+    let completed: std::collections::HashSet<&str> = completes
+        .iter()
+        .filter_map(|c| c.task_id.as_deref())
+        .collect();
+    for (id, &from) in &locked {
+        if !completed.contains(id) && last_lock > from {
+            busy += (last_lock - from) as f64;
+        }
+    }
+    let utilisation = if window > 0.0 {
+        busy / (window * f64::from(opts.slots))
+    } else {
+        f64::NAN
+    };
+
+    // Refill delay: each complete inside the window to the next fetch request.
+    let fetch_times: Vec<i64> = fetches.iter().map(|f| ms(&f.at)).collect();
+    let refill = completes
+        .iter()
+        .map(|c| ms(&c.at))
+        .filter(|&t| t < last_lock)
+        .filter_map(|t| {
+            let i = fetch_times.partition_point(|&f| f < t);
+            fetch_times.get(i).map(|&f| (f - t) as f64)
+        })
+        .collect();
+
+    // Heartbeat lateness: k-th extension of a lease is due at lock + k * L/3.
+    let period = opts.lock_duration.as_millis() as f64 / 3.0;
+    let mut seen: HashMap<&str, u32> = HashMap::new();
+    let mut heartbeat_lateness = Vec::new();
+    for c in calls
+        .iter()
+        .filter(|c| matches!(c.operation, Operation::Heartbeat | Operation::ExtendLock))
+    {
+        let Some(id) = c.task_id.as_deref() else {
+            continue;
+        };
+        let Some(&lock) = locked.get(id) else {
+            continue;
+        };
+        let k = seen.entry(id).or_default();
+        *k += 1;
+        let due = lock as f64 + f64::from(*k) * period;
+        heartbeat_lateness.push(ms(&c.at) as f64 - due);
+    }
+
+    let expired_refusals = calls
+        .iter()
+        .filter(|c| c.error_code.as_deref() == Some("WORKER_LOCK_EXPIRED"))
+        .count();
+    let reacquired = acquisitions.values().filter(|&&n| n > 1).count();
+    let per_task = calls.iter().filter(|c| c.task_id.is_some()).count();
+    Analysis {
+        span_s: (last_complete - first_lock) as f64 / 1000.0,
+        utilisation,
+        refill,
+        heartbeat_lateness,
+        lease_expiries: expired_refusals + reacquired,
+        requests_per_task: per_task as f64 / f64::from(opts.tasks.max(1)),
+        fetches: fetches.len(),
+    }
+}
+
+// ---- the floor client ----------------------------------------------------------------------
+
+/// The floor client's settings (from its command line).
+#[derive(Clone, Debug)]
+pub struct FloorOptions {
+    pub engine_url: String,
+    pub model_url: String,
+    pub slots: u32,
+    pub poll_interval: Duration,
+    pub lock_duration: Duration,
+}
+
+const WORKER_ID: &str = "bench-floor";
+const TOPIC: &str = "abada:agent";
+const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+
+/// The minimal client: the worker's HTTP requests for one-turn tasks and no worker logic. Runs
+/// until the process is terminated.
+pub async fn run_floor_client(opts: FloorOptions) {
+    let http = reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .build()
+        .expect("a plain loopback HTTP client always builds");
+    let base = format!("{}/v1/external-tasks", opts.engine_url);
+    let slots = Arc::new(tokio::sync::Semaphore::new(opts.slots as usize));
+    let freed = Arc::new(tokio::sync::Notify::new());
+    loop {
+        let free = slots.available_permits() as u32;
+        if free == 0 {
+            freed.notified().await;
+            continue;
+        }
+        let Ok(mut batch) = slots.clone().try_acquire_many_owned(free) else {
+            continue;
+        };
+        let body = json!({
+            "workerId": WORKER_ID,
+            "topics": [TOPIC],
+            "lockDuration": opts.lock_duration.as_millis() as u64,
+            "maxTasks": free,
+        });
+        let tasks: Vec<Value> =
+            match post(&http, &format!("{base}/fetch-and-lock"), &body, true).await {
+                Some(Value::Array(tasks)) => tasks,
+                _ => Vec::new(),
+            };
+        let got = tasks.len();
+        for task in tasks {
+            let Some(permit) = batch.split(1) else { break };
+            let (http, base, model_url, freed) = (
+                http.clone(),
+                base.clone(),
+                opts.model_url.clone(),
+                freed.clone(),
+            );
+            tokio::spawn(async move {
+                floor_task(&http, &base, &model_url, &task).await;
+                drop(permit);
+                freed.notify_one();
+            });
+        }
+        drop(batch);
+        if (got as u32) < free {
+            tokio::time::sleep(opts.poll_interval).await;
+        }
+    }
+}
+
+async fn post(http: &reqwest::Client, url: &str, body: &Value, keyed: bool) -> Option<Value> {
+    let mut req = http
+        .post(url)
+        .header("content-type", "application/json")
+        .header("accept", "application/json")
+        .header("X-Abada-Worker-Protocol-Version", "1")
+        .header("traceparent", TRACEPARENT)
+        .body(body.to_string());
+    if keyed {
+        req = req.header("Idempotency-Key", uuid::Uuid::new_v4().to_string());
+    }
+    let resp = req.send().await.ok()?;
+    let bytes = resp.bytes().await.ok()?;
+    if bytes.is_empty() {
+        return Some(Value::Null);
+    }
+    serde_json::from_slice(&bytes).ok()
+}
+
+async fn floor_task(http: &reqwest::Client, base: &str, model_url: &str, task: &Value) {
+    let id = task["id"].as_str().unwrap_or_default();
+    let attempt = task["attempt"].clone();
+    let agent = &task["agent"];
+    let instructions = agent["instructions"].as_str().unwrap_or_default();
+    let input = task["variables"]["orderId"].as_str().unwrap_or_default();
+    let url = |action: &str| format!("{base}/{id}/{action}");
+    post(
+        http,
+        &url("journal/read"),
+        &json!({"workerId": WORKER_ID, "attempt": attempt}),
+        false,
+    )
+    .await;
+    let step = |seq: u64, kind: &str, data: Value| {
+        json!({"workerId": WORKER_ID, "attempt": attempt,
+               "step": {"seq": seq, "kind": kind, "state": "finished", "data": data}})
+    };
+    post(
+        http,
+        &url("journal"),
+        &step(
+            1,
+            "input",
+            json!({"instructions": instructions, "input": input}),
+        ),
+        true,
+    )
+    .await;
+    let model = agent["model"]
+        .as_str()
+        .and_then(|m| m.split_once('/'))
+        .map_or(BENCH_MODEL, |(_, m)| m);
+    let answer = post(
+        http,
+        &format!("{model_url}/chat/completions"),
+        &json!({"model": model, "messages": [
+            {"role": "system", "content": instructions},
+            {"role": "user", "content": input}]}),
+        false,
+    )
+    .await
+    .unwrap_or_default();
+    let text = answer["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    post(
+        http,
+        &url("journal"),
+        &step(
+            2,
+            "model",
+            json!({"model": model, "message": {"role": "assistant", "content": text},
+                   "usage": answer["usage"], "stopReason": "end_turn"}),
+        ),
+        true,
+    )
+    .await;
+    post(
+        http,
+        &url("complete"),
+        &json!({"workerId": WORKER_ID, "attempt": attempt,
+                "variables": {"agentResult": text}}),
+        true,
+    )
+    .await;
+}
