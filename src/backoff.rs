@@ -42,14 +42,13 @@ impl Backoff {
     }
 }
 
-/// Spreads a periodic wait by up to `fraction` either way, so replicas do not line up.
-pub fn jittered(period: Duration, fraction: f64) -> Duration {
+/// Stretches a periodic wait by up to `fraction` (never shortens it): replicas drift apart,
+/// yet no wait is shorter than `period`, so an idle worker asks at most once per period.
+pub fn stretched(period: Duration, fraction: f64) -> Duration {
     if fraction <= 0.0 || period.is_zero() {
         return period;
     }
-    let f = fraction.min(1.0);
-    let factor = 1.0 - f + 2.0 * f * rand::random::<f64>();
-    period.mul_f64(factor)
+    period.mul_f64(1.0 + fraction.min(1.0) * rand::random::<f64>())
 }
 
 #[cfg(test)]
@@ -75,8 +74,8 @@ mod tests {
             assert!(d <= cap && d >= cap / 2, "{d:?} vs {cap:?}");
         }
         for _ in 0..100 {
-            let d = jittered(Duration::from_secs(1), 0.1);
-            assert!(d >= Duration::from_millis(900) && d <= Duration::from_millis(1100));
+            let d = stretched(Duration::from_secs(1), 0.02);
+            assert!(d >= Duration::from_secs(1) && d <= Duration::from_millis(1020));
         }
     }
 }

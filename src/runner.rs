@@ -4,7 +4,7 @@
 //!   none is free: the worker never holds work it cannot start.
 //! - Each task runs as its own spawned future owning its slot permit; when it ends, the permit
 //!   is released and the poller woken at once, so a freed slot is refilled after one round trip.
-//! - An empty or partial fetch waits the poll interval (jittered); a full batch fetches again at
+//! - An empty or partial fetch waits the poll interval (stretched by up to 2 %); a full batch fetches again at
 //!   once; engine errors back off exponentially with jitter, by class, reset on success.
 //! - A lease lost at any point stops its task at its next await; nothing is reported for it.
 //! - On shutdown: stop fetching, let tasks finish within the grace period, then ask the rest to
@@ -36,7 +36,9 @@ pub struct RunnerSettings {
     pub topics: Vec<String>,
     pub max_tasks: u32,
     pub poll_interval: Duration,
-    /// Fraction of the poll interval randomised either way, so replicas do not line up.
+    /// Fraction by which an idle wait is stretched at random, so replicas do not line up. Only
+    /// ever longer than the poll interval (an idle worker asks at most once per interval), and
+    /// small (a task created during a wait is picked up within the interval plus this).
     pub poll_jitter: f64,
     pub lock_duration: Duration,
     pub shutdown_grace: Duration,
@@ -58,7 +60,7 @@ impl RunnerSettings {
             topics: vec!["abada:agent".into()],
             max_tasks: 4,
             poll_interval: Duration::from_millis(1000),
-            poll_jitter: 0.1,
+            poll_jitter: 0.02,
             lock_duration,
             shutdown_grace: Duration::from_secs(25),
             stop_wait: Duration::from_millis(500),
@@ -368,7 +370,7 @@ impl Runner {
                     if got as u32 >= free {
                         continue;
                     }
-                    backoff::jittered(s.poll_interval, s.poll_jitter)
+                    backoff::stretched(s.poll_interval, s.poll_jitter)
                 }
                 Err(e) => {
                     drop(batch);
