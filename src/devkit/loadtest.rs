@@ -489,8 +489,10 @@ async fn pickup(
     let mut created = Vec::new();
     let poll_ms = opts.poll_interval.as_millis() as f64;
     for i in 0..opts.tasks {
-        // Random phase against the poll loop: 0.3 to 1.7 poll intervals apart.
-        let gap = poll_ms * (0.3 + 1.4 * rand::random::<f64>());
+        // Poisson arrivals (exponential gaps, mean one poll interval): arrivals then see the poll
+        // loop at a uniformly random phase (PASTA), which is what "pickup latency" means.
+        let u: f64 = rand::random::<f64>().max(1e-9);
+        let gap = (poll_ms * -u.ln()).min(poll_ms * 5.0);
         tokio::time::sleep(Duration::from_secs_f64(gap / 1000.0)).await;
         let id = stack.engine.create_task(task_spec(&agent, i));
         created.push((id, ms(&stack.engine.now())));
