@@ -25,7 +25,7 @@ use super::error::{EngineError, LeaseLostReason};
 use super::wire::{self, PROTOCOL_HEADER, PROTOCOL_VERSION};
 use super::{
     AppendOutcome, BpmnErrorReport, Engine, FailureReport, FetchRequest, Journal, JournalStep,
-    Task, TaskRef, ToolCredential,
+    ProbeOutcome, Task, TaskRef, ToolCredential,
 };
 use crate::auth::TokenProvider;
 use crate::backoff::Backoff;
@@ -342,6 +342,33 @@ fn classify(call: &Call<'_>, answer: &Answer) -> EngineError {
     }
 }
 
+/// The typed error for a non-success answer of `op` about `task_id` (for the property tests and
+/// fuzz targets through [`crate::decoders`]).
+pub(crate) fn classify_answer(
+    op: &'static str,
+    task_id: Option<&str>,
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Vec<u8>,
+) -> EngineError {
+    let call = Call {
+        op,
+        task_id,
+        path: String::new(),
+        body: Vec::new(),
+        idempotency_key: Some("decoder-key".into()),
+        traceparent: None,
+    };
+    classify(
+        &call,
+        &Answer {
+            status,
+            headers,
+            body,
+        },
+    )
+}
+
 /// `Retry-After` in seconds or as an HTTP date.
 pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let raw = headers
@@ -395,6 +422,24 @@ fn encode_path_segment(raw: &str) -> String {
 
 #[async_trait]
 impl Engine for HttpEngine {
+    /// `GET {ENGINE_URL}`: any HTTP answer, whatever its status (the API root usually answers
+    /// 404 or 401), proves the engine is there; only a transport error or a timeout does not.
+    /// Unauthenticated and outside the connection bound: it locks nothing and carries no body.
+    async fn probe(&self) -> ProbeOutcome {
+        let url = self.settings.engine_url.trim_end_matches('/');
+        let sent = self
+            .http
+            .get(url)
+            .timeout(self.settings.request_timeout)
+            .header(PROTOCOL_HEADER, PROTOCOL_VERSION)
+            .send()
+            .await;
+        match sent {
+            Ok(_) => ProbeOutcome::Reachable,
+            Err(_) => ProbeOutcome::Unreachable,
+        }
+    }
+
     async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError> {
         let op = "fetch-and-lock";
         let call = Call {
@@ -551,14 +596,9 @@ impl Engine for HttpEngine {
                 traceparent: Self::trace(task),
             })
             .await?;
-        let wire: wire::JournalWire =
-            serde_json::from_slice(&answer.body).map_err(|e| EngineError::MalformedResponse {
-                op,
-                detail: format!("journal of task {}: {e}", task.task_id),
-            })?;
-        Ok(Journal {
-            attempt: wire.attempt,
-            steps: wire.steps,
+        wire::decode_journal(&answer.body).map_err(|e| EngineError::MalformedResponse {
+            op,
+            detail: format!("journal of task {}: {e}", task.task_id),
         })
     }
 
@@ -618,18 +658,13 @@ impl Engine for HttpEngine {
                 traceparent: Self::trace(task),
             })
             .await?;
-        let wire: wire::ToolCredentialWire =
-            serde_json::from_slice(&answer.body).map_err(|_| EngineError::MalformedResponse {
-                op,
-                // Never echo the body: it may hold a token.
-                detail: format!(
-                    "tool credential for server {server:?} of task {} is not {{\"token\", \"expiresAt\"}}",
-                    task.task_id
-                ),
-            })?;
-        Ok(ToolCredential {
-            token: Secret::new(wire.token),
-            expires_at: wire.expires_at,
+        wire::decode_tool_credential(&answer.body).ok_or_else(|| EngineError::MalformedResponse {
+            op,
+            // Never echo the body: it may hold a token.
+            detail: format!(
+                "tool credential for server {server:?} of task {} is not {{\"token\", \"expiresAt\"}}",
+                task.task_id
+            ),
         })
     }
 }
