@@ -4,7 +4,9 @@
 //!
 //! Retry rules live here and nowhere else for engine calls:
 //! - commands (complete, failure, bpmn-error, journal append, tool credential) are retried on
-//!   transient errors with backoff and jitter, reusing their one idempotency key;
+//!   transient errors with backoff and jitter, reusing their one idempotency key; while the
+//!   engine does not answer at all they keep trying for `outage_patience` (the lock duration),
+//!   fenced by the task's lease, so an outage is ridden out as long as the lease can last;
 //! - a completion refused with 409 CONCURRENT_MODIFICATION is retried once with the same key;
 //! - a fetch whose response was lost is retried once with the same key (the engine replays the
 //!   tasks it locked instead of stranding them);
@@ -48,6 +50,12 @@ pub struct EngineClientSettings {
     /// How often a command is tried in all before its error is returned.
     pub command_attempts: u32,
     pub command_backoff: Backoff,
+    /// How long a command keeps retrying while the engine does not answer at all (connection
+    /// refused or reset, timeout), beyond `command_attempts`: an engine outage is ridden out
+    /// for as long as the task's lease can last. Calls about a task run fenced by its lease
+    /// ([`crate::handler::TaskContext::fenced`]), so they stop the moment the lease is lost;
+    /// this bound is for callers without a lease. Set it to the lock duration.
+    pub outage_patience: Duration,
 }
 
 impl EngineClientSettings {
@@ -59,6 +67,7 @@ impl EngineClientSettings {
             max_in_flight: 64,
             command_attempts: 6,
             command_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
+            outage_patience: Duration::from_secs(120),
         }
     }
 }
@@ -241,13 +250,18 @@ impl HttpEngine {
     async fn command(&self, call: Call<'_>) -> Result<Answer, EngineError> {
         let mut attempt = 0u32;
         let mut concurrent_retry_used = false;
+        let started = Instant::now();
         loop {
             attempt += 1;
-            let err = match self.exchange(&call).await {
+            let (err, answered) = match self.exchange(&call).await {
                 Ok(answer) if answer.status.is_success() => return Ok(answer),
-                Ok(answer) => classify(&call, &answer),
-                Err(e) => e,
+                Ok(answer) => (classify(&call, &answer), true),
+                Err(e) => (e, false),
             };
+            // No answer at all: the engine is away. Keep trying (same key) within the patience.
+            let riding_out_outage = !answered
+                && matches!(err, EngineError::Transient { .. })
+                && started.elapsed() < self.settings.outage_patience;
             if matches!(err, EngineError::ConcurrentModification { .. })
                 && call.op == "complete"
                 && !concurrent_retry_used
@@ -262,7 +276,9 @@ impl HttpEngine {
             if let EngineError::IdempotencyConflict { key, .. } = &err {
                 tracing::error!(op = call.op, idempotency_key = %key, "idempotency key reused for a different body: this is a worker bug");
             }
-            if !err.is_retryable() || attempt >= self.settings.command_attempts {
+            if !err.is_retryable()
+                || (attempt >= self.settings.command_attempts && !riding_out_outage)
+            {
                 return Err(err);
             }
             let wait = match &err {
@@ -271,6 +287,16 @@ impl HttpEngine {
                     ..
                 } => (*d).min(self.settings.command_backoff.max),
                 _ => self.settings.command_backoff.delay(attempt - 1),
+            };
+            let wait = if riding_out_outage {
+                // Never past the patience.
+                wait.min(
+                    self.settings
+                        .outage_patience
+                        .saturating_sub(started.elapsed()),
+                )
+            } else {
+                wait
             };
             tracing::debug!(op = call.op, attempt, wait_ms = wait.as_millis() as u64, error = %err, "retrying engine command");
             tokio::time::sleep(wait).await;

@@ -3,6 +3,8 @@
 mod agent;
 mod core_http;
 mod emulator;
+mod faults;
+mod fuzz_props;
 mod mcp_interop;
 mod oidc;
 mod operations;
