@@ -849,3 +849,50 @@ async fn the_real_binary_rides_out_a_fault_mix_without_panic_in_bounded_memory()
     report.assert_ok("real binary fault mix");
     s.shutdown().await;
 }
+
+/// The new faults are in the emulator's admin API too (`POST /admin/faults`).
+#[tokio::test]
+async fn the_new_engine_faults_can_be_injected_over_the_admin_api() {
+    let s = stack().await;
+    let http = reqwest::Client::new();
+    for body in [
+        json!({"kind": "throttle", "operation": "fetch-and-lock", "count": 1, "retryAfterSecs": 2}),
+        json!({"kind": "badBody", "operation": "journal-read", "count": 1, "body": "wrongJson"}),
+        json!({"kind": "badBody", "operation": "fetch-and-lock", "count": 1, "body": "notJson"}),
+        json!({"kind": "resetConnection", "operation": "complete", "count": 1}),
+    ] {
+        let r = http
+            .post(format!("{}/admin/faults", s.engine.root_url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 204, "{body}");
+    }
+    // The throttle comes first for fetch: 429 with Retry-After, nothing locked.
+    let r = http
+        .post(format!("{}/v1/external-tasks/fetch-and-lock", s.engine.base_url()))
+        .header("X-Abada-Worker-Protocol-Version", "1")
+        .json(&json!({"workerId": "w", "topics": ["abada:agent"], "lockDuration": 1000, "maxTasks": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "2");
+    // Then the HTML body, with a 200.
+    let r = http
+        .post(format!("{}/v1/external-tasks/fetch-and-lock", s.engine.base_url()))
+        .header("X-Abada-Worker-Protocol-Version", "1")
+        .json(&json!({"workerId": "w", "topics": ["abada:agent"], "lockDuration": 1000, "maxTasks": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().starts_with("<html>"));
+    // An outage closes the API root too (what a worker probes); admin still answers.
+    s.engine.set_outage(true);
+    assert!(http.get(s.engine.base_url()).send().await.is_err());
+    s.engine.set_outage(false);
+    assert!(http.get(s.engine.base_url()).send().await.is_ok());
+    s.shutdown().await;
+}
