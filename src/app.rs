@@ -113,6 +113,7 @@ impl Worker {
         let mut engine_settings =
             EngineClientSettings::new(config.engine_url.clone(), config.worker_id.clone());
         engine_settings.request_timeout = config.engine_timeout;
+        engine_settings.outage_patience = config.lock_duration;
         let engine: Arc<dyn Engine> = Arc::new(HttpEngine::new(
             engine_http_client(config)?,
             engine_settings,

@@ -112,6 +112,17 @@ pub struct ToolCredential {
     pub expires_at: Option<String>,
 }
 
+/// What a cheap reachability probe of the engine found (see [`Engine::probe`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    /// The engine answered (any HTTP status): fetching is worth trying again.
+    Reachable,
+    /// No answer (connection refused, reset, timed out).
+    Unreachable,
+    /// This engine cannot be probed; the caller falls back to its plain backoff.
+    NotSupported,
+}
+
 /// Everything the worker asks of the engine. Implementations carry the worker id, the
 /// authentication and the retry rules of protocol.md A.2/A.3; callers see typed errors.
 #[async_trait]
@@ -137,4 +148,12 @@ pub trait Engine: Send + Sync + 'static {
         task: &TaskRef,
         server: &str,
     ) -> Result<ToolCredential, EngineError>;
+
+    /// A cheap check that the engine answers at all, without fetching or locking anything.
+    /// The poll loop probes once per poll interval while it backs off after the engine went
+    /// away, so it fetches again within one poll interval of the engine's return while keeping
+    /// its fetch attempts during an outage few. The default cannot probe.
+    async fn probe(&self) -> ProbeOutcome {
+        ProbeOutcome::NotSupported
+    }
 }

@@ -10,6 +10,7 @@ pub mod auth;
 pub mod backoff;
 pub mod config;
 pub mod conversation;
+pub mod decoders;
 pub mod demo;
 pub mod devkit;
 pub mod engine;

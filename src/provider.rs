@@ -227,9 +227,11 @@ pub fn parse_retry_after(
             .and_then(|v| v.to_str().ok())
             .map(str::trim)
     };
+    // Bounded like the seconds below: `Duration::from_secs_f64` panics on values too big for a
+    // Duration (a `retry-after-ms` of 1e300 did, found by the property tests); an absurd value
+    // is ignored.
     if let Some(ms) = text("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
-        && ms.is_finite()
-        && ms >= 0.0
+        && (0.0..1e12).contains(&ms)
     {
         return Some(Duration::from_secs_f64(ms / 1000.0));
     }

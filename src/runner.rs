@@ -6,6 +6,12 @@
 //!   is released and the poller woken at once, so a freed slot is refilled after one round trip.
 //! - An empty or partial fetch waits the poll interval (stretched by up to 2 %); a full batch fetches again at
 //!   once; engine errors back off exponentially with jitter, by class, reset on success.
+//! - Engine outage: after a transport error (the engine does not answer) the fetch backs off as
+//!   above, never sooner than the nominal delay (jitter only lengthens it), so a 60 s outage
+//!   sees at most 12 fetches with the default 1 s..6 s backoff. Meanwhile the engine is probed
+//!   cheaply ([`Engine::probe`], no fetch, nothing locked) once per poll interval, and the
+//!   first probe that gets an answer ends the backoff: fetching resumes within one poll
+//!   interval of the engine's return.
 //! - A lease lost at any point stops its task at its next await; nothing is reported for it.
 //! - On shutdown: stop fetching, let tasks finish within the grace period, then ask the rest to
 //!   stop at their next step boundary and release them (`failure`, retries unchanged,
@@ -23,7 +29,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::backoff::{self, Backoff};
-use crate::engine::{Engine, EngineError, FailureReport, FetchRequest, Task};
+use crate::engine::{Engine, EngineError, FailureReport, FetchRequest, ProbeOutcome, Task};
 use crate::handler::{FailureKind, Outcome, TaskContext, TaskHandler, retries_consumed};
 use crate::heartbeat::{self, HeartbeatEvent, HeartbeatHandle, HeartbeatSettings};
 use crate::lease::Lease;
@@ -311,6 +317,8 @@ impl Runner {
         // The last fetch error logged at warn level: a repeat of it is logged at debug, so an
         // outage is one clear line, not one per retry.
         let mut last_error: Option<String> = None;
+        // Whether the last fetch failed because the engine did not answer (probe while waiting).
+        let mut last_error_was_outage = false;
         loop {
             self.status.tick();
             if shutdown.is_cancelled() {
@@ -382,6 +390,7 @@ impl Runner {
                     shared.emit(RunnerEvent::FetchFailed {
                         error: e.to_string(),
                     });
+                    last_error_was_outage = matches!(e, EngineError::Transient { .. });
                     let wait = self.error_wait(&e, error_streak);
                     self.metrics.backoff_seconds.set(wait.as_secs_f64());
                     if e.is_engine_down() {
@@ -398,10 +407,35 @@ impl Runner {
                 }
             };
             let until = Instant::now() + wait;
+            // Probing is for an engine that does not answer at all; a throttling or refusing
+            // engine answers, so its backoff is served in full.
+            let mut next_probe = (error_streak > 0 && last_error_was_outage)
+                .then(|| Instant::now() + s.poll_interval);
             while Instant::now() < until {
+                let wake = until
+                    .min(Instant::now() + LIVENESS_TICK)
+                    .min(next_probe.unwrap_or(until));
                 tokio::select! {
-                    _ = tokio::time::sleep_until(until.min(Instant::now() + LIVENESS_TICK)) => self.status.tick(),
+                    _ = tokio::time::sleep_until(wake) => self.status.tick(),
                     _ = shutdown.cancelled() => return,
+                }
+                if let Some(at) = next_probe
+                    && Instant::now() >= at
+                {
+                    let outcome = tokio::select! {
+                        outcome = shared.engine.probe() => outcome,
+                        _ = shutdown.cancelled() => return,
+                    };
+                    match outcome {
+                        ProbeOutcome::Reachable => {
+                            tracing::info!("the engine answers again: fetching now");
+                            break;
+                        }
+                        ProbeOutcome::Unreachable => {
+                            next_probe = Some(Instant::now() + s.poll_interval);
+                        }
+                        ProbeOutcome::NotSupported => next_probe = None,
+                    }
                 }
             }
         }
@@ -418,7 +452,13 @@ impl Runner {
             | EngineError::Unauthenticated { .. }
             | EngineError::AccessDenied { .. }
             | EngineError::Auth { .. } => s.throttle_backoff.delay(streak - 1),
-            _ => s.error_backoff.delay(streak - 1),
+            // Jitter only lengthens the nominal delay here, so the number of fetches during an
+            // outage is bounded (probes, not early fetches, detect the engine's return).
+            _ => {
+                let nominal = s.error_backoff.without_jitter().delay(streak - 1);
+                let spread = 0.5 * s.error_backoff.jitter.clamp(0.0, 1.0) * rand::random::<f64>();
+                nominal + nominal.mul_f64(spread)
+            }
         }
     }
 

@@ -288,6 +288,14 @@ impl AgentsFile {
         })
     }
 
+    /// Parses the text of an agents file (TOML).
+    pub fn parse_str(text: &str) -> Result<Self, String> {
+        Self::parse(text).map_err(|e| match e {
+            ParseError::Syntax(reason) => reason,
+            ParseError::Definition(source) => source.to_string(),
+        })
+    }
+
     fn parse(text: &str) -> Result<Self, ParseError> {
         #[derive(Deserialize)]
         struct FileWire {

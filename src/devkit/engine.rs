@@ -40,6 +40,9 @@
 //! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "omitProtocolHeader", "count": 1}'
 //! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "refuseHeartbeats", "taskId": "t-000001"}'
 //! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "concurrentModification", "operation": "complete", "count": 1}'
+//! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "throttle", "operation": "fetch-and-lock", "count": 2, "retryAfterSecs": 1}'
+//! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "badBody", "operation": "journal-read", "count": 1, "body": "wrongJson"}'
+//! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "resetConnection", "operation": "heartbeat", "count": 1}'
 //! curl -s -XPOST localhost:5601/admin/outage -d '{"enabled": true}'
 //! curl -s -XDELETE localhost:5601/admin/faults
 //! ```
@@ -67,7 +70,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use axum::http::HeaderMap;
-pub use faults::Fault;
+pub use faults::{BadBody, Fault};
 pub use state::{
     AGENT_TOPIC, CallRecord, Disposition, Operation, TaskCounters, TaskSpec, TaskStatus, TaskView,
 };

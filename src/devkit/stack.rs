@@ -71,6 +71,8 @@ pub struct Stack {
     pub model: ScriptedModel,
     pub tools: ToolServer,
     http: reqwest::Client,
+    /// The providers' per-request timeout (default 10 s); fault tests shorten it.
+    provider_request_timeout: std::sync::Mutex<Duration>,
 }
 
 /// How an in-process worker is set up.
@@ -147,6 +149,7 @@ impl Stack {
             model,
             tools,
             http,
+            provider_request_timeout: std::sync::Mutex::new(Duration::from_secs(10)),
         })
     }
 
@@ -156,15 +159,27 @@ impl Stack {
         start_tool_server(&self.engine, name).await
     }
 
+    /// Sets the providers' per-request timeout for workers spawned from now on.
+    pub fn set_provider_request_timeout(&self, timeout: Duration) {
+        *self
+            .provider_request_timeout
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = timeout;
+    }
+
     /// Providers `openai` and `anthropic`, both served by the scripted model.
     pub fn providers(&self) -> ProviderRegistry {
+        let request_timeout = *self
+            .provider_request_timeout
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let setting = |name: &str, kind: ProviderKind, base_url: String| ProviderSettings {
             name: name.into(),
             kind,
             base_url,
             api_key: None,
             max_concurrency: None,
-            request_timeout: Duration::from_secs(10),
+            request_timeout,
         };
         ProviderRegistry::new(
             vec![
@@ -228,6 +243,7 @@ impl Stack {
         engine_settings.request_timeout = Duration::from_secs(5);
         engine_settings.command_backoff =
             Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
+        engine_settings.outage_patience = opts.lock_duration;
         let engine: Arc<dyn Engine> = Arc::new(HttpEngine::new(
             self.http.clone(),
             engine_settings,

@@ -4,7 +4,9 @@
 //!
 //! Retry rules live here and nowhere else for engine calls:
 //! - commands (complete, failure, bpmn-error, journal append, tool credential) are retried on
-//!   transient errors with backoff and jitter, reusing their one idempotency key;
+//!   transient errors with backoff and jitter, reusing their one idempotency key; while the
+//!   engine does not answer at all they keep trying for `outage_patience` (the lock duration),
+//!   fenced by the task's lease, so an outage is ridden out as long as the lease can last;
 //! - a completion refused with 409 CONCURRENT_MODIFICATION is retried once with the same key;
 //! - a fetch whose response was lost is retried once with the same key (the engine replays the
 //!   tasks it locked instead of stranding them);
@@ -25,7 +27,7 @@ use super::error::{EngineError, LeaseLostReason};
 use super::wire::{self, PROTOCOL_HEADER, PROTOCOL_VERSION};
 use super::{
     AppendOutcome, BpmnErrorReport, Engine, FailureReport, FetchRequest, Journal, JournalStep,
-    Task, TaskRef, ToolCredential,
+    ProbeOutcome, Task, TaskRef, ToolCredential,
 };
 use crate::auth::TokenProvider;
 use crate::backoff::Backoff;
@@ -48,6 +50,12 @@ pub struct EngineClientSettings {
     /// How often a command is tried in all before its error is returned.
     pub command_attempts: u32,
     pub command_backoff: Backoff,
+    /// How long a command keeps retrying while the engine does not answer at all (connection
+    /// refused or reset, timeout), beyond `command_attempts`: an engine outage is ridden out
+    /// for as long as the task's lease can last. Calls about a task run fenced by its lease
+    /// ([`crate::handler::TaskContext::fenced`]), so they stop the moment the lease is lost;
+    /// this bound is for callers without a lease. Set it to the lock duration.
+    pub outage_patience: Duration,
 }
 
 impl EngineClientSettings {
@@ -59,6 +67,7 @@ impl EngineClientSettings {
             max_in_flight: 64,
             command_attempts: 6,
             command_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
+            outage_patience: Duration::from_secs(120),
         }
     }
 }
@@ -250,13 +259,18 @@ impl HttpEngine {
     async fn command(&self, call: Call<'_>) -> Result<Answer, EngineError> {
         let mut attempt = 0u32;
         let mut concurrent_retry_used = false;
+        let started = Instant::now();
         loop {
             attempt += 1;
-            let err = match self.exchange(&call).await {
+            let (err, answered) = match self.exchange(&call).await {
                 Ok(answer) if answer.status.is_success() => return Ok(answer),
-                Ok(answer) => classify(&call, &answer),
-                Err(e) => e,
+                Ok(answer) => (classify(&call, &answer), true),
+                Err(e) => (e, false),
             };
+            // No answer at all: the engine is away. Keep trying (same key) within the patience.
+            let riding_out_outage = !answered
+                && matches!(err, EngineError::Transient { .. })
+                && started.elapsed() < self.settings.outage_patience;
             if matches!(err, EngineError::ConcurrentModification { .. })
                 && call.op == "complete"
                 && !concurrent_retry_used
@@ -271,7 +285,9 @@ impl HttpEngine {
             if let EngineError::IdempotencyConflict { key, .. } = &err {
                 tracing::error!(op = call.op, idempotency_key = %key, "idempotency key reused for a different body: this is a worker bug");
             }
-            if !err.is_retryable() || attempt >= self.settings.command_attempts {
+            if !err.is_retryable()
+                || (attempt >= self.settings.command_attempts && !riding_out_outage)
+            {
                 return Err(err);
             }
             let wait = match &err {
@@ -280,6 +296,16 @@ impl HttpEngine {
                     ..
                 } => (*d).min(self.settings.command_backoff.max),
                 _ => self.settings.command_backoff.delay(attempt - 1),
+            };
+            let wait = if riding_out_outage {
+                // Never past the patience.
+                wait.min(
+                    self.settings
+                        .outage_patience
+                        .saturating_sub(started.elapsed()),
+                )
+            } else {
+                wait
             };
             tracing::debug!(op = call.op, attempt, wait_ms = wait.as_millis() as u64, error = %err, "retrying engine command");
             tokio::time::sleep(wait).await;
@@ -351,6 +377,33 @@ fn classify(call: &Call<'_>, answer: &Answer) -> EngineError {
     }
 }
 
+/// The typed error for a non-success answer of `op` about `task_id` (for the property tests and
+/// fuzz targets through [`crate::decoders`]).
+pub(crate) fn classify_answer(
+    op: &'static str,
+    task_id: Option<&str>,
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Vec<u8>,
+) -> EngineError {
+    let call = Call {
+        op,
+        task_id,
+        path: String::new(),
+        body: Vec::new(),
+        idempotency_key: Some("decoder-key".into()),
+        traceparent: None,
+    };
+    classify(
+        &call,
+        &Answer {
+            status,
+            headers,
+            body,
+        },
+    )
+}
+
 /// `Retry-After` in seconds or as an HTTP date.
 pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let raw = headers
@@ -404,6 +457,24 @@ fn encode_path_segment(raw: &str) -> String {
 
 #[async_trait]
 impl Engine for HttpEngine {
+    /// `GET {ENGINE_URL}`: any HTTP answer, whatever its status (the API root usually answers
+    /// 404 or 401), proves the engine is there; only a transport error or a timeout does not.
+    /// Unauthenticated and outside the connection bound: it locks nothing and carries no body.
+    async fn probe(&self) -> ProbeOutcome {
+        let url = self.settings.engine_url.trim_end_matches('/');
+        let sent = self
+            .http
+            .get(url)
+            .timeout(self.settings.request_timeout)
+            .header(PROTOCOL_HEADER, PROTOCOL_VERSION)
+            .send()
+            .await;
+        match sent {
+            Ok(_) => ProbeOutcome::Reachable,
+            Err(_) => ProbeOutcome::Unreachable,
+        }
+    }
+
     async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError> {
         let op = "fetch-and-lock";
         let call = Call {
@@ -560,14 +631,9 @@ impl Engine for HttpEngine {
                 traceparent: Self::trace(task),
             })
             .await?;
-        let wire: wire::JournalWire =
-            serde_json::from_slice(&answer.body).map_err(|e| EngineError::MalformedResponse {
-                op,
-                detail: format!("journal of task {}: {e}", task.task_id),
-            })?;
-        Ok(Journal {
-            attempt: wire.attempt,
-            steps: wire.steps,
+        wire::decode_journal(&answer.body).map_err(|e| EngineError::MalformedResponse {
+            op,
+            detail: format!("journal of task {}: {e}", task.task_id),
         })
     }
 
@@ -638,18 +704,13 @@ impl Engine for HttpEngine {
                 traceparent: Self::trace(task),
             })
             .await?;
-        let wire: wire::ToolCredentialWire =
-            serde_json::from_slice(&answer.body).map_err(|_| EngineError::MalformedResponse {
-                op,
-                // Never echo the body: it may hold a token.
-                detail: format!(
-                    "tool credential for server {server:?} of task {} is not {{\"token\", \"expiresAt\"}}",
-                    task.task_id
-                ),
-            })?;
-        Ok(ToolCredential {
-            token: Secret::new(wire.token),
-            expires_at: wire.expires_at,
+        wire::decode_tool_credential(&answer.body).ok_or_else(|| EngineError::MalformedResponse {
+            op,
+            // Never echo the body: it may hold a token.
+            detail: format!(
+                "tool credential for server {server:?} of task {} is not {{\"token\", \"expiresAt\"}}",
+                task.task_id
+            ),
         })
     }
 }

@@ -165,7 +165,8 @@ pub(crate) struct ErrorBody {
 pub(crate) struct JournalWire {
     #[serde(default)]
     pub attempt: Option<u32>,
-    #[serde(default)]
+    /// Required: a body without `steps` is not a journal, and reading it as an empty one would
+    /// start the task over on top of the steps the engine holds.
     pub steps: Vec<JournalStep>,
 }
 
@@ -175,6 +176,25 @@ pub(crate) struct ToolCredentialWire {
     pub token: String,
     #[serde(default)]
     pub expires_at: Option<String>,
+}
+
+/// Decodes a journal read answer (`{"attempt", "steps"}`); `steps` is required.
+pub(crate) fn decode_journal(body: &[u8]) -> Result<super::Journal, String> {
+    let wire: JournalWire = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    Ok(super::Journal {
+        attempt: wire.attempt,
+        steps: wire.steps,
+    })
+}
+
+/// Decodes a tool credential answer; `None` when it is not `{"token", "expiresAt"}` (the body is
+/// never echoed: it may hold a token).
+pub(crate) fn decode_tool_credential(body: &[u8]) -> Option<super::ToolCredential> {
+    let wire: ToolCredentialWire = serde_json::from_slice(body).ok()?;
+    Some(super::ToolCredential {
+        token: crate::secret::Secret::new(wire.token),
+        expires_at: wire.expires_at,
+    })
 }
 
 #[cfg(test)]

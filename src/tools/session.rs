@@ -300,6 +300,12 @@ async fn connect(
     }
 }
 
+/// Reads an MCP `CallToolResult` from its JSON form, as a tool server sent it.
+pub(crate) fn decode_tool_result(json: &[u8]) -> Result<ToolResult, String> {
+    let result: CallToolResult = serde_json::from_slice(json).map_err(|e| e.to_string())?;
+    Ok(convert_result(result))
+}
+
 fn convert_result(result: CallToolResult) -> ToolResult {
     ToolResult {
         content: result

@@ -5,6 +5,8 @@ mod core_http;
 mod demo;
 mod durable;
 mod emulator;
+mod faults;
+mod fuzz_props;
 mod loadtest_smoke;
 mod mcp_interop;
 mod oidc;

@@ -37,6 +37,56 @@ pub enum Fault {
     RefuseHeartbeats { task_id: String },
     /// The next `count` calls of `operation` answer 409 `CONCURRENT_MODIFICATION` without executing.
     ConcurrentModification { operation: Operation, count: u32 },
+    /// The next `count` calls of `operation` answer 429 `TOO_MANY_REQUESTS` with
+    /// `Retry-After: <retry_after_secs>` (header left out when absent) without executing.
+    Throttle {
+        operation: Operation,
+        count: u32,
+        #[serde(default)]
+        retry_after_secs: Option<u64>,
+    },
+    /// The next `count` calls of `operation` answer 200 with a body that is not the protocol's
+    /// (see [`BadBody`]) without executing; a fetch still carries the protocol header, so the
+    /// client's decoder is what meets the body.
+    BadBody {
+        operation: Operation,
+        count: u32,
+        body: BadBody,
+    },
+    /// The next `count` calls of `operation` have their connection closed before the command
+    /// runs (nothing committed), unlike [`Fault::DropResponse`], which runs it first.
+    ResetConnection { operation: Operation, count: u32 },
+}
+
+/// What a [`Fault::BadBody`] answer holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum BadBody {
+    /// An HTML page, `text/html`, as from a proxy in front of the engine.
+    NotJson,
+    /// Valid JSON of the wrong shape: `{"unexpected": true}`, `application/json`.
+    WrongJson,
+}
+
+impl BadBody {
+    /// The content type and body of the answer.
+    pub fn content(self) -> (&'static str, &'static str) {
+        match self {
+            BadBody::NotJson => (
+                "text/html",
+                "<html><body><h1>502 Bad Gateway</h1></body></html>",
+            ),
+            BadBody::WrongJson => ("application/json", r#"{"unexpected": true}"#),
+        }
+    }
+}
+
+/// An injected answer decided before the command runs, other than the error bodies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EarlyAnswer {
+    Reset,
+    Throttle { retry_after_secs: Option<u64> },
+    BadBody(BadBody),
 }
 
 /// The faults in force. Outage is kept here too: while it is on, every `/api` request has its
@@ -49,6 +99,9 @@ pub(crate) struct Faults {
     conflicts: HashMap<Operation, u32>,
     omit_header: u32,
     refused_heartbeats: HashSet<String>,
+    throttles: HashMap<Operation, (u32, Option<u64>)>,
+    bad_bodies: HashMap<Operation, (u32, BadBody)>,
+    resets: HashMap<Operation, u32>,
     pub outage: bool,
 }
 
@@ -90,7 +143,47 @@ impl Faults {
             Fault::ConcurrentModification { operation, count } => {
                 self.conflicts.insert(operation, count);
             }
+            Fault::Throttle {
+                operation,
+                count,
+                retry_after_secs,
+            } => {
+                self.throttles.insert(operation, (count, retry_after_secs));
+            }
+            Fault::BadBody {
+                operation,
+                count,
+                body,
+            } => {
+                self.bad_bodies.insert(operation, (count, body));
+            }
+            Fault::ResetConnection { operation, count } => {
+                self.resets.insert(operation, count);
+            }
         }
+    }
+
+    /// Consumes one injected early answer for `operation`: a reset first, then a throttle,
+    /// then a bad body.
+    pub(crate) fn take_early_answer(&mut self, operation: Operation) -> Option<EarlyAnswer> {
+        if take(&mut self.resets, operation) {
+            return Some(EarlyAnswer::Reset);
+        }
+        if let Some((n, retry_after_secs)) = self.throttles.get_mut(&operation)
+            && *n > 0
+        {
+            *n -= 1;
+            return Some(EarlyAnswer::Throttle {
+                retry_after_secs: *retry_after_secs,
+            });
+        }
+        if let Some((n, body)) = self.bad_bodies.get_mut(&operation)
+            && *n > 0
+        {
+            *n -= 1;
+            return Some(EarlyAnswer::BadBody(*body));
+        }
+        None
     }
 
     pub fn latency(&self, operation: Operation) -> Option<Duration> {

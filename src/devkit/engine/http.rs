@@ -2,7 +2,8 @@
 //! response can be dropped after its command committed), the `/api` worker-protocol routes with
 //! the request pipeline.
 //!
-//! Pipeline of an `/api` request: outage (connection closed) → authorizer (401/403) → injected
+//! Pipeline of an `/api` request: outage (connection closed) → injected early answers (reset
+//! connection, 429 with Retry-After, a 200 with a bad body; none runs the command) → authorizer (401/403) → injected
 //! latency → injected 5xx / 409 → refused heartbeats → protocol level (agent/1 endpoints may be
 //! 404) → body parsing (415/400) → idempotency + command under the state mutex → injected
 //! response drop → response with the protocol header → call log.
@@ -25,6 +26,7 @@ use serde_json::Value;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
+use super::faults::EarlyAnswer;
 use super::state::{CallRecord, Disposition, Operation, Reply};
 use super::wire::{self, ApiError, Command, PROTOCOL_HEADER};
 use super::{AuthRejection, ProtocolLevel, Shared};
@@ -281,6 +283,11 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
 
+    let early = shared.faults().take_early_answer(op);
+    if let Some(early) = early {
+        return early_answer(&shared, &call, early, record);
+    }
+
     let outcome = pipeline(&call, op, parsed_body).await;
 
     let mut drop_response = false;
@@ -328,6 +335,54 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
         conn.kill();
         record.response_dropped = true;
     }
+    shared.record_call(record);
+    response
+}
+
+/// An injected answer that never runs the command: a reset connection, a 429, a bad body.
+fn early_answer(
+    shared: &Shared,
+    call: &ApiCall,
+    early: EarlyAnswer,
+    mut record: CallRecord,
+) -> Response {
+    record.disposition = Disposition::Injected;
+    let response = match early {
+        EarlyAnswer::Reset => {
+            if let Some(conn) = &call.conn {
+                conn.kill();
+            }
+            record.response_dropped = true;
+            StatusCode::SERVICE_UNAVAILABLE.into_response()
+        }
+        EarlyAnswer::Throttle { retry_after_secs } => {
+            let error = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "TOO_MANY_REQUESTS",
+                "Too many requests: slow down",
+            );
+            record.error_code = Some(error.code.to_string());
+            let mut response = error_response(shared, &error, &call.path, &call.headers);
+            if let Some(secs) = retry_after_secs
+                && let Ok(value) = HeaderValue::from_str(&secs.to_string())
+            {
+                response.headers_mut().insert(header::RETRY_AFTER, value);
+            }
+            response
+        }
+        EarlyAnswer::BadBody(body) => {
+            let (content_type, text) = body.content();
+            let mut response = (StatusCode::OK, text).into_response();
+            response
+                .headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+            response
+                .headers_mut()
+                .insert(PROTOCOL_HEADER, HeaderValue::from_static("1"));
+            response
+        }
+    };
+    record.status = response.status().as_u16();
     shared.record_call(record);
     response
 }
@@ -534,6 +589,14 @@ fn auth_error(rejection: AuthRejection) -> ApiError {
 /// [`Operation::Unknown`].
 async fn not_found(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     let path = req.uri().path().to_string();
+    let api = path == "/api" || path.starts_with("/api/");
+    if api && shared.faults().outage {
+        // The engine is gone for every `/api` path, its root (a worker's probe) included.
+        if let Some(conn) = req.extensions().get::<ConnectInfo<ConnHandle>>() {
+            conn.0.kill();
+        }
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
     if !path.starts_with("/api/") {
         return error_response(
             &shared,

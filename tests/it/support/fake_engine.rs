@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use abada_agent_worker::engine::{
     AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
-    JournalStep, LeaseLostReason, Task, TaskRef, ToolCredential,
+    JournalStep, LeaseLostReason, ProbeOutcome, Task, TaskRef, ToolCredential,
 };
 use async_trait::async_trait;
 use serde_json::{Map, Value};
@@ -34,6 +34,10 @@ pub struct FakeState {
     pub refuse_heartbeat: HashSet<String>,
     pub heartbeat_transient: bool,
     pub fetch_transient: bool,
+    /// When set, [`Engine::probe`] answers (recorded as op `probe`): unreachable while
+    /// `fetch_transient` is on, reachable otherwise. When not set, the trait default (cannot
+    /// probe) applies.
+    pub probe_supported: bool,
 }
 
 #[derive(Clone, Default)]
@@ -194,5 +198,21 @@ impl Engine for FakeEngine {
             token: abada_agent_worker::secret::Secret::new("tok"),
             expires_at: None,
         })
+    }
+
+    async fn probe(&self) -> ProbeOutcome {
+        let (supported, down) = {
+            let s = self.state.lock().unwrap();
+            (s.probe_supported, s.fetch_transient)
+        };
+        if !supported {
+            return ProbeOutcome::NotSupported;
+        }
+        self.record("probe", None, 0);
+        if down {
+            ProbeOutcome::Unreachable
+        } else {
+            ProbeOutcome::Reachable
+        }
     }
 }

@@ -2,4 +2,5 @@
 
 pub mod emulator_worker;
 pub mod fake_engine;
+pub mod invariants;
 pub mod process;

@@ -1,0 +1,113 @@
+//! Every decoder of data from outside the process, behind one entry point each, for the property
+//! tests (`tests/it/fuzz_props.rs`) and the cargo-fuzz targets (`fuzz/`). The worker itself calls
+//! the functions these wrap; nothing here is a second implementation. Each takes raw input and
+//! returns a value or an error: none may panic, whatever the input.
+
+use std::time::{Duration, SystemTime};
+
+use serde_json::{Map, Value};
+
+use crate::agent::definition::{self, AgentDefinition, AgentsFile};
+use crate::agent::journal::{ReplayError, Replayed};
+use crate::config::{Config, ConfigError};
+use crate::conversation::{ToolResult, ToolSpec};
+use crate::engine::{EngineError, Journal, JournalStep, Task, TraceParent};
+use crate::provider::ModelResponse;
+use crate::provider::tool_names::ToolNames;
+
+/// A fetch-and-lock response body: the tasks read, and one problem per element skipped.
+pub fn engine_fetch_response(body: &[u8]) -> Result<(Vec<Task>, Vec<String>), String> {
+    crate::engine::wire::decode_locked_tasks(body)
+}
+
+/// A non-success engine answer (status, headers, body) as the typed error the worker acts on.
+/// Statuses outside 100..=999 are not HTTP and come back as `None`.
+pub fn engine_error(
+    op: &'static str,
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: &[u8],
+) -> Option<EngineError> {
+    let status = reqwest::StatusCode::from_u16(status).ok()?;
+    Some(crate::engine::client::classify_answer(
+        op,
+        Some("t-fuzz"),
+        status,
+        headers,
+        body.to_vec(),
+    ))
+}
+
+/// A journal read answer (`{"attempt", "steps"}`).
+pub fn engine_journal(body: &[u8]) -> Result<Journal, String> {
+    crate::engine::wire::decode_journal(body)
+}
+
+/// A tool credential answer: whether it decoded (the token itself is never returned here).
+pub fn engine_tool_credential(body: &[u8]) -> bool {
+    crate::engine::wire::decode_tool_credential(body).is_some()
+}
+
+/// A W3C `traceparent` header.
+pub fn trace_parent(raw: &str) -> Option<TraceParent> {
+    TraceParent::parse(raw)
+}
+
+/// An OpenAI Chat Completions response body, with `tools` offered to the model.
+pub fn openai_response(body: &[u8], tools: &[ToolSpec]) -> Result<ModelResponse, String> {
+    crate::provider::openai::parse_response(body, &ToolNames::new(tools))
+}
+
+/// An Anthropic Messages response body, with `tools` offered to the model.
+pub fn anthropic_response(body: &[u8], tools: &[ToolSpec]) -> Result<ModelResponse, String> {
+    crate::provider::anthropic::parse_response(body, &ToolNames::new(tools))
+}
+
+/// A provider's `Retry-After` / `retry-after-ms` headers.
+pub fn provider_retry_after(
+    headers: &reqwest::header::HeaderMap,
+    now: SystemTime,
+) -> Option<Duration> {
+    crate::provider::parse_retry_after(headers, now)
+}
+
+/// An MCP `CallToolResult` as JSON, as a tool server sent it.
+pub fn tool_result(json: &[u8]) -> Result<ToolResult, String> {
+    crate::tools::decode_tool_result(json)
+}
+
+/// A tool result cut to about `cap` bytes, as the worker keeps it.
+pub fn cap_tool_result(result: ToolResult, cap: usize) -> ToolResult {
+    crate::tools::cap_result(result, cap)
+}
+
+/// Journal steps as the engine returned them (JSON array), replayed into a run.
+pub fn journal_replay(steps: &[JournalStep]) -> Result<Replayed, ReplayError> {
+    Replayed::from_steps(steps)
+}
+
+/// Journal steps from raw JSON (an array of steps), then replayed.
+pub fn journal_replay_json(json: &[u8]) -> Result<Replayed, String> {
+    let steps: Vec<JournalStep> = serde_json::from_slice(json).map_err(|e| e.to_string())?;
+    Replayed::from_steps(&steps).map_err(|e| e.to_string())
+}
+
+/// The worker's configuration from a map of variables.
+pub fn config(vars: &std::collections::HashMap<String, String>) -> Result<Config, ConfigError> {
+    Config::from_env(vars)
+}
+
+/// An agent definition as an engine sends it on a task.
+pub fn agent_definition(value: &Value) -> Result<AgentDefinition, String> {
+    AgentDefinition::from_value(value, "fuzz").map_err(|e| e.to_string())
+}
+
+/// A `${name}` template rendered with process variables.
+pub fn render_template(template: &str, variables: &Map<String, Value>) -> Result<String, String> {
+    definition::render_template(template, variables)
+}
+
+/// The text of an agents file (TOML).
+pub fn agents_file(text: &str) -> Result<AgentsFile, String> {
+    AgentsFile::parse_str(text)
+}

@@ -1,0 +1,610 @@
+//! Property tests (proptest) of every decoder of outside data, through `decoders`: engine
+//! responses and error bodies, journal reads and replay, provider responses and `Retry-After`,
+//! MCP tool results and their cap, configuration values, agent definitions, templates and the
+//! agents file, W3C trace context. Arbitrary bytes and JSON never panic; well-formed input
+//! round-trips where that means something. Case counts are set per block (see `docs/FAULTS.md`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, SystemTime};
+
+use abada_agent_worker::agent::journal::{
+    input_step, model_step, tool_finished_step, tool_started_step, write_key,
+};
+use abada_agent_worker::conversation::{AssistantMessage, ToolCall, ToolResult, ToolSpec, Usage};
+use abada_agent_worker::decoders;
+use abada_agent_worker::engine::{JournalStep, LeaseLostReason};
+use proptest::prelude::*;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use serde_json::{Map, Value, json};
+
+/// Cases per property for the cheap decoders.
+const CASES: u32 = 512;
+/// Cases per property for the heavier ones (configuration, replay of generated journals).
+const HEAVY_CASES: u32 = 256;
+
+fn arb_json() -> impl Strategy<Value = Value> {
+    arb_json_of((-1e300f64..1e300).prop_map(|f| json!(f)))
+}
+
+/// JSON without floats, for exact round trips (serde_json's float parsing may differ from the
+/// printed value in the last digit of huge exponents: a property of serde_json, not ours).
+fn arb_json_exact() -> impl Strategy<Value = Value> {
+    arb_json_of(any::<i32>().prop_map(|n| json!(n)))
+}
+
+fn arb_json_of(
+    number: impl Strategy<Value = Value> + Clone + 'static,
+) -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(|n| json!(n)),
+        any::<u64>().prop_map(|n| json!(n)),
+        number,
+        ".{0,24}".prop_map(Value::String),
+        // Names the decoders look for, so generated objects reach their deeper branches.
+        prop::sample::select(vec![
+            "id", "text", "type", "tool_use", "function", "content", "seq", "kind", "model",
+            "tool", "input", "started", "finished", "steps", "${x}",
+        ])
+        .prop_map(|s| Value::String(s.to_string())),
+    ];
+    leaf.prop_recursive(4, 48, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            prop::collection::btree_map(arb_key(), inner, 0..6)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+fn arb_key() -> impl Strategy<Value = String> {
+    prop_oneof![
+        prop::sample::select(vec![
+            "id",
+            "topicName",
+            "variables",
+            "retries",
+            "attempt",
+            "agent",
+            "traceParent",
+            "processInstanceId",
+            "activityId",
+            "choices",
+            "message",
+            "tool_calls",
+            "function",
+            "arguments",
+            "name",
+            "content",
+            "type",
+            "text",
+            "input",
+            "usage",
+            "stop_reason",
+            "finish_reason",
+            "isError",
+            "structuredContent",
+            "seq",
+            "kind",
+            "state",
+            "key",
+            "data",
+            "steps",
+            "model",
+            "toolCalls",
+            "callId",
+            "server",
+            "tool",
+            "result",
+            "instructions",
+            "maxTurns",
+            "tokenBudget",
+            "resultVariable",
+            "toolServers",
+            "url",
+            "fallbackModels",
+            "code",
+            "message",
+            "token",
+            "expiresAt",
+        ])
+        .prop_map(str::to_string),
+        "[a-zA-Z]{1,8}",
+    ]
+}
+
+fn tools() -> Vec<ToolSpec> {
+    ["lookup_order", "issue_refund"]
+        .into_iter()
+        .map(|tool| ToolSpec {
+            server: "orders".into(),
+            tool: tool.into(),
+            description: String::new(),
+            input_schema: json!({"type": "object"}),
+            read_only: tool == "lookup_order",
+        })
+        .collect()
+}
+
+fn bytes() -> impl Strategy<Value = Vec<u8>> {
+    prop::collection::vec(any::<u8>(), 0..512)
+}
+
+// ---- engine ---------------------------------------------------------------------------------
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    #[test]
+    fn fetch_responses_of_any_bytes_or_json_never_panic(raw in bytes(), value in arb_json()) {
+        let _ = decoders::engine_fetch_response(&raw);
+        let _ = decoders::engine_fetch_response(value.to_string().as_bytes());
+        let _ = decoders::engine_fetch_response(json!([value]).to_string().as_bytes());
+    }
+
+    #[test]
+    fn a_valid_locked_task_decodes_to_the_same_fields(
+        id in "[a-z0-9-]{1,20}",
+        topic in "[a-z:]{1,12}",
+        vars in prop::collection::btree_map("[a-zA-Z]{1,6}", arb_json_exact(), 0..4),
+        retries in prop::option::of(any::<i32>()),
+        attempt in prop::option::of(1u32..1000),
+        pi in "[a-z0-9-]{1,10}",
+        extra in arb_json(),
+    ) {
+        let variables: Map<String, Value> = vars.into_iter().collect();
+        let mut task = json!({
+            "id": id, "topicName": topic, "variables": variables, "processInstanceId": pi,
+            "activityId": "refundAgent", "retries": retries, "traceParent": null,
+            "lockExpirationTime": "2026-07-19T12:02:00Z", "protocolVersion": "1",
+            "someFutureField": extra,
+        });
+        if let Some(a) = attempt {
+            task["attempt"] = json!(a);
+        }
+        let body = json!([task, {"id": 17}]).to_string();
+        let (tasks, rejected) = decoders::engine_fetch_response(body.as_bytes()).unwrap();
+        prop_assert_eq!(tasks.len(), 1);
+        prop_assert_eq!(rejected.len(), 1, "the malformed element is reported, not fatal");
+        let t = &tasks[0];
+        prop_assert_eq!(&t.id, &id);
+        prop_assert_eq!(&t.topic, &topic);
+        prop_assert_eq!(&t.variables, &variables);
+        prop_assert_eq!(t.retries, retries);
+        prop_assert_eq!(t.attempt, attempt);
+        prop_assert_eq!(t.process_instance_id.as_deref(), Some(pi.as_str()));
+    }
+
+    #[test]
+    fn error_answers_of_any_status_and_body_never_panic(
+        status in 100u16..1000,
+        raw in bytes(),
+        value in arb_json(),
+        retry_after in ".{0,20}",
+    ) {
+        let mut headers = HeaderMap::new();
+        if let Ok(v) = HeaderValue::from_str(&retry_after) {
+            headers.insert(reqwest::header::RETRY_AFTER, v);
+        }
+        for body in [raw.clone(), value.to_string().into_bytes()] {
+            if let Some(e) = decoders::engine_error("complete", status, headers.clone(), &body) {
+                let _ = e.to_string();
+                let _ = e.is_retryable();
+            }
+        }
+    }
+
+    #[test]
+    fn the_refusal_table_is_read_from_any_well_formed_error_body(
+        row in 0usize..4,
+        message in ".{0,40}",
+        details in arb_json(),
+    ) {
+        let (status, code, reason) = [
+            (403, "WORKER_LOCK_NOT_OWNED", LeaseLostReason::NotOwned),
+            (409, "WORKER_LOCK_EXPIRED", LeaseLostReason::Expired),
+            (409, "STALE_ATTEMPT", LeaseLostReason::StaleAttempt),
+            (409, "JOURNAL_CONFLICT", LeaseLostReason::JournalConflict),
+        ][row];
+        let body = json!({"timestamp": "2026-01-01T00:00:00Z", "status": status, "code": code,
+            "message": message, "path": "/x", "traceId": "t", "details": details});
+        let e = decoders::engine_error("heartbeat", status, HeaderMap::new(), body.to_string().as_bytes()).unwrap();
+        prop_assert_eq!(e.lease_lost(), Some(reason));
+    }
+
+    #[test]
+    fn journal_reads_of_any_bytes_never_panic_and_valid_ones_round_trip(
+        raw in bytes(),
+        value in arb_json(),
+        attempt in prop::option::of(1u32..100),
+        seqs in prop::collection::vec(1u64..1000, 0..6),
+    ) {
+        let _ = decoders::engine_journal(&raw);
+        let _ = decoders::engine_journal(value.to_string().as_bytes());
+        let _ = decoders::engine_tool_credential(&raw);
+        let steps: Vec<JournalStep> = seqs.iter().map(|s| input_step(*s, "i", "x")).collect();
+        let body = json!({"attempt": attempt, "steps": steps}).to_string();
+        let journal = decoders::engine_journal(body.as_bytes()).unwrap();
+        prop_assert_eq!(journal.attempt, attempt);
+        prop_assert_eq!(journal.steps, steps);
+        prop_assert!(decoders::engine_journal(br#"{"attempt": 1}"#).is_err(), "steps are required");
+    }
+
+    #[test]
+    fn trace_parents_of_any_text_never_panic_and_valid_ones_round_trip(
+        raw in ".{0,80}",
+        trace in "[0-9a-f]{32}",
+        span in "[0-9a-f]{16}",
+        flags in "[0-9a-f]{2}",
+    ) {
+        if let Some(tp) = decoders::trace_parent(&raw) {
+            let _ = tp.child_header();
+        }
+        let header = format!("00-{trace}-{span}-{flags}");
+        if trace.chars().any(|c| c != '0') && span.chars().any(|c| c != '0') {
+            let tp = decoders::trace_parent(&header).expect("a valid traceparent parses");
+            prop_assert_eq!(tp.header(), header);
+            prop_assert_eq!(tp.trace_id(), trace.as_str());
+        }
+    }
+}
+
+// ---- providers ------------------------------------------------------------------------------
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    #[test]
+    fn provider_responses_of_any_bytes_or_json_never_panic(raw in bytes(), value in arb_json()) {
+        let tools = tools();
+        for body in [raw.clone(), value.to_string().into_bytes()] {
+            let _ = decoders::openai_response(&body, &tools);
+            let _ = decoders::anthropic_response(&body, &tools);
+        }
+        let choices = json!({"choices": [{"message": value.clone()}]}).to_string();
+        let _ = decoders::openai_response(choices.as_bytes(), &tools);
+        let content = json!({"content": [value], "stop_reason": "end_turn"}).to_string();
+        let _ = decoders::anthropic_response(content.as_bytes(), &tools);
+    }
+
+    #[test]
+    fn tool_call_arguments_of_any_text_decode_to_an_object_or_the_raw_text(
+        arguments in ".{0,60}",
+        name in prop::sample::select(vec!["orders__lookup_order", "lookup_order", "no_such_tool", ""]),
+        text in ".{0,40}",
+    ) {
+        let body = json!({"choices": [{"message": {"role": "assistant", "content": text,
+            "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": name, "arguments": arguments}}]},
+            "finish_reason": "tool_calls"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4}}).to_string();
+        let r = decoders::openai_response(body.as_bytes(), &tools()).unwrap();
+        prop_assert_eq!(r.message.tool_calls.len(), 1);
+        let args = &r.message.tool_calls[0].arguments;
+        prop_assert!(args.is_object() || args.is_string() || serde_json::from_str::<Value>(&arguments).is_ok());
+    }
+
+    #[test]
+    fn retry_after_headers_of_any_text_never_panic_and_seconds_round_trip(
+        a in ".{0,30}",
+        b in ".{0,30}",
+        secs in 0u64..100_000,
+        huge in 1e10f64..1e300,
+    ) {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let mut headers = HeaderMap::new();
+        if let Ok(v) = HeaderValue::from_str(&a) {
+            headers.insert(reqwest::header::RETRY_AFTER, v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&b) {
+            headers.insert(HeaderName::from_static("retry-after-ms"), v);
+        }
+        let _ = decoders::provider_retry_after(&headers, now);
+        let mut headers = HeaderMap::new();
+        headers.insert(reqwest::header::RETRY_AFTER, HeaderValue::from_str(&secs.to_string()).unwrap());
+        prop_assert_eq!(decoders::provider_retry_after(&headers, now), Some(Duration::from_secs(secs)));
+        // Absurd values must not panic (a huge retry-after-ms once did).
+        let mut headers = HeaderMap::new();
+        headers.insert(HeaderName::from_static("retry-after-ms"), HeaderValue::from_str(&format!("{huge}")).unwrap());
+        let _ = decoders::provider_retry_after(&headers, now);
+    }
+}
+
+// ---- tool results ---------------------------------------------------------------------------
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    #[test]
+    fn tool_results_of_any_bytes_or_json_never_panic(raw in bytes(), value in arb_json(), cap in 0usize..4096) {
+        for body in [raw.clone(), value.to_string().into_bytes(),
+                     json!({"content": [value], "isError": true}).to_string().into_bytes()] {
+            if let Ok(result) = decoders::tool_result(&body) {
+                let _ = decoders::cap_tool_result(result, cap);
+            }
+        }
+    }
+
+    #[test]
+    fn capped_results_stay_near_the_cap_and_small_ones_are_untouched(
+        texts in prop::collection::vec(".{0,400}", 0..8),
+        cap in 64usize..2048,
+    ) {
+        let result = ToolResult {
+            content: texts.iter().map(|t| json!({"type": "text", "text": t})).collect(),
+            structured_content: None,
+            is_error: false,
+        };
+        let size = |r: &ToolResult| r.content.iter().map(|b| b.to_string().len()).sum::<usize>();
+        let capped = decoders::cap_tool_result(result.clone(), cap);
+        if size(&result) <= cap {
+            prop_assert_eq!(capped, result);
+        } else {
+            // The kept blocks, JSON escaping slack, and the note saying what was cut.
+            prop_assert!(size(&capped) <= cap * 2 + 200, "{} bytes kept for a cap of {cap}", size(&capped));
+        }
+    }
+}
+
+// ---- journal replay -------------------------------------------------------------------------
+
+/// One model turn of a generated journal: its tool calls (read-only or keyed), or a final text.
+#[derive(Clone, Debug)]
+enum GenTurn {
+    Calls(Vec<bool>),
+    Final(String),
+}
+
+fn arb_turns() -> impl Strategy<Value = Vec<GenTurn>> {
+    let calls = prop::collection::vec(any::<bool>(), 1..3).prop_map(GenTurn::Calls);
+    (
+        prop::collection::vec(calls, 0..5),
+        prop::option::of(".{0,20}"),
+    )
+        .prop_map(|(mut turns, last)| {
+            if let Some(text) = last {
+                turns.push(GenTurn::Final(text));
+            }
+            turns
+        })
+}
+
+fn journal_of(turns: &[GenTurn]) -> Vec<JournalStep> {
+    let mut steps = vec![input_step(1, "instructions", "order o-1")];
+    let mut seq = 2;
+    for (i, turn) in turns.iter().enumerate() {
+        let (text, keyed) = match turn {
+            GenTurn::Calls(keyed) => (None, keyed.clone()),
+            GenTurn::Final(t) => (Some(t.clone()), Vec::new()),
+        };
+        let calls: Vec<ToolCall> = keyed
+            .iter()
+            .enumerate()
+            .map(|(j, k)| ToolCall {
+                call_id: format!("call_{i}_{j}"),
+                server: "orders".into(),
+                tool: if *k { "issue_refund" } else { "lookup_order" }.into(),
+                arguments: json!({"orderId": "o-1"}),
+            })
+            .collect();
+        let message = AssistantMessage {
+            text,
+            tool_calls: calls.clone(),
+        };
+        let usage = Usage {
+            input_tokens: 10,
+            output_tokens: 5,
+        };
+        steps.push(model_step(seq, "openai/refund", &message, usage, "stop"));
+        seq += 1;
+        for (call, k) in calls.iter().zip(&keyed) {
+            let result = ToolResult {
+                content: vec![json!({"type": "text", "text": "ok"})],
+                structured_content: None,
+                is_error: false,
+            };
+            if *k {
+                let key = write_key("t-1", seq);
+                steps.push(tool_started_step(seq, &key, call));
+                steps.push(tool_finished_step(seq + 1, Some(&key), call, &result));
+                seq += 2;
+            } else {
+                steps.push(tool_finished_step(seq, None, call, &result));
+                seq += 1;
+            }
+        }
+    }
+    steps
+}
+
+fn arb_step() -> impl Strategy<Value = JournalStep> {
+    (
+        0u64..12,
+        prop::sample::select(vec!["input", "model", "tool", "other"]),
+        prop::sample::select(vec!["started", "finished", "x"]),
+        prop::option::of("[a-z:0-9]{0,12}"),
+        arb_json(),
+    )
+        .prop_map(|(seq, kind, state, key, data)| JournalStep {
+            seq,
+            kind: kind.into(),
+            state: state.into(),
+            key,
+            data,
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(HEAVY_CASES))]
+
+    #[test]
+    fn replaying_any_steps_never_panics(steps in prop::collection::vec(arb_step(), 0..10), raw in bytes()) {
+        let _ = decoders::journal_replay(&steps);
+        let _ = decoders::journal_replay_json(&raw);
+    }
+
+    #[test]
+    fn replaying_a_valid_journal_rebuilds_turns_usage_and_the_next_seq(turns in arb_turns()) {
+        let steps = journal_of(&turns);
+        let r = decoders::journal_replay(&steps).unwrap();
+        prop_assert_eq!(r.turns as usize, turns.len());
+        prop_assert_eq!(r.usage.input_tokens, 10 * turns.len() as u64);
+        prop_assert_eq!(r.next_seq, steps.len() as u64 + 1);
+        prop_assert!(r.pending.is_empty(), "every call has its result");
+        match turns.last() {
+            Some(GenTurn::Final(text)) => prop_assert_eq!(r.final_answer.as_deref(), Some(text.as_str())),
+            _ => prop_assert!(r.final_answer.is_none()),
+        }
+        // Through JSON, as the engine hands it back, and in any order.
+        let mut shuffled = steps.clone();
+        shuffled.reverse();
+        let json = serde_json::to_vec(&shuffled).unwrap();
+        let again = decoders::journal_replay_json(&json).unwrap();
+        prop_assert_eq!(again, r);
+    }
+
+    #[test]
+    fn a_journal_cut_after_a_started_write_resends_it_with_its_key(calls in prop::collection::vec(any::<bool>(), 1..3)) {
+        let mut turns = vec![GenTurn::Calls(vec![true])];
+        turns.push(GenTurn::Calls(calls));
+        let mut steps = journal_of(&turns[..1]);
+        // Drop the last tool/finished: the keyed write is started but has no result.
+        steps.pop();
+        let r = decoders::journal_replay(&steps).unwrap();
+        prop_assert_eq!(r.pending.len(), 1);
+        let key = write_key("t-1", 3);
+        prop_assert_eq!(r.pending[0].started_key.as_deref(), Some(key.as_str()));
+    }
+}
+
+// ---- configuration and agent definitions ----------------------------------------------------
+
+const VARIABLES: [&str; 14] = [
+    "ABADA_AGENT_ENGINE_URL",
+    "ABADA_AGENT_WORKER_ID",
+    "ABADA_AGENT_TOPICS",
+    "ABADA_AGENT_MAX_TASKS",
+    "ABADA_AGENT_POLL_INTERVAL_MS",
+    "ABADA_AGENT_LOCK_DURATION_MS",
+    "ABADA_AGENT_SHUTDOWN_GRACE_MS",
+    "ABADA_AGENT_HTTP_ADDR",
+    "ABADA_AGENT_LOG_FORMAT",
+    "ABADA_AGENT_OIDC_ISSUER_URL",
+    "ABADA_AGENT_OIDC_CLIENT_ID",
+    "ABADA_AGENT_PROVIDERS",
+    "ABADA_AGENT_PROVIDER_OPENAI_MAX_CONCURRENCY",
+    "ABADA_AGENT_PROVIDER_OPENAI_BASE_URL",
+];
+
+fn arb_value_text() -> impl Strategy<Value = String> {
+    prop_oneof![
+        ".{0,30}",
+        any::<i64>().prop_map(|n| n.to_string()),
+        any::<u64>().prop_map(|n| n.to_string()),
+        Just(String::new()),
+        Just("openai,anthropic".to_string()),
+        Just("http://127.0.0.1:1/api".to_string()),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(HEAVY_CASES))]
+
+    #[test]
+    fn configuration_of_any_values_never_panics(
+        values in prop::collection::btree_map(prop::sample::select(VARIABLES.to_vec()), arb_value_text(), 0..10),
+    ) {
+        let vars: HashMap<String, String> = values.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        if let Err(e) = decoders::config(&vars) {
+            // A bad value is an error naming a variable.
+            prop_assert!(e.to_string().contains("ABADA_AGENT_"), "{e}");
+        }
+    }
+
+    #[test]
+    fn max_tasks_is_accepted_exactly_in_range(n in -5i64..80) {
+        let mut vars = HashMap::new();
+        vars.insert("ABADA_AGENT_ENGINE_URL".to_string(), "http://127.0.0.1:1/api".to_string());
+        vars.insert("ABADA_AGENT_MAX_TASKS".to_string(), n.to_string());
+        let parsed = decoders::config(&vars);
+        prop_assert_eq!(parsed.is_ok(), (1..=50).contains(&n));
+        if let Ok(c) = parsed {
+            prop_assert_eq!(i64::from(c.max_tasks), n);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    #[test]
+    fn agent_definitions_of_any_json_never_panic(value in arb_json(), text in ".{0,60}") {
+        let _ = decoders::agent_definition(&value);
+        let _ = decoders::agent_definition(&json!({"model": "openai/x", "input": text, "extra": value}));
+        let _ = decoders::agents_file(&text);
+        if let Some(o) = value.as_object() {
+            let _ = decoders::render_template(&text, o);
+        }
+    }
+
+    #[test]
+    fn agents_files_of_any_toml_like_text_never_panic(
+        lines in prop::collection::vec(prop_oneof![
+            Just("[agents.a]".to_string()),
+            Just("[agents]".to_string()),
+            "[a-zA-Z]{1,10} = \"[^\"\\\\]{0,10}\"",
+            "[a-zA-Z]{1,10} = [0-9]{1,12}",
+            ".{0,20}",
+        ], 0..8),
+    ) {
+        let _ = decoders::agents_file(&lines.join("\n"));
+    }
+
+    #[test]
+    fn a_template_with_every_variable_present_renders_exactly(
+        pieces in prop::collection::vec(prop_oneof![
+            "[^$]{0,12}".prop_map(|t| (t, None)),
+            "[a-z]{1,6}".prop_map(|n| (String::new(), Some(n))),
+        ], 0..8),
+        values in prop::collection::btree_map("[a-z]{1,6}", arb_json(), 0..4),
+    ) {
+        let mut variables: BTreeMap<String, Value> = values;
+        let mut template = String::new();
+        let mut expected = String::new();
+        for (text, name) in &pieces {
+            template.push_str(text);
+            expected.push_str(text);
+            if let Some(name) = name {
+                let value = variables.entry(name.clone()).or_insert_with(|| json!(name.len())).clone();
+                template.push_str(&format!("${{{name}}}"));
+                match value {
+                    Value::String(s) => expected.push_str(&s),
+                    other => expected.push_str(&other.to_string()),
+                }
+            }
+        }
+        let vars: Map<String, Value> = variables.into_iter().collect();
+        let rendered = decoders::render_template(&template, &vars);
+        prop_assert_eq!(rendered, Ok(expected));
+    }
+}
+
+/// Regression: the `headers` fuzz target's first crash (`retry-after-ms: 6666…6`, 26 digits),
+/// a Duration too big for `Duration::from_secs_f64`, which panicked. Now ignored.
+#[test]
+fn an_absurd_retry_after_ms_is_ignored_not_a_panic() {
+    let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        HeaderName::from_static("retry-after-ms"),
+        HeaderValue::from_static("66666666666666666666666666 "),
+    );
+    assert_eq!(decoders::provider_retry_after(&headers, now), None);
+    headers.insert(reqwest::header::RETRY_AFTER, HeaderValue::from_static("7"));
+    assert_eq!(
+        decoders::provider_retry_after(&headers, now),
+        Some(Duration::from_secs(7)),
+        "falls back to Retry-After"
+    );
+}
