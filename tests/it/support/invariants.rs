@@ -400,8 +400,8 @@ pub async fn check_invariants(
         for e in &w.events {
             if let RunnerEvent::TaskEnded {
                 task_id,
+                attempt,
                 outcome: "lease_lost",
-                ..
             } = &e.event
             {
                 for c in calls.iter().filter(|c| {
