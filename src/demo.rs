@@ -88,21 +88,35 @@ usage: abada-agent-worker demo [--scenario load|takeover|rate-limit] [--json]
 
 Exits 0 when every check of the scenario passes, 1 otherwise.";
 
+/// `--flag=value` or `--flag`: the flag and its inline value.
+fn split_flag(arg: &str) -> (&str, Option<String>) {
+    match arg.split_once('=') {
+        Some((f, v)) => (f, Some(v.to_string())),
+        None => (arg, None),
+    }
+}
+
+/// A flag's value: inline (`--flag=value`) or the next argument.
+fn flag_value<'a>(
+    flag: &'static str,
+    inline: Option<String>,
+    rest: &mut impl Iterator<Item = &'a String>,
+) -> Result<String, ArgsError> {
+    inline
+        .or_else(|| rest.next().cloned())
+        .ok_or(ArgsError::MissingValue(flag))
+}
+
 /// Parses the arguments after `demo`. `color` says whether stdout is a terminal.
 pub fn parse_demo_args(args: &[String], color: bool) -> Result<DemoArgs, ArgsError> {
     let mut scenario = Scenario::Load;
     let mut json = false;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) => (f, Some(v.to_string())),
-            None => (arg.as_str(), None),
-        };
+        let (flag, inline) = split_flag(arg);
         match flag {
             "--scenario" => {
-                let value = inline
-                    .or_else(|| it.next().cloned())
-                    .ok_or(ArgsError::MissingValue("--scenario"))?;
+                let value = flag_value("--scenario", inline, &mut it)?;
                 scenario = Scenario::parse(&value).ok_or(ArgsError::UnknownScenario(value))?;
             }
             "--json" if inline.is_none() => json = true,

@@ -25,15 +25,10 @@ impl DevEngineArgs {
         let mut addr = SocketAddr::from(([127, 0, 0, 1], 5601));
         let mut it = args.iter();
         while let Some(arg) = it.next() {
-            let (flag, inline) = match arg.split_once('=') {
-                Some((f, v)) => (f, Some(v.to_string())),
-                None => (arg.as_str(), None),
-            };
+            let (flag, inline) = super::split_flag(arg);
             match flag {
                 "--addr" => {
-                    let value = inline
-                        .or_else(|| it.next().cloned())
-                        .ok_or(ArgsError::MissingValue("--addr"))?;
+                    let value = super::flag_value("--addr", inline, &mut it)?;
                     addr = value.parse().map_err(|_| ArgsError::BadAddr(value))?;
                 }
                 _ => return Err(ArgsError::Unknown(arg.clone())),
