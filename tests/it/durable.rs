@@ -278,6 +278,43 @@ fn spawn_wrapped(
     }
 }
 
+/// Starts a one-slot worker and waits until the append of its first model step is held by its
+/// engine decorator: the moment a test changes the engine's state under the worker.
+async fn worker_held_at_model_append(
+    stack: &Stack,
+    worker_id: &str,
+    lock: Duration,
+) -> (WrappedWorker, Arc<Freezable>) {
+    let mut gate = None;
+    let worker = spawn_wrapped(stack, opts(worker_id, 1, lock), |inner| {
+        let f = Freezable::new(inner, |op, _, step| match (op, step) {
+            (Op::JournalAppend, Some(s)) if s.kind == "model" => Hold::ThisCall,
+            _ => Hold::Pass,
+        });
+        gate = Some(f.clone());
+        f
+    });
+    let gate = gate.expect("the wrapper ran");
+    gate.wait_held(Op::JournalAppend, Duration::from_secs(20))
+        .await;
+    (worker, gate)
+}
+
+/// Lets the held append go and returns the engine's refusal of it.
+async fn release_held_append(stack: &Stack, gate: &Freezable) -> CallRecord {
+    gate.open(Op::JournalAppend);
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        stack.engine.wait_for(|e| {
+            e.calls()
+                .into_iter()
+                .find(|c| c.operation == Operation::JournalAppend && c.status >= 400)
+        }),
+    )
+    .await
+    .expect("the worker's append reaches the engine")
+}
+
 fn opts(id: &str, slots: u32, lock: Duration) -> WorkerOptions {
     let mut o = WorkerOptions::new(id, slots);
     o.lock_duration = lock;
@@ -716,22 +753,8 @@ async fn a_journal_conflict_during_a_run_stops_it_silently() {
     let id = stack
         .engine
         .create_task(spec(stack.refund_agent("openai/refund", &[]), "o-6"));
-    let mut gate = None;
-    let worker = spawn_wrapped(
-        &stack,
-        opts("w-split", 1, Duration::from_secs(30)),
-        |inner| {
-            let f = Freezable::new(inner, |op, _, step| match (op, step) {
-                (Op::JournalAppend, Some(s)) if s.kind == "model" => Hold::ThisCall,
-                _ => Hold::Pass,
-            });
-            gate = Some(f.clone());
-            f
-        },
-    );
-    let gate = gate.unwrap();
-    gate.wait_held(Op::JournalAppend, Duration::from_secs(20))
-        .await;
+    let (worker, gate) =
+        worker_held_at_model_append(&stack, "w-split", Duration::from_secs(30)).await;
     // A second writer under the same identity (a raw request with its own idempotency key)
     // takes seq 2 first.
     let view = stack.engine.task(&id).unwrap();
@@ -758,17 +781,7 @@ async fn a_journal_conflict_during_a_run_stops_it_silently() {
         .unwrap();
     assert_eq!(answer.status(), 201);
     stack.engine.clear_calls();
-    gate.open(Op::JournalAppend);
-    let refused = tokio::time::timeout(
-        Duration::from_secs(10),
-        stack.engine.wait_for(|e| {
-            e.calls()
-                .into_iter()
-                .find(|c| c.operation == Operation::JournalAppend && c.status >= 400)
-        }),
-    )
-    .await
-    .expect("the worker's append reaches the engine");
+    let refused = release_held_append(&stack, &gate).await;
     assert_eq!(refused.error_code.as_deref(), Some("JOURNAL_CONFLICT"));
     let events = worker.stop().await;
     assert!(
@@ -792,36 +805,15 @@ async fn a_stale_attempt_during_a_run_stops_it_silently() {
     let id = stack
         .engine
         .create_task(spec(stack.refund_agent("openai/refund", &[]), "o-7"));
-    let mut gate = None;
     // One slot: the worker cannot fetch its own task again while the first attempt runs.
     let lock = Duration::from_secs(30);
-    let worker = spawn_wrapped(&stack, opts("w-same", 1, lock), |inner| {
-        let f = Freezable::new(inner, |op, _, step| match (op, step) {
-            (Op::JournalAppend, Some(s)) if s.kind == "model" => Hold::ThisCall,
-            _ => Hold::Pass,
-        });
-        gate = Some(f.clone());
-        f
-    });
-    let gate = gate.unwrap();
-    gate.wait_held(Op::JournalAppend, Duration::from_secs(20))
-        .await;
+    let (worker, gate) = worker_held_at_model_append(&stack, "w-same", lock).await;
     stack.engine.advance(lock + Duration::from_secs(1));
     let thief = engine_client(&stack, "w-same");
     let newer = acquire(&thief, lock).await;
     assert_eq!(newer.attempt, Some(2));
     stack.engine.clear_calls();
-    gate.open(Op::JournalAppend);
-    let refused = tokio::time::timeout(
-        Duration::from_secs(10),
-        stack.engine.wait_for(|e| {
-            e.calls()
-                .into_iter()
-                .find(|c| c.operation == Operation::JournalAppend && c.status >= 400)
-        }),
-    )
-    .await
-    .expect("the worker's append reaches the engine");
+    let refused = release_held_append(&stack, &gate).await;
     assert_eq!(refused.status, 409);
     assert_eq!(refused.error_code.as_deref(), Some("STALE_ATTEMPT"));
     assert_eq!(refused.attempt, Some(1));
@@ -848,31 +840,10 @@ async fn an_expired_lease_during_a_run_stops_it_silently() {
     let id = stack
         .engine
         .create_task(spec(stack.refund_agent("openai/refund", &[]), "o-9"));
-    let mut gate = None;
     let lock = Duration::from_secs(30);
-    let worker = spawn_wrapped(&stack, opts("w-late", 1, lock), |inner| {
-        let f = Freezable::new(inner, |op, _, step| match (op, step) {
-            (Op::JournalAppend, Some(s)) if s.kind == "model" => Hold::ThisCall,
-            _ => Hold::Pass,
-        });
-        gate = Some(f.clone());
-        f
-    });
-    let gate = gate.unwrap();
-    gate.wait_held(Op::JournalAppend, Duration::from_secs(20))
-        .await;
+    let (worker, gate) = worker_held_at_model_append(&stack, "w-late", lock).await;
     stack.engine.advance(lock + Duration::from_secs(1));
-    gate.open(Op::JournalAppend);
-    let refused = tokio::time::timeout(
-        Duration::from_secs(10),
-        stack.engine.wait_for(|e| {
-            e.calls()
-                .into_iter()
-                .find(|c| c.operation == Operation::JournalAppend && c.status >= 400)
-        }),
-    )
-    .await
-    .expect("the worker's append reaches the engine");
+    let refused = release_held_append(&stack, &gate).await;
     assert_eq!(refused.status, 409);
     assert_eq!(refused.error_code.as_deref(), Some("WORKER_LOCK_EXPIRED"));
     let views = wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(20)).await;
