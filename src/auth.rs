@@ -564,7 +564,7 @@ fn discovery_error(
     match error {
         D::Request(e) => AuthError::IssuerUnreachable {
             issuer_url,
-            reason: error_chain(&e),
+            reason: crate::errors::chain(&e),
         },
         D::Response(_, _, message) => AuthError::DiscoveryFailed {
             issuer_url,
@@ -583,21 +583,6 @@ fn discovery_error(
             reason: other.to_string(),
         },
     }
-}
-
-/// An error and its sources on one line (reqwest hides the interesting part in the sources).
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(s) = source {
-        let s_text = s.to_string();
-        if !text.contains(&s_text) {
-            text.push_str(": ");
-            text.push_str(&s_text);
-        }
-        source = s.source();
-    }
-    text
 }
 
 #[async_trait]
@@ -647,7 +632,7 @@ impl TokenGrant for OidcGrant {
             }),
             Err(RequestTokenError::Request(e)) => Err(AuthError::TokenEndpoint {
                 token_url: token_url.to_string(),
-                reason: error_chain(&e),
+                reason: crate::errors::chain(&e),
             }),
             // The body is not quoted: a success response that fails to parse holds a token.
             Err(RequestTokenError::Parse(e, _body)) => Err(AuthError::TokenEndpoint {

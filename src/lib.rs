@@ -14,6 +14,7 @@ pub mod decoders;
 pub mod demo;
 pub mod devkit;
 pub mod engine;
+pub mod errors;
 pub mod handler;
 pub mod heartbeat;
 pub mod lease;
