@@ -95,10 +95,11 @@ impl AgentRuntime {
         }
     }
 
-    /// The runtime a [`Config`] describes: its providers and agents file.
+    /// The runtime a [`Config`] describes (its providers and agents file), with `agent_settings`.
     pub fn from_config(
         config: &Config,
         http: reqwest::Client,
+        agent_settings: AgentSettings,
         metrics: Arc<Metrics>,
     ) -> Result<Self, AgentSetupError> {
         let mut settings = Vec::new();
@@ -131,7 +132,7 @@ impl AgentRuntime {
             ProviderRegistry::new(settings, http.clone()),
             agents_file,
             http,
-            AgentSettings::default(),
+            agent_settings,
             metrics,
         ))
     }

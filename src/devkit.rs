@@ -4,6 +4,7 @@
 
 pub mod engine;
 pub mod freeze;
+pub mod gate;
 pub mod jwt;
 pub mod loadtest;
 pub mod model;

@@ -4,7 +4,7 @@
 //! original key (the tool server deduplicates it); worker 1 wakes and is fenced off: its calls
 //! are refused and it abandons the task without reporting anything.
 //!
-//! The freeze is a [`FreezeEngine`] around worker 1's engine client; lease expiry is the
+//! The freeze is a [`FreezeGate`] in front of worker 1's engine client; lease expiry is the
 //! emulator's [`advance`](crate::devkit::engine::EngineEmulator::advance), so worker 1's own
 //! clock sees no time pass (as after a pause it could not notice) and nothing waits in real time.
 
@@ -18,7 +18,8 @@ use super::{
     Check, Crew, DemoError, DemoReport, journal_names, pump, pump_until, refund_task, start_stack,
 };
 use crate::devkit::engine::{CallRecord, Disposition, Operation, TaskStatus};
-use crate::devkit::freeze::{FreezeEngine, FreezeGate, FreezePoint, StepMatch};
+use crate::devkit::freeze::{FreezeGate, FreezePoint, StepMatch};
+use crate::devkit::gate::GatedEngine;
 use crate::devkit::stack::{ORDERS_SERVER, Stack, WorkerOptions};
 use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::engine::{Engine, JournalStep, TaskRef};
@@ -102,9 +103,11 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
         let gate = gate1.clone();
         let mut opts = WorkerOptions::new("W1", 1);
         opts.lock_duration = LEASE;
-        stack.spawn_worker_with(opts, Stack::fast_agent_settings(), move |e| {
-            FreezeEngine::wrap(e, gate)
-        })
+        stack.spawn_worker_with(
+            opts,
+            Stack::fast_agent_settings(),
+            GatedEngine::wrapper(gate),
+        )
     };
     crew.add(w1);
     tl.emit(
@@ -175,9 +178,11 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
         let gate = gate2.clone();
         let mut opts = WorkerOptions::new("W2", 1);
         opts.lock_duration = LEASE;
-        stack.spawn_worker_with(opts, Stack::fast_agent_settings(), move |e| {
-            FreezeEngine::wrap(e, gate)
-        })
+        stack.spawn_worker_with(
+            opts,
+            Stack::fast_agent_settings(),
+            GatedEngine::wrapper(gate),
+        )
     };
     crew.add(w2);
     tl.emit(

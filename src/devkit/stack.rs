@@ -1,8 +1,10 @@
 //! The whole embedded system on loopback: the engine emulator, the scripted model provider and
 //! the `orders` MCP tool server (which accepts exactly the credentials the emulator issued for
-//! it), plus in-process workers running the real runner and agent runtime over real HTTP.
+//! it), plus in-process workers running the real runner and agent runtime over real HTTP, built
+//! by the composition root ([`Worker::build`]) from a [`Config`] that names the stand-ins.
 //! The demo, the integration tests and the benchmarks all start it the same way.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,14 +15,14 @@ use tokio_util::sync::CancellationToken;
 use super::engine::{self, Authorizer, EmulatorOptions, EngineEmulator, ProtocolLevel};
 use super::model::{Script, ScriptedModel, Turn};
 use super::tools::{CredentialValidator, ToolServer, ToolServerOptions};
-use crate::agent::{AgentRuntime, AgentSettings};
+use crate::agent::AgentSettings;
+use crate::app::{EngineWrapper, Seams, Tuning, Worker};
 use crate::backoff::Backoff;
+use crate::config::{self, Config};
 use crate::engine::Engine;
-use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::metrics::Metrics;
 use crate::provider::fallback::RetryPolicy;
-use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
-use crate::runner::{Runner, RunnerEvent, RunnerSettings, WorkerStatus};
+use crate::runner::{RunnerEvent, WorkerStatus};
 
 /// The name of the devkit tool server.
 pub const ORDERS_SERVER: &str = "orders";
@@ -70,8 +72,8 @@ pub struct Stack {
     pub engine: EngineEmulator,
     pub model: ScriptedModel,
     pub tools: ToolServer,
-    http: reqwest::Client,
-    /// The providers' per-request timeout (default 10 s); fault tests shorten it.
+    /// The per-request timeout workers started against this stack give their model providers
+    /// (default 10 s); fault tests shorten it.
     provider_request_timeout: std::sync::Mutex<Duration>,
 }
 
@@ -104,6 +106,8 @@ pub struct WorkerHandle {
     pub events: mpsc::UnboundedReceiver<RunnerEvent>,
     pub metrics: Arc<Metrics>,
     pub status: Arc<WorkerStatus>,
+    /// The worker's engine client, behind its decorator if it was given one.
+    pub engine: Arc<dyn Engine>,
     join: tokio::task::JoinHandle<()>,
 }
 
@@ -112,6 +116,17 @@ impl WorkerHandle {
     pub async fn stop(self) {
         self.shutdown.cancel();
         let _ = self.join.await;
+    }
+
+    /// [`WorkerHandle::stop`], then the events not received yet, in order.
+    pub async fn stop_collecting(mut self) -> Vec<RunnerEvent> {
+        self.shutdown.cancel();
+        let _ = (&mut self.join).await;
+        let mut rest = Vec::new();
+        while let Ok(e) = self.events.try_recv() {
+            rest.push(e);
+        }
+        rest
     }
 
     pub fn is_finished(&self) -> bool {
@@ -140,15 +155,10 @@ impl Stack {
         let model = ScriptedModel::start().await.map_err(StackError::Model)?;
         let tools = start_tool_server(&engine, ORDERS_SERVER).await?;
         model.set_script(REFUND_MODEL, refund_script());
-        let http = reqwest::Client::builder()
-            .tcp_nodelay(true)
-            .build()
-            .expect("a plain loopback HTTP client always builds");
         Ok(Stack {
             engine,
             model,
             tools,
-            http,
             provider_request_timeout: std::sync::Mutex::new(Duration::from_secs(10)),
         })
     }
@@ -167,31 +177,12 @@ impl Stack {
             .unwrap_or_else(|e| e.into_inner()) = timeout;
     }
 
-    /// Providers `openai` and `anthropic`, both served by the scripted model.
-    pub fn providers(&self) -> ProviderRegistry {
-        let request_timeout = *self
+    /// The per-request timeout for the model providers of workers started from now on.
+    pub fn provider_request_timeout(&self) -> Duration {
+        *self
             .provider_request_timeout
             .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let setting = |name: &str, kind: ProviderKind, base_url: String| ProviderSettings {
-            name: name.into(),
-            kind,
-            base_url,
-            api_key: None,
-            max_concurrency: None,
-            request_timeout,
-        };
-        ProviderRegistry::new(
-            vec![
-                setting("openai", ProviderKind::OpenAi, self.model.base_url_openai()),
-                setting(
-                    "anthropic",
-                    ProviderKind::Anthropic,
-                    self.model.base_url_anthropic(),
-                ),
-            ],
-            self.http.clone(),
-        )
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// The refund agent's definition, on `provider/model` with optional fallbacks.
@@ -224,66 +215,121 @@ impl Stack {
         }
     }
 
-    /// Starts a worker with the real runner and agent runtime against the emulator.
+    /// Starts a worker with the real runner and agent runtime against the stack.
     pub fn spawn_worker(&self, opts: WorkerOptions, agent: AgentSettings) -> WorkerHandle {
-        self.spawn_worker_with(opts, agent, |engine| engine)
+        self.spawn(opts, agent, None)
     }
 
-    /// [`Stack::spawn_worker`] with the worker's engine client wrapped by `wrap` (e.g. a
-    /// [`super::freeze::FreezeEngine`]).
+    /// [`Stack::spawn_worker`] with the worker's engine client wrapped by `wrap` (e.g.
+    /// [`GatedEngine::wrapper`](super::gate::GatedEngine::wrapper)).
     pub fn spawn_worker_with(
         &self,
         opts: WorkerOptions,
         agent: AgentSettings,
-        wrap: impl FnOnce(Arc<dyn Engine>) -> Arc<dyn Engine>,
+        wrap: impl FnOnce(Arc<dyn Engine>) -> Arc<dyn Engine> + Send + 'static,
     ) -> WorkerHandle {
-        let metrics = Arc::new(Metrics::new());
-        let mut engine_settings =
-            EngineClientSettings::new(self.engine.base_url(), opts.worker_id.clone());
-        engine_settings.request_timeout = Duration::from_secs(5);
-        engine_settings.command_backoff =
-            Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
-        engine_settings.outage_patience = opts.lock_duration;
-        let engine: Arc<dyn Engine> = Arc::new(HttpEngine::new(
-            self.http.clone(),
-            engine_settings,
-            None,
-            metrics.clone(),
-        ));
-        let engine = wrap(engine);
-        let runtime = AgentRuntime::new(
-            self.providers(),
-            None,
-            self.http.clone(),
-            agent,
-            metrics.clone(),
-        );
-        let mut settings = RunnerSettings::new(opts.worker_id.clone(), opts.lock_duration);
-        settings.max_tasks = opts.slots;
-        settings.poll_interval = opts.poll_interval;
-        settings.shutdown_grace = opts.shutdown_grace;
-        settings.error_backoff =
-            Backoff::new(Duration::from_millis(50), Duration::from_millis(500));
-        let (tx, events) = mpsc::unbounded_channel();
-        let runner =
-            Runner::new(engine, Arc::new(runtime), settings, metrics.clone()).with_events(tx);
-        let status = runner.status();
-        let shutdown = CancellationToken::new();
-        let join = tokio::spawn(runner.run(shutdown.clone()));
-        WorkerHandle {
-            worker_id: opts.worker_id,
-            shutdown,
-            events,
-            metrics,
-            status,
-            join,
-        }
+        self.spawn(opts, agent, Some(Box::new(wrap)))
+    }
+
+    fn spawn(
+        &self,
+        opts: WorkerOptions,
+        agent: AgentSettings,
+        engine: Option<EngineWrapper>,
+    ) -> WorkerHandle {
+        let config = match Config::from_env(&worker_env(self, &opts)) {
+            Ok(c) => c,
+            Err(e) => panic!("in-process worker {}: {e}", opts.worker_id),
+        };
+        start(
+            &config,
+            Seams {
+                engine,
+                agent,
+                tuning: fast_tuning(),
+                ..Seams::default()
+            },
+        )
     }
 
     pub async fn shutdown(&self) {
         self.tools.shutdown().await;
         self.model.shutdown().await;
         self.engine.shutdown().await;
+    }
+}
+
+/// The engine client's and the poll loop's backoffs shortened to milliseconds, so that a fault
+/// is retried within a test's patience.
+pub fn fast_tuning() -> Tuning {
+    Tuning {
+        command_backoff: Backoff::new(Duration::from_millis(20), Duration::from_millis(500)),
+        error_backoff: Backoff::new(Duration::from_millis(50), Duration::from_millis(500)),
+        ..Tuning::default()
+    }
+}
+
+/// The whole `ABADA_AGENT_*` environment of a worker against `stack`: its engine emulator, the
+/// providers `openai` and `anthropic` (both served by the scripted model), and `opts`.
+pub fn worker_env(stack: &Stack, opts: &WorkerOptions) -> HashMap<String, String> {
+    let ms = |d: Duration| d.as_millis().to_string();
+    let provider_timeout = ms(stack.provider_request_timeout());
+    HashMap::from([
+        (config::ENV_ENGINE_URL.into(), stack.engine.base_url()),
+        (config::ENV_WORKER_ID.into(), opts.worker_id.clone()),
+        (config::ENV_MAX_TASKS.into(), opts.slots.to_string()),
+        (config::ENV_POLL_INTERVAL_MS.into(), ms(opts.poll_interval)),
+        (config::ENV_LOCK_DURATION_MS.into(), ms(opts.lock_duration)),
+        (
+            config::ENV_SHUTDOWN_GRACE_MS.into(),
+            ms(opts.shutdown_grace),
+        ),
+        (config::ENV_ENGINE_TIMEOUT_MS.into(), "5000".into()),
+        // Never bound: in-process workers serve no admin endpoints.
+        (config::ENV_HTTP_ADDR.into(), "127.0.0.1:0".into()),
+        (config::ENV_PROVIDERS.into(), "openai,anthropic".into()),
+        (
+            "ABADA_AGENT_PROVIDER_OPENAI_BASE_URL".into(),
+            stack.model.base_url_openai(),
+        ),
+        (
+            "ABADA_AGENT_PROVIDER_OPENAI_TIMEOUT_MS".into(),
+            provider_timeout.clone(),
+        ),
+        (
+            "ABADA_AGENT_PROVIDER_ANTHROPIC_BASE_URL".into(),
+            stack.model.base_url_anthropic(),
+        ),
+        (
+            "ABADA_AGENT_PROVIDER_ANTHROPIC_TIMEOUT_MS".into(),
+            provider_timeout,
+        ),
+    ])
+}
+
+/// Builds a worker from `config` and `seams` through the composition root and runs it on the
+/// current runtime until its handle stops it.
+///
+/// # Panics
+/// When the worker cannot be built: the configuration is the caller's, so that is a bug.
+pub fn start(config: &Config, mut seams: Seams) -> WorkerHandle {
+    let (tx, events) = mpsc::unbounded_channel();
+    seams.events = Some(tx);
+    let worker = match Worker::build(config, seams) {
+        Ok(w) => w,
+        Err(e) => panic!("in-process worker {}: {e}", config.worker_id),
+    };
+    let status = worker.runner.status();
+    let shutdown = CancellationToken::new();
+    let join = tokio::spawn(worker.runner.run(shutdown.clone()));
+    WorkerHandle {
+        worker_id: config.worker_id.clone(),
+        shutdown,
+        events,
+        metrics: worker.metrics,
+        status,
+        engine: worker.engine,
+        join,
     }
 }
 

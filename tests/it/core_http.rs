@@ -588,7 +588,7 @@ async fn shutdown_releases_an_unfinished_task_for_another_worker_at_once() {
     let mut opts = WorkerOptions::new("w-leaving", Duration::from_secs(5))
         .max_tasks(1)
         .handler(CompletingHandler::new("w-leaving", Duration::ZERO).gated(never));
-    opts.runner.shutdown_grace = Duration::from_millis(200);
+    opts.shutdown_grace = Duration::from_millis(200);
     let w = spawn_worker(&emu, opts);
     w.wait_event(|e| matches!(e, RunnerEvent::TaskStarted { .. }))
         .await;

@@ -7,7 +7,7 @@
 //! Earlier attempts are played by a fake worker: the real HTTP engine client under another
 //! worker id, which fetches the task, appends hand-written steps and lets its lease expire
 //! through the emulator's clock (`advance`). Workers that must stop at an exact point run over
-//! [`Freezable`], an engine decorator that holds chosen calls until the test lets them go.
+//! [`Freezable`], an engine gate that holds chosen calls until the test lets them go.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -20,32 +20,31 @@ use abada_agent_worker::conversation::{AssistantMessage, ToolCall, ToolResult, U
 use abada_agent_worker::devkit::engine::{
     AGENT_TOPIC, CallRecord, Disposition, Fault, Operation, ProtocolLevel, TaskStatus, TaskView,
 };
+use abada_agent_worker::devkit::gate::{self, GatedEngine};
 use abada_agent_worker::devkit::model::Script;
 use abada_agent_worker::devkit::model::Turn;
 use abada_agent_worker::devkit::stack::{
-    ORDERS_SERVER, REFUND_MODEL, Stack, WorkerOptions, refund_script,
+    ORDERS_SERVER, REFUND_MODEL, Stack, WorkerHandle, WorkerOptions, refund_script,
 };
 use abada_agent_worker::engine::client::{EngineClientSettings, HttpEngine};
 use abada_agent_worker::engine::{
-    AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
-    JournalStep, LeaseLostReason, Task, TaskRef, ToolCredential,
+    AppendOutcome, Engine, FetchRequest, JournalStep, LeaseLostReason, Task, TaskRef,
 };
 use abada_agent_worker::metrics::Metrics;
-use abada_agent_worker::runner::{Runner, RunnerEvent, RunnerSettings};
+use abada_agent_worker::runner::RunnerEvent;
 use abada_agent_worker::secret::Secret;
 use abada_agent_worker::tools::{
     CredentialError, CredentialSource, ToolServerRef, ToolSessionOptions, ToolSessions,
 };
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
-use tokio::sync::{mpsc, watch};
-use tokio_util::sync::CancellationToken;
+use tokio::sync::watch;
 
 use crate::agent::{spec, wait_all_ended};
 
-// ---- a freezable engine decorator ---------------------------------------------------------
+// ---- a freezable engine gate --------------------------------------------------------------
 
-/// An engine operation, as the decorator sees it.
+/// An engine operation, as the gate sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Op {
     Fetch,
@@ -56,6 +55,23 @@ enum Op {
     JournalRead,
     JournalAppend,
     Credential,
+    Probe,
+}
+
+impl Op {
+    fn of(op: gate::Op<'_>) -> Op {
+        match op {
+            gate::Op::FetchAndLock(_) => Op::Fetch,
+            gate::Op::Heartbeat => Op::Heartbeat,
+            gate::Op::Complete => Op::Complete,
+            gate::Op::Failure => Op::Failure,
+            gate::Op::BpmnError => Op::BpmnError,
+            gate::Op::JournalRead => Op::JournalRead,
+            gate::Op::JournalAppend(_) => Op::JournalAppend,
+            gate::Op::ToolCredentials { .. } => Op::Credential,
+            gate::Op::Probe => Op::Probe,
+        }
+    }
 }
 
 /// What the trigger decides about one call.
@@ -70,7 +86,7 @@ enum Hold {
 type Trigger = dyn Fn(Op, Option<&TaskRef>, Option<&JournalStep>) -> Hold + Send + Sync;
 
 #[derive(Default)]
-struct Gate {
+struct GateState {
     /// The trigger fires once.
     armed: bool,
     frozen: bool,
@@ -83,21 +99,18 @@ struct Gate {
 /// Holds the calls its trigger picks (or everything once it says so) until the test opens
 /// their operation or thaws the whole thing.
 struct Freezable {
-    inner: Arc<dyn Engine>,
-    gate: watch::Sender<Gate>,
+    gate: watch::Sender<GateState>,
     trigger: Box<Trigger>,
 }
 
 impl Freezable {
     fn new(
-        inner: Arc<dyn Engine>,
         trigger: impl Fn(Op, Option<&TaskRef>, Option<&JournalStep>) -> Hold + Send + Sync + 'static,
     ) -> Arc<Self> {
         Arc::new(Freezable {
-            inner,
-            gate: watch::Sender::new(Gate {
+            gate: watch::Sender::new(GateState {
                 armed: true,
-                ..Gate::default()
+                ..GateState::default()
             }),
             trigger: Box::new(trigger),
         })
@@ -161,54 +174,9 @@ impl Freezable {
 }
 
 #[async_trait]
-impl Engine for Freezable {
-    async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError> {
-        self.pass(Op::Fetch, None, None).await;
-        self.inner.fetch_and_lock(request).await
-    }
-    async fn heartbeat(&self, task: &TaskRef, lock_duration: Duration) -> Result<(), EngineError> {
-        self.pass(Op::Heartbeat, Some(task), None).await;
-        self.inner.heartbeat(task, lock_duration).await
-    }
-    async fn complete(
-        &self,
-        task: &TaskRef,
-        variables: &Map<String, Value>,
-    ) -> Result<(), EngineError> {
-        self.pass(Op::Complete, Some(task), None).await;
-        self.inner.complete(task, variables).await
-    }
-    async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
-        self.pass(Op::Failure, Some(task), None).await;
-        self.inner.failure(task, report).await
-    }
-    async fn bpmn_error(
-        &self,
-        task: &TaskRef,
-        report: &BpmnErrorReport,
-    ) -> Result<(), EngineError> {
-        self.pass(Op::BpmnError, Some(task), None).await;
-        self.inner.bpmn_error(task, report).await
-    }
-    async fn read_journal(&self, task: &TaskRef) -> Result<Journal, EngineError> {
-        self.pass(Op::JournalRead, Some(task), None).await;
-        self.inner.read_journal(task).await
-    }
-    async fn append_journal(
-        &self,
-        task: &TaskRef,
-        step: &JournalStep,
-    ) -> Result<AppendOutcome, EngineError> {
-        self.pass(Op::JournalAppend, Some(task), Some(step)).await;
-        self.inner.append_journal(task, step).await
-    }
-    async fn tool_credential(
-        &self,
-        task: &TaskRef,
-        server: &str,
-    ) -> Result<ToolCredential, EngineError> {
-        self.pass(Op::Credential, Some(task), None).await;
-        self.inner.tool_credential(task, server).await
+impl gate::Gate for Freezable {
+    async fn before(&self, op: gate::Op<'_>, task: Option<&TaskRef>) {
+        self.pass(Op::of(op), task, op.step()).await;
     }
 }
 
@@ -225,76 +193,38 @@ fn engine_client(stack: &Stack, worker_id: &str) -> Arc<HttpEngine> {
     ))
 }
 
-/// An in-process worker (real runner and agent runtime) whose engine client is wrapped.
-struct WrappedWorker {
-    shutdown: CancellationToken,
-    join: tokio::task::JoinHandle<()>,
-    events: mpsc::UnboundedReceiver<RunnerEvent>,
-    /// The worker's own engine client, under the decorator.
-    client: Arc<HttpEngine>,
-}
+/// An in-process worker (real runner and agent runtime) whose engine client is behind a gate.
+struct WrappedWorker(WorkerHandle);
 
 impl WrappedWorker {
-    async fn stop(self) -> Vec<RunnerEvent> {
-        self.shutdown.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.join).await;
-        let mut events = self.events;
-        let mut all = Vec::new();
-        while let Ok(e) = events.try_recv() {
-            all.push(e);
-        }
-        all
+    /// Starts a worker on `stack` whose engine client is behind `gate`.
+    fn spawn(stack: &Stack, opts: WorkerOptions, gate: Arc<Freezable>) -> WrappedWorker {
+        WrappedWorker(stack.spawn_worker_with(
+            opts,
+            Stack::fast_agent_settings(),
+            GatedEngine::wrapper(gate),
+        ))
     }
-}
 
-fn spawn_wrapped(
-    stack: &Stack,
-    opts: WorkerOptions,
-    wrap: impl FnOnce(Arc<dyn Engine>) -> Arc<dyn Engine>,
-) -> WrappedWorker {
-    let metrics = Arc::new(Metrics::new());
-    let client = engine_client(stack, &opts.worker_id);
-    let engine = wrap(client.clone());
-    let runtime = abada_agent_worker::agent::AgentRuntime::new(
-        stack.providers(),
-        None,
-        reqwest::Client::new(),
-        Stack::fast_agent_settings(),
-        metrics.clone(),
-    );
-    let mut settings = RunnerSettings::new(opts.worker_id.clone(), opts.lock_duration);
-    settings.max_tasks = opts.slots;
-    settings.poll_interval = opts.poll_interval;
-    settings.shutdown_grace = opts.shutdown_grace;
-    let (tx, events) = mpsc::unbounded_channel();
-    let runner = Runner::new(engine, Arc::new(runtime), settings, metrics).with_events(tx);
-    let shutdown = CancellationToken::new();
-    let join = tokio::spawn(runner.run(shutdown.clone()));
-    WrappedWorker {
-        shutdown,
-        join,
-        events,
-        client,
+    async fn stop(self) -> Vec<RunnerEvent> {
+        tokio::time::timeout(Duration::from_secs(10), self.0.stop_collecting())
+            .await
+            .unwrap_or_default()
     }
 }
 
 /// Starts a one-slot worker and waits until the append of its first model step is held by its
-/// engine decorator: the moment a test changes the engine's state under the worker.
+/// engine gate: the moment a test changes the engine's state under the worker.
 async fn worker_held_at_model_append(
     stack: &Stack,
     worker_id: &str,
     lock: Duration,
 ) -> (WrappedWorker, Arc<Freezable>) {
-    let mut gate = None;
-    let worker = spawn_wrapped(stack, opts(worker_id, 1, lock), |inner| {
-        let f = Freezable::new(inner, |op, _, step| match (op, step) {
-            (Op::JournalAppend, Some(s)) if s.kind == "model" => Hold::ThisCall,
-            _ => Hold::Pass,
-        });
-        gate = Some(f.clone());
-        f
+    let gate = Freezable::new(|op, _, step| match (op, step) {
+        (Op::JournalAppend, Some(s)) if s.kind == "model" => Hold::ThisCall,
+        _ => Hold::Pass,
     });
-    let gate = gate.expect("the wrapper ran");
+    let worker = WrappedWorker::spawn(stack, opts(worker_id, 1, lock), gate.clone());
     gate.wait_held(Op::JournalAppend, Duration::from_secs(20))
         .await;
     (worker, gate)
@@ -918,19 +848,14 @@ async fn a_worker_stops_an_older_attempt_when_it_fetches_the_task_again() {
     let id = stack
         .engine
         .create_task(spec(stack.refund_agent("openai/refund", &[]), "o-8"));
-    let mut gate = None;
     let lock = Duration::from_secs(30);
-    let worker = spawn_wrapped(&stack, opts("w-twice", 2, lock), |inner| {
-        let f = Freezable::new(inner, |op, task, step| match (op, task, step) {
-            (Op::JournalAppend, Some(t), Some(s)) if s.kind == "model" && t.attempt == Some(1) => {
-                Hold::ThisCall
-            }
-            _ => Hold::Pass,
-        });
-        gate = Some(f.clone());
-        f
+    let gate = Freezable::new(|op, task, step| match (op, task, step) {
+        (Op::JournalAppend, Some(t), Some(s)) if s.kind == "model" && t.attempt == Some(1) => {
+            Hold::ThisCall
+        }
+        _ => Hold::Pass,
     });
-    let gate = gate.unwrap();
+    let worker = WrappedWorker::spawn(&stack, opts("w-twice", 2, lock), gate.clone());
     gate.wait_held(Op::JournalAppend, Duration::from_secs(20))
         .await;
     stack.engine.advance(lock + Duration::from_secs(1));
@@ -1061,20 +986,15 @@ async fn the_seed_story_a_frozen_worker_wakes_to_find_its_task_taken() {
     // Lock 9 s: a heartbeat falls due (and is held) within 3 s, and its own clock would give
     // the lease up only after 8.1 s, long after this story is told.
     let lock = Duration::from_secs(9);
-    let mut gate1 = None;
-    let w1 = spawn_wrapped(&stack, opts("w1", 2, lock), |inner| {
-        let f = Freezable::new(inner, |op, _, step| match (op, step) {
-            (Op::JournalAppend, Some(s))
-                if s.kind == "tool" && s.state == "finished" && s.key.is_some() =>
-            {
-                Hold::Everything
-            }
-            _ => Hold::Pass,
-        });
-        gate1 = Some(f.clone());
-        f
+    let gate1 = Freezable::new(|op, _, step| match (op, step) {
+        (Op::JournalAppend, Some(s))
+            if s.kind == "tool" && s.state == "finished" && s.key.is_some() =>
+        {
+            Hold::Everything
+        }
+        _ => Hold::Pass,
     });
-    let gate1 = gate1.unwrap();
+    let w1 = WrappedWorker::spawn(&stack, opts("w1", 2, lock), gate1.clone());
     gate1
         .wait_held(Op::JournalAppend, Duration::from_secs(20))
         .await;
@@ -1087,16 +1007,11 @@ async fn the_seed_story_a_frozen_worker_wakes_to_find_its_task_taken() {
     // The lease runs out on the engine's clock; worker 2 takes the task and gets as far as
     // its completion, which it is made to hold.
     stack.engine.advance(lock + Duration::from_secs(1));
-    let mut gate2 = None;
-    let w2 = spawn_wrapped(&stack, opts("w2", 2, lock), |inner| {
-        let f = Freezable::new(inner, |op, _, _| match op {
-            Op::Complete => Hold::ThisCall,
-            _ => Hold::Pass,
-        });
-        gate2 = Some(f.clone());
-        f
+    let gate2 = Freezable::new(|op, _, _| match op {
+        Op::Complete => Hold::ThisCall,
+        _ => Hold::Pass,
     });
-    let gate2 = gate2.unwrap();
+    let w2 = WrappedWorker::spawn(&stack, opts("w2", 2, lock), gate2.clone());
     gate2.wait_held(Op::Complete, Duration::from_secs(20)).await;
     let resumed = stack.engine.task(&id).unwrap();
     assert_eq!(
@@ -1143,7 +1058,8 @@ async fn the_seed_story_a_frozen_worker_wakes_to_find_its_task_taken() {
         assert_eq!(refused.attempt, Some(1));
     }
     gate1.thaw();
-    let w1_client = w1.client.clone();
+    // The worker's own engine client (its gate is thawed: calls go straight through).
+    let w1_client = w1.0.engine.clone();
     let w1_events = w1.stop().await;
     assert!(
         w1_events.iter().any(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: "lease_lost", .. } if *task_id == id)),
@@ -1159,7 +1075,7 @@ async fn the_seed_story_a_frozen_worker_wakes_to_find_its_task_taken() {
         attempt: Some(1),
         trace_parent: None,
     };
-    let credential = credential_refusal(&w1_client, &stale).await;
+    let credential = credential_refusal(w1_client.as_ref(), &stale).await;
     assert_eq!(credential, Some(LeaseLostReason::NotOwned));
     let completion = w1_client
         .complete(&stale, &Map::new())
@@ -1217,7 +1133,7 @@ async fn the_seed_story_a_frozen_worker_wakes_to_find_its_task_taken() {
     stack.shutdown().await;
 }
 
-async fn credential_refusal(client: &HttpEngine, task: &TaskRef) -> Option<LeaseLostReason> {
+async fn credential_refusal(client: &dyn Engine, task: &TaskRef) -> Option<LeaseLostReason> {
     match client.tool_credential(task, ORDERS_SERVER).await {
         Ok(_) => None,
         Err(e) => e.lease_lost(),
