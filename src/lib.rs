@@ -11,7 +11,9 @@ pub mod backoff;
 pub mod config;
 pub mod conversation;
 pub mod decoders;
+#[cfg(feature = "devkit")]
 pub mod demo;
+#[cfg(feature = "devkit")]
 pub mod devkit;
 pub mod engine;
 pub mod errors;

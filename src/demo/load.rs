@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use super::timeline::{Output, Timeline};
 use super::{Check, Crew, DemoError, DemoReport, refund_task, start_stack, timeout_error};
 use crate::devkit::engine::TaskStatus;
-use crate::devkit::stack::{Stack, WorkerOptions};
+use crate::devkit::stack::{Stack, StackWorkers, WorkerOptions};
 use crate::runner::RunnerEvent;
 
 const SCENARIO: &str = "load";

@@ -18,7 +18,7 @@ use super::{
 };
 use crate::devkit::engine::{TaskStatus, TaskView};
 use crate::devkit::model::{Fault, FaultTimes};
-use crate::devkit::stack::{Stack, WorkerOptions, refund_script};
+use crate::devkit::stack::{Stack, StackWorkers, WorkerOptions, refund_script};
 
 const SCENARIO: &str = "rate-limit";
 const LIMIT: Duration = Duration::from_secs(15);

@@ -20,7 +20,7 @@ use super::{
 use crate::devkit::engine::{CallRecord, Disposition, Operation, TaskStatus};
 use crate::devkit::freeze::{FreezeGate, FreezePoint, StepMatch};
 use crate::devkit::gate::GatedEngine;
-use crate::devkit::stack::{ORDERS_SERVER, Stack, WorkerOptions};
+use crate::devkit::stack::{ORDERS_SERVER, Stack, StackWorkers, WorkerOptions};
 use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::engine::{Engine, JournalStep, TaskRef};
 use crate::metrics::Metrics;

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use abada_agent_worker::devkit::engine::{ProtocolLevel, TaskSpec, TaskStatus, TaskView};
-use abada_agent_worker::devkit::stack::{Stack, WorkerOptions};
+use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
 use serde_json::{Map, Value, json};
 
 pub fn spec(agent: Value, order: &str) -> TaskSpec {
@@ -128,7 +128,7 @@ mod outcomes {
 
     use abada_agent_worker::devkit::engine::{Fault as EngineFault, Operation, TaskStatus};
     use abada_agent_worker::devkit::model::{Fault, FaultTimes, Script, Turn};
-    use abada_agent_worker::devkit::stack::{Stack, WorkerOptions};
+    use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
     use serde_json::json;
 
     use super::{spec, wait_all_ended};

@@ -24,7 +24,7 @@ use abada_agent_worker::devkit::gate::{self, GatedEngine};
 use abada_agent_worker::devkit::model::Script;
 use abada_agent_worker::devkit::model::Turn;
 use abada_agent_worker::devkit::stack::{
-    ORDERS_SERVER, REFUND_MODEL, Stack, WorkerHandle, WorkerOptions, refund_script,
+    ORDERS_SERVER, REFUND_MODEL, Stack, StackWorkers, WorkerHandle, WorkerOptions, refund_script,
 };
 use abada_agent_worker::engine::client::{EngineClientSettings, HttpEngine};
 use abada_agent_worker::engine::{

@@ -12,7 +12,9 @@ use abada_agent_worker::devkit::engine::{
     BadBody, Disposition, Fault, Operation, ProtocolLevel, TaskSpec, TaskStatus, TaskView,
 };
 use abada_agent_worker::devkit::model::{Fault as ModelFault, FaultTimes, Script, Turn};
-use abada_agent_worker::devkit::stack::{Stack, WorkerHandle, WorkerOptions, refund_script};
+use abada_agent_worker::devkit::stack::{
+    Stack, StackWorkers, WorkerHandle, WorkerOptions, refund_script,
+};
 use abada_agent_worker::runner::RunnerEvent;
 use serde_json::{Map, Value, json};
 

@@ -12,7 +12,7 @@ use abada_agent_worker::devkit::engine::{
     CallRecord, Disposition, EngineEmulator, Fault, Operation, ProtocolLevel, TaskStatus, TaskView,
 };
 use abada_agent_worker::devkit::model::{Fault as ModelFault, FaultTimes};
-use abada_agent_worker::devkit::stack::{Stack, WorkerOptions, refund_script};
+use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions, refund_script};
 use abada_agent_worker::runner::RunnerEvent;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;

@@ -1,4 +1,4 @@
-//! ToolSessions (src/tools.rs) against the devkit MCP tool server (src/devkit/tools.rs).
+//! ToolSessions (src/tools.rs) against the devkit MCP tool server (devkit/src/tools.rs).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
