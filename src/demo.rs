@@ -24,6 +24,7 @@ use tokio::sync::mpsc;
 
 use crate::devkit::engine::{TaskSpec, TaskStatus, TaskView};
 use crate::devkit::stack::{Stack, StackError, WorkerHandle};
+use crate::handler::TaskEnd;
 use crate::heartbeat::HeartbeatEvent;
 use crate::runner::RunnerEvent;
 
@@ -320,7 +321,7 @@ pub(crate) struct DemoWorker {
     pub stats: WorkerSummary,
     pub running: u32,
     /// Each attempt this worker ended: (task, attempt, outcome).
-    pub ended: Vec<(String, Option<u32>, &'static str)>,
+    pub ended: Vec<(String, Option<u32>, TaskEnd)>,
 }
 
 /// The workers of a scenario, their events merged into one channel (per-worker order kept).
@@ -387,13 +388,12 @@ impl Crew {
                 outcome,
             } => {
                 w.running = w.running.saturating_sub(1);
-                if *outcome == "completed" {
-                    w.stats.completed += 1;
+                match outcome {
+                    TaskEnd::Completed => w.stats.completed += 1,
+                    TaskEnd::LeaseLost => w.stats.leases_lost += 1,
+                    _ => {}
                 }
-                if *outcome == "lease_lost" {
-                    w.stats.leases_lost += 1;
-                }
-                w.ended.push((task_id.clone(), *attempt, outcome));
+                w.ended.push((task_id.clone(), *attempt, *outcome));
             }
             RunnerEvent::Heartbeat(HeartbeatEvent::Extended { .. }) => w.stats.heartbeats += 1,
             RunnerEvent::Heartbeat(_) => {}
@@ -548,12 +548,12 @@ pub(crate) fn narrate(tl: &mut Timeline, name: &str, event: &RunnerEvent) {
             attempt,
             outcome,
         } => {
-            let text = match *outcome {
-                "completed" => format!("{task_id} completed"),
-                "lease_lost" => {
+            let text = match outcome {
+                TaskEnd::Completed => format!("{task_id} completed"),
+                TaskEnd::LeaseLost => {
                     format!("{task_id}: lease lost -> abandons the attempt, reports nothing")
                 }
-                "deferred" => {
+                TaskEnd::Deferred => {
                     format!("{task_id} deferred: failure with retries unchanged and a retryTimeout")
                 }
                 other => format!("{task_id} ended: {other}"),
@@ -562,7 +562,7 @@ pub(crate) fn narrate(tl: &mut Timeline, name: &str, event: &RunnerEvent) {
                 name,
                 "task_ended",
                 text,
-                json!({"task": task_id, "attempt": attempt, "outcome": outcome}),
+                json!({"task": task_id, "attempt": attempt, "outcome": outcome.as_str()}),
             );
         }
         RunnerEvent::FetchFailed { error } => tl.emit(

@@ -30,7 +30,9 @@ use tracing::Instrument;
 
 use crate::backoff::{self, Backoff};
 use crate::engine::{Engine, EngineError, FailureReport, FetchRequest, ProbeOutcome, Task};
-use crate::handler::{FailureKind, Outcome, TaskContext, TaskHandler, retries_consumed};
+use crate::handler::{
+    FailureKind, Outcome, TaskContext, TaskEnd, TaskError, TaskHandler, retries_consumed,
+};
 use crate::heartbeat::{self, HeartbeatEvent, HeartbeatHandle, HeartbeatSettings};
 use crate::lease::Lease;
 use crate::metrics::{Metrics, OutcomeLabel, ReasonLabel, ResultLabel};
@@ -92,11 +94,10 @@ pub enum RunnerEvent {
         task_id: String,
         attempt: Option<u32>,
     },
-    /// `outcome` is an [`Outcome::label`] or `report_failed`.
     TaskEnded {
         task_id: String,
         attempt: Option<u32>,
-        outcome: &'static str,
+        outcome: TaskEnd,
     },
     Heartbeat(HeartbeatEvent),
 }
@@ -585,8 +586,8 @@ async fn run_task(
         // the engine after the completion, be refused as "not locked" and make a completed task
         // look lost. The report is short next to the lease (at least 2/3 of it is left here).
         shared.heartbeat.release(lease.id());
-        let label = report(&shared, &task, &lease, outcome).await;
-        if label == "lease_lost" {
+        let end = report(&shared, &task, &lease, outcome).await;
+        if end == TaskEnd::LeaseLost {
             let reason = lease
                 .lost_reason()
                 .unwrap_or(crate::engine::LeaseLostReason::NotOwned);
@@ -608,18 +609,18 @@ async fn run_task(
         shared
             .metrics
             .tasks_ended
-            .get_or_create(&OutcomeLabel { outcome: label })
+            .get_or_create(&OutcomeLabel { outcome: end })
             .inc();
         shared
             .metrics
             .task_duration
-            .get_or_create(&OutcomeLabel { outcome: label })
+            .get_or_create(&OutcomeLabel { outcome: end })
             .observe(took);
-        tracing::info!(outcome = label, duration_ms = (took * 1000.0) as u64, "task ended");
+        tracing::info!(outcome = end.as_str(), duration_ms = (took * 1000.0) as u64, "task ended");
         shared.emit(RunnerEvent::TaskEnded {
             task_id: task.id.clone(),
             attempt: task.attempt,
-            outcome: label,
+            outcome: end,
         });
     }
     .instrument(span)
@@ -630,10 +631,10 @@ async fn run_task(
 }
 
 /// Turns an outcome into its one engine call; nothing when the lease is lost.
-async fn report(shared: &Shared, task: &Task, lease: &Lease, outcome: Outcome) -> &'static str {
-    let label = outcome.label();
+async fn report(shared: &Shared, task: &Task, lease: &Lease, outcome: Outcome) -> TaskEnd {
+    let end = outcome.end();
     if lease.is_lost() || matches!(outcome, Outcome::Abandoned) {
-        return "lease_lost";
+        return TaskEnd::LeaseLost;
     }
     let ctx = TaskContext::new(
         shared.engine.clone(),
@@ -653,11 +654,11 @@ async fn report(shared: &Shared, task: &Task, lease: &Lease, outcome: Outcome) -
         Outcome::Abandoned => unreachable!("handled above"),
     };
     match result {
-        Ok(()) => label,
-        Err(e) if e.lease_lost().is_some() => "lease_lost",
-        Err(e) => {
-            tracing::error!(task_id = %task.id, error = %e, outcome = label, "could not report the task's outcome; its lease will expire and the engine will offer it again");
-            "report_failed"
+        Ok(()) => end,
+        Err(TaskError::LeaseLost(_)) => TaskEnd::LeaseLost,
+        Err(TaskError::Engine(e)) => {
+            tracing::error!(task_id = %task.id, error = %e, outcome = end.as_str(), "could not report the task's outcome; its lease will expire and the engine will offer it again");
+            TaskEnd::ReportFailed
         }
     }
 }

@@ -16,7 +16,9 @@ use super::definition::{self, AgentDefinition};
 use super::journal::{self, PendingCall, Replayed};
 use crate::conversation::{ToolCall, ToolResult, ToolSpec};
 use crate::engine::{EngineError, FailureReport, JournalStep, Task};
-use crate::handler::{FailureKind, Outcome, TaskContext, retries_consumed, retries_unchanged};
+use crate::handler::{
+    FailureKind, Outcome, TaskContext, TaskError, retries_consumed, retries_unchanged,
+};
 use crate::metrics::{ModelLabels, ModelTokenLabels, ToolLabels};
 use crate::provider::ModelRequest;
 use crate::provider::fallback::{CallAttempt, ModelCallError, call_with_fallback_observed};
@@ -51,16 +53,19 @@ struct LeaseCredentials {
 #[async_trait]
 impl CredentialSource for LeaseCredentials {
     async fn credential(&self, server: &str) -> Result<Secret, CredentialError> {
-        match self.ctx.tool_credential(server).await {
-            Ok(c) => Ok(c.token),
-            Err(e) if e.lease_lost().is_some() => Err(CredentialError::LeaseLost {
-                server: server.to_string(),
-            }),
-            Err(e) => Err(CredentialError::Transient {
-                server: server.to_string(),
-                reason: e.to_string(),
-            }),
-        }
+        self.ctx
+            .tool_credential(server)
+            .await
+            .map(|c| c.token)
+            .map_err(|e| match e {
+                TaskError::LeaseLost(_) => CredentialError::LeaseLost {
+                    server: server.to_string(),
+                },
+                TaskError::Engine(e) => CredentialError::Transient {
+                    server: server.to_string(),
+                    reason: e.to_string(),
+                },
+            })
     }
 }
 
@@ -95,16 +100,16 @@ impl<'a> Attempt<'a> {
                     ));
                 }
             },
-            Err(EngineError::NotFound { .. }) => {
+            Err(TaskError::Engine(EngineError::NotFound { .. })) => {
                 rt.warn_no_journal_once();
                 (Replayed::empty(), false)
             }
-            Err(e) if e.lease_lost().is_some() => return Err(Outcome::Abandoned),
             Err(e) => {
-                return Err(technical(
+                return Err(call_failed(
                     rt,
                     task,
-                    format!("could not read the task's journal: {e}"),
+                    e,
+                    "could not read the task's journal",
                 ));
             }
         };
@@ -178,17 +183,14 @@ impl<'a> Attempt<'a> {
 
     async fn journal(&mut self, step: JournalStep) -> Step {
         if self.journal_enabled {
-            match self.ctx.append_journal(&step).await {
-                Ok(_) => {}
-                Err(e) if e.lease_lost().is_some() => return Err(Outcome::Abandoned),
-                Err(e) => {
-                    return Err(technical(
-                        self.rt,
-                        self.task,
-                        format!("could not journal step {}: {e}", step.seq),
-                    ));
-                }
-            }
+            self.ctx.append_journal(&step).await.map_err(|e| {
+                call_failed(
+                    self.rt,
+                    self.task,
+                    e,
+                    &format!("could not journal step {}", step.seq),
+                )
+            })?;
         }
         self.state
             .apply(&step)
@@ -528,6 +530,12 @@ fn incident(message: &str, details: String) -> Outcome {
             retry_timeout: Duration::ZERO,
         },
     }
+}
+
+/// The outcome of a call about the task that failed and cannot be done without: nothing to
+/// report when the lease is lost, else a technical failure saying `what` went wrong.
+fn call_failed(rt: &AgentRuntime, task: &Task, e: TaskError, what: &str) -> Outcome {
+    e.into_outcome(|e| technical(rt, task, format!("{what}: {e}")))
 }
 
 /// A technical failure: one retry consumed, an exponential `retryTimeout` by attempt.

@@ -358,7 +358,7 @@ mod outcomes {
             if let Some(abada_agent_worker::runner::RunnerEvent::TaskEnded { outcome, .. }) =
                 w.events.recv().await
             {
-                assert_eq!(outcome, "lease_lost");
+                assert_eq!(outcome, abada_agent_worker::handler::TaskEnd::LeaseLost);
                 break;
             }
         }

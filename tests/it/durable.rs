@@ -30,6 +30,7 @@ use abada_agent_worker::engine::{
     AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
     JournalStep, LeaseLostReason, Task, TaskRef, ToolCredential,
 };
+use abada_agent_worker::handler::TaskEnd;
 use abada_agent_worker::metrics::Metrics;
 use abada_agent_worker::runner::{Runner, RunnerEvent, RunnerSettings};
 use abada_agent_worker::secret::Secret;
@@ -785,7 +786,7 @@ async fn a_journal_conflict_during_a_run_stops_it_silently() {
     assert_eq!(refused.error_code.as_deref(), Some("JOURNAL_CONFLICT"));
     let events = worker.stop().await;
     assert!(
-        events.iter().any(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: "lease_lost", .. } if *task_id == id)),
+        events.iter().any(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: TaskEnd::LeaseLost, .. } if *task_id == id)),
         "{events:?}"
     );
     let calls = stack.engine.calls();
@@ -819,7 +820,7 @@ async fn a_stale_attempt_during_a_run_stops_it_silently() {
     assert_eq!(refused.attempt, Some(1));
     let events = worker.stop().await;
     assert!(
-        events.iter().any(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: "lease_lost", .. } if *task_id == id)),
+        events.iter().any(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: TaskEnd::LeaseLost, .. } if *task_id == id)),
         "{events:?}"
     );
     let calls = stack.engine.calls();
@@ -863,7 +864,7 @@ async fn an_expired_lease_during_a_run_stops_it_silently() {
             e,
             RunnerEvent::TaskEnded {
                 attempt: Some(1),
-                outcome: "lease_lost",
+                outcome: TaskEnd::LeaseLost,
                 ..
             }
         )),
@@ -978,7 +979,7 @@ async fn a_worker_stops_an_older_attempt_when_it_fetches_the_task_again() {
     );
     assert_eq!(stack.model.total_calls(), 4, "turn 1 paid twice, no more");
     assert_eq!(stack.tools.counters().await.writes_applied, 1);
-    let ended: Vec<(Option<u32>, &str)> = events
+    let ended: Vec<(Option<u32>, TaskEnd)> = events
         .iter()
         .filter_map(|e| match e {
             RunnerEvent::TaskEnded {
@@ -987,8 +988,8 @@ async fn a_worker_stops_an_older_attempt_when_it_fetches_the_task_again() {
             _ => None,
         })
         .collect();
-    assert!(ended.contains(&(Some(1), "lease_lost")), "{ended:?}");
-    assert!(ended.contains(&(Some(2), "completed")), "{ended:?}");
+    assert!(ended.contains(&(Some(1), TaskEnd::LeaseLost)), "{ended:?}");
+    assert!(ended.contains(&(Some(2), TaskEnd::Completed)), "{ended:?}");
     stack.shutdown().await;
 }
 
@@ -1146,7 +1147,7 @@ async fn the_seed_story_a_frozen_worker_wakes_to_find_its_task_taken() {
     let w1_client = w1.client.clone();
     let w1_events = w1.stop().await;
     assert!(
-        w1_events.iter().any(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: "lease_lost", .. } if *task_id == id)),
+        w1_events.iter().any(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: TaskEnd::LeaseLost, .. } if *task_id == id)),
         "{w1_events:?}"
     );
     let calls = stack.engine.calls();

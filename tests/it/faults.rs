@@ -13,6 +13,7 @@ use abada_agent_worker::devkit::engine::{
 };
 use abada_agent_worker::devkit::model::{Fault as ModelFault, FaultTimes, Script, Turn};
 use abada_agent_worker::devkit::stack::{Stack, WorkerHandle, WorkerOptions, refund_script};
+use abada_agent_worker::handler::TaskEnd;
 use abada_agent_worker::runner::RunnerEvent;
 use serde_json::{Map, Value, json};
 
@@ -498,7 +499,7 @@ async fn an_engine_outage_keeps_leases_while_it_can_fences_when_it_cannot_and_re
     let lost = {
         let id = id.clone();
         within("the task to fence itself", recorder.wait_until(move |ev| {
-            ev.iter().any(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: "lease_lost", .. } if *task_id == id))
+            ev.iter().any(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: TaskEnd::LeaseLost, .. } if *task_id == id))
         }))
     };
     if tokio::time::timeout(Duration::from_secs(12), lost)

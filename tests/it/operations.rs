@@ -13,6 +13,7 @@ use abada_agent_worker::devkit::engine::{
 };
 use abada_agent_worker::devkit::model::{Fault as ModelFault, FaultTimes};
 use abada_agent_worker::devkit::stack::{Stack, WorkerOptions, refund_script};
+use abada_agent_worker::handler::TaskEnd;
 use abada_agent_worker::runner::RunnerEvent;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -606,10 +607,10 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
     .await
     .unwrap();
 
-    let mut ended: HashMap<String, &'static str> = HashMap::new();
+    let mut ended: HashMap<String, TaskEnd> = HashMap::new();
     async fn until_ended(
         events: &mut tokio::sync::mpsc::UnboundedReceiver<RunnerEvent>,
-        ended: &mut HashMap<String, &'static str>,
+        ended: &mut HashMap<String, TaskEnd>,
         ids: &[String],
     ) {
         tokio::time::timeout(Duration::from_secs(60), async {
@@ -653,19 +654,19 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
     worker.stop().await;
     assert!(status.is_draining());
 
-    let expected_outcomes: HashMap<String, &str> = phase1
+    let expected_outcomes: HashMap<String, TaskEnd> = phase1
         .iter()
         .map(|id| {
             (
                 id.clone(),
                 if *id == deferred {
-                    "deferred"
+                    TaskEnd::Deferred
                 } else {
-                    "completed"
+                    TaskEnd::Completed
                 },
             )
         })
-        .chain([(lost.clone(), "lease_lost")])
+        .chain([(lost.clone(), TaskEnd::LeaseLost)])
         .collect();
     assert_eq!(
         ended

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use abada_agent_worker::engine::{Engine, Task};
-use abada_agent_worker::handler::{Outcome, TaskContext, TaskHandler};
+use abada_agent_worker::handler::{Outcome, TaskContext, TaskEnd, TaskHandler};
 use abada_agent_worker::metrics::Metrics;
 use abada_agent_worker::runner::{Runner, RunnerEvent, RunnerSettings};
 use async_trait::async_trait;
@@ -235,7 +235,7 @@ async fn a_refused_extension_stops_the_task_silently_and_frees_its_slot() {
                 task_id, outcome, ..
             } => {
                 assert_eq!(task_id, "lost");
-                assert_eq!(outcome, "lease_lost");
+                assert_eq!(outcome, TaskEnd::LeaseLost);
                 break;
             }
             _ => continue,
@@ -270,7 +270,7 @@ async fn no_accepted_extension_for_a_lock_duration_loses_the_lease_with_the_engi
     let started = Instant::now();
     loop {
         if let RunnerEvent::TaskEnded { outcome, .. } = r.events.recv().await.unwrap() {
-            assert_eq!(outcome, "lease_lost");
+            assert_eq!(outcome, TaskEnd::LeaseLost);
             break;
         }
     }
@@ -310,7 +310,10 @@ async fn the_same_task_fetched_again_stops_the_older_attempt() {
             ended.push((attempt, outcome));
         }
     }
-    assert_eq!(ended, vec![(Some(1), "lease_lost"), (Some(2), "completed")]);
+    assert_eq!(
+        ended,
+        vec![(Some(1), TaskEnd::LeaseLost), (Some(2), TaskEnd::Completed)]
+    );
     r.shutdown.cancel();
     r.join.await.unwrap();
     let completes: Vec<_> = engine

@@ -24,7 +24,7 @@ use abada_agent_worker::engine::{
     AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
     JournalStep, Task, TaskRef, ToolCredential,
 };
-use abada_agent_worker::handler::{Outcome, TaskContext, TaskHandler};
+use abada_agent_worker::handler::{Outcome, TaskContext, TaskEnd, TaskHandler};
 use abada_agent_worker::metrics::Metrics;
 use abada_agent_worker::runner::{Runner, RunnerEvent, RunnerSettings};
 use async_trait::async_trait;
@@ -362,7 +362,7 @@ impl SpawnedWorker {
     }
 
     /// The `TaskEnded` outcome of `task_id` at `attempt`, once it ended.
-    pub async fn wait_ended(&self, task_id: &str, attempt: u32) -> &'static str {
+    pub async fn wait_ended(&self, task_id: &str, attempt: u32) -> TaskEnd {
         match self
             .wait_event(|e| {
                 matches!(e, RunnerEvent::TaskEnded { task_id: t, attempt: a, .. }
