@@ -11,10 +11,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 
-use super::AgentRuntime;
 use super::definition::{self, AgentDefinition};
 use super::journal::{self, PendingCall, Replayed};
+use super::{AgentRuntime, JournalHome};
 use crate::conversation::{ToolCall, ToolResult, ToolSpec};
+use crate::engine::capabilities::NoJournalEvidence;
 use crate::engine::{EngineError, FailureReport, JournalStep, Task};
 use crate::handler::{
     FailureKind, Outcome, TaskContext, TaskError, retries_consumed, retries_unchanged,
@@ -75,7 +76,9 @@ struct Attempt<'a> {
     ctx: &'a TaskContext,
     def: AgentDefinition,
     state: Replayed,
-    journal_enabled: bool,
+    /// Where this attempt journals its steps (nowhere when the engine turned out to have no
+    /// journal).
+    journal: JournalHome,
     tools: ToolSessions,
     specs: Option<Vec<ToolSpec>>,
     /// Model requests of this attempt that produced no journaled answer (failed, retried).
@@ -90,28 +93,34 @@ impl<'a> Attempt<'a> {
         ctx: &'a TaskContext,
         def: AgentDefinition,
     ) -> Step<Attempt<'a>> {
-        let (state, journal_enabled) = match ctx.read_journal().await {
-            Ok(j) => match Replayed::from_steps(&j.steps) {
-                Ok(r) => (r, true),
+        let (state, journal) = match rt.journal_home(task) {
+            JournalHome::Engine => match ctx.read_journal().await {
+                Ok(j) => {
+                    rt.capabilities.journal_answered();
+                    match Replayed::from_steps(&j.steps) {
+                        Ok(r) => (r, JournalHome::Engine),
+                        Err(e) => {
+                            return Err(incident(
+                                "the task's journal cannot be resumed",
+                                e.to_string(),
+                            ));
+                        }
+                    }
+                }
+                Err(TaskError::Engine(EngineError::NotFound { .. })) => {
+                    rt.capabilities.journal_missing(NoJournalEvidence::NotFound);
+                    (Replayed::empty(), JournalHome::Nowhere)
+                }
                 Err(e) => {
-                    return Err(incident(
-                        "the task's journal cannot be resumed",
-                        e.to_string(),
+                    return Err(call_failed(
+                        rt,
+                        task,
+                        e,
+                        "could not read the task's journal",
                     ));
                 }
             },
-            Err(TaskError::Engine(EngineError::NotFound { .. })) => {
-                rt.warn_no_journal_once();
-                (Replayed::empty(), false)
-            }
-            Err(e) => {
-                return Err(call_failed(
-                    rt,
-                    task,
-                    e,
-                    "could not read the task's journal",
-                ));
-            }
+            JournalHome::Nowhere => (Replayed::empty(), JournalHome::Nowhere),
         };
         if state.turns > 0 || state.input.is_some() {
             tracing::info!(
@@ -135,7 +144,7 @@ impl<'a> Attempt<'a> {
             ctx,
             def,
             state,
-            journal_enabled,
+            journal,
             tools,
             specs: None,
             unanswered_model_calls: 0,
@@ -182,15 +191,18 @@ impl<'a> Attempt<'a> {
     }
 
     async fn journal(&mut self, step: JournalStep) -> Step {
-        if self.journal_enabled {
-            self.ctx.append_journal(&step).await.map_err(|e| {
-                call_failed(
-                    self.rt,
-                    self.task,
-                    e,
-                    &format!("could not journal step {}", step.seq),
-                )
-            })?;
+        match self.journal {
+            JournalHome::Engine => {
+                self.ctx.append_journal(&step).await.map_err(|e| {
+                    call_failed(
+                        self.rt,
+                        self.task,
+                        e,
+                        &format!("could not journal step {}", step.seq),
+                    )
+                })?;
+            }
+            JournalHome::Nowhere => {}
         }
         self.state
             .apply(&step)

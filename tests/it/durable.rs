@@ -996,18 +996,24 @@ async fn a_worker_stops_an_older_attempt_when_it_fetches_the_task_again() {
 // ---- engines without a journal ----------------------------------------------------------------
 
 /// On an engine without a journal (404), agents still run to completion; the real binary says
-/// so once in its log; each attempt reads the journal once and never appends.
+/// so once in its log. The absence is learned from the first answers and held: tasks that start
+/// after it was learned never ask for the journal, and no attempt ever appends.
 #[tokio::test]
 async fn without_a_journal_agents_run_and_the_worker_warns_once() {
     use crate::support::process::{WorkerProcess, stack_env};
     let stack = Stack::start(ProtocolLevel::AgentV1WithoutJournal)
         .await
         .unwrap();
-    let ids = stack.engine.create_tasks(
+    let first = stack.engine.create_tasks(
         (0..3).map(|i| spec(stack.refund_agent("openai/refund", &[]), &format!("o-{i}"))),
     );
     let mut worker = WorkerProcess::spawn(&stack_env(&stack, "nojournal-1")).await;
-    let views = wait_all_ended(&stack, &ids, Duration::from_secs(30)).await;
+    let mut views = wait_all_ended(&stack, &first, Duration::from_secs(30)).await;
+    // Created after the first ones ended: the worker knows by now.
+    let later = stack.engine.create_tasks(
+        (3..6).map(|i| spec(stack.refund_agent("openai/refund", &[]), &format!("o-{i}"))),
+    );
+    views.extend(wait_all_ended(&stack, &later, Duration::from_secs(30)).await);
     worker.signal("TERM");
     let exit = worker.wait(Duration::from_secs(10)).await;
     assert!(exit.success(), "{exit}");
@@ -1018,17 +1024,23 @@ async fn without_a_journal_agents_run_and_the_worker_warns_once() {
         let result = view.result_variables.as_ref().unwrap();
         assert_eq!(result["refundDecision"]["decision"], "refunded");
         let reads = calls_of(&calls, &view.id, Operation::JournalRead);
-        assert_eq!(
-            reads.len() as u32,
-            view.counters.acquisitions,
-            "once per attempt"
+        assert!(
+            reads.len() as u32 <= view.counters.acquisitions,
+            "at most once per attempt: {reads:?}"
         );
         assert!(reads.iter().all(|c| c.status == 404));
         assert!(calls_of(&calls, &view.id, Operation::JournalAppend).is_empty());
     }
+    let asked = |ids: &[String]| {
+        ids.iter()
+            .map(|id| calls_of(&calls, id, Operation::JournalRead).len())
+            .sum::<usize>()
+    };
+    assert!(asked(&first) >= 1, "the first tasks asked");
+    assert_eq!(asked(&later), 0, "held: never asked again");
     // Keyed writes are still keyed.
     let keys = refund_keys(&stack);
-    assert_eq!(keys.len(), 3);
+    assert_eq!(keys.len(), 6);
     assert!(
         keys.iter()
             .all(|k| k.as_deref().is_some_and(|k| k.starts_with("abada:t-")))
@@ -1041,6 +1053,61 @@ async fn without_a_journal_agents_run_and_the_worker_warns_once() {
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     let line: Value = serde_json::from_str(&warnings[0]).unwrap();
     assert_eq!(line["level"], "WARN", "{line}");
+    stack.shutdown().await;
+}
+
+/// A plain v1 engine (tasks without `attempt`, no agent/1 endpoints, Part D) is never asked for
+/// a journal: a task without `attempt` is not an agent/1 task. The definition comes from the
+/// agents file; the worker says once that agents run without durability.
+#[tokio::test]
+async fn a_plain_v1_engine_is_never_asked_for_a_journal() {
+    use crate::support::process::{WorkerProcess, stack_env};
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    stack.model.set_script(
+        "final-only",
+        Script::new(vec![Turn::text(r#"{"done": true}"#)]).with_usage(10, 5),
+    );
+    let dir = std::env::temp_dir().join(format!("abada-plain-v1-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let agents = dir.join("agents.toml");
+    std::fs::write(
+        &agents,
+        "[agents.\"abada:agent\"]\nmodel = \"openai/final-only\"\ninput = \"${orderId}\"\n",
+    )
+    .unwrap();
+    let ids = stack.engine.create_tasks((0..3).map(|i| {
+        spec(
+            stack.refund_agent("openai/final-only", &[]),
+            &format!("o-{i}"),
+        )
+    }));
+    let mut env = stack_env(&stack, "plain-1");
+    env.push((
+        "ABADA_AGENT_AGENTS_FILE".into(),
+        agents.display().to_string(),
+    ));
+    let mut worker = WorkerProcess::spawn(&env).await;
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(30)).await;
+    worker.signal("TERM");
+    let exit = worker.wait(Duration::from_secs(10)).await;
+    assert!(exit.success(), "{exit}");
+    let calls = stack.engine.calls();
+    for view in &views {
+        assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
+        assert_eq!(
+            view.result_variables.as_ref().unwrap()["agentResult"],
+            json!({"done": true})
+        );
+        assert!(calls_of(&calls, &view.id, Operation::JournalRead).is_empty());
+        assert!(calls_of(&calls, &view.id, Operation::JournalAppend).is_empty());
+    }
+    let warnings: Vec<String> = worker
+        .stdout()
+        .into_iter()
+        .filter(|l| l.contains("keeps no journal"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    let _ = std::fs::remove_dir_all(&dir);
     stack.shutdown().await;
 }
 
