@@ -151,6 +151,71 @@ async fn four_slots_twenty_tasks_never_more_than_four_and_fetch_asks_for_the_fre
     );
 }
 
+/// The loop learns of a task's end by joining it: with every slot busy, the slot a task frees
+/// is asked for right after its report, not a liveness tick or a poll interval later.
+#[tokio::test(start_paused = true)]
+async fn a_freed_slot_is_refilled_right_after_the_report() {
+    let engine = FakeEngine::with_tasks(3);
+    let handler = SleepHandler::new(Duration::from_secs(10));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 1;
+    s.poll_interval = Duration::from_secs(3600);
+    let r = start(&engine, handler, s);
+    wait_until(|| completed(&engine) == 3, Duration::from_secs(60)).await;
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let calls = engine.calls();
+    let fetches: Vec<Instant> = calls
+        .iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .map(|c| c.at)
+        .collect();
+    let completes: Vec<Instant> = calls
+        .iter()
+        .filter(|c| c.op == "complete")
+        .map(|c| c.at)
+        .collect();
+    assert_eq!(completes.len(), 3);
+    for (i, done) in completes.iter().enumerate() {
+        let next = fetches
+            .iter()
+            .find(|&&f| f >= *done)
+            .unwrap_or_else(|| panic!("no fetch after completion {i}"));
+        // The fake engine takes 1 ms of virtual time per call.
+        assert!(
+            *next - *done <= Duration::from_millis(2),
+            "completion {i}: the freed slot was asked for {:?} later",
+            *next - *done
+        );
+    }
+}
+
+/// A task that ends while the loop waits out an idle poll interval is joined, but does not cut
+/// the wait short: the engine had no more work a moment ago, and slots were free anyway.
+#[tokio::test(start_paused = true)]
+async fn a_task_ending_during_an_idle_wait_does_not_cut_it_short() {
+    let engine = FakeEngine::with_tasks(1);
+    let handler = SleepHandler::new(Duration::from_secs(3));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 2;
+    s.poll_interval = Duration::from_secs(10);
+    let started = Instant::now();
+    let r = start(&engine, handler, s);
+    wait_until(|| completed(&engine) == 1, Duration::from_secs(5)).await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let fetches: Vec<Duration> = engine
+        .calls()
+        .iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .map(|c| c.at - started)
+        .collect();
+    // A partial fetch at 0, then the next after the 10 s interval, none at the 3 s end.
+    assert_eq!(fetches.len(), 2, "{fetches:?}");
+    assert!(fetches[1] >= Duration::from_secs(10), "{fetches:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_empty_fetch_waits_the_poll_interval_and_a_full_batch_fetches_again_at_once() {
     let engine = FakeEngine::with_tasks(0);
