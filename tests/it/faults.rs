@@ -20,6 +20,7 @@ use crate::support::invariants::{
     Expect, Recorder, Report, WorkerObservation, check_invariants, peak_memory_kib,
 };
 use crate::support::process::{WorkerProcess, stack_env};
+use crate::support::wait::eventually;
 
 /// A hang guard for each wait (not a timing assertion).
 const LIMIT: Duration = Duration::from_secs(30);
@@ -116,10 +117,9 @@ async fn finish(
     scenario: &str,
 ) -> Report {
     let mut observations = Vec::new();
-    for (handle, recorder) in workers {
+    for (handle, mut recorder) in workers {
         handle.stop().await;
-        // Let the collector drain the last events.
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        recorder.drained().await;
         observations.push(recorder.observation());
     }
     let report = check_invariants(&stack.engine, &[&stack.tools], &observations, &expect).await;
@@ -518,7 +518,13 @@ async fn an_engine_outage_keeps_leases_while_it_can_fences_when_it_cannot_and_re
     }
     assert!(!recorder.status.is_ready(), "not ready during the outage");
     // Past the engine's own lease too, so the task can be taken again.
-    tokio::time::sleep(lock / 2).await;
+    eventually(LIMIT, "the engine's lease to run out", async || {
+        s.engine
+            .task(&id)
+            .and_then(|t| t.lock_expiration_time)
+            .is_none_or(|expires| expires <= s.engine.now())
+    })
+    .await;
     let fetched_before = recorder
         .events()
         .iter()

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::agent::{spec, wait_all_ended};
 use crate::support::process::{WorkerProcess, stack_env};
+use crate::support::wait::eventually;
 
 /// Waits until `check` holds on the emulator (re-checked on every request it answers).
 async fn wait_until<T>(
@@ -314,9 +315,10 @@ async fn sigint_is_a_staged_shutdown_like_sigterm() {
     })
     .await;
     // The model call is under way (its tool session is open).
-    while stack.model.calls("stuck") == 0 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(Duration::from_secs(30), "the model call", async || {
+        stack.model.calls("stuck") > 0
+    })
+    .await;
     let signalled = Instant::now();
     worker.signal("INT");
     let exit = worker.wait(Duration::from_secs(10)).await;

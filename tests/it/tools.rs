@@ -340,12 +340,12 @@ async fn close_leaves_no_session_open_and_drop_closes_too() {
     sessions.tools().await.unwrap();
     assert_eq!(orders.counters().await.sessions_open, 1);
     drop(sessions);
-    let mut waited = 0;
-    while orders.counters().await.sessions_open > 0 {
-        waited += 1;
-        assert!(waited < 500, "the dropped session was never closed");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    crate::support::wait::eventually(
+        Duration::from_secs(10),
+        "the dropped session to be closed",
+        async || orders.counters().await.sessions_open == 0,
+    )
+    .await;
     assert_eq!(orders.counters().await.sessions_closed, 2);
     orders.shutdown().await;
     billing.shutdown().await;

@@ -1,0 +1,32 @@
+//! Waiting without guessing: every wait in the tests polls for, or listens to, the thing it
+//! waits for, under a deadline that names it when it passes.
+
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// How often [`eventually`] looks again.
+const POLL: Duration = Duration::from_millis(50);
+
+/// Polls `check` until it holds; panics naming `what` once `limit` has passed.
+pub async fn eventually(limit: Duration, what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !check().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// The next message on `rx`; panics naming `what` when none comes within `limit` or the channel
+/// closes first.
+pub async fn recv_within<T>(rx: &mut mpsc::UnboundedReceiver<T>, limit: Duration, what: &str) -> T {
+    match tokio::time::timeout(limit, rx.recv()).await {
+        Ok(Some(message)) => message,
+        Ok(None) => panic!("the channel closed while waiting for {what}"),
+        Err(_) => panic!("timed out after {limit:?} waiting for {what}"),
+    }
+}
