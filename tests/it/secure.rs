@@ -5,6 +5,7 @@
 //! recovery; a leak hunt over every log line at trace level; and the life of tool credentials.
 
 use std::collections::HashSet;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -23,6 +24,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::agent::{spec, wait_all_ended};
 use crate::support::process::{WorkerProcess, stack_env};
+use crate::support::wait::eventually;
 
 const CLIENT_ID: &str = "worker-client";
 
@@ -32,7 +34,9 @@ const CLIENT_ID: &str = "worker-client";
 /// How to start the mock issuer (see the script's header).
 #[derive(Default, Clone)]
 struct MockSettings {
-    port: Option<u16>,
+    /// The issuer URL to advertise instead of `http://localhost:<its port>` (the address of an
+    /// [`IssuerFront`]).
+    issuer: Option<String>,
     ttl_secs: Option<u64>,
     scope: Option<String>,
     client_secret: Option<String>,
@@ -71,11 +75,13 @@ async fn start_mock(settings: &MockSettings) -> Option<OidcMock> {
     let mut cmd = tokio::process::Command::new("node");
     cmd.arg(&script)
         .arg(&package)
-        .env("OIDC_MOCK_PORT", settings.port.unwrap_or(0).to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true);
+    if let Some(issuer) = &settings.issuer {
+        cmd.env("OIDC_MOCK_ISSUER", issuer);
+    }
     if let Some(ttl) = settings.ttl_secs {
         cmd.env("OIDC_MOCK_TTL", ttl.to_string());
     }
@@ -169,6 +175,61 @@ impl OidcMock {
 
     async fn stop(mut self) {
         let _ = self.child.kill().await;
+    }
+}
+
+/// The issuer's address as the worker knows it, held by the test for the whole test: while up,
+/// it forwards each connection to the mock issuer's own port; while down, it closes each
+/// connection at once (the worker cannot reach the issuer). So the issuer can go away and come
+/// back, another process on another port, at the same URL without that port ever being free
+/// for someone else to take.
+struct IssuerFront {
+    addr: SocketAddr,
+    /// The mock issuer's port while up.
+    backend: Arc<Mutex<Option<u16>>>,
+    accepting: tokio::task::JoinHandle<()>,
+}
+
+impl IssuerFront {
+    async fn bind() -> IssuerFront {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let backend: Arc<Mutex<Option<u16>>> = Arc::default();
+        let target = backend.clone();
+        let accepting = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let Some(port) = *target.lock().unwrap() else {
+                    continue; // down: dropped, so closed
+                };
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", port)).await
+                    {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        IssuerFront {
+            addr,
+            backend,
+            accepting,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Up, in front of `mock`; or down with `None`.
+    fn forward_to(&self, mock: Option<&OidcMock>) {
+        *self.backend.lock().unwrap() = mock.map(|m| m.port);
+    }
+}
+
+impl Drop for IssuerFront {
+    fn drop(&mut self) {
+        self.accepting.abort();
     }
 }
 
@@ -275,15 +336,6 @@ fn with(mut env: Vec<(String, String)>, extra: &[(&str, &str)]) -> Vec<(String, 
 
 // ---------------------------------------------------------------------------------------------
 // Waiting and reading logs.
-
-/// Polls `check` until it holds; panics with `what` after `limit`.
-async fn eventually(limit: Duration, what: &str, mut check: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + limit;
-    while !check().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 async fn readyz(worker: &WorkerProcess) -> (u16, String) {
     worker.admin_get("/readyz").await
@@ -655,17 +707,21 @@ async fn a_wrong_client_secret_says_so_once_and_a_rotated_secret_file_recovers()
 #[tokio::test]
 async fn an_unreachable_issuer_says_so_once_and_recovers_when_it_starts() {
     let dir = temp_dir();
-    let keys = dir.join("keys.json");
+    let front = IssuerFront::bind().await;
     let settings = MockSettings {
-        keys_file: Some(keys.clone()),
+        issuer: Some(front.url()),
+        keys_file: Some(dir.join("keys.json")),
         ..MockSettings::default()
     };
     let Some(first) = start_mock(&settings).await else {
         return;
     };
-    let (issuer, port) = (first.issuer.clone(), first.port);
+    let issuer = first.issuer.clone();
+    assert_eq!(issuer, front.url());
+    front.forward_to(Some(&first));
     // The engine knows the issuer's keys; then the issuer goes away.
     let (stack, _gate) = secured_stack(&issuer).await;
+    front.forward_to(None);
     first.stop().await;
 
     let env = with(
@@ -685,13 +741,10 @@ async fn an_unreachable_issuer_says_so_once_and_recovers_when_it_starts() {
     assert_eq!(status, 503);
     assert!(body.contains(CLEAR) && body.contains(&issuer), "{body}");
 
-    let second = start_mock(&MockSettings {
-        port: Some(port),
-        ..settings
-    })
-    .await
-    .unwrap();
+    // A new issuer process (the same signing keys) behind the same URL.
+    let second = start_mock(&settings).await.unwrap();
     assert_eq!(second.issuer, issuer);
+    front.forward_to(Some(&second));
     eventually(
         Duration::from_secs(40),
         "ready once the issuer is up",

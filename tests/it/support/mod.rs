@@ -3,5 +3,6 @@
 pub mod emulator_worker;
 pub mod fake_engine;
 pub mod invariants;
+pub mod net;
 pub mod process;
 pub mod wait;

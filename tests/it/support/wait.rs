@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -28,5 +29,35 @@ pub async fn recv_within<T>(rx: &mut mpsc::UnboundedReceiver<T>, limit: Duration
         Ok(Some(message)) => message,
         Ok(None) => panic!("the channel closed while waiting for {what}"),
         Err(_) => panic!("timed out after {limit:?} waiting for {what}"),
+    }
+}
+
+/// Reads a child's `output` line by line until `parse` accepts one (a process announcing the
+/// port it bound, say); panics naming `what` when the output ends first or `limit` passes. The
+/// rest of the output is read and dropped in the background, so the child never blocks on a
+/// full pipe.
+pub async fn announcement<T>(
+    output: impl AsyncRead + Unpin + Send + 'static,
+    limit: Duration,
+    what: &str,
+    mut parse: impl FnMut(&str) -> Option<T>,
+) -> T {
+    let mut lines = BufReader::new(output).lines();
+    let found = tokio::time::timeout(limit, async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(found) = parse(&line) {
+                return Some(found);
+            }
+        }
+        None
+    })
+    .await;
+    match found {
+        Ok(Some(found)) => {
+            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+            found
+        }
+        Ok(None) => panic!("{what} ended its output before announcing itself"),
+        Err(_) => panic!("{what} did not announce itself within {limit:?}"),
     }
 }
