@@ -1342,6 +1342,19 @@ async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
     use crate::support::process::{WorkerProcess, stack_env};
     use rand::{Rng, SeedableRng};
 
+    /// Says how to replay the chaos when the test fails (dropped while the failure unwinds).
+    struct ReplayHint(u64);
+    impl Drop for ReplayHint {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                eprintln!(
+                    "crash test failed with chaos seed {0}; replay its schedule with ABADA_CHAOS_SEED={0}",
+                    self.0
+                );
+            }
+        }
+    }
+
     const TASKS: usize = 240;
     const WORKERS: usize = 3;
     const SLOTS: &str = "2";
@@ -1389,11 +1402,20 @@ async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
             .iter()
             .all(|t| matches!(t.status, TaskStatus::Completed | TaskStatus::Failed))
     };
-    let seed: u64 = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(7);
+    // The chaos schedule (who is frozen and killed, and the waits between) comes from one seed:
+    // ABADA_CHAOS_SEED replays a run's schedule (the processes' own timing is not replayed).
+    let seed: u64 = match std::env::var("ABADA_CHAOS_SEED") {
+        Ok(value) => value
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("ABADA_CHAOS_SEED={value:?} is not a whole number")),
+        Err(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(7),
+    };
     println!("crash test: chaos seed {seed}");
+    let _replay_hint = ReplayHint(seed);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let started = tokio::time::Instant::now();
     let (mut kills, mut freezes, mut rounds) = (0u32, 0u32, 0u32);
