@@ -15,10 +15,12 @@ use abada_agent_worker::tools::{
     CredentialError, CredentialSource, ToolServerRef, ToolSessionOptions, ToolSessions,
 };
 use async_trait::async_trait;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
+use crate::support::peers::installed;
 use crate::support::wait::announcement;
+use crate::tools::args;
 
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
@@ -34,22 +36,6 @@ impl CredentialSource for NamedCredentials {
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The installed peer at `relative` under target/interop/, or None when the tests are skipped.
-fn peer(relative: &str) -> Option<PathBuf> {
-    let path = repo().join("target/interop").join(relative);
-    if path.exists() {
-        return Some(path);
-    }
-    if std::env::var("ABADA_SKIP_INTEROP").as_deref() == Ok("1") {
-        eprintln!("skipping interop test: {} is missing", path.display());
-        return None;
-    }
-    panic!(
-        "interop peer {} is missing: run scripts/install-interop-peers (or set ABADA_SKIP_INTEROP=1 to skip these tests)",
-        path.display()
-    );
 }
 
 /// Starts a peer that binds port 0 and announces the port it got on stdout as
@@ -96,16 +82,12 @@ fn sessions(name: &str, port: u16) -> ToolSessions {
     )
 }
 
-fn args(value: Value) -> Map<String, Value> {
-    match value {
-        Value::Object(map) => map,
-        _ => panic!("arguments must be an object"),
-    }
-}
-
 #[tokio::test]
 async fn reference_server_everything() {
-    let Some(bin) = peer("node/node_modules/.bin/mcp-server-everything") else {
+    let Some(bin) = installed(
+        "node/node_modules/.bin/mcp-server-everything",
+        "scripts/install-interop-peers",
+    ) else {
         return;
     };
     let preload: &Path = &repo().join("tests/interop/force-loopback.js");
@@ -157,7 +139,7 @@ async fn reference_server_everything() {
 
 #[tokio::test]
 async fn python_sdk_server_receives_key_traceparent_and_credential() {
-    let Some(python) = peer("venv/bin/python") else {
+    let Some(python) = installed("venv/bin/python", "scripts/install-interop-peers") else {
         return;
     };
     let (mut child, port) = spawn_announcing(

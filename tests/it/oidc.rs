@@ -3,7 +3,6 @@
 //! against small in-process issuers where the mock cannot misbehave on demand (it accepts any
 //! client secret).
 
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -17,6 +16,7 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::{Value, json};
 
 use crate::support::net::refusing_address;
+use crate::support::peers::installed;
 use crate::support::wait::announcement;
 
 /// A running oauth2-mock-server on 127.0.0.1; killed when dropped.
@@ -26,25 +26,13 @@ struct MockIssuer {
     _child: tokio::process::Child,
 }
 
-fn peer_entry_point() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("target/interop/oidc/node_modules/oauth2-mock-server/dist/oauth2-mock-server.mjs")
-}
-
 /// Starts the mock issuer, or returns `None` when it is not installed and
 /// `ABADA_SKIP_INTEROP=1` says that is fine.
 async fn mock_issuer() -> Option<MockIssuer> {
-    let entry = peer_entry_point();
-    if !entry.exists() {
-        if std::env::var("ABADA_SKIP_INTEROP").as_deref() == Ok("1") {
-            eprintln!("skipping: oauth2-mock-server is not installed (ABADA_SKIP_INTEROP=1)");
-            return None;
-        }
-        panic!(
-            "oauth2-mock-server is not installed at {}: run scripts/install-oidc-peer (or set ABADA_SKIP_INTEROP=1 to skip interop tests)",
-            entry.display()
-        );
-    }
+    let entry = installed(
+        "oidc/node_modules/oauth2-mock-server/dist/oauth2-mock-server.mjs",
+        "scripts/install-oidc-peer",
+    )?;
     let mut child = tokio::process::Command::new("node")
         .arg(&entry)
         .args(["-a", "127.0.0.1", "-p", "0"])

@@ -23,6 +23,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::agent::{spec, wait_all_ended};
+use crate::support::peers::installed;
 use crate::support::process::{WorkerProcess, stack_env};
 use crate::support::wait::eventually;
 
@@ -53,24 +54,11 @@ struct OidcMock {
     child: tokio::process::Child,
 }
 
-fn mock_package() -> Option<PathBuf> {
-    let entry = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("target/interop/oidc/node_modules/oauth2-mock-server/dist/index.mjs");
-    if entry.exists() {
-        return Some(entry);
-    }
-    if std::env::var("ABADA_SKIP_INTEROP").as_deref() == Ok("1") {
-        eprintln!("skipping: oauth2-mock-server is not installed (ABADA_SKIP_INTEROP=1)");
-        return None;
-    }
-    panic!(
-        "oauth2-mock-server is not installed at {}: run scripts/install-oidc-peer (or set ABADA_SKIP_INTEROP=1 to skip interop tests)",
-        entry.display()
-    );
-}
-
 async fn start_mock(settings: &MockSettings) -> Option<OidcMock> {
-    let package = mock_package()?;
+    let package = installed(
+        "oidc/node_modules/oauth2-mock-server/dist/index.mjs",
+        "scripts/install-oidc-peer",
+    )?;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/oidc-mock.mjs");
     let mut cmd = tokio::process::Command::new("node");
     cmd.arg(&script)
@@ -401,6 +389,68 @@ fn assert_all_completed(views: &[TaskView]) {
     }
 }
 
+/// Fails the test with the worker's WARN and ERROR lines, if it logged any.
+fn assert_no_complaints(worker: &WorkerProcess) {
+    let lines = complaints(worker, "");
+    assert!(lines.is_empty(), "{lines:#?}");
+}
+
+/// How a [`secured_run`] runs.
+struct RunShape {
+    worker_id: &'static str,
+    tasks: usize,
+    /// `ABADA_AGENT_MAX_TASKS`; the default when `None`.
+    slots: Option<u32>,
+    /// Latency of each model turn; the scripted model's own when `None`.
+    turn: Option<Duration>,
+    limit: Duration,
+}
+
+/// The worker binary against the secured stack, with tokens from a mock issuer started with
+/// `settings`, once it has completed `shape.tasks` refund tasks. `None` when the mock is not
+/// installed and ABADA_SKIP_INTEROP=1.
+struct SecuredRun {
+    mock: OidcMock,
+    stack: Stack,
+    gate: Arc<Gate>,
+    worker: WorkerProcess,
+}
+
+async fn secured_run(settings: MockSettings, shape: RunShape) -> Option<SecuredRun> {
+    let mock = start_mock(&settings).await?;
+    let (stack, gate) = secured_stack(&mock.issuer).await;
+    if let Some(turn) = shape.turn {
+        stack
+            .model
+            .set_script(REFUND_MODEL, refund_script().with_latency(turn));
+    }
+    let ids = refund_tasks(&stack, shape.tasks, shape.worker_id);
+    let mut env = with(
+        oidc_env(&stack, shape.worker_id, &mock.issuer),
+        &[("ABADA_AGENT_OIDC_CLIENT_SECRET", "s3cret-value")],
+    );
+    if let Some(slots) = shape.slots {
+        env.push(("ABADA_AGENT_MAX_TASKS".into(), slots.to_string()));
+    }
+    let worker = WorkerProcess::spawn(&env).await;
+    assert_all_completed(&wait_all_ended(&stack, &ids, shape.limit).await);
+    Some(SecuredRun {
+        mock,
+        stack,
+        gate,
+        worker,
+    })
+}
+
+impl SecuredRun {
+    /// Checks that the worker complained about nothing, then stops everything.
+    async fn finish(self) {
+        assert_no_complaints(&self.worker);
+        self.stack.shutdown().await;
+        self.mock.stop().await;
+    }
+}
+
 const DEBUG_LOGS: (&str, &str) = ("RUST_LOG", "info,abada_agent_worker=debug");
 
 // ---------------------------------------------------------------------------------------------
@@ -492,72 +542,60 @@ async fn the_secured_emulator_answers_with_the_engine_error_bodies() {
 
 #[tokio::test]
 async fn the_worker_completes_tasks_against_the_secured_emulator() {
-    let Some(mock) = start_mock(&MockSettings::default()).await else {
+    let Some(run) = secured_run(
+        MockSettings::default(),
+        RunShape {
+            worker_id: "secure-1",
+            tasks: 5,
+            slots: None,
+            turn: None,
+            limit: Duration::from_secs(30),
+        },
+    )
+    .await
+    else {
         return;
     };
-    let (stack, gate) = secured_stack(&mock.issuer).await;
-    let ids = refund_tasks(&stack, 5, "o");
-    let env = with(
-        oidc_env(&stack, "secure-1", &mock.issuer),
-        &[("ABADA_AGENT_OIDC_CLIENT_SECRET", "s3cret-value")],
-    );
-    let worker = WorkerProcess::spawn(&env).await;
-    let views = wait_all_ended(&stack, &ids, Duration::from_secs(30)).await;
-    assert_all_completed(&views);
-    let (status, body) = readyz(&worker).await;
+    let (status, body) = readyz(&run.worker).await;
     assert_eq!(status, 200, "{body}");
 
-    let tokens = mock.token_requests();
+    let tokens = run.mock.token_requests();
     assert_eq!(
         tokens.len(),
         1,
         "one token for every task and call: {tokens:?}"
     );
     assert_eq!(tokens[0]["status"], 200);
-    let log = gate.snapshot();
+    let log = run.gate.snapshot();
     assert_eq!(log.unauthenticated + log.denied, 0);
     assert!(
         log.accepted.len() > 5 * 4,
         "every engine call carried the token"
     );
-    assert!(
-        complaints(&worker, "").is_empty(),
-        "{:?}",
-        complaints(&worker, "")
-    );
-    stack.shutdown().await;
-    mock.stop().await;
+    run.finish().await;
 }
 
 /// Token lifetime 4 s (refreshed 2 s after receipt), tasks of about 6 s each.
 #[tokio::test]
 async fn a_token_that_expires_mid_run_is_refreshed_and_no_task_fails() {
-    let Some(mock) = start_mock(&MockSettings {
-        ttl_secs: Some(4),
-        ..MockSettings::default()
-    })
+    let Some(run) = secured_run(
+        MockSettings {
+            ttl_secs: Some(4),
+            ..MockSettings::default()
+        },
+        RunShape {
+            worker_id: "secure-exp",
+            tasks: 6,
+            slots: Some(6),
+            turn: Some(Duration::from_secs(2)),
+            limit: Duration::from_secs(60),
+        },
+    )
     .await
     else {
         return;
     };
-    let (stack, gate) = secured_stack(&mock.issuer).await;
-    stack.model.set_script(
-        REFUND_MODEL,
-        refund_script().with_latency(Duration::from_secs(2)),
-    );
-    let ids = refund_tasks(&stack, 6, "slow");
-    let env = with(
-        oidc_env(&stack, "secure-exp", &mock.issuer),
-        &[
-            ("ABADA_AGENT_OIDC_CLIENT_SECRET", "s3cret-value"),
-            ("ABADA_AGENT_MAX_TASKS", "6"),
-        ],
-    );
-    let worker = WorkerProcess::spawn(&env).await;
-    let views = wait_all_ended(&stack, &ids, Duration::from_secs(60)).await;
-    assert_all_completed(&views);
-
-    let log = gate.snapshot();
+    let log = run.gate.snapshot();
     let distinct: HashSet<&str> = log.accepted.iter().map(|(jti, ..)| jti.as_str()).collect();
     assert!(distinct.len() >= 2, "the token was replaced during the run");
     // Never sent once expired (the emulator's 30 s skew tolerance would have hidden it).
@@ -571,47 +609,33 @@ async fn a_token_that_expires_mid_run_is_refreshed_and_no_task_fails() {
         log.unauthenticated, 0,
         "no 401 needed: refreshed ahead of expiry"
     );
-    let requests = mock.token_requests();
+    let requests = run.mock.token_requests();
     assert!(requests.iter().all(|r| r["status"] == 200));
-    assert!(
-        complaints(&worker, "").is_empty(),
-        "{:?}",
-        complaints(&worker, "")
-    );
-    stack.shutdown().await;
-    mock.stop().await;
+    run.finish().await;
 }
 
 /// 100 tasks on 50 slots, tokens of 4 s: the token endpoint is asked once per refresh window
 /// (2 s), never once per waiting task.
 #[tokio::test]
 async fn a_hundred_concurrent_tasks_cause_one_token_request_per_expiry_window() {
-    let Some(mock) = start_mock(&MockSettings {
-        ttl_secs: Some(4),
-        ..MockSettings::default()
-    })
+    let Some(run) = secured_run(
+        MockSettings {
+            ttl_secs: Some(4),
+            ..MockSettings::default()
+        },
+        RunShape {
+            worker_id: "secure-100",
+            tasks: 100,
+            slots: Some(50),
+            turn: Some(Duration::from_millis(1500)),
+            limit: Duration::from_secs(120),
+        },
+    )
     .await
     else {
         return;
     };
-    let (stack, gate) = secured_stack(&mock.issuer).await;
-    stack.model.set_script(
-        REFUND_MODEL,
-        refund_script().with_latency(Duration::from_millis(1500)),
-    );
-    let ids = refund_tasks(&stack, 100, "many");
-    let env = with(
-        oidc_env(&stack, "secure-100", &mock.issuer),
-        &[
-            ("ABADA_AGENT_OIDC_CLIENT_SECRET", "s3cret-value"),
-            ("ABADA_AGENT_MAX_TASKS", "50"),
-        ],
-    );
-    let worker = WorkerProcess::spawn(&env).await;
-    let views = wait_all_ended(&stack, &ids, Duration::from_secs(120)).await;
-    assert_all_completed(&views);
-
-    let requests = mock.token_requests();
+    let requests = run.mock.token_requests();
     assert!(
         requests.len() >= 2,
         "the run outlived a token: {requests:?}"
@@ -628,16 +652,10 @@ async fn a_hundred_concurrent_tasks_cause_one_token_request_per_expiry_window() 
             pair[1] - pair[0]
         );
     }
-    let log = gate.snapshot();
+    let log = run.gate.snapshot();
     assert!(log.accepted.len() > 100 * 4);
     assert_eq!(log.unauthenticated, 0);
-    assert!(
-        complaints(&worker, "").is_empty(),
-        "{:?}",
-        complaints(&worker, "")
-    );
-    stack.shutdown().await;
-    mock.stop().await;
+    run.finish().await;
 }
 
 // ---------------------------------------------------------------------------------------------

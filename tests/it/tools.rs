@@ -82,7 +82,8 @@ fn sessions_for(servers: &[&ToolServer], credentials: Arc<dyn CredentialSource>)
     )
 }
 
-fn args(value: Value) -> Map<String, Value> {
+/// Tool call arguments from a JSON object literal.
+pub fn args(value: Value) -> Map<String, Value> {
     match value {
         Value::Object(map) => map,
         _ => panic!("arguments must be an object"),
