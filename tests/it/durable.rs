@@ -18,7 +18,7 @@ use abada_agent_worker::agent::journal::{
 };
 use abada_agent_worker::conversation::{AssistantMessage, ToolCall, ToolResult, Usage};
 use abada_agent_worker::devkit::engine::{
-    AGENT_TOPIC, CallRecord, Disposition, Fault, Operation, ProtocolLevel, TaskStatus, TaskView,
+    AGENT_TOPIC, CallRecord, Disposition, Fault, Operation, ProtocolLevel, TaskStatus,
 };
 use abada_agent_worker::devkit::model::Script;
 use abada_agent_worker::devkit::model::Turn;
@@ -41,7 +41,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::{spec, wait_all_ended};
+use crate::agent::{FULL_REFUND_RUN, spec, step_kinds, wait_all_ended};
 
 // ---- a freezable engine decorator ---------------------------------------------------------
 
@@ -417,19 +417,6 @@ fn first_four_steps(order: &str) -> Vec<JournalStep> {
     ]
 }
 
-fn kinds(view: &TaskView) -> Vec<String> {
-    view.journal
-        .iter()
-        .map(|s| {
-            format!(
-                "{}/{}",
-                s["kind"].as_str().unwrap_or("?"),
-                s["state"].as_str().unwrap_or("?")
-            )
-        })
-        .collect()
-}
-
 /// Calls of `op` about `task` in the emulator's log.
 fn calls_of(calls: &[CallRecord], task: &str, op: Operation) -> Vec<CallRecord> {
     calls
@@ -533,7 +520,7 @@ async fn a_started_write_without_result_is_resent_with_its_original_key() {
         assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
         assert_eq!(view.attempt, 2);
         assert_eq!(
-            kinds(view)[4..],
+            step_kinds(view)[4..],
             ["tool/started", "tool/finished", "model/finished"]
         );
         assert_eq!(
@@ -602,7 +589,7 @@ async fn tool_calls_of_the_last_answer_without_results_run_in_order() {
     let view = &views[0];
     assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
     assert_eq!(
-        kinds(view),
+        step_kinds(view),
         [
             "input/finished",
             "model/finished",
@@ -964,18 +951,7 @@ async fn a_worker_stops_an_older_attempt_when_it_fetches_the_task_again() {
         1,
         "attempt 1 journaled only its input"
     );
-    assert_eq!(
-        kinds(view),
-        [
-            "input/finished",
-            "model/finished",
-            "tool/finished",
-            "model/finished",
-            "tool/started",
-            "tool/finished",
-            "model/finished"
-        ]
-    );
+    assert_eq!(step_kinds(view), FULL_REFUND_RUN);
     assert_eq!(stack.model.total_calls(), 4, "turn 1 paid twice, no more");
     assert_eq!(stack.tools.counters().await.writes_applied, 1);
     let ended: Vec<(Option<u32>, &str)> = events
@@ -1082,7 +1058,7 @@ async fn the_seed_story_a_frozen_worker_wakes_to_find_its_task_taken() {
     gate1.wait_held(Op::Heartbeat, lock).await;
     let first = stack.engine.task(&id).unwrap();
     assert_eq!((first.attempt, first.worker_id.as_deref()), (1, Some("w1")));
-    assert_eq!(kinds(&first).last().unwrap(), "tool/started");
+    assert_eq!(step_kinds(&first).last().unwrap(), "tool/started");
 
     // The lease runs out on the engine's clock; worker 2 takes the task and gets as far as
     // its completion, which it is made to hold.

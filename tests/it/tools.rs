@@ -67,6 +67,15 @@ fn options() -> ToolSessionOptions {
 }
 
 fn sessions_for(servers: &[&ToolServer], credentials: Arc<dyn CredentialSource>) -> ToolSessions {
+    sessions_with(servers, credentials, Some(TRACEPARENT), options())
+}
+
+fn sessions_with(
+    servers: &[&ToolServer],
+    credentials: Arc<dyn CredentialSource>,
+    traceparent: Option<&str>,
+    options: ToolSessionOptions,
+) -> ToolSessions {
     ToolSessions::new(
         reqwest::Client::new(),
         servers
@@ -77,8 +86,8 @@ fn sessions_for(servers: &[&ToolServer], credentials: Arc<dyn CredentialSource>)
             })
             .collect(),
         credentials,
-        Some(TRACEPARENT.to_owned()),
-        options(),
+        traceparent.map(str::to_owned),
+        options,
     )
 }
 
@@ -273,12 +282,8 @@ async fn a_down_server_gives_a_transient_error_and_recovers() {
 #[tokio::test]
 async fn oversized_results_are_capped_with_a_note_and_error_results_pass_through() {
     let orders = server("orders").await;
-    let mut sessions = ToolSessions::new(
-        reqwest::Client::new(),
-        vec![ToolServerRef {
-            name: "orders".into(),
-            url: orders.url(),
-        }],
+    let mut sessions = sessions_with(
+        &[&orders],
         Arc::new(TestCredentials::default()),
         None,
         ToolSessionOptions {
@@ -396,12 +401,8 @@ async fn a_rejected_credential_and_a_refused_one_are_typed() {
 #[tokio::test]
 async fn a_call_slower_than_its_timeout_is_transient() {
     let orders = server("orders").await;
-    let mut sessions = ToolSessions::new(
-        reqwest::Client::new(),
-        vec![ToolServerRef {
-            name: "orders".into(),
-            url: orders.url(),
-        }],
+    let mut sessions = sessions_with(
+        &[&orders],
         Arc::new(TestCredentials::default()),
         None,
         ToolSessionOptions {
