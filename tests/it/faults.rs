@@ -739,7 +739,13 @@ async fn expired_sessions_error_results_and_oversized_results_still_complete() {
     );
     // Expired sessions: forget every session once the first tool call went through.
     let exp = refund_tasks(&s, "texp", 2, "openai/slowish", &[]);
-    let w = worker(&s, "w-tools2", 4, Duration::from_secs(3), settings());
+    // The suite's 500 ms call bound and 3 s lease are for its hang and expiry scenarios; nothing
+    // here hangs or expires, and on a loaded machine a 3 MiB result can take longer than 500 ms
+    // to arrive (every attempt then fails as "unavailable") and its decoding can hold the
+    // worker's threads long enough to starve a 3 s lease's heartbeats.
+    let mut agent = settings();
+    agent.tool_sessions.call_timeout = Duration::from_secs(10);
+    let w = worker(&s, "w-tools2", 4, Duration::from_secs(10), agent);
     within("a first tool call", async {
         while s.tools.calls().is_empty() {
             tokio::time::sleep(Duration::from_millis(10)).await;
