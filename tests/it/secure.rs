@@ -168,7 +168,7 @@ impl OidcMock {
 
 /// The issuer's address as the worker knows it, held by the test for the whole test: while up,
 /// it forwards each connection to the mock issuer's own port; while down, it closes each
-/// connection at once (the worker cannot reach the issuer). So the issuer can go away and come
+/// connection unanswered (the worker cannot reach the issuer). So the issuer can go away and come
 /// back, another process on another port, at the same URL without that port ever being free
 /// for someone else to take.
 struct IssuerFront {
@@ -186,14 +186,18 @@ impl IssuerFront {
         let target = backend.clone();
         let accepting = tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
-                let Some(port) = *target.lock().unwrap() else {
-                    continue; // down: dropped, so closed
-                };
+                let backend = *target.lock().unwrap();
                 tokio::spawn(async move {
-                    if let Ok(mut outbound) =
-                        tokio::net::TcpStream::connect(("127.0.0.1", port)).await
-                    {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    let outbound = match backend {
+                        Some(port) => tokio::net::TcpStream::connect(("127.0.0.1", port)).await,
+                        None => Err(std::io::ErrorKind::NotConnected.into()),
+                    };
+                    match outbound {
+                        Ok(mut outbound) => {
+                            let _ =
+                                tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                        }
+                        Err(_) => close_unanswered(inbound).await,
                     }
                 });
             }
@@ -213,6 +217,24 @@ impl IssuerFront {
     fn forward_to(&self, mock: Option<&OidcMock>) {
         *self.backend.lock().unwrap() = mock.map(|m| m.port);
     }
+}
+
+/// Takes the request, then closes the connection without an answer: every attempt fails the
+/// same way ("connection closed before message completed"), whatever the timing (closing at
+/// once would sometimes reset the request being written instead, a second kind of failure).
+async fn close_unanswered(mut inbound: tokio::net::TcpStream) {
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * 1024 {
+            match inbound.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
 }
 
 impl Drop for IssuerFront {
