@@ -314,6 +314,9 @@ fn init_quiet_logging() {
 
 // ---- shared by the scenarios ----------------------------------------------------------------
 
+/// How long `Crew::stop` waits for a stopped worker's last events.
+const FORWARDER_DRAIN: Duration = Duration::from_secs(5);
+
 /// A worker of a scenario: its handle and what its events said.
 pub(crate) struct DemoWorker {
     pub name: String,
@@ -329,6 +332,8 @@ pub(crate) struct Crew {
     pub workers: Vec<DemoWorker>,
     tx: mpsc::UnboundedSender<(usize, RunnerEvent)>,
     pub rx: mpsc::UnboundedReceiver<(usize, RunnerEvent)>,
+    /// One per worker: passes its events on, and ends once it has passed the last one.
+    forwarders: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Crew {
@@ -338,6 +343,7 @@ impl Crew {
             workers: Vec::new(),
             tx,
             rx,
+            forwarders: Vec::new(),
         }
     }
 
@@ -346,13 +352,13 @@ impl Crew {
         let index = self.workers.len();
         let mut events = std::mem::replace(&mut handle.events, mpsc::unbounded_channel().1);
         let tx = self.tx.clone();
-        tokio::spawn(async move {
+        self.forwarders.push(tokio::spawn(async move {
             while let Some(e) = events.recv().await {
                 if tx.send((index, e)).is_err() {
                     break;
                 }
             }
-        });
+        }));
         self.workers.push(DemoWorker {
             name: handle.worker_id.clone(),
             stats: WorkerSummary {
@@ -416,8 +422,11 @@ impl Crew {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
-        // Let the forwarders pass on what the runners sent last.
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // A forwarder ends once its worker's event channel has closed, all of it passed on
+        // (bounded: the report is made with what came, rather than never).
+        for forwarder in self.forwarders.drain(..) {
+            let _ = tokio::time::timeout(FORWARDER_DRAIN, forwarder).await;
+        }
         while let Ok((i, e)) = self.rx.try_recv() {
             self.absorb(i, &e);
         }

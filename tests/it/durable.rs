@@ -18,7 +18,7 @@ use abada_agent_worker::agent::journal::{
 };
 use abada_agent_worker::conversation::{AssistantMessage, ToolCall, ToolResult, Usage};
 use abada_agent_worker::devkit::engine::{
-    AGENT_TOPIC, CallRecord, Disposition, Fault, Operation, ProtocolLevel, TaskStatus, TaskView,
+    AGENT_TOPIC, CallRecord, Disposition, Fault, Operation, ProtocolLevel, TaskStatus,
 };
 use abada_agent_worker::devkit::model::Script;
 use abada_agent_worker::devkit::model::Turn;
@@ -42,7 +42,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::{spec, wait_all_ended};
+use crate::agent::{FULL_REFUND_RUN, spec, step_kinds, wait_all_ended};
 
 // ---- a freezable engine decorator ---------------------------------------------------------
 
@@ -418,19 +418,6 @@ fn first_four_steps(order: &str) -> Vec<JournalStep> {
     ]
 }
 
-fn kinds(view: &TaskView) -> Vec<String> {
-    view.journal
-        .iter()
-        .map(|s| {
-            format!(
-                "{}/{}",
-                s["kind"].as_str().unwrap_or("?"),
-                s["state"].as_str().unwrap_or("?")
-            )
-        })
-        .collect()
-}
-
 /// Calls of `op` about `task` in the emulator's log.
 fn calls_of(calls: &[CallRecord], task: &str, op: Operation) -> Vec<CallRecord> {
     calls
@@ -534,7 +521,7 @@ async fn a_started_write_without_result_is_resent_with_its_original_key() {
         assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
         assert_eq!(view.attempt, 2);
         assert_eq!(
-            kinds(view)[4..],
+            step_kinds(view)[4..],
             ["tool/started", "tool/finished", "model/finished"]
         );
         assert_eq!(
@@ -603,7 +590,7 @@ async fn tool_calls_of_the_last_answer_without_results_run_in_order() {
     let view = &views[0];
     assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
     assert_eq!(
-        kinds(view),
+        step_kinds(view),
         [
             "input/finished",
             "model/finished",
@@ -965,18 +952,7 @@ async fn a_worker_stops_an_older_attempt_when_it_fetches_the_task_again() {
         1,
         "attempt 1 journaled only its input"
     );
-    assert_eq!(
-        kinds(view),
-        [
-            "input/finished",
-            "model/finished",
-            "tool/finished",
-            "model/finished",
-            "tool/started",
-            "tool/finished",
-            "model/finished"
-        ]
-    );
+    assert_eq!(step_kinds(view), FULL_REFUND_RUN);
     assert_eq!(stack.model.total_calls(), 4, "turn 1 paid twice, no more");
     assert_eq!(stack.tools.counters().await.writes_applied, 1);
     let ended: Vec<(Option<u32>, TaskEnd)> = events
@@ -1150,7 +1126,7 @@ async fn the_seed_story_a_frozen_worker_wakes_to_find_its_task_taken() {
     gate1.wait_held(Op::Heartbeat, lock).await;
     let first = stack.engine.task(&id).unwrap();
     assert_eq!((first.attempt, first.worker_id.as_deref()), (1, Some("w1")));
-    assert_eq!(kinds(&first).last().unwrap(), "tool/started");
+    assert_eq!(step_kinds(&first).last().unwrap(), "tool/started");
 
     // The lease runs out on the engine's clock; worker 2 takes the task and gets as far as
     // its completion, which it is made to hold.
@@ -1410,6 +1386,19 @@ async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
     use crate::support::process::{WorkerProcess, stack_env};
     use rand::{Rng, SeedableRng};
 
+    /// Says how to replay the chaos when the test fails (dropped while the failure unwinds).
+    struct ReplayHint(u64);
+    impl Drop for ReplayHint {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                eprintln!(
+                    "crash test failed with chaos seed {0}; replay its schedule with ABADA_CHAOS_SEED={0}",
+                    self.0
+                );
+            }
+        }
+    }
+
     const TASKS: usize = 240;
     const WORKERS: usize = 3;
     const SLOTS: &str = "2";
@@ -1457,11 +1446,20 @@ async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
             .iter()
             .all(|t| matches!(t.status, TaskStatus::Completed | TaskStatus::Failed))
     };
-    let seed: u64 = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(7);
+    // The chaos schedule (who is frozen and killed, and the waits between) comes from one seed:
+    // ABADA_CHAOS_SEED replays a run's schedule (the processes' own timing is not replayed).
+    let seed: u64 = match std::env::var("ABADA_CHAOS_SEED") {
+        Ok(value) => value
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("ABADA_CHAOS_SEED={value:?} is not a whole number")),
+        Err(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(7),
+    };
     println!("crash test: chaos seed {seed}");
+    let _replay_hint = ReplayHint(seed);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let started = tokio::time::Instant::now();
     let (mut kills, mut freezes, mut rounds) = (0u32, 0u32, 0u32);

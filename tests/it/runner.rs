@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::fake_engine::{FakeEngine, task};
+use crate::support::wait::recv_within;
 
 /// Sleeps (virtual time) and completes; counts how many run at once.
 struct SleepHandler {
@@ -99,6 +100,12 @@ async fn wait_until(mut cond: impl FnMut() -> bool, limit: Duration) {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// The runner's next event, within an hour of virtual time (a paused clock runs on forever
+/// when none comes).
+async fn next_event(events: &mut mpsc::UnboundedReceiver<RunnerEvent>) -> RunnerEvent {
+    recv_within(events, Duration::from_secs(3600), "the runner's next event").await
 }
 
 fn completed(engine: &FakeEngine) -> usize {
@@ -295,7 +302,7 @@ async fn a_refused_extension_stops_the_task_silently_and_frees_its_slot() {
     let mut r = start(&engine, handler.clone(), s);
     // The first extension (t = 10 s) is refused: the task must end as lease_lost.
     loop {
-        match r.events.recv().await.unwrap() {
+        match next_event(&mut r.events).await {
             RunnerEvent::TaskEnded {
                 task_id, outcome, ..
             } => {
@@ -334,7 +341,7 @@ async fn no_accepted_extension_for_a_lock_duration_loses_the_lease_with_the_engi
     let mut r = start(&engine, handler, s);
     let started = Instant::now();
     loop {
-        if let RunnerEvent::TaskEnded { outcome, .. } = r.events.recv().await.unwrap() {
+        if let RunnerEvent::TaskEnded { outcome, .. } = next_event(&mut r.events).await {
             assert_eq!(outcome, TaskEnd::LeaseLost);
             break;
         }
@@ -370,7 +377,7 @@ async fn the_same_task_fetched_again_stops_the_older_attempt() {
     while ended.len() < 2 {
         if let RunnerEvent::TaskEnded {
             attempt, outcome, ..
-        } = r.events.recv().await.unwrap()
+        } = next_event(&mut r.events).await
         {
             ended.push((attempt, outcome));
         }

@@ -115,6 +115,22 @@ impl Recorder {
         }
     }
 
+    /// Waits until the collector has taken the worker's last event: once the worker has
+    /// stopped, its event channel closes when the last of the runner's parts is gone. Bounded;
+    /// an event channel left open means something of the stopped worker still runs.
+    pub async fn drained(&mut self) {
+        let limit = std::time::Duration::from_secs(10);
+        if tokio::time::timeout(limit, &mut self.collector)
+            .await
+            .is_err()
+        {
+            panic!(
+                "{}: the event channel stayed open {limit:?} after the worker stopped",
+                self.worker_id
+            );
+        }
+    }
+
     /// The observation, with a last gauge sample taken now.
     pub fn observation(&self) -> WorkerObservation {
         let mut slot_samples = self.samples.lock().unwrap().clone();
