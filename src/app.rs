@@ -14,9 +14,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::agent::{AgentRuntime, AgentSettings};
-use crate::auth::{ClientAuth, OidcSettings, OidcTokenProvider, TokenProvider};
+use crate::auth::{OidcTokenProvider, TokenProvider};
 use crate::backoff::Backoff;
-use crate::config::{ClientAuthMethod, Config};
+use crate::config::Config;
 use crate::engine::Engine;
 use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::handler::TaskHandler;
@@ -143,17 +143,7 @@ fn token_provider(config: &Config) -> Result<Option<Arc<dyn TokenProvider>>, Sta
     let Some(oidc) = &config.oidc else {
         return Ok(None);
     };
-    let settings = OidcSettings {
-        issuer_url: oidc.issuer_url.clone(),
-        client_id: oidc.client_id.clone(),
-        client_secret: oidc.client_secret.clone(),
-        scopes: oidc.scopes.clone(),
-        client_auth: match oidc.client_auth {
-            ClientAuthMethod::Basic => ClientAuth::Basic,
-            ClientAuthMethod::RequestBody => ClientAuth::RequestBody,
-        },
-    };
-    let provider = OidcTokenProvider::new(settings, client_builder(config)?)
+    let provider = OidcTokenProvider::new(oidc.clone(), client_builder(config)?)
         .map_err(|e| StartError::Setup(e.to_string()))?;
     Ok(Some(Arc::new(provider)))
 }

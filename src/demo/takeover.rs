@@ -23,6 +23,7 @@ use crate::devkit::gate::GatedEngine;
 use crate::devkit::stack::{ORDERS_SERVER, Stack, StackWorkers, WorkerOptions};
 use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::engine::{Engine, JournalStep, TaskRef};
+use crate::handler::TaskEnd;
 use crate::metrics::Metrics;
 
 const SCENARIO: &str = "takeover";
@@ -376,7 +377,9 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     let w1_outcome = workers[0].ended.first().map(|e| e.2);
     checks.push(Check::new(
         "W1's calls after waking were refused",
-        !w1_calls.is_empty() && w1_calls.iter().all(is_fenced) && w1_outcome == Some("lease_lost"),
+        !w1_calls.is_empty()
+            && w1_calls.iter().all(is_fenced)
+            && w1_outcome == Some(TaskEnd::LeaseLost),
         format!(
             "{}; W1 ended {}",
             w1_calls
@@ -388,7 +391,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
                 ))
                 .collect::<Vec<_>>()
                 .join(", "),
-            w1_outcome.unwrap_or("-")
+            w1_outcome.map_or("-", TaskEnd::as_str)
         ),
     ));
     let w1_reports = all[..probe_mark]

@@ -25,7 +25,7 @@ use abada_agent_worker::devkit::engine::{
 };
 use abada_agent_worker::devkit::gate::{Gate, GatedEngine, Op};
 use abada_agent_worker::engine::{Task, TaskRef};
-use abada_agent_worker::handler::{Outcome, TaskContext, TaskHandler};
+use abada_agent_worker::handler::{Outcome, TaskContext, TaskEnd, TaskHandler};
 use abada_agent_worker::runner::RunnerEvent;
 use async_trait::async_trait;
 use serde_json::{Map, Value};
@@ -329,7 +329,7 @@ impl SpawnedWorker {
     }
 
     /// The `TaskEnded` outcome of `task_id` at `attempt`, once it ended.
-    pub async fn wait_ended(&self, task_id: &str, attempt: u32) -> &'static str {
+    pub async fn wait_ended(&self, task_id: &str, attempt: u32) -> TaskEnd {
         match self
             .wait_event(|e| {
                 matches!(e, RunnerEvent::TaskEnded { task_id: t, attempt: a, .. }
