@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{Semaphore, mpsc};
-use tokio::task::JoinSet;
+use tokio::task::{AbortHandle, JoinSet};
 use tokio::time::Instant;
 
 use crate::backoff::Backoff;
@@ -109,7 +109,9 @@ struct Entry {
     due: Instant,
     /// Send time of the last accepted extension (or the acquisition).
     last_ok: Instant,
-    in_flight: bool,
+    /// The extension request on its way, if any: aborted when the lease ends (released or lost)
+    /// so that no extension of a lease the worker has given up can reach the engine afterwards.
+    in_flight: Option<AbortHandle>,
     failures: u32,
     /// The instant under which this entry sits in the timer set.
     timer: Instant,
@@ -174,6 +176,8 @@ impl Actor {
                 Some(done) = self.in_flight.join_next(), if !self.in_flight.is_empty() => {
                     match done {
                         Ok((lease, sent_at, result)) => self.on_result(lease, sent_at, result),
+                        // Aborted because its lease ended: nothing to learn from it.
+                        Err(e) if e.is_cancelled() => {}
                         Err(e) => tracing::error!(error = %e, "heartbeat request task failed"),
                     }
                 }
@@ -197,7 +201,7 @@ impl Actor {
             grid_index: 1,
             due,
             last_ok: acquired_at,
-            in_flight: false,
+            in_flight: None,
             failures: 0,
             timer: due,
         };
@@ -208,6 +212,9 @@ impl Actor {
     fn remove(&mut self, id: LeaseId) {
         if let Some(entry) = self.entries.remove(&id) {
             self.timers.remove(&(entry.timer, id));
+            if let Some(extension) = entry.in_flight {
+                extension.abort();
+            }
         }
     }
 
@@ -216,7 +223,7 @@ impl Actor {
             return;
         };
         let deadline = entry.expiry_deadline(&self.settings);
-        let at = if entry.in_flight {
+        let at = if entry.in_flight.is_some() {
             deadline
         } else {
             entry.due.min(deadline)
@@ -245,19 +252,18 @@ impl Actor {
                 self.remove(id);
                 continue;
             }
-            if !entry.in_flight && now >= entry.due {
-                entry.in_flight = true;
+            if entry.in_flight.is_none() && now >= entry.due {
                 let lateness = now.saturating_duration_since(entry.due);
                 let engine = self.engine.clone();
                 let task = entry.lease.task().clone();
                 let lock = self.settings.lock_duration;
                 let permits = self.permits.clone();
-                self.in_flight.spawn(async move {
+                entry.in_flight = Some(self.in_flight.spawn(async move {
                     let _permit = permits.acquire_owned().await;
                     let sent_at = Instant::now();
                     let result = engine.heartbeat(&task, lock).await;
                     (id, sent_at, result)
-                });
+                }));
                 self.emit(HeartbeatEvent::Sent {
                     lease: id,
                     lateness,
@@ -272,7 +278,7 @@ impl Actor {
         let Some(entry) = self.entries.get_mut(&id) else {
             return;
         };
-        entry.in_flight = false;
+        entry.in_flight = None;
         match result {
             Ok(()) => {
                 self.metrics.leases_extended.inc();

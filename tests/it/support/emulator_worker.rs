@@ -118,6 +118,9 @@ pub struct ControlledEngine {
     frozen: watch::Sender<bool>,
     /// Operation names of the calls that found the engine frozen, in order.
     blocked: watch::Sender<Vec<&'static str>>,
+    /// Operation names of the calls held by the freeze right now: a call leaves when it is let
+    /// through or when its caller drops it (an aborted request).
+    held: Arc<watch::Sender<Vec<&'static str>>>,
     fetch_max_tasks: Mutex<Vec<u32>>,
 }
 
@@ -126,6 +129,7 @@ impl Default for ControlledEngine {
         ControlledEngine {
             frozen: watch::Sender::new(false),
             blocked: watch::Sender::new(Vec::new()),
+            held: Arc::new(watch::Sender::new(Vec::new())),
             fetch_max_tasks: Mutex::new(Vec::new()),
         }
     }
@@ -154,6 +158,18 @@ impl ControlledEngine {
         .expect("sender alive");
     }
 
+    /// Waits until no call of `op` is held by the freeze any more, although the engine is still
+    /// frozen: the worker dropped the call it had on its way.
+    pub async fn wait_dropped(&self, op: &'static str) {
+        let mut rx = self.held.subscribe();
+        within(
+            &format!("the held {op} call dropped by the worker"),
+            rx.wait_for(|ops| !ops.contains(&op)),
+        )
+        .await
+        .expect("sender alive");
+    }
+
     /// The operations that were blocked by a freeze, in order.
     pub fn blocked_ops(&self) -> Vec<&'static str> {
         self.blocked.borrow().clone()
@@ -169,13 +185,39 @@ impl ControlledEngine {
 impl Gate for ControlledEngine {
     async fn before(&self, op: Op<'_>, _task: Option<&TaskRef>) {
         if *self.frozen.borrow() {
-            self.blocked.send_modify(|ops| ops.push(op.name()));
+            let name = op.name();
+            self.blocked.send_modify(|ops| ops.push(name));
+            let _held = Held::enter(self.held.clone(), name);
             let mut rx = self.frozen.subscribe();
             let _ = rx.wait_for(|frozen| !*frozen).await;
         }
         if let Op::FetchAndLock(request) = op {
             self.fetch_max_tasks.lock().unwrap().push(request.max_tasks);
         }
+    }
+}
+
+/// A call held by the freeze, listed in [`ControlledEngine::held`] until it is let through or
+/// dropped.
+struct Held {
+    list: Arc<watch::Sender<Vec<&'static str>>>,
+    op: &'static str,
+}
+
+impl Held {
+    fn enter(list: Arc<watch::Sender<Vec<&'static str>>>, op: &'static str) -> Held {
+        list.send_modify(|ops| ops.push(op));
+        Held { list, op }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.list.send_modify(|ops| {
+            if let Some(i) = ops.iter().position(|o| *o == self.op) {
+                ops.remove(i);
+            }
+        });
     }
 }
 
