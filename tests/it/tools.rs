@@ -353,6 +353,22 @@ async fn close_leaves_no_session_open_and_drop_closes_too() {
     )
     .await;
     assert_eq!(orders.counters().await.sessions_closed, 2);
+
+    // Cancelled while closing (a lost lease aborts the task waiting in `close`): the closing
+    // goes on without it.
+    let mut sessions = sessions_for(&[&orders, &billing], Arc::new(TestCredentials::default()));
+    sessions.tools().await.unwrap();
+    let polled_once = tokio::time::timeout(Duration::ZERO, sessions.close()).await;
+    assert!(polled_once.is_err(), "closing takes more than one poll");
+    crate::support::wait::eventually(
+        Duration::from_secs(10),
+        "the sessions whose closing was cancelled to be closed",
+        async || {
+            orders.counters().await.sessions_open == 0
+                && billing.counters().await.sessions_open == 0
+        },
+    )
+    .await;
     orders.shutdown().await;
     billing.shutdown().await;
 }
