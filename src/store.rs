@@ -213,7 +213,8 @@ impl RunStore {
     ///   stop and report nothing.
     /// - [`StoreError::Conflict`]: that `seq` holds a different step, or leaves a gap.
     /// - [`ErrorClass::Transient`]: unknown whether it was written; retry with the same fence
-    ///   and step within the lease.
+    ///   and step within the lease. The same holds when the call was cancelled midway: the
+    ///   fence has not moved, and the retry finds the step if it was written.
     pub async fn append(
         &self,
         fence: &mut Fence,

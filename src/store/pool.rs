@@ -225,7 +225,7 @@ impl Pool {
     }
 
     /// Runs `work` on a pooled connection: waits at most the acquire timeout for the connection,
-    /// at most the transaction timeout for the work, records the duration, the error class and
+    /// at most [`Pool::client_bound`] for the work, records the duration, the error class and
     /// the outage state. `work` gets the connection and hands it back with its result, so the
     /// connection cannot outlive the call.
     pub(super) async fn transaction<T, F, Fut>(
