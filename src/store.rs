@@ -255,12 +255,10 @@ impl RunStore {
     /// transaction per batch (no connection held between batches).
     pub async fn sweep(&self) -> Result<SweepReport, StoreError> {
         let mut report = SweepReport::default();
-        let mut kinds = vec![(Sweep::Finished(self.inner.retention), "finished")];
-        if let Some(after) = self.inner.abandoned_after {
-            kinds.push((Sweep::Abandoned(after), "abandoned"));
-        }
+        let mut sweeps = vec![Sweep::Finished(self.inner.retention)];
+        sweeps.extend(self.inner.abandoned_after.map(Sweep::Abandoned));
         let batch = self.inner.sweep_batch;
-        for (sweep, reason) in kinds {
+        for sweep in sweeps {
             loop {
                 let store = self.inner.pool.store();
                 let deleted = self
@@ -272,10 +270,12 @@ impl RunStore {
                     })
                     .await?;
                 report.batches += 1;
-                self.inner.metrics.count_store_runs_deleted(reason, deleted);
-                match reason {
-                    "finished" => report.finished += deleted,
-                    _ => report.abandoned += deleted,
+                self.inner
+                    .metrics
+                    .count_store_runs_deleted(sweep.reason(), deleted);
+                match sweep {
+                    Sweep::Finished(_) => report.finished += deleted,
+                    Sweep::Abandoned(_) => report.abandoned += deleted,
                 }
                 if deleted < batch as u64 {
                     break;

@@ -649,6 +649,16 @@ pub(super) enum Sweep {
     Abandoned(std::time::Duration),
 }
 
+impl Sweep {
+    /// The `reason` label of `abada_agent_store_runs_deleted_total`.
+    pub(super) fn reason(self) -> &'static str {
+        match self {
+            Sweep::Finished(_) => "finished",
+            Sweep::Abandoned(_) => "abandoned",
+        }
+    }
+}
+
 /// Deletes at most `batch` runs (and their steps) of one kind; one short transaction.
 pub(super) async fn sweep_batch(
     conn: &mut PgConn,
