@@ -1,5 +1,6 @@
 # abada-agent-worker container image: a build stage that compiles the one binary, and a small,
-# non-root final stage that only runs it.
+# non-root final stage that only runs it. The binary is the production build: without the cargo
+# feature `devkit` (no demo, no engine emulator, no JWT validator, no MCP tool server).
 #
 #   docker build -t abada-agent-worker .                          # release build (the default)
 #   docker build --build-arg PROFILE=dev -t abada-agent-worker .  # debug build, faster to compile
@@ -56,15 +57,20 @@ WORKDIR /build
 RUN cc --version && cargo --version
 
 # Dependencies first, in their own layer: build them against an empty crate, so a change to src/
-# rebuilds only this crate, not its ~360 dependencies (most of a build's
-# time). --locked: the image is built from exactly the committed Cargo.lock, or not at all.
+# rebuilds only this crate, not its ~250 dependencies (most of a build's time). --locked: the
+# image is built from exactly the committed Cargo.lock, or not at all. --no-default-features:
+# the production build, without the devkit. The workspace's other member, devkit/, is only
+# loaded, never compiled (nothing depends on it without the feature): cargo needs its manifest
+# and a target, so its stub stays, and its sources never enter the image's build.
 # If Cargo.toml ever names explicit [[bin]]/[[test]]/[[bench]]/[[example]] paths, stub those
 # files here too (cargo checks that they exist when it reads the manifest).
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir -p src \
+COPY devkit/Cargo.toml devkit/
+RUN mkdir -p src devkit/src \
  && echo 'fn main() {}' > src/main.rs \
  && : > src/lib.rs \
- && cargo build --profile "$PROFILE" --locked \
+ && : > devkit/src/lib.rs \
+ && cargo build --profile "$PROFILE" --locked --no-default-features \
  && rm -rf src
 
 # The real sources. COPY keeps the files' modification times, which can be older than the stub
@@ -74,7 +80,7 @@ RUN mkdir -p src \
 # (cargo writes the `dev` profile to target/debug, every other profile to target/<profile>).
 COPY src ./src
 RUN touch src/main.rs src/lib.rs \
- && cargo build --profile "$PROFILE" --locked \
+ && cargo build --profile "$PROFILE" --locked --no-default-features \
  && mkdir -p out \
  && if [ "$PROFILE" = dev ]; then dir=debug; else dir="$PROFILE"; fi \
  && cp "${CARGO_TARGET_DIR:-target}/$dir/abada-agent-worker" out/abada-agent-worker

@@ -6,15 +6,16 @@
 //! - `journal`: the journal's step shapes and the replay that resumes a run;
 //! - `run`: the conversation loop of one attempt.
 //!
-//! Shared by all tasks: the provider registry (keys cached), the HTTP clients. Private to each
-//! task: its conversation, its MCP sessions and their credentials, its journal state and budget.
+//! Shared by all tasks: the provider registry (keys cached), the HTTP clients, what the engine is
+//! known to offer ([`EngineCapabilities`]). Private to each task: its conversation, its MCP
+//! sessions and their credentials, its journal state and budget. Where a task's journal lives is
+//! decided in one place, [`AgentRuntime::journal_home`].
 
 pub mod definition;
 pub mod journal;
 mod run;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -22,6 +23,7 @@ use async_trait::async_trait;
 use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::engine::Task;
+use crate::engine::capabilities::{EngineCapabilities, JournalSupport, NoJournalEvidence};
 use crate::handler::{Outcome, TaskContext, TaskHandler};
 use crate::metrics::Metrics;
 use crate::provider::fallback::RetryPolicy;
@@ -62,8 +64,19 @@ pub struct AgentRuntime {
     tool_http: reqwest::Client,
     settings: AgentSettings,
     metrics: Arc<Metrics>,
-    /// Whether "this engine has no journal" was already logged (once per process).
-    journal_warning_logged: AtomicBool,
+    /// Whether the engine keeps a journal, learned from the first tasks and held, so an engine
+    /// without one is not asked on every task.
+    capabilities: EngineCapabilities,
+}
+
+/// Where a task's journal lives (protocol.md Part B and D).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JournalHome {
+    /// The engine's journal endpoints: an agent/1 task on an engine that has them.
+    Engine,
+    /// Nowhere: the agent runs without durability and starts over on its next attempt. (Part D's
+    /// run store will be the home of tasks without `attempt` when one is configured.)
+    Nowhere,
 }
 
 /// Why the agent runtime cannot start.
@@ -91,14 +104,15 @@ impl AgentRuntime {
             tool_http,
             settings,
             metrics,
-            journal_warning_logged: AtomicBool::new(false),
+            capabilities: EngineCapabilities::default(),
         }
     }
 
-    /// The runtime a [`Config`] describes: its providers and agents file.
+    /// The runtime a [`Config`] describes (its providers and agents file), with `agent_settings`.
     pub fn from_config(
         config: &Config,
         http: reqwest::Client,
+        agent_settings: AgentSettings,
         metrics: Arc<Metrics>,
     ) -> Result<Self, AgentSetupError> {
         let mut settings = Vec::new();
@@ -131,16 +145,23 @@ impl AgentRuntime {
             ProviderRegistry::new(settings, http.clone()),
             agents_file,
             http,
-            AgentSettings::default(),
+            agent_settings,
             metrics,
         ))
     }
 
-    fn warn_no_journal_once(&self) {
-        if !self.journal_warning_logged.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                "the engine has no journal endpoint (404): agents run without durability; a task interrupted mid-run starts over on its next attempt"
-            );
+    /// Where `task`'s journal lives: the one place that choice is made. A task without
+    /// `attempt` is not an agent/1 task (protocol.md Part B), and shows the engine speaks plain
+    /// v1; an agent/1 task journals to the engine unless it is known to have no journal.
+    pub fn journal_home(&self, task: &Task) -> JournalHome {
+        if task.attempt.is_none() {
+            self.capabilities
+                .journal_missing(NoJournalEvidence::PlainTask);
+            return JournalHome::Nowhere;
+        }
+        match self.capabilities.journal() {
+            JournalSupport::Unknown | JournalSupport::Present => JournalHome::Engine,
+            JournalSupport::Absent => JournalHome::Nowhere,
         }
     }
 }

@@ -1,20 +1,27 @@
-//! Start-up wiring: from a parsed [`Config`] to a running worker (engine client, heartbeat
-//! scheduler, runner, admin endpoints), and the staged shutdown around it.
+//! The composition root: from a parsed [`Config`] and its [`Seams`] to a running worker (engine
+//! client, agent runtime, runner with its heartbeat scheduler, admin endpoints), and the staged
+//! shutdown around it.
+//!
+//! Every worker is wired here, by [`Worker::build`]: the production daemon
+//! ([`Worker::from_config`]), the devkit's in-process workers and the tests' alike, so the tests
+//! run the production wiring. What they change goes through the seams, never around them.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::AgentRuntime;
-use crate::auth::{ClientAuth, OidcSettings, OidcTokenProvider, TokenProvider};
-use crate::config::{ClientAuthMethod, Config};
+use crate::agent::{AgentRuntime, AgentSettings};
+use crate::auth::{OidcTokenProvider, TokenProvider};
+use crate::backoff::Backoff;
+use crate::config::Config;
 use crate::engine::Engine;
 use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::handler::TaskHandler;
 use crate::metrics::Metrics;
-use crate::runner::{Runner, RunnerSettings};
+use crate::runner::{Runner, RunnerEvent, RunnerSettings};
 
 /// Why the worker could not start.
 #[derive(Debug, thiserror::Error)]
@@ -27,13 +34,78 @@ pub enum StartError {
     Setup(String),
 }
 
-/// The runner settings a config implies.
-pub fn runner_settings(config: &Config) -> RunnerSettings {
+/// Puts the engine client behind a decorator (e.g. the devkit's gated engine).
+pub type EngineWrapper = Box<dyn FnOnce(Arc<dyn Engine>) -> Arc<dyn Engine> + Send>;
+
+/// What a worker is built from besides its [`Config`]: the parts an operator never sets, which
+/// the devkit and the tests replace. `Seams::default()` is the production worker.
+#[derive(Default)]
+pub struct Seams {
+    /// Wraps the engine client before the runner and the handler see it.
+    pub engine: Option<EngineWrapper>,
+    /// Runs each task. `None`: the agent runtime the config describes (providers, agents file).
+    pub handler: Option<Arc<dyn TaskHandler>>,
+    /// The agent runtime's retry and backoff knobs; the devkit shortens them.
+    pub agent: AgentSettings,
+    /// The engine client's and the poll loop's timing; the devkit shortens it.
+    pub tuning: Tuning,
+    /// Receives the runner's events (the tests, the demo's timeline).
+    pub events: Option<mpsc::UnboundedSender<RunnerEvent>>,
+    // Further optional seams join here as fields with a production default, e.g. the run store
+    // for engines without a journal (design.md, "The run store").
+}
+
+/// Timing no variable sets. The defaults are production's; a test that injects faults shortens
+/// them so that a retry takes milliseconds, not seconds.
+#[derive(Clone, Debug)]
+pub struct Tuning {
+    /// Tries of one engine command (complete, failure, journal append, ...) before its error
+    /// is returned, and the backoff between them.
+    pub command_attempts: u32,
+    pub command_backoff: Backoff,
+    /// The poll loop's backoff after transient engine errors.
+    pub error_backoff: Backoff,
+    /// The poll loop's backoff after the engine asked to slow down or refused the worker.
+    pub throttle_backoff: Backoff,
+    /// Fraction by which an idle wait is stretched at random (0 in tests that count fetches).
+    pub poll_jitter: f64,
+}
+
+impl Default for Tuning {
+    /// The engine client's and the runner's own defaults, so each lives in one place.
+    fn default() -> Self {
+        let client = EngineClientSettings::new(String::new(), String::new());
+        let runner = RunnerSettings::new(String::new(), Duration::ZERO);
+        Tuning {
+            command_attempts: client.command_attempts,
+            command_backoff: client.command_backoff,
+            error_backoff: runner.error_backoff,
+            throttle_backoff: runner.throttle_backoff,
+            poll_jitter: runner.poll_jitter,
+        }
+    }
+}
+
+/// The runner settings a config and its tuning imply.
+pub fn runner_settings(config: &Config, tuning: &Tuning) -> RunnerSettings {
     let mut s = RunnerSettings::new(config.worker_id.clone(), config.lock_duration);
     s.topics = config.topics.clone();
     s.max_tasks = config.max_tasks;
     s.poll_interval = config.poll_interval;
     s.shutdown_grace = config.shutdown_grace;
+    s.poll_jitter = tuning.poll_jitter;
+    s.error_backoff = tuning.error_backoff;
+    s.throttle_backoff = tuning.throttle_backoff;
+    s
+}
+
+/// The engine client settings a config and its tuning imply.
+fn engine_client_settings(config: &Config, tuning: &Tuning) -> EngineClientSettings {
+    let mut s = EngineClientSettings::new(config.engine_url.clone(), config.worker_id.clone());
+    s.request_timeout = config.engine_timeout;
+    s.outage_patience = config.lock_duration;
+    s.command_attempts = tuning.command_attempts;
+    s.command_backoff = tuning.command_backoff;
     s
 }
 
@@ -71,17 +143,7 @@ fn token_provider(config: &Config) -> Result<Option<Arc<dyn TokenProvider>>, Sta
     let Some(oidc) = &config.oidc else {
         return Ok(None);
     };
-    let settings = OidcSettings {
-        issuer_url: oidc.issuer_url.clone(),
-        client_id: oidc.client_id.clone(),
-        client_secret: oidc.client_secret.clone(),
-        scopes: oidc.scopes.clone(),
-        client_auth: match oidc.client_auth {
-            ClientAuthMethod::Basic => ClientAuth::Basic,
-            ClientAuthMethod::RequestBody => ClientAuth::RequestBody,
-        },
-    };
-    let provider = OidcTokenProvider::new(settings, client_builder(config)?)
+    let provider = OidcTokenProvider::new(oidc.clone(), client_builder(config)?)
         .map_err(|e| StartError::Setup(e.to_string()))?;
     Ok(Some(Arc::new(provider)))
 }
@@ -97,35 +159,44 @@ impl Worker {
     /// The production worker: the engine client (with OIDC when configured) and the agent
     /// runtime with the configured providers and agents file.
     pub fn from_config(config: &Config) -> Result<Worker, StartError> {
-        let metrics = Arc::new(Metrics::new());
-        let runtime =
-            AgentRuntime::from_config(config, outbound_http_client(config)?, metrics.clone())
-                .map_err(|e| StartError::Setup(e.to_string()))?;
-        Worker::build(config, metrics, Arc::new(runtime))
+        Worker::build(config, Seams::default())
     }
 
-    /// Builds the engine client and the runner around `handler`.
-    pub fn build(
-        config: &Config,
-        metrics: Arc<Metrics>,
-        handler: Arc<dyn TaskHandler>,
-    ) -> Result<Worker, StartError> {
-        let mut engine_settings =
-            EngineClientSettings::new(config.engine_url.clone(), config.worker_id.clone());
-        engine_settings.request_timeout = config.engine_timeout;
-        engine_settings.outage_patience = config.lock_duration;
-        let engine: Arc<dyn Engine> = Arc::new(HttpEngine::new(
+    /// Wires a worker: the engine client (behind the engine seam), the task handler (the agent
+    /// runtime unless the seam gives one), and the runner around them.
+    pub fn build(config: &Config, seams: Seams) -> Result<Worker, StartError> {
+        let metrics = Arc::new(Metrics::new());
+        let client: Arc<dyn Engine> = Arc::new(HttpEngine::new(
             engine_http_client(config)?,
-            engine_settings,
+            engine_client_settings(config, &seams.tuning),
             token_provider(config)?,
             metrics.clone(),
         ));
-        let runner = Runner::new(
+        let engine = match seams.engine {
+            Some(wrap) => wrap(client),
+            None => client,
+        };
+        let handler: Arc<dyn TaskHandler> = match seams.handler {
+            Some(handler) => handler,
+            None => Arc::new(
+                AgentRuntime::from_config(
+                    config,
+                    outbound_http_client(config)?,
+                    seams.agent,
+                    metrics.clone(),
+                )
+                .map_err(|e| StartError::Setup(e.to_string()))?,
+            ),
+        };
+        let mut runner = Runner::new(
             engine.clone(),
             handler,
-            runner_settings(config),
+            runner_settings(config, &seams.tuning),
             metrics.clone(),
         );
+        if let Some(events) = seams.events {
+            runner = runner.with_events(events);
+        }
         Ok(Worker {
             runner,
             metrics,

@@ -1,10 +1,11 @@
 //! The worker's identity towards the engine (protocol.md A.5): an OAuth 2.0 client-credentials
-//! token from the OIDC issuer, found by discovery, cached once for the whole process, refreshed
-//! ahead of expiry by one caller at a time, and refreshed on demand when the engine rejects it.
+//! token from the OIDC issuer, found by discovery, shared by the whole process, refreshed ahead
+//! of expiry, and refreshed on demand when the engine rejects it.
 //!
-//! The engine client depends only on [`TokenProvider`]; [`OidcTokenProvider`] is the real one.
-//! The cache and its schedule live in [`OidcTokenProvider`]; the wire work (discovery, the grant)
-//! sits behind the internal [`TokenGrant`] seam so the schedule is tested under a paused clock.
+//! The engine client depends only on [`TokenProvider`]; [`OidcTokenProvider`] is the real one. It
+//! is a [`token`] actor (which owns the token and its schedule) fed by the OIDC source defined
+//! here: discovery, then the client-credentials grant of [`ClientCredentials`], which any other
+//! source with a known token endpoint can reuse.
 
 use std::fmt;
 use std::future::Future;
@@ -13,29 +14,23 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use openidconnect::core::{CoreClient, CoreErrorResponseType, CoreProviderMetadata};
+use oauth2::basic::{BasicClient, BasicErrorResponseType};
+use openidconnect::core::CoreProviderMetadata;
 use openidconnect::{
     AsyncHttpClient, AuthType, ClientId, ClientSecret, HttpRequest, HttpResponse, IssuerUrl,
     OAuth2TokenResponse, RequestTokenError, Scope, TokenUrl,
 };
-use tokio::sync::Mutex as AsyncMutex;
-use tokio::time::Instant;
 
 use crate::secret::{Secret, SecretSource};
+
+pub(crate) mod token;
+
+use token::{GrantedToken, TokenError, TokenHandle, TokenSource};
 
 /// The scope the engine requires of a worker (protocol.md A.5).
 pub const DEFAULT_SCOPE: &str = "worker:execute";
 
-/// How long a token without `expires_in` is trusted before it is refreshed.
-const LIFETIME_WITHOUT_EXPIRY: Duration = Duration::from_secs(300);
-
-/// The smallest head start a refresh gets before the token expires.
-const MIN_REFRESH_MARGIN: Duration = Duration::from_secs(10);
-
-/// After a failed early refresh, the longest wait before the next attempt.
-const EARLY_RETRY_INTERVAL: Duration = Duration::from_secs(5);
-
-/// Bound on one discovery or token request, so a hung issuer cannot hold the refresh lock.
+/// Bound on one discovery or token request, so a hung issuer cannot hold up a grant.
 const ISSUER_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Gives the engine client a bearer token.
@@ -136,6 +131,8 @@ pub enum AuthError {
     },
     #[error("the token request to {token_url} failed: {reason}; the worker will try again")]
     TokenEndpoint { token_url: String, reason: String },
+    #[error("no OIDC access token: {reason}; the worker will try again")]
+    Unavailable { reason: String },
 }
 
 impl AuthError {
@@ -148,8 +145,20 @@ impl AuthError {
             | AuthError::SecretUnavailable { .. }
             | AuthError::InvalidClient { .. }
             | AuthError::TokenRefused { .. } => true,
-            AuthError::IssuerUnreachable { .. } | AuthError::TokenEndpoint { .. } => false,
+            AuthError::IssuerUnreachable { .. }
+            | AuthError::TokenEndpoint { .. }
+            | AuthError::Unavailable { .. } => false,
         }
+    }
+}
+
+impl TokenError for AuthError {
+    fn is_configuration_error(&self) -> bool {
+        AuthError::is_configuration_error(self)
+    }
+
+    fn unavailable(reason: String) -> Self {
+        AuthError::Unavailable { reason }
     }
 }
 
@@ -160,7 +169,8 @@ pub enum AuthStatus {
     NotYet,
     /// A token is held and has not expired (a failed early refresh does not change this).
     Authenticated,
-    /// No usable token: the last attempt failed.
+    /// No usable token: the last attempt failed, or the token expired or was refused and has
+    /// not been replaced yet.
     Failing {
         reason: String,
         configuration_error: bool,
@@ -177,50 +187,10 @@ impl fmt::Display for AuthStatus {
     }
 }
 
-/// A token as the issuer granted it.
-pub(crate) struct GrantedToken {
-    pub(crate) access_token: Secret,
-    /// Relative to the moment the response arrived; `None` when the issuer did not say.
-    pub(crate) expires_in: Option<Duration>,
-}
-
-/// The wire side of a grant: discovery (cached by the implementation) and one token request.
-#[async_trait]
-pub(crate) trait TokenGrant: Send + Sync + 'static {
-    async fn grant(&self) -> Result<GrantedToken, AuthError>;
-}
-
-/// The cached token and when to replace it.
-#[derive(Clone)]
-struct CachedToken {
-    token: Secret,
-    /// From here on, callers refresh first (the token is still valid until `expires_at`).
-    refresh_at: Instant,
-    expires_at: Instant,
-}
-
-/// Guarded by the refresh lock: only the caller holding it talks to the issuer.
-struct RefreshState {
-    /// Counts grant attempts, so callers that waited behind a failed attempt share its error
-    /// instead of each trying again.
-    attempts: u64,
-    last_error: Option<AuthError>,
-    /// The last failure logged at warn level. A failure returned to the caller is the caller's
-    /// to report (the runner logs it once), so only failures hidden behind a still-valid token
-    /// are warned about here, each distinct one once.
-    last_warned: Option<AuthError>,
-}
-
-/// The process-wide OIDC client-credentials token: one cached token shared by every task.
+/// The process-wide OIDC client-credentials token: one token shared by every task, owned by a
+/// [`token`] actor with the OIDC issuer as its source.
 pub struct OidcTokenProvider {
-    grant: Box<dyn TokenGrant>,
-    /// Read on every request without waiting for a refresh in progress.
-    cached: StdMutex<Option<CachedToken>>,
-    /// Held for the whole of one refresh (single flight).
-    refresh: AsyncMutex<RefreshState>,
-    /// Mirrors `RefreshState::attempts` for callers not holding the lock.
-    attempts_seen: StdMutex<(u64, Option<AuthError>)>,
-    status: StdMutex<AuthStatus>,
+    tokens: TokenHandle<AuthError>,
 }
 
 impl fmt::Debug for OidcTokenProvider {
@@ -234,7 +204,8 @@ impl fmt::Debug for OidcTokenProvider {
 impl OidcTokenProvider {
     /// A provider for `settings`, talking to the issuer with a client built from `http` (from
     /// [`crate::tls::http_client_builder`]); redirects are turned off as openidconnect requires.
-    /// Nothing is sent until the first [`TokenProvider::token`] call.
+    /// Nothing is sent until the first [`TokenProvider::token`] call. Must be called within a
+    /// tokio runtime (it starts the token actor).
     pub fn new(settings: OidcSettings, http: reqwest::ClientBuilder) -> Result<Self, AuthError> {
         let issuer_url = IssuerUrl::new(settings.issuer_url.clone()).map_err(|e| {
             AuthError::InvalidIssuerUrl {
@@ -242,207 +213,46 @@ impl OidcTokenProvider {
                 reason: e.to_string(),
             }
         })?;
-        let client = http
-            .redirect(reqwest::redirect::Policy::none())
-            .timeout(ISSUER_REQUEST_TIMEOUT)
-            .build()
-            .map_err(|e| AuthError::IssuerUnreachable {
-                issuer_url: settings.issuer_url.clone(),
-                reason: format!("cannot build the HTTP client: {e}"),
-            })?;
-        Ok(Self::with_grant(Box::new(OidcGrant {
+        let http = IssuerHttpClient::new(http).map_err(|e| AuthError::IssuerUnreachable {
+            issuer_url: settings.issuer_url.clone(),
+            reason: format!("cannot build the HTTP client: {e}"),
+        })?;
+        let source = OidcSource {
+            grant: ClientCredentials {
+                client_id: settings.client_id.clone(),
+                client_secret: settings.client_secret.clone(),
+                scopes: settings.scopes.clone(),
+                client_auth: settings.client_auth,
+                resource: None,
+            },
             settings,
             issuer_url,
-            http: IssuerHttpClient(client),
+            http,
             discovered: StdMutex::new(None),
-        })))
-    }
-
-    pub(crate) fn with_grant(grant: Box<dyn TokenGrant>) -> Self {
-        OidcTokenProvider {
-            grant,
-            cached: StdMutex::new(None),
-            refresh: AsyncMutex::new(RefreshState {
-                attempts: 0,
-                last_error: None,
-                last_warned: None,
-            }),
-            attempts_seen: StdMutex::new((0, None)),
-            status: StdMutex::new(AuthStatus::NotYet),
-        }
+        };
+        // Discovery and the token request, each bounded by the client's timeout.
+        let tokens = token::spawn(source, 2 * ISSUER_REQUEST_TIMEOUT, "oidc");
+        Ok(OidcTokenProvider { tokens })
     }
 
     /// For readiness: authenticated, not yet, or failing with the reason.
     pub fn status(&self) -> AuthStatus {
-        let status = lock(&self.status).clone();
-        if status == AuthStatus::Authenticated
-            && lock(&self.cached)
-                .as_ref()
-                .is_none_or(|c| Instant::now() >= c.expires_at)
-        {
-            return AuthStatus::Failing {
-                reason: "the token expired and has not been refreshed yet".to_string(),
-                configuration_error: false,
-            };
-        }
-        status
-    }
-
-    fn fresh_cached(&self, now: Instant) -> Option<Secret> {
-        lock(&self.cached)
-            .as_ref()
-            .filter(|c| now < c.refresh_at)
-            .map(|c| c.token.clone())
-    }
-
-    fn valid_cached(&self, now: Instant) -> Option<CachedToken> {
-        lock(&self.cached)
-            .as_ref()
-            .filter(|c| now < c.expires_at)
-            .cloned()
-    }
-
-    /// Runs one grant while holding the refresh lock, unless a caller we waited behind already
-    /// tried (then its error is shared).
-    async fn refresh_locked(
-        &self,
-        state: &mut RefreshState,
-        attempts_before_wait: u64,
-    ) -> Result<Secret, AuthError> {
-        if state.attempts != attempts_before_wait
-            && let Some(error) = &state.last_error
-        {
-            return Err(error.clone());
-        }
-        state.attempts += 1;
-        let result = self.grant.grant().await;
-        let received_at = Instant::now();
-        match result {
-            Ok(granted) => {
-                let lifetime = granted.expires_in.unwrap_or(LIFETIME_WITHOUT_EXPIRY);
-                let cached = CachedToken {
-                    token: granted.access_token.clone(),
-                    refresh_at: received_at + refresh_lead(lifetime),
-                    expires_at: received_at + lifetime,
-                };
-                *lock(&self.cached) = Some(cached);
-                state.last_error = None;
-                state.last_warned = None;
-                *lock(&self.status) = AuthStatus::Authenticated;
-                *lock(&self.attempts_seen) = (state.attempts, None);
-                tracing::debug!(
-                    expires_in_s = lifetime.as_secs(),
-                    "obtained an OIDC access token"
-                );
-                Ok(granted.access_token)
-            }
-            Err(error) => {
-                state.last_error = Some(error.clone());
-                *lock(&self.attempts_seen) = (state.attempts, Some(error.clone()));
-                if self.valid_cached(received_at).is_none() {
-                    *lock(&self.status) = AuthStatus::Failing {
-                        reason: error.to_string(),
-                        configuration_error: error.is_configuration_error(),
-                    };
-                    // Returned to the caller, who reports it.
-                    tracing::debug!(error = %error, "could not obtain an OIDC access token");
-                } else {
-                    self.postpone_early_refresh(received_at);
-                    if state.last_warned.as_ref() != Some(&error) {
-                        tracing::warn!(error = %error, "could not refresh the OIDC access token early; the current one is used until it expires");
-                        state.last_warned = Some(error.clone());
-                    } else {
-                        tracing::debug!(error = %error, "could not refresh the OIDC access token early, again");
-                    }
-                }
-                Err(error)
-            }
-        }
-    }
-
-    /// After a failed early refresh, the still-valid token is served without another attempt
-    /// for a while (at most [`EARLY_RETRY_INTERVAL`], at most half its remaining life), so a
-    /// down issuer is not asked on every engine call.
-    fn postpone_early_refresh(&self, now: Instant) {
-        if let Some(cached) = lock(&self.cached).as_mut()
-            && now < cached.expires_at
-        {
-            cached.refresh_at = now + EARLY_RETRY_INTERVAL.min((cached.expires_at - now) / 2);
-        }
-    }
-
-    fn attempts_now(&self) -> u64 {
-        lock(&self.attempts_seen).0
+        self.tokens.status()
     }
 }
 
 #[async_trait]
 impl TokenProvider for OidcTokenProvider {
     async fn token(&self) -> Result<Secret, AuthError> {
-        if let Some(token) = self.fresh_cached(Instant::now()) {
-            return Ok(token);
-        }
-        let attempts_before_wait = self.attempts_now();
-        let mut state = match self.refresh.try_lock() {
-            Ok(state) => state,
-            // Someone is refreshing. While the current token is still valid, use it rather
-            // than wait: a slow issuer must not hold up heartbeats.
-            Err(_) => match self.valid_cached(Instant::now()) {
-                Some(cached) => return Ok(cached.token),
-                None => self.refresh.lock().await,
-            },
-        };
-        let now = Instant::now();
-        if let Some(token) = self.fresh_cached(now) {
-            return Ok(token);
-        }
-        match self.refresh_locked(&mut state, attempts_before_wait).await {
-            Ok(token) => Ok(token),
-            // A failed early refresh still leaves a valid token: use it, try again next call.
-            Err(error) => match self.valid_cached(Instant::now()) {
-                Some(cached) => Ok(cached.token),
-                None => Err(error),
-            },
-        }
+        self.tokens.token().await
     }
 
     async fn refresh_after_rejection(&self, rejected: &Secret) -> Result<Secret, AuthError> {
-        let attempts_before_wait = self.attempts_now();
-        let mut state = self.refresh.lock().await;
-        if let Some(cached) = self.valid_cached(Instant::now())
-            && cached.token != *rejected
-        {
-            return Ok(cached.token);
-        }
-        // The engine refused the cached token: never hand it out again.
-        {
-            let mut cached = lock(&self.cached);
-            if cached.as_ref().is_some_and(|c| c.token == *rejected) {
-                *cached = None;
-            }
-        }
-        self.refresh_locked(&mut state, attempts_before_wait).await
+        self.tokens.refresh_after_rejection(rejected).await
     }
 
     fn discard(&self, token: &Secret) {
-        let mut cached = lock(&self.cached);
-        if cached.as_ref().is_some_and(|c| c.token == *token) {
-            *cached = None;
-            tracing::debug!(
-                "the engine refused the OIDC access token; a new one is requested at the next call"
-            );
-        }
-    }
-}
-
-/// How long after receipt a token of `lifetime` is refreshed: `lifetime` minus max(10 s, 10 %),
-/// or half the lifetime for tokens too short for that margin.
-fn refresh_lead(lifetime: Duration) -> Duration {
-    let margin = MIN_REFRESH_MARGIN.max(lifetime / 10);
-    if lifetime > margin {
-        lifetime - margin
-    } else {
-        lifetime / 2
+        self.tokens.discard(token);
     }
 }
 
@@ -453,11 +263,24 @@ fn lock<T>(mutex: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Our reqwest client, handed to openidconnect (the orphan rule forbids implementing its
 /// `AsyncHttpClient` for `reqwest::Client` here).
-struct IssuerHttpClient(reqwest::Client);
+pub(crate) struct IssuerHttpClient(reqwest::Client);
+
+impl IssuerHttpClient {
+    /// A client for an issuer built from `http`: redirects off (openidconnect requires it, and a
+    /// client secret never follows a redirect), each request bounded by
+    /// [`ISSUER_REQUEST_TIMEOUT`].
+    pub(crate) fn new(http: reqwest::ClientBuilder) -> Result<Self, reqwest::Error> {
+        let client = http
+            .redirect(reqwest::redirect::Policy::none())
+            .timeout(ISSUER_REQUEST_TIMEOUT)
+            .build()?;
+        Ok(IssuerHttpClient(client))
+    }
+}
 
 /// A failed HTTP exchange with the issuer (never includes a request or response body).
 #[derive(Debug, thiserror::Error)]
-enum IssuerHttpError {
+pub(crate) enum IssuerHttpError {
     #[error("{0}")]
     Request(String),
     #[error("{0}")]
@@ -514,24 +337,21 @@ fn http_response_builder(
         .version(version)
 }
 
-/// Discovery, then the client-credentials grant, over openidconnect.
-struct OidcGrant {
+/// The engine token's source: discovery (once, then cached), then the client-credentials grant
+/// at the token endpoint the issuer advertises.
+struct OidcSource {
     settings: OidcSettings,
     issuer_url: IssuerUrl,
+    grant: ClientCredentials,
     http: IssuerHttpClient,
     /// Filled by the first successful discovery; a failed discovery is retried at the next grant.
-    discovered: StdMutex<Option<Arc<Discovered>>>,
+    discovered: StdMutex<Option<TokenUrl>>,
 }
 
-struct Discovered {
-    metadata: CoreProviderMetadata,
-    token_url: TokenUrl,
-}
-
-impl OidcGrant {
-    async fn discovered(&self) -> Result<Arc<Discovered>, AuthError> {
-        if let Some(d) = lock(&self.discovered).clone() {
-            return Ok(d);
+impl OidcSource {
+    async fn token_url(&self) -> Result<TokenUrl, AuthError> {
+        if let Some(token_url) = lock(&self.discovered).clone() {
+            return Ok(token_url);
         }
         let issuer = &self.settings.issuer_url;
         let metadata = CoreProviderMetadata::discover_async(self.issuer_url.clone(), &self.http)
@@ -545,13 +365,117 @@ impl OidcGrant {
                     issuer_url: issuer.clone(),
                     reason: "the discovery document advertises no token_endpoint".to_string(),
                 })?;
-        let discovered = Arc::new(Discovered {
-            metadata,
-            token_url,
-        });
-        *lock(&self.discovered) = Some(discovered.clone());
-        tracing::info!(issuer = %issuer, token_endpoint = %discovered.token_url.as_str(), "OIDC discovery done");
-        Ok(discovered)
+        *lock(&self.discovered) = Some(token_url.clone());
+        tracing::info!(issuer = %issuer, token_endpoint = %token_url.as_str(), "OIDC discovery done");
+        Ok(token_url)
+    }
+}
+
+impl TokenSource for OidcSource {
+    type Error = AuthError;
+
+    async fn fetch(&self) -> Result<GrantedToken, AuthError> {
+        let token_url = self.token_url().await?;
+        let client_id = &self.settings.client_id;
+        self.grant
+            .request(&self.http, &token_url)
+            .await
+            .map_err(|e| match e {
+                GrantError::SecretUnavailable(reason) => AuthError::SecretUnavailable { reason },
+                GrantError::InvalidClient => AuthError::InvalidClient {
+                    client_id: client_id.clone(),
+                },
+                GrantError::Refused { error, description } => AuthError::TokenRefused {
+                    client_id: client_id.clone(),
+                    error,
+                    description,
+                },
+                GrantError::Endpoint(reason) => AuthError::TokenEndpoint {
+                    token_url: token_url.as_str().to_string(),
+                    reason,
+                },
+            })
+    }
+}
+
+/// The OAuth 2.0 client-credentials grant (RFC 6749 4.4) at a known token endpoint: the part
+/// every token source shares (the OIDC source finds the endpoint by discovery; a source given
+/// a token URL uses it directly).
+pub(crate) struct ClientCredentials {
+    pub(crate) client_id: String,
+    /// Re-loaded at every grant, so a rotated secret file is used without a restart.
+    pub(crate) client_secret: Arc<SecretSource>,
+    pub(crate) scopes: Vec<String>,
+    pub(crate) client_auth: ClientAuth,
+    /// RFC 8707 resource indicator: the server the token is meant for, for issuers that issue
+    /// tokens per audience.
+    pub(crate) resource: Option<String>,
+}
+
+/// Why a token endpoint gave no token; each source words it for its operator. Never carries the
+/// secret or a token.
+#[derive(Debug, PartialEq)]
+pub(crate) enum GrantError {
+    /// The client secret could not be read.
+    SecretUnavailable(String),
+    /// The issuer refused the client credentials (`invalid_client`).
+    InvalidClient,
+    /// Another OAuth 2.0 error: its code, and `": <error_description>"` or empty.
+    Refused { error: String, description: String },
+    /// The request failed or the answer could not be read: transient.
+    Endpoint(String),
+}
+
+impl ClientCredentials {
+    /// One token request at `token_url`.
+    pub(crate) async fn request(
+        &self,
+        http: &IssuerHttpClient,
+        token_url: &TokenUrl,
+    ) -> Result<GrantedToken, GrantError> {
+        let secret = self
+            .client_secret
+            .load()
+            .map_err(|e| GrantError::SecretUnavailable(e.to_string()))?;
+        let auth_type = match self.client_auth {
+            ClientAuth::Basic => AuthType::BasicAuth,
+            ClientAuth::RequestBody => AuthType::RequestBody,
+        };
+        let client = BasicClient::new(ClientId::new(self.client_id.clone()))
+            .set_client_secret(ClientSecret::new(secret.expose().to_string()))
+            .set_token_uri(token_url.clone())
+            .set_auth_type(auth_type);
+        let mut request = client
+            .exchange_client_credentials()
+            .add_scopes(self.scopes.iter().cloned().map(Scope::new));
+        if let Some(resource) = &self.resource {
+            request = request.add_extra_param("resource", resource.clone());
+        }
+        match request.request_async(http).await {
+            Ok(response) => Ok(GrantedToken {
+                access_token: Secret::new(response.access_token().secret().clone()),
+                expires_in: response.expires_in(),
+            }),
+            Err(RequestTokenError::ServerResponse(e)) => Err(match e.error() {
+                BasicErrorResponseType::InvalidClient => GrantError::InvalidClient,
+                code => GrantError::Refused {
+                    error: code.as_ref().to_string(),
+                    description: e
+                        .error_description()
+                        .map(|d| format!(": {d}"))
+                        .unwrap_or_default(),
+                },
+            }),
+            Err(RequestTokenError::Request(e)) => {
+                Err(GrantError::Endpoint(crate::errors::chain(&e)))
+            }
+            // The body is not quoted: a success response that fails to parse holds a token.
+            Err(RequestTokenError::Parse(e, _body)) => Err(GrantError::Endpoint(format!(
+                "unreadable token response: {}",
+                e.path()
+            ))),
+            Err(RequestTokenError::Other(message)) => Err(GrantError::Endpoint(message)),
+        }
     }
 }
 
@@ -564,7 +488,7 @@ fn discovery_error(
     match error {
         D::Request(e) => AuthError::IssuerUnreachable {
             issuer_url,
-            reason: error_chain(&e),
+            reason: crate::errors::chain(&e),
         },
         D::Response(_, _, message) => AuthError::DiscoveryFailed {
             issuer_url,
@@ -585,375 +509,135 @@ fn discovery_error(
     }
 }
 
-/// An error and its sources on one line (reqwest hides the interesting part in the sources).
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(s) = source {
-        let s_text = s.to_string();
-        if !text.contains(&s_text) {
-            text.push_str(": ");
-            text.push_str(&s_text);
-        }
-        source = s.source();
-    }
-    text
-}
-
-#[async_trait]
-impl TokenGrant for OidcGrant {
-    async fn grant(&self) -> Result<GrantedToken, AuthError> {
-        let discovered = self.discovered().await?;
-        let secret =
-            self.settings
-                .client_secret
-                .load()
-                .map_err(|e| AuthError::SecretUnavailable {
-                    reason: e.to_string(),
-                })?;
-        let client_id = &self.settings.client_id;
-        let auth_type = match self.settings.client_auth {
-            ClientAuth::Basic => AuthType::BasicAuth,
-            ClientAuth::RequestBody => AuthType::RequestBody,
-        };
-        let client = CoreClient::from_provider_metadata(
-            discovered.metadata.clone(),
-            ClientId::new(client_id.clone()),
-            Some(ClientSecret::new(secret.expose().to_string())),
-        )
-        .set_token_uri(discovered.token_url.clone())
-        .set_auth_type(auth_type);
-        let request = client
-            .exchange_client_credentials()
-            .add_scopes(self.settings.scopes.iter().cloned().map(Scope::new));
-        let token_url = discovered.token_url.as_str();
-        match request.request_async(&self.http).await {
-            Ok(response) => Ok(GrantedToken {
-                access_token: Secret::new(response.access_token().secret().clone()),
-                expires_in: response.expires_in(),
-            }),
-            Err(RequestTokenError::ServerResponse(e)) => Err(match e.error() {
-                CoreErrorResponseType::InvalidClient => AuthError::InvalidClient {
-                    client_id: client_id.clone(),
-                },
-                code => AuthError::TokenRefused {
-                    client_id: client_id.clone(),
-                    error: code.as_ref().to_string(),
-                    description: e
-                        .error_description()
-                        .map(|d| format!(": {d}"))
-                        .unwrap_or_default(),
-                },
-            }),
-            Err(RequestTokenError::Request(e)) => Err(AuthError::TokenEndpoint {
-                token_url: token_url.to_string(),
-                reason: error_chain(&e),
-            }),
-            // The body is not quoted: a success response that fails to parse holds a token.
-            Err(RequestTokenError::Parse(e, _body)) => Err(AuthError::TokenEndpoint {
-                token_url: token_url.to_string(),
-                reason: format!("unreadable token response: {}", e.path()),
-            }),
-            Err(RequestTokenError::Other(message)) => Err(AuthError::TokenEndpoint {
-                token_url: token_url.to_string(),
-                reason: message,
-            }),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::collections::HashMap;
 
-    /// Grants `token-1`, `token-2`, ... after a short simulated round trip, or fails while
-    /// `failing` is set.
-    struct FakeGrant {
-        grants: Arc<AtomicU64>,
-        lifetime: Option<Duration>,
-        failing: Arc<StdMutex<Option<AuthError>>>,
+    /// What the in-process token endpoint received.
+    #[derive(Debug, Default, Clone)]
+    struct Received {
+        form: HashMap<String, String>,
+        authorization: Option<String>,
     }
 
-    #[async_trait]
-    impl TokenGrant for FakeGrant {
-        async fn grant(&self) -> Result<GrantedToken, AuthError> {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            if let Some(e) = lock(&self.failing).clone() {
-                self.grants.fetch_add(1, Ordering::SeqCst);
-                return Err(e);
-            }
-            let n = self.grants.fetch_add(1, Ordering::SeqCst) + 1;
-            Ok(GrantedToken {
-                access_token: Secret::new(format!("token-{n}")),
-                expires_in: self.lifetime,
-            })
-        }
-    }
-
-    struct Harness {
-        provider: Arc<OidcTokenProvider>,
-        grants: Arc<AtomicU64>,
-        failing: Arc<StdMutex<Option<AuthError>>>,
-    }
-
-    fn harness(lifetime: Option<Duration>) -> Harness {
-        let grants = Arc::new(AtomicU64::new(0));
-        let failing = Arc::new(StdMutex::new(None));
-        let provider = Arc::new(OidcTokenProvider::with_grant(Box::new(FakeGrant {
-            grants: grants.clone(),
-            lifetime,
-            failing: failing.clone(),
-        })));
-        Harness {
-            provider,
-            grants,
-            failing,
-        }
-    }
-
-    async fn hundred_callers(provider: &Arc<OidcTokenProvider>) -> Vec<String> {
-        let tasks: Vec<_> = (0..100)
-            .map(|_| {
-                let p = provider.clone();
-                tokio::spawn(async move { p.token().await })
-            })
-            .collect();
-        let mut tokens = Vec::new();
-        for t in tasks {
-            tokens.push(t.await.unwrap().unwrap().expose().to_string());
-        }
-        tokens
-    }
-
-    fn unreachable() -> AuthError {
-        AuthError::IssuerUnreachable {
-            issuer_url: "http://issuer".into(),
-            reason: "connection refused".into(),
-        }
-    }
-
-    #[test]
-    fn refresh_lead_keeps_ten_seconds_or_ten_percent() {
-        assert_eq!(
-            refresh_lead(Duration::from_secs(3600)),
-            Duration::from_secs(3240)
+    /// A token endpoint on 127.0.0.1 that records each request and answers with `answer`.
+    async fn token_endpoint(
+        answer: (u16, serde_json::Value),
+    ) -> (TokenUrl, Arc<StdMutex<Vec<Received>>>) {
+        use axum::http::{HeaderMap, StatusCode};
+        let received = Arc::new(StdMutex::new(Vec::new()));
+        let log = received.clone();
+        let router = axum::Router::new().route(
+            "/token",
+            axum::routing::post(move |headers: HeaderMap, body: String| async move {
+                let form = reqwest::Url::parse(&format!("http://x/?{body}"))
+                    .unwrap()
+                    .query_pairs()
+                    .map(|(k, v)| (k.into_owned(), v.into_owned()))
+                    .collect();
+                let authorization = headers
+                    .get("authorization")
+                    .map(|v| v.to_str().unwrap().to_string());
+                lock(&log).push(Received {
+                    form,
+                    authorization,
+                });
+                (
+                    StatusCode::from_u16(answer.0).unwrap(),
+                    axum::Json(answer.1.clone()),
+                )
+            }),
         );
-        assert_eq!(
-            refresh_lead(Duration::from_secs(60)),
-            Duration::from_secs(50)
-        );
-        assert_eq!(refresh_lead(Duration::from_secs(8)), Duration::from_secs(4));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/token", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        (TokenUrl::new(url).unwrap(), received)
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn hundred_concurrent_callers_cause_one_grant_per_expiry_window() {
-        let h = harness(Some(Duration::from_secs(300)));
-        assert_eq!(h.provider.status(), AuthStatus::NotYet);
+    fn grant(client_auth: ClientAuth, resource: Option<&str>) -> ClientCredentials {
+        ClientCredentials {
+            client_id: "tool-client".into(),
+            client_secret: Arc::new(SecretSource::value("s3cr3t")),
+            scopes: vec!["orders:read".into(), "orders:write".into()],
+            client_auth,
+            resource: resource.map(str::to_string),
+        }
+    }
 
-        let tokens = hundred_callers(&h.provider).await;
-        assert!(tokens.iter().all(|t| t == "token-1"));
-        assert_eq!(h.grants.load(Ordering::SeqCst), 1);
-        assert_eq!(h.provider.status(), AuthStatus::Authenticated);
+    fn http() -> IssuerHttpClient {
+        IssuerHttpClient::new(reqwest::Client::builder()).unwrap()
+    }
 
-        // Refresh at 300 s - 30 s (10 %): just before, still the first token.
-        tokio::time::advance(Duration::from_secs(269)).await;
-        assert!(
-            hundred_callers(&h.provider)
+    #[tokio::test]
+    async fn the_grant_sends_scopes_the_resource_and_either_client_authentication() {
+        let granted = serde_json::json!({
+            "access_token": "opaque-1", "token_type": "Bearer", "expires_in": 120
+        });
+        let (token_url, received) = token_endpoint((200, granted)).await;
+        for (client_auth, resource) in [
+            (ClientAuth::Basic, Some("https://orders-mcp:8080/mcp")),
+            (ClientAuth::RequestBody, None),
+        ] {
+            let token = grant(client_auth, resource)
+                .request(&http(), &token_url)
                 .await
-                .iter()
-                .all(|t| t == "token-1")
-        );
-        assert_eq!(h.grants.load(Ordering::SeqCst), 1);
-
-        // Past the refresh point: one caller refreshes; the others keep using the still-valid
-        // token meanwhile instead of waiting on the issuer.
-        tokio::time::advance(Duration::from_secs(2)).await;
-        let tokens = hundred_callers(&h.provider).await;
-        assert!(tokens.iter().all(|t| t == "token-1" || t == "token-2"));
-        assert!(tokens.iter().any(|t| t == "token-2"));
-        assert_eq!(h.grants.load(Ordering::SeqCst), 2);
-        assert!(
-            hundred_callers(&h.provider)
-                .await
-                .iter()
-                .all(|t| t == "token-2")
-        );
-        assert_eq!(h.grants.load(Ordering::SeqCst), 2);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn callers_waiting_behind_a_failed_grant_share_its_error() {
-        let h = harness(Some(Duration::from_secs(300)));
-        *lock(&h.failing) = Some(unreachable());
-        let tasks: Vec<_> = (0..100)
-            .map(|_| {
-                let p = h.provider.clone();
-                tokio::spawn(async move { p.token().await })
-            })
-            .collect();
-        for t in tasks {
-            assert_eq!(t.await.unwrap().unwrap_err(), unreachable());
-        }
-        assert_eq!(h.grants.load(Ordering::SeqCst), 1);
-        assert!(matches!(
-            h.provider.status(),
-            AuthStatus::Failing {
-                configuration_error: false,
-                ..
+                .unwrap();
+            assert_eq!(token.access_token.expose(), "opaque-1");
+            assert_eq!(token.expires_in, Some(Duration::from_secs(120)));
+            let seen = lock(&received).pop().unwrap();
+            assert_eq!(seen.form["grant_type"], "client_credentials");
+            assert_eq!(seen.form["scope"], "orders:read orders:write");
+            assert_eq!(seen.form.get("resource").map(String::as_str), resource);
+            match client_auth {
+                ClientAuth::Basic => {
+                    assert!(seen.authorization.unwrap().starts_with("Basic "));
+                    assert!(!seen.form.contains_key("client_secret"));
+                }
+                ClientAuth::RequestBody => {
+                    assert_eq!(seen.authorization, None);
+                    assert_eq!(seen.form["client_id"], "tool-client");
+                    assert_eq!(seen.form["client_secret"], "s3cr3t");
+                }
             }
-        ));
-
-        // The next call tries again.
-        *lock(&h.failing) = None;
-        assert_eq!(h.provider.token().await.unwrap().expose(), "token-2");
-        assert_eq!(h.provider.status(), AuthStatus::Authenticated);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_failed_early_refresh_keeps_serving_the_still_valid_token() {
-        let h = harness(Some(Duration::from_secs(100)));
-        assert_eq!(h.provider.token().await.unwrap().expose(), "token-1");
-        *lock(&h.failing) = Some(unreachable());
-        tokio::time::advance(Duration::from_secs(95)).await;
-        assert_eq!(h.provider.token().await.unwrap().expose(), "token-1");
-        assert_eq!(h.provider.status(), AuthStatus::Authenticated);
-        assert_eq!(h.grants.load(Ordering::SeqCst), 2);
-        // The next attempt waits a little (half the remaining 5 s), not every call.
-        for _ in 0..10 {
-            assert_eq!(h.provider.token().await.unwrap().expose(), "token-1");
         }
-        assert_eq!(h.grants.load(Ordering::SeqCst), 2);
-        tokio::time::advance(Duration::from_secs(3)).await;
-        assert_eq!(h.provider.token().await.unwrap().expose(), "token-1");
-        assert_eq!(h.grants.load(Ordering::SeqCst), 3);
-        tokio::time::advance(Duration::from_secs(10)).await;
-        assert_eq!(h.provider.token().await.unwrap_err(), unreachable());
-        assert!(matches!(h.provider.status(), AuthStatus::Failing { .. }));
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn rejection_refreshes_once_however_many_callers_report_it() {
-        let h = harness(Some(Duration::from_secs(3600)));
-        let rejected = h.provider.token().await.unwrap();
-        let tasks: Vec<_> = (0..20)
-            .map(|_| {
-                let p = h.provider.clone();
-                let r = rejected.clone();
-                tokio::spawn(async move { p.refresh_after_rejection(&r).await })
-            })
-            .collect();
-        for t in tasks {
-            assert_eq!(t.await.unwrap().unwrap().expose(), "token-2");
-        }
-        assert_eq!(h.grants.load(Ordering::SeqCst), 2);
-        assert_eq!(h.provider.token().await.unwrap().expose(), "token-2");
-    }
+    #[tokio::test]
+    async fn the_grant_types_the_issuers_refusals_without_quoting_secrets() {
+        let (token_url, _) =
+            token_endpoint((401, serde_json::json!({"error": "invalid_client"}))).await;
+        let e = grant(ClientAuth::Basic, None)
+            .request(&http(), &token_url)
+            .await
+            .unwrap_err();
+        assert_eq!(e, GrantError::InvalidClient);
 
-    #[tokio::test(start_paused = true)]
-    async fn a_rejected_token_is_not_served_again_when_its_refresh_fails() {
-        let h = harness(Some(Duration::from_secs(3600)));
-        let rejected = h.provider.token().await.unwrap();
-        *lock(&h.failing) = Some(unreachable());
-        assert!(h.provider.refresh_after_rejection(&rejected).await.is_err());
-        assert!(h.provider.token().await.is_err());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_token_without_expires_in_is_refreshed_after_the_default_lifetime() {
-        let h = harness(None);
-        h.provider.token().await.unwrap();
-        tokio::time::advance(refresh_lead(LIFETIME_WITHOUT_EXPIRY) + Duration::from_secs(1)).await;
-        assert_eq!(h.provider.token().await.unwrap().expose(), "token-2");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_discarded_token_is_replaced_at_the_next_call_and_only_that_token() {
-        let h = harness(Some(Duration::from_secs(3600)));
-        let first = h.provider.token().await.unwrap();
-        h.provider.discard(&Secret::new("some-other-token"));
-        assert_eq!(h.provider.token().await.unwrap(), first);
-        assert_eq!(h.grants.load(Ordering::SeqCst), 1);
-        h.provider.discard(&first);
+        let refused =
+            serde_json::json!({"error": "invalid_scope", "error_description": "no such scope"});
+        let (token_url, _) = token_endpoint((400, refused)).await;
+        let e = grant(ClientAuth::Basic, None)
+            .request(&http(), &token_url)
+            .await
+            .unwrap_err();
         assert_eq!(
-            h.grants.load(Ordering::SeqCst),
-            1,
-            "nothing fetched until asked"
-        );
-        assert_eq!(h.provider.token().await.unwrap().expose(), "token-2");
-    }
-
-    /// Collects what the fmt subscriber writes.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<StdMutex<Vec<u8>>>);
-
-    impl std::io::Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            lock(&self.0).extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl Captured {
-        fn warn_lines(&self) -> Vec<String> {
-            String::from_utf8(lock(&self.0).clone())
-                .unwrap()
-                .lines()
-                .filter(|l| l.contains("WARN"))
-                .map(str::to_string)
-                .collect()
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn failures_are_the_callers_to_report_except_a_hidden_early_refresh_failure_once() {
-        let captured = Captured::default();
-        let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
-            .finish();
-        let _guard = tracing::subscriber::set_default(subscriber);
-
-        // No token yet: every failure goes back to the caller, which logs it.
-        let h = harness(Some(Duration::from_secs(100)));
-        *lock(&h.failing) = Some(unreachable());
-        for _ in 0..3 {
-            assert!(h.provider.token().await.is_err());
-        }
-        assert!(
-            captured.warn_lines().is_empty(),
-            "{:?}",
-            captured.warn_lines()
+            e,
+            GrantError::Refused {
+                error: "invalid_scope".into(),
+                description: ": no such scope".into()
+            }
         );
 
-        // A valid token hides failed early refreshes from the callers: warned once.
-        *lock(&h.failing) = None;
-        h.provider.token().await.unwrap();
-        *lock(&h.failing) = Some(unreachable());
-        tokio::time::advance(Duration::from_secs(95)).await;
-        for _ in 0..3 {
-            assert!(h.provider.token().await.is_ok());
-        }
-        assert_eq!(
-            captured.warn_lines().len(),
-            1,
-            "{:?}",
-            captured.warn_lines()
-        );
-        // Once expired, the failure reaches the callers again.
-        tokio::time::advance(Duration::from_secs(10)).await;
-        assert!(h.provider.token().await.is_err());
-        assert_eq!(
-            captured.warn_lines().len(),
-            1,
-            "{:?}",
-            captured.warn_lines()
-        );
+        // A success answer that cannot be read holds a token: it is never quoted.
+        let unreadable = serde_json::json!({"access_token": "opaque-secret-token"});
+        let (token_url, _) = token_endpoint((200, unreadable)).await;
+        let e = grant(ClientAuth::Basic, None)
+            .request(&http(), &token_url)
+            .await
+            .unwrap_err();
+        assert!(matches!(&e, GrantError::Endpoint(_)), "{e:?}");
+        assert!(!format!("{e:?}").contains("opaque-secret-token"), "{e:?}");
+        assert!(!format!("{e:?}").contains("s3cr3t"), "{e:?}");
     }
 
     #[test]
@@ -970,7 +654,18 @@ mod tests {
                 .contains("check ABADA_AGENT_OIDC_CLIENT_SECRET")
         );
         assert!(e.is_configuration_error());
-        assert!(!unreachable().is_configuration_error());
+        let unreachable = AuthError::IssuerUnreachable {
+            issuer_url: "http://issuer".into(),
+            reason: "connection refused".into(),
+        };
+        assert!(!unreachable.is_configuration_error());
+        let unavailable = <AuthError as TokenError>::unavailable("no token within 61 s".into());
+        assert!(!unavailable.is_configuration_error());
+        assert!(
+            unavailable
+                .to_string()
+                .contains("the worker will try again")
+        );
     }
 
     #[test]

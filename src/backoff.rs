@@ -28,6 +28,12 @@ impl Backoff {
 
     /// The delay before retry number `attempt` (0-based).
     pub fn delay(&self, attempt: u32) -> Duration {
+        self.delay_with(attempt, rand::random::<f64>())
+    }
+
+    /// [`Backoff::delay`] with the random draw given (`unit` in `0.0..1.0`), for callers whose
+    /// randomness is injected.
+    pub fn delay_with(&self, attempt: u32, unit: f64) -> Duration {
         let exp = self
             .base
             .saturating_mul(1u32.checked_shl(attempt.min(30)).unwrap_or(u32::MAX));
@@ -37,7 +43,7 @@ impl Backoff {
         }
         let jitter = self.jitter.min(1.0);
         let keep = capped.mul_f64(1.0 - jitter);
-        let random = capped.mul_f64(jitter * rand::random::<f64>());
+        let random = capped.mul_f64(jitter * unit.clamp(0.0, 1.0));
         keep + random
     }
 }
@@ -45,10 +51,15 @@ impl Backoff {
 /// Stretches a periodic wait by up to `fraction` (never shortens it): replicas drift apart,
 /// yet no wait is shorter than `period`, so an idle worker asks at most once per period.
 pub fn stretched(period: Duration, fraction: f64) -> Duration {
+    stretched_with(period, fraction, rand::random::<f64>())
+}
+
+/// [`stretched`] with the random draw given (`unit` in `0.0..1.0`).
+pub fn stretched_with(period: Duration, fraction: f64, unit: f64) -> Duration {
     if fraction <= 0.0 || period.is_zero() {
         return period;
     }
-    period.mul_f64(1.0 + fraction.min(1.0) * rand::random::<f64>())
+    period.mul_f64(1.0 + fraction.min(1.0) * unit.clamp(0.0, 1.0))
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::auth::{ClientAuth, DEFAULT_SCOPE, OidcSettings};
 use crate::secret::SecretSource;
 
 pub const ENV_ENGINE_URL: &str = "ABADA_AGENT_ENGINE_URL";
@@ -89,23 +90,6 @@ pub enum LogFormat {
     Pretty,
 }
 
-/// How the OIDC client authenticates at the token endpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ClientAuthMethod {
-    Basic,
-    RequestBody,
-}
-
-/// OIDC client-credentials settings (protocol.md A.5).
-#[derive(Clone, Debug)]
-pub struct OidcConfig {
-    pub issuer_url: String,
-    pub client_id: String,
-    pub client_secret: Arc<SecretSource>,
-    pub scopes: Vec<String>,
-    pub client_auth: ClientAuthMethod,
-}
-
 /// One model provider as configured by `ABADA_AGENT_PROVIDER_<NAME>_*`.
 #[derive(Clone, Debug)]
 pub struct ProviderConfig {
@@ -173,7 +157,8 @@ pub struct Config {
     pub http_addr: SocketAddr,
     pub log_format: LogFormat,
     pub engine_timeout: Duration,
-    pub oidc: Option<OidcConfig>,
+    /// OIDC client-credentials settings (protocol.md A.5), when an issuer is set.
+    pub oidc: Option<OidcSettings>,
     pub providers: Vec<ProviderConfig>,
     pub agents_file: Option<PathBuf>,
     pub ca_file: Option<PathBuf>,
@@ -375,7 +360,7 @@ fn secret_source(env: &dyn EnvSource, var: &str) -> Result<Option<Arc<SecretSour
     }
 }
 
-fn parse_oidc(env: &dyn EnvSource) -> Result<Option<OidcConfig>, ConfigError> {
+fn parse_oidc(env: &dyn EnvSource) -> Result<Option<OidcSettings>, ConfigError> {
     let get = |key: &str| env.get(key).filter(|v| !v.trim().is_empty());
     let Some(issuer) = get(ENV_OIDC_ISSUER_URL) else {
         for var in [
@@ -408,7 +393,7 @@ fn parse_oidc(env: &dyn EnvSource) -> Result<Option<OidcConfig>, ConfigError> {
         )
     })?;
     let scopes = match get(ENV_OIDC_SCOPES) {
-        None => vec!["worker:execute".to_string()],
+        None => vec![DEFAULT_SCOPE.to_string()],
         Some(v) => {
             let s: Vec<String> = v
                 .split([',', ' '])
@@ -422,9 +407,9 @@ fn parse_oidc(env: &dyn EnvSource) -> Result<Option<OidcConfig>, ConfigError> {
         }
     };
     let client_auth = match get(ENV_OIDC_CLIENT_AUTH).map(|v| v.trim().to_ascii_lowercase()) {
-        None => ClientAuthMethod::Basic,
-        Some(v) if v == "basic" => ClientAuthMethod::Basic,
-        Some(v) if v == "request-body" || v == "post" => ClientAuthMethod::RequestBody,
+        None => ClientAuth::Basic,
+        Some(v) if v == "basic" => ClientAuth::Basic,
+        Some(v) if v == "request-body" || v == "post" => ClientAuth::RequestBody,
         Some(v) => {
             return Err(ConfigError::new(
                 ENV_OIDC_CLIENT_AUTH,
@@ -434,7 +419,7 @@ fn parse_oidc(env: &dyn EnvSource) -> Result<Option<OidcConfig>, ConfigError> {
             ));
         }
     };
-    Ok(Some(OidcConfig {
+    Ok(Some(OidcSettings {
         issuer_url,
         client_id: client_id.trim().to_string(),
         client_secret,

@@ -24,6 +24,7 @@ use tokio::sync::mpsc;
 
 use crate::devkit::engine::{TaskSpec, TaskStatus, TaskView};
 use crate::devkit::stack::{Stack, StackError, WorkerHandle};
+use crate::handler::TaskEnd;
 use crate::heartbeat::HeartbeatEvent;
 use crate::runner::RunnerEvent;
 
@@ -313,6 +314,9 @@ fn init_quiet_logging() {
 
 // ---- shared by the scenarios ----------------------------------------------------------------
 
+/// How long `Crew::stop` waits for a stopped worker's last events.
+const FORWARDER_DRAIN: Duration = Duration::from_secs(5);
+
 /// A worker of a scenario: its handle and what its events said.
 pub(crate) struct DemoWorker {
     pub name: String,
@@ -320,7 +324,7 @@ pub(crate) struct DemoWorker {
     pub stats: WorkerSummary,
     pub running: u32,
     /// Each attempt this worker ended: (task, attempt, outcome).
-    pub ended: Vec<(String, Option<u32>, &'static str)>,
+    pub ended: Vec<(String, Option<u32>, TaskEnd)>,
 }
 
 /// The workers of a scenario, their events merged into one channel (per-worker order kept).
@@ -328,6 +332,8 @@ pub(crate) struct Crew {
     pub workers: Vec<DemoWorker>,
     tx: mpsc::UnboundedSender<(usize, RunnerEvent)>,
     pub rx: mpsc::UnboundedReceiver<(usize, RunnerEvent)>,
+    /// One per worker: passes its events on, and ends once it has passed the last one.
+    forwarders: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Crew {
@@ -337,6 +343,7 @@ impl Crew {
             workers: Vec::new(),
             tx,
             rx,
+            forwarders: Vec::new(),
         }
     }
 
@@ -345,13 +352,13 @@ impl Crew {
         let index = self.workers.len();
         let mut events = std::mem::replace(&mut handle.events, mpsc::unbounded_channel().1);
         let tx = self.tx.clone();
-        tokio::spawn(async move {
+        self.forwarders.push(tokio::spawn(async move {
             while let Some(e) = events.recv().await {
                 if tx.send((index, e)).is_err() {
                     break;
                 }
             }
-        });
+        }));
         self.workers.push(DemoWorker {
             name: handle.worker_id.clone(),
             stats: WorkerSummary {
@@ -387,13 +394,12 @@ impl Crew {
                 outcome,
             } => {
                 w.running = w.running.saturating_sub(1);
-                if *outcome == "completed" {
-                    w.stats.completed += 1;
+                match outcome {
+                    TaskEnd::Completed => w.stats.completed += 1,
+                    TaskEnd::LeaseLost => w.stats.leases_lost += 1,
+                    _ => {}
                 }
-                if *outcome == "lease_lost" {
-                    w.stats.leases_lost += 1;
-                }
-                w.ended.push((task_id.clone(), *attempt, outcome));
+                w.ended.push((task_id.clone(), *attempt, *outcome));
             }
             RunnerEvent::Heartbeat(HeartbeatEvent::Extended { .. }) => w.stats.heartbeats += 1,
             RunnerEvent::Heartbeat(_) => {}
@@ -416,8 +422,11 @@ impl Crew {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
-        // Let the forwarders pass on what the runners sent last.
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // A forwarder ends once its worker's event channel has closed, all of it passed on
+        // (bounded: the report is made with what came, rather than never).
+        for forwarder in self.forwarders.drain(..) {
+            let _ = tokio::time::timeout(FORWARDER_DRAIN, forwarder).await;
+        }
         while let Ok((i, e)) = self.rx.try_recv() {
             self.absorb(i, &e);
         }
@@ -548,12 +557,12 @@ pub(crate) fn narrate(tl: &mut Timeline, name: &str, event: &RunnerEvent) {
             attempt,
             outcome,
         } => {
-            let text = match *outcome {
-                "completed" => format!("{task_id} completed"),
-                "lease_lost" => {
+            let text = match outcome {
+                TaskEnd::Completed => format!("{task_id} completed"),
+                TaskEnd::LeaseLost => {
                     format!("{task_id}: lease lost -> abandons the attempt, reports nothing")
                 }
-                "deferred" => {
+                TaskEnd::Deferred => {
                     format!("{task_id} deferred: failure with retries unchanged and a retryTimeout")
                 }
                 other => format!("{task_id} ended: {other}"),
@@ -562,7 +571,7 @@ pub(crate) fn narrate(tl: &mut Timeline, name: &str, event: &RunnerEvent) {
                 name,
                 "task_ended",
                 text,
-                json!({"task": task_id, "attempt": attempt, "outcome": outcome}),
+                json!({"task": task_id, "attempt": attempt, "outcome": outcome.as_str()}),
             );
         }
         RunnerEvent::FetchFailed { error } => tl.emit(

@@ -1,11 +1,20 @@
-//! The devkit: small, faithful in-process stand-ins for the systems the worker talks to (the
-//! Abada engine, model providers, MCP tool servers). They serve the tests, the `dev-engine`
-//! subcommand and the demo.
+//! The devkit, as the worker sees it (the `devkit` feature, on by default): the stand-ins of the
+//! `abada-devkit` crate under their usual paths (`devkit::engine`, `::model`, `::tools`, `::jwt`,
+//! `::loadtest`, `::stack`), plus what needs the worker itself: in-process workers started
+//! against a devkit [`stack::Stack`] ([`workers`]), the one engine decorator ([`gate`]) and the
+//! demo's freeze built on it ([`freeze`]).
+//!
+//! The production build (`--no-default-features`) has none of it.
 
-pub mod engine;
+pub use abada_devkit::{engine, jwt, loadtest, model, tools};
+
 pub mod freeze;
-pub mod jwt;
-pub mod loadtest;
-pub mod model;
-pub mod stack;
-pub mod tools;
+pub mod gate;
+pub mod workers;
+
+/// The stand-ins started together ([`abada_devkit::stack`]) and the workers started against
+/// them ([`workers`]).
+pub mod stack {
+    pub use super::workers::{StackWorkers, WorkerHandle, WorkerOptions};
+    pub use abada_devkit::stack::*;
+}

@@ -3,6 +3,7 @@
 //!
 //! `client` is the HTTP implementation; tests and the devkit may plug in others.
 
+pub mod capabilities;
 pub mod client;
 pub mod error;
 pub mod trace;

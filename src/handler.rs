@@ -2,7 +2,11 @@
 //! test double), the context a running task gets, and the outcomes it can end in.
 //!
 //! The runner owns reporting: a handler returns an [`Outcome`], and the runner turns it into
-//! exactly one engine call, unless the lease was lost, in which case nothing is reported.
+//! exactly one engine call, unless the lease was lost, in which case nothing is reported. How
+//! the task ended is a [`TaskEnd`], the one vocabulary of the runner's events, logs and metrics.
+//!
+//! Every engine call a task makes about itself goes through [`TaskContext::fenced`] and fails
+//! with a [`TaskError`]: the lease is lost (stop, report nothing), or the engine failed the call.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -13,13 +17,13 @@ use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::{
-    AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, Journal, JournalStep, Task,
-    TaskRef, ToolCredential,
+    AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, Journal, JournalStep,
+    LeaseLostReason, Task, TaskRef, ToolCredential,
 };
 use crate::lease::Lease;
 
 /// Why a task ends in `failure`, which decides its `retries` and `retryTimeout`
-/// (protocol.md B.5) and its metric label.
+/// (protocol.md B.5) and its [`TaskEnd`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FailureKind {
     /// A technical error: one retry consumed, exponential retry timeout.
@@ -33,13 +37,76 @@ pub enum FailureKind {
 }
 
 impl FailureKind {
-    pub fn label(self) -> &'static str {
+    pub fn end(self) -> TaskEnd {
         match self {
-            FailureKind::Technical => "failed",
-            FailureKind::Deferred => "deferred",
-            FailureKind::Incident => "incident",
-            FailureKind::Released => "released",
+            FailureKind::Technical => TaskEnd::Failed,
+            FailureKind::Deferred => TaskEnd::Deferred,
+            FailureKind::Incident => TaskEnd::Incident,
+            FailureKind::Released => TaskEnd::Released,
         }
+    }
+}
+
+/// How a task ended in this worker: the outcome the engine was told, or why it was told
+/// nothing. Runner events, the `task ended` log line and the `outcome` label of the task
+/// metrics all speak it; [`TaskEnd::as_str`] is its one spelling (README.md Operations lists
+/// these values, and dashboards select on them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TaskEnd {
+    /// `complete` was accepted.
+    Completed,
+    /// `bpmn-error` was accepted.
+    BpmnError,
+    /// A technical `failure` was accepted: one retry used.
+    Failed,
+    /// Every model was unavailable: `failure` with retries kept and a retry timeout.
+    Deferred,
+    /// `failure` with `retries: 0`: an operator must look at it.
+    Incident,
+    /// Shutdown: `failure` with retries kept, offered again at once.
+    Released,
+    /// The lease was lost: another worker owns the task, nothing was reported.
+    LeaseLost,
+    /// The outcome could not be reported; the lease will expire and the task be offered again.
+    ReportFailed,
+}
+
+impl TaskEnd {
+    /// Every ending, in the order README.md lists them.
+    pub const ALL: [TaskEnd; 8] = [
+        TaskEnd::Completed,
+        TaskEnd::BpmnError,
+        TaskEnd::Failed,
+        TaskEnd::Deferred,
+        TaskEnd::Incident,
+        TaskEnd::Released,
+        TaskEnd::LeaseLost,
+        TaskEnd::ReportFailed,
+    ];
+
+    /// The spelling in log lines and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskEnd::Completed => "completed",
+            TaskEnd::BpmnError => "bpmn_error",
+            TaskEnd::Failed => "failed",
+            TaskEnd::Deferred => "deferred",
+            TaskEnd::Incident => "incident",
+            TaskEnd::Released => "released",
+            TaskEnd::LeaseLost => "lease_lost",
+            TaskEnd::ReportFailed => "report_failed",
+        }
+    }
+
+    /// Whether the engine was told how the task ended (an ending call was accepted).
+    pub fn reported(self) -> bool {
+        !matches!(self, TaskEnd::LeaseLost | TaskEnd::ReportFailed)
+    }
+}
+
+impl std::fmt::Display for TaskEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -59,12 +126,13 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub fn label(&self) -> &'static str {
+    /// How the task ends once this outcome is reported.
+    pub fn end(&self) -> TaskEnd {
         match self {
-            Outcome::Complete { .. } => "completed",
-            Outcome::BpmnError(_) => "bpmn_error",
-            Outcome::Failure { kind, .. } => kind.label(),
-            Outcome::Abandoned => "lease_lost",
+            Outcome::Complete { .. } => TaskEnd::Completed,
+            Outcome::BpmnError(_) => TaskEnd::BpmnError,
+            Outcome::Failure { kind, .. } => kind.end(),
+            Outcome::Abandoned => TaskEnd::LeaseLost,
         }
     }
 
@@ -138,18 +206,20 @@ impl TaskContext {
     }
 
     /// Runs an engine call about this task: not at all when the lease is lost, abandoned when it
-    /// is lost meanwhile, and a refusal marks the lease lost.
-    pub async fn fenced<T, F>(&self, call: F) -> Result<T, EngineError>
+    /// is lost meanwhile, and a refusal marks it lost. The one place that enforces silence after
+    /// loss, and the one place an engine refusal becomes [`TaskError::LeaseLost`].
+    pub async fn fenced<T, F>(&self, call: F) -> Result<T, TaskError>
     where
         F: Future<Output = Result<T, EngineError>>,
     {
-        let lost = || EngineError::LeaseLost {
-            op: "fenced",
-            task_id: self.lease.task().task_id.clone(),
-            reason: self
-                .lease
-                .lost_reason()
-                .unwrap_or(crate::engine::LeaseLostReason::Superseded),
+        // A lease lost without a recorded reason cannot happen (the reason is set before the
+        // latch fires); "superseded" is the harmless guess.
+        let lost = || {
+            TaskError::LeaseLost(
+                self.lease
+                    .lost_reason()
+                    .unwrap_or(LeaseLostReason::Superseded),
+            )
         };
         if self.lease.is_lost() {
             return Err(lost());
@@ -159,26 +229,106 @@ impl TaskContext {
             _ = self.lease.lost() => return Err(lost()),
             r = call => r,
         };
-        if let Err(e) = &result
-            && let Some(reason) = e.lease_lost()
-        {
-            self.lease.mark_lost(reason);
-        }
-        result
+        result.map_err(|e| match e.lease_lost() {
+            Some(reason) => {
+                self.lease.mark_lost(reason);
+                TaskError::LeaseLost(reason)
+            }
+            None => TaskError::Engine(e),
+        })
     }
 
-    pub async fn read_journal(&self) -> Result<Journal, EngineError> {
+    pub async fn read_journal(&self) -> Result<Journal, TaskError> {
         self.fenced(self.engine.read_journal(self.lease.task()))
             .await
     }
 
-    pub async fn append_journal(&self, step: &JournalStep) -> Result<AppendOutcome, EngineError> {
+    pub async fn append_journal(&self, step: &JournalStep) -> Result<AppendOutcome, TaskError> {
         self.fenced(self.engine.append_journal(self.lease.task(), step))
             .await
     }
 
-    pub async fn tool_credential(&self, server: &str) -> Result<ToolCredential, EngineError> {
+    pub async fn tool_credential(&self, server: &str) -> Result<ToolCredential, TaskError> {
         self.fenced(self.engine.tool_credential(self.lease.task(), server))
             .await
+    }
+}
+
+/// Why an engine call about a running task failed. Only [`TaskContext::fenced`] makes one, so
+/// `Engine` never holds a lease-lost refusal: that is always `LeaseLost`.
+#[derive(Debug, thiserror::Error)]
+pub enum TaskError {
+    /// The lease is gone (refused, expired by our clock, or superseded): stop, report nothing.
+    #[error("the lease is lost ({0}): the task stops and reports nothing")]
+    LeaseLost(LeaseLostReason),
+    /// The engine failed the call otherwise (unreachable, throttling, a bad answer, no such
+    /// endpoint); the caller decides whether to go on, retry or end the task.
+    #[error(transparent)]
+    Engine(EngineError),
+}
+
+impl TaskError {
+    /// The one rule for a task whose call about itself failed and cannot go on: a lost lease
+    /// ends it silently ([`Outcome::Abandoned`]); any other error ends it as `on_engine_error`
+    /// says.
+    pub fn into_outcome(self, on_engine_error: impl FnOnce(EngineError) -> Outcome) -> Outcome {
+        match self {
+            TaskError::LeaseLost(_) => Outcome::Abandoned,
+            TaskError::Engine(e) => on_engine_error(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The spellings are a public contract: README.md lists them for dashboards and alerts.
+    #[test]
+    fn every_task_end_is_spelled_as_the_readme_documents() {
+        let readme = include_str!("../README.md");
+        let row = readme
+            .lines()
+            .find(|l| l.starts_with("| `abada_agent_tasks_ended_total`"))
+            .expect("README.md documents abada_agent_tasks_ended_total");
+        let documented: Vec<&str> = row
+            .split('`')
+            .skip(5) // up to and past the metric name and the `outcome` label name
+            .step_by(2)
+            .collect();
+        let ours: Vec<&str> = TaskEnd::ALL.iter().map(|e| e.as_str()).collect();
+        assert_eq!(documented, ours);
+    }
+
+    #[test]
+    fn only_reported_endings_count_as_reported() {
+        let silent: Vec<TaskEnd> = TaskEnd::ALL.into_iter().filter(|e| !e.reported()).collect();
+        assert_eq!(silent, [TaskEnd::LeaseLost, TaskEnd::ReportFailed]);
+        assert_eq!(Outcome::Abandoned.end(), TaskEnd::LeaseLost);
+        assert_eq!(FailureKind::Technical.end(), TaskEnd::Failed);
+    }
+
+    #[test]
+    fn a_lost_lease_ends_the_task_silently_and_other_errors_as_the_caller_says() {
+        let lost = TaskError::LeaseLost(LeaseLostReason::StaleAttempt);
+        assert_eq!(
+            lost.into_outcome(|_| unreachable!("a lost lease is not an engine error")),
+            Outcome::Abandoned
+        );
+        let down = TaskError::Engine(EngineError::Transient {
+            op: "journal-append",
+            message: "connection refused".into(),
+            request_sent: false,
+        });
+        let ended = down.into_outcome(|e| Outcome::Failure {
+            kind: FailureKind::Technical,
+            report: FailureReport {
+                error_message: e.to_string(),
+                error_details: String::new(),
+                retries: 2,
+                retry_timeout: Duration::from_secs(10),
+            },
+        });
+        assert_eq!(ended.end(), TaskEnd::Failed);
     }
 }

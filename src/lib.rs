@@ -11,9 +11,12 @@ pub mod backoff;
 pub mod config;
 pub mod conversation;
 pub mod decoders;
+#[cfg(feature = "devkit")]
 pub mod demo;
+#[cfg(feature = "devkit")]
 pub mod devkit;
 pub mod engine;
+pub mod errors;
 pub mod handler;
 pub mod heartbeat;
 pub mod lease;

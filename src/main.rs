@@ -13,8 +13,9 @@ usage: abada-agent-worker [COMMAND]
 
 commands:
   (none), run   run the worker daemon, configured by ABADA_AGENT_* variables
-  demo          run the embedded demo on loopback (see --help of demo)
-  dev-engine    run the engine emulator alone
+  demo          run the embedded demo on loopback (see --help of demo; builds with the
+                `devkit` feature only, the default)
+  dev-engine    run the engine emulator alone (`devkit` feature only)
   help          print this help
 
 The daemon's variables are listed in README.md (Operations).";
@@ -23,8 +24,19 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         None | Some("run") => daemon(),
+        #[cfg(feature = "devkit")]
         Some("demo") => abada_agent_worker::demo::cli_demo(&args[1..]),
+        #[cfg(feature = "devkit")]
         Some("dev-engine") => abada_agent_worker::demo::cli_dev_engine(&args[1..]),
+        #[cfg(not(feature = "devkit"))]
+        Some(command @ ("demo" | "dev-engine")) => {
+            eprintln!(
+                "abada-agent-worker: {command} is not in this build: it was built without the \
+                 devkit (cargo feature `devkit`, on by default), as the container image is; \
+                 build with default features to run it"
+            );
+            ExitCode::from(2)
+        }
         Some("help" | "--help" | "-h") => {
             println!("{USAGE}");
             ExitCode::SUCCESS

@@ -4,12 +4,14 @@
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::handler::TaskEnd;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabel {
@@ -18,7 +20,14 @@ pub struct ResultLabel {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
-    pub outcome: &'static str,
+    pub outcome: TaskEnd,
+}
+
+/// A task's ending as a label value: its one spelling, [`TaskEnd::as_str`].
+impl EncodeLabelValue for TaskEnd {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        EncodeLabelValue::encode(&self.as_str(), encoder)
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -298,5 +307,28 @@ impl Metrics {
         self.engine_request_duration
             .get_or_create(&EngineRequestLabels { operation, status })
             .observe(took.as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn task_endings_are_labelled_with_their_one_spelling() {
+        let m = Metrics::new();
+        for end in TaskEnd::ALL {
+            m.tasks_ended
+                .get_or_create(&OutcomeLabel { outcome: end })
+                .inc();
+        }
+        let text = m.encode();
+        for end in TaskEnd::ALL {
+            let line = format!(
+                "abada_agent_tasks_ended_total{{outcome=\"{}\"}} 1",
+                end.as_str()
+            );
+            assert!(text.contains(&line), "{line} missing from\n{text}");
+        }
     }
 }

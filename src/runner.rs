@@ -1,39 +1,49 @@
 //! The runner: slots, the poll loop, one future per task, reporting, and staged shutdown.
 //!
+//! It is a pure policy plus a loop. [`policy::FetchPolicy`] decides when to fetch, probe or
+//! wait (the poll interval, a full batch, the backoff by error class, outage probing, which
+//! errors are worth a warning); its module docs state the rules and its unit tests check them.
+//! The loop here does what it decides, and owns everything else:
+//!
 //! - A semaphore of `MAX_TASKS` slots. Each fetch asks for exactly the free slots, and none when
 //!   none is free: the worker never holds work it cannot start.
-//! - Each task runs as its own spawned future owning its slot permit; when it ends, the permit
-//!   is released and the poller woken at once, so a freed slot is refilled after one round trip.
-//! - An empty or partial fetch waits the poll interval (stretched by up to 2 %); a full batch fetches again at
-//!   once; engine errors back off exponentially with jitter, by class, reset on success.
-//! - Engine outage: after a transport error (the engine does not answer) the fetch backs off as
-//!   above, never sooner than the nominal delay (jitter only lengthens it), so a 60 s outage
-//!   sees at most 12 fetches with the default 1 s..6 s backoff. Meanwhile the engine is probed
-//!   cheaply ([`Engine::probe`], no fetch, nothing locked) once per poll interval, and the
-//!   first probe that gets an answer ends the backoff: fetching resumes within one poll
-//!   interval of the engine's return.
-//! - A lease lost at any point stops its task at its next await; nothing is reported for it.
+//! - Each task runs as its own spawned future owning its slot permit, in the loop's `JoinSet`
+//!   beside the lease it runs under. The loop learns of a task's end by joining it: with every
+//!   slot busy it waits for that join, so a freed slot is refilled after one round trip.
+//! - The engine handing out a task that still runs here stops the older attempt (its lease is
+//!   superseded). A lease lost at any point stops its task at its next await; nothing is
+//!   reported for it.
+//! - A task's end is a [`TaskEnd`]: the one engine call its [`Outcome`] asks for (complete,
+//!   failure, bpmn-error), or none when the lease was lost.
+//! - The loop proves liveness ([`WorkerStatus`]) at least every few seconds while it waits, and
+//!   never cancels a fetch in flight (the engine may have locked tasks for us).
 //! - On shutdown: stop fetching, let tasks finish within the grace period, then ask the rest to
 //!   stop at their next step boundary and release them (`failure`, retries unchanged,
 //!   `retryTimeout` 0) so another replica resumes them at once.
 
+pub mod policy;
+
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::backoff::{self, Backoff};
-use crate::engine::{Engine, EngineError, FailureReport, FetchRequest, ProbeOutcome, Task};
-use crate::handler::{FailureKind, Outcome, TaskContext, TaskHandler, retries_consumed};
+use crate::backoff::Backoff;
+use crate::engine::{Engine, FailureReport, FetchRequest, LeaseLostReason, Task};
+use crate::handler::{
+    FailureKind, Outcome, TaskContext, TaskEnd, TaskError, TaskHandler, retries_consumed,
+};
 use crate::heartbeat::{self, HeartbeatEvent, HeartbeatHandle, HeartbeatSettings};
 use crate::lease::Lease;
 use crate::metrics::{Metrics, OutcomeLabel, ReasonLabel, ResultLabel};
+use policy::{Action, FetchPolicy, LogLevel};
 
 /// How the runner behaves (from [`crate::config::Config`]).
 #[derive(Clone, Debug)]
@@ -92,11 +102,10 @@ pub enum RunnerEvent {
         task_id: String,
         attempt: Option<u32>,
     },
-    /// `outcome` is an [`Outcome::label`] or `report_failed`.
     TaskEnded {
         task_id: String,
         attempt: Option<u32>,
-        outcome: &'static str,
+        outcome: TaskEnd,
     },
     Heartbeat(HeartbeatEvent),
 }
@@ -174,7 +183,7 @@ pub struct Runner {
     events: Option<mpsc::UnboundedSender<RunnerEvent>>,
 }
 
-/// What the running tasks share with the poller.
+/// What the running tasks share with the poll loop.
 struct Shared {
     engine: Arc<dyn Engine>,
     handler: Arc<dyn TaskHandler>,
@@ -182,9 +191,6 @@ struct Shared {
     metrics: Arc<Metrics>,
     slots: Arc<Semaphore>,
     max_tasks: u32,
-    slot_freed: Notify,
-    /// Task id -> the lease of the attempt running here (to stop an older attempt).
-    running: Mutex<HashMap<String, Lease>>,
     stop: CancellationToken,
     stop_wait: Duration,
     worker_span: tracing::Span,
@@ -201,6 +207,71 @@ impl Shared {
     fn update_slot_gauge(&self) {
         let in_use = self.max_tasks as i64 - self.slots.available_permits() as i64;
         self.metrics.slots_in_use.set(in_use);
+    }
+}
+
+/// The tasks running here, owned by the poll loop: their futures, and the lease each runs under
+/// (to stop an older attempt when the engine hands the same task out again). The loop learns
+/// of a task's end by joining it, so no second record has to be kept in step by hand.
+struct RunningTasks {
+    set: JoinSet<()>,
+    /// The lease of every task not joined yet, by its future's id.
+    leases: HashMap<tokio::task::Id, Lease>,
+}
+
+impl RunningTasks {
+    fn new() -> Self {
+        RunningTasks {
+            set: JoinSet::new(),
+            leases: HashMap::new(),
+        }
+    }
+
+    /// Spawns `run`, the task holding `lease`.
+    fn start(&mut self, lease: Lease, run: impl Future<Output = ()> + Send + 'static) {
+        for older in self
+            .leases
+            .values()
+            .filter(|l| l.task().task_id == lease.task().task_id)
+        {
+            // The engine gave us the task again: our older attempt's lease is gone.
+            older.mark_lost(LeaseLostReason::Superseded);
+        }
+        let handle = self.set.spawn(run);
+        self.leases.insert(handle.id(), lease);
+    }
+
+    /// Waits until a task ends and forgets it; `None` at once when none runs. Cancel-safe, so
+    /// it can race the loop's waits in `select!`.
+    async fn join_next(&mut self) -> Option<()> {
+        let joined = self.set.join_next_with_id().await?;
+        self.forget(joined);
+        Some(())
+    }
+
+    /// Forgets every task that has ended, without waiting.
+    fn reap(&mut self) {
+        while let Some(joined) = self.set.try_join_next_with_id() {
+            self.forget(joined);
+        }
+    }
+
+    fn forget(&mut self, joined: Result<(tokio::task::Id, ()), tokio::task::JoinError>) {
+        let id = match joined {
+            Ok((id, ())) => id,
+            Err(e) => {
+                // `run_task` catches the handler's panics; this would be a bug of the runner.
+                if e.is_panic() {
+                    tracing::error!(error = %e, "a task's runner future panicked");
+                }
+                e.id()
+            }
+        };
+        self.leases.remove(&id);
+    }
+
+    fn len(&self) -> usize {
+        self.set.len()
     }
 }
 
@@ -258,45 +329,47 @@ impl Runner {
             metrics: self.metrics.clone(),
             slots: Arc::new(Semaphore::new(s.max_tasks as usize)),
             max_tasks: s.max_tasks,
-            slot_freed: Notify::new(),
-            running: Mutex::new(HashMap::new()),
             stop: CancellationToken::new(),
             stop_wait: s.stop_wait,
             worker_span: tracing::info_span!("worker", worker_id = %s.worker_id),
             events: self.events.clone(),
         });
         self.metrics.slots_total.set(s.max_tasks as i64);
-        let tracker = TaskTracker::new();
+        let mut tasks = RunningTasks::new();
 
-        self.poll_loop(&shared, &tracker, &shutdown)
+        self.poll_loop(&shared, &mut tasks, &shutdown)
             .instrument(shared.worker_span.clone())
             .await;
 
         // Drain: stop fetching (done), let tasks finish within the grace period.
         self.status.draining.store(true, Ordering::Relaxed);
-        tracker.close();
-        let running = tracker.len();
+        tasks.reap();
+        let running = tasks.len();
         if running > 0 {
             tracing::info!(parent: &shared.worker_span, running, grace_ms = s.shutdown_grace.as_millis() as u64, "shutting down: waiting for running tasks");
         }
-        if !self.wait_ticking(&tracker, Some(s.shutdown_grace)).await {
-            tracing::warn!(parent: &shared.worker_span, still_running = tracker.len(), "grace period over: stopping the remaining tasks at their next step and releasing them");
+        if !self.wait_ticking(&mut tasks, Some(s.shutdown_grace)).await {
+            tracing::warn!(parent: &shared.worker_span, still_running = tasks.len(), "grace period over: stopping the remaining tasks at their next step and releasing them");
             shared.stop.cancel();
-            self.wait_ticking(&tracker, None).await;
+            self.wait_ticking(&mut tasks, None).await;
         }
         tracing::info!(parent: &shared.worker_span, "worker stopped");
     }
 
     /// Waits for every task to end (at most `limit`), proving liveness meanwhile so a long drain
     /// does not fail `/healthz`. Returns whether they all ended.
-    async fn wait_ticking(&self, tracker: &TaskTracker, limit: Option<Duration>) -> bool {
+    async fn wait_ticking(&self, tasks: &mut RunningTasks, limit: Option<Duration>) -> bool {
         let deadline = limit.map(|l| Instant::now() + l);
         loop {
             self.status.tick();
             let step = Instant::now() + LIVENESS_TICK;
             let until = deadline.map_or(step, |d| d.min(step));
             tokio::select! {
-                _ = tracker.wait() => return true,
+                joined = tasks.join_next() => {
+                    if joined.is_none() {
+                        return true;
+                    }
+                }
                 _ = tokio::time::sleep_until(until) => {
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         return false;
@@ -306,158 +379,137 @@ impl Runner {
         }
     }
 
+    /// Fetches, starts tasks, probes and waits as the [`FetchPolicy`] says, until `shutdown`.
+    /// The I/O, metrics, logs and liveness are here; the decisions are the policy's.
     async fn poll_loop(
         &self,
         shared: &Arc<Shared>,
-        tracker: &TaskTracker,
+        tasks: &mut RunningTasks,
         shutdown: &CancellationToken,
     ) {
-        let s = &self.settings;
-        let mut error_streak: u32 = 0;
-        // The last fetch error logged at warn level: a repeat of it is logged at debug, so an
-        // outage is one clear line, not one per retry.
-        let mut last_error: Option<String> = None;
-        // Whether the last fetch failed because the engine did not answer (probe while waiting).
-        let mut last_error_was_outage = false;
+        let mut policy = FetchPolicy::new(
+            &self.settings,
+            Instant::now(),
+            Box::new(rand::random::<f64>),
+        );
         loop {
             self.status.tick();
             if shutdown.is_cancelled() {
                 return;
             }
-            let free = shared.slots.available_permits() as u32;
-            if free == 0 {
-                tokio::select! {
-                    _ = shared.slot_freed.notified() => {}
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(LIVENESS_TICK) => {}
+            let now = Instant::now();
+            match policy.next(now) {
+                Action::WaitUntil(until) => {
+                    // Tasks ending meanwhile are joined, but an idle wait is not cut short by
+                    // them: the engine had no more work a moment ago.
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
+                        Some(()) = tasks.join_next() => {}
+                        _ = shutdown.cancelled() => return,
+                    }
                 }
-                continue;
-            }
-            let batch = shared
-                .slots
-                .clone()
-                .try_acquire_many_owned(free)
-                .expect("only the poller takes permits, so the free ones are there");
-            let acquired_at = Instant::now();
-            let request = FetchRequest {
-                topics: s.topics.clone(),
-                lock_duration: s.lock_duration,
-                max_tasks: free,
-            };
-            // An in-flight fetch is not cancelled on shutdown: the engine may have locked tasks
-            // for us; they are started (and drained or released) rather than stranded.
-            let result = shared.engine.fetch_and_lock(&request).await;
-            let wait = match result {
-                Ok(tasks) => {
-                    if last_error.take().is_some() {
-                        tracing::info!("fetch-and-lock works again");
-                    }
-                    error_streak = 0;
-                    self.metrics.backoff_seconds.set(0.0);
-                    self.status.engine_ok();
-                    let got = tasks.len();
-                    self.metrics
-                        .fetches
-                        .get_or_create(&ResultLabel {
-                            result: if got == 0 { "empty" } else { "tasks" },
-                        })
-                        .inc();
-                    shared.emit(RunnerEvent::Fetched {
-                        requested: free,
-                        got,
-                    });
-                    let mut batch = batch;
-                    for task in tasks.into_iter().take(free as usize) {
-                        let permit = batch
-                            .split(1)
-                            .expect("at most `free` tasks, one permit each");
-                        self.start_task(shared, tracker, task, permit, acquired_at);
-                    }
-                    drop(batch);
-                    shared.update_slot_gauge();
-                    if got as u32 >= free {
-                        continue;
-                    }
-                    backoff::stretched(s.poll_interval, s.poll_jitter)
-                }
-                Err(e) => {
-                    drop(batch);
-                    error_streak += 1;
-                    self.metrics
-                        .fetches
-                        .get_or_create(&ResultLabel { result: "error" })
-                        .inc();
-                    shared.emit(RunnerEvent::FetchFailed {
-                        error: e.to_string(),
-                    });
-                    last_error_was_outage = matches!(e, EngineError::Transient { .. });
-                    let wait = self.error_wait(&e, error_streak);
-                    self.metrics.backoff_seconds.set(wait.as_secs_f64());
-                    if e.is_engine_down() {
-                        self.status.engine_failed(e.to_string());
-                    }
-                    let text = e.to_string();
-                    if last_error.as_deref() == Some(text.as_str()) {
-                        tracing::debug!(error = %text, retry_in_ms = wait.as_millis() as u64, failures = error_streak, "fetch-and-lock failed again");
-                    } else {
-                        tracing::warn!(error = %text, retry_in_ms = wait.as_millis() as u64, failures = error_streak, "fetch-and-lock failed");
-                        last_error = Some(text);
-                    }
-                    wait
-                }
-            };
-            let until = Instant::now() + wait;
-            // Probing is for an engine that does not answer at all; a throttling or refusing
-            // engine answers, so its backoff is served in full.
-            let mut next_probe = (error_streak > 0 && last_error_was_outage)
-                .then(|| Instant::now() + s.poll_interval);
-            while Instant::now() < until {
-                let wake = until
-                    .min(Instant::now() + LIVENESS_TICK)
-                    .min(next_probe.unwrap_or(until));
-                tokio::select! {
-                    _ = tokio::time::sleep_until(wake) => self.status.tick(),
-                    _ = shutdown.cancelled() => return,
-                }
-                if let Some(at) = next_probe
-                    && Instant::now() >= at
-                {
+                Action::Probe => {
                     let outcome = tokio::select! {
                         outcome = shared.engine.probe() => outcome,
                         _ = shutdown.cancelled() => return,
                     };
-                    match outcome {
-                        ProbeOutcome::Reachable => {
-                            tracing::info!("the engine answers again: fetching now");
-                            break;
-                        }
-                        ProbeOutcome::Unreachable => {
-                            next_probe = Some(Instant::now() + s.poll_interval);
-                        }
-                        ProbeOutcome::NotSupported => next_probe = None,
+                    if policy.probed(Instant::now(), outcome) {
+                        tracing::info!("the engine answers again: fetching now");
                     }
+                }
+                Action::Fetch => {
+                    let free = shared.slots.available_permits() as u32;
+                    if free == 0 {
+                        // A task's end frees its slot: refill it after one round trip.
+                        tokio::select! {
+                            Some(()) = tasks.join_next() => {}
+                            _ = shutdown.cancelled() => return,
+                            _ = tokio::time::sleep(LIVENESS_TICK) => {}
+                        }
+                        continue;
+                    }
+                    self.fetch(shared, tasks, &mut policy, free).await;
                 }
             }
         }
     }
 
-    fn error_wait(&self, e: &EngineError, streak: u32) -> Duration {
+    /// One fetch of the `free` slots, and the start of every task it locked.
+    async fn fetch(
+        &self,
+        shared: &Arc<Shared>,
+        tasks: &mut RunningTasks,
+        policy: &mut FetchPolicy,
+        free: u32,
+    ) {
         let s = &self.settings;
-        match e {
-            EngineError::Throttled {
-                retry_after: Some(d),
-                ..
-            } => (*d).min(s.throttle_backoff.max),
-            EngineError::Throttled { .. }
-            | EngineError::Unauthenticated { .. }
-            | EngineError::AccessDenied { .. }
-            | EngineError::Auth { .. } => s.throttle_backoff.delay(streak - 1),
-            // Jitter only lengthens the nominal delay here, so the number of fetches during an
-            // outage is bounded (probes, not early fetches, detect the engine's return).
-            _ => {
-                let nominal = s.error_backoff.without_jitter().delay(streak - 1);
-                let spread = 0.5 * s.error_backoff.jitter.clamp(0.0, 1.0) * rand::random::<f64>();
-                nominal + nominal.mul_f64(spread)
+        let batch = shared
+            .slots
+            .clone()
+            .try_acquire_many_owned(free)
+            .expect("only the poll loop takes permits, so the free ones are there");
+        let acquired_at = Instant::now();
+        let request = FetchRequest {
+            topics: s.topics.clone(),
+            lock_duration: s.lock_duration,
+            max_tasks: free,
+        };
+        // An in-flight fetch is not cancelled on shutdown: the engine may have locked tasks for
+        // us; they are started (and drained or released) rather than stranded.
+        match shared.engine.fetch_and_lock(&request).await {
+            Ok(locked) => {
+                let got = locked.len();
+                if policy.fetched(Instant::now(), free, got) {
+                    tracing::info!("fetch-and-lock works again");
+                }
+                self.metrics.backoff_seconds.set(0.0);
+                self.status.engine_ok();
+                self.metrics
+                    .fetches
+                    .get_or_create(&ResultLabel {
+                        result: if got == 0 { "empty" } else { "tasks" },
+                    })
+                    .inc();
+                shared.emit(RunnerEvent::Fetched {
+                    requested: free,
+                    got,
+                });
+                // Attempts that ended are no longer running: only a live one is superseded.
+                tasks.reap();
+                let mut batch = batch;
+                for task in locked.into_iter().take(free as usize) {
+                    let permit = batch
+                        .split(1)
+                        .expect("at most `free` tasks, one permit each");
+                    self.start_task(shared, tasks, task, permit, acquired_at);
+                }
+                drop(batch);
+                shared.update_slot_gauge();
+            }
+            Err(e) => {
+                drop(batch);
+                let text = e.to_string();
+                let failed = policy.fetch_failed(Instant::now(), &e);
+                self.metrics
+                    .fetches
+                    .get_or_create(&ResultLabel { result: "error" })
+                    .inc();
+                shared.emit(RunnerEvent::FetchFailed {
+                    error: text.clone(),
+                });
+                self.metrics.backoff_seconds.set(failed.wait.as_secs_f64());
+                if e.is_engine_down() {
+                    self.status.engine_failed(text.clone());
+                }
+                let retry_in_ms = failed.wait.as_millis() as u64;
+                match failed.log_at {
+                    LogLevel::Debug => {
+                        tracing::debug!(error = %text, retry_in_ms, failures = failed.failures, "fetch-and-lock failed again")
+                    }
+                    LogLevel::Warn => {
+                        tracing::warn!(error = %text, retry_in_ms, failures = failed.failures, "fetch-and-lock failed")
+                    }
+                }
             }
         }
     }
@@ -465,34 +517,22 @@ impl Runner {
     fn start_task(
         &self,
         shared: &Arc<Shared>,
-        tracker: &TaskTracker,
+        tasks: &mut RunningTasks,
         task: Task,
         permit: OwnedSemaphorePermit,
         acquired_at: Instant,
     ) {
         let lease = Lease::new(task.task_ref());
-        let older = shared
-            .running
-            .lock()
-            .expect("running lock")
-            .insert(task.id.clone(), lease.clone());
-        if let Some(older) = older {
-            // The engine gave us the task again: our older attempt's lease is gone.
-            older.mark_lost(crate::engine::LeaseLostReason::Superseded);
-        }
         shared.heartbeat.register(lease.clone(), acquired_at);
         self.metrics.tasks_claimed.inc();
         shared.emit(RunnerEvent::TaskStarted {
             task_id: task.id.clone(),
             attempt: task.attempt,
         });
-        tracker.spawn(run_task(
-            shared.clone(),
-            Arc::new(task),
-            lease,
-            permit,
-            acquired_at,
-        ));
+        tasks.start(
+            lease.clone(),
+            run_task(shared.clone(), Arc::new(task), lease, permit, acquired_at),
+        );
     }
 }
 
@@ -585,11 +625,9 @@ async fn run_task(
         // the engine after the completion, be refused as "not locked" and make a completed task
         // look lost. The report is short next to the lease (at least 2/3 of it is left here).
         shared.heartbeat.release(lease.id());
-        let label = report(&shared, &task, &lease, outcome).await;
-        if label == "lease_lost" {
-            let reason = lease
-                .lost_reason()
-                .unwrap_or(crate::engine::LeaseLostReason::NotOwned);
+        let end = report(&shared, &task, &lease, outcome).await;
+        if end == TaskEnd::LeaseLost {
+            let reason = lease.lost_reason().unwrap_or(LeaseLostReason::NotOwned);
             shared
                 .metrics
                 .leases_lost
@@ -598,42 +636,36 @@ async fn run_task(
                 })
                 .inc();
         }
-        {
-            let mut running = shared.running.lock().expect("running lock");
-            if running.get(&task.id).is_some_and(|l| l.id() == lease.id()) {
-                running.remove(&task.id);
-            }
-        }
         let took = started.elapsed().as_secs_f64();
         shared
             .metrics
             .tasks_ended
-            .get_or_create(&OutcomeLabel { outcome: label })
+            .get_or_create(&OutcomeLabel { outcome: end })
             .inc();
         shared
             .metrics
             .task_duration
-            .get_or_create(&OutcomeLabel { outcome: label })
+            .get_or_create(&OutcomeLabel { outcome: end })
             .observe(took);
-        tracing::info!(outcome = label, duration_ms = (took * 1000.0) as u64, "task ended");
+        tracing::info!(outcome = end.as_str(), duration_ms = (took * 1000.0) as u64, "task ended");
         shared.emit(RunnerEvent::TaskEnded {
             task_id: task.id.clone(),
             attempt: task.attempt,
-            outcome: label,
+            outcome: end,
         });
     }
     .instrument(span)
     .await;
+    // The loop learns of the free slot by joining this future, which ends right here.
     drop(permit);
     shared.update_slot_gauge();
-    shared.slot_freed.notify_one();
 }
 
 /// Turns an outcome into its one engine call; nothing when the lease is lost.
-async fn report(shared: &Shared, task: &Task, lease: &Lease, outcome: Outcome) -> &'static str {
-    let label = outcome.label();
+async fn report(shared: &Shared, task: &Task, lease: &Lease, outcome: Outcome) -> TaskEnd {
+    let end = outcome.end();
     if lease.is_lost() || matches!(outcome, Outcome::Abandoned) {
-        return "lease_lost";
+        return TaskEnd::LeaseLost;
     }
     let ctx = TaskContext::new(
         shared.engine.clone(),
@@ -653,11 +685,11 @@ async fn report(shared: &Shared, task: &Task, lease: &Lease, outcome: Outcome) -
         Outcome::Abandoned => unreachable!("handled above"),
     };
     match result {
-        Ok(()) => label,
-        Err(e) if e.lease_lost().is_some() => "lease_lost",
-        Err(e) => {
-            tracing::error!(task_id = %task.id, error = %e, outcome = label, "could not report the task's outcome; its lease will expire and the engine will offer it again");
-            "report_failed"
+        Ok(()) => end,
+        Err(TaskError::LeaseLost(_)) => TaskEnd::LeaseLost,
+        Err(TaskError::Engine(e)) => {
+            tracing::error!(task_id = %task.id, error = %e, outcome = end.as_str(), "could not report the task's outcome; its lease will expire and the engine will offer it again");
+            TaskEnd::ReportFailed
         }
     }
 }

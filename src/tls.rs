@@ -54,7 +54,7 @@ pub fn load_ca_bundle(path: &Path) -> Result<Vec<reqwest::Certificate>, TlsError
     })?;
     let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| TlsError::NotPem {
         path: path.to_path_buf(),
-        reason: error_text(&e),
+        reason: crate::errors::chain(&e),
     })?;
     if certs.is_empty() {
         return Err(TlsError::Empty {
@@ -69,7 +69,7 @@ pub fn load_ca_bundle(path: &Path) -> Result<Vec<reqwest::Certificate>, TlsError
                 return Err(TlsError::BadCertificate {
                     path: path.to_path_buf(),
                     index: i + 1,
-                    reason: error_text(&e),
+                    reason: crate::errors::chain(&e),
                 });
             }
         }
@@ -110,18 +110,6 @@ fn trust_only(
     certs: impl IntoIterator<Item = reqwest::Certificate>,
 ) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder().tls_certs_only(certs).build()
-}
-
-/// An error and its chain of sources on one line (`a: b: c`).
-pub(crate) fn error_text(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -11,12 +11,15 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 
-use super::AgentRuntime;
 use super::definition::{self, AgentDefinition};
 use super::journal::{self, PendingCall, Replayed};
+use super::{AgentRuntime, JournalHome};
 use crate::conversation::{ToolCall, ToolResult, ToolSpec};
+use crate::engine::capabilities::NoJournalEvidence;
 use crate::engine::{EngineError, FailureReport, JournalStep, Task};
-use crate::handler::{FailureKind, Outcome, TaskContext, retries_consumed, retries_unchanged};
+use crate::handler::{
+    FailureKind, Outcome, TaskContext, TaskError, retries_consumed, retries_unchanged,
+};
 use crate::metrics::{ModelLabels, ModelTokenLabels, ToolLabels};
 use crate::provider::ModelRequest;
 use crate::provider::fallback::{CallAttempt, ModelCallError, call_with_fallback_observed};
@@ -51,16 +54,19 @@ struct LeaseCredentials {
 #[async_trait]
 impl CredentialSource for LeaseCredentials {
     async fn credential(&self, server: &str) -> Result<Secret, CredentialError> {
-        match self.ctx.tool_credential(server).await {
-            Ok(c) => Ok(c.token),
-            Err(e) if e.lease_lost().is_some() => Err(CredentialError::LeaseLost {
-                server: server.to_string(),
-            }),
-            Err(e) => Err(CredentialError::Transient {
-                server: server.to_string(),
-                reason: e.to_string(),
-            }),
-        }
+        self.ctx
+            .tool_credential(server)
+            .await
+            .map(|c| c.token)
+            .map_err(|e| match e {
+                TaskError::LeaseLost(_) => CredentialError::LeaseLost {
+                    server: server.to_string(),
+                },
+                TaskError::Engine(e) => CredentialError::Transient {
+                    server: server.to_string(),
+                    reason: e.to_string(),
+                },
+            })
     }
 }
 
@@ -70,7 +76,9 @@ struct Attempt<'a> {
     ctx: &'a TaskContext,
     def: AgentDefinition,
     state: Replayed,
-    journal_enabled: bool,
+    /// Where this attempt journals its steps (nowhere when the engine turned out to have no
+    /// journal).
+    journal: JournalHome,
     tools: ToolSessions,
     specs: Option<Vec<ToolSpec>>,
     /// Model requests of this attempt that produced no journaled answer (failed, retried).
@@ -85,28 +93,34 @@ impl<'a> Attempt<'a> {
         ctx: &'a TaskContext,
         def: AgentDefinition,
     ) -> Step<Attempt<'a>> {
-        let (state, journal_enabled) = match ctx.read_journal().await {
-            Ok(j) => match Replayed::from_steps(&j.steps) {
-                Ok(r) => (r, true),
+        let (state, journal) = match rt.journal_home(task) {
+            JournalHome::Engine => match ctx.read_journal().await {
+                Ok(j) => {
+                    rt.capabilities.journal_answered();
+                    match Replayed::from_steps(&j.steps) {
+                        Ok(r) => (r, JournalHome::Engine),
+                        Err(e) => {
+                            return Err(incident(
+                                "the task's journal cannot be resumed",
+                                e.to_string(),
+                            ));
+                        }
+                    }
+                }
+                Err(TaskError::Engine(EngineError::NotFound { .. })) => {
+                    rt.capabilities.journal_missing(NoJournalEvidence::NotFound);
+                    (Replayed::empty(), JournalHome::Nowhere)
+                }
                 Err(e) => {
-                    return Err(incident(
-                        "the task's journal cannot be resumed",
-                        e.to_string(),
+                    return Err(call_failed(
+                        rt,
+                        task,
+                        e,
+                        "could not read the task's journal",
                     ));
                 }
             },
-            Err(EngineError::NotFound { .. }) => {
-                rt.warn_no_journal_once();
-                (Replayed::empty(), false)
-            }
-            Err(e) if e.lease_lost().is_some() => return Err(Outcome::Abandoned),
-            Err(e) => {
-                return Err(technical(
-                    rt,
-                    task,
-                    format!("could not read the task's journal: {e}"),
-                ));
-            }
+            JournalHome::Nowhere => (Replayed::empty(), JournalHome::Nowhere),
         };
         if state.turns > 0 || state.input.is_some() {
             tracing::info!(
@@ -130,7 +144,7 @@ impl<'a> Attempt<'a> {
             ctx,
             def,
             state,
-            journal_enabled,
+            journal,
             tools,
             specs: None,
             unanswered_model_calls: 0,
@@ -177,18 +191,18 @@ impl<'a> Attempt<'a> {
     }
 
     async fn journal(&mut self, step: JournalStep) -> Step {
-        if self.journal_enabled {
-            match self.ctx.append_journal(&step).await {
-                Ok(_) => {}
-                Err(e) if e.lease_lost().is_some() => return Err(Outcome::Abandoned),
-                Err(e) => {
-                    return Err(technical(
+        match self.journal {
+            JournalHome::Engine => {
+                self.ctx.append_journal(&step).await.map_err(|e| {
+                    call_failed(
                         self.rt,
                         self.task,
-                        format!("could not journal step {}: {e}", step.seq),
-                    ));
-                }
+                        e,
+                        &format!("could not journal step {}", step.seq),
+                    )
+                })?;
             }
+            JournalHome::Nowhere => {}
         }
         self.state
             .apply(&step)
@@ -528,6 +542,12 @@ fn incident(message: &str, details: String) -> Outcome {
             retry_timeout: Duration::ZERO,
         },
     }
+}
+
+/// The outcome of a call about the task that failed and cannot be done without: nothing to
+/// report when the lease is lost, else a technical failure saying `what` went wrong.
+fn call_failed(rt: &AgentRuntime, task: &Task, e: TaskError, what: &str) -> Outcome {
+    e.into_outcome(|e| technical(rt, task, format!("{what}: {e}")))
 }
 
 /// A technical failure: one retry consumed, an exponential `retryTimeout` by attempt.

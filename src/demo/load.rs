@@ -10,7 +10,8 @@ use tokio::time::Instant;
 use super::timeline::{Output, Timeline};
 use super::{Check, Crew, DemoError, DemoReport, refund_task, start_stack, timeout_error};
 use crate::devkit::engine::TaskStatus;
-use crate::devkit::stack::{Stack, WorkerOptions};
+use crate::devkit::stack::{Stack, StackWorkers, WorkerOptions};
+use crate::handler::TaskEnd;
 use crate::runner::RunnerEvent;
 
 const SCENARIO: &str = "load";
@@ -24,7 +25,7 @@ const MERGE_WINDOW: Duration = Duration::from_millis(150);
 /// for its task ids.
 #[derive(Default)]
 struct Pending {
-    ended: Vec<(String, &'static str)>,
+    ended: Vec<(String, TaskEnd)>,
     since: Option<Instant>,
     /// (asked, got, ids so far)
     claim: Option<(u32, usize, Vec<String>)>,
@@ -47,17 +48,17 @@ fn ids_text(ids: &[String]) -> String {
     ids.join(", ")
 }
 
-fn ended_text(ended: &[(String, &'static str)]) -> String {
+fn ended_text(ended: &[(String, TaskEnd)]) -> String {
     let mut by_outcome: Vec<String> = Vec::new();
     for (id, outcome) in ended {
-        let word = if *outcome == "completed" {
+        let word = if *outcome == TaskEnd::Completed {
             String::new()
         } else {
             format!(" ({outcome})")
         };
         by_outcome.push(format!("{id}{word}"));
     }
-    let verb = if ended.iter().all(|(_, o)| *o == "completed") {
+    let verb = if ended.iter().all(|(_, o)| *o == TaskEnd::Completed) {
         "completed"
     } else {
         "ended"
@@ -347,7 +348,7 @@ fn flush(
         event,
         format!("{} -> {state}", parts.join(" -> ")),
         json!({
-            "ended": ended.iter().map(|(id, o)| json!({"task": id, "outcome": o})).collect::<Vec<_>>(),
+            "ended": ended.iter().map(|(id, o)| json!({"task": id, "outcome": o.as_str()})).collect::<Vec<_>>(),
             "claimed": claimed_ids,
             "workerRunning": mine,
             "running": running,

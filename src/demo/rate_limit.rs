@@ -18,7 +18,8 @@ use super::{
 };
 use crate::devkit::engine::{TaskStatus, TaskView};
 use crate::devkit::model::{Fault, FaultTimes};
-use crate::devkit::stack::{Stack, WorkerOptions, refund_script};
+use crate::devkit::stack::{Stack, StackWorkers, WorkerOptions, refund_script};
+use crate::handler::TaskEnd;
 
 const SCENARIO: &str = "rate-limit";
 const LIMIT: Duration = Duration::from_secs(15);
@@ -273,13 +274,13 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     let deferral_outcome = ended.iter().find(|(id, _, _)| *id == b).map(|(_, _, o)| *o);
     checks.push(Check::new(
         "every model unavailable: deferred without consuming a retry",
-        deferral_outcome == Some("deferred")
+        deferral_outcome == Some(TaskEnd::Deferred)
             && deferred.counters.failures == 1
             && deferred.retries == Some(RETRIES)
             && deferred.hidden,
         format!(
             "first attempt of {b} ended {}; retries {} after the failure (created with {RETRIES}); hidden {}",
-            deferral_outcome.unwrap_or("-"),
+            deferral_outcome.map_or("-", TaskEnd::as_str),
             retries_text(deferred.retries),
             deferred.hidden
         ),

@@ -4,7 +4,7 @@
 //! original key (the tool server deduplicates it); worker 1 wakes and is fenced off: its calls
 //! are refused and it abandons the task without reporting anything.
 //!
-//! The freeze is a [`FreezeEngine`] around worker 1's engine client; lease expiry is the
+//! The freeze is a [`FreezeGate`] in front of worker 1's engine client; lease expiry is the
 //! emulator's [`advance`](crate::devkit::engine::EngineEmulator::advance), so worker 1's own
 //! clock sees no time pass (as after a pause it could not notice) and nothing waits in real time.
 
@@ -18,10 +18,12 @@ use super::{
     Check, Crew, DemoError, DemoReport, journal_names, pump, pump_until, refund_task, start_stack,
 };
 use crate::devkit::engine::{CallRecord, Disposition, Operation, TaskStatus};
-use crate::devkit::freeze::{FreezeEngine, FreezeGate, FreezePoint, StepMatch};
-use crate::devkit::stack::{ORDERS_SERVER, Stack, WorkerOptions};
+use crate::devkit::freeze::{FreezeGate, FreezePoint, StepMatch};
+use crate::devkit::gate::GatedEngine;
+use crate::devkit::stack::{ORDERS_SERVER, Stack, StackWorkers, WorkerOptions};
 use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::engine::{Engine, JournalStep, TaskRef};
+use crate::handler::TaskEnd;
 use crate::metrics::Metrics;
 
 const SCENARIO: &str = "takeover";
@@ -102,9 +104,11 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
         let gate = gate1.clone();
         let mut opts = WorkerOptions::new("W1", 1);
         opts.lock_duration = LEASE;
-        stack.spawn_worker_with(opts, Stack::fast_agent_settings(), move |e| {
-            FreezeEngine::wrap(e, gate)
-        })
+        stack.spawn_worker_with(
+            opts,
+            Stack::fast_agent_settings(),
+            GatedEngine::wrapper(gate),
+        )
     };
     crew.add(w1);
     tl.emit(
@@ -175,9 +179,11 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
         let gate = gate2.clone();
         let mut opts = WorkerOptions::new("W2", 1);
         opts.lock_duration = LEASE;
-        stack.spawn_worker_with(opts, Stack::fast_agent_settings(), move |e| {
-            FreezeEngine::wrap(e, gate)
-        })
+        stack.spawn_worker_with(
+            opts,
+            Stack::fast_agent_settings(),
+            GatedEngine::wrapper(gate),
+        )
     };
     crew.add(w2);
     tl.emit(
@@ -371,7 +377,9 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     let w1_outcome = workers[0].ended.first().map(|e| e.2);
     checks.push(Check::new(
         "W1's calls after waking were refused",
-        !w1_calls.is_empty() && w1_calls.iter().all(is_fenced) && w1_outcome == Some("lease_lost"),
+        !w1_calls.is_empty()
+            && w1_calls.iter().all(is_fenced)
+            && w1_outcome == Some(TaskEnd::LeaseLost),
         format!(
             "{}; W1 ended {}",
             w1_calls
@@ -383,7 +391,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
                 ))
                 .collect::<Vec<_>>()
                 .join(", "),
-            w1_outcome.unwrap_or("-")
+            w1_outcome.map_or("-", TaskEnd::as_str)
         ),
     ));
     let w1_reports = all[..probe_mark]

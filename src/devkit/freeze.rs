@@ -1,31 +1,26 @@
-//! A freezable [`Engine`]: a decorator that makes a worker stop talking to the engine, as a
-//! process paused by the OS or a long garbage collection would, and wake up later with its
-//! requests still in hand. The takeover demo and tests use it.
+//! A freeze: a [`Gate`] that makes a worker stop talking to the engine, as a process paused by
+//! the OS or a long garbage collection would, and wake up later with its requests still in hand.
+//! The takeover demo puts it in front of a worker's engine client with
+//! [`GatedEngine`](super::gate::GatedEngine).
 //!
 //! While frozen, every call waits before it is sent (heartbeats included). A [`FreezePoint`]
 //! armed on the [`FreezeGate`] freezes the gate by itself at a chosen place in a task's life
-//! (before or after a journal step of a given kind and state, or before `complete`), once; the
-//! call that hit it then waits like every other until [`FreezeGate::thaw`].
+//! (before a journal step of a given kind and state, or before `complete`), once; the call that
+//! hit it then waits like every other until [`FreezeGate::thaw`].
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use async_trait::async_trait;
-use serde_json::{Map, Value};
 use tokio::sync::watch;
 
-use crate::engine::{
-    AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
-    JournalStep, Task, TaskRef, ToolCredential,
-};
+use super::gate::{Gate, Op};
+use crate::engine::{JournalStep, TaskRef};
 
 /// Where the gate freezes by itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FreezePoint {
     /// Before sending a matching journal append: the step is not journaled.
     BeforeJournal(StepMatch),
-    /// After a matching journal append succeeded, before its answer returns.
-    AfterJournal(StepMatch),
     /// Before sending `complete`.
     BeforeComplete,
 }
@@ -125,109 +120,46 @@ impl FreezeGate {
     }
 }
 
-/// The decorator: every call waits while the gate is frozen.
-pub struct FreezeEngine {
-    inner: Arc<dyn Engine>,
-    gate: Arc<FreezeGate>,
-}
-
-impl FreezeEngine {
-    pub fn wrap(inner: Arc<dyn Engine>, gate: Arc<FreezeGate>) -> Arc<dyn Engine> {
-        Arc::new(FreezeEngine { inner, gate })
-    }
-}
-
-fn step_reason(when: &str, task: &TaskRef, step: &JournalStep) -> String {
+fn step_reason(task: &TaskRef, step: &JournalStep) -> String {
     format!(
-        "{when} journaling step {} {}/{} of {}",
+        "before journaling step {} {}/{} of {}",
         step.seq, step.kind, step.state, task.task_id
     )
 }
 
+/// Every call waits while the gate is frozen; the call that reaches the armed point freezes it.
 #[async_trait]
-impl Engine for FreezeEngine {
-    async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError> {
-        self.gate.wait_thawed().await;
-        self.inner.fetch_and_lock(request).await
-    }
-
-    async fn heartbeat(&self, task: &TaskRef, lock_duration: Duration) -> Result<(), EngineError> {
-        self.gate.wait_thawed().await;
-        self.inner.heartbeat(task, lock_duration).await
-    }
-
-    async fn complete(
-        &self,
-        task: &TaskRef,
-        variables: &Map<String, Value>,
-    ) -> Result<(), EngineError> {
-        self.gate.wait_thawed().await;
-        if self.gate.hit(
-            |p| *p == FreezePoint::BeforeComplete,
-            || format!("before completing {}", task.task_id),
-        ) {
-            self.gate.wait_thawed().await;
+impl Gate for FreezeGate {
+    async fn before(&self, op: Op<'_>, task: Option<&TaskRef>) {
+        self.wait_thawed().await;
+        let hit = match (op, task) {
+            (Op::Complete, Some(task)) => self.hit(
+                |p| *p == FreezePoint::BeforeComplete,
+                || format!("before completing {}", task.task_id),
+            ),
+            (Op::JournalAppend(step), Some(task)) => self.hit(
+                |p| matches!(p, FreezePoint::BeforeJournal(m) if m.matches(step)),
+                || step_reason(task, step),
+            ),
+            _ => false,
+        };
+        if hit {
+            self.wait_thawed().await;
         }
-        self.inner.complete(task, variables).await
-    }
-
-    async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
-        self.gate.wait_thawed().await;
-        self.inner.failure(task, report).await
-    }
-
-    async fn bpmn_error(
-        &self,
-        task: &TaskRef,
-        report: &BpmnErrorReport,
-    ) -> Result<(), EngineError> {
-        self.gate.wait_thawed().await;
-        self.inner.bpmn_error(task, report).await
-    }
-
-    async fn read_journal(&self, task: &TaskRef) -> Result<Journal, EngineError> {
-        self.gate.wait_thawed().await;
-        self.inner.read_journal(task).await
-    }
-
-    async fn append_journal(
-        &self,
-        task: &TaskRef,
-        step: &JournalStep,
-    ) -> Result<AppendOutcome, EngineError> {
-        self.gate.wait_thawed().await;
-        if self.gate.hit(
-            |p| matches!(p, FreezePoint::BeforeJournal(m) if m.matches(step)),
-            || step_reason("before", task, step),
-        ) {
-            self.gate.wait_thawed().await;
-        }
-        let result = self.inner.append_journal(task, step).await;
-        if result.is_ok()
-            && self.gate.hit(
-                |p| matches!(p, FreezePoint::AfterJournal(m) if m.matches(step)),
-                || step_reason("after", task, step),
-            )
-        {
-            self.gate.wait_thawed().await;
-        }
-        result
-    }
-
-    async fn tool_credential(
-        &self,
-        task: &TaskRef,
-        server: &str,
-    ) -> Result<ToolCredential, EngineError> {
-        self.gate.wait_thawed().await;
-        self.inner.tool_credential(task, server).await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devkit::gate::GatedEngine;
+    use crate::engine::{
+        AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
+        Task, ToolCredential,
+    };
+    use serde_json::{Map, Value};
     use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::Duration;
 
     /// Counts appends; answers everything else with a harmless value.
     #[derive(Default)]
@@ -292,11 +224,13 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_armed_point_freezes_after_the_append_until_thawed() {
+    async fn an_armed_point_freezes_every_call_until_thawed() {
         let inner = Arc::new(Counting::default());
         let gate = FreezeGate::new();
-        gate.arm(FreezePoint::AfterJournal(StepMatch::new("tool", "started")));
-        let engine = FreezeEngine::wrap(inner.clone(), gate.clone());
+        gate.arm(FreezePoint::BeforeJournal(StepMatch::new(
+            "tool", "started",
+        )));
+        let engine = GatedEngine::wrap(inner.clone(), gate.clone());
         engine
             .append_journal(&task(), &step("model", "finished"))
             .await
@@ -312,13 +246,8 @@ mod tests {
         };
         let reason = gate.frozen().await;
         assert!(
-            reason.contains("after journaling step 5 tool/started"),
+            reason.contains("before journaling step 5 tool/started"),
             "{reason}"
-        );
-        assert_eq!(
-            inner.0.load(Ordering::SeqCst),
-            2,
-            "the append itself went through"
         );
         let hb = {
             let engine = engine.clone();
@@ -326,9 +255,11 @@ mod tests {
         };
         tokio::task::yield_now().await;
         assert!(!call.is_finished() && !hb.is_finished());
+        assert_eq!(inner.0.load(Ordering::SeqCst), 1, "not sent while frozen");
         gate.thaw();
         call.await.unwrap().unwrap();
         hb.await.unwrap().unwrap();
+        assert_eq!(inner.0.load(Ordering::SeqCst), 2);
         // Disarmed after one hit.
         engine
             .append_journal(&task(), &step("tool", "started"))
@@ -344,7 +275,7 @@ mod tests {
         gate.arm(FreezePoint::BeforeJournal(
             StepMatch::new("tool", "finished").keyed(),
         ));
-        let engine = FreezeEngine::wrap(inner.clone(), gate.clone());
+        let engine = GatedEngine::wrap(inner.clone(), gate.clone());
         let mut unkeyed = step("tool", "finished");
         unkeyed.key = None;
         engine.append_journal(&task(), &unkeyed).await.unwrap();

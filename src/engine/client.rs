@@ -432,12 +432,10 @@ fn describe_transport_error(e: &reqwest::Error, url: &str) -> String {
     } else {
         "failed"
     };
-    let mut source: Option<&dyn std::error::Error> = std::error::Error::source(e);
-    let mut detail = String::new();
-    while let Some(s) = source {
-        detail = s.to_string();
-        source = s.source();
-    }
+    // The top error repeats the URL; its sources say what went wrong.
+    let detail = std::error::Error::source(e)
+        .map(crate::errors::chain)
+        .unwrap_or_default();
     format!("POST {url} {what}: {detail}")
 }
 

@@ -259,7 +259,7 @@ fn error_fields(body: &[u8]) -> (Option<String>, Option<String>, Option<String>)
     }
 }
 
-/// A reqwest error without its source chain's noise, but with the root cause.
+/// A reqwest error by its kind and its sources (the top error only repeats the URL).
 fn describe(e: &reqwest::Error) -> String {
     let kind = if e.is_timeout() {
         "timed out"
@@ -268,12 +268,9 @@ fn describe(e: &reqwest::Error) -> String {
     } else {
         "failed"
     };
-    let mut cause = String::new();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        cause = s.to_string();
-        source = s.source();
-    }
+    let cause = std::error::Error::source(e)
+        .map(crate::errors::chain)
+        .unwrap_or_default();
     if cause.is_empty() {
         kind.to_string()
     } else {

@@ -214,7 +214,7 @@ pub(crate) fn classify(store: &str, error: &tokio_postgres::Error) -> StoreError
 
 /// An error and its sources on one line (server messages may span several).
 pub(crate) fn one_line(error: &dyn std::error::Error) -> String {
-    crate::tls::error_text(error).replace('\n', "; ")
+    crate::errors::chain(error).replace('\n', "; ")
 }
 
 #[cfg(test)]

@@ -197,7 +197,7 @@ impl StoreUrl {
         }
         // tokio-postgres's parse errors name an option or a problem, never a value.
         let mut config = tokio_postgres::Config::from_str(&rebuilt)
-            .map_err(|e| UrlError::Invalid(crate::tls::error_text(&e)))?;
+            .map_err(|e| UrlError::Invalid(crate::errors::chain(&e)))?;
         if config.get_hosts().is_empty() {
             return Err(UrlError::NoHost);
         }

@@ -447,14 +447,7 @@ fn describe_reqwest(e: &reqwest::Error) -> String {
     } else {
         "HTTP error"
     };
-    let mut text = format!("{kind}: {e}");
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
+    format!("{kind}: {}", crate::errors::chain(e))
 }
 
 #[cfg(test)]

@@ -1,18 +1,19 @@
 // oauth2-mock-server started as a library, for the tests in tests/it/secure.rs that need what
 // its CLI cannot do: short-lived tokens, a token without the requested scope, a client secret
-// that is really checked, a fixed port and signing keys that survive a restart.
+// that is really checked, an issuer URL in front of it, and signing keys that survive a restart.
 //
 //   node tests/interop/oidc-mock.mjs <path to oauth2-mock-server/dist/index.mjs>
 //
 // Environment (all optional):
-//   OIDC_MOCK_PORT           port on 127.0.0.1 (default 0: any free one)
+//   OIDC_MOCK_ISSUER         the issuer URL to advertise (default http://localhost:<port>), for
+//                            a test that holds the address in front of it
 //   OIDC_MOCK_TTL            token lifetime in seconds (`exp` and `expires_in`; default 3600)
 //   OIDC_MOCK_SCOPE          the scope put into tokens instead of the requested one
 //   OIDC_MOCK_CLIENT_SECRET  the only client secret accepted; others get 401 invalid_client
 //   OIDC_MOCK_KEYS           a JSON file of signing keys: read when it exists, else written
 //
-// It binds 127.0.0.1 only. Stdout, one JSON object per line:
-//   {"event":"listening","issuer":"http://localhost:<port>","port":<port>}
+// It binds a port of 127.0.0.1 that the system picks. Stdout, one JSON object per line:
+//   {"event":"listening","issuer":"<the issuer URL>","port":<port>}
 //   {"event":"token","status":200,"access_token":"...","scope":"...","at_ms":...}  (one per request)
 // While running, `POST /__mock/config` with a JSON body {"ttl", "scope", "clientSecret"} changes
 // the settings above (null clears one); `GET /__mock/config` shows them.
@@ -105,7 +106,10 @@ server.service.addRoute('POST', '/__mock/config', (req, res) => {
   res.end(JSON.stringify(settings));
 });
 
-await server.start(Number(process.env.OIDC_MOCK_PORT ?? 0), '127.0.0.1');
+if (process.env.OIDC_MOCK_ISSUER) {
+  server.issuer.url = process.env.OIDC_MOCK_ISSUER;
+}
+await server.start(0, '127.0.0.1');
 console.log(JSON.stringify({
   event: 'listening',
   issuer: server.issuer.url,

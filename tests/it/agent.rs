@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use abada_agent_worker::devkit::engine::{ProtocolLevel, TaskSpec, TaskStatus, TaskView};
-use abada_agent_worker::devkit::stack::{Stack, WorkerOptions};
+use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
 use serde_json::{Map, Value, json};
 
 pub fn spec(agent: Value, order: &str) -> TaskSpec {
@@ -17,6 +17,32 @@ pub fn spec(agent: Value, order: &str) -> TaskSpec {
         ..TaskSpec::default()
     }
 }
+
+/// A task's journal as one `kind/state` per step, to compare with an expected run.
+pub fn step_kinds(view: &TaskView) -> Vec<String> {
+    view.journal
+        .iter()
+        .map(|s| {
+            format!(
+                "{}/{}",
+                s["kind"].as_str().unwrap_or("?"),
+                s["state"].as_str().unwrap_or("?")
+            )
+        })
+        .collect()
+}
+
+/// The journal of a refund agent run to its end: the input, three model turns, a read-only
+/// lookup, and the keyed refund (started, then finished).
+pub const FULL_REFUND_RUN: [&str; 7] = [
+    "input/finished",
+    "model/finished",
+    "tool/finished",
+    "model/finished",
+    "tool/started",
+    "tool/finished",
+    "model/finished",
+];
 
 pub async fn wait_all_ended(stack: &Stack, ids: &[String], limit: Duration) -> Vec<TaskView> {
     let ids = ids.to_vec();
@@ -55,29 +81,7 @@ async fn a_refund_agent_completes_through_both_wire_formats() {
         assert_eq!(result["refundDecision"]["orderId"], order);
         assert_eq!(result["agentUsage"]["turns"], 3);
         assert_eq!(result["agentUsage"]["inputTokens"], 360);
-        let kinds: Vec<String> = view
-            .journal
-            .iter()
-            .map(|s| {
-                format!(
-                    "{}/{}",
-                    s["kind"].as_str().unwrap(),
-                    s["state"].as_str().unwrap()
-                )
-            })
-            .collect();
-        assert_eq!(
-            kinds,
-            [
-                "input/finished",
-                "model/finished",
-                "tool/finished",
-                "model/finished",
-                "tool/started",
-                "tool/finished",
-                "model/finished"
-            ]
-        );
+        assert_eq!(step_kinds(view), FULL_REFUND_RUN);
         assert!(
             view.journal[2].get("key").is_none(),
             "a read-only call is not keyed"
@@ -126,17 +130,44 @@ mod outcomes {
 
     use std::time::Duration;
 
-    use abada_agent_worker::devkit::engine::{Fault as EngineFault, Operation, TaskStatus};
+    use abada_agent_worker::devkit::engine::{
+        Fault as EngineFault, Operation, TaskStatus, TaskView,
+    };
     use abada_agent_worker::devkit::model::{Fault, FaultTimes, Script, Turn};
-    use abada_agent_worker::devkit::stack::{Stack, WorkerOptions};
+    use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
     use serde_json::json;
 
     use super::{spec, wait_all_ended};
+    use crate::support::wait::{eventually, recv_within};
 
     async fn stack() -> Stack {
         Stack::start(abada_agent_worker::devkit::engine::ProtocolLevel::AgentV1)
             .await
             .unwrap()
+    }
+
+    /// The task once its first failure has been reported.
+    async fn first_failure(s: &Stack, id: &str) -> TaskView {
+        tokio::time::timeout(
+            Duration::from_secs(20),
+            s.engine.wait_for(|e| {
+                let t = e.task(id)?;
+                (t.counters.failures == 1).then_some(t)
+            }),
+        )
+        .await
+        .expect("a failure reported within 20 s")
+    }
+
+    /// Waits until the tool server has seen every MCP session closed (a session a task drops is
+    /// closed in the background).
+    async fn sessions_all_closed(s: &Stack) {
+        eventually(
+            Duration::from_secs(10),
+            "every MCP session to be closed",
+            async || s.tools.counters().await.sessions_open == 0,
+        )
+        .await;
     }
 
     fn looping() -> Script {
@@ -254,15 +285,7 @@ mod outcomes {
             .engine
             .create_tasks([spec(s.refund_agent("openai/refund", &[]), "o-1")]);
         let w = s.spawn_worker(WorkerOptions::new("w", 2), Stack::fast_agent_settings());
-        let v = tokio::time::timeout(
-            Duration::from_secs(20),
-            s.engine.wait_for(|e| {
-                let t = e.task(&ids[0])?;
-                (t.counters.failures == 1).then_some(t)
-            }),
-        )
-        .await
-        .unwrap();
+        let v = first_failure(&s, &ids[0]).await;
         assert_eq!(v.retries, Some(2), "one retry consumed");
         assert!(v.hidden, "an exponential retryTimeout hides it");
         assert!(v.error_message.unwrap().contains("orders"));
@@ -282,15 +305,7 @@ mod outcomes {
             .engine
             .create_tasks([spec(s.refund_agent("openai/garbled", &[]), "o-1")]);
         let w = s.spawn_worker(WorkerOptions::new("w", 2), Stack::fast_agent_settings());
-        let v = tokio::time::timeout(
-            Duration::from_secs(20),
-            s.engine.wait_for(|e| {
-                let t = e.task(&ids[0])?;
-                (t.counters.failures == 1).then_some(t)
-            }),
-        )
-        .await
-        .unwrap();
+        let v = first_failure(&s, &ids[0]).await;
         assert_eq!(v.retries, Some(2));
         assert_eq!(s.model.calls("garbled"), 3, "one call and two retries");
         w.stop().await;
@@ -355,10 +370,10 @@ mod outcomes {
         opts.lock_duration = Duration::from_millis(600);
         let mut w = s.spawn_worker(opts, Stack::fast_agent_settings());
         loop {
-            if let Some(abada_agent_worker::runner::RunnerEvent::TaskEnded { outcome, .. }) =
-                w.events.recv().await
+            if let abada_agent_worker::runner::RunnerEvent::TaskEnded { outcome, .. } =
+                recv_within(&mut w.events, Duration::from_secs(30), "the task's end").await
             {
-                assert_eq!(outcome, "lease_lost");
+                assert_eq!(outcome, abada_agent_worker::handler::TaskEnd::LeaseLost);
                 break;
             }
         }
@@ -369,7 +384,9 @@ mod outcomes {
             .find(|c| c.operation == Operation::Heartbeat)
             .map(|c| c.at)
             .unwrap();
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Once the worker has stopped, nothing more can come: the whole rest of its life is
+        // checked, not a guessed while.
+        w.stop().await;
         let late: Vec<_> = s
             .engine
             .calls()
@@ -382,9 +399,7 @@ mod outcomes {
         );
         let v = s.engine.task(&ids[0]).unwrap();
         assert_eq!(v.counters.completes + v.counters.failures, 0);
-        w.stop().await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        assert_eq!(s.tools.counters().await.sessions_open, 0);
+        sessions_all_closed(&s).await;
     }
 
     #[tokio::test]
@@ -472,10 +487,9 @@ mod outcomes {
         // Successes, the incident and the lost leases end; the slow rest is cut by shutdown.
         wait_all_ended(&s, &ids[..7], Duration::from_secs(30)).await;
         w.stop().await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        sessions_all_closed(&s).await;
         let c = s.tools.counters().await;
         assert!(c.sessions_opened >= 13, "{c:?}");
-        assert_eq!(c.sessions_open, 0, "{c:?}");
         // Nothing it still owned is left locked to the worker that stopped (the emulator keeps
         // the lost ones locked to it until their lease runs out: it refused their heartbeats).
         for t in s

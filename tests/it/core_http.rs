@@ -14,6 +14,7 @@ use abada_agent_worker::devkit::engine::{
     self as emulator, AuthRejection, Authorizer, Disposition, EmulatorOptions, EngineEmulator,
     Fault, HeaderMap, Operation, TaskSpec, TaskStatus,
 };
+use abada_agent_worker::handler::TaskEnd;
 use abada_agent_worker::runner::RunnerEvent;
 use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
@@ -109,7 +110,7 @@ async fn two_workers_share_200_tasks_each_completed_once_under_one_live_lease() 
             })
             .collect();
         assert!(!ended.is_empty(), "worker {worker} ran tasks");
-        assert!(ended.iter().all(|o| *o == "completed"), "{ended:?}");
+        assert!(ended.iter().all(|o| *o == TaskEnd::Completed), "{ended:?}");
     }
     let total_ended: usize = events
         .iter()
@@ -151,10 +152,10 @@ async fn a_frozen_worker_whose_lease_was_taken_over_reports_nothing_accepted() {
 
     assert!(w1.engine.blocked_ops().contains(&"complete"));
     w1.engine.thaw();
-    assert_eq!(w1.wait_ended(&id, 1).await, "lease_lost");
+    assert_eq!(w1.wait_ended(&id, 1).await, TaskEnd::LeaseLost);
     gate.add_permits(1);
     let done = wait_completed(&emu, &id).await;
-    assert_eq!(w2.wait_ended(&id, 2).await, "completed");
+    assert_eq!(w2.wait_ended(&id, 2).await, TaskEnd::Completed);
     w1.stop().await;
     w2.stop().await;
 
@@ -217,7 +218,7 @@ async fn a_frozen_worker_gives_its_lease_up_by_its_own_clock_and_its_late_heartb
     w1.engine.wait_blocked("heartbeat").await;
     assert_eq!(
         w1.wait_ended(&id, 1).await,
-        "lease_lost",
+        TaskEnd::LeaseLost,
         "the worker stopped the task on its own while the engine was unreachable"
     );
 
@@ -403,7 +404,7 @@ async fn heartbeats_extend_with_fresh_keys_and_a_refused_one_loses_the_task() {
         WorkerOptions::new("w-beat", Duration::from_millis(900)).max_tasks(2),
     );
 
-    assert_eq!(w.wait_ended(&refused, 1).await, "lease_lost");
+    assert_eq!(w.wait_ended(&refused, 1).await, TaskEnd::LeaseLost);
     wait_completed(&emu, &after).await;
     wait_completed(&emu, &long).await;
     let events = w.stop().await;
@@ -461,7 +462,7 @@ async fn a_completion_refused_with_concurrent_modification_is_retried_once_with_
     });
     let w = spawn_worker(&emu, WorkerOptions::new("w-cm", Duration::from_secs(3)));
     let t = wait_completed(&emu, &id).await;
-    assert_eq!(w.wait_ended(&id, 1).await, "completed");
+    assert_eq!(w.wait_ended(&id, 1).await, TaskEnd::Completed);
     w.stop().await;
 
     assert_eq!(t.counters.completes, 1);
@@ -492,7 +493,7 @@ async fn transient_server_errors_on_complete_are_retried_with_the_same_key() {
     });
     let w = spawn_worker(&emu, WorkerOptions::new("w-5xx", Duration::from_secs(3)));
     let t = wait_completed(&emu, &id).await;
-    assert_eq!(w.wait_ended(&id, 1).await, "completed");
+    assert_eq!(w.wait_ended(&id, 1).await, TaskEnd::Completed);
     w.stop().await;
 
     assert_eq!(t.counters.completes, 1);
@@ -522,7 +523,7 @@ async fn a_lost_complete_response_is_retried_and_answered_from_the_replay() {
     });
     let w = spawn_worker(&emu, WorkerOptions::new("w-lost", Duration::from_secs(3)));
     let t = wait_completed(&emu, &id).await;
-    assert_eq!(w.wait_ended(&id, 1).await, "completed");
+    assert_eq!(w.wait_ended(&id, 1).await, TaskEnd::Completed);
     w.stop().await;
 
     assert_eq!(t.counters.completes, 1);
@@ -559,7 +560,7 @@ async fn a_completion_sent_into_an_engine_outage_is_retried_with_its_key_until_i
     .await;
     emu.set_outage(false);
     let t = wait_completed(&emu, &id).await;
-    assert_eq!(w.wait_ended(&id, 1).await, "completed");
+    assert_eq!(w.wait_ended(&id, 1).await, TaskEnd::Completed);
     w.stop().await;
 
     assert_eq!(t.counters.completes, 1);
@@ -588,7 +589,7 @@ async fn shutdown_releases_an_unfinished_task_for_another_worker_at_once() {
     let mut opts = WorkerOptions::new("w-leaving", Duration::from_secs(5))
         .max_tasks(1)
         .handler(CompletingHandler::new("w-leaving", Duration::ZERO).gated(never));
-    opts.runner.shutdown_grace = Duration::from_millis(200);
+    opts.shutdown_grace = Duration::from_millis(200);
     let w = spawn_worker(&emu, opts);
     w.wait_event(|e| matches!(e, RunnerEvent::TaskStarted { .. }))
         .await;
@@ -596,7 +597,7 @@ async fn shutdown_releases_an_unfinished_task_for_another_worker_at_once() {
 
     assert!(
         events.iter().any(|e| matches!(e,
-            RunnerEvent::TaskEnded { task_id, outcome: "released", .. } if *task_id == id)),
+            RunnerEvent::TaskEnded { task_id, outcome: TaskEnd::Released, .. } if *task_id == id)),
         "{events:?}"
     );
     let t = emu.task(&id).unwrap();

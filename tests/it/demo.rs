@@ -152,28 +152,32 @@ fn the_binary_exits_non_zero_on_a_bad_scenario() {
 
 #[tokio::test]
 async fn dev_engine_serves_the_admin_api_on_the_given_address() {
-    use tokio::io::AsyncBufReadExt;
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    // Port 0: the emulator binds a port the system picks, and its cheat sheet names it.
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_abada-agent-worker"))
-        .args(["dev-engine", "--addr", &format!("127.0.0.1:{port}")])
+        .args(["dev-engine", "--addr", "127.0.0.1:0"])
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut url = None;
-    while let Some(line) = lines.next_line().await.unwrap() {
-        if let Some(rest) = line.trim().strip_prefix("engine URL for workers:") {
-            url = Some(rest.trim().to_string());
-            break;
-        }
-    }
-    assert_eq!(
-        url.as_deref(),
-        Some(format!("http://127.0.0.1:{port}/api").as_str())
+    let url = crate::support::wait::announcement(
+        child.stdout.take().unwrap(),
+        std::time::Duration::from_secs(30),
+        "dev-engine",
+        |line| {
+            line.trim()
+                .strip_prefix("engine URL for workers:")
+                .map(|rest| rest.trim().to_string())
+        },
+    )
+    .await;
+    let port: u16 = url
+        .strip_prefix("http://127.0.0.1:")
+        .and_then(|rest| rest.strip_suffix("/api"))
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("not a loopback engine URL: {url}"));
+    assert_ne!(
+        port, 0,
+        "the URL names the port bound, not the one asked for"
     );
     let created: Value = reqwest::Client::new()
         .post(format!("http://127.0.0.1:{port}/admin/tasks"))

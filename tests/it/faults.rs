@@ -12,7 +12,10 @@ use abada_agent_worker::devkit::engine::{
     BadBody, Disposition, Fault, Operation, ProtocolLevel, TaskSpec, TaskStatus, TaskView,
 };
 use abada_agent_worker::devkit::model::{Fault as ModelFault, FaultTimes, Script, Turn};
-use abada_agent_worker::devkit::stack::{Stack, WorkerHandle, WorkerOptions, refund_script};
+use abada_agent_worker::devkit::stack::{
+    Stack, StackWorkers, WorkerHandle, WorkerOptions, refund_script,
+};
+use abada_agent_worker::handler::TaskEnd;
 use abada_agent_worker::runner::RunnerEvent;
 use serde_json::{Map, Value, json};
 
@@ -20,6 +23,7 @@ use crate::support::invariants::{
     Expect, Recorder, Report, WorkerObservation, check_invariants, peak_memory_kib,
 };
 use crate::support::process::{WorkerProcess, stack_env};
+use crate::support::wait::eventually;
 
 /// A hang guard for each wait (not a timing assertion).
 const LIMIT: Duration = Duration::from_secs(30);
@@ -116,10 +120,9 @@ async fn finish(
     scenario: &str,
 ) -> Report {
     let mut observations = Vec::new();
-    for (handle, recorder) in workers {
+    for (handle, mut recorder) in workers {
         handle.stop().await;
-        // Let the collector drain the last events.
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        recorder.drained().await;
         observations.push(recorder.observation());
     }
     let report = check_invariants(&stack.engine, &[&stack.tools], &observations, &expect).await;
@@ -498,7 +501,7 @@ async fn an_engine_outage_keeps_leases_while_it_can_fences_when_it_cannot_and_re
     let lost = {
         let id = id.clone();
         within("the task to fence itself", recorder.wait_until(move |ev| {
-            ev.iter().any(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: "lease_lost", .. } if *task_id == id))
+            ev.iter().any(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: TaskEnd::LeaseLost, .. } if *task_id == id))
         }))
     };
     if tokio::time::timeout(Duration::from_secs(12), lost)
@@ -518,7 +521,13 @@ async fn an_engine_outage_keeps_leases_while_it_can_fences_when_it_cannot_and_re
     }
     assert!(!recorder.status.is_ready(), "not ready during the outage");
     // Past the engine's own lease too, so the task can be taken again.
-    tokio::time::sleep(lock / 2).await;
+    eventually(LIMIT, "the engine's lease to run out", async || {
+        s.engine
+            .task(&id)
+            .and_then(|t| t.lock_expiration_time)
+            .is_none_or(|expires| expires <= s.engine.now())
+    })
+    .await;
     let fetched_before = recorder
         .events()
         .iter()
@@ -733,7 +742,13 @@ async fn expired_sessions_error_results_and_oversized_results_still_complete() {
     );
     // Expired sessions: forget every session once the first tool call went through.
     let exp = refund_tasks(&s, "texp", 2, "openai/slowish", &[]);
-    let w = worker(&s, "w-tools2", 4, Duration::from_secs(3), settings());
+    // The suite's 500 ms call bound and 3 s lease are for its hang and expiry scenarios; nothing
+    // here hangs or expires, and on a loaded machine a 3 MiB result can take longer than 500 ms
+    // to arrive (every attempt then fails as "unavailable") and its decoding can hold the
+    // worker's threads long enough to starve a 3 s lease's heartbeats.
+    let mut agent = settings();
+    agent.tool_sessions.call_timeout = Duration::from_secs(10);
+    let w = worker(&s, "w-tools2", 4, Duration::from_secs(10), agent);
     within("a first tool call", async {
         while s.tools.calls().is_empty() {
             tokio::time::sleep(Duration::from_millis(10)).await;

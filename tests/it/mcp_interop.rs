@@ -15,8 +15,12 @@ use abada_agent_worker::tools::{
     CredentialError, CredentialSource, ToolServerRef, ToolSessionOptions, ToolSessions,
 };
 use async_trait::async_trait;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 use tokio::process::{Child, Command};
+
+use crate::support::peers::installed;
+use crate::support::wait::announcement;
+use crate::tools::args;
 
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
@@ -34,43 +38,31 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The installed peer at `relative` under target/interop/, or None when the tests are skipped.
-fn peer(relative: &str) -> Option<PathBuf> {
-    let path = repo().join("target/interop").join(relative);
-    if path.exists() {
-        return Some(path);
-    }
-    if std::env::var("ABADA_SKIP_INTEROP").as_deref() == Ok("1") {
-        eprintln!("skipping interop test: {} is missing", path.display());
-        return None;
-    }
-    panic!(
-        "interop peer {} is missing: run scripts/install-interop-peers (or set ABADA_SKIP_INTEROP=1 to skip these tests)",
-        path.display()
-    );
-}
-
-/// A free loopback port: bind port 0, read it, release it.
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
-
-/// Waits until the child listens on the port, failing if it exits first.
-async fn wait_listening(child: &mut Child, port: u16, what: &str) {
-    for _ in 0..600 {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("{what} exited before listening on 127.0.0.1:{port}: {status}");
-        }
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{what} did not listen on 127.0.0.1:{port} within 30 s");
+/// Starts a peer that binds port 0 and announces the port it got on stdout as
+/// `{"event":"listening","port":N}` (the Python server itself, the Node server through
+/// tests/interop/force-loopback.js); returns it with that port.
+async fn spawn_announcing(command: &mut Command, what: &str) -> (Child, u16) {
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let port = announcement(
+        child.stdout.take().unwrap(),
+        Duration::from_secs(30),
+        what,
+        |line| {
+            let event: Value = serde_json::from_str(line).ok()?;
+            if event["event"] != "listening" {
+                return None;
+            }
+            u16::try_from(event["port"].as_u64()?).ok()
+        },
+    )
+    .await;
+    (child, port)
 }
 
 fn sessions(name: &str, port: u16) -> ToolSessions {
@@ -90,39 +82,25 @@ fn sessions(name: &str, port: u16) -> ToolSessions {
     )
 }
 
-fn args(value: Value) -> Map<String, Value> {
-    match value {
-        Value::Object(map) => map,
-        _ => panic!("arguments must be an object"),
-    }
-}
-
-fn spawn(command: &mut Command) -> Child {
-    command
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap()
-}
-
 #[tokio::test]
 async fn reference_server_everything() {
-    let Some(bin) = peer("node/node_modules/.bin/mcp-server-everything") else {
+    let Some(bin) = installed(
+        "node/node_modules/.bin/mcp-server-everything",
+        "scripts/install-interop-peers",
+    ) else {
         return;
     };
     let preload: &Path = &repo().join("tests/interop/force-loopback.js");
-    let port = free_port();
-    let mut child = spawn(
+    let (mut child, port) = spawn_announcing(
         Command::new("node")
             .arg("-r")
             .arg(preload)
             .arg(&bin)
             .arg("streamableHttp")
-            .env("PORT", port.to_string()),
-    );
-    wait_listening(&mut child, port, "mcp-server-everything").await;
+            .env("PORT", "0"),
+        "mcp-server-everything",
+    )
+    .await;
 
     let mut sessions = sessions("everything", port);
     let tools = sessions.tools().await.unwrap();
@@ -161,16 +139,14 @@ async fn reference_server_everything() {
 
 #[tokio::test]
 async fn python_sdk_server_receives_key_traceparent_and_credential() {
-    let Some(python) = peer("venv/bin/python") else {
+    let Some(python) = installed("venv/bin/python", "scripts/install-interop-peers") else {
         return;
     };
-    let port = free_port();
-    let mut child = spawn(
-        Command::new(python)
-            .arg(repo().join("tests/interop/python_server.py"))
-            .arg(port.to_string()),
-    );
-    wait_listening(&mut child, port, "python_server.py").await;
+    let (mut child, port) = spawn_announcing(
+        Command::new(python).arg(repo().join("tests/interop/python_server.py")),
+        "python_server.py",
+    )
+    .await;
 
     let mut sessions = sessions("pyorders", port);
     let tools = sessions.tools().await.unwrap();

@@ -3,7 +3,6 @@
 //! against small in-process issuers where the mock cannot misbehave on demand (it accepts any
 //! client secret).
 
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -15,7 +14,10 @@ use abada_agent_worker::devkit::jwt::{JwtRejection, JwtValidator};
 use abada_agent_worker::secret::SecretSource;
 use axum::http::{HeaderMap, StatusCode};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::support::net::refusing_address;
+use crate::support::peers::installed;
+use crate::support::wait::announcement;
 
 /// A running oauth2-mock-server on 127.0.0.1; killed when dropped.
 struct MockIssuer {
@@ -24,25 +26,13 @@ struct MockIssuer {
     _child: tokio::process::Child,
 }
 
-fn peer_entry_point() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("target/interop/oidc/node_modules/oauth2-mock-server/dist/oauth2-mock-server.mjs")
-}
-
 /// Starts the mock issuer, or returns `None` when it is not installed and
 /// `ABADA_SKIP_INTEROP=1` says that is fine.
 async fn mock_issuer() -> Option<MockIssuer> {
-    let entry = peer_entry_point();
-    if !entry.exists() {
-        if std::env::var("ABADA_SKIP_INTEROP").as_deref() == Ok("1") {
-            eprintln!("skipping: oauth2-mock-server is not installed (ABADA_SKIP_INTEROP=1)");
-            return None;
-        }
-        panic!(
-            "oauth2-mock-server is not installed at {}: run scripts/install-oidc-peer (or set ABADA_SKIP_INTEROP=1 to skip interop tests)",
-            entry.display()
-        );
-    }
+    let entry = installed(
+        "oidc/node_modules/oauth2-mock-server/dist/oauth2-mock-server.mjs",
+        "scripts/install-oidc-peer",
+    )?;
     let mut child = tokio::process::Command::new("node")
         .arg(&entry)
         .args(["-a", "127.0.0.1", "-p", "0"])
@@ -51,20 +41,16 @@ async fn mock_issuer() -> Option<MockIssuer> {
         .kill_on_drop(true)
         .spawn()
         .expect("cannot start node: is Node.js installed?");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let wait_for_issuer = async {
-        while let Some(line) = lines.next_line().await.unwrap() {
-            if let Some(issuer) = line.strip_prefix("OAuth 2 issuer is ") {
-                return issuer.trim().to_string();
-            }
-        }
-        panic!("oauth2-mock-server exited before announcing its issuer");
-    };
-    let issuer = tokio::time::timeout(Duration::from_secs(60), wait_for_issuer)
-        .await
-        .expect("oauth2-mock-server did not start within 60 s");
-    // Keep draining stdout so the child never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let issuer = announcement(
+        child.stdout.take().unwrap(),
+        Duration::from_secs(60),
+        "oauth2-mock-server",
+        |line| {
+            line.strip_prefix("OAuth 2 issuer is ")
+                .map(|issuer| issuer.trim().to_string())
+        },
+    )
+    .await;
     Some(MockIssuer {
         issuer,
         _child: child,
@@ -167,11 +153,8 @@ async fn the_validator_accepts_mock_tokens_and_refuses_bad_ones() {
 
 #[tokio::test]
 async fn an_unreachable_issuer_is_named_and_not_a_configuration_error() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let issuer = format!("http://127.0.0.1:{port}");
+    let (_held, addr) = refusing_address();
+    let issuer = format!("http://{addr}");
     let p = provider(&issuer, SecretSource::value("s3cr3t"), &[]);
     let e = p.token().await.unwrap_err();
     eprintln!("{e}");

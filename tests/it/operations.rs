@@ -12,13 +12,15 @@ use abada_agent_worker::devkit::engine::{
     CallRecord, Disposition, EngineEmulator, Fault, Operation, ProtocolLevel, TaskStatus, TaskView,
 };
 use abada_agent_worker::devkit::model::{Fault as ModelFault, FaultTimes};
-use abada_agent_worker::devkit::stack::{Stack, WorkerOptions, refund_script};
+use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions, refund_script};
+use abada_agent_worker::handler::TaskEnd;
 use abada_agent_worker::runner::RunnerEvent;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::{spec, wait_all_ended};
+use crate::agent::{FULL_REFUND_RUN, spec, step_kinds, wait_all_ended};
 use crate::support::process::{WorkerProcess, stack_env};
+use crate::support::wait::eventually;
 
 /// Waits until `check` holds on the emulator (re-checked on every request it answers).
 async fn wait_until<T>(
@@ -74,37 +76,41 @@ fn env(stack: &Stack, worker_id: &str, extra: &[(&str, &str)]) -> Vec<(String, S
     env
 }
 
-fn step_kinds(view: &TaskView) -> Vec<String> {
-    view.journal
-        .iter()
-        .map(|s| {
-            format!(
-                "{}/{}",
-                s["kind"].as_str().unwrap_or("?"),
-                s["state"].as_str().unwrap_or("?")
-            )
-        })
-        .collect()
-}
-
 fn has_model_step(view: &TaskView) -> bool {
     step_kinds(view).iter().any(|k| k == "model/finished")
 }
-
-const FULL_RUN: [&str; 7] = [
-    "input/finished",
-    "model/finished",
-    "tool/finished",
-    "model/finished",
-    "tool/started",
-    "tool/finished",
-    "model/finished",
-];
 
 fn running_on(view: &TaskView, worker: &str) -> bool {
     view.status == TaskStatus::Locked
         && view.worker_id.as_deref() == Some(worker)
         && !view.journal.is_empty()
+}
+
+/// One task whose model turn takes `turn` (longer than the test), running on a new worker
+/// process with `ABADA_AGENT_SHUTDOWN_GRACE_MS=grace_ms`; returned once the task runs there.
+async fn one_stuck_task(
+    stack: &Stack,
+    worker_id: &str,
+    turn: Duration,
+    grace_ms: &str,
+) -> (String, WorkerProcess) {
+    stack
+        .model
+        .set_script("stuck", refund_script().with_latency(turn));
+    let id = stack
+        .engine
+        .create_task(spec(stack.refund_agent("openai/stuck", &[]), "o-1"));
+    let worker = WorkerProcess::spawn(&env(
+        stack,
+        worker_id,
+        &[("ABADA_AGENT_SHUTDOWN_GRACE_MS", grace_ms)],
+    ))
+    .await;
+    wait_until(stack, "the task to start", |e| {
+        e.task(&id).filter(|t| running_on(t, worker_id))
+    })
+    .await;
+    (id, worker)
 }
 
 /// The task was released: `failure` with its retries unchanged and `retryTimeout` 0, so it is
@@ -283,7 +289,7 @@ async fn sigterm_drains_finishes_short_tasks_releases_long_ones_and_a_second_wor
         let old = &before[&v.id];
         assert!(!old.is_empty());
         assert_eq!(&v.journal[..old.len()], &old[..], "the journal continues");
-        assert_eq!(step_kinds(v), FULL_RUN, "no finished step redone");
+        assert_eq!(step_kinds(v), FULL_REFUND_RUN, "no finished step redone");
     }
     // Turns 2 and 3 per task on the second worker; turn 1 was not asked again.
     assert_eq!(stack.model.calls("slow"), 8);
@@ -295,28 +301,13 @@ async fn sigterm_drains_finishes_short_tasks_releases_long_ones_and_a_second_wor
 #[tokio::test]
 async fn sigint_is_a_staged_shutdown_like_sigterm() {
     let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
-    stack.model.set_script(
-        "stuck",
-        refund_script().with_latency(Duration::from_secs(30)),
-    );
     let worker_id = "proc-int";
-    let id = stack
-        .engine
-        .create_task(spec(stack.refund_agent("openai/stuck", &[]), "o-1"));
-    let mut worker = WorkerProcess::spawn(&env(
-        &stack,
-        worker_id,
-        &[("ABADA_AGENT_SHUTDOWN_GRACE_MS", "1000")],
-    ))
-    .await;
-    wait_until(&stack, "the task to start", |e| {
-        e.task(&id).filter(|t| running_on(t, worker_id))
+    let (id, mut worker) = one_stuck_task(&stack, worker_id, Duration::from_secs(30), "1000").await;
+    // The model call is under way (its tool session is open).
+    eventually(Duration::from_secs(30), "the model call", async || {
+        stack.model.calls("stuck") > 0
     })
     .await;
-    // The model call is under way (its tool session is open).
-    while stack.model.calls("stuck") == 0 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let signalled = Instant::now();
     worker.signal("INT");
     let exit = worker.wait(Duration::from_secs(10)).await;
@@ -333,24 +324,9 @@ async fn sigint_is_a_staged_shutdown_like_sigterm() {
 #[tokio::test]
 async fn readyz_flips_on_drain_and_a_second_signal_exits_at_once() {
     let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
-    stack.model.set_script(
-        "stuck",
-        refund_script().with_latency(Duration::from_secs(60)),
-    );
     let worker_id = "proc-twice";
-    let id = stack
-        .engine
-        .create_task(spec(stack.refund_agent("openai/stuck", &[]), "o-1"));
-    let mut worker = WorkerProcess::spawn(&env(
-        &stack,
-        worker_id,
-        &[("ABADA_AGENT_SHUTDOWN_GRACE_MS", "30000")],
-    ))
-    .await;
-    wait_until(&stack, "the task to start", |e| {
-        e.task(&id).filter(|t| running_on(t, worker_id))
-    })
-    .await;
+    let (_id, mut worker) =
+        one_stuck_task(&stack, worker_id, Duration::from_secs(60), "30000").await;
     poll_admin(&worker, "/readyz", |s, _| s == 200).await;
 
     worker.signal("TERM");
@@ -606,10 +582,10 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
     .await
     .unwrap();
 
-    let mut ended: HashMap<String, &'static str> = HashMap::new();
+    let mut ended: HashMap<String, TaskEnd> = HashMap::new();
     async fn until_ended(
         events: &mut tokio::sync::mpsc::UnboundedReceiver<RunnerEvent>,
-        ended: &mut HashMap<String, &'static str>,
+        ended: &mut HashMap<String, TaskEnd>,
         ids: &[String],
     ) {
         tokio::time::timeout(Duration::from_secs(60), async {
@@ -653,19 +629,19 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
     worker.stop().await;
     assert!(status.is_draining());
 
-    let expected_outcomes: HashMap<String, &str> = phase1
+    let expected_outcomes: HashMap<String, TaskEnd> = phase1
         .iter()
         .map(|id| {
             (
                 id.clone(),
                 if *id == deferred {
-                    "deferred"
+                    TaskEnd::Deferred
                 } else {
-                    "completed"
+                    TaskEnd::Completed
                 },
             )
         })
-        .chain([(lost.clone(), "lease_lost")])
+        .chain([(lost.clone(), TaskEnd::LeaseLost)])
         .collect();
     assert_eq!(
         ended

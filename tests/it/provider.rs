@@ -631,10 +631,8 @@ async fn errors_are_classified_for_the_retry_loop() {
 
 #[tokio::test]
 async fn connection_errors_and_timeouts_are_transient() {
-    // A port nobody listens on any more.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead = listener.local_addr().unwrap();
-    drop(listener);
+    // A port nobody listens on.
+    let (_held, dead) = crate::support::net::refusing_address();
     let p = provider(ProviderKind::OpenAi, format!("http://{dead}/v1"), None);
     let req = ModelRequest {
         model: "m".into(),

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use abada_agent_worker::engine::{Engine, Task};
-use abada_agent_worker::handler::{Outcome, TaskContext, TaskHandler};
+use abada_agent_worker::handler::{Outcome, TaskContext, TaskEnd, TaskHandler};
 use abada_agent_worker::metrics::Metrics;
 use abada_agent_worker::runner::{Runner, RunnerEvent, RunnerSettings};
 use async_trait::async_trait;
@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::fake_engine::{FakeEngine, task};
+use crate::support::wait::recv_within;
 
 /// Sleeps (virtual time) and completes; counts how many run at once.
 struct SleepHandler {
@@ -101,6 +102,12 @@ async fn wait_until(mut cond: impl FnMut() -> bool, limit: Duration) {
     }
 }
 
+/// The runner's next event, within an hour of virtual time (a paused clock runs on forever
+/// when none comes).
+async fn next_event(events: &mut mpsc::UnboundedReceiver<RunnerEvent>) -> RunnerEvent {
+    recv_within(events, Duration::from_secs(3600), "the runner's next event").await
+}
+
 fn completed(engine: &FakeEngine) -> usize {
     engine.state.lock().unwrap().completed.len()
 }
@@ -149,6 +156,71 @@ async fn four_slots_twenty_tasks_never_more_than_four_and_fetch_asks_for_the_fre
             .values()
             .all(|&n| n == 1)
     );
+}
+
+/// The loop learns of a task's end by joining it: with every slot busy, the slot a task frees
+/// is asked for right after its report, not a liveness tick or a poll interval later.
+#[tokio::test(start_paused = true)]
+async fn a_freed_slot_is_refilled_right_after_the_report() {
+    let engine = FakeEngine::with_tasks(3);
+    let handler = SleepHandler::new(Duration::from_secs(10));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 1;
+    s.poll_interval = Duration::from_secs(3600);
+    let r = start(&engine, handler, s);
+    wait_until(|| completed(&engine) == 3, Duration::from_secs(60)).await;
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let calls = engine.calls();
+    let fetches: Vec<Instant> = calls
+        .iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .map(|c| c.at)
+        .collect();
+    let completes: Vec<Instant> = calls
+        .iter()
+        .filter(|c| c.op == "complete")
+        .map(|c| c.at)
+        .collect();
+    assert_eq!(completes.len(), 3);
+    for (i, done) in completes.iter().enumerate() {
+        let next = fetches
+            .iter()
+            .find(|&&f| f >= *done)
+            .unwrap_or_else(|| panic!("no fetch after completion {i}"));
+        // The fake engine takes 1 ms of virtual time per call.
+        assert!(
+            *next - *done <= Duration::from_millis(2),
+            "completion {i}: the freed slot was asked for {:?} later",
+            *next - *done
+        );
+    }
+}
+
+/// A task that ends while the loop waits out an idle poll interval is joined, but does not cut
+/// the wait short: the engine had no more work a moment ago, and slots were free anyway.
+#[tokio::test(start_paused = true)]
+async fn a_task_ending_during_an_idle_wait_does_not_cut_it_short() {
+    let engine = FakeEngine::with_tasks(1);
+    let handler = SleepHandler::new(Duration::from_secs(3));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 2;
+    s.poll_interval = Duration::from_secs(10);
+    let started = Instant::now();
+    let r = start(&engine, handler, s);
+    wait_until(|| completed(&engine) == 1, Duration::from_secs(5)).await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let fetches: Vec<Duration> = engine
+        .calls()
+        .iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .map(|c| c.at - started)
+        .collect();
+    // A partial fetch at 0, then the next after the 10 s interval, none at the 3 s end.
+    assert_eq!(fetches.len(), 2, "{fetches:?}");
+    assert!(fetches[1] >= Duration::from_secs(10), "{fetches:?}");
 }
 
 #[tokio::test(start_paused = true)]
@@ -230,12 +302,12 @@ async fn a_refused_extension_stops_the_task_silently_and_frees_its_slot() {
     let mut r = start(&engine, handler.clone(), s);
     // The first extension (t = 10 s) is refused: the task must end as lease_lost.
     loop {
-        match r.events.recv().await.unwrap() {
+        match next_event(&mut r.events).await {
             RunnerEvent::TaskEnded {
                 task_id, outcome, ..
             } => {
                 assert_eq!(task_id, "lost");
-                assert_eq!(outcome, "lease_lost");
+                assert_eq!(outcome, TaskEnd::LeaseLost);
                 break;
             }
             _ => continue,
@@ -269,8 +341,8 @@ async fn no_accepted_extension_for_a_lock_duration_loses_the_lease_with_the_engi
     let mut r = start(&engine, handler, s);
     let started = Instant::now();
     loop {
-        if let RunnerEvent::TaskEnded { outcome, .. } = r.events.recv().await.unwrap() {
-            assert_eq!(outcome, "lease_lost");
+        if let RunnerEvent::TaskEnded { outcome, .. } = next_event(&mut r.events).await {
+            assert_eq!(outcome, TaskEnd::LeaseLost);
             break;
         }
     }
@@ -305,12 +377,15 @@ async fn the_same_task_fetched_again_stops_the_older_attempt() {
     while ended.len() < 2 {
         if let RunnerEvent::TaskEnded {
             attempt, outcome, ..
-        } = r.events.recv().await.unwrap()
+        } = next_event(&mut r.events).await
         {
             ended.push((attempt, outcome));
         }
     }
-    assert_eq!(ended, vec![(Some(1), "lease_lost"), (Some(2), "completed")]);
+    assert_eq!(
+        ended,
+        vec![(Some(1), TaskEnd::LeaseLost), (Some(2), TaskEnd::Completed)]
+    );
     r.shutdown.cancel();
     r.join.await.unwrap();
     let completes: Vec<_> = engine

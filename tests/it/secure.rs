@@ -5,6 +5,7 @@
 //! recovery; a leak hunt over every log line at trace level; and the life of tool credentials.
 
 use std::collections::HashSet;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -22,7 +23,9 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::agent::{spec, wait_all_ended};
+use crate::support::peers::installed;
 use crate::support::process::{WorkerProcess, stack_env};
+use crate::support::wait::eventually;
 
 const CLIENT_ID: &str = "worker-client";
 
@@ -32,7 +35,9 @@ const CLIENT_ID: &str = "worker-client";
 /// How to start the mock issuer (see the script's header).
 #[derive(Default, Clone)]
 struct MockSettings {
-    port: Option<u16>,
+    /// The issuer URL to advertise instead of `http://localhost:<its port>` (the address of an
+    /// [`IssuerFront`]).
+    issuer: Option<String>,
     ttl_secs: Option<u64>,
     scope: Option<String>,
     client_secret: Option<String>,
@@ -49,33 +54,22 @@ struct OidcMock {
     child: tokio::process::Child,
 }
 
-fn mock_package() -> Option<PathBuf> {
-    let entry = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("target/interop/oidc/node_modules/oauth2-mock-server/dist/index.mjs");
-    if entry.exists() {
-        return Some(entry);
-    }
-    if std::env::var("ABADA_SKIP_INTEROP").as_deref() == Ok("1") {
-        eprintln!("skipping: oauth2-mock-server is not installed (ABADA_SKIP_INTEROP=1)");
-        return None;
-    }
-    panic!(
-        "oauth2-mock-server is not installed at {}: run scripts/install-oidc-peer (or set ABADA_SKIP_INTEROP=1 to skip interop tests)",
-        entry.display()
-    );
-}
-
 async fn start_mock(settings: &MockSettings) -> Option<OidcMock> {
-    let package = mock_package()?;
+    let package = installed(
+        "oidc/node_modules/oauth2-mock-server/dist/index.mjs",
+        "scripts/install-oidc-peer",
+    )?;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/oidc-mock.mjs");
     let mut cmd = tokio::process::Command::new("node");
     cmd.arg(&script)
         .arg(&package)
-        .env("OIDC_MOCK_PORT", settings.port.unwrap_or(0).to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true);
+    if let Some(issuer) = &settings.issuer {
+        cmd.env("OIDC_MOCK_ISSUER", issuer);
+    }
     if let Some(ttl) = settings.ttl_secs {
         cmd.env("OIDC_MOCK_TTL", ttl.to_string());
     }
@@ -169,6 +163,83 @@ impl OidcMock {
 
     async fn stop(mut self) {
         let _ = self.child.kill().await;
+    }
+}
+
+/// The issuer's address as the worker knows it, held by the test for the whole test: while up,
+/// it forwards each connection to the mock issuer's own port; while down, it closes each
+/// connection unanswered (the worker cannot reach the issuer). So the issuer can go away and come
+/// back, another process on another port, at the same URL without that port ever being free
+/// for someone else to take.
+struct IssuerFront {
+    addr: SocketAddr,
+    /// The mock issuer's port while up.
+    backend: Arc<Mutex<Option<u16>>>,
+    accepting: tokio::task::JoinHandle<()>,
+}
+
+impl IssuerFront {
+    async fn bind() -> IssuerFront {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let backend: Arc<Mutex<Option<u16>>> = Arc::default();
+        let target = backend.clone();
+        let accepting = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let backend = *target.lock().unwrap();
+                tokio::spawn(async move {
+                    let outbound = match backend {
+                        Some(port) => tokio::net::TcpStream::connect(("127.0.0.1", port)).await,
+                        None => Err(std::io::ErrorKind::NotConnected.into()),
+                    };
+                    match outbound {
+                        Ok(mut outbound) => {
+                            let _ =
+                                tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                        }
+                        Err(_) => close_unanswered(inbound).await,
+                    }
+                });
+            }
+        });
+        IssuerFront {
+            addr,
+            backend,
+            accepting,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Up, in front of `mock`; or down with `None`.
+    fn forward_to(&self, mock: Option<&OidcMock>) {
+        *self.backend.lock().unwrap() = mock.map(|m| m.port);
+    }
+}
+
+/// Takes the request, then closes the connection without an answer: every attempt fails the
+/// same way ("connection closed before message completed"), whatever the timing (closing at
+/// once would sometimes reset the request being written instead, a second kind of failure).
+async fn close_unanswered(mut inbound: tokio::net::TcpStream) {
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * 1024 {
+            match inbound.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+}
+
+impl Drop for IssuerFront {
+    fn drop(&mut self) {
+        self.accepting.abort();
     }
 }
 
@@ -276,15 +347,6 @@ fn with(mut env: Vec<(String, String)>, extra: &[(&str, &str)]) -> Vec<(String, 
 // ---------------------------------------------------------------------------------------------
 // Waiting and reading logs.
 
-/// Polls `check` until it holds; panics with `what` after `limit`.
-async fn eventually(limit: Duration, what: &str, mut check: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + limit;
-    while !check().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 async fn readyz(worker: &WorkerProcess) -> (u16, String) {
     worker.admin_get("/readyz").await
 }
@@ -346,6 +408,68 @@ fn assert_all_completed(views: &[TaskView]) {
             v.status,
             v.error_message
         );
+    }
+}
+
+/// Fails the test with the worker's WARN and ERROR lines, if it logged any.
+fn assert_no_complaints(worker: &WorkerProcess) {
+    let lines = complaints(worker, "");
+    assert!(lines.is_empty(), "{lines:#?}");
+}
+
+/// How a [`secured_run`] runs.
+struct RunShape {
+    worker_id: &'static str,
+    tasks: usize,
+    /// `ABADA_AGENT_MAX_TASKS`; the default when `None`.
+    slots: Option<u32>,
+    /// Latency of each model turn; the scripted model's own when `None`.
+    turn: Option<Duration>,
+    limit: Duration,
+}
+
+/// The worker binary against the secured stack, with tokens from a mock issuer started with
+/// `settings`, once it has completed `shape.tasks` refund tasks. `None` when the mock is not
+/// installed and ABADA_SKIP_INTEROP=1.
+struct SecuredRun {
+    mock: OidcMock,
+    stack: Stack,
+    gate: Arc<Gate>,
+    worker: WorkerProcess,
+}
+
+async fn secured_run(settings: MockSettings, shape: RunShape) -> Option<SecuredRun> {
+    let mock = start_mock(&settings).await?;
+    let (stack, gate) = secured_stack(&mock.issuer).await;
+    if let Some(turn) = shape.turn {
+        stack
+            .model
+            .set_script(REFUND_MODEL, refund_script().with_latency(turn));
+    }
+    let ids = refund_tasks(&stack, shape.tasks, shape.worker_id);
+    let mut env = with(
+        oidc_env(&stack, shape.worker_id, &mock.issuer),
+        &[("ABADA_AGENT_OIDC_CLIENT_SECRET", "s3cret-value")],
+    );
+    if let Some(slots) = shape.slots {
+        env.push(("ABADA_AGENT_MAX_TASKS".into(), slots.to_string()));
+    }
+    let worker = WorkerProcess::spawn(&env).await;
+    assert_all_completed(&wait_all_ended(&stack, &ids, shape.limit).await);
+    Some(SecuredRun {
+        mock,
+        stack,
+        gate,
+        worker,
+    })
+}
+
+impl SecuredRun {
+    /// Checks that the worker complained about nothing, then stops everything.
+    async fn finish(self) {
+        assert_no_complaints(&self.worker);
+        self.stack.shutdown().await;
+        self.mock.stop().await;
     }
 }
 
@@ -440,72 +564,60 @@ async fn the_secured_emulator_answers_with_the_engine_error_bodies() {
 
 #[tokio::test]
 async fn the_worker_completes_tasks_against_the_secured_emulator() {
-    let Some(mock) = start_mock(&MockSettings::default()).await else {
+    let Some(run) = secured_run(
+        MockSettings::default(),
+        RunShape {
+            worker_id: "secure-1",
+            tasks: 5,
+            slots: None,
+            turn: None,
+            limit: Duration::from_secs(30),
+        },
+    )
+    .await
+    else {
         return;
     };
-    let (stack, gate) = secured_stack(&mock.issuer).await;
-    let ids = refund_tasks(&stack, 5, "o");
-    let env = with(
-        oidc_env(&stack, "secure-1", &mock.issuer),
-        &[("ABADA_AGENT_OIDC_CLIENT_SECRET", "s3cret-value")],
-    );
-    let worker = WorkerProcess::spawn(&env).await;
-    let views = wait_all_ended(&stack, &ids, Duration::from_secs(30)).await;
-    assert_all_completed(&views);
-    let (status, body) = readyz(&worker).await;
+    let (status, body) = readyz(&run.worker).await;
     assert_eq!(status, 200, "{body}");
 
-    let tokens = mock.token_requests();
+    let tokens = run.mock.token_requests();
     assert_eq!(
         tokens.len(),
         1,
         "one token for every task and call: {tokens:?}"
     );
     assert_eq!(tokens[0]["status"], 200);
-    let log = gate.snapshot();
+    let log = run.gate.snapshot();
     assert_eq!(log.unauthenticated + log.denied, 0);
     assert!(
         log.accepted.len() > 5 * 4,
         "every engine call carried the token"
     );
-    assert!(
-        complaints(&worker, "").is_empty(),
-        "{:?}",
-        complaints(&worker, "")
-    );
-    stack.shutdown().await;
-    mock.stop().await;
+    run.finish().await;
 }
 
 /// Token lifetime 4 s (refreshed 2 s after receipt), tasks of about 6 s each.
 #[tokio::test]
 async fn a_token_that_expires_mid_run_is_refreshed_and_no_task_fails() {
-    let Some(mock) = start_mock(&MockSettings {
-        ttl_secs: Some(4),
-        ..MockSettings::default()
-    })
+    let Some(run) = secured_run(
+        MockSettings {
+            ttl_secs: Some(4),
+            ..MockSettings::default()
+        },
+        RunShape {
+            worker_id: "secure-exp",
+            tasks: 6,
+            slots: Some(6),
+            turn: Some(Duration::from_secs(2)),
+            limit: Duration::from_secs(60),
+        },
+    )
     .await
     else {
         return;
     };
-    let (stack, gate) = secured_stack(&mock.issuer).await;
-    stack.model.set_script(
-        REFUND_MODEL,
-        refund_script().with_latency(Duration::from_secs(2)),
-    );
-    let ids = refund_tasks(&stack, 6, "slow");
-    let env = with(
-        oidc_env(&stack, "secure-exp", &mock.issuer),
-        &[
-            ("ABADA_AGENT_OIDC_CLIENT_SECRET", "s3cret-value"),
-            ("ABADA_AGENT_MAX_TASKS", "6"),
-        ],
-    );
-    let worker = WorkerProcess::spawn(&env).await;
-    let views = wait_all_ended(&stack, &ids, Duration::from_secs(60)).await;
-    assert_all_completed(&views);
-
-    let log = gate.snapshot();
+    let log = run.gate.snapshot();
     let distinct: HashSet<&str> = log.accepted.iter().map(|(jti, ..)| jti.as_str()).collect();
     assert!(distinct.len() >= 2, "the token was replaced during the run");
     // Never sent once expired (the emulator's 30 s skew tolerance would have hidden it).
@@ -519,47 +631,33 @@ async fn a_token_that_expires_mid_run_is_refreshed_and_no_task_fails() {
         log.unauthenticated, 0,
         "no 401 needed: refreshed ahead of expiry"
     );
-    let requests = mock.token_requests();
+    let requests = run.mock.token_requests();
     assert!(requests.iter().all(|r| r["status"] == 200));
-    assert!(
-        complaints(&worker, "").is_empty(),
-        "{:?}",
-        complaints(&worker, "")
-    );
-    stack.shutdown().await;
-    mock.stop().await;
+    run.finish().await;
 }
 
 /// 100 tasks on 50 slots, tokens of 4 s: the token endpoint is asked once per refresh window
 /// (2 s), never once per waiting task.
 #[tokio::test]
 async fn a_hundred_concurrent_tasks_cause_one_token_request_per_expiry_window() {
-    let Some(mock) = start_mock(&MockSettings {
-        ttl_secs: Some(4),
-        ..MockSettings::default()
-    })
+    let Some(run) = secured_run(
+        MockSettings {
+            ttl_secs: Some(4),
+            ..MockSettings::default()
+        },
+        RunShape {
+            worker_id: "secure-100",
+            tasks: 100,
+            slots: Some(50),
+            turn: Some(Duration::from_millis(1500)),
+            limit: Duration::from_secs(120),
+        },
+    )
     .await
     else {
         return;
     };
-    let (stack, gate) = secured_stack(&mock.issuer).await;
-    stack.model.set_script(
-        REFUND_MODEL,
-        refund_script().with_latency(Duration::from_millis(1500)),
-    );
-    let ids = refund_tasks(&stack, 100, "many");
-    let env = with(
-        oidc_env(&stack, "secure-100", &mock.issuer),
-        &[
-            ("ABADA_AGENT_OIDC_CLIENT_SECRET", "s3cret-value"),
-            ("ABADA_AGENT_MAX_TASKS", "50"),
-        ],
-    );
-    let worker = WorkerProcess::spawn(&env).await;
-    let views = wait_all_ended(&stack, &ids, Duration::from_secs(120)).await;
-    assert_all_completed(&views);
-
-    let requests = mock.token_requests();
+    let requests = run.mock.token_requests();
     assert!(
         requests.len() >= 2,
         "the run outlived a token: {requests:?}"
@@ -576,16 +674,10 @@ async fn a_hundred_concurrent_tasks_cause_one_token_request_per_expiry_window() 
             pair[1] - pair[0]
         );
     }
-    let log = gate.snapshot();
+    let log = run.gate.snapshot();
     assert!(log.accepted.len() > 100 * 4);
     assert_eq!(log.unauthenticated, 0);
-    assert!(
-        complaints(&worker, "").is_empty(),
-        "{:?}",
-        complaints(&worker, "")
-    );
-    stack.shutdown().await;
-    mock.stop().await;
+    run.finish().await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -655,17 +747,21 @@ async fn a_wrong_client_secret_says_so_once_and_a_rotated_secret_file_recovers()
 #[tokio::test]
 async fn an_unreachable_issuer_says_so_once_and_recovers_when_it_starts() {
     let dir = temp_dir();
-    let keys = dir.join("keys.json");
+    let front = IssuerFront::bind().await;
     let settings = MockSettings {
-        keys_file: Some(keys.clone()),
+        issuer: Some(front.url()),
+        keys_file: Some(dir.join("keys.json")),
         ..MockSettings::default()
     };
     let Some(first) = start_mock(&settings).await else {
         return;
     };
-    let (issuer, port) = (first.issuer.clone(), first.port);
+    let issuer = first.issuer.clone();
+    assert_eq!(issuer, front.url());
+    front.forward_to(Some(&first));
     // The engine knows the issuer's keys; then the issuer goes away.
     let (stack, _gate) = secured_stack(&issuer).await;
+    front.forward_to(None);
     first.stop().await;
 
     let env = with(
@@ -685,13 +781,10 @@ async fn an_unreachable_issuer_says_so_once_and_recovers_when_it_starts() {
     assert_eq!(status, 503);
     assert!(body.contains(CLEAR) && body.contains(&issuer), "{body}");
 
-    let second = start_mock(&MockSettings {
-        port: Some(port),
-        ..settings
-    })
-    .await
-    .unwrap();
+    // A new issuer process (the same signing keys) behind the same URL.
+    let second = start_mock(&settings).await.unwrap();
     assert_eq!(second.issuer, issuer);
+    front.forward_to(Some(&second));
     eventually(
         Duration::from_secs(40),
         "ready once the issuer is up",

@@ -1,4 +1,4 @@
-//! ToolSessions (src/tools.rs) against the devkit MCP tool server (src/devkit/tools.rs).
+//! ToolSessions (src/tools.rs) against the devkit MCP tool server (devkit/src/tools.rs).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -67,6 +67,15 @@ fn options() -> ToolSessionOptions {
 }
 
 fn sessions_for(servers: &[&ToolServer], credentials: Arc<dyn CredentialSource>) -> ToolSessions {
+    sessions_with(servers, credentials, Some(TRACEPARENT), options())
+}
+
+fn sessions_with(
+    servers: &[&ToolServer],
+    credentials: Arc<dyn CredentialSource>,
+    traceparent: Option<&str>,
+    options: ToolSessionOptions,
+) -> ToolSessions {
     ToolSessions::new(
         reqwest::Client::new(),
         servers
@@ -77,12 +86,13 @@ fn sessions_for(servers: &[&ToolServer], credentials: Arc<dyn CredentialSource>)
             })
             .collect(),
         credentials,
-        Some(TRACEPARENT.to_owned()),
-        options(),
+        traceparent.map(str::to_owned),
+        options,
     )
 }
 
-fn args(value: Value) -> Map<String, Value> {
+/// Tool call arguments from a JSON object literal.
+pub fn args(value: Value) -> Map<String, Value> {
     match value {
         Value::Object(map) => map,
         _ => panic!("arguments must be an object"),
@@ -272,12 +282,8 @@ async fn a_down_server_gives_a_transient_error_and_recovers() {
 #[tokio::test]
 async fn oversized_results_are_capped_with_a_note_and_error_results_pass_through() {
     let orders = server("orders").await;
-    let mut sessions = ToolSessions::new(
-        reqwest::Client::new(),
-        vec![ToolServerRef {
-            name: "orders".into(),
-            url: orders.url(),
-        }],
+    let mut sessions = sessions_with(
+        &[&orders],
         Arc::new(TestCredentials::default()),
         None,
         ToolSessionOptions {
@@ -340,12 +346,12 @@ async fn close_leaves_no_session_open_and_drop_closes_too() {
     sessions.tools().await.unwrap();
     assert_eq!(orders.counters().await.sessions_open, 1);
     drop(sessions);
-    let mut waited = 0;
-    while orders.counters().await.sessions_open > 0 {
-        waited += 1;
-        assert!(waited < 500, "the dropped session was never closed");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    crate::support::wait::eventually(
+        Duration::from_secs(10),
+        "the dropped session to be closed",
+        async || orders.counters().await.sessions_open == 0,
+    )
+    .await;
     assert_eq!(orders.counters().await.sessions_closed, 2);
     orders.shutdown().await;
     billing.shutdown().await;
@@ -395,12 +401,8 @@ async fn a_rejected_credential_and_a_refused_one_are_typed() {
 #[tokio::test]
 async fn a_call_slower_than_its_timeout_is_transient() {
     let orders = server("orders").await;
-    let mut sessions = ToolSessions::new(
-        reqwest::Client::new(),
-        vec![ToolServerRef {
-            name: "orders".into(),
-            url: orders.url(),
-        }],
+    let mut sessions = sessions_with(
+        &[&orders],
         Arc::new(TestCredentials::default()),
         None,
         ToolSessionOptions {

@@ -1,9 +1,10 @@
 //! Real workers against the engine emulator, for real-HTTP integration tests: [`spawn_worker`]
-//! starts an [`HttpEngine`] + [`Runner`] pair talking to an [`EngineEmulator`] on 127.0.0.1,
-//! behind a [`ControlledEngine`] decorator that can freeze the worker's engine calls and records
-//! what the runner asked for; [`CompletingHandler`] is a small task handler that sleeps a little
-//! real time and completes; [`check_lease_discipline`] checks the emulator's call log for two
-//! live leases on one task.
+//! builds a worker through the composition root (`app::Worker::build`) from a config naming an
+//! [`EngineEmulator`] on 127.0.0.1, with a test handler and its engine client behind a
+//! [`ControlledEngine`] gate that can freeze the worker's engine calls and records what the runner
+//! asked for; [`CompletingHandler`] is a small task handler that sleeps a little real time and
+//! completes; [`check_lease_discipline`] checks the emulator's call log for two live leases on
+//! one task.
 //!
 //! ```ignore
 //! let emu = emulator::start(EmulatorOptions::default()).await?;
@@ -12,21 +13,20 @@
 //! w.stop().await;
 //! ```
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use abada_agent_worker::app::{Seams, Tuning, Worker};
 use abada_agent_worker::backoff::Backoff;
+use abada_agent_worker::config::{self, Config};
 use abada_agent_worker::devkit::engine::{
     CallRecord, Disposition, EngineEmulator, Operation, TaskStatus, TaskView,
 };
-use abada_agent_worker::engine::client::{EngineClientSettings, HttpEngine};
-use abada_agent_worker::engine::{
-    AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
-    JournalStep, Task, TaskRef, ToolCredential,
-};
-use abada_agent_worker::handler::{Outcome, TaskContext, TaskHandler};
-use abada_agent_worker::metrics::Metrics;
-use abada_agent_worker::runner::{Runner, RunnerEvent, RunnerSettings};
+use abada_agent_worker::devkit::gate::{Gate, GatedEngine, Op};
+use abada_agent_worker::engine::{Task, TaskRef};
+use abada_agent_worker::handler::{Outcome, TaskContext, TaskEnd, TaskHandler};
+use abada_agent_worker::runner::RunnerEvent;
 use async_trait::async_trait;
 use serde_json::{Map, Value};
 use tokio::sync::{Semaphore, mpsc, watch};
@@ -109,29 +109,29 @@ impl TaskHandler for CompletingHandler {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The engine decorator
+// The engine gate
 
-/// Wraps a worker's [`Engine`]: while frozen, every call blocks (before reaching the engine)
-/// until [`ControlledEngine::thaw`], as with a process stopped by the OS or a long GC pause.
-/// It also records the `maxTasks` of every fetch the runner asks for.
+/// A gate in front of a worker's engine client: while frozen, every call blocks (before reaching
+/// the engine) until [`ControlledEngine::thaw`], as with a process stopped by the OS or a long
+/// GC pause. It also records the `maxTasks` of every fetch the runner asks for.
 pub struct ControlledEngine {
-    inner: Arc<dyn Engine>,
     frozen: watch::Sender<bool>,
     /// Operation names of the calls that found the engine frozen, in order.
     blocked: watch::Sender<Vec<&'static str>>,
     fetch_max_tasks: Mutex<Vec<u32>>,
 }
 
-impl ControlledEngine {
-    pub fn new(inner: Arc<dyn Engine>) -> Self {
+impl Default for ControlledEngine {
+    fn default() -> Self {
         ControlledEngine {
-            inner,
             frozen: watch::Sender::new(false),
             blocked: watch::Sender::new(Vec::new()),
             fetch_max_tasks: Mutex::new(Vec::new()),
         }
     }
+}
 
+impl ControlledEngine {
     /// From now on every call blocks until [`ControlledEngine::thaw`].
     pub fn freeze(&self) {
         self.frozen.send_replace(true);
@@ -163,74 +163,19 @@ impl ControlledEngine {
     pub fn fetch_max_tasks(&self) -> Vec<u32> {
         self.fetch_max_tasks.lock().unwrap().clone()
     }
-
-    async fn gate(&self, op: &'static str) {
-        if !*self.frozen.borrow() {
-            return;
-        }
-        self.blocked.send_modify(|ops| ops.push(op));
-        let mut rx = self.frozen.subscribe();
-        let _ = rx.wait_for(|frozen| !*frozen).await;
-    }
 }
 
 #[async_trait]
-impl Engine for ControlledEngine {
-    async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError> {
-        self.gate("fetch-and-lock").await;
-        self.fetch_max_tasks.lock().unwrap().push(request.max_tasks);
-        self.inner.fetch_and_lock(request).await
-    }
-
-    async fn heartbeat(&self, task: &TaskRef, lock_duration: Duration) -> Result<(), EngineError> {
-        self.gate("heartbeat").await;
-        self.inner.heartbeat(task, lock_duration).await
-    }
-
-    async fn complete(
-        &self,
-        task: &TaskRef,
-        variables: &Map<String, Value>,
-    ) -> Result<(), EngineError> {
-        self.gate("complete").await;
-        self.inner.complete(task, variables).await
-    }
-
-    async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
-        self.gate("failure").await;
-        self.inner.failure(task, report).await
-    }
-
-    async fn bpmn_error(
-        &self,
-        task: &TaskRef,
-        report: &BpmnErrorReport,
-    ) -> Result<(), EngineError> {
-        self.gate("bpmn-error").await;
-        self.inner.bpmn_error(task, report).await
-    }
-
-    async fn read_journal(&self, task: &TaskRef) -> Result<Journal, EngineError> {
-        self.gate("journal-read").await;
-        self.inner.read_journal(task).await
-    }
-
-    async fn append_journal(
-        &self,
-        task: &TaskRef,
-        step: &JournalStep,
-    ) -> Result<AppendOutcome, EngineError> {
-        self.gate("journal-append").await;
-        self.inner.append_journal(task, step).await
-    }
-
-    async fn tool_credential(
-        &self,
-        task: &TaskRef,
-        server: &str,
-    ) -> Result<ToolCredential, EngineError> {
-        self.gate("tool-credentials").await;
-        self.inner.tool_credential(task, server).await
+impl Gate for ControlledEngine {
+    async fn before(&self, op: Op<'_>, _task: Option<&TaskRef>) {
+        if *self.frozen.borrow() {
+            self.blocked.send_modify(|ops| ops.push(op.name()));
+            let mut rx = self.frozen.subscribe();
+            let _ = rx.wait_for(|frozen| !*frozen).await;
+        }
+        if let Op::FetchAndLock(request) = op {
+            self.fetch_max_tasks.lock().unwrap().push(request.max_tasks);
+        }
     }
 }
 
@@ -242,45 +187,43 @@ impl Engine for ControlledEngine {
 pub struct WorkerOptions {
     pub worker_id: String,
     pub handler: Arc<dyn TaskHandler>,
-    pub runner: RunnerSettings,
-    pub client: ClientOptions,
-}
-
-/// The engine client's knobs a test may want to change.
-pub struct ClientOptions {
+    pub max_tasks: u32,
+    pub lock_duration: Duration,
+    pub poll_interval: Duration,
+    pub shutdown_grace: Duration,
     pub request_timeout: Duration,
-    pub command_attempts: u32,
-    pub command_backoff: Backoff,
+    pub tuning: Tuning,
 }
 
 impl WorkerOptions {
     /// A worker `worker_id` with `lock` leases whose tasks sleep 10 ms and complete.
     pub fn new(worker_id: &str, lock: Duration) -> Self {
-        let mut runner = RunnerSettings::new(worker_id, lock);
-        runner.max_tasks = 4;
-        runner.poll_interval = Duration::from_millis(50);
-        runner.poll_jitter = 0.0;
-        runner.error_backoff = Backoff::new(Duration::from_millis(50), Duration::from_millis(200));
-        runner.throttle_backoff =
-            Backoff::new(Duration::from_millis(50), Duration::from_millis(200));
-        runner.shutdown_grace = Duration::from_secs(5);
         WorkerOptions {
             worker_id: worker_id.to_string(),
             handler: Arc::new(CompletingHandler::new(worker_id, Duration::from_millis(10))),
-            runner,
-            client: ClientOptions {
-                request_timeout: Duration::from_secs(5),
+            max_tasks: 4,
+            lock_duration: lock,
+            poll_interval: Duration::from_millis(50),
+            shutdown_grace: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(5),
+            tuning: Tuning {
                 command_attempts: 6,
                 command_backoff: Backoff::new(
                     Duration::from_millis(20),
                     Duration::from_millis(200),
                 ),
+                error_backoff: Backoff::new(Duration::from_millis(50), Duration::from_millis(200)),
+                throttle_backoff: Backoff::new(
+                    Duration::from_millis(50),
+                    Duration::from_millis(200),
+                ),
+                poll_jitter: 0.0,
             },
         }
     }
 
     pub fn max_tasks(mut self, n: u32) -> Self {
-        self.runner.max_tasks = n;
+        self.max_tasks = n;
         self
     }
 
@@ -288,9 +231,40 @@ impl WorkerOptions {
         self.handler = Arc::new(handler);
         self
     }
+
+    /// The worker's configuration: what its `ABADA_AGENT_*` variables would say.
+    fn config(&self, emu: &EngineEmulator) -> Config {
+        let ms = |d: Duration| d.as_millis().to_string();
+        let env = HashMap::from([
+            (config::ENV_ENGINE_URL.to_string(), emu.base_url()),
+            (config::ENV_WORKER_ID.to_string(), self.worker_id.clone()),
+            (
+                config::ENV_MAX_TASKS.to_string(),
+                self.max_tasks.to_string(),
+            ),
+            (
+                config::ENV_POLL_INTERVAL_MS.to_string(),
+                ms(self.poll_interval),
+            ),
+            (
+                config::ENV_LOCK_DURATION_MS.to_string(),
+                ms(self.lock_duration),
+            ),
+            (
+                config::ENV_SHUTDOWN_GRACE_MS.to_string(),
+                ms(self.shutdown_grace),
+            ),
+            (
+                config::ENV_ENGINE_TIMEOUT_MS.to_string(),
+                ms(self.request_timeout),
+            ),
+            (config::ENV_HTTP_ADDR.to_string(), "127.0.0.1:0".to_string()),
+        ]);
+        Config::from_env(&env).expect("the test's worker options are a valid configuration")
+    }
 }
 
-/// A running worker: its engine decorator, the events its runner emitted, and a way to stop it.
+/// A running worker: its engine gate, the events its runner emitted, and a way to stop it.
 pub struct SpawnedWorker {
     pub worker_id: String,
     pub engine: Arc<ControlledEngine>,
@@ -300,22 +274,11 @@ pub struct SpawnedWorker {
     collector: tokio::task::JoinHandle<()>,
 }
 
-/// Starts a worker against `emu` (an [`HttpEngine`] on the emulator's base URL, wrapped in a
-/// [`ControlledEngine`], driven by a [`Runner`]).
+/// Starts a worker against `emu`: built by the composition root from its options, its engine
+/// client behind a [`ControlledEngine`], its tasks run by the options' handler.
 pub fn spawn_worker(emu: &EngineEmulator, opts: WorkerOptions) -> SpawnedWorker {
-    let metrics = Arc::new(Metrics::new());
-    let mut settings = EngineClientSettings::new(emu.base_url(), opts.worker_id.clone());
-    settings.request_timeout = opts.client.request_timeout;
-    settings.command_attempts = opts.client.command_attempts;
-    settings.command_backoff = opts.client.command_backoff;
-    let http = reqwest::Client::builder()
-        .tcp_nodelay(true)
-        .no_proxy()
-        .build()
-        .expect("a plain HTTP client builds");
-    let http_engine: Arc<dyn Engine> =
-        Arc::new(HttpEngine::new(http, settings, None, metrics.clone()));
-    let engine = Arc::new(ControlledEngine::new(http_engine));
+    let config = opts.config(emu);
+    let engine = Arc::new(ControlledEngine::default());
     let (tx, mut rx) = mpsc::unbounded_channel();
     let (events_tx, events) = watch::channel(Vec::new());
     let collector = tokio::spawn(async move {
@@ -323,15 +286,19 @@ pub fn spawn_worker(emu: &EngineEmulator, opts: WorkerOptions) -> SpawnedWorker 
             events_tx.send_modify(|all| all.push(e));
         }
     });
-    let runner = Runner::new(
-        engine.clone() as Arc<dyn Engine>,
-        opts.handler,
-        opts.runner,
-        metrics,
+    let worker = Worker::build(
+        &config,
+        Seams {
+            engine: Some(GatedEngine::wrapper(engine.clone())),
+            handler: Some(opts.handler),
+            tuning: opts.tuning,
+            events: Some(tx),
+            ..Seams::default()
+        },
     )
-    .with_events(tx);
+    .expect("a worker against the emulator builds");
     let shutdown = CancellationToken::new();
-    let join = tokio::spawn(runner.run(shutdown.clone()));
+    let join = tokio::spawn(worker.runner.run(shutdown.clone()));
     SpawnedWorker {
         worker_id: opts.worker_id,
         engine,
@@ -362,7 +329,7 @@ impl SpawnedWorker {
     }
 
     /// The `TaskEnded` outcome of `task_id` at `attempt`, once it ended.
-    pub async fn wait_ended(&self, task_id: &str, attempt: u32) -> &'static str {
+    pub async fn wait_ended(&self, task_id: &str, attempt: u32) -> TaskEnd {
         match self
             .wait_event(|e| {
                 matches!(e, RunnerEvent::TaskEnded { task_id: t, attempt: a, .. }

@@ -31,7 +31,6 @@ use serde_json::{Value, json};
 use super::engine::{CallRecord, Disposition, Fault, Operation, TaskSpec, TaskStatus};
 use super::model::{Script, Turn};
 use super::stack::{ORDERS_SERVER, Stack};
-use crate::config;
 
 /// The scripted model every benchmark task calls.
 pub const BENCH_MODEL: &str = "bench";
@@ -304,24 +303,24 @@ fn spawn_child(
             let mut cmd = Command::new(bin);
             cmd.env_clear()
                 .env("PATH", std::env::var("PATH").unwrap_or_default())
-                .env(config::ENV_ENGINE_URL, stack.engine.base_url())
-                .env(config::ENV_WORKER_ID, "bench-worker")
-                .env(config::ENV_PROVIDERS, "openai")
+                .env("ABADA_AGENT_ENGINE_URL", stack.engine.base_url())
+                .env("ABADA_AGENT_WORKER_ID", "bench-worker")
+                .env("ABADA_AGENT_PROVIDERS", "openai")
                 .env(
                     "ABADA_AGENT_PROVIDER_OPENAI_BASE_URL",
                     stack.model.base_url_openai(),
                 )
-                .env(config::ENV_MAX_TASKS, opts.slots.to_string())
+                .env("ABADA_AGENT_MAX_TASKS", opts.slots.to_string())
                 .env(
-                    config::ENV_POLL_INTERVAL_MS,
+                    "ABADA_AGENT_POLL_INTERVAL_MS",
                     opts.poll_interval.as_millis().to_string(),
                 )
                 .env(
-                    config::ENV_LOCK_DURATION_MS,
+                    "ABADA_AGENT_LOCK_DURATION_MS",
                     opts.lock_duration.as_millis().to_string(),
                 )
-                .env(config::ENV_HTTP_ADDR, "127.0.0.1:0")
-                .env(config::ENV_LOG_FORMAT, "json")
+                .env("ABADA_AGENT_HTTP_ADDR", "127.0.0.1:0")
+                .env("ABADA_AGENT_LOG_FORMAT", "json")
                 .env("RUST_LOG", "warn");
             cmd
         }

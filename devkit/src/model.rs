@@ -23,8 +23,6 @@ use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::conversation::Usage;
-
 /// The script used for models that have none of their own.
 pub const DEFAULT_SCRIPT: &str = "*";
 
@@ -66,6 +64,23 @@ impl Turn {
         }])
     }
 }
+
+/// Token usage a scripted answer reports (the shape of the worker's `conversation::Usage`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+impl Usage {
+    pub fn total(&self) -> u64 {
+        self.input_tokens + self.output_tokens
+    }
+}
+
+/// What recorded request headers carrying a credential show instead of it (the worker's
+/// `secret::MASK`), so a test can print a recorded request without leaking a key.
+pub const MASK: &str = "<redacted>";
 
 /// What a model answers, turn by turn.
 #[derive(Clone, Debug, PartialEq)]
@@ -330,7 +345,7 @@ async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: 
                 .iter()
                 .map(|(k, v)| {
                     let value = if k == "authorization" || k == "x-api-key" {
-                        crate::secret::MASK.to_string()
+                        MASK.to_string()
                     } else {
                         String::from_utf8_lossy(v.as_bytes()).into_owned()
                     };

@@ -132,8 +132,8 @@ enum Checked {
 }
 
 impl JwtValidator {
-    /// Discovers `issuer` (its `jwks_uri`) and fetches its keys. `http` should come from
-    /// [`crate::tls::http_client_builder`].
+    /// Discovers `issuer` (its `jwks_uri`) and fetches its keys. `http` should trust what the worker trusts
+    /// (the worker's `tls::http_client_builder`).
     pub async fn load(
         issuer: impl Into<String>,
         http: reqwest::ClientBuilder,
@@ -545,6 +545,8 @@ fn parse_key_set(document: &Value) -> Vec<VerificationKey> {
         .collect()
 }
 
+/// An error and its sources on one line: the devkit's own copy of the worker's `errors::chain`
+/// (this crate cannot depend on the worker).
 fn error_text(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();

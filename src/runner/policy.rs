@@ -1,0 +1,477 @@
+//! The poll loop's fetch policy: told what happened (a fetch got `n` of `m` tasks, a fetch
+//! failed, a probe answered) and when, it decides what the loop does next: fetch, probe the
+//! engine, or wait until a given instant. It owns the error streak, the backoff class, the
+//! outage probing and whether an error is worth a warning. It does no I/O and reads no clock
+//! (instants come in), and its randomness is injected, so every rule is unit-tested below.
+//!
+//! The rules (design.md, Level 1; README.md Operations):
+//! - A full batch (every free slot filled) fetches again at once.
+//! - An empty or partial fetch waits the poll interval, stretched at random by up to
+//!   `poll_jitter` (2 %) and never shortened: an idle worker asks at most once per interval.
+//! - A failed fetch backs off by class; the streak counts consecutive failures and a success
+//!   resets it.
+//!   - The engine asked to slow down with Retry-After: that long, capped at the throttle
+//!     backoff's maximum.
+//!   - The engine asked to slow down without it, or refused us (authentication, access): the
+//!     throttle backoff. Such an engine answers, so its backoff is served in full.
+//!   - Any other error (the engine does not answer, times out, fails with 5xx, or answers
+//!     nonsense): the error backoff, never shorter than nominal (jitter only lengthens it), so
+//!     a 60 s outage sees at most 12 fetches with the default 1 s..6 s.
+//! - After a transient error the engine is probed once per poll interval while the backoff
+//!   lasts; the first probe that gets an answer ends the backoff, so fetching resumes within one
+//!   poll interval of the engine's return. An engine that cannot be probed is waited out.
+//! - An error is logged at warn the first time, at debug while it repeats word for word; the
+//!   first success after a warning says so.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::RunnerSettings;
+use crate::backoff::{self, Backoff};
+use crate::engine::{EngineError, ProbeOutcome};
+
+/// A source of uniform random numbers in `0.0..1.0` (jitter); tests pass a constant.
+pub type Random = Box<dyn FnMut() -> f64 + Send>;
+
+/// What the poll loop does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Fetch now (if a slot is free; else once one is).
+    Fetch,
+    /// Probe the engine now.
+    Probe,
+    /// Nothing to do before this instant.
+    WaitUntil(Instant),
+}
+
+/// The level a failed fetch is logged at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogLevel {
+    /// A new error: the operator should see it.
+    Warn,
+    /// The error logged last, again: an outage is one clear line, not one per retry.
+    Debug,
+}
+
+/// What the loop reports about a failed fetch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FetchFailed {
+    /// The backoff before the next fetch.
+    pub wait: Duration,
+    /// Consecutive failed fetches, this one included.
+    pub failures: u32,
+    pub log_at: LogLevel,
+}
+
+/// The fetch policy of one poll loop (see the module docs).
+pub struct FetchPolicy {
+    poll_interval: Duration,
+    poll_jitter: f64,
+    error_backoff: Backoff,
+    throttle_backoff: Backoff,
+    random: Random,
+    /// Consecutive failed fetches; 0 after a success.
+    failures: u32,
+    /// The last error logged at warn, until a fetch succeeds.
+    last_warned: Option<String>,
+    fetch_at: Instant,
+    /// When to probe the engine next; `None` unless backing off from a transient error.
+    probe_at: Option<Instant>,
+}
+
+impl FetchPolicy {
+    /// A policy that fetches at `now` first.
+    pub fn new(settings: &RunnerSettings, now: Instant, random: Random) -> Self {
+        FetchPolicy {
+            poll_interval: settings.poll_interval,
+            poll_jitter: settings.poll_jitter,
+            error_backoff: settings.error_backoff,
+            throttle_backoff: settings.throttle_backoff,
+            random,
+            failures: 0,
+            last_warned: None,
+            fetch_at: now,
+            probe_at: None,
+        }
+    }
+
+    /// What to do at `now`. A probe that is due goes first: it may end the backoff.
+    pub fn next(&self, now: Instant) -> Action {
+        if self.probe_at.is_some_and(|at| now >= at) {
+            return Action::Probe;
+        }
+        if now >= self.fetch_at {
+            return Action::Fetch;
+        }
+        Action::WaitUntil(
+            self.probe_at
+                .map_or(self.fetch_at, |p| p.min(self.fetch_at)),
+        )
+    }
+
+    /// A fetch that asked for `requested` tasks got `got`. Returns whether it ends a run of
+    /// failures that was logged (say that fetching works again).
+    pub fn fetched(&mut self, now: Instant, requested: u32, got: usize) -> bool {
+        self.failures = 0;
+        self.probe_at = None;
+        self.fetch_at = if got as u64 >= u64::from(requested) {
+            now
+        } else {
+            now + backoff::stretched_with(self.poll_interval, self.poll_jitter, (self.random)())
+        };
+        self.last_warned.take().is_some()
+    }
+
+    /// A fetch failed with `error`.
+    pub fn fetch_failed(&mut self, now: Instant, error: &EngineError) -> FetchFailed {
+        self.failures = self.failures.saturating_add(1);
+        let wait = self.backoff(error);
+        self.fetch_at = now + wait;
+        // Probing is for an engine that may not answer at all; a throttling or refusing engine
+        // answers, so its backoff is served in full.
+        self.probe_at =
+            matches!(error, EngineError::Transient { .. }).then(|| now + self.poll_interval);
+        let text = error.to_string();
+        let log_at = if self.last_warned.as_deref() == Some(text.as_str()) {
+            LogLevel::Debug
+        } else {
+            self.last_warned = Some(text);
+            LogLevel::Warn
+        };
+        FetchFailed {
+            wait,
+            failures: self.failures,
+            log_at,
+        }
+    }
+
+    /// A probe found `outcome`. Returns whether the engine answers again (fetch at once).
+    pub fn probed(&mut self, now: Instant, outcome: ProbeOutcome) -> bool {
+        match outcome {
+            ProbeOutcome::Reachable => {
+                self.probe_at = None;
+                self.fetch_at = now;
+                true
+            }
+            ProbeOutcome::Unreachable => {
+                self.probe_at = Some(now + self.poll_interval);
+                false
+            }
+            ProbeOutcome::NotSupported => {
+                self.probe_at = None;
+                false
+            }
+        }
+    }
+
+    /// The backoff after the current streak of failures, ending with `error`.
+    fn backoff(&mut self, error: &EngineError) -> Duration {
+        let retry = self.failures - 1;
+        match error {
+            EngineError::Throttled {
+                retry_after: Some(d),
+                ..
+            } => (*d).min(self.throttle_backoff.max),
+            EngineError::Throttled { .. }
+            | EngineError::Unauthenticated { .. }
+            | EngineError::AccessDenied { .. }
+            | EngineError::Auth { .. } => self.throttle_backoff.delay_with(retry, (self.random)()),
+            // Jitter only lengthens the nominal delay here, so the number of fetches during an
+            // outage is bounded (probes, not early fetches, detect the engine's return).
+            _ => {
+                let nominal = self.error_backoff.without_jitter().delay(retry);
+                let spread = 0.5
+                    * self.error_backoff.jitter.clamp(0.0, 1.0)
+                    * (self.random)().clamp(0.0, 1.0);
+                nominal + nominal.mul_f64(spread)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    fn settings() -> RunnerSettings {
+        RunnerSettings::new("w-policy", Duration::from_secs(120))
+    }
+
+    fn policy(random: f64) -> (FetchPolicy, Instant) {
+        let t0 = Instant::now();
+        (
+            FetchPolicy::new(&settings(), t0, Box::new(move || random)),
+            t0,
+        )
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn down() -> EngineError {
+        EngineError::Transient {
+            op: "fetch-and-lock",
+            message: "connection refused".into(),
+            request_sent: false,
+        }
+    }
+
+    fn throttled(retry_after: Option<Duration>) -> EngineError {
+        EngineError::Throttled {
+            op: "fetch-and-lock",
+            status: 429,
+            retry_after,
+        }
+    }
+
+    #[test]
+    fn the_first_fetch_is_at_once() {
+        let (p, t0) = policy(0.5);
+        assert_eq!(p.next(t0), Action::Fetch);
+    }
+
+    #[test]
+    fn a_full_batch_fetches_again_at_once() {
+        let (mut p, t0) = policy(0.5);
+        let now = t0 + ms(3);
+        p.fetched(now, 4, 4);
+        assert_eq!(p.next(now), Action::Fetch);
+    }
+
+    #[test]
+    fn an_empty_or_partial_fetch_waits_the_poll_interval_stretched_by_at_most_two_percent() {
+        for (random, wait) in [(0.0, ms(1000)), (0.5, ms(1010)), (1.0, ms(1020))] {
+            for got in [0, 3] {
+                let (mut p, t0) = policy(random);
+                p.fetched(t0, 4, got);
+                assert_eq!(p.next(t0), Action::WaitUntil(t0 + wait), "{random} {got}");
+                assert_eq!(p.next(t0 + wait - ms(1)), Action::WaitUntil(t0 + wait));
+                assert_eq!(p.next(t0 + wait), Action::Fetch);
+            }
+        }
+    }
+
+    #[test]
+    fn transient_errors_back_off_exponentially_never_shorter_than_nominal() {
+        // Default error backoff: 1 s doubling, capped at 6 s, jitter 0.5 (up to +25 %).
+        let nominal = [1000, 2000, 4000, 6000, 6000, 6000];
+        for (random, stretch) in [(0.0, 1.0), (1.0, 1.25)] {
+            let (mut p, t0) = policy(random);
+            for (i, n) in nominal.iter().enumerate() {
+                let failed = p.fetch_failed(t0, &down());
+                assert_eq!(failed.failures, i as u32 + 1);
+                assert_eq!(failed.wait, ms(*n).mul_f64(stretch), "failure {}", i + 1);
+            }
+        }
+    }
+
+    #[test]
+    fn a_success_resets_the_streak() {
+        let (mut p, t0) = policy(0.0);
+        for _ in 0..4 {
+            p.fetch_failed(t0, &down());
+        }
+        p.fetched(t0, 4, 0);
+        let failed = p.fetch_failed(t0, &down());
+        assert_eq!(failed.failures, 1);
+        assert_eq!(failed.wait, SECOND);
+    }
+
+    #[test]
+    fn retry_after_is_honoured_and_capped_at_the_throttle_maximum() {
+        let (mut p, t0) = policy(0.5);
+        assert_eq!(
+            p.fetch_failed(t0, &throttled(Some(ms(4500)))).wait,
+            ms(4500)
+        );
+        assert_eq!(
+            p.fetch_failed(t0, &throttled(Some(Duration::from_secs(3600))))
+                .wait,
+            Duration::from_secs(30),
+            "capped at the throttle backoff's maximum"
+        );
+        assert_eq!(
+            p.fetch_failed(t0, &throttled(Some(Duration::ZERO))).wait,
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn throttling_and_refusals_use_the_throttle_backoff_and_are_not_probed() {
+        let refusals = [
+            throttled(None),
+            EngineError::Unauthenticated {
+                op: "fetch-and-lock",
+                message: "token expired".into(),
+            },
+            EngineError::AccessDenied {
+                op: "fetch-and-lock",
+                message: "no worker:execute".into(),
+            },
+            EngineError::Auth {
+                message: "issuer unreachable".into(),
+                configuration: false,
+            },
+        ];
+        for error in refusals {
+            // Default throttle backoff: 2 s doubling, capped at 30 s; full jitter 0.5 with the
+            // draw at 1.0 keeps the nominal delay.
+            let (mut p, t0) = policy(1.0);
+            let waits: Vec<Duration> = (0..6).map(|_| p.fetch_failed(t0, &error).wait).collect();
+            let secs = |s: &[u64]| {
+                s.iter()
+                    .map(|&n| Duration::from_secs(n))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(waits, secs(&[2, 4, 8, 16, 30, 30]), "{error}");
+            assert_eq!(
+                p.next(t0 + SECOND),
+                Action::WaitUntil(t0 + Duration::from_secs(30))
+            );
+            // Jitter may shorten a throttle backoff to half, never more.
+            let (mut p, t0) = policy(0.0);
+            assert_eq!(p.fetch_failed(t0, &error).wait, SECOND, "{error}");
+        }
+    }
+
+    #[test]
+    fn after_a_transient_error_the_engine_is_probed_once_per_poll_interval() {
+        let (mut p, t0) = policy(0.0);
+        for _ in 0..3 {
+            p.fetch_failed(t0, &down());
+        }
+        // Backing off 4 s; probes every second meanwhile, the probe first when both are due.
+        assert_eq!(p.next(t0), Action::WaitUntil(t0 + SECOND));
+        let mut now = t0 + SECOND;
+        for _ in 0..3 {
+            assert_eq!(p.next(now), Action::Probe);
+            assert!(!p.probed(now, ProbeOutcome::Unreachable));
+            now += SECOND;
+        }
+        assert_eq!(p.next(now), Action::Probe, "due together: the probe first");
+        assert!(!p.probed(now, ProbeOutcome::Unreachable));
+        assert_eq!(p.next(now), Action::Fetch);
+    }
+
+    #[test]
+    fn a_probe_that_gets_an_answer_ends_the_backoff() {
+        let (mut p, t0) = policy(0.0);
+        for _ in 0..5 {
+            p.fetch_failed(t0, &down());
+        }
+        let now = t0 + SECOND;
+        assert_eq!(p.next(now), Action::Probe);
+        assert!(p.probed(now, ProbeOutcome::Reachable));
+        assert_eq!(p.next(now), Action::Fetch);
+    }
+
+    #[test]
+    fn an_engine_that_cannot_be_probed_is_waited_out() {
+        let (mut p, t0) = policy(0.0);
+        p.fetch_failed(t0, &down());
+        p.fetch_failed(t0, &down());
+        assert_eq!(p.next(t0 + SECOND), Action::Probe);
+        assert!(!p.probed(t0 + SECOND, ProbeOutcome::NotSupported));
+        assert_eq!(
+            p.next(t0 + SECOND),
+            Action::WaitUntil(t0 + Duration::from_secs(2))
+        );
+    }
+
+    #[test]
+    fn a_repeated_error_is_logged_at_debug_and_recovery_is_said_once() {
+        let (mut p, t0) = policy(0.0);
+        assert!(!p.fetched(t0, 4, 0), "nothing to recover from");
+        assert_eq!(p.fetch_failed(t0, &down()).log_at, LogLevel::Warn);
+        assert_eq!(p.fetch_failed(t0, &down()).log_at, LogLevel::Debug);
+        assert_eq!(p.fetch_failed(t0, &throttled(None)).log_at, LogLevel::Warn);
+        assert_eq!(p.fetch_failed(t0, &down()).log_at, LogLevel::Warn);
+        assert!(p.fetched(t0, 4, 0), "works again");
+        assert!(!p.fetched(t0, 4, 0), "said once");
+        assert_eq!(
+            p.fetch_failed(t0, &down()).log_at,
+            LogLevel::Warn,
+            "a new outage is news"
+        );
+    }
+
+    /// Drives the policy like the loop does through an outage from `t0` until the engine
+    /// returns at `back` (a fetch started before then fails after `LATENCY`); returns the
+    /// instants at which fetches started, and whether each succeeded.
+    fn outage(random: f64, probes: bool, back: Duration, until: Duration) -> Vec<(Duration, bool)> {
+        let (mut p, t0) = policy(random);
+        let mut now = t0;
+        let mut fetches = Vec::new();
+        while now < t0 + until {
+            match p.next(now) {
+                Action::WaitUntil(at) => now = at,
+                Action::Probe => {
+                    let outcome = match (probes, now >= t0 + back) {
+                        (false, _) => ProbeOutcome::NotSupported,
+                        (true, false) => ProbeOutcome::Unreachable,
+                        (true, true) => ProbeOutcome::Reachable,
+                    };
+                    p.probed(now, outcome);
+                }
+                Action::Fetch => {
+                    let ok = now >= t0 + back;
+                    fetches.push((now - t0, ok));
+                    now += LATENCY;
+                    if ok {
+                        p.fetched(now, 4, 0);
+                    } else {
+                        p.fetch_failed(now, &down());
+                    }
+                }
+            }
+        }
+        fetches
+    }
+
+    /// How long a fetch takes in [`outage`].
+    const LATENCY: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_sixty_second_outage_sees_at_most_twelve_fetches_with_the_default_backoff() {
+        let minute = Duration::from_secs(60);
+        for random in [0.0, 0.5, 1.0] {
+            for probes in [true, false] {
+                let fetches = outage(random, probes, minute, minute).len();
+                assert!(
+                    fetches <= 12,
+                    "{fetches} fetches (random {random}, probes {probes})"
+                );
+                assert!(fetches >= 9, "still trying: {fetches}");
+            }
+        }
+    }
+
+    #[test]
+    fn fetching_resumes_within_one_poll_interval_of_the_engines_return() {
+        let poll = settings().poll_interval;
+        for back_ms in [1, 999, 1_000, 5_500, 37_300, 59_999] {
+            let back = ms(back_ms);
+            for random in [0.0, 0.5, 1.0] {
+                let fetches = outage(random, true, back, Duration::from_secs(90));
+                let (first, _) = fetches.iter().find(|(_, ok)| *ok).expect("fetching again");
+                // The probe period restarts when a failed fetch returns, hence its latency.
+                assert!(
+                    *first <= back + poll + LATENCY,
+                    "engine back at {back:?}, first fetch at {first:?} (random {random})"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn without_probes_the_backoff_is_served_in_full() {
+        // Back at 4.5 s: failed fetches at 0, 1, 3 s (plus latency); the next is at about 7 s.
+        let fetches = outage(0.0, false, ms(4_500), Duration::from_secs(10));
+        let first = fetches.iter().find(|(_, ok)| *ok).unwrap().0;
+        assert!(first >= Duration::from_secs(7), "{fetches:?}");
+    }
+}
