@@ -1,5 +1,6 @@
 //! The admin HTTP endpoints Kubernetes and Prometheus use: `/healthz` (the process and its poll
-//! loop are alive), `/readyz` (engine reachable and authenticated, not draining) and `/metrics`
+//! loop are alive), `/readyz` (engine reachable and authenticated, the run store connected and
+//! answering when one is configured, not draining) and `/metrics`
 //! (Prometheus text). The router is built by a function so tests can call it in-process.
 
 use std::net::SocketAddr;
@@ -15,11 +16,14 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::runner::WorkerStatus;
+use crate::store::StoreHandle;
 
 /// What the endpoints read.
 #[derive(Clone)]
 pub struct AdminState {
     pub status: Arc<WorkerStatus>,
+    /// The run store, when one is configured: ready only while it answers.
+    pub store: Option<StoreHandle>,
     pub metrics: Arc<Metrics>,
     /// A poll loop that has not gone round for this long is stalled: `/healthz` fails.
     pub stall_limit: Duration,
@@ -49,10 +53,15 @@ async fn healthz(State(s): State<AdminState>) -> impl IntoResponse {
 }
 
 async fn readyz(State(s): State<AdminState>) -> impl IntoResponse {
-    if s.status.is_ready() {
+    let store_problem = s.store.as_ref().and_then(StoreHandle::problem);
+    if s.status.is_ready() && store_problem.is_none() {
         (StatusCode::OK, "ready\n".to_string())
     } else {
-        let why = s.status.problem().unwrap_or_else(|| "not ready".into());
+        let why = s
+            .status
+            .problem()
+            .or(store_problem)
+            .unwrap_or_else(|| "not ready".into());
         (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("not ready: {why}\n"),
@@ -111,6 +120,7 @@ mod tests {
 
     fn state(stall_limit: Duration) -> AdminState {
         AdminState {
+            store: None,
             status: Arc::new(WorkerStatus::default()),
             metrics: Arc::new(Metrics::new()),
             stall_limit,

@@ -15,7 +15,8 @@ pub mod definition;
 pub mod journal;
 mod run;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -24,10 +25,12 @@ use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::engine::Task;
 use crate::engine::capabilities::{EngineCapabilities, JournalSupport, NoJournalEvidence};
-use crate::handler::{Outcome, TaskContext, TaskHandler};
+use crate::handler::{Outcome, TaskContext, TaskEnd, TaskHandler};
+use crate::lease::{Lease, LeaseId};
 use crate::metrics::Metrics;
 use crate::provider::fallback::RetryPolicy;
 use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
+use crate::store::{Fence, RunEnd, RunStore, StoreHandle};
 use crate::tools::ToolSessionOptions;
 use definition::AgentsFile;
 
@@ -42,6 +45,8 @@ pub struct AgentSettings {
     pub tool_backoff: Backoff,
     /// `retryTimeout` of a technical failure: this doubled per attempt already made, capped.
     pub technical_retry: Backoff,
+    /// Between tries of a run-store call that failed transiently (an outage, a full pool).
+    pub store_backoff: Backoff,
 }
 
 impl Default for AgentSettings {
@@ -53,6 +58,7 @@ impl Default for AgentSettings {
             tool_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(8)),
             technical_retry: Backoff::new(Duration::from_secs(10), Duration::from_secs(600))
                 .without_jitter(),
+            store_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
         }
     }
 }
@@ -67,6 +73,21 @@ pub struct AgentRuntime {
     /// Whether the engine keeps a journal, learned from the first tasks and held, so an engine
     /// without one is not asked on every task.
     capabilities: EngineCapabilities,
+    /// The run store, home of the journals the engine does not keep (`ABADA_AGENT_STORE_URL`).
+    store: Option<RunStoreHome>,
+    /// Runs that ended in an outcome that commits them once the engine accepts it, by lease:
+    /// [`TaskHandler::ended`] finishes them in the store.
+    finishing: Mutex<HashMap<LeaseId, (RunStore, Fence, RunEnd)>>,
+}
+
+/// The run store as the agent runtime uses it.
+struct RunStoreHome {
+    handle: StoreHandle,
+    /// Recorded as the owner of each run this worker claims.
+    worker_id: String,
+    /// How long a task waits for a store that fails transiently before it is given back:
+    /// the lock duration, as for an engine outage.
+    patience: Duration,
 }
 
 /// Where a task's journal lives (protocol.md Part B and D).
@@ -74,8 +95,10 @@ pub struct AgentRuntime {
 pub enum JournalHome {
     /// The engine's journal endpoints: an agent/1 task on an engine that has them.
     Engine,
-    /// Nowhere: the agent runs without durability and starts over on its next attempt. (Part D's
-    /// run store will be the home of tasks without `attempt` when one is configured.)
+    /// The run store: a task without `attempt` (an engine without agent/1, Part D) when
+    /// `ABADA_AGENT_STORE_URL` is set. The store's claim gives the fencing token.
+    Store,
+    /// Nowhere: the agent runs without durability and starts over on its next attempt.
     Nowhere,
 }
 
@@ -105,7 +128,20 @@ impl AgentRuntime {
             settings,
             metrics,
             capabilities: EngineCapabilities::default(),
+            store: None,
+            finishing: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Keeps the journals of tasks without `attempt` in `store`, claimed as `worker_id`; a
+    /// task waits up to `patience` for a store that fails transiently.
+    pub fn with_store(mut self, store: StoreHandle, worker_id: &str, patience: Duration) -> Self {
+        self.store = Some(RunStoreHome {
+            handle: store,
+            worker_id: worker_id.to_string(),
+            patience,
+        });
+        self
     }
 
     /// The runtime a [`Config`] describes (its providers and agents file), with `agent_settings`.
@@ -152,9 +188,14 @@ impl AgentRuntime {
 
     /// Where `task`'s journal lives: the one place that choice is made. A task without
     /// `attempt` is not an agent/1 task (protocol.md Part B), and shows the engine speaks plain
-    /// v1; an agent/1 task journals to the engine unless it is known to have no journal.
+    /// v1: its journal is in the run store when one is configured, else nowhere. An agent/1 task
+    /// journals to the engine (authoritative there: its attempt is the engine's fencing token)
+    /// unless the engine is known to have no journal.
     pub fn journal_home(&self, task: &Task) -> JournalHome {
         if task.attempt.is_none() {
+            if self.store.is_some() {
+                return JournalHome::Store;
+            }
             self.capabilities
                 .journal_missing(NoJournalEvidence::PlainTask);
             return JournalHome::Nowhere;
@@ -170,5 +211,22 @@ impl AgentRuntime {
 impl TaskHandler for AgentRuntime {
     async fn handle(&self, task: Arc<Task>, ctx: TaskContext) -> Outcome {
         run::run(self, &task, &ctx).await
+    }
+
+    /// A run whose completion (or BPMN error) the engine accepted is finished in the store: it
+    /// will not be resumed. Any other end keeps it for the next attempt.
+    async fn ended(&self, _task: &Task, lease: &Lease, end: TaskEnd) {
+        let finishing = self
+            .finishing
+            .lock()
+            .expect("finishing lock poisoned")
+            .remove(&lease.id());
+        let Some((store, fence, run_end)) = finishing else {
+            return;
+        };
+        if !matches!(end, TaskEnd::Completed | TaskEnd::BpmnError) {
+            return;
+        }
+        run::finish_in_store(self, &store, &fence, run_end).await;
     }
 }

@@ -22,6 +22,7 @@ use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::handler::TaskHandler;
 use crate::metrics::Metrics;
 use crate::runner::{Runner, RunnerEvent, RunnerSettings};
+use crate::store::{StoreHandle, connect_backoff};
 
 /// Why the worker could not start.
 #[derive(Debug, thiserror::Error)]
@@ -51,8 +52,6 @@ pub struct Seams {
     pub tuning: Tuning,
     /// Receives the runner's events (the tests, the demo's timeline).
     pub events: Option<mpsc::UnboundedSender<RunnerEvent>>,
-    // Further optional seams join here as fields with a production default, e.g. the run store
-    // for engines without a journal (design.md, "The run store").
 }
 
 /// Timing no variable sets. The defaults are production's; a test that injects faults shortens
@@ -153,6 +152,10 @@ pub struct Worker {
     pub runner: Runner,
     pub metrics: Arc<Metrics>,
     pub engine: Arc<dyn Engine>,
+    /// The run store (`ABADA_AGENT_STORE_URL`), connecting in the background from `build` on.
+    pub store: Option<StoreHandle>,
+    /// Stops the store's connector and sweeper when the worker stops.
+    store_stop: CancellationToken,
 }
 
 impl Worker {
@@ -162,10 +165,21 @@ impl Worker {
         Worker::build(config, Seams::default())
     }
 
-    /// Wires a worker: the engine client (behind the engine seam), the task handler (the agent
-    /// runtime unless the seam gives one), and the runner around them.
+    /// Wires a worker: the engine client (behind the engine seam), the run store when one is
+    /// configured (connected and swept in the background: an outage at start-up is waited out
+    /// like any other), the task handler (the agent runtime unless the seam gives one), and the
+    /// runner around them. Must be called on a tokio runtime.
     pub fn build(config: &Config, seams: Seams) -> Result<Worker, StartError> {
         let metrics = Arc::new(Metrics::new());
+        let store_stop = CancellationToken::new();
+        let store = config.store.clone().map(|store| {
+            StoreHandle::connect_in_background(
+                store,
+                metrics.clone(),
+                connect_backoff(),
+                store_stop.clone(),
+            )
+        });
         let client: Arc<dyn Engine> = Arc::new(HttpEngine::new(
             engine_http_client(config)?,
             engine_client_settings(config, &seams.tuning),
@@ -178,15 +192,21 @@ impl Worker {
         };
         let handler: Arc<dyn TaskHandler> = match seams.handler {
             Some(handler) => handler,
-            None => Arc::new(
-                AgentRuntime::from_config(
+            None => {
+                let mut runtime = AgentRuntime::from_config(
                     config,
                     outbound_http_client(config)?,
                     seams.agent,
                     metrics.clone(),
                 )
-                .map_err(|e| StartError::Setup(e.to_string()))?,
-            ),
+                .map_err(|e| StartError::Setup(e.to_string()))?;
+                if let Some(store) = &store {
+                    // A store outage is waited out for a lock duration, as an engine outage is.
+                    runtime =
+                        runtime.with_store(store.clone(), &config.worker_id, config.lock_duration);
+                }
+                Arc::new(runtime)
+            }
         };
         let mut runner = Runner::new(
             engine.clone(),
@@ -201,6 +221,8 @@ impl Worker {
             runner,
             metrics,
             engine,
+            store,
+            store_stop,
         })
     }
 
@@ -216,6 +238,7 @@ impl Worker {
         let admin_stop = CancellationToken::new();
         let state = crate::admin::AdminState {
             status: self.runner.status(),
+            store: self.store.clone(),
             metrics: self.metrics.clone(),
             stall_limit: (poll_interval * 3).max(Duration::from_secs(30)) + Duration::from_secs(30),
         };
@@ -225,6 +248,7 @@ impl Worker {
             let _ = tx.send(local);
         }
         self.runner.run(shutdown).await;
+        self.store_stop.cancel();
         admin_stop.cancel();
         Ok(())
     }

@@ -21,6 +21,7 @@ use crate::engine::{
     LeaseLostReason, Task, TaskRef, ToolCredential,
 };
 use crate::lease::Lease;
+use crate::store::{ErrorClass, StoreError};
 
 /// Why a task ends in `failure`, which decides its `retries` and `retryTimeout`
 /// (protocol.md B.5) and its [`TaskEnd`].
@@ -167,6 +168,11 @@ pub const DEFAULT_RETRIES: i32 = 3;
 #[async_trait]
 pub trait TaskHandler: Send + Sync + 'static {
     async fn handle(&self, task: Arc<Task>, ctx: TaskContext) -> Outcome;
+
+    /// Told once the runner has reported how the task ended (or found it could not), after
+    /// every `handle` of `lease`, even one dropped midway: the place to record an end that is
+    /// now committed (the run store finishes the task's run on `Completed`).
+    async fn ended(&self, _task: &Task, _lease: &Lease, _end: TaskEnd) {}
 }
 
 /// What a running task may use: its lease, the stop signal, and engine calls about itself that
@@ -205,12 +211,14 @@ impl TaskContext {
         self.stop.cancelled().await
     }
 
-    /// Runs an engine call about this task: not at all when the lease is lost, abandoned when it
-    /// is lost meanwhile, and a refusal marks it lost. The one place that enforces silence after
-    /// loss, and the one place an engine refusal becomes [`TaskError::LeaseLost`].
-    pub async fn fenced<T, F>(&self, call: F) -> Result<T, TaskError>
+    /// Runs a call about this task (to the engine, or to the run store): not at all when the
+    /// lease is lost, abandoned when it is lost meanwhile, and a refusal marks it lost. The one
+    /// place that enforces silence after loss, and the one place a refusal becomes
+    /// [`TaskError::LeaseLost`].
+    pub async fn fenced<T, E, F>(&self, call: F) -> Result<T, TaskError<E>>
     where
-        F: Future<Output = Result<T, EngineError>>,
+        E: Refusal,
+        F: Future<Output = Result<T, E>>,
     {
         // A lease lost without a recorded reason cannot happen (the reason is set before the
         // latch fires); "superseded" is the harmless guess.
@@ -254,24 +262,44 @@ impl TaskContext {
     }
 }
 
-/// Why an engine call about a running task failed. Only [`TaskContext::fenced`] makes one, so
-/// `Engine` never holds a lease-lost refusal: that is always `LeaseLost`.
+/// An error that may say the lease is no longer ours: the engine's refusals, and the run
+/// store's (another attempt claimed the run).
+pub trait Refusal {
+    fn lease_lost(&self) -> Option<LeaseLostReason>;
+}
+
+impl Refusal for EngineError {
+    fn lease_lost(&self) -> Option<LeaseLostReason> {
+        EngineError::lease_lost(self)
+    }
+}
+
+impl Refusal for StoreError {
+    fn lease_lost(&self) -> Option<LeaseLostReason> {
+        (self.class() == ErrorClass::Fenced).then_some(LeaseLostReason::RunStoreFenced)
+    }
+}
+
+/// Why a call about a running task failed: an engine call (`TaskError`), or a run-store call
+/// (`TaskError<StoreError>`). Only [`TaskContext::fenced`] makes one, so `Engine` never holds a
+/// refusal: that is always `LeaseLost`.
 #[derive(Debug, thiserror::Error)]
-pub enum TaskError {
+pub enum TaskError<E = EngineError> {
     /// The lease is gone (refused, expired by our clock, or superseded): stop, report nothing.
     #[error("the lease is lost ({0}): the task stops and reports nothing")]
     LeaseLost(LeaseLostReason),
-    /// The engine failed the call otherwise (unreachable, throttling, a bad answer, no such
-    /// endpoint); the caller decides whether to go on, retry or end the task.
+    /// The peer (the engine, or the run store) failed the call otherwise (unreachable,
+    /// throttling, a bad answer, no such endpoint); the caller decides whether to go on, retry
+    /// or end the task.
     #[error(transparent)]
-    Engine(EngineError),
+    Engine(E),
 }
 
-impl TaskError {
+impl<E> TaskError<E> {
     /// The one rule for a task whose call about itself failed and cannot go on: a lost lease
     /// ends it silently ([`Outcome::Abandoned`]); any other error ends it as `on_engine_error`
     /// says.
-    pub fn into_outcome(self, on_engine_error: impl FnOnce(EngineError) -> Outcome) -> Outcome {
+    pub fn into_outcome(self, on_engine_error: impl FnOnce(E) -> Outcome) -> Outcome {
         match self {
             TaskError::LeaseLost(_) => Outcome::Abandoned,
             TaskError::Engine(e) => on_engine_error(e),
@@ -310,7 +338,7 @@ mod tests {
 
     #[test]
     fn a_lost_lease_ends_the_task_silently_and_other_errors_as_the_caller_says() {
-        let lost = TaskError::LeaseLost(LeaseLostReason::StaleAttempt);
+        let lost: TaskError = TaskError::LeaseLost(LeaseLostReason::StaleAttempt);
         assert_eq!(
             lost.into_outcome(|_| unreachable!("a lost lease is not an engine error")),
             Outcome::Abandoned

@@ -626,6 +626,7 @@ async fn run_task(
         // look lost. The report is short next to the lease (at least 2/3 of it is left here).
         shared.heartbeat.release(lease.id());
         let end = report(&shared, &task, &lease, outcome).await;
+        shared.handler.ended(&task, &lease, end).await;
         if end == TaskEnd::LeaseLost {
             let reason = lease.lost_reason().unwrap_or(LeaseLostReason::NotOwned);
             shared

@@ -13,12 +13,14 @@
 //! is bounded (`ABADA_AGENT_STORE_POOL_SIZE`), and waiting for it is bounded too
 //! (`ABADA_AGENT_STORE_ACQUIRE_TIMEOUT_MS`), as is every transaction.
 //!
-//! Submodules: `url` (the URL, `sslmode`, the redacted form), `tls` (rustls per `sslmode`),
+//! Submodules: `handle` (the store as a worker holds it: connected in the background, swept,
+//! reported to `/readyz`), `url` (the URL, `sslmode`, the redacted form), `tls` (rustls per `sslmode`),
 //! `pool` (connections and the transaction wrapper), `migrate` (the schema), `runs` (the SQL of
 //! claims, appends, finishes and sweeps), `error` (classes), `outage` (one log line per
 //! outage).
 
 mod error;
+mod handle;
 mod migrate;
 mod outage;
 mod pool;
@@ -32,6 +34,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 pub use error::{ErrorClass, FenceReason, StoreError};
+pub use handle::{StoreHandle, connect_backoff};
 pub use runs::{
     Claim, Fence, MAX_BODY_DEPTH, MAX_JOURNAL_BYTES, MAX_RUN_KEY_BYTES, RunEnd, RunKey,
 };
@@ -161,6 +164,11 @@ impl RunStore {
 
     pub fn server(&self) -> &ServerInfo {
         &self.inner.server
+    }
+
+    /// Why the store is unavailable now (the latest failure of an open outage), if it is.
+    pub fn outage(&self) -> Option<String> {
+        self.inner.pool.outage()
     }
 
     /// The migrations this instance applied at start-up (none when another replica had).

@@ -13,7 +13,7 @@ use serde_json::{Map, Value, json};
 
 use super::definition::{self, AgentDefinition};
 use super::journal::{self, PendingCall, Replayed};
-use super::{AgentRuntime, JournalHome};
+use super::{AgentRuntime, JournalHome, RunStoreHome};
 use crate::conversation::{ToolCall, ToolResult, ToolSpec};
 use crate::engine::capabilities::NoJournalEvidence;
 use crate::engine::{EngineError, FailureReport, JournalStep, Task};
@@ -24,6 +24,7 @@ use crate::metrics::{ModelLabels, ModelTokenLabels, ToolLabels};
 use crate::provider::ModelRequest;
 use crate::provider::fallback::{CallAttempt, ModelCallError, call_with_fallback_observed};
 use crate::secret::Secret;
+use crate::store::{ErrorClass, Fence, RunEnd, RunKey, RunStore, StoreError};
 use crate::tools::{CredentialError, CredentialSource, ToolError, ToolSessions};
 
 type Step<T = ()> = Result<T, Outcome>;
@@ -43,7 +44,49 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
         Err(outcome) => outcome,
     };
     attempt.tools.close().await;
+    let run_end = match &outcome {
+        Outcome::Complete { .. } => Some(RunEnd::Completed),
+        Outcome::BpmnError(_) => Some(RunEnd::Failed),
+        _ => None,
+    };
+    if let (Some(run), Some(run_end)) = (attempt.store_run.take(), run_end) {
+        // Finished once the engine accepts the outcome (`TaskHandler::ended`), not before: a
+        // completion the engine never got must find the run, final answer included, next time.
+        rt.finishing
+            .lock()
+            .expect("finishing lock poisoned")
+            .insert(ctx.lease().id(), (run.store, run.fence, run_end));
+    }
     outcome
+}
+
+/// A task's run in the run store, as this attempt holds it.
+struct StoreRun {
+    store: RunStore,
+    /// Advanced by every append; what proves to the store that this attempt still owns the run.
+    fence: Fence,
+}
+
+/// Finishes a run after the engine accepted its end: a few quick tries, then it is left to the
+/// sweeper (`ABADA_AGENT_STORE_ABANDONED_AFTER`); the task itself is done either way.
+pub(super) async fn finish_in_store(
+    rt: &AgentRuntime,
+    store: &RunStore,
+    fence: &Fence,
+    end: RunEnd,
+) {
+    for tries in 0..3u32 {
+        match store.finish(fence, end).await {
+            Ok(()) => return,
+            Err(e) if e.is_transient() && tries < 2 => {
+                tokio::time::sleep(rt.settings.store_backoff.delay(tries)).await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the task ended but its run could not be finished in the run store; the sweeper deletes it once it is idle for ABADA_AGENT_STORE_ABANDONED_AFTER");
+                return;
+            }
+        }
+    }
 }
 
 /// The engine's tool-credential call for this task's lease (protocol.md B.3).
@@ -79,6 +122,8 @@ struct Attempt<'a> {
     /// Where this attempt journals its steps (nowhere when the engine turned out to have no
     /// journal).
     journal: JournalHome,
+    /// The run in the store, when the journal is there.
+    store_run: Option<StoreRun>,
     tools: ToolSessions,
     specs: Option<Vec<ToolSpec>>,
     /// Model requests of this attempt that produced no journaled answer (failed, retried).
@@ -93,6 +138,7 @@ impl<'a> Attempt<'a> {
         ctx: &'a TaskContext,
         def: AgentDefinition,
     ) -> Step<Attempt<'a>> {
+        let mut store_run = None;
         let (state, journal) = match rt.journal_home(task) {
             JournalHome::Engine => match ctx.read_journal().await {
                 Ok(j) => {
@@ -120,6 +166,23 @@ impl<'a> Attempt<'a> {
                     ));
                 }
             },
+            JournalHome::Store => {
+                let home = rt
+                    .store
+                    .as_ref()
+                    .expect("the store home is chosen only with a store");
+                let (run, steps) = claim_in_store(rt, home, task, ctx, &def).await?;
+                store_run = Some(run);
+                match Replayed::from_steps(&steps) {
+                    Ok(r) => (r, JournalHome::Store),
+                    Err(e) => {
+                        return Err(incident(
+                            "the task's journal in the run store cannot be resumed",
+                            e.to_string(),
+                        ));
+                    }
+                }
+            }
             JournalHome::Nowhere => (Replayed::empty(), JournalHome::Nowhere),
         };
         if state.turns > 0 || state.input.is_some() {
@@ -145,6 +208,7 @@ impl<'a> Attempt<'a> {
             def,
             state,
             journal,
+            store_run,
             tools,
             specs: None,
             unanswered_model_calls: 0,
@@ -202,11 +266,37 @@ impl<'a> Attempt<'a> {
                     )
                 })?;
             }
+            JournalHome::Store => self.append_in_store(&step).await?,
             JournalHome::Nowhere => {}
         }
         self.state
             .apply(&step)
             .map_err(|e| technical(self.rt, self.task, format!("internal journal error: {e}")))
+    }
+
+    /// Appends `step` to the run in the store, fenced by this attempt's claim; a transient
+    /// failure is retried with the same fence and step (a write whose acknowledgement was lost
+    /// is recognised) for as long as the store's patience allows.
+    async fn append_in_store(&mut self, step: &JournalStep) -> Step {
+        let since = tokio::time::Instant::now();
+        let mut tries = 0;
+        loop {
+            let run = self
+                .store_run
+                .as_mut()
+                .expect("a store journal has a store run");
+            let result = self
+                .ctx
+                .fenced(run.store.append(&mut run.fence, step))
+                .await;
+            match result {
+                Ok(_) => return Ok(()),
+                Err(e) => {
+                    let what = format!("journaling step {} in the run store", step.seq);
+                    store_retry(self.rt, self.task, self.ctx, e, &mut tries, since, &what).await?
+                }
+            }
+        }
     }
 
     fn complete(&self, answer: &str) -> Outcome {
@@ -511,6 +601,116 @@ impl<'a> Attempt<'a> {
                 outcome,
             })
             .inc();
+    }
+}
+
+/// Claims the task's run in the store (the fencing token of this attempt) and returns the
+/// journal so far; the input step is written in the claim's transaction when the run is new.
+async fn claim_in_store(
+    rt: &AgentRuntime,
+    home: &RunStoreHome,
+    task: &Task,
+    ctx: &TaskContext,
+    def: &AgentDefinition,
+) -> Step<(StoreRun, Vec<JournalStep>)> {
+    let run_key = RunKey::for_task(&task.id)
+        .map_err(|e| incident("the task cannot be kept in the run store", e.to_string()))?;
+    let (instructions, input) = def
+        .render(&task.variables)
+        .map_err(|e| incident("the agent definition cannot be used", e.to_string()))?;
+    let first = journal::input_step(1, &instructions, &input);
+    let since = tokio::time::Instant::now();
+    let mut tries = 0;
+    loop {
+        let claimed = ctx
+            .fenced(async {
+                let store = home.handle.get()?;
+                let claim = store.claim(&run_key, &home.worker_id, Some(&first)).await?;
+                Ok((store, claim))
+            })
+            .await;
+        match claimed {
+            Ok((store, claim)) => {
+                tracing::debug!(
+                    run_attempt = claim.fence.attempt(),
+                    steps = claim.steps.len(),
+                    "run claimed in the run store"
+                );
+                let run = StoreRun {
+                    store,
+                    fence: claim.fence,
+                };
+                return Ok((run, claim.steps));
+            }
+            Err(e) => {
+                store_retry(
+                    rt,
+                    task,
+                    ctx,
+                    e,
+                    &mut tries,
+                    since,
+                    "claiming the run in the run store",
+                )
+                .await?
+            }
+        }
+    }
+}
+
+/// What a failed run-store call means: `Ok` to try again (after a backoff), `Err` to end.
+/// A refusal (another attempt claimed the run) has marked the lease lost: silence. An outage or
+/// a full pool is waited out within the store's patience (the lock duration), then the task
+/// is given back with its retries unchanged; a result whose steps could not be journaled is
+/// never reported.
+async fn store_retry(
+    rt: &AgentRuntime,
+    task: &Task,
+    ctx: &TaskContext,
+    e: TaskError<StoreError>,
+    tries: &mut u32,
+    since: tokio::time::Instant,
+    what: &str,
+) -> Step {
+    let e = match e {
+        TaskError::LeaseLost(_) => return Err(Outcome::Abandoned),
+        TaskError::Engine(e) => e,
+    };
+    match e.class() {
+        ErrorClass::Transient | ErrorClass::Misconfigured => {}
+        ErrorClass::Invalid => {
+            return Err(incident(
+                "the run store cannot keep this run",
+                format!("{what}: {e}"),
+            ));
+        }
+        ErrorClass::Fenced | ErrorClass::Conflict | ErrorClass::Internal => {
+            return Err(technical(rt, task, format!("{what} failed: {e}")));
+        }
+    }
+    let patience = rt.store.as_ref().map_or(Duration::ZERO, |h| h.patience);
+    if since.elapsed() >= patience {
+        tracing::warn!(error = %e, waited_ms = since.elapsed().as_millis() as u64, "{what} failed for longer than the lock duration; the task is given back without consuming a retry");
+        return Err(Outcome::Failure {
+            kind: FailureKind::Deferred,
+            report: FailureReport {
+                error_message: "the run store is unavailable; the attempt is deferred".into(),
+                error_details: format!("{what}: {e}"),
+                retries: retries_unchanged(task),
+                retry_timeout: rt.settings.technical_retry.delay(0),
+            },
+        });
+    }
+    let wait = rt.settings.store_backoff.delay(*tries);
+    *tries = tries.saturating_add(1);
+    tracing::debug!(error = %e, retry_in_ms = wait.as_millis() as u64, "{what} failed; retrying");
+    tokio::select! {
+        _ = tokio::time::sleep(wait) => Ok(()),
+        _ = ctx.lease().lost() => Err(Outcome::Abandoned),
+        _ = ctx.stopped() => Err(Outcome::released(
+            task,
+            "the worker shut down before the agent finished; another worker resumes it from the run store",
+        )),
     }
 }
 

@@ -32,6 +32,8 @@ pub struct WorkerOptions {
     pub lock_duration: Duration,
     pub poll_interval: Duration,
     pub shutdown_grace: Duration,
+    /// More `ABADA_AGENT_*` variables, set last (e.g. the run store's URL, an agents file).
+    pub env: Vec<(String, String)>,
 }
 
 impl WorkerOptions {
@@ -42,6 +44,7 @@ impl WorkerOptions {
             lock_duration: Duration::from_secs(10),
             poll_interval: Duration::from_millis(200),
             shutdown_grace: Duration::from_secs(5),
+            env: Vec::new(),
         }
     }
 }
@@ -96,7 +99,7 @@ pub fn fast_tuning() -> Tuning {
 pub fn worker_env(stack: &Stack, opts: &WorkerOptions) -> HashMap<String, String> {
     let ms = |d: Duration| d.as_millis().to_string();
     let provider_timeout = ms(stack.provider_request_timeout());
-    HashMap::from([
+    let mut env = HashMap::from([
         (config::ENV_ENGINE_URL.into(), stack.engine.base_url()),
         (config::ENV_WORKER_ID.into(), opts.worker_id.clone()),
         (config::ENV_MAX_TASKS.into(), opts.slots.to_string()),
@@ -126,7 +129,9 @@ pub fn worker_env(stack: &Stack, opts: &WorkerOptions) -> HashMap<String, String
             "ABADA_AGENT_PROVIDER_ANTHROPIC_TIMEOUT_MS".into(),
             provider_timeout,
         ),
-    ])
+    ]);
+    env.extend(opts.env.iter().cloned());
+    env
 }
 
 /// Builds a worker from `config` and `seams` through the composition root and runs it on the
@@ -172,6 +177,7 @@ pub trait StackWorkers {
             tool_backoff: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
             technical_retry: Backoff::new(Duration::from_millis(100), Duration::from_secs(2))
                 .without_jitter(),
+            store_backoff: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
             ..AgentSettings::default()
         }
     }

@@ -20,6 +20,9 @@ pub enum LeaseLostReason {
     LocalExpiry,
     /// The same task was fetched again with a newer attempt while this one still ran here.
     Superseded,
+    /// The run store refused an append: another attempt claimed the task's run (the store's
+    /// `STALE_ATTEMPT`, for engines without agent/1).
+    RunStoreFenced,
 }
 
 impl LeaseLostReason {
@@ -32,6 +35,7 @@ impl LeaseLostReason {
             LeaseLostReason::JournalConflict => "JOURNAL_CONFLICT",
             LeaseLostReason::LocalExpiry => "LOCAL_EXPIRY",
             LeaseLostReason::Superseded => "SUPERSEDED",
+            LeaseLostReason::RunStoreFenced => "RUN_STORE_FENCED",
         }
     }
 }

@@ -19,6 +19,8 @@ struct Outage {
     since: Instant,
     failures: u64,
     class: ErrorClass,
+    /// The latest failure, for `/readyz`.
+    latest: String,
 }
 
 impl OutageLog {
@@ -28,18 +30,21 @@ impl OutageLog {
         match current.as_mut() {
             Some(outage) if outage.class == class => {
                 outage.failures += 1;
+                outage.latest = error.to_string();
                 tracing::debug!(operation, error = %error, "run store still unavailable");
                 return;
             }
             Some(outage) => {
                 outage.class = class;
                 outage.failures += 1;
+                outage.latest = error.to_string();
             }
             None => {
                 *current = Some(Outage {
                     since: Instant::now(),
                     failures: 1,
                     class,
+                    latest: error.to_string(),
                 });
                 self.open.store(true, Ordering::Release);
             }
@@ -50,6 +55,15 @@ impl OutageLog {
         } else {
             tracing::warn!(operation, error = %error, "the run store is unavailable");
         }
+    }
+
+    /// The open outage's latest failure, if one is open.
+    pub(super) fn problem(&self) -> Option<String> {
+        if !self.open.load(Ordering::Acquire) {
+            return None;
+        }
+        let current = self.current.lock().expect("outage lock poisoned");
+        current.as_ref().map(|o| o.latest.clone())
     }
 
     pub(super) fn succeeded(&self, store: &str) {

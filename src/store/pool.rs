@@ -216,6 +216,11 @@ impl Pool {
         self.pool.manager().store()
     }
 
+    /// Why the store is unavailable now, while an outage is open.
+    pub(super) fn outage(&self) -> Option<String> {
+        self.outage.problem()
+    }
+
     /// The worker's own bound on a transaction: a quarter (at least 100 ms) past the server's
     /// `statement_timeout` and `lock_timeout`, so the server cancels a slow statement first
     /// (precisely, keeping the connection) and this bound catches a server or network that no

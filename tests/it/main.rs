@@ -15,5 +15,6 @@ mod provider;
 mod runner;
 mod secure;
 mod store;
+mod store_runs;
 mod support;
 mod tools;

@@ -573,6 +573,7 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
     let admin_addr: SocketAddr = admin::serve(
         SocketAddr::from(([127, 0, 0, 1], 0)),
         AdminState {
+            store: None,
             status: worker.status.clone(),
             metrics: worker.metrics.clone(),
             stall_limit: Duration::from_secs(60),

@@ -30,7 +30,7 @@ use crate::support::tcp_proxy::{Mode, TcpProxy};
 // Test databases
 
 /// The server `scripts/test` started (or the one the developer named).
-fn admin_url() -> Option<String> {
+pub(crate) fn admin_url() -> Option<String> {
     match std::env::var("ABADA_TEST_DATABASE_URL") {
         Ok(url) if !url.trim().is_empty() => Some(url),
         _ if std::env::var("ABADA_SKIP_INTEROP").as_deref() == Ok("1") => {
@@ -46,7 +46,7 @@ fn admin_url() -> Option<String> {
 
 /// The parts of a `postgres://user:password@host:port/db?params` URL, to build variants.
 #[derive(Clone, Debug)]
-struct PgUrl {
+pub(crate) struct PgUrl {
     user: String,
     password: String,
     host: String,
@@ -90,19 +90,19 @@ impl PgUrl {
         self
     }
 
-    fn at(mut self, addr: SocketAddr) -> PgUrl {
+    pub(crate) fn at(mut self, addr: SocketAddr) -> PgUrl {
         self.host = addr.ip().to_string();
         self.port = addr.port();
         self
     }
 
-    fn addr(&self) -> SocketAddr {
+    pub(crate) fn addr(&self) -> SocketAddr {
         format!("{}:{}", self.host, self.port)
             .parse()
             .expect("the test server is addressed by IP")
     }
 
-    fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let query: Vec<String> = self
             .params
             .iter()
@@ -121,13 +121,13 @@ impl PgUrl {
 }
 
 /// A database of its own for one test, dropped at the end of a test that passed.
-struct TestDb {
-    url: PgUrl,
+pub(crate) struct TestDb {
+    pub(crate) url: PgUrl,
     admin: PgUrl,
 }
 
 impl TestDb {
-    async fn create() -> Option<TestDb> {
+    pub(crate) async fn create() -> Option<TestDb> {
         let admin = PgUrl::parse(&admin_url()?);
         let name = format!(
             "abada_it_{}",
@@ -148,7 +148,7 @@ impl TestDb {
         connect_plain(&self.url.render()).await
     }
 
-    async fn count(&self, query: &str) -> i64 {
+    pub(crate) async fn count(&self, query: &str) -> i64 {
         self.sql().await.query_one(query, &[]).await.unwrap().get(0)
     }
 
@@ -185,7 +185,7 @@ impl TestDb {
             .unwrap();
     }
 
-    async fn drop(self) {
+    pub(crate) async fn drop(self) {
         let client = connect_plain(&self.admin.render()).await;
         client
             .batch_execute(&format!("DROP DATABASE {} WITH (FORCE)", self.url.dbname))
@@ -204,7 +204,7 @@ async fn connect_plain(url: &str) -> tokio_postgres::Client {
 
 /// Generous bounds: these tests run beside others on a busy machine, in a debug build (whose
 /// SCRAM handshake is slow); the tests about timeouts set their own.
-fn config(url: &PgUrl) -> StoreConfig {
+pub(crate) fn config(url: &PgUrl) -> StoreConfig {
     let mut config = StoreConfig::new(Arc::new(SecretSource::value(url.render())));
     config.pool_size = 4;
     config.acquire_timeout = Duration::from_secs(20);
@@ -212,7 +212,7 @@ fn config(url: &PgUrl) -> StoreConfig {
     config
 }
 
-async fn connect(config: &StoreConfig) -> (RunStore, Arc<Metrics>) {
+pub(crate) async fn connect(config: &StoreConfig) -> (RunStore, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::new());
     let store = within(
         "the store to connect",

@@ -1,0 +1,118 @@
+//! The run store as a worker holds it: connected in the background (so a store that is down at
+//! start-up is an outage like any other, not a crash), then shared with every task, swept, and
+//! reported to `/readyz`.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{RunStore, StoreError};
+use crate::backoff::Backoff;
+use crate::config::StoreConfig;
+use crate::metrics::Metrics;
+
+/// Cheap to clone; every clone sees the same store once it is connected.
+#[derive(Clone)]
+pub struct StoreHandle {
+    state: Arc<RwLock<State>>,
+}
+
+enum State {
+    /// Not connected yet; the latest failure, if any.
+    Connecting(Option<StoreError>),
+    Ready(RunStore),
+}
+
+impl std::fmt::Debug for StoreHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.state.read().expect("store handle lock poisoned");
+        match &*state {
+            State::Connecting(_) => f.write_str("StoreHandle(connecting)"),
+            State::Ready(store) => f.debug_tuple("StoreHandle").field(store).finish(),
+        }
+    }
+}
+
+impl StoreHandle {
+    /// Connects (and migrates) in the background, retrying with `backoff` until it succeeds
+    /// or `stop` fires, then runs the sweeper until `stop`. Must be called on a tokio runtime.
+    pub fn connect_in_background(
+        config: StoreConfig,
+        metrics: Arc<Metrics>,
+        backoff: Backoff,
+        stop: CancellationToken,
+    ) -> StoreHandle {
+        let handle = StoreHandle {
+            state: Arc::new(RwLock::new(State::Connecting(None))),
+        };
+        let state = handle.state.clone();
+        tokio::spawn(async move {
+            let mut failures = 0u32;
+            let store = loop {
+                let connected = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    r = RunStore::connect(&config, metrics.clone()) => r,
+                };
+                match connected {
+                    Ok(store) => break store,
+                    Err(e) => {
+                        let wait = backoff.delay(failures);
+                        failures = failures.saturating_add(1);
+                        tracing::warn!(
+                            error = %e,
+                            retry_in_ms = wait.as_millis() as u64,
+                            "cannot connect to the run store; tasks without a journal on the engine wait for it"
+                        );
+                        *state.write().expect("store handle lock poisoned") =
+                            State::Connecting(Some(e));
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            _ = tokio::time::sleep(wait) => {}
+                        }
+                    }
+                }
+            };
+            let sweeper = store.spawn_sweeper(stop.clone());
+            *state.write().expect("store handle lock poisoned") = State::Ready(store);
+            let _ = sweeper.await;
+        });
+        handle
+    }
+
+    /// A handle on a store already connected (tests, benchmarks).
+    pub fn ready(store: RunStore) -> StoreHandle {
+        StoreHandle {
+            state: Arc::new(RwLock::new(State::Ready(store))),
+        }
+    }
+
+    /// The store, or a transient error while it is not connected yet (the caller waits within
+    /// its lease, as for any outage).
+    pub fn get(&self) -> Result<RunStore, StoreError> {
+        match &*self.state.read().expect("store handle lock poisoned") {
+            State::Ready(store) => Ok(store.clone()),
+            State::Connecting(latest) => Err(StoreError::Unavailable {
+                store: "(not connected yet)".into(),
+                reason: match latest {
+                    Some(e) => format!("the worker is still connecting: {e}"),
+                    None => "the worker is still connecting".into(),
+                },
+            }),
+        }
+    }
+
+    /// Why the store cannot be used now (for `/readyz`), or `None` when it can.
+    pub fn problem(&self) -> Option<String> {
+        match &*self.state.read().expect("store handle lock poisoned") {
+            State::Ready(store) => store.outage().map(|e| format!("run store: {e}")),
+            State::Connecting(None) => Some("run store: connecting".into()),
+            State::Connecting(Some(e)) => Some(format!("run store: {e}")),
+        }
+    }
+}
+
+/// The connector's default backoff: quick first retries, then one try every 30 s.
+pub fn connect_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(500), Duration::from_secs(30))
+}
