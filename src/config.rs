@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::auth::{ClientAuth, DEFAULT_SCOPE, OidcSettings};
+use crate::engine::headers::EngineHeaders;
 use crate::secret::SecretSource;
 
 pub const ENV_ENGINE_URL: &str = "ABADA_AGENT_ENGINE_URL";
@@ -33,6 +34,7 @@ pub const ENV_OIDC_CLIENT_AUTH: &str = "ABADA_AGENT_OIDC_CLIENT_AUTH";
 pub const ENV_PROVIDERS: &str = "ABADA_AGENT_PROVIDERS";
 pub const ENV_AGENTS_FILE: &str = "ABADA_AGENT_AGENTS_FILE";
 pub const ENV_CA_FILE: &str = "ABADA_AGENT_CA_FILE";
+pub const ENV_ENGINE_HEADERS_FILE: &str = "ABADA_AGENT_ENGINE_HEADERS_FILE";
 
 /// Where variables come from.
 pub trait EnvSource {
@@ -114,6 +116,9 @@ pub struct Config {
     pub providers: Vec<ProviderConfig>,
     pub agents_file: Option<PathBuf>,
     pub ca_file: Option<PathBuf>,
+    /// Extra headers for every engine request (an authenticating proxy in front of the
+    /// engine); values are secrets.
+    pub engine_headers: Option<Arc<EngineHeaders>>,
 }
 
 impl Config {
@@ -205,6 +210,13 @@ impl Config {
         let providers = parse_providers(env)?;
         let agents_file = get(ENV_AGENTS_FILE).map(PathBuf::from);
         let ca_file = get(ENV_CA_FILE).map(PathBuf::from);
+        let engine_headers = get(ENV_ENGINE_HEADERS_FILE)
+            .map(|path| {
+                EngineHeaders::load(std::path::Path::new(path.trim()), oidc.is_some())
+                    .map(Arc::new)
+                    .map_err(|e| ConfigError::new(ENV_ENGINE_HEADERS_FILE, e.to_string()))
+            })
+            .transpose()?;
         Ok(Config {
             engine_url,
             worker_id,
@@ -220,6 +232,7 @@ impl Config {
             providers,
             agents_file,
             ca_file,
+            engine_headers,
         })
     }
 }

@@ -65,6 +65,7 @@
 mod admin;
 mod faults;
 mod http;
+mod proxy;
 mod state;
 mod wire;
 
@@ -78,6 +79,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use axum::http::HeaderMap;
 pub use faults::{BadBody, Fault};
+pub use proxy::ProxyAuthorizer;
 pub use state::{
     AGENT_TOPIC, CallRecord, Disposition, InstanceAction, InstanceStatus, InstanceView, Operation,
     TaskCounters, TaskSpec, TaskStatus, TaskView,

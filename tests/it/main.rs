@@ -12,6 +12,7 @@ mod mcp_interop;
 mod oidc;
 mod operations;
 mod provider;
+mod proxy_headers;
 mod refusals;
 mod runner;
 mod secure;
