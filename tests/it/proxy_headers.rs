@@ -116,9 +116,11 @@ async fn a_forbidden_or_malformed_header_is_a_start_up_error_without_its_value()
         assert_eq!(status.code(), Some(2), "{content:?}");
         let said = |w: &WorkerProcess| [w.stdout(), w.stderr()].concat().join("\n");
         // The output readers may still be catching up with the exited process.
-        eventually(Duration::from_secs(5), "the start-up error line", async || {
-            said(&worker).contains("ABADA_AGENT_ENGINE_HEADERS_FILE")
-        })
+        eventually(
+            Duration::from_secs(5),
+            "the start-up error line",
+            async || said(&worker).contains("ABADA_AGENT_ENGINE_HEADERS_FILE"),
+        )
         .await;
         let output = said(&worker);
         assert!(output.contains("line "), "{output}");
