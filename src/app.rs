@@ -180,12 +180,18 @@ impl Worker {
                 store_stop.clone(),
             )
         });
-        let client: Arc<dyn Engine> = Arc::new(HttpEngine::new(
-            engine_http_client(config)?,
-            engine_client_settings(config, &seams.tuning),
-            token_provider(config)?,
-            metrics.clone(),
-        ));
+        if let Some(headers) = &config.engine_headers {
+            tracing::info!(names = ?headers.names(), "extra engine request headers from ABADA_AGENT_ENGINE_HEADERS_FILE (values not shown)");
+        }
+        let client: Arc<dyn Engine> = Arc::new(
+            HttpEngine::new(
+                engine_http_client(config)?,
+                engine_client_settings(config, &seams.tuning),
+                token_provider(config)?,
+                metrics.clone(),
+            )
+            .with_headers(config.engine_headers.clone()),
+        );
         let engine = match seams.engine {
             Some(wrap) => wrap(client),
             None => client,

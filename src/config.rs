@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::auth::{ClientAuth, DEFAULT_SCOPE, OidcSettings};
+use crate::engine::headers::EngineHeaders;
 use crate::secret::SecretSource;
 
 pub const ENV_ENGINE_URL: &str = "ABADA_AGENT_ENGINE_URL";
@@ -40,6 +41,7 @@ pub const ENV_STORE_ACQUIRE_TIMEOUT_MS: &str = "ABADA_AGENT_STORE_ACQUIRE_TIMEOU
 pub const ENV_STORE_TRANSACTION_TIMEOUT_MS: &str = "ABADA_AGENT_STORE_TRANSACTION_TIMEOUT_MS";
 pub const ENV_STORE_RETENTION: &str = "ABADA_AGENT_STORE_RETENTION";
 pub const ENV_STORE_ABANDONED_AFTER: &str = "ABADA_AGENT_STORE_ABANDONED_AFTER";
+pub const ENV_ENGINE_HEADERS_FILE: &str = "ABADA_AGENT_ENGINE_HEADERS_FILE";
 
 /// Where variables come from.
 pub trait EnvSource {
@@ -164,6 +166,9 @@ pub struct Config {
     pub ca_file: Option<PathBuf>,
     /// `None` when `ABADA_AGENT_STORE_URL` (or its `_FILE`) is unset.
     pub store: Option<StoreConfig>,
+    /// Extra headers for every engine request (an authenticating proxy in front of the
+    /// engine); values are secrets.
+    pub engine_headers: Option<Arc<EngineHeaders>>,
 }
 
 impl Config {
@@ -256,6 +261,13 @@ impl Config {
         let agents_file = get(ENV_AGENTS_FILE).map(PathBuf::from);
         let ca_file = get(ENV_CA_FILE).map(PathBuf::from);
         let store = parse_store(env, ca_file.clone())?;
+        let engine_headers = get(ENV_ENGINE_HEADERS_FILE)
+            .map(|path| {
+                EngineHeaders::load(std::path::Path::new(path.trim()), oidc.is_some())
+                    .map(Arc::new)
+                    .map_err(|e| ConfigError::new(ENV_ENGINE_HEADERS_FILE, e.to_string()))
+            })
+            .transpose()?;
         Ok(Config {
             engine_url,
             worker_id,
@@ -272,6 +284,7 @@ impl Config {
             agents_file,
             ca_file,
             store,
+            engine_headers,
         })
     }
 }

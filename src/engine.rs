@@ -6,6 +6,7 @@
 pub mod capabilities;
 pub mod client;
 pub mod error;
+pub mod headers;
 pub mod trace;
 pub mod wire;
 

@@ -137,6 +137,71 @@ impl Outcome {
         }
     }
 
+    /// The outcome as the engine can take it. The engine cannot store a top-level JSON `null`
+    /// variable (Abada 0.11 answers 500 and keeps the task locked, so a worker that sent it
+    /// again and again would run the task forever): a completion or BPMN error carrying one
+    /// becomes an incident naming the variables, reported once. Nested nulls are stored as
+    /// they are. (An agent whose final answer is `null` ends here; see README.md "How a task
+    /// ends".)
+    pub fn storable(self) -> Outcome {
+        let variables = match &self {
+            Outcome::Complete { variables } => variables,
+            Outcome::BpmnError(r) => &r.variables,
+            _ => return self,
+        };
+        let nulls: Vec<&str> = variables
+            .iter()
+            .filter(|(_, v)| v.is_null())
+            .map(|(k, _)| k.as_str())
+            .collect();
+        if nulls.is_empty() {
+            return self;
+        }
+        let what = match &self {
+            Outcome::Complete { .. } => "complete",
+            _ => "bpmn-error",
+        };
+        let details = format!(
+            "the {what} would set {} to JSON null, which the engine cannot store as a process variable (it answers 500 and keeps the task locked); a final answer of `null` ends here: the agent must answer with JSON other than null, or text",
+            nulls
+                .iter()
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        tracing::error!(details = %details, "the task's result cannot be stored: the task becomes an incident");
+        Outcome::Failure {
+            kind: FailureKind::Incident,
+            report: FailureReport {
+                error_message: format!("the task's result cannot be stored: {details}"),
+                error_details: details,
+                retries: 0,
+                retry_timeout: Duration::ZERO,
+            },
+        }
+    }
+
+    /// What to report instead when the engine refused `self` (a completion or BPMN error) for
+    /// a reason retrying cannot change that is not a lost lease (`refusal`, e.g. 400 "Process
+    /// instance is suspended"): a failure with `retries: 0` carrying the engine's message, so
+    /// the task ends once as an incident instead of expiring and running again forever.
+    /// `None` for any other outcome.
+    pub fn refused_instead(&self, refusal: &EngineError) -> Option<FailureReport> {
+        let what = match self {
+            Outcome::Complete { .. } => "completion",
+            Outcome::BpmnError(_) => "BPMN error",
+            _ => return None,
+        };
+        Some(FailureReport {
+            error_message: format!("the engine refused the task's {what}: {refusal}"),
+            error_details: format!(
+                "{refusal}. The task was not completed; retrying the same {what} cannot succeed, so the worker reports it once as an incident (resolve the cause, then set the task's retries to run it again)"
+            ),
+            retries: 0,
+            retry_timeout: Duration::ZERO,
+        })
+    }
+
     /// A failure that keeps the task's retries and makes it available again at once.
     pub fn released(task: &Task, message: impl Into<String>) -> Outcome {
         Outcome::Failure {

@@ -662,8 +662,12 @@ async fn run_task(
     shared.update_slot_gauge();
 }
 
-/// Turns an outcome into its one engine call; nothing when the lease is lost.
+/// Turns an outcome into its one engine call; nothing when the lease is lost. An outcome the
+/// engine cannot store, or a completion or BPMN error it refuses for good, ends the task once
+/// as an incident instead: never is a task left to expire and run again on a refusal that
+/// will repeat (README.md "How a task ends").
 async fn report(shared: &Shared, task: &Task, lease: &Lease, outcome: Outcome) -> TaskEnd {
+    let outcome = outcome.storable();
     let end = outcome.end();
     if lease.is_lost() || matches!(outcome, Outcome::Abandoned) {
         return TaskEnd::LeaseLost;
@@ -684,6 +688,23 @@ async fn report(shared: &Shared, task: &Task, lease: &Lease, outcome: Outcome) -
             ctx.fenced(shared.engine.failure(task_ref, report)).await
         }
         Outcome::Abandoned => unreachable!("handled above"),
+    };
+    let result = match result {
+        Err(TaskError::Engine(e)) if e.is_refusal() => match outcome.refused_instead(&e) {
+            Some(instead) => {
+                tracing::error!(task_id = %task.id, error = %e, outcome = end.as_str(), "the engine refused the task's outcome for good; reporting it once as an incident");
+                return match ctx.fenced(shared.engine.failure(task_ref, &instead)).await {
+                    Ok(()) => TaskEnd::Incident,
+                    Err(TaskError::LeaseLost(_)) => TaskEnd::LeaseLost,
+                    Err(TaskError::Engine(e)) => {
+                        tracing::error!(task_id = %task.id, error = %e, "could not report the refused outcome as an incident either; its lease will expire and the engine will offer it again");
+                        TaskEnd::ReportFailed
+                    }
+                };
+            }
+            None => Err(TaskError::Engine(e)),
+        },
+        other => other,
     };
     match result {
         Ok(()) => end,

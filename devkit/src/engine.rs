@@ -27,6 +27,8 @@
 //! | `POST /admin/faults` | a [`Fault`] | 204 |
 //! | `DELETE /admin/faults` | | 204, every fault and the outage cleared |
 //! | `POST /admin/outage` | `{"enabled": true}` | 204 |
+//! | `GET /admin/instances/{id}` | | `{"status": "RUNNING", "suspended": false}` ([`InstanceView`]), or 404 |
+//! | `POST /admin/instances/{id}` | `{"action": "suspend"}` (`resume`, `cancel`, `fail`) | 204, or 400 with the engine's message (cancelling an ended instance) |
 //! | `POST /admin/tool-credentials/verify` | `{"server": "orders", "token": ".."}` | `{"valid": true, "taskId": "t-000001", "attempt": 1}` or `{"valid": false}` |
 //!
 //! ```text
@@ -43,6 +45,8 @@
 //! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "throttle", "operation": "fetch-and-lock", "count": 2, "retryAfterSecs": 1}'
 //! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "badBody", "operation": "journal-read", "count": 1, "body": "wrongJson"}'
 //! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "resetConnection", "operation": "heartbeat", "count": 1}'
+//! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "reject", "operation": "complete", "taskId": "t-000001", "count": 1, "message": "No matching condition and no default flow for gateway agentOutcome"}'
+//! curl -s -XPOST localhost:5601/admin/instances/p-000001 -d '{"action": "suspend"}'
 //! curl -s -XPOST localhost:5601/admin/outage -d '{"enabled": true}'
 //! curl -s -XDELETE localhost:5601/admin/faults
 //! ```
@@ -50,14 +54,18 @@
 //! Outage: while on, every `/api` request has its connection closed without an HTTP response
 //! (clients see a connection error, as with an engine pod that is gone); `/admin` still answers.
 //!
-//! Fidelity notes: the real engine sends `X-Abada-Worker-Protocol-Version` only on fetch
-//! responses; the emulator sends it on every `/api` response (a worker must only rely on it for
-//! fetch). Only successful commands are stored for idempotency (a refusal rolls the engine's
-//! reservation back), so a refused command retried with the same key runs again.
+//! Fidelity notes (checked against the real engine 0.11, docs/REAL_ENGINE.md): the
+//! `X-Abada-Worker-Protocol-Version` header is sent on fetch-and-lock answers only, never on
+//! errors or other operations. Only successful commands are stored for idempotency (a refusal
+//! rolls the engine's reservation back), so a refused command retried with the same key runs
+//! again. Process instances are a status and a suspension flag, changed by the admin API and
+//! by `bpmn-error` (see `state` for the rules the worker meets); there is no process model, so
+//! a gateway that routes nowhere is emulated with [`Fault::Reject`].
 
 mod admin;
 mod faults;
 mod http;
+mod proxy;
 mod state;
 mod wire;
 
@@ -71,8 +79,10 @@ use tokio_util::sync::CancellationToken;
 
 pub use axum::http::HeaderMap;
 pub use faults::{BadBody, Fault};
+pub use proxy::ProxyAuthorizer;
 pub use state::{
-    AGENT_TOPIC, CallRecord, Disposition, Operation, TaskCounters, TaskSpec, TaskStatus, TaskView,
+    AGENT_TOPIC, CallRecord, Disposition, InstanceAction, InstanceStatus, InstanceView, Operation,
+    TaskCounters, TaskSpec, TaskStatus, TaskView,
 };
 
 /// How much of Part B the emulated engine speaks.
@@ -335,6 +345,19 @@ impl EngineEmulator {
         let found = self.shared.state().set_retries(id, retries);
         self.shared.changed.notify_waiters();
         found
+    }
+
+    /// The process instance `id` (known once a task names it).
+    pub fn instance(&self, id: &str) -> Option<InstanceView> {
+        self.shared.state().instance_view(id)
+    }
+
+    /// An operator's action on process instance `id`: `Err` with the engine's message when the
+    /// engine refuses it (or the instance is unknown). Its tasks stay as they are.
+    pub fn instance_action(&self, id: &str, action: InstanceAction) -> Result<(), String> {
+        let result = self.shared.state().instance_action(id, action);
+        self.shared.changed.notify_waiters();
+        result
     }
 
     /// Waits until `check` returns `Some`, re-checking after every request the emulator

@@ -24,6 +24,42 @@ pub fn write_key(task_id: &str, started_seq: u64) -> String {
     format!("abada:{task_id}:{started_seq}")
 }
 
+/// The idempotency key of a keyed write when no journal exists (neither the engine's nor a run
+/// store): `abada:{taskId}:h:{hash}:{n}`, where `hash` is the first 128 bits of SHA-256 over the
+/// call's canonical content (server, tool, arguments with sorted keys, compact) in hex, and `n`
+/// counts identical calls within the attempt from 1. A run that starts over after a crash and
+/// sends the same write again sends it under the same key, so the tool server deduplicates
+/// it; a different write (other arguments, tool or server) never shares a key. Two identical
+/// writes in one run are told apart by `n` (both applied), and a rerun that makes the same
+/// calls in the same order gets the same keys.
+pub fn content_key(task_id: &str, server: &str, tool: &str, arguments: &Value, n: u32) -> String {
+    use sha2::{Digest, Sha256};
+    let content = canonical(&json!({"server": server, "tool": tool, "arguments": arguments}));
+    let digest = Sha256::digest(content.as_bytes());
+    let hash: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("abada:{task_id}:h:{hash}:{n}")
+}
+
+/// Compact JSON with object keys sorted at every level, whatever order the map kept.
+fn canonical(value: &Value) -> String {
+    match value {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            let fields: Vec<String> = keys
+                .into_iter()
+                .map(|k| format!("{}:{}", Value::String(k.clone()), canonical(&map[k])))
+                .collect();
+            format!("{{{}}}", fields.join(","))
+        }
+        Value::Array(items) => {
+            let items: Vec<String> = items.iter().map(canonical).collect();
+            format!("[{}]", items.join(","))
+        }
+        other => other.to_string(),
+    }
+}
+
 pub fn input_step(seq: u64, instructions: &str, input: &str) -> JournalStep {
     JournalStep {
         seq,
@@ -337,6 +373,41 @@ mod tests {
         assert_eq!(v["data"]["result"]["content"][0]["text"], "done");
         assert_eq!(v["data"]["result"]["structuredContent"], Value::Null);
         assert_eq!(write_key("t1", 3), "abada:t1:3");
+    }
+
+    #[test]
+    fn content_keys_follow_the_content_not_its_spelling() {
+        let a = json!({"orderId": "o-1", "amountCents": 1500, "lines": [{"b": 1, "a": 2}]});
+        let same: Value =
+            serde_json::from_str(r#"{"lines":[{"a":2,"b":1}],"amountCents":1500,"orderId":"o-1"}"#)
+                .unwrap();
+        let key = content_key("t1", "orders", "issue_refund", &a, 1);
+        assert!(
+            key.starts_with("abada:t1:h:") && key.ends_with(":1"),
+            "{key}"
+        );
+        assert_eq!(key.len(), "abada:t1:h:".len() + 32 + 2);
+        assert_eq!(key, content_key("t1", "orders", "issue_refund", &same, 1));
+        let other_amount =
+            json!({"orderId": "o-1", "amountCents": 1501, "lines": [{"b": 1, "a": 2}]});
+        for other in [
+            content_key("t1", "orders", "issue_refund", &other_amount, 1),
+            content_key("t1", "orders", "issue_credit", &a, 1),
+            content_key("t1", "billing", "issue_refund", &a, 1),
+            content_key("t2", "orders", "issue_refund", &a, 1),
+            content_key("t1", "orders", "issue_refund", &a, 2),
+        ] {
+            assert_ne!(key, other);
+        }
+        // Fixed: a rerun by another build of the worker must find the same key.
+        assert_eq!(
+            content_key("t1", "s", "t", &json!({}), 1),
+            content_key("t1", "s", "t", &json!({}), 1)
+        );
+        assert_eq!(
+            canonical(&json!({"b": [1, {"d": null, "c": "x"}], "a": 1.5})),
+            r#"{"a":1.5,"b":[1,{"c":"x","d":null}]}"#
+        );
     }
 
     #[test]

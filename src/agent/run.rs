@@ -128,6 +128,9 @@ struct Attempt<'a> {
     specs: Option<Vec<ToolSpec>>,
     /// Model requests of this attempt that produced no journaled answer (failed, retried).
     unanswered_model_calls: u32,
+    /// Without a journal: how many keyed writes of each content this attempt sent, for the `n`
+    /// of their content keys ([`journal::content_key`]).
+    identical_writes: std::collections::HashMap<String, u32>,
     traceparent: Option<String>,
 }
 
@@ -212,6 +215,7 @@ impl<'a> Attempt<'a> {
             tools,
             specs: None,
             unanswered_model_calls: 0,
+            identical_writes: std::collections::HashMap::new(),
             traceparent,
         })
     }
@@ -526,7 +530,19 @@ impl<'a> Attempt<'a> {
             (None, true) => None,
             (None, false) => {
                 let seq = self.state.next_seq;
-                let key = journal::write_key(&self.task.id, seq);
+                let key = match self.journal {
+                    // No journal to remember the key by: derive it from the call itself, so
+                    // the same write re-sent by a run that starts over keeps its key.
+                    JournalHome::Nowhere => {
+                        let args = Value::Object(arguments.clone());
+                        let probe =
+                            journal::content_key(&self.task.id, &call.server, &call.tool, &args, 0);
+                        let n = self.identical_writes.entry(probe).or_insert(0);
+                        *n += 1;
+                        journal::content_key(&self.task.id, &call.server, &call.tool, &args, *n)
+                    }
+                    _ => journal::write_key(&self.task.id, seq),
+                };
                 self.journal(journal::tool_started_step(seq, &key, &call))
                     .await?;
                 Some(key)

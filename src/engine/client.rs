@@ -24,6 +24,7 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use super::error::{EngineError, LeaseLostReason};
+use super::headers::EngineHeaders;
 use super::wire::{self, PROTOCOL_HEADER, PROTOCOL_VERSION};
 use super::{
     AppendOutcome, BpmnErrorReport, Engine, FailureReport, FetchRequest, Journal, JournalStep,
@@ -81,6 +82,8 @@ pub struct HttpEngine {
     in_flight: Semaphore,
     settings: EngineClientSettings,
     metrics: Arc<Metrics>,
+    /// `ABADA_AGENT_ENGINE_HEADERS_FILE`: sent with every request (values are secrets).
+    headers: Option<Arc<EngineHeaders>>,
 }
 
 /// One HTTP exchange to make (possibly several times, with the same key).
@@ -115,7 +118,14 @@ impl HttpEngine {
             in_flight: Semaphore::new(settings.max_in_flight.max(1)),
             settings,
             metrics,
+            headers: None,
         }
+    }
+
+    /// Sends `headers` (the operator's headers file) with every engine request.
+    pub fn with_headers(mut self, headers: Option<Arc<EngineHeaders>>) -> Self {
+        self.headers = headers;
+        self
     }
 
     pub fn worker_id(&self) -> &str {
@@ -189,6 +199,11 @@ impl HttpEngine {
             .header(reqwest::header::ACCEPT, "application/json")
             .header(PROTOCOL_HEADER, PROTOCOL_VERSION)
             .body(call.body.clone());
+        if let Some(headers) = &self.headers {
+            for (name, value) in headers.current().iter() {
+                req = req.header(name.clone(), value.clone());
+            }
+        }
         if let Some(key) = &call.idempotency_key {
             req = req.header("Idempotency-Key", key);
         }

@@ -1211,3 +1211,302 @@ async fn wait_for_wakes_on_the_change_it_waits_for() {
     let call = serde_json::to_value(&last).unwrap();
     assert!(call["at"].as_str().unwrap().ends_with('Z'));
 }
+
+// ---- fidelity to the real engine 0.11 (docs/REAL_ENGINE.md, one test per difference) ---------
+
+/// A `complete` or `bpmn-error` with a top-level JSON `null` variable is a 500 `INTERNAL_ERROR`
+/// that stores nothing (the engine's `Map.copyOf` throws), the task stays locked and the key is
+/// free again; a nested null is stored. (REAL_ENGINE.md: "top-level null".)
+#[tokio::test]
+async fn a_top_level_null_variable_is_a_500_that_stores_nothing() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    let null = json!({"workerId": "w1", "variables": {"agentResult": null}});
+    let answer = h
+        .call_keyed(&format!("{id}/complete"), null.clone(), "k-null")
+        .await;
+    let message = assert_error(&answer, 500, "INTERNAL_ERROR", "/complete");
+    assert_eq!(message, "The engine could not complete the request");
+    let view = h.emu.task(&id).unwrap();
+    assert_eq!(view.status, TaskStatus::Locked);
+    assert_eq!(view.worker_id.as_deref(), Some("w1"));
+    assert_eq!(view.result_variables, None);
+    let answer = h
+        .call(
+            &format!("{id}/bpmn-error"),
+            json!({"workerId": "w1", "errorCode": "E", "variables": {"x": null}}),
+        )
+        .await;
+    assert_error(&answer, 500, "INTERNAL_ERROR", "/bpmn-error");
+    // The refusal stored nothing under the key: another body with it executes.
+    let nested = json!({"workerId": "w1", "variables": {"agentResult": {"note": null}}});
+    let answer = h
+        .call_keyed(&format!("{id}/complete"), nested, "k-null")
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let view = h.emu.task(&id).unwrap();
+    assert_eq!(view.status, TaskStatus::Completed);
+    assert_eq!(
+        view.result_variables.unwrap()["agentResult"],
+        json!({"note": null})
+    );
+}
+
+/// A heartbeat without `workerId` is a 500 (the engine throws building its history entry),
+/// after the lock checks; with it, a 204. (REAL_ENGINE.md §12.2.)
+#[tokio::test]
+async fn a_heartbeat_without_a_worker_id_is_a_500() {
+    let h = harness_with(EmulatorOptions {
+        protocol: ProtocolLevel::PlainV1,
+        ..Default::default()
+    })
+    .await;
+    let id = h.emu.create_task(agent_task());
+    let answer = h
+        .call(&format!("{id}/heartbeat"), json!({"lockDuration": 1000}))
+        .await;
+    assert_error(&answer, 400, "ENGINE_COMMAND_REJECTED", "/heartbeat");
+    h.fetch_one("w1").await;
+    let answer = h
+        .call(&format!("{id}/heartbeat"), json!({"lockDuration": 1000}))
+        .await;
+    assert_error(&answer, 500, "INTERNAL_ERROR", "/heartbeat");
+    let answer = h
+        .call(
+            &format!("{id}/heartbeat"),
+            json!({"workerId": "w1", "lockDuration": 1000}),
+        )
+        .await;
+    assert_eq!(answer.status, 204);
+    assert_eq!(h.emu.task(&id).unwrap().counters.heartbeats, 1);
+}
+
+/// `X-Abada-Worker-Protocol-Version: 1` comes on fetch-and-lock answers only: not on their
+/// errors, not on any other operation. (REAL_ENGINE.md §12.8.)
+#[tokio::test]
+async fn the_protocol_header_comes_on_fetch_answers_only() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    let answer = h
+        .call(
+            "fetch-and-lock",
+            json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": LEASE_MS}),
+        )
+        .await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.headers["x-abada-worker-protocol-version"], "1");
+    let bad = h
+        .call(
+            "fetch-and-lock",
+            json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": 0}),
+        )
+        .await;
+    assert_eq!(bad.status, 400);
+    for answer in [
+        bad,
+        h.call(
+            &format!("{id}/heartbeat"),
+            json!({"workerId": "w1", "lockDuration": 1000}),
+        )
+        .await,
+        h.call(&format!("{id}/complete"), json!({"workerId": "w2"}))
+            .await,
+        h.call(&format!("{id}/complete"), json!({"workerId": "w1"}))
+            .await,
+    ] {
+        assert!(
+            answer
+                .headers
+                .get("x-abada-worker-protocol-version")
+                .is_none(),
+            "{} {}",
+            answer.status,
+            answer.body
+        );
+    }
+}
+
+/// Tasks of suspended, cancelled and failed instances are still handed out; their `complete`
+/// is refused with the engine's messages (not a lease loss), while heartbeats and `failure`
+/// work; an operator cannot cancel an instance that ended. (REAL_ENGINE.md §12.10.)
+#[tokio::test]
+async fn tasks_of_suspended_or_ended_instances_are_fetched_and_their_completion_refused() {
+    use abada_agent_worker::devkit::engine::{InstanceAction, InstanceStatus};
+    let h = harness_with(EmulatorOptions {
+        protocol: ProtocolLevel::PlainV1,
+        ..Default::default()
+    })
+    .await;
+    let mut made = Vec::new();
+    for (instance, action) in [
+        ("p-susp", InstanceAction::Suspend),
+        ("p-canc", InstanceAction::Cancel),
+        ("p-fail", InstanceAction::Fail),
+    ] {
+        let id = h.emu.create_task(TaskSpec {
+            process_instance_id: Some(instance.into()),
+            ..agent_task()
+        });
+        h.emu.instance_action(instance, action).unwrap();
+        made.push(id);
+    }
+    assert_eq!(
+        h.emu.instance_action("p-canc", InstanceAction::Cancel),
+        Err("Process instance is already in a terminal state: CANCELLED".into())
+    );
+    assert!(
+        h.emu
+            .instance_action("nope", InstanceAction::Suspend)
+            .is_err()
+    );
+    assert_eq!(ids(&h.fetch("w1", 5).await), made, "all handed out");
+    let expected = [
+        "Process instance is suspended: p-susp",
+        "Process instance is already in a terminal state: CANCELLED",
+        "Process instance is already in a terminal state: FAILED",
+    ];
+    for (id, message) in made.iter().zip(expected) {
+        let beat = h
+            .call(
+                &format!("{id}/heartbeat"),
+                json!({"workerId": "w1", "lockDuration": LEASE_MS}),
+            )
+            .await;
+        assert_eq!(beat.status, 204, "heartbeats work: {}", beat.body);
+        let answer = h
+            .call(
+                &format!("{id}/complete"),
+                json!({"workerId": "w1", "variables": {"a": 1}}),
+            )
+            .await;
+        assert_eq!(
+            assert_error(&answer, 400, "ENGINE_COMMAND_REJECTED", "/complete"),
+            message
+        );
+        assert_eq!(h.emu.task(id).unwrap().status, TaskStatus::Locked);
+    }
+    // `failure` with retries 0 is accepted: the way out.
+    let answer = h
+        .call(
+            &format!("{}/failure", made[0]),
+            json!({"workerId": "w1", "errorMessage": "refused", "retries": 0}),
+        )
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(h.emu.task(&made[0]).unwrap().status, TaskStatus::Failed);
+    // Resumed, the instance takes completions again.
+    h.emu
+        .instance_action("p-susp", InstanceAction::Resume)
+        .unwrap();
+    assert!(h.emu.set_retries(&made[0], 1));
+    let again = h.fetch_one("w1").await;
+    assert_eq!(again["id"], made[0].as_str());
+    let answer = h
+        .call(
+            &format!("{}/complete", made[0]),
+            json!({"workerId": "w1", "variables": {"a": 1}}),
+        )
+        .await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(
+        h.emu.instance("p-susp").unwrap().status,
+        InstanceStatus::Running
+    );
+}
+
+/// `bpmn-error` is accepted on a suspended instance and fails it (it shows `FAILED` and still
+/// suspended); on an ended instance it is accepted and changes nothing more. (REAL_ENGINE.md
+/// §12.11.)
+#[tokio::test]
+async fn a_bpmn_error_fails_a_suspended_instance() {
+    use abada_agent_worker::devkit::engine::{InstanceAction, InstanceStatus, InstanceView};
+    let h = harness().await;
+    let suspended = h.emu.create_task(TaskSpec {
+        process_instance_id: Some("p-a".into()),
+        ..agent_task()
+    });
+    let cancelled = h.emu.create_task(TaskSpec {
+        process_instance_id: Some("p-b".into()),
+        ..agent_task()
+    });
+    h.emu
+        .instance_action("p-a", InstanceAction::Suspend)
+        .unwrap();
+    h.emu
+        .instance_action("p-b", InstanceAction::Cancel)
+        .unwrap();
+    h.fetch("w1", 2).await;
+    for id in [&suspended, &cancelled] {
+        let answer = h
+            .call(
+                &format!("{id}/bpmn-error"),
+                json!({"workerId": "w1", "errorCode": "REFUND_DENIED"}),
+            )
+            .await;
+        assert_eq!(answer.status, 204, "{}", answer.body);
+        assert_eq!(h.emu.task(id).unwrap().status, TaskStatus::BpmnError);
+    }
+    assert_eq!(
+        h.emu.instance("p-a"),
+        Some(InstanceView {
+            status: InstanceStatus::Failed,
+            suspended: true
+        })
+    );
+    assert_eq!(
+        h.emu.instance("p-b").unwrap().status,
+        InstanceStatus::Cancelled
+    );
+    // Over the admin API too.
+    let view: Value = h
+        .http
+        .get(format!("{}/admin/instances/p-a", h.emu.root_url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(view, json!({"status": "FAILED", "suspended": true}));
+    let r = h
+        .http
+        .post(format!("{}/admin/instances/p-b", h.emu.root_url()))
+        .json(&json!({"action": "cancel"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(
+        body["error"],
+        "Process instance is already in a terminal state: CANCELLED"
+    );
+}
+
+/// A completion the process cannot route (the engine's gateway without a matching flow) is
+/// emulated by the `reject` fault: 400 with the message, nothing executed.
+#[tokio::test]
+async fn the_reject_fault_refuses_a_command_with_the_engines_message() {
+    let h = harness().await;
+    let id = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    let r = h
+        .http
+        .post(format!("{}/admin/faults", h.emu.root_url()))
+        .json(&json!({"kind": "reject", "operation": "complete", "taskId": id, "count": 1,
+                       "message": "No matching condition and no default flow for gateway agentOutcome"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    let body = json!({"workerId": "w1", "variables": {"a": 1}});
+    let answer = h.call(&format!("{id}/complete"), body.clone()).await;
+    assert_eq!(
+        assert_error(&answer, 400, "ENGINE_COMMAND_REJECTED", "/complete"),
+        "No matching condition and no default flow for gateway agentOutcome"
+    );
+    let calls = h.emu.calls();
+    assert_eq!(calls.last().unwrap().disposition, Disposition::Injected);
+    assert_eq!(h.call(&format!("{id}/complete"), body).await.status, 200);
+}

@@ -1,6 +1,7 @@
 //! The integration test binary (one binary keeps link time down): one module per area.
 
 mod agent;
+mod content_keys;
 mod core_http;
 mod demo;
 mod durable;
@@ -12,6 +13,8 @@ mod mcp_interop;
 mod oidc;
 mod operations;
 mod provider;
+mod proxy_headers;
+mod refusals;
 mod runner;
 mod secure;
 mod store;

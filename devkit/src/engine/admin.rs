@@ -15,7 +15,7 @@ use serde_json::Value;
 
 use super::Shared;
 use super::faults::Fault;
-use super::state::TaskSpec;
+use super::state::{InstanceAction, TaskSpec};
 use super::wire;
 
 pub(crate) fn routes() -> Router<Arc<Shared>> {
@@ -29,6 +29,10 @@ pub(crate) fn routes() -> Router<Arc<Shared>> {
         .route("/admin/faults", post(add_fault).delete(clear_faults))
         .route("/admin/outage", post(outage))
         .route("/admin/tool-credentials/verify", post(verify_credential))
+        .route(
+            "/admin/instances/{id}",
+            get(get_instance).post(act_on_instance),
+        )
 }
 
 fn admin_error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -191,4 +195,35 @@ async fn verify_credential(State(shared): State<Arc<Shared>>, body: Bytes) -> Re
         None => serde_json::json!({"valid": false}),
     };
     axum::Json(body).into_response()
+}
+
+async fn get_instance(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+    match shared.state().instance_view(&id) {
+        Some(view) => axum::Json(view).into_response(),
+        None => admin_error(StatusCode::NOT_FOUND, format!("no process instance {id}")),
+    }
+}
+
+#[derive(Deserialize)]
+struct InstanceBody {
+    action: InstanceAction,
+}
+
+async fn act_on_instance(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Response {
+    let Ok(InstanceBody { action }) = serde_json::from_slice(&body) else {
+        return admin_error(
+            StatusCode::BAD_REQUEST,
+            "body must be {\"action\": \"suspend\"|\"resume\"|\"cancel\"|\"fail\"}",
+        );
+    };
+    let result = shared.state().instance_action(&id, action);
+    shared.changed.notify_waiters();
+    match result {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(message) => admin_error(StatusCode::BAD_REQUEST, message),
+    }
 }

@@ -56,6 +56,16 @@ pub enum Fault {
     /// The next `count` calls of `operation` have their connection closed before the command
     /// runs (nothing committed), unlike [`Fault::DropResponse`], which runs it first.
     ResetConnection { operation: Operation, count: u32 },
+    /// The next `count` calls of `operation` about `task_id` are refused with 400
+    /// `ENGINE_COMMAND_REJECTED` and `message`, without executing: a rule of the process the
+    /// emulator has no model of, e.g. the engine's "No matching condition and no default flow
+    /// for gateway {id}" when the completed variables route nowhere.
+    Reject {
+        operation: Operation,
+        task_id: String,
+        count: u32,
+        message: String,
+    },
 }
 
 /// What a [`Fault::BadBody`] answer holds.
@@ -102,6 +112,7 @@ pub(crate) struct Faults {
     throttles: HashMap<Operation, (u32, Option<u64>)>,
     bad_bodies: HashMap<Operation, (u32, BadBody)>,
     resets: HashMap<Operation, u32>,
+    rejections: HashMap<(Operation, String), (u32, String)>,
     pub outage: bool,
 }
 
@@ -160,6 +171,15 @@ impl Faults {
             Fault::ResetConnection { operation, count } => {
                 self.resets.insert(operation, count);
             }
+            Fault::Reject {
+                operation,
+                task_id,
+                count,
+                message,
+            } => {
+                self.rejections
+                    .insert((operation, task_id), (count, message));
+            }
         }
     }
 
@@ -215,6 +235,17 @@ impl Faults {
             true
         } else {
             false
+        }
+    }
+
+    /// Consumes one injected rejection of `operation` on `task_id`, returning its message.
+    pub fn take_rejection(&mut self, operation: Operation, task_id: &str) -> Option<String> {
+        match self.rejections.get_mut(&(operation, task_id.to_string())) {
+            Some((n, message)) if *n > 0 => {
+                *n -= 1;
+                Some(message.clone())
+            }
+            _ => None,
         }
     }
 

@@ -316,7 +316,9 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
                 Some(body) => (reply.status, axum::Json(body.clone())).into_response(),
                 None => reply.status.into_response(),
             };
-            if !omit_header {
+            // The engine sends the header on fetch-and-lock answers only (200s and their
+            // replays), never on other operations or on errors.
+            if op == Operation::FetchAndLock && !omit_header {
                 response
                     .headers_mut()
                     .insert(PROTOCOL_HEADER, HeaderValue::from_static("1"));
@@ -393,11 +395,7 @@ fn error_response(shared: &Shared, error: &ApiError, path: &str, headers: &Heade
         path,
         &wire::trace_id(header_str(headers, "traceparent")),
     );
-    let mut response = (error.status, axum::Json(body)).into_response();
-    response
-        .headers_mut()
-        .insert(PROTOCOL_HEADER, HeaderValue::from_static("1"));
-    response
+    (error.status, axum::Json(body)).into_response()
 }
 
 fn refused(error: ApiError, disposition: Disposition) -> Outcome {
@@ -427,6 +425,11 @@ async fn pipeline(call: &ApiCall, op: Operation, parsed_body: Option<Value>) -> 
         }
         if faults.take_conflict(op) {
             return refused(ApiError::concurrent_modification(), Disposition::Injected);
+        }
+        if let Some(id) = &call.task_id
+            && let Some(message) = faults.take_rejection(op, id)
+        {
+            return refused(ApiError::rejected(message), Disposition::Injected);
         }
         if matches!(op, Operation::Heartbeat | Operation::ExtendLock)
             && let Some(id) = &call.task_id

@@ -10,6 +10,15 @@
 //!    this when the body has no `workerId`, as the engine does; journal and credentials never);
 //! 5. agent/1 only: `attempt`, when sent (always required on journal and credentials), is the
 //!    current one, else 409 `STALE_ATTEMPT`.
+//!
+//! Then each command's own rules, as the real engine 0.11 applies them (observed, see
+//! docs/REAL_ENGINE.md): `complete` needs an active process instance (400 "Process instance is
+//! suspended: {id}" / "... already in a terminal state: {STATUS}"); a top-level JSON `null` in
+//! the variables of `complete` or `bpmn-error` is a 500 `INTERNAL_ERROR` (the engine's
+//! `Map.copyOf` throws) with nothing stored; a heartbeat without `workerId` is a 500 (the engine
+//! throws building its history entry); `failure` does not look at the instance; `bpmn-error`
+//! fails the instance unless it already ended (also when it is suspended). A fetch does not look
+//! at the instance either: tasks of suspended, cancelled and failed instances are handed out.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -73,6 +82,56 @@ pub enum TaskStatus {
     /// An incident: `failure` with `retries: 0`.
     Failed,
     BpmnError,
+}
+
+/// The lifecycle of a process instance as its external tasks see it (the engine's
+/// `ProcessStatus`). Suspension is a separate flag ([`InstanceView::suspended`]), as in the
+/// engine, where a suspended instance that a `bpmn-error` fails shows `FAILED` and suspended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum InstanceStatus {
+    Running,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl InstanceStatus {
+    fn terminal(self) -> bool {
+        self != InstanceStatus::Running
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            InstanceStatus::Running => "RUNNING",
+            InstanceStatus::Completed => "COMPLETED",
+            InstanceStatus::Failed => "FAILED",
+            InstanceStatus::Cancelled => "CANCELLED",
+        }
+    }
+}
+
+/// A process instance, for the admin API. Instances exist as soon as a task names them; the
+/// emulator has no process model, so a `complete` does not end its instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InstanceView {
+    pub status: InstanceStatus,
+    pub suspended: bool,
+}
+
+/// What an operator does to a process instance (the engine's instance API).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum InstanceAction {
+    /// `PUT /v1/process-instances/{id}/suspension {"suspended": true}`.
+    Suspend,
+    /// `{"suspended": false}`.
+    Resume,
+    /// `DELETE /v1/process-instances/{id}`: 400 when it already ended.
+    Cancel,
+    /// `POST /v1/processes/instance/{id}/fail`: nothing when it already ended.
+    Fail,
 }
 
 /// A task to create through the admin API. Every field has a default.
@@ -241,6 +300,8 @@ pub(crate) struct EngineState {
     /// Keys in insertion order with their expiry, to drop expired records cheaply.
     idempotency_expiry: VecDeque<(i64, String)>,
     credentials: HashMap<String, Credential>,
+    /// Process instances by id; created running when a task first names one.
+    instances: HashMap<String, InstanceView>,
     calls: VecDeque<CallRecord>,
 }
 
@@ -271,6 +332,7 @@ impl EngineState {
             idempotency: HashMap::new(),
             idempotency_expiry: VecDeque::new(),
             credentials: HashMap::new(),
+            instances: HashMap::new(),
             calls: VecDeque::new(),
         }
     }
@@ -353,9 +415,64 @@ impl EngineState {
             journal: Vec::new(),
             counters: TaskCounters::default(),
         };
+        self.instances
+            .entry(task.process_instance_id.clone())
+            .or_insert(InstanceView {
+                status: InstanceStatus::Running,
+                suspended: false,
+            });
         self.tasks.insert(number, task);
         self.index(number);
         id
+    }
+
+    pub fn instance_view(&self, id: &str) -> Option<InstanceView> {
+        self.instances.get(id).copied()
+    }
+
+    /// An operator's action on a process instance, refused with the engine's message where the
+    /// engine refuses it. Its external tasks are not touched (as in the engine): they stay
+    /// `OPEN`/`LOCKED` and are still handed out.
+    pub fn instance_action(&mut self, id: &str, action: InstanceAction) -> Result<(), String> {
+        let Some(instance) = self.instances.get_mut(id) else {
+            return Err(format!("Process instance not found: {id}"));
+        };
+        match action {
+            InstanceAction::Suspend => instance.suspended = true,
+            InstanceAction::Resume => instance.suspended = false,
+            InstanceAction::Cancel if instance.status.terminal() => {
+                return Err(format!(
+                    "Process instance is already in a terminal state: {}",
+                    instance.status.as_str()
+                ));
+            }
+            InstanceAction::Cancel => instance.status = InstanceStatus::Cancelled,
+            InstanceAction::Fail => {
+                if !instance.status.terminal() {
+                    instance.status = InstanceStatus::Failed;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The engine's `requireActive`: a suspended or ended instance refuses to move on.
+    fn require_active(&self, instance_id: &str) -> Result<(), ApiError> {
+        let Some(instance) = self.instances.get(instance_id) else {
+            return Ok(());
+        };
+        if instance.suspended {
+            return Err(ApiError::rejected(format!(
+                "Process instance is suspended: {instance_id}"
+            )));
+        }
+        if instance.status.terminal() {
+            return Err(ApiError::rejected(format!(
+                "Process instance is already in a terminal state: {}",
+                instance.status.as_str()
+            )));
+        }
+        Ok(())
     }
 
     /// The engine's "set retries" (an operator resolving an incident): the task is `OPEN` again.
@@ -651,6 +768,10 @@ impl EngineState {
                 "lockDuration must be between 1 and 3600000 milliseconds",
             ));
         }
+        if r.worker_id.is_none() {
+            // The engine's history entry takes `workerId` into an immutable map: it throws.
+            return Err(ApiError::internal(StatusCode::INTERNAL_SERVER_ERROR));
+        }
         self.unindex(number);
         if let Some(task) = self.tasks.get_mut(&number) {
             task.lock_expiration = Some(now.saturating_add(lock_duration));
@@ -679,6 +800,8 @@ impl EngineState {
             false,
             now,
         )?;
+        self.require_active(&self.tasks[&number].process_instance_id)?;
+        refuse_top_level_null(r.variables.as_ref())?;
         self.unindex(number);
         if let Some(task) = self.tasks.get_mut(&number) {
             task.status = TaskStatus::Completed;
@@ -729,7 +852,17 @@ impl EngineState {
             return Err(ApiError::rejected("BPMN errorCode is required"));
         }
         let number = self.owned(id, r.worker_id.as_deref(), r.attempt, false, now)?;
+        refuse_top_level_null(r.variables.as_ref())?;
         self.unindex(number);
+        if let Some(instance) = self
+            .tasks
+            .get(&number)
+            .and_then(|t| self.instances.get_mut(&t.process_instance_id))
+            && !instance.status.terminal()
+        {
+            // The engine's `failProcess`: the whole instance fails, suspended or not.
+            instance.status = InstanceStatus::Failed;
+        }
         if let Some(task) = self.tasks.get_mut(&number) {
             task.status = TaskStatus::BpmnError;
             task.bpmn_error_code = r.error_code.clone();
@@ -826,6 +959,15 @@ impl EngineState {
             })),
         })
     }
+}
+
+/// The engine copies the variables with `Map.copyOf`, which throws on a null value: a top-level
+/// JSON `null` is a 500 and nothing is stored (nested nulls are fine).
+fn refuse_top_level_null(variables: Option<&Map<String, Value>>) -> Result<(), ApiError> {
+    if variables.is_some_and(|v| v.values().any(Value::is_null)) {
+        return Err(ApiError::internal(StatusCode::INTERNAL_SERVER_ERROR));
+    }
+    Ok(())
 }
 
 fn journal_conflict(message: String) -> ApiError {

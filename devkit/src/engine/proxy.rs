@@ -1,0 +1,106 @@
+//! The engine's `proxy` security mode (the dev profile's default): it trusts identity headers set
+//! by an authenticating proxy in front of it, exactly as the real engine 0.11 does
+//! (docs/REAL_ENGINE.md): `X-Auth-Request-User` (or `X-Auth-Request-Email`) names the caller,
+//! missing both is 401 "Trusted proxy identity headers are missing"; the worker endpoints then
+//! need the group `abada-worker` in `X-Auth-Request-Groups` (also `/abada-worker`,
+//! `abada_worker`, any case; or `abada-admin`) or the permission `worker:execute` in
+//! `X-Auth-Request-Permissions` (comma lists), else 403 `ACCESS_DENIED`. A user alone is 403.
+
+use super::{AuthRejection, Authorizer, HeaderMap};
+
+/// [`Authorizer`] of the engine's `proxy` security mode.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProxyAuthorizer;
+
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+}
+
+fn list<'a>(headers: &'a HeaderMap, name: &str) -> impl Iterator<Item = &'a str> {
+    header(headers, name)
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+}
+
+impl Authorizer for ProxyAuthorizer {
+    fn authorize(&self, headers: &HeaderMap) -> Result<(), AuthRejection> {
+        if header(headers, "x-auth-request-user").is_none()
+            && header(headers, "x-auth-request-email").is_none()
+        {
+            return Err(AuthRejection::Unauthenticated(
+                "Trusted proxy identity headers are missing".into(),
+            ));
+        }
+        let group = list(headers, "x-auth-request-groups").any(|g| {
+            let g = g
+                .trim_start_matches('/')
+                .to_ascii_lowercase()
+                .replace('_', "-");
+            g == "abada-worker" || g == "abada-admin"
+        });
+        let permission = list(headers, "x-auth-request-permissions").any(|p| p == "worker:execute");
+        if group || permission {
+            Ok(())
+        } else {
+            Err(AuthRejection::AccessDenied(
+                "The authenticated identity does not have permission for this operation".into(),
+            ))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn the_engines_proxy_rules() {
+        let a = ProxyAuthorizer;
+        assert!(matches!(
+            a.authorize(&headers(&[])),
+            Err(AuthRejection::Unauthenticated(_))
+        ));
+        assert!(matches!(
+            a.authorize(&headers(&[("x-auth-request-user", "w")])),
+            Err(AuthRejection::AccessDenied(_))
+        ));
+        for ok in [
+            [
+                ("x-auth-request-user", "w"),
+                ("x-auth-request-groups", "sales, abada-worker"),
+            ],
+            [
+                ("x-auth-request-user", "w"),
+                ("x-auth-request-permissions", "worker:execute"),
+            ],
+            [
+                ("x-auth-request-email", "w@example.com"),
+                ("x-auth-request-groups", "/ABADA_WORKER"),
+            ],
+        ] {
+            assert!(a.authorize(&headers(&ok)).is_ok(), "{ok:?}");
+        }
+        assert!(
+            a.authorize(&headers(&[
+                ("x-auth-request-user", "w"),
+                ("x-auth-request-permissions", "WORKER:EXECUTE")
+            ]))
+            .is_err()
+        );
+    }
+}
