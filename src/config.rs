@@ -33,6 +33,7 @@ pub const ENV_OIDC_CLIENT_AUTH: &str = "ABADA_AGENT_OIDC_CLIENT_AUTH";
 pub const ENV_PROVIDERS: &str = "ABADA_AGENT_PROVIDERS";
 pub const ENV_AGENTS_FILE: &str = "ABADA_AGENT_AGENTS_FILE";
 pub const ENV_CA_FILE: &str = "ABADA_AGENT_CA_FILE";
+pub const ENV_TOOLS_FILE: &str = "ABADA_AGENT_TOOLS_FILE";
 
 /// Where variables come from.
 pub trait EnvSource {
@@ -113,6 +114,8 @@ pub struct Config {
     pub oidc: Option<OidcSettings>,
     pub providers: Vec<ProviderConfig>,
     pub agents_file: Option<PathBuf>,
+    /// The operator's tool-server registry (read by the agent runtime at start-up).
+    pub tools_file: Option<PathBuf>,
     pub ca_file: Option<PathBuf>,
 }
 
@@ -205,6 +208,7 @@ impl Config {
         let providers = parse_providers(env)?;
         let agents_file = get(ENV_AGENTS_FILE).map(PathBuf::from);
         let ca_file = get(ENV_CA_FILE).map(PathBuf::from);
+        let tools_file = get(ENV_TOOLS_FILE).map(|p| PathBuf::from(p.trim()));
         Ok(Config {
             engine_url,
             worker_id,
@@ -219,6 +223,7 @@ impl Config {
             oidc,
             providers,
             agents_file,
+            tools_file,
             ca_file,
         })
     }
