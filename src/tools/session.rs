@@ -447,7 +447,11 @@ fn classify_http(error: &StreamableHttpError<reqwest::Error>) -> SessionFailure 
         H::AuthRequired(_) | H::InsufficientScope(_) => SessionFailure::Unauthorized,
         H::ResponseBodyTooLarge { max_size } => SessionFailure::TooLarge(*max_size),
         H::HttpStatus(status) => SessionFailure::Unavailable(format!("HTTP {}", status.status)),
-        H::Client(e) => SessionFailure::Unavailable(describe_reqwest(e)),
+        // rmcp does not give the client error as a source: look inside it here.
+        H::Client(e) => match super::address::find_forbidden(e) {
+            Some(forbidden) => SessionFailure::Forbidden(forbidden.to_string()),
+            None => SessionFailure::Unavailable(describe_reqwest(e)),
+        },
         H::Io(_)
         | H::Sse(_)
         | H::UnexpectedEndOfStream

@@ -12,6 +12,7 @@ mod mcp_interop;
 mod oidc;
 mod operations;
 mod provider;
+mod registry;
 mod runner;
 mod secure;
 mod support;
