@@ -32,6 +32,7 @@ use crate::provider::fallback::RetryPolicy;
 use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
 use crate::store::{Fence, RunEnd, RunStore, StoreHandle};
 use crate::tools::ToolSessionOptions;
+use crate::tools::registry::{ServerResolutionError, ToolRegistry, ToolsFile, ToolsFileError};
 use definition::AgentsFile;
 
 /// Knobs of the agent runtime (defaults suit production; tests shorten them).
@@ -67,6 +68,9 @@ impl Default for AgentSettings {
 pub struct AgentRuntime {
     providers: ProviderRegistry,
     agents_file: Option<AgentsFile>,
+    /// The operator's tool servers (`ABADA_AGENT_TOOLS_FILE`), when set.
+    tool_registry: Option<Arc<ToolRegistry>>,
+    /// The tool servers' client: no redirects, no link-local or metadata address.
     tool_http: reqwest::Client,
     settings: AgentSettings,
     metrics: Arc<Metrics>,
@@ -111,6 +115,15 @@ pub enum AgentSetupError {
     Provider { name: String, reason: String },
     #[error("cannot build the HTTP client for models and tools: {0}")]
     Http(String),
+    #[error(transparent)]
+    ToolsFile(#[from] ToolsFileError),
+    #[error("the agents file {path}, agent {agent:?}: {source}")]
+    ToolServer {
+        path: std::path::PathBuf,
+        agent: String,
+        #[source]
+        source: Box<ServerResolutionError>,
+    },
 }
 
 impl AgentRuntime {
@@ -124,6 +137,7 @@ impl AgentRuntime {
         AgentRuntime {
             providers,
             agents_file,
+            tool_registry: None,
             tool_http,
             settings,
             metrics,
@@ -141,6 +155,12 @@ impl AgentRuntime {
             worker_id: worker_id.to_string(),
             patience,
         });
+        self
+    }
+
+    /// The runtime with the operator's tool-server registry.
+    pub fn with_tool_registry(mut self, registry: Arc<ToolRegistry>) -> Self {
+        self.tool_registry = Some(registry);
         self
     }
 
@@ -177,13 +197,46 @@ impl AgentRuntime {
         if let Some(f) = &agents_file {
             tracing::info!(agents = f.len(), "agents file loaded");
         }
-        Ok(AgentRuntime::new(
-            ProviderRegistry::new(settings, http.clone()),
+        let tls = || {
+            crate::tls::http_client_builder(config.ca_file.as_deref())
+                .map_err(|e| AgentSetupError::Http(e.to_string()))
+        };
+        let tool_registry = match &config.tools_file {
+            None => None,
+            Some(path) => {
+                let file = ToolsFile::load(path)?;
+                let registry = ToolRegistry::start(file, tls()?)
+                    .map_err(|e| AgentSetupError::Http(e.to_string()))?;
+                tracing::info!(servers = registry.len(), "tool-server registry loaded");
+                Some(Arc::new(registry))
+            }
+        };
+        // A local definition naming a server the registry lacks, or at another URL, is the
+        // operator's own mistake: said at start-up, not at the first task.
+        if let (Some(file), Some(path)) = (&agents_file, &config.agents_file) {
+            for (key, def) in file.definitions() {
+                ToolRegistry::resolve(tool_registry.as_deref(), &def.tool_servers, true).map_err(
+                    |source| AgentSetupError::ToolServer {
+                        path: path.clone(),
+                        agent: key.to_string(),
+                        source: Box::new(source),
+                    },
+                )?;
+            }
+        }
+        let tool_http =
+            crate::tools::http_client(tls()?).map_err(|e| AgentSetupError::Http(e.to_string()))?;
+        let runtime = AgentRuntime::new(
+            ProviderRegistry::new(settings, http),
             agents_file,
-            http,
+            tool_http,
             agent_settings,
             metrics,
-        ))
+        );
+        Ok(match tool_registry {
+            Some(registry) => runtime.with_tool_registry(registry),
+            None => runtime,
+        })
     }
 
     /// Where `task`'s journal lives: the one place that choice is made. A task without

@@ -42,6 +42,7 @@ pub const ENV_STORE_TRANSACTION_TIMEOUT_MS: &str = "ABADA_AGENT_STORE_TRANSACTIO
 pub const ENV_STORE_RETENTION: &str = "ABADA_AGENT_STORE_RETENTION";
 pub const ENV_STORE_ABANDONED_AFTER: &str = "ABADA_AGENT_STORE_ABANDONED_AFTER";
 pub const ENV_ENGINE_HEADERS_FILE: &str = "ABADA_AGENT_ENGINE_HEADERS_FILE";
+pub const ENV_TOOLS_FILE: &str = "ABADA_AGENT_TOOLS_FILE";
 
 /// Where variables come from.
 pub trait EnvSource {
@@ -163,6 +164,8 @@ pub struct Config {
     pub oidc: Option<OidcSettings>,
     pub providers: Vec<ProviderConfig>,
     pub agents_file: Option<PathBuf>,
+    /// The operator's tool-server registry (read by the agent runtime at start-up).
+    pub tools_file: Option<PathBuf>,
     pub ca_file: Option<PathBuf>,
     /// `None` when `ABADA_AGENT_STORE_URL` (or its `_FILE`) is unset.
     pub store: Option<StoreConfig>,
@@ -268,6 +271,7 @@ impl Config {
                     .map_err(|e| ConfigError::new(ENV_ENGINE_HEADERS_FILE, e.to_string()))
             })
             .transpose()?;
+        let tools_file = get(ENV_TOOLS_FILE).map(|p| PathBuf::from(p.trim()));
         Ok(Config {
             engine_url,
             worker_id,
@@ -282,6 +286,7 @@ impl Config {
             oidc,
             providers,
             agents_file,
+            tools_file,
             ca_file,
             store,
             engine_headers,

@@ -10,6 +10,8 @@
 //! Calls take `&mut self`, so calls within one task are sequential by construction, which keeps the
 //! journal's order strict (B.2).
 
+pub mod address;
+pub mod registry;
 mod session;
 
 use std::collections::HashMap;
@@ -51,11 +53,23 @@ pub enum CredentialError {
     Transient { server: String, reason: String },
 }
 
-/// Where a task gets the short-lived credential for one tool server (protocol.md B.3). The agent
-/// wires it to the engine's `tool-credentials` call for the task's lease.
+/// Where a task gets the credential for one tool server: the operator's registry
+/// ([`registry::TaskCredentials`]) or the engine's `tool-credentials` call for the task's lease
+/// (protocol.md B.3). Asked for each session a task opens to that server, and only for it.
 #[async_trait]
 pub trait CredentialSource: Send + Sync {
-    async fn credential(&self, server: &str) -> Result<Secret, CredentialError>;
+    /// The credential to send as `Authorization: Bearer`, or `None` to send none.
+    async fn credential(&self, server: &str) -> Result<Option<Secret>, CredentialError>;
+
+    /// The server answered 401 to `refused`: a different credential to try once (a refreshed
+    /// token, a rotated file), or `None` when there is none and the refusal stands.
+    async fn rejected(
+        &self,
+        _server: &str,
+        _refused: &Secret,
+    ) -> Result<Option<Secret>, CredentialError> {
+        Ok(None)
+    }
 }
 
 /// Why a tool listing or call failed. Messages name the server, tool and URL, never a credential.
@@ -73,11 +87,20 @@ pub enum ToolError {
     /// The engine refused the credential: the lease is lost. Stop the task silently.
     #[error("the credential for tool server {server} was refused by the engine: the lease is lost")]
     CredentialRefused { server: String },
-    /// The tool server answered 401/403 to the credential the engine issued for it.
+    /// The tool server answered 401/403 to the credential sent to it (after one refreshed
+    /// credential, when its source had one).
     #[error(
-        "tool server {server} ({url}) rejected the credential the engine issued for it; check that the engine and the server agree on credentials"
+        "tool server {server} ({url}) rejected the credential sent to it; check the server's entry in ABADA_AGENT_TOOLS_FILE, or, for the engine's credential, that the engine and the server agree on credentials"
     )]
     Unauthorized { server: String, url: String },
+    /// The server's host name resolved to a link-local or cloud-metadata address: nothing was
+    /// sent. Retrying cannot help.
+    #[error("tool server {server} ({url}) is refused: {reason}")]
+    ForbiddenAddress {
+        server: String,
+        url: String,
+        reason: String,
+    },
     /// The agent named a server its definition does not list.
     #[error("unknown tool server {server}; the agent definition lists: {known}")]
     UnknownServer { server: String, known: String },
@@ -185,6 +208,20 @@ impl Default for ToolSessionOptions {
     }
 }
 
+/// The tool servers' HTTP client, from `builder` (which carries the trust roots): it follows
+/// no redirect, so a credential never reaches another origin through one, and resolves host
+/// names through [`address::GuardedResolver`], so no connection goes to a link-local or
+/// cloud-metadata address.
+pub fn http_client(builder: reqwest::ClientBuilder) -> Result<reqwest::Client, reqwest::Error> {
+    builder
+        .connect_timeout(Duration::from_secs(10))
+        .pool_idle_timeout(Duration::from_secs(90))
+        .tcp_nodelay(true)
+        .redirect(reqwest::redirect::Policy::none())
+        .dns_resolver(address::GuardedResolver::system())
+        .build()
+}
+
 /// The MCP sessions of one task: at most one per tool server, opened on first use.
 pub struct ToolSessions {
     http: reqwest::Client,
@@ -246,6 +283,7 @@ impl ToolSessions {
             meta.insert(TRACEPARENT_META.into(), Value::String(tp.clone()));
         }
         let mut reopened = false;
+        let mut refreshed = false;
         loop {
             let session = self.session(server).await?;
             if !session.has_tool(tool) {
@@ -255,6 +293,8 @@ impl ToolSessions {
                     tool: tool.into(),
                 });
             }
+            let refused = session.credential().cloned();
+            let url = session.url().to_owned();
             match session.call(tool, arguments.clone(), meta.clone()).await {
                 Ok(result) => return Ok(result),
                 Err(SessionFailure::Expired) if !reopened => {
@@ -264,8 +304,31 @@ impl ToolSessions {
                         old.close().await;
                     }
                 }
+                // Refused before the server did anything: one new session with a refreshed
+                // credential, and the call re-sent (with the same key).
+                Err(SessionFailure::Unauthorized) if !refreshed && refused.is_some() => {
+                    refreshed = true;
+                    if let Some(old) = self.open.remove(server) {
+                        old.close().await;
+                    }
+                    let next = match &refused {
+                        Some(refused) => self.rejected(server, &url, refused).await?,
+                        None => None,
+                    };
+                    if next.is_none() {
+                        return Err(ToolError::Unauthorized {
+                            server: server.into(),
+                            url,
+                        });
+                    }
+                    tracing::info!(
+                        server,
+                        tool,
+                        "tool server refused the credential; retrying once with a new one"
+                    );
+                }
                 Err(failure) => {
-                    let error = failure.into_tool_error(server, session.url(), Some(tool));
+                    let error = failure.into_tool_error(server, &url, Some(tool));
                     if matches!(
                         error,
                         ToolError::Unavailable { .. } | ToolError::Unauthorized { .. }
@@ -307,26 +370,64 @@ impl ToolSessions {
                         .join(", "),
                 });
             };
-            let credential = self
+            let mut credential = self
                 .credentials
                 .credential(server)
                 .await
-                .map_err(|e| match e {
-                    CredentialError::LeaseLost { .. } => ToolError::CredentialRefused {
-                        server: server.into(),
-                    },
-                    CredentialError::Transient { reason, .. } => ToolError::Unavailable {
-                        server: server.into(),
-                        url: server_ref.url.clone(),
-                        reason: format!("no credential: {reason}"),
-                    },
-                })?;
-            let session = Session::open(&self.http, &server_ref, credential, &self.options)
-                .await
-                .map_err(|failure| failure.into_tool_error(server, &server_ref.url, None))?;
+                .map_err(|e| credential_error(e, &server_ref.url))?;
+            let mut refreshed = false;
+            let session = loop {
+                let opened =
+                    Session::open(&self.http, &server_ref, credential.clone(), &self.options).await;
+                match (opened, &credential) {
+                    (Ok(session), _) => break session,
+                    (Err(SessionFailure::Unauthorized), Some(refused)) if !refreshed => {
+                        refreshed = true;
+                        match self.rejected(server, &server_ref.url, refused).await? {
+                            Some(next) => credential = Some(next),
+                            None => {
+                                return Err(ToolError::Unauthorized {
+                                    server: server.into(),
+                                    url: server_ref.url.clone(),
+                                });
+                            }
+                        }
+                    }
+                    (Err(failure), _) => {
+                        return Err(failure.into_tool_error(server, &server_ref.url, None));
+                    }
+                }
+            };
             self.open.insert(server.to_owned(), session);
         }
         Ok(self.open.get_mut(server).expect("inserted above"))
+    }
+}
+
+impl ToolSessions {
+    /// Asks the credential source for a credential other than `refused`.
+    async fn rejected(
+        &self,
+        server: &str,
+        url: &str,
+        refused: &Secret,
+    ) -> Result<Option<Secret>, ToolError> {
+        self.credentials
+            .rejected(server, refused)
+            .await
+            .map_err(|e| credential_error(e, url))
+    }
+}
+
+/// A credential that could not be had, as the tool error a task acts on.
+fn credential_error(e: CredentialError, url: &str) -> ToolError {
+    match e {
+        CredentialError::LeaseLost { server } => ToolError::CredentialRefused { server },
+        CredentialError::Transient { server, reason } => ToolError::Unavailable {
+            server,
+            url: url.to_string(),
+            reason: format!("no credential: {reason}"),
+        },
     }
 }
 

@@ -14,7 +14,8 @@
 //! [`ToolServerCounters::sessions_open`] is the number of sessions rmcp's session manager holds.
 //!
 //! Every request must carry `Authorization: Bearer <token>` that the configured
-//! [`CredentialValidator`] accepts for this server's name; anything else gets HTTP 401 with a
+//! [`CredentialValidator`] accepts for this server's name (or none at all on a server started
+//! [`ToolServerOptions::anonymous`]); anything else gets HTTP 401 with a
 //! `WWW-Authenticate: Bearer` challenge.
 
 use std::borrow::Cow;
@@ -81,6 +82,9 @@ pub struct ToolServerOptions {
     /// The server's name as agents and the engine know it (passed to the validator).
     pub name: String,
     pub validator: Arc<dyn CredentialValidator>,
+    /// Requests without `Authorization` are served too (a server registered with
+    /// `auth = "none"`); a bearer token, when one is sent, must still pass the validator.
+    pub anonymous: bool,
 }
 
 impl ToolServerOptions {
@@ -88,7 +92,14 @@ impl ToolServerOptions {
         ToolServerOptions {
             name: name.into(),
             validator,
+            anonymous: false,
         }
+    }
+
+    /// The same server, serving requests without a credential too.
+    pub fn anonymous(mut self) -> Self {
+        self.anonymous = true;
+        self
     }
 }
 
@@ -158,6 +169,7 @@ struct Faults {
 struct Shared {
     name: String,
     validator: Arc<dyn CredentialValidator>,
+    anonymous: bool,
     /// The credential each session was opened with: its owner may always close it (DELETE),
     /// even after the credential died with the task's lease.
     session_tokens: Mutex<HashMap<String, String>>,
@@ -193,6 +205,7 @@ impl ToolServer {
         let shared = Arc::new(Shared {
             name: options.name,
             validator: options.validator,
+            anonymous: options.anonymous,
             session_tokens: Mutex::new(HashMap::new()),
             records: Mutex::new(Records::default()),
             faults: Faults::default(),
@@ -378,9 +391,10 @@ async fn gate(State(shared): State<Arc<Shared>>, request: Request, next: Next) -
             _ => false,
         };
     let authorized = owner_closes
-        || token
-            .as_deref()
-            .is_some_and(|token| shared.validator.validate(&shared.name, token));
+        || match token.as_deref() {
+            Some(token) => shared.validator.validate(&shared.name, token),
+            None => shared.anonymous,
+        };
     if !authorized {
         shared.records().counters.unauthorized += 1;
         return (

@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 
 use crate::engine::Task;
 use crate::provider::ModelRef;
-use crate::tools::ToolServerRef;
+use crate::tools::registry::NamedServer;
 
 pub const DEFAULT_MAX_TURNS: u32 = 20;
 pub const DEFAULT_RESULT_VARIABLE: &str = "agentResult";
@@ -23,7 +23,9 @@ pub struct AgentDefinition {
     pub models: Vec<ModelRef>,
     pub instructions: String,
     pub input: String,
-    pub tool_servers: Vec<ToolServerRef>,
+    /// The tool servers the agent uses: names of the operator's registry, or a name with the
+    /// URL the definition expects (checked against the registry for each task).
+    pub tool_servers: Vec<NamedServer>,
     pub max_turns: u32,
     pub token_budget: Option<u64>,
     pub result_variable: String,
@@ -67,7 +69,7 @@ struct AgentWire {
     #[serde(default)]
     input: String,
     #[serde(default, alias = "tool_servers")]
-    tool_servers: Vec<ToolServerWire>,
+    tool_servers: Vec<Value>,
     #[serde(default, alias = "max_turns")]
     max_turns: Option<u32>,
     #[serde(default, alias = "token_budget")]
@@ -76,6 +78,7 @@ struct AgentWire {
     result_variable: Option<String>,
 }
 
+/// A tool server named with its URL: `{ "name": "orders", "url": "http://orders-mcp/mcp" }`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ToolServerWire {
@@ -117,24 +120,39 @@ impl AgentDefinition {
         for m in &wire.fallback_models {
             models.push(ModelRef::parse(m).map_err(|e| invalid(format!("fallbackModels: {e}")))?);
         }
-        let mut tool_servers: Vec<ToolServerRef> = Vec::new();
-        for s in wire.tool_servers {
-            if s.name.trim().is_empty() {
+        let mut tool_servers: Vec<NamedServer> = Vec::new();
+        for entry in wire.tool_servers {
+            let server = match entry {
+                // A registry name: the operator's registry says where it is.
+                Value::String(name) => NamedServer { name, url: None },
+                other => {
+                    let s: ToolServerWire = serde_json::from_value(other).map_err(|e| {
+                        invalid(format!(
+                            "toolServers: {e}; give a registry name (\"orders\") or {{ name, url }}"
+                        ))
+                    })?;
+                    if !(s.url.starts_with("http://") || s.url.starts_with("https://")) {
+                        return Err(invalid(format!(
+                            "tool server {:?} has url {:?}, which is not http(s)",
+                            s.name, s.url
+                        )));
+                    }
+                    NamedServer {
+                        name: s.name,
+                        url: Some(s.url),
+                    }
+                }
+            };
+            if server.name.trim().is_empty() {
                 return Err(invalid("a tool server has a blank name".into()));
             }
-            if !(s.url.starts_with("http://") || s.url.starts_with("https://")) {
+            if tool_servers.iter().any(|t| t.name == server.name) {
                 return Err(invalid(format!(
-                    "tool server {:?} has url {:?}, which is not http(s)",
-                    s.name, s.url
+                    "tool server {:?} is listed twice",
+                    server.name
                 )));
             }
-            if tool_servers.iter().any(|t| t.name == s.name) {
-                return Err(invalid(format!("tool server {:?} is listed twice", s.name)));
-            }
-            tool_servers.push(ToolServerRef {
-                name: s.name,
-                url: s.url,
-            });
+            tool_servers.push(server);
         }
         let max_turns = wire.max_turns.unwrap_or(DEFAULT_MAX_TURNS);
         if max_turns == 0 {
@@ -321,6 +339,11 @@ impl AgentsFile {
         self.by_key.is_empty()
     }
 
+    /// Every definition of the file, with the key it is found by.
+    pub fn definitions(&self) -> impl Iterator<Item = (&str, &AgentDefinition)> {
+        self.by_key.iter().map(|(k, d)| (k.as_str(), d))
+    }
+
     fn lookup(&self, task: &Task) -> Option<&AgentDefinition> {
         task.activity_id
             .as_deref()
@@ -428,6 +451,49 @@ mod tests {
             AgentDefinition::from_value(&json!({"model": "p/m", "input": "${nope}"}), "a").unwrap();
         let e = def.render(&Map::new()).unwrap_err();
         assert!(e.to_string().contains("no variable \"nope\""));
+    }
+
+    #[test]
+    fn tool_servers_are_registry_names_or_name_and_url() {
+        let def = AgentDefinition::from_value(
+            &json!({"model": "p/m", "input": "x",
+                "toolServers": ["orders", {"name": "billing", "url": "http://billing/mcp"}]}),
+            "a",
+        )
+        .unwrap();
+        assert_eq!(
+            def.tool_servers,
+            vec![
+                NamedServer {
+                    name: "orders".into(),
+                    url: None
+                },
+                NamedServer {
+                    name: "billing".into(),
+                    url: Some("http://billing/mcp".into())
+                }
+            ]
+        );
+        let err = |servers: Value| {
+            AgentDefinition::from_value(
+                &json!({"model": "p/m", "input": "x", "toolServers": servers}),
+                "a",
+            )
+            .unwrap_err()
+            .to_string()
+        };
+        assert!(err(json!(["orders", "orders"])).contains("listed twice"));
+        assert!(
+            err(json!(["orders", {"name": "orders", "url": "http://o/"}])).contains("listed twice")
+        );
+        assert!(err(json!([""])).contains("blank name"));
+        assert!(err(json!([7])).contains("registry name"));
+        assert!(err(json!([{"name": "o"}])).contains("missing field `url`"));
+        let file = AgentsFile::parse_str(
+            "[agents.a]\nmodel = \"p/m\"\ninput = \"x\"\ntoolServers = [\"orders\"]\n",
+        )
+        .unwrap();
+        assert_eq!(file.by_key["a"].tool_servers[0].name, "orders");
     }
 
     #[test]

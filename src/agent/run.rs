@@ -25,6 +25,7 @@ use crate::provider::ModelRequest;
 use crate::provider::fallback::{CallAttempt, ModelCallError, call_with_fallback_observed};
 use crate::secret::Secret;
 use crate::store::{ErrorClass, Fence, RunEnd, RunKey, RunStore, StoreError};
+use crate::tools::registry::ToolRegistry;
 use crate::tools::{CredentialError, CredentialSource, ToolError, ToolSessions};
 
 type Step<T = ()> = Result<T, Outcome>;
@@ -96,11 +97,11 @@ struct LeaseCredentials {
 
 #[async_trait]
 impl CredentialSource for LeaseCredentials {
-    async fn credential(&self, server: &str) -> Result<Secret, CredentialError> {
+    async fn credential(&self, server: &str) -> Result<Option<Secret>, CredentialError> {
         self.ctx
             .tool_credential(server)
             .await
-            .map(|c| c.token)
+            .map(|c| Some(c.token))
             .map_err(|e| match e {
                 TaskError::LeaseLost(_) => CredentialError::LeaseLost {
                     server: server.to_string(),
@@ -196,11 +197,25 @@ impl<'a> Attempt<'a> {
                 "resuming the agent run from its journal"
             );
         }
+        // Which servers, at which URL, with which credential: the registry decides; the
+        // definition only names them. Nothing is sent to a server that fails here.
+        let servers = ToolRegistry::resolve(
+            rt.tool_registry.as_deref(),
+            &def.tool_servers,
+            task.attempt.is_some(),
+        )
+        .map_err(|e| {
+            incident(
+                "a tool server of the agent definition cannot be used",
+                e.to_string(),
+            )
+        })?;
+        let credentials = servers.credentials(Arc::new(LeaseCredentials { ctx: ctx.clone() }));
         let traceparent = task.trace_parent.as_ref().map(|t| t.child_header());
         let tools = ToolSessions::new(
             rt.tool_http.clone(),
-            def.tool_servers.clone(),
-            Arc::new(LeaseCredentials { ctx: ctx.clone() }),
+            servers.servers,
+            Arc::new(credentials),
             traceparent.clone(),
             rt.settings.tool_sessions.clone(),
         );
@@ -342,6 +357,12 @@ impl<'a> Attempt<'a> {
     async fn tool_error(&self, e: ToolError, tries: u32, what: &str) -> Step {
         if e.is_lease_lost() {
             return Err(Outcome::Abandoned);
+        }
+        if matches!(e, ToolError::ForbiddenAddress { .. }) {
+            return Err(incident(
+                "a tool server of the agent definition cannot be used",
+                format!("{what}: {e}"),
+            ));
         }
         if e.is_transient() && tries < self.rt.settings.tool_attempts {
             let wait = self.rt.settings.tool_backoff.delay(tries - 1);

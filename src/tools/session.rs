@@ -33,6 +33,8 @@ pub(crate) enum SessionFailure {
     TooLarge(usize),
     /// A protocol violation or a JSON-RPC error.
     Protocol(String),
+    /// The host resolved to a link-local or metadata address; no connection was made.
+    Forbidden(String),
     /// `server/discover` answered, but the server supports only versions with `initialize`.
     LegacyOnly,
 }
@@ -42,6 +44,11 @@ impl SessionFailure {
         let (server, url) = (server.to_owned(), url.to_owned());
         match self {
             SessionFailure::Unauthorized => ToolError::Unauthorized { server, url },
+            SessionFailure::Forbidden(reason) => ToolError::ForbiddenAddress {
+                server,
+                url,
+                reason,
+            },
             SessionFailure::Unavailable(reason) => ToolError::Unavailable {
                 server,
                 url,
@@ -77,6 +84,8 @@ impl SessionFailure {
 /// An open session and the tools it lists.
 pub(crate) struct Session {
     url: String,
+    /// The credential the session was opened with (sent on each of its requests).
+    credential: Option<Secret>,
     client: RunningService<RoleClient, ClientConfig>,
     tools: Vec<ToolSpec>,
     options: ToolSessionOptions,
@@ -91,7 +100,7 @@ impl Session {
     pub(crate) async fn open(
         http: &reqwest::Client,
         server: &ToolServerRef,
-        credential: Secret,
+        credential: Option<Secret>,
         options: &ToolSessionOptions,
     ) -> Result<Session, SessionFailure> {
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -112,7 +121,7 @@ impl Session {
     async fn open_here(
         http: &reqwest::Client,
         server: &ToolServerRef,
-        credential: Secret,
+        credential: Option<Secret>,
         options: &ToolSessionOptions,
     ) -> Result<Session, SessionFailure> {
         let client = if options.protocol == ToolProtocol::Auto {
@@ -152,6 +161,7 @@ impl Session {
         };
         let mut session = Session {
             url: server.url.clone(),
+            credential,
             client,
             tools: Vec::new(),
             options: options.clone(),
@@ -195,6 +205,10 @@ impl Session {
 
     pub(crate) fn url(&self) -> &str {
         &self.url
+    }
+
+    pub(crate) fn credential(&self) -> Option<&Secret> {
+        self.credential.as_ref()
     }
 
     pub(crate) fn tools(&self) -> &[ToolSpec] {
@@ -257,12 +271,15 @@ impl Session {
 async fn connect(
     http: &reqwest::Client,
     server: &ToolServerRef,
-    credential: &Secret,
+    credential: &Option<Secret>,
     options: &ToolSessionOptions,
     protocol: ToolProtocol,
 ) -> Result<RunningService<RoleClient, ClientConfig>, SessionFailure> {
-    let config = StreamableHttpClientTransportConfig::with_uri(server.url.as_str())
-        .auth_header(credential.expose())
+    let mut config = StreamableHttpClientTransportConfig::with_uri(server.url.as_str());
+    if let Some(credential) = credential {
+        config = config.auth_header(credential.expose());
+    }
+    let config = config
         // We re-open expired sessions ourselves, with a fresh credential.
         .reinit_on_expired_session(false)
         .max_json_response_size(options.max_response_bytes)
@@ -407,6 +424,9 @@ fn classify_service(error: &ServiceError) -> SessionFailure {
 }
 
 fn classify_chain(top: &(dyn StdError + Send + Sync + 'static)) -> SessionFailure {
+    if let Some(forbidden) = super::address::find_forbidden(top) {
+        return SessionFailure::Forbidden(forbidden.to_string());
+    }
     let mut current: Option<&(dyn StdError + 'static)> = Some(top);
     while let Some(error) = current {
         if let Some(http) = error.downcast_ref::<StreamableHttpError<reqwest::Error>>() {
@@ -427,7 +447,11 @@ fn classify_http(error: &StreamableHttpError<reqwest::Error>) -> SessionFailure 
         H::AuthRequired(_) | H::InsufficientScope(_) => SessionFailure::Unauthorized,
         H::ResponseBodyTooLarge { max_size } => SessionFailure::TooLarge(*max_size),
         H::HttpStatus(status) => SessionFailure::Unavailable(format!("HTTP {}", status.status)),
-        H::Client(e) => SessionFailure::Unavailable(describe_reqwest(e)),
+        // rmcp does not give the client error as a source: look inside it here.
+        H::Client(e) => match super::address::find_forbidden(e) {
+            Some(forbidden) => SessionFailure::Forbidden(forbidden.to_string()),
+            None => SessionFailure::Unavailable(describe_reqwest(e)),
+        },
         H::Io(_)
         | H::Sse(_)
         | H::UnexpectedEndOfStream

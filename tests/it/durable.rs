@@ -388,11 +388,11 @@ struct ClientCredentials {
 
 #[async_trait]
 impl CredentialSource for ClientCredentials {
-    async fn credential(&self, server: &str) -> Result<Secret, CredentialError> {
+    async fn credential(&self, server: &str) -> Result<Option<Secret>, CredentialError> {
         self.client
             .tool_credential(&self.task, server)
             .await
-            .map(|c| c.token)
+            .map(|c| Some(c.token))
             .map_err(|e| CredentialError::Transient {
                 server: server.into(),
                 reason: e.to_string(),

@@ -15,6 +15,7 @@ mod operations;
 mod provider;
 mod proxy_headers;
 mod refusals;
+mod registry;
 mod runner;
 mod secure;
 mod store;

@@ -29,8 +29,8 @@ struct NamedCredentials;
 
 #[async_trait]
 impl CredentialSource for NamedCredentials {
-    async fn credential(&self, server: &str) -> Result<Secret, CredentialError> {
-        Ok(Secret::new(format!("{server}-credential")))
+    async fn credential(&self, server: &str) -> Result<Option<Secret>, CredentialError> {
+        Ok(Some(Secret::new(format!("{server}-credential"))))
     }
 }
 

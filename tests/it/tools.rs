@@ -35,7 +35,7 @@ impl TestCredentials {
 
 #[async_trait]
 impl CredentialSource for TestCredentials {
-    async fn credential(&self, server: &str) -> Result<Secret, CredentialError> {
+    async fn credential(&self, server: &str) -> Result<Option<Secret>, CredentialError> {
         self.requests.fetch_add(1, Ordering::SeqCst);
         if self.refuse {
             return Err(CredentialError::LeaseLost {
@@ -43,12 +43,12 @@ impl CredentialSource for TestCredentials {
             });
         }
         if let Some(token) = &self.fixed {
-            return Ok(Secret::new(token.clone()));
+            return Ok(Some(Secret::new(token.clone())));
         }
         let mut issued = self.issued.lock().unwrap();
         let n = issued.entry(server.to_owned()).or_default();
         *n += 1;
-        Ok(Secret::new(format!("{server}-token-{n}")))
+        Ok(Some(Secret::new(format!("{server}-token-{n}"))))
     }
 }
 

@@ -1,0 +1,848 @@
+//! The operator's tool-server registry (`ABADA_AGENT_TOOLS_FILE`): which tool servers exist,
+//! at which URL, and how the worker authenticates to each. Read once at start-up; each task then
+//! resolves the servers its definition names against it ([`ToolRegistry::resolve`]), so that a
+//! definition (possibly sent by the engine) chooses *which* servers an agent uses, never where a
+//! credential goes.
+//!
+//! ```toml
+//! [servers.orders]
+//! url = "https://orders-mcp:8080/mcp"
+//! auth = "bearer"                 # "none" | "bearer" | "oauth2" | "engine"
+//! tokenFile = "/var/run/secrets/abada/orders-token"
+//! ```
+//!
+//! Credentials: `bearer` re-reads its token file when it changes ([`SecretSource`]); `oauth2`
+//! is one client-credentials token per server, shared by every task, owned by the generic token
+//! actor ([`crate::auth::token`]: refreshed ahead of expiry, one grant at a time, a forced
+//! refresh when the server refuses it); `engine` is the agent/1 per-task credential. A credential
+//! is only ever looked up by the name of the server a session is opened to, whose URL is the
+//! registry's, and the tools' HTTP client follows no redirect: it reaches no other origin.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use oauth2::TokenUrl;
+use serde::Deserialize;
+
+use super::address::{self, ForbiddenAddress};
+use super::{CredentialError, CredentialSource, ToolServerRef};
+use crate::auth::token::{self, GrantedToken, TokenError, TokenHandle, TokenSource};
+use crate::auth::{ClientAuth, ClientCredentials, GrantError, IssuerHttpClient};
+use crate::secret::{Secret, SecretSource};
+
+/// Bound on one token grant for a tool server.
+const GRANT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The variable naming the registry file (also in [`crate::config`]).
+const VAR: &str = "ABADA_AGENT_TOOLS_FILE";
+
+/// How the worker authenticates to one registered server.
+#[derive(Clone, Debug)]
+pub enum ServerAuth {
+    /// No `Authorization` header.
+    None,
+    /// A static token from a file, re-read when the file changes.
+    Bearer { token: Arc<SecretSource> },
+    /// The OAuth 2.0 client-credentials grant at `token_url`.
+    OAuth2(OAuth2Settings),
+    /// The engine's per-task credential (protocol.md B.3, agent/1 engines only).
+    Engine,
+}
+
+/// A registered server's client-credentials settings.
+#[derive(Clone, Debug)]
+pub struct OAuth2Settings {
+    pub token_url: TokenUrl,
+    pub client_id: String,
+    /// Re-read at every grant, so a rotated secret is used without a restart.
+    pub client_secret: Arc<SecretSource>,
+    pub scopes: Vec<String>,
+    /// RFC 8707 resource indicator, for issuers that issue tokens per audience.
+    pub resource: Option<String>,
+    pub client_auth: ClientAuth,
+}
+
+/// One server of the registry.
+#[derive(Clone, Debug)]
+pub struct RegisteredServer {
+    pub name: String,
+    pub url: reqwest::Url,
+    pub auth: ServerAuth,
+}
+
+/// The registry file, parsed and checked (no token fetched yet).
+#[derive(Clone, Debug, Default)]
+pub struct ToolsFile {
+    pub servers: BTreeMap<String, RegisteredServer>,
+}
+
+/// Why the registry file cannot be used (a start-up error).
+#[derive(Debug, thiserror::Error)]
+pub enum ToolsFileError {
+    #[error("cannot read the tools file {path}: {source}; check {VAR}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the tools file {path} ({VAR}) is not valid: {reason}")]
+    Syntax { path: PathBuf, reason: String },
+    #[error("the tools file {path} ({VAR}), server {server:?}{}: {problem}", field.as_deref().map(|f| format!(", field {f}")).unwrap_or_default())]
+    Server {
+        path: PathBuf,
+        server: String,
+        /// The field at fault, when one is.
+        field: Option<String>,
+        problem: String,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileWire {
+    #[serde(default)]
+    servers: BTreeMap<String, toml::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ServerWire {
+    url: Option<String>,
+    auth: Option<String>,
+    token_file: Option<String>,
+    token_url: Option<String>,
+    client_id: Option<String>,
+    client_secret_file: Option<String>,
+    scopes: Option<Vec<String>>,
+    resource: Option<String>,
+    client_auth: Option<String>,
+}
+
+impl ToolsFile {
+    /// Reads and checks the file; secret files must be readable now (they are re-read later).
+    pub fn load(path: &Path) -> Result<Self, ToolsFileError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ToolsFileError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses the text of a registry file; `path` names it in errors and relative secret files
+    /// are taken as they are (relative to the working directory).
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ToolsFileError> {
+        let wire: FileWire = toml::from_str(text).map_err(|e| ToolsFileError::Syntax {
+            path: path.to_path_buf(),
+            reason: e.message().to_string(),
+        })?;
+        let mut servers = BTreeMap::new();
+        for (name, value) in wire.servers {
+            let server =
+                parse_server(&name, value).map_err(|(field, problem)| ToolsFileError::Server {
+                    path: path.to_path_buf(),
+                    server: name.clone(),
+                    field: field.map(str::to_string),
+                    problem,
+                })?;
+            servers.insert(name, server);
+        }
+        Ok(ToolsFile { servers })
+    }
+}
+
+type FieldProblem = (Option<&'static str>, String);
+
+fn parse_server(name: &str, value: toml::Value) -> Result<RegisteredServer, FieldProblem> {
+    let valid_name = !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if !valid_name {
+        return Err((
+            None,
+            "a server name is made of letters, digits, '-', '_' or '.'".into(),
+        ));
+    }
+    let wire: ServerWire = value
+        .try_into()
+        .map_err(|e: toml::de::Error| (None, e.message().to_string()))?;
+    let url = wire.url.as_deref().ok_or((
+        Some("url"),
+        "is required, e.g. \"https://orders-mcp:8080/mcp\"".into(),
+    ))?;
+    let url = parse_url(url).map_err(|p| (Some("url"), p))?;
+    let auth = wire.auth.as_deref().ok_or((
+        Some("auth"),
+        "is required: \"none\", \"bearer\", \"oauth2\" or \"engine\"".into(),
+    ))?;
+    let oauth2_fields = [
+        ("tokenUrl", wire.token_url.is_some()),
+        ("clientId", wire.client_id.is_some()),
+        ("clientSecretFile", wire.client_secret_file.is_some()),
+        ("scopes", wire.scopes.is_some()),
+        ("resource", wire.resource.is_some()),
+        ("clientAuth", wire.client_auth.is_some()),
+    ];
+    let not_for = |fields: &[(&'static str, bool)]| -> Result<(), FieldProblem> {
+        match fields.iter().find(|(_, set)| *set) {
+            Some((field, _)) => Err((
+                Some(field),
+                format!("does not apply to auth = {auth:?}; remove it"),
+            )),
+            None => Ok(()),
+        }
+    };
+    let auth = match auth {
+        "none" | "engine" => {
+            not_for(&oauth2_fields)?;
+            not_for(&[("tokenFile", wire.token_file.is_some())])?;
+            if auth == "none" {
+                ServerAuth::None
+            } else {
+                ServerAuth::Engine
+            }
+        }
+        "bearer" => {
+            not_for(&oauth2_fields)?;
+            let file = wire.token_file.as_deref().ok_or((
+                Some("tokenFile"),
+                "is required with auth = \"bearer\": the file holding the token".into(),
+            ))?;
+            ServerAuth::Bearer {
+                token: secret_file(file).map_err(|p| (Some("tokenFile"), p))?,
+            }
+        }
+        "oauth2" => {
+            not_for(&[("tokenFile", wire.token_file.is_some())])?;
+            let required = |field: &'static str, value: Option<String>| {
+                value.filter(|v| !v.trim().is_empty()).ok_or((
+                    Some(field),
+                    "is required with auth = \"oauth2\"".to_string(),
+                ))
+            };
+            let token_url = required("tokenUrl", wire.token_url)?;
+            let parsed = parse_url(&token_url).map_err(|p| (Some("tokenUrl"), p))?;
+            let client_id = required("clientId", wire.client_id)?;
+            let secret = required("clientSecretFile", wire.client_secret_file)?;
+            let client_secret = secret_file(&secret).map_err(|p| (Some("clientSecretFile"), p))?;
+            let scopes = wire.scopes.unwrap_or_default();
+            if let Some(blank) = scopes
+                .iter()
+                .find(|s| s.trim().is_empty() || s.contains(' '))
+            {
+                return Err((
+                    Some("scopes"),
+                    format!("{blank:?} is not a scope: give one scope per string"),
+                ));
+            }
+            let client_auth = match wire.client_auth.as_deref() {
+                None | Some("basic") => ClientAuth::Basic,
+                Some("request-body") => ClientAuth::RequestBody,
+                Some(other) => {
+                    return Err((
+                        Some("clientAuth"),
+                        format!("{other:?} is not allowed: \"basic\" or \"request-body\""),
+                    ));
+                }
+            };
+            ServerAuth::OAuth2(OAuth2Settings {
+                token_url: TokenUrl::from_url(parsed),
+                client_id,
+                client_secret,
+                scopes,
+                resource: wire.resource,
+                client_auth,
+            })
+        }
+        other => {
+            return Err((
+                Some("auth"),
+                format!("{other:?} is not allowed: \"none\", \"bearer\", \"oauth2\" or \"engine\""),
+            ));
+        }
+    };
+    Ok(RegisteredServer {
+        name: name.to_string(),
+        url,
+        auth,
+    })
+}
+
+/// An http(s) URL with a host that is not link-local or a metadata service.
+fn parse_url(raw: &str) -> Result<reqwest::Url, String> {
+    let url = reqwest::Url::parse(raw.trim()).map_err(|e| format!("{raw:?} is not a URL: {e}"))?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none_or(str::is_empty) {
+        return Err(format!("{raw:?} is not an http(s) URL with a host"));
+    }
+    address::check_url(&url).map_err(|e| e.to_string())?;
+    Ok(url)
+}
+
+fn secret_file(path: &str) -> Result<Arc<SecretSource>, String> {
+    let source = SecretSource::file(PathBuf::from(path.trim()));
+    source.load().map_err(|e| e.to_string())?;
+    Ok(Arc::new(source))
+}
+
+/// Why a tool server named by a definition cannot be used; the task becomes an incident naming
+/// the server. Nothing has been sent to any URL of that server.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ServerResolutionError {
+    #[error(
+        "tool server {server:?} is named by the agent definition, but {VAR} has no server of that name; add it there"
+    )]
+    Unknown { server: String },
+    #[error(
+        "tool server {server:?} is named by the agent definition without a URL, and no {VAR} is set; give the URL in the definition or register the server"
+    )]
+    NoRegistry { server: String },
+    #[error(
+        "tool server {server:?}: the agent definition gives URL {definition_url}, but {VAR} registers it at {registry_url}; nothing was sent to either. Fix the definition or the registry"
+    )]
+    UrlMismatch {
+        server: String,
+        definition_url: String,
+        registry_url: String,
+    },
+    #[error("tool server {server:?}: the definition's URL {url:?} is not usable: {reason}")]
+    BadUrl {
+        server: String,
+        url: String,
+        reason: String,
+    },
+    #[error("tool server {server:?}: {source}")]
+    Forbidden {
+        server: String,
+        #[source]
+        source: ForbiddenAddress,
+    },
+    #[error(
+        "tool server {server:?} needs the engine's per-task credential (auth = \"engine\"), which this engine does not issue (its tasks carry no attempt); register the server in {VAR} with auth \"none\", \"bearer\" or \"oauth2\""
+    )]
+    NoEngineCredentials { server: String },
+}
+
+/// A server a definition names: by name alone (the registry's), or with the URL it expects.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NamedServer {
+    pub name: String,
+    pub url: Option<String>,
+}
+
+/// Where a task's credential for one server comes from.
+#[derive(Clone)]
+enum Route {
+    None,
+    Bearer(Arc<SecretSource>),
+    OAuth2(TokenHandle<ToolTokenError>),
+    Engine,
+}
+
+/// The registry, live: the servers and the token actor of each `oauth2` server.
+pub struct ToolRegistry {
+    servers: BTreeMap<String, (RegisteredServer, Route)>,
+}
+
+impl ToolRegistry {
+    /// Starts one token actor per `oauth2` server (nothing is fetched before the first use),
+    /// talking to its issuer through a client built from `http` (redirects off). Must be called
+    /// within a tokio runtime.
+    pub fn start(file: ToolsFile, http: reqwest::ClientBuilder) -> Result<Self, reqwest::Error> {
+        let issuer = Arc::new(IssuerHttpClient::new(http)?);
+        let servers = file
+            .servers
+            .into_iter()
+            .map(|(name, server)| {
+                let route = match &server.auth {
+                    ServerAuth::None => Route::None,
+                    ServerAuth::Engine => Route::Engine,
+                    ServerAuth::Bearer { token } => Route::Bearer(token.clone()),
+                    ServerAuth::OAuth2(settings) => Route::OAuth2(token::spawn(
+                        ServerTokenSource::new(&name, settings, issuer.clone()),
+                        GRANT_TIMEOUT,
+                        format!("tool server {name}"),
+                    )),
+                };
+                (name, (server, route))
+            })
+            .collect();
+        Ok(ToolRegistry { servers })
+    }
+
+    /// Number of registered servers.
+    pub fn len(&self) -> usize {
+        self.servers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.servers.is_empty()
+    }
+
+    /// The servers a task may use and where each one's credential comes from, or the first
+    /// server that cannot be used. `engine_credentials` says whether the task's engine issues
+    /// per-task credentials (an agent/1 task).
+    pub fn resolve(
+        registry: Option<&ToolRegistry>,
+        named: &[NamedServer],
+        engine_credentials: bool,
+    ) -> Result<ResolvedServers, ServerResolutionError> {
+        let mut servers = Vec::new();
+        let mut routes = HashMap::new();
+        for n in named {
+            let registered = registry.and_then(|r| r.servers.get(&n.name));
+            let (url, route) = match (registered, &n.url) {
+                (Some((server, route)), Some(url)) => {
+                    let same = reqwest::Url::parse(url.trim()).is_ok_and(|u| u == server.url);
+                    if !same {
+                        return Err(ServerResolutionError::UrlMismatch {
+                            server: n.name.clone(),
+                            definition_url: url.clone(),
+                            registry_url: server.url.to_string(),
+                        });
+                    }
+                    (server.url.to_string(), route.clone())
+                }
+                (Some((server, route)), None) => (server.url.to_string(), route.clone()),
+                (None, None) if registry.is_none() => {
+                    return Err(ServerResolutionError::NoRegistry {
+                        server: n.name.clone(),
+                    });
+                }
+                (None, None) => {
+                    return Err(ServerResolutionError::Unknown {
+                        server: n.name.clone(),
+                    });
+                }
+                // A server the registry does not know, named with its URL: as before the
+                // registry, with the engine's per-task credential (agent/1 engines only).
+                (None, Some(url)) => {
+                    let parsed = reqwest::Url::parse(url.trim()).map_err(|e| {
+                        ServerResolutionError::BadUrl {
+                            server: n.name.clone(),
+                            url: url.clone(),
+                            reason: e.to_string(),
+                        }
+                    })?;
+                    address::check_url(&parsed).map_err(|source| {
+                        ServerResolutionError::Forbidden {
+                            server: n.name.clone(),
+                            source,
+                        }
+                    })?;
+                    (url.clone(), Route::Engine)
+                }
+            };
+            if matches!(route, Route::Engine) && !engine_credentials {
+                return Err(ServerResolutionError::NoEngineCredentials {
+                    server: n.name.clone(),
+                });
+            }
+            routes.insert(n.name.clone(), route);
+            servers.push(ToolServerRef {
+                name: n.name.clone(),
+                url,
+            });
+        }
+        Ok(ResolvedServers { servers, routes })
+    }
+}
+
+/// A task's servers, resolved: their URLs and where each one's credential comes from.
+pub struct ResolvedServers {
+    pub servers: Vec<ToolServerRef>,
+    routes: HashMap<String, Route>,
+}
+
+impl ResolvedServers {
+    /// The task's credential source: each server's own route; `engine` asks the engine for the
+    /// task's lease through `engine`.
+    pub fn credentials(&self, engine: Arc<dyn CredentialSource>) -> TaskCredentials {
+        TaskCredentials {
+            routes: self.routes.clone(),
+            engine,
+        }
+    }
+}
+
+/// The credentials of one task's servers, each from its own route and for that server only.
+pub struct TaskCredentials {
+    routes: HashMap<String, Route>,
+    engine: Arc<dyn CredentialSource>,
+}
+
+#[async_trait]
+impl CredentialSource for TaskCredentials {
+    // Where a registry credential is attached to a server's session. The rule against sending a
+    // credential over plain http:// (except loopback) belongs here once it exists.
+    async fn credential(&self, server: &str) -> Result<Option<Secret>, CredentialError> {
+        match self.routes.get(server) {
+            // A server the task does not use gets nothing (the session layer never asks).
+            None | Some(Route::None) => Ok(None),
+            Some(Route::Engine) => self.engine.credential(server).await,
+            Some(Route::Bearer(file)) => {
+                file.load()
+                    .map(Some)
+                    .map_err(|e| CredentialError::Transient {
+                        server: server.to_string(),
+                        reason: e.to_string(),
+                    })
+            }
+            Some(Route::OAuth2(tokens)) => {
+                tokens
+                    .token()
+                    .await
+                    .map(Some)
+                    .map_err(|e| CredentialError::Transient {
+                        server: server.to_string(),
+                        reason: e.to_string(),
+                    })
+            }
+        }
+    }
+
+    async fn rejected(
+        &self,
+        server: &str,
+        refused: &Secret,
+    ) -> Result<Option<Secret>, CredentialError> {
+        match self.routes.get(server) {
+            None | Some(Route::None) => Ok(None),
+            Some(Route::Engine) => self.engine.rejected(server, refused).await,
+            // A rotated file: the new token once; the same token again would be refused again.
+            Some(Route::Bearer(file)) => Ok(file.load().ok().filter(|t| t != refused)),
+            Some(Route::OAuth2(tokens)) => tokens
+                .refresh_after_rejection(refused)
+                .await
+                .map(Some)
+                .map_err(|e| CredentialError::Transient {
+                    server: server.to_string(),
+                    reason: e.to_string(),
+                }),
+        }
+    }
+}
+
+/// Why no token could be had for an `oauth2` server. Never carries the secret or a token.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ToolTokenError {
+    #[error(
+        "cannot read the client secret of tool server {server}: {reason}; check clientSecretFile in {VAR}"
+    )]
+    SecretUnavailable { server: String, reason: String },
+    #[error(
+        "the issuer rejected the client credentials of tool server {server} (client id {client_id}); check clientId and clientSecretFile in {VAR}"
+    )]
+    InvalidClient { server: String, client_id: String },
+    #[error(
+        "the issuer refused a token for tool server {server}: {error}{description}; check scopes and resource in {VAR}"
+    )]
+    Refused {
+        server: String,
+        error: String,
+        description: String,
+    },
+    #[error("the token request for tool server {server} to {token_url} failed: {reason}")]
+    Endpoint {
+        server: String,
+        token_url: String,
+        reason: String,
+    },
+    #[error("no token: {reason}")]
+    Unavailable { reason: String },
+}
+
+impl TokenError for ToolTokenError {
+    fn is_configuration_error(&self) -> bool {
+        matches!(
+            self,
+            ToolTokenError::SecretUnavailable { .. }
+                | ToolTokenError::InvalidClient { .. }
+                | ToolTokenError::Refused { .. }
+        )
+    }
+
+    fn unavailable(reason: String) -> Self {
+        ToolTokenError::Unavailable { reason }
+    }
+}
+
+/// The client-credentials grant of one registered server, at its token URL.
+struct ServerTokenSource {
+    server: String,
+    grant: ClientCredentials,
+    token_url: TokenUrl,
+    http: Arc<IssuerHttpClient>,
+}
+
+impl ServerTokenSource {
+    fn new(server: &str, settings: &OAuth2Settings, http: Arc<IssuerHttpClient>) -> Self {
+        ServerTokenSource {
+            server: server.to_string(),
+            grant: ClientCredentials {
+                client_id: settings.client_id.clone(),
+                client_secret: settings.client_secret.clone(),
+                scopes: settings.scopes.clone(),
+                client_auth: settings.client_auth,
+                resource: settings.resource.clone(),
+            },
+            token_url: settings.token_url.clone(),
+            http,
+        }
+    }
+}
+
+impl TokenSource for ServerTokenSource {
+    type Error = ToolTokenError;
+
+    async fn fetch(&self) -> Result<GrantedToken, ToolTokenError> {
+        let server = self.server.clone();
+        self.grant
+            .request(&self.http, &self.token_url)
+            .await
+            .map_err(|e| match e {
+                GrantError::SecretUnavailable(reason) => {
+                    ToolTokenError::SecretUnavailable { server, reason }
+                }
+                GrantError::InvalidClient => ToolTokenError::InvalidClient {
+                    server,
+                    client_id: self.grant.client_id.clone(),
+                },
+                GrantError::Refused { error, description } => ToolTokenError::Refused {
+                    server,
+                    error,
+                    description,
+                },
+                GrantError::Endpoint(reason) => ToolTokenError::Endpoint {
+                    server,
+                    token_url: self.token_url.as_str().to_string(),
+                    reason,
+                },
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<ToolsFile, ToolsFileError> {
+        ToolsFile::parse(text, Path::new("/etc/abada/tools.toml"))
+    }
+
+    fn secret_path(content: &str) -> (tempdir::Dir, String) {
+        let dir = tempdir::Dir::new();
+        let path = dir.0.join("token");
+        std::fs::write(&path, content).unwrap();
+        let p = path.display().to_string();
+        (dir, p)
+    }
+
+    mod tempdir {
+        pub struct Dir(pub std::path::PathBuf);
+        impl Dir {
+            pub fn new() -> Self {
+                let p = std::env::temp_dir().join(format!("abada-tools-{}", uuid::Uuid::new_v4()));
+                std::fs::create_dir_all(&p).unwrap();
+                Dir(p)
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn every_auth_kind_parses() {
+        let (_dir, token) = secret_path("tok-1\n");
+        let file = parse(&format!(
+            r#"
+            [servers.orders]
+            url = "https://orders-mcp:8080/mcp"
+            auth = "bearer"
+            tokenFile = "{token}"
+
+            [servers.billing]
+            url = "http://billing:9000/mcp"
+            auth = "oauth2"
+            tokenUrl = "http://issuer:8080/token"
+            clientId = "worker"
+            clientSecretFile = "{token}"
+            scopes = ["billing:read", "billing:write"]
+            resource = "http://billing:9000/mcp"
+
+            [servers.public]
+            url = "http://public:1/mcp"
+            auth = "none"
+
+            [servers.legacy]
+            url = "http://legacy:1/mcp"
+            auth = "engine"
+            "#
+        ))
+        .unwrap();
+        assert_eq!(file.servers.len(), 4);
+        assert!(matches!(
+            file.servers["orders"].auth,
+            ServerAuth::Bearer { .. }
+        ));
+        assert!(matches!(file.servers["public"].auth, ServerAuth::None));
+        assert!(matches!(file.servers["legacy"].auth, ServerAuth::Engine));
+        let ServerAuth::OAuth2(o) = &file.servers["billing"].auth else {
+            panic!()
+        };
+        assert_eq!(o.scopes, ["billing:read", "billing:write"]);
+        assert_eq!(o.resource.as_deref(), Some("http://billing:9000/mcp"));
+        assert_eq!(o.client_auth, ClientAuth::Basic);
+        assert!(!format!("{file:?}").contains("tok-1"));
+        assert!(parse("").unwrap().servers.is_empty());
+    }
+
+    fn problem(text: &str) -> (String, Option<String>, String) {
+        match parse(text).unwrap_err() {
+            ToolsFileError::Server {
+                server,
+                field,
+                problem,
+                ..
+            } => (server, field, problem),
+            other => panic!("{other}"),
+        }
+    }
+
+    #[test]
+    fn errors_name_the_file_the_server_and_the_field() {
+        let (_dir, token) = secret_path("tok");
+        let e = parse("[servers.orders]\nurl = \"http://x/mcp\"\n").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the tools file /etc/abada/tools.toml (ABADA_AGENT_TOOLS_FILE), server \"orders\", field auth: is required: \"none\", \"bearer\", \"oauth2\" or \"engine\""
+        );
+        let cases: Vec<(String, &str, &str)> = vec![
+            ("auth = \"none\"".into(), "url", "is required"),
+            ("url = \"ftp://x\"\nauth = \"none\"".into(), "url", "not an http(s) URL"),
+            ("url = \"http://169.254.169.254/\"\nauth = \"none\"".into(), "url", "link-local"),
+            ("url = \"http://metadata.google.internal/\"\nauth = \"none\"".into(), "url", "metadata"),
+            ("url = \"http://x/\"\nauth = \"magic\"".into(), "auth", "\"magic\" is not allowed"),
+            ("url = \"http://x/\"\nauth = \"bearer\"".into(), "tokenFile", "is required"),
+            ("url = \"http://x/\"\nauth = \"bearer\"\ntokenFile = \"/nonexistent/t\"".into(), "tokenFile", "cannot read"),
+            (format!("url = \"http://x/\"\nauth = \"none\"\ntokenFile = \"{token}\""), "tokenFile", "does not apply"),
+            ("url = \"http://x/\"\nauth = \"bearer\"\nclientId = \"c\"".into(), "clientId", "does not apply"),
+            ("url = \"http://x/\"\nauth = \"oauth2\"".into(), "tokenUrl", "is required"),
+            ("url = \"http://x/\"\nauth = \"oauth2\"\ntokenUrl = \"http://i/t\"".into(), "clientId", "is required"),
+            ("url = \"http://x/\"\nauth = \"oauth2\"\ntokenUrl = \"http://i/t\"\nclientId = \"c\"".into(), "clientSecretFile", "is required"),
+            (format!("url = \"http://x/\"\nauth = \"oauth2\"\ntokenUrl = \"http://i/t\"\nclientId = \"c\"\nclientSecretFile = \"{token}\"\nscopes = [\"a b\"]"), "scopes", "not a scope"),
+            (format!("url = \"http://x/\"\nauth = \"oauth2\"\ntokenUrl = \"http://i/t\"\nclientId = \"c\"\nclientSecretFile = \"{token}\"\nclientAuth = \"jwt\""), "clientAuth", "not allowed"),
+        ];
+        for (body, field, wanted) in cases {
+            let (server, f, p) = problem(&format!("[servers.orders]\n{body}\n"));
+            assert_eq!(server, "orders");
+            assert_eq!(f.as_deref(), Some(field), "{body}: {p}");
+            assert!(p.contains(wanted), "{body}: {p}");
+        }
+        let (_, f, p) =
+            problem("[servers.orders]\nurl = \"http://x/\"\nauth = \"none\"\ntokenfile = \"x\"\n");
+        assert_eq!(f, None);
+        assert!(p.contains("unknown field `tokenfile`"), "{p}");
+        let (_, _, p) = problem("[servers.\"a b\"]\nurl = \"http://x/\"\nauth = \"none\"\n");
+        assert!(p.contains("server name"), "{p}");
+        assert!(matches!(
+            parse("[server.x]"),
+            Err(ToolsFileError::Syntax { .. })
+        ));
+        assert!(matches!(
+            parse("[servers"),
+            Err(ToolsFileError::Syntax { .. })
+        ));
+    }
+
+    fn registry(text: &str) -> ToolRegistry {
+        ToolRegistry::start(parse(text).unwrap(), reqwest::Client::builder()).unwrap()
+    }
+
+    fn named(name: &str, url: Option<&str>) -> NamedServer {
+        NamedServer {
+            name: name.into(),
+            url: url.map(str::to_string),
+        }
+    }
+
+    #[tokio::test]
+    async fn definitions_choose_registered_servers_by_name_and_never_their_url() {
+        let r = registry(
+            "[servers.orders]\nurl = \"http://orders:8080/mcp\"\nauth = \"none\"\n[servers.old]\nurl = \"http://old:1/mcp\"\nauth = \"engine\"\n",
+        );
+        let resolved = ToolRegistry::resolve(Some(&r), &[named("orders", None)], false).unwrap();
+        assert_eq!(resolved.servers[0].url, "http://orders:8080/mcp");
+        // The same URL written differently is the same URL.
+        let same = [named("orders", Some("HTTP://Orders:8080/mcp"))];
+        assert!(ToolRegistry::resolve(Some(&r), &same, false).is_ok());
+        let other = [named("orders", Some("http://evil:8080/mcp"))];
+        let e = ToolRegistry::resolve(Some(&r), &other, true).err().unwrap();
+        assert!(matches!(e, ServerResolutionError::UrlMismatch { .. }));
+        assert!(e.to_string().contains("\"orders\""), "{e}");
+        let e = ToolRegistry::resolve(Some(&r), &[named("payments", None)], true)
+            .err()
+            .unwrap();
+        assert_eq!(
+            e,
+            ServerResolutionError::Unknown {
+                server: "payments".into()
+            }
+        );
+        // Named with a URL and not registered: the engine's credential, as before.
+        let p = ToolRegistry::resolve(Some(&r), &[named("payments", Some("http://p/"))], true);
+        assert_eq!(p.unwrap().servers[0].url, "http://p/");
+        let e = ToolRegistry::resolve(Some(&r), &[named("payments", Some("http://p/"))], false)
+            .err()
+            .unwrap();
+        assert!(
+            matches!(e, ServerResolutionError::NoEngineCredentials { .. }),
+            "{e}"
+        );
+        let e = ToolRegistry::resolve(Some(&r), &[named("old", None)], false)
+            .err()
+            .unwrap();
+        assert!(
+            matches!(e, ServerResolutionError::NoEngineCredentials { .. }),
+            "{e}"
+        );
+        assert!(ToolRegistry::resolve(Some(&r), &[named("old", None)], true).is_ok());
+    }
+
+    #[test]
+    fn without_a_registry_definition_urls_are_used_except_forbidden_ones() {
+        let ok = ToolRegistry::resolve(None, &[named("orders", Some("http://orders:1/mcp"))], true)
+            .unwrap();
+        assert_eq!(ok.servers[0].url, "http://orders:1/mcp");
+        for bad in [
+            "http://169.254.169.254/latest",
+            "http://[fe80::1]:80/mcp",
+            "http://[fd00:ec2::254]/",
+            "http://metadata.google.internal/",
+        ] {
+            let e = ToolRegistry::resolve(None, &[named("orders", Some(bad))], true)
+                .err()
+                .unwrap();
+            assert!(
+                matches!(e, ServerResolutionError::Forbidden { .. }),
+                "{bad}: {e}"
+            );
+        }
+        let e = ToolRegistry::resolve(None, &[named("orders", None)], true)
+            .err()
+            .unwrap();
+        assert!(matches!(e, ServerResolutionError::NoRegistry { .. }));
+        let e = ToolRegistry::resolve(None, &[named("orders", Some("http://o/"))], false)
+            .err()
+            .unwrap();
+        assert!(matches!(
+            e,
+            ServerResolutionError::NoEngineCredentials { .. }
+        ));
+    }
+}

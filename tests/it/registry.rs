@@ -1,0 +1,584 @@
+//! The operator's tool-server registry (src/tools/registry.rs, src/tools/address.rs) against
+//! devkit MCP tool servers and oauth2-mock-server over real HTTP on 127.0.0.1: which credential
+//! reaches which server, refreshes, redirects, refused addresses, start-up errors, and refund
+//! agents run end to end through the emulator with a registry.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use abada_agent_worker::app::{Seams, Worker};
+use abada_agent_worker::config::{self, Config};
+use abada_agent_worker::devkit::engine::{ProtocolLevel, TaskStatus};
+use abada_agent_worker::devkit::stack::Stack;
+use abada_agent_worker::devkit::tools::{
+    AcceptAny, CredentialValidator, StaticTokens, ToolServer, ToolServerOptions,
+};
+use abada_agent_worker::devkit::workers::{self, StackWorkers, WorkerOptions, worker_env};
+use abada_agent_worker::secret::Secret;
+use abada_agent_worker::tools::address::GuardedResolver;
+use abada_agent_worker::tools::registry::{NamedServer, ToolRegistry, ToolsFile};
+use abada_agent_worker::tools::{
+    CredentialError, CredentialSource, ToolError, ToolServerRef, ToolSessionOptions, ToolSessions,
+};
+use async_trait::async_trait;
+use serde_json::json;
+
+use crate::agent::{spec, wait_all_ended};
+use crate::support::peers::installed;
+use crate::support::wait::announcement;
+use crate::tools::args;
+
+/// A scratch directory for registry files and secrets, removed when dropped.
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new() -> Self {
+        let path = std::env::temp_dir().join(format!("abada-registry-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&path).unwrap();
+        Dir(path)
+    }
+
+    fn write(&self, name: &str, content: &str) -> PathBuf {
+        let path = self.0.join(name);
+        // Write then rename, as the kubelet updates a mounted Secret: never a half-written file.
+        let tmp = self.0.join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, content).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+        path
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The engine's credential, which no test here may ask for.
+struct NoEngine;
+
+#[async_trait]
+impl CredentialSource for NoEngine {
+    async fn credential(&self, server: &str) -> Result<Option<Secret>, CredentialError> {
+        panic!("the engine was asked for a credential for {server}");
+    }
+}
+
+/// Accepts any token not revoked, and records nothing (the server records the calls).
+#[derive(Default)]
+struct Revocable(Mutex<HashSet<String>>);
+
+impl Revocable {
+    fn revoke(&self, token: &str) {
+        self.0.lock().unwrap().insert(token.to_string());
+    }
+}
+
+impl CredentialValidator for Revocable {
+    fn validate(&self, _server: &str, token: &str) -> bool {
+        !token.is_empty() && !self.0.lock().unwrap().contains(token)
+    }
+}
+
+async fn tool_server(name: &str, validator: Arc<dyn CredentialValidator>) -> ToolServer {
+    ToolServer::start(ToolServerOptions::new(name, validator))
+        .await
+        .unwrap()
+}
+
+fn registry(text: &str) -> ToolRegistry {
+    let file = ToolsFile::parse(text, Path::new("tools.toml")).unwrap();
+    ToolRegistry::start(file, reqwest::Client::builder()).unwrap()
+}
+
+fn named(names: &[&str]) -> Vec<NamedServer> {
+    names
+        .iter()
+        .map(|n| NamedServer {
+            name: n.to_string(),
+            url: None,
+        })
+        .collect()
+}
+
+/// One task's sessions over `names`, resolved against `registry`, on the tools' own client.
+fn task_sessions(registry: &ToolRegistry, names: &[&str]) -> ToolSessions {
+    let resolved = ToolRegistry::resolve(Some(registry), &named(names), false).unwrap();
+    let credentials = resolved.credentials(Arc::new(NoEngine));
+    ToolSessions::new(
+        abada_agent_worker::tools::http_client(reqwest::Client::builder()).unwrap(),
+        resolved.servers,
+        Arc::new(credentials),
+        None,
+        ToolSessionOptions {
+            open_timeout: Duration::from_secs(10),
+            call_timeout: Duration::from_secs(10),
+            ..Default::default()
+        },
+    )
+}
+
+async fn lookup(sessions: &mut ToolSessions, server: &str) -> Result<(), ToolError> {
+    sessions
+        .call(
+            server,
+            "lookup_order",
+            args(json!({"orderId": "o-1"})),
+            None,
+        )
+        .await
+        .map(|r| assert!(!r.is_error, "{r:?}"))
+}
+
+fn tokens_seen(server: &ToolServer) -> Vec<Option<String>> {
+    server.calls().into_iter().map(|c| c.token).collect()
+}
+
+#[tokio::test]
+async fn a_bearer_token_goes_on_every_call_and_a_rotated_file_is_used() {
+    let dir = Dir::new();
+    let token_file = dir.write("orders-token", "tok-1\n");
+    let validator = Arc::new(Revocable::default());
+    let orders = tool_server("orders", validator.clone()).await;
+    let registry = registry(&format!(
+        "[servers.orders]\nurl = \"{}\"\nauth = \"bearer\"\ntokenFile = \"{}\"\n",
+        orders.url(),
+        token_file.display()
+    ));
+
+    let mut task1 = task_sessions(&registry, &["orders"]);
+    lookup(&mut task1, "orders").await.unwrap();
+    lookup(&mut task1, "orders").await.unwrap();
+    task1.close().await;
+    assert_eq!(tokens_seen(&orders), vec![Some("tok-1".to_string()); 2]);
+
+    // The file is rotated: the next task sends the new token.
+    dir.write("orders-token", "tok-2-rotated\n");
+    let mut task2 = task_sessions(&registry, &["orders"]);
+    lookup(&mut task2, "orders").await.unwrap();
+
+    // Mid-task, the server stops accepting the token and the file is rotated again: the 401 is
+    // answered by one new session with the re-read token, and the call goes through.
+    validator.revoke("tok-2-rotated");
+    dir.write("orders-token", "tok-3\n");
+    lookup(&mut task2, "orders").await.unwrap();
+    // Revoked with no newer file: the refusal stands after one re-read, no loop.
+    validator.revoke("tok-3");
+    let e = lookup(&mut task2, "orders").await.unwrap_err();
+    assert!(matches!(e, ToolError::Unauthorized { .. }), "{e}");
+    assert!(!e.to_string().contains("tok-3"), "{e}");
+    task2.close().await;
+    assert_eq!(
+        tokens_seen(&orders),
+        ["tok-1", "tok-1", "tok-2-rotated", "tok-3"]
+            .map(|t| Some(t.to_string()))
+            .to_vec()
+    );
+    orders.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_credential_never_reaches_another_server() {
+    let dir = Dir::new();
+    let token_file = dir.write("orders-token", "orders-only-token");
+    let orders = tool_server("orders", Arc::new(StaticTokens::new(["orders-only-token"]))).await;
+    let public =
+        ToolServer::start(ToolServerOptions::new("public", Arc::new(AcceptAny)).anonymous())
+            .await
+            .unwrap();
+    let registry = registry(&format!(
+        "[servers.orders]\nurl = \"{}\"\nauth = \"bearer\"\ntokenFile = \"{}\"\n\
+         [servers.public]\nurl = \"{}\"\nauth = \"none\"\n",
+        orders.url(),
+        token_file.display(),
+        public.url()
+    ));
+    let mut sessions = task_sessions(&registry, &["orders", "public"]);
+    assert_eq!(sessions.tools().await.unwrap().len(), 6);
+    lookup(&mut sessions, "public").await.unwrap();
+    lookup(&mut sessions, "orders").await.unwrap();
+    lookup(&mut sessions, "public").await.unwrap();
+    sessions.close().await;
+    assert_eq!(tokens_seen(&public), vec![None, None]);
+    assert_eq!(
+        tokens_seen(&orders),
+        vec![Some("orders-only-token".to_string())]
+    );
+    let c = public.counters().await;
+    assert_eq!((c.sessions_opened, c.sessions_closed), (1, 1), "{c:?}");
+    orders.shutdown().await;
+    public.shutdown().await;
+}
+
+/// Answers every request with a 307 to `to`, and counts them.
+async fn redirector(to: String) -> (String, Arc<Mutex<u32>>) {
+    let hits = Arc::new(Mutex::new(0));
+    let counted = hits.clone();
+    let router = axum::Router::new().fallback(move || {
+        let to = to.clone();
+        let counted = counted.clone();
+        async move {
+            *counted.lock().unwrap() += 1;
+            (
+                axum::http::StatusCode::TEMPORARY_REDIRECT,
+                [(axum::http::header::LOCATION, to)],
+            )
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/mcp", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    (url, hits)
+}
+
+#[tokio::test]
+async fn a_redirect_to_another_origin_is_not_followed_with_the_credential() {
+    let dir = Dir::new();
+    let token_file = dir.write("orders-token", "redirect-me-token");
+    // The other origin would accept anything: had the worker followed, it would show.
+    let elsewhere = tool_server("elsewhere", Arc::new(AcceptAny)).await;
+    let (url, hits) = redirector(elsewhere.url()).await;
+    let registry = registry(&format!(
+        "[servers.orders]\nurl = \"{url}\"\nauth = \"bearer\"\ntokenFile = \"{}\"\n",
+        token_file.display()
+    ));
+    let mut sessions = task_sessions(&registry, &["orders"]);
+    let e = sessions.tools().await.unwrap_err();
+    assert!(e.to_string().contains("307"), "{e}");
+    assert!(!e.to_string().contains("redirect-me-token"), "{e}");
+    assert!(*hits.lock().unwrap() >= 1);
+    let c = elsewhere.counters().await;
+    assert_eq!((c.unauthorized, c.sessions_opened), (0, 0), "{c:?}");
+    assert!(elsewhere.calls().is_empty());
+    elsewhere.shutdown().await;
+}
+
+/// Resolves every name to fixed addresses (the test's DNS).
+struct FixedDns(Vec<SocketAddr>);
+
+impl reqwest::dns::Resolve for FixedDns {
+    fn resolve(&self, _name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let addrs = self.0.clone();
+        Box::pin(async move { Ok(Box::new(addrs.into_iter()) as reqwest::dns::Addrs) })
+    }
+}
+
+#[tokio::test]
+async fn a_name_resolving_to_a_metadata_address_is_refused_at_connect_time() {
+    let orders = tool_server("orders", Arc::new(AcceptAny)).await;
+    // The name resolves to the real server first, then to the metadata address (a rebinding
+    // answer): a guard that let the connection go would reach the loopback server, never the
+    // metadata address, and the test would see the call.
+    let dns = FixedDns(vec![orders.addr(), "169.254.169.254:80".parse().unwrap()]);
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .dns_resolver(GuardedResolver::over(Arc::new(dns)))
+        .build()
+        .unwrap();
+    let mut sessions = ToolSessions::new(
+        client,
+        vec![ToolServerRef {
+            name: "orders".into(),
+            url: format!("http://localhost:{}/mcp", orders.addr().port()),
+        }],
+        Arc::new(crate::tools::TestCredentials::default()),
+        None,
+        ToolSessionOptions::default(),
+    );
+    let e = sessions.tools().await.unwrap_err();
+    assert!(matches!(e, ToolError::ForbiddenAddress { .. }), "{e}");
+    assert!(e.to_string().contains("169.254.169.254"), "{e}");
+    let c = orders.counters().await;
+    assert_eq!((c.unauthorized, c.sessions_opened), (0, 0), "{c:?}");
+    orders.shutdown().await;
+}
+
+// ---- oauth2 against oauth2-mock-server ------------------------------------------------------
+
+/// A running oauth2-mock-server on 127.0.0.1; killed when dropped.
+struct MockIssuer {
+    issuer: String,
+    _child: tokio::process::Child,
+}
+
+async fn mock_issuer() -> Option<MockIssuer> {
+    let entry = installed(
+        "oidc/node_modules/oauth2-mock-server/dist/oauth2-mock-server.mjs",
+        "scripts/install-oidc-peer",
+    )?;
+    let mut child = tokio::process::Command::new("node")
+        .arg(&entry)
+        .args(["-a", "127.0.0.1", "-p", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("cannot start node: is Node.js installed?");
+    let issuer = announcement(
+        child.stdout.take().unwrap(),
+        Duration::from_secs(60),
+        "oauth2-mock-server",
+        |line| {
+            line.strip_prefix("OAuth 2 issuer is ")
+                .map(|issuer| issuer.trim().to_string())
+        },
+    )
+    .await;
+    Some(MockIssuer {
+        issuer,
+        _child: child,
+    })
+}
+
+/// The claims of a JWT, unverified.
+fn claims(token: &str) -> serde_json::Value {
+    jsonwebtoken::dangerous::insecure_decode_claims::<serde_json::Value>(token).unwrap()
+}
+
+#[tokio::test]
+async fn an_oauth2_token_is_shared_sent_on_every_call_and_refreshed_once_on_a_401() {
+    let Some(mock) = mock_issuer().await else {
+        return;
+    };
+    let dir = Dir::new();
+    let secret = dir.write("client-secret", "tool-client-secret");
+    let validator = Arc::new(Revocable::default());
+    let orders = tool_server("orders", validator.clone()).await;
+    let registry = registry(&format!(
+        "[servers.orders]\nurl = \"{url}\"\nauth = \"oauth2\"\ntokenUrl = \"{issuer}/token\"\n\
+         clientId = \"tool-client\"\nclientSecretFile = \"{secret}\"\nscopes = [\"orders:read\"]\n\
+         resource = \"{url}\"\n",
+        url = orders.url(),
+        issuer = mock.issuer,
+        secret = secret.display()
+    ));
+    // Two tasks at once share one token.
+    let mut a = task_sessions(&registry, &["orders"]);
+    let mut b = task_sessions(&registry, &["orders"]);
+    let (ra, rb) = tokio::join!(lookup(&mut a, "orders"), lookup(&mut b, "orders"));
+    ra.unwrap();
+    rb.unwrap();
+    lookup(&mut a, "orders").await.unwrap();
+    let seen: Vec<String> = tokens_seen(&orders)
+        .into_iter()
+        .map(Option::unwrap)
+        .collect();
+    assert_eq!(seen.len(), 3);
+    assert!(
+        seen.iter().all(|t| *t == seen[0]),
+        "one token for every task"
+    );
+    let first = claims(&seen[0]);
+    assert_eq!(first["scope"], "orders:read");
+    assert_eq!(first["iss"], mock.issuer.as_str());
+
+    // The mock signs iat in whole seconds and no jti: a token granted in the same second would
+    // be the same token. Wait for the next second so the refreshed token differs.
+    let iat = first["iat"].as_u64().unwrap();
+    while std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        <= iat
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The server revokes the token: the next call of each task gets a 401, the actor one
+    // forced grant, and the calls go through with the new token.
+    validator.revoke(&seen[0]);
+    let (ra, rb) = tokio::join!(lookup(&mut a, "orders"), lookup(&mut b, "orders"));
+    ra.unwrap();
+    rb.unwrap();
+    let after: Vec<String> = tokens_seen(&orders)
+        .into_iter()
+        .skip(3)
+        .map(Option::unwrap)
+        .collect();
+    assert_eq!(after.len(), 2);
+    assert!(after.iter().all(|t| *t == after[0] && *t != seen[0]));
+    a.close().await;
+    b.close().await;
+    orders.shutdown().await;
+}
+
+// ---- end to end through the emulator -----------------------------------------------------------
+
+fn fast_seams() -> Seams {
+    Seams {
+        agent: Stack::fast_agent_settings(),
+        tuning: workers::fast_tuning(),
+        ..Seams::default()
+    }
+}
+
+fn config_with(stack: &Stack, id: &str, extra: &[(&str, &Path)]) -> Config {
+    let mut env = worker_env(stack, &WorkerOptions::new(id, 4));
+    for (var, path) in extra {
+        env.insert(var.to_string(), path.display().to_string());
+    }
+    Config::from_env(&env).unwrap()
+}
+
+/// The engine 0.11 of issue 13: no agent/1, so no engine credential; the agents file names
+/// `orders`, the registry gives its URL and bearer token. Every tool call carries the registry's
+/// token, each keyed write is applied once, nothing is asked of the agent/1 paths.
+#[tokio::test]
+async fn refund_agents_complete_on_a_plain_engine_with_the_registrys_credential() {
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    let dir = Dir::new();
+    let token_file = dir.write("orders-token", "registry-token");
+    let orders = tool_server("orders", Arc::new(StaticTokens::new(["registry-token"]))).await;
+    let tools = dir.write(
+        "tools.toml",
+        &format!(
+            "[servers.orders]\nurl = \"{}\"\nauth = \"bearer\"\ntokenFile = \"{}\"\n",
+            orders.url(),
+            token_file.display()
+        ),
+    );
+    let agents = dir.write(
+        "agents.toml",
+        "[agents.\"abada:agent\"]\nmodel = \"openai/refund\"\ninput = \"${orderId}\"\n\
+         toolServers = [\"orders\"]\nresultVariable = \"refundDecision\"\n",
+    );
+    let config = config_with(
+        &stack,
+        "plain-registry",
+        &[
+            (config::ENV_TOOLS_FILE, &tools),
+            (config::ENV_AGENTS_FILE, &agents),
+        ],
+    );
+    let ids = stack.engine.create_tasks(
+        (0..3).map(|i| spec(stack.refund_agent("openai/refund", &[]), &format!("o-{i}"))),
+    );
+    let worker = workers::start(&config, fast_seams());
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(30)).await;
+    worker.stop().await;
+    for view in &views {
+        assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
+    }
+    let calls = orders.calls();
+    assert_eq!(calls.len(), 6, "a lookup and a refund per task");
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.token.as_deref() == Some("registry-token"))
+    );
+    let c = orders.counters().await;
+    assert_eq!(
+        (c.writes_applied, c.duplicates, c.unauthorized),
+        (3, 0, 0),
+        "{c:?}"
+    );
+    assert!(
+        stack.tools.calls().is_empty(),
+        "the stack's own server is not in the registry"
+    );
+    orders.shutdown().await;
+    stack.shutdown().await;
+}
+
+/// An agent/1 engine sends definitions naming servers: by name (the registry's URL, with the
+/// engine's credential as the registry says), and with a URL other than the registry's (an
+/// incident naming the server; nothing sent to either URL).
+#[tokio::test]
+async fn engine_sent_definitions_name_registry_servers_and_a_wrong_url_is_an_incident() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let dir = Dir::new();
+    let other = tool_server("orders", Arc::new(AcceptAny)).await;
+    let tools = dir.write(
+        "tools.toml",
+        &format!(
+            "[servers.orders]\nurl = \"{}\"\nauth = \"engine\"\n",
+            stack.tools.url()
+        ),
+    );
+    let config = config_with(&stack, "v1-registry", &[(config::ENV_TOOLS_FILE, &tools)]);
+    let mut by_name = stack.refund_agent("openai/refund", &[]);
+    by_name["toolServers"] = json!(["orders"]);
+    let mut wrong_url = stack.refund_agent("openai/refund", &[]);
+    wrong_url["toolServers"] = json!([{"name": "orders", "url": other.url()}]);
+    let mut metadata = stack.refund_agent("openai/refund", &[]);
+    metadata["toolServers"] = json!([{"name": "meta", "url": "http://169.254.169.254/mcp"}]);
+    let mut unknown = stack.refund_agent("openai/refund", &[]);
+    unknown["toolServers"] = json!(["payments"]);
+    let ids = stack.engine.create_tasks([
+        spec(by_name, "o-1"),
+        spec(wrong_url, "o-2"),
+        spec(metadata, "o-3"),
+        spec(unknown, "o-4"),
+    ]);
+    let worker = workers::start(&config, fast_seams());
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(30)).await;
+    worker.stop().await;
+    assert_eq!(views[0].status, TaskStatus::Completed, "{:?}", views[0]);
+    for (view, words) in views[1..].iter().zip([
+        ["\"orders\"", "registers it at"],
+        ["\"meta\"", "link-local or cloud-metadata"],
+        ["\"payments\"", "has no server of that name"],
+    ]) {
+        assert_eq!(view.status, TaskStatus::Failed, "{view:?}");
+        assert_eq!(view.retries, Some(0), "an incident: {view:?}");
+        let message = view.error_message.clone().unwrap_or_default();
+        for word in words {
+            assert!(message.contains(word), "{word} in {message}");
+        }
+    }
+    assert!(other.calls().is_empty());
+    let c = other.counters().await;
+    assert_eq!((c.unauthorized, c.sessions_opened), (0, 0), "{c:?}");
+    // The registered server served the by-name task only: one lookup, one refund.
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
+    other.shutdown().await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_bad_registry_or_an_agents_file_naming_an_unknown_server_stops_the_start() {
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    let dir = Dir::new();
+    let start_error = |extra: &[(&str, &Path)]| {
+        let config = config_with(&stack, "bad", extra);
+        match Worker::build(&config, Seams::default()) {
+            Ok(_) => panic!("the worker started"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let tools = dir.write(
+        "tools.toml",
+        "[servers.orders]\nurl = \"http://127.0.0.1:1/mcp\"\nauth = \"bearer\"\ntokenFile = \"/nonexistent/orders-token\"\n",
+    );
+    let e = start_error(&[(config::ENV_TOOLS_FILE, &tools)]);
+    assert!(
+        e.contains(&tools.display().to_string())
+            && e.contains("server \"orders\", field tokenFile")
+            && e.contains("/nonexistent/orders-token"),
+        "{e}"
+    );
+    let tools = dir.write(
+        "tools.toml",
+        "[servers.orders]\nurl = \"http://127.0.0.1:1/mcp\"\nauth = \"none\"\n",
+    );
+    let agents = dir.write(
+        "agents.toml",
+        "[agents.refund]\nmodel = \"openai/refund\"\ninput = \"x\"\ntoolServers = [\"payments\"]\n",
+    );
+    let e = start_error(&[
+        (config::ENV_TOOLS_FILE, &tools),
+        (config::ENV_AGENTS_FILE, &agents),
+    ]);
+    assert!(
+        e.contains(&agents.display().to_string())
+            && e.contains("agent \"refund\"")
+            && e.contains("\"payments\""),
+        "{e}"
+    );
+    let e = start_error(&[(config::ENV_TOOLS_FILE, &dir.0.join("missing.toml"))]);
+    assert!(e.contains("cannot read the tools file"), "{e}");
+    stack.shutdown().await;
+}
