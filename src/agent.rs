@@ -4,6 +4,7 @@
 //!
 //! - `definition`: agent definitions, the agents file, `${name}` templates;
 //! - `journal`: the journal's step shapes and the replay that resumes a run;
+//! - `limits`: what a model can make the worker do (tool calls, writes, turns, time, tokens);
 //! - `run`: the conversation loop of one attempt.
 //!
 //! Shared by all tasks: the provider registry (keys cached), the HTTP clients, what the engine is
@@ -13,6 +14,7 @@
 
 pub mod definition;
 pub mod journal;
+pub mod limits;
 mod run;
 
 use std::sync::Arc;
@@ -30,6 +32,7 @@ use crate::provider::fallback::RetryPolicy;
 use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
 use crate::tools::ToolSessionOptions;
 use definition::AgentsFile;
+use limits::Ceilings;
 
 /// Knobs of the agent runtime (defaults suit production; tests shorten them).
 #[derive(Clone, Debug)]
@@ -64,6 +67,8 @@ pub struct AgentRuntime {
     tool_http: reqwest::Client,
     settings: AgentSettings,
     metrics: Arc<Metrics>,
+    /// What no definition gets more of.
+    ceilings: Ceilings,
     /// Whether the engine keeps a journal, learned from the first tasks and held, so an engine
     /// without one is not asked on every task.
     capabilities: EngineCapabilities,
@@ -97,6 +102,7 @@ impl AgentRuntime {
         tool_http: reqwest::Client,
         settings: AgentSettings,
         metrics: Arc<Metrics>,
+        ceilings: Ceilings,
     ) -> Self {
         AgentRuntime {
             providers,
@@ -104,6 +110,7 @@ impl AgentRuntime {
             tool_http,
             settings,
             metrics,
+            ceilings,
             capabilities: EngineCapabilities::default(),
         }
     }
@@ -147,6 +154,7 @@ impl AgentRuntime {
             http,
             agent_settings,
             metrics,
+            config.ceilings,
         ))
     }
 

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::agent::limits::{self, Ceilings};
 use crate::auth::{ClientAuth, DEFAULT_SCOPE, OidcSettings};
 use crate::secret::SecretSource;
 
@@ -33,6 +34,11 @@ pub const ENV_OIDC_CLIENT_AUTH: &str = "ABADA_AGENT_OIDC_CLIENT_AUTH";
 pub const ENV_PROVIDERS: &str = "ABADA_AGENT_PROVIDERS";
 pub const ENV_AGENTS_FILE: &str = "ABADA_AGENT_AGENTS_FILE";
 pub const ENV_CA_FILE: &str = "ABADA_AGENT_CA_FILE";
+pub const ENV_MAX_TOOL_CALLS_PER_ANSWER: &str = "ABADA_AGENT_MAX_TOOL_CALLS_PER_ANSWER";
+pub const ENV_MAX_TOOL_CALLS_PER_TASK: &str = "ABADA_AGENT_MAX_TOOL_CALLS_PER_TASK";
+pub const ENV_MAX_KEYED_WRITES_PER_TASK: &str = "ABADA_AGENT_MAX_KEYED_WRITES_PER_TASK";
+pub const ENV_MAX_TURNS: &str = "ABADA_AGENT_MAX_TURNS";
+pub const ENV_MAX_TASK_DURATION_MS: &str = "ABADA_AGENT_MAX_TASK_DURATION_MS";
 
 /// Where variables come from.
 pub trait EnvSource {
@@ -114,6 +120,8 @@ pub struct Config {
     pub providers: Vec<ProviderConfig>,
     pub agents_file: Option<PathBuf>,
     pub ca_file: Option<PathBuf>,
+    /// What no agent definition gets more of (`ABADA_AGENT_MAX_*`).
+    pub ceilings: Ceilings,
 }
 
 impl Config {
@@ -205,6 +213,7 @@ impl Config {
         let providers = parse_providers(env)?;
         let agents_file = get(ENV_AGENTS_FILE).map(PathBuf::from);
         let ca_file = get(ENV_CA_FILE).map(PathBuf::from);
+        let ceilings = parse_ceilings(&get)?;
         Ok(Config {
             engine_url,
             worker_id,
@@ -220,8 +229,51 @@ impl Config {
             providers,
             agents_file,
             ca_file,
+            ceilings,
         })
     }
+}
+
+/// The worker-wide limits of agent runs (`ABADA_AGENT_MAX_*`).
+fn parse_ceilings(get: &dyn Fn(&str) -> Option<String>) -> Result<Ceilings, ConfigError> {
+    let d = Ceilings::default();
+    let n = |var, default: u32, min, max| -> Result<u32, ConfigError> {
+        // The ranges below fit u32.
+        Ok(parse_range(get, var, u64::from(default), min, max)? as u32)
+    };
+    Ok(Ceilings {
+        tool_calls_per_answer: n(
+            ENV_MAX_TOOL_CALLS_PER_ANSWER,
+            d.tool_calls_per_answer,
+            1,
+            1000,
+        )?,
+        tool_calls_per_task: n(
+            ENV_MAX_TOOL_CALLS_PER_TASK,
+            d.tool_calls_per_task,
+            1,
+            100_000,
+        )?,
+        keyed_writes_per_task: n(
+            ENV_MAX_KEYED_WRITES_PER_TASK,
+            d.keyed_writes_per_task,
+            0,
+            100_000,
+        )?,
+        max_turns: n(
+            ENV_MAX_TURNS,
+            d.max_turns,
+            1,
+            u64::from(limits::MAX_TURNS_CEILING),
+        )?,
+        max_duration: ms(parse_range(
+            get,
+            ENV_MAX_TASK_DURATION_MS,
+            d.max_duration.as_millis() as u64,
+            1000,
+            7 * 24 * 3_600_000,
+        )?),
+    })
 }
 
 fn ms(v: u64) -> Duration {
