@@ -8,6 +8,7 @@ mod durable;
 mod emulator;
 mod faults;
 mod fuzz_props;
+mod hostile_model;
 mod loadtest_smoke;
 mod mcp_interop;
 mod oidc;
