@@ -4,6 +4,7 @@
 //!
 //! - `definition`: agent definitions, the agents file, `${name}` templates;
 //! - `journal`: the journal's step shapes and the replay that resumes a run;
+//! - `limits`: what a model can make the worker do (tool calls, writes, turns, time, tokens);
 //! - `run`: the conversation loop of one attempt.
 //!
 //! Shared by all tasks: the provider registry (keys cached), the HTTP clients, what the engine is
@@ -13,6 +14,7 @@
 
 pub mod definition;
 pub mod journal;
+pub mod limits;
 mod run;
 
 use std::collections::HashMap;
@@ -34,6 +36,7 @@ use crate::store::{Fence, RunEnd, RunStore, StoreHandle};
 use crate::tools::ToolSessionOptions;
 use crate::tools::registry::{ServerResolutionError, ToolRegistry, ToolsFile, ToolsFileError};
 use definition::AgentsFile;
+use limits::Ceilings;
 
 /// Knobs of the agent runtime (defaults suit production; tests shorten them).
 #[derive(Clone, Debug)]
@@ -74,6 +77,8 @@ pub struct AgentRuntime {
     tool_http: reqwest::Client,
     settings: AgentSettings,
     metrics: Arc<Metrics>,
+    /// What no definition gets more of.
+    ceilings: Ceilings,
     /// Whether the engine keeps a journal, learned from the first tasks and held, so an engine
     /// without one is not asked on every task.
     capabilities: EngineCapabilities,
@@ -133,6 +138,7 @@ impl AgentRuntime {
         tool_http: reqwest::Client,
         settings: AgentSettings,
         metrics: Arc<Metrics>,
+        ceilings: Ceilings,
     ) -> Self {
         AgentRuntime {
             providers,
@@ -141,6 +147,7 @@ impl AgentRuntime {
             tool_http,
             settings,
             metrics,
+            ceilings,
             capabilities: EngineCapabilities::default(),
             store: None,
             finishing: Mutex::new(HashMap::new()),
@@ -232,6 +239,7 @@ impl AgentRuntime {
             tool_http,
             agent_settings,
             metrics,
+            config.ceilings,
         );
         Ok(match tool_registry {
             Some(registry) => runtime.with_tool_registry(registry),

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::agent::limits::{self, Ceilings};
 use crate::auth::{ClientAuth, DEFAULT_SCOPE, OidcSettings};
 use crate::engine::headers::EngineHeaders;
 use crate::secret::SecretSource;
@@ -43,6 +44,11 @@ pub const ENV_STORE_RETENTION: &str = "ABADA_AGENT_STORE_RETENTION";
 pub const ENV_STORE_ABANDONED_AFTER: &str = "ABADA_AGENT_STORE_ABANDONED_AFTER";
 pub const ENV_ENGINE_HEADERS_FILE: &str = "ABADA_AGENT_ENGINE_HEADERS_FILE";
 pub const ENV_TOOLS_FILE: &str = "ABADA_AGENT_TOOLS_FILE";
+pub const ENV_MAX_TOOL_CALLS_PER_ANSWER: &str = "ABADA_AGENT_MAX_TOOL_CALLS_PER_ANSWER";
+pub const ENV_MAX_TOOL_CALLS_PER_TASK: &str = "ABADA_AGENT_MAX_TOOL_CALLS_PER_TASK";
+pub const ENV_MAX_KEYED_WRITES_PER_TASK: &str = "ABADA_AGENT_MAX_KEYED_WRITES_PER_TASK";
+pub const ENV_MAX_TURNS: &str = "ABADA_AGENT_MAX_TURNS";
+pub const ENV_MAX_TASK_DURATION_MS: &str = "ABADA_AGENT_MAX_TASK_DURATION_MS";
 
 /// Where variables come from.
 pub trait EnvSource {
@@ -172,6 +178,8 @@ pub struct Config {
     /// Extra headers for every engine request (an authenticating proxy in front of the
     /// engine); values are secrets.
     pub engine_headers: Option<Arc<EngineHeaders>>,
+    /// What no agent definition gets more of (`ABADA_AGENT_MAX_*`).
+    pub ceilings: Ceilings,
 }
 
 impl Config {
@@ -272,6 +280,7 @@ impl Config {
             })
             .transpose()?;
         let tools_file = get(ENV_TOOLS_FILE).map(|p| PathBuf::from(p.trim()));
+        let ceilings = parse_ceilings(&get)?;
         Ok(Config {
             engine_url,
             worker_id,
@@ -290,8 +299,51 @@ impl Config {
             ca_file,
             store,
             engine_headers,
+            ceilings,
         })
     }
+}
+
+/// The worker-wide limits of agent runs (`ABADA_AGENT_MAX_*`).
+fn parse_ceilings(get: &dyn Fn(&str) -> Option<String>) -> Result<Ceilings, ConfigError> {
+    let d = Ceilings::default();
+    let n = |var, default: u32, min, max| -> Result<u32, ConfigError> {
+        // The ranges below fit u32.
+        Ok(parse_range(get, var, u64::from(default), min, max)? as u32)
+    };
+    Ok(Ceilings {
+        tool_calls_per_answer: n(
+            ENV_MAX_TOOL_CALLS_PER_ANSWER,
+            d.tool_calls_per_answer,
+            1,
+            1000,
+        )?,
+        tool_calls_per_task: n(
+            ENV_MAX_TOOL_CALLS_PER_TASK,
+            d.tool_calls_per_task,
+            1,
+            100_000,
+        )?,
+        keyed_writes_per_task: n(
+            ENV_MAX_KEYED_WRITES_PER_TASK,
+            d.keyed_writes_per_task,
+            0,
+            100_000,
+        )?,
+        max_turns: n(
+            ENV_MAX_TURNS,
+            d.max_turns,
+            1,
+            u64::from(limits::MAX_TURNS_CEILING),
+        )?,
+        max_duration: ms(parse_range(
+            get,
+            ENV_MAX_TASK_DURATION_MS,
+            d.max_duration.as_millis() as u64,
+            1000,
+            7 * 24 * 3_600_000,
+        )?),
+    })
 }
 
 fn ms(v: u64) -> Duration {

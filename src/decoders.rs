@@ -107,6 +107,21 @@ pub fn render_template(template: &str, variables: &Map<String, Value>) -> Result
     definition::render_template(template, variables)
 }
 
+/// A `${name}` template rendered as the instructions are with `renderInstructions`: every value
+/// fenced as data, the result capped at `cap` bytes.
+pub fn render_fenced(
+    template: &str,
+    variables: &Map<String, Value>,
+    cap: usize,
+) -> Result<String, String> {
+    definition::render_capped(template, variables, definition::Fence::Data, cap).map_err(
+        |e| match e {
+            definition::RenderError::Missing(name) => format!("no variable {name:?}"),
+            definition::RenderError::TooLarge { limit } => format!("over {limit} bytes"),
+        },
+    )
+}
+
 /// The text of an agents file (TOML).
 pub fn agents_file(text: &str) -> Result<AgentsFile, String> {
     AgentsFile::parse_str(text)

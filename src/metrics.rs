@@ -1,5 +1,8 @@
 //! Every Prometheus metric of the worker, defined in one place (names, help, labels, buckets),
-//! and the text encoding served on `/metrics`.
+//! and the text encoding served on `/metrics`. Model and tool label values come from
+//! [`labels::DeclaredNames`] only (a closed set).
+
+pub mod labels;
 
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -41,6 +44,7 @@ pub struct EngineRequestLabels {
     pub status: String,
 }
 
+/// Provider and model values from [`labels::DeclaredNames::model`].
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModelLabels {
     pub provider: String,
@@ -48,6 +52,7 @@ pub struct ModelLabels {
     pub outcome: &'static str,
 }
 
+/// Provider and model values from [`labels::DeclaredNames::model`].
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModelTokenLabels {
     pub provider: String,
@@ -55,6 +60,7 @@ pub struct ModelTokenLabels {
     pub direction: &'static str,
 }
 
+/// Server and tool values from [`labels::DeclaredNames::tool`].
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ToolLabels {
     pub server: String,

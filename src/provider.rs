@@ -134,7 +134,9 @@ pub struct ModelRequest {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelResponse {
     pub message: AssistantMessage,
-    pub usage: Usage,
+    /// None when the provider reported none (some OpenAI-compatible servers): the agent counts
+    /// an estimate against the budget instead.
+    pub usage: Option<Usage>,
     /// The provider's own word (`stop`, `tool_calls`, `end_turn`, `tool_use`, `max_tokens`, ...).
     pub stop_reason: String,
 }

@@ -73,8 +73,9 @@ pub struct Usage {
 }
 
 impl Usage {
+    /// Saturates: a hostile script may report `u64::MAX`.
     pub fn total(&self) -> u64 {
-        self.input_tokens + self.output_tokens
+        self.input_tokens.saturating_add(self.output_tokens)
     }
 }
 
@@ -90,6 +91,8 @@ pub struct Script {
     pub latency: Duration,
     /// Usage reported per call; None estimates about four characters per token.
     pub usage: Option<Usage>,
+    /// Leave `usage` out of OpenAI-format answers (as some compatible servers do).
+    pub omit_usage: bool,
 }
 
 impl Script {
@@ -98,7 +101,14 @@ impl Script {
             turns,
             latency: Duration::ZERO,
             usage: None,
+            omit_usage: false,
         }
+    }
+
+    /// Answers in the OpenAI format without `usage` (Anthropic's format requires it).
+    pub fn without_usage(mut self) -> Self {
+        self.omit_usage = true;
+        self
     }
 
     pub fn with_latency(mut self, latency: Duration) -> Self {
@@ -692,7 +702,7 @@ fn answer_body(
                     })
                     .collect();
             }
-            json!({
+            let mut body = json!({
                 "id": format!("chatcmpl-devkit-{call_index}"),
                 "object": "chat.completion",
                 "created": chrono::Utc::now().timestamp(),
@@ -708,7 +718,13 @@ fn answer_body(
                     "completion_tokens": usage.output_tokens,
                     "total_tokens": usage.total(),
                 },
-            })
+            });
+            if script.omit_usage
+                && let Some(o) = body.as_object_mut()
+            {
+                o.remove("usage");
+            }
+            body
         }
         WireFormat::Anthropic => {
             let mut content: Vec<Value> = text

@@ -9,6 +9,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use super::limits::Spent;
 use crate::conversation::{AssistantMessage, Message, ToolCall, ToolResult, Usage};
 use crate::engine::JournalStep;
 
@@ -68,6 +69,22 @@ pub fn input_step(seq: u64, instructions: &str, input: &str) -> JournalStep {
         key: None,
         data: json!({"instructions": instructions, "input": input}),
     }
+}
+
+/// The input step of a run's first attempt, stamped with when the run started (`startedAtMs`,
+/// Unix milliseconds): the wall-clock deadline (`maxDurationMs`) counts from it on every attempt.
+pub fn started_input_step(
+    seq: u64,
+    instructions: &str,
+    input: &str,
+    started_at: std::time::SystemTime,
+) -> JournalStep {
+    let mut step = input_step(seq, instructions, input);
+    let ms = started_at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    step.data["startedAtMs"] = json!(ms);
+    step
 }
 
 pub fn model_step(
@@ -160,6 +177,10 @@ pub struct Replayed {
     pub pending: Vec<PendingCall>,
     /// The last model answer had no tool call: this is the final answer.
     pub final_answer: Option<String>,
+    /// Tool calls and keyed writes so far, across every attempt (the limits count them).
+    pub spent: Spent,
+    /// When the run's first attempt started (Unix ms), if its input step says so.
+    pub started_at_ms: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -168,6 +189,8 @@ struct InputData {
     #[serde(default)]
     instructions: String,
     input: String,
+    #[serde(default)]
+    started_at_ms: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -235,6 +258,7 @@ impl Replayed {
                     text: d.input.clone(),
                 });
                 self.input = Some((d.instructions, d.input));
+                self.started_at_ms = d.started_at_ms;
             }
             (KIND_MODEL, STATE_FINISHED) => {
                 if self.input.is_none() {
@@ -248,8 +272,10 @@ impl Replayed {
                 }
                 let d: ModelData = serde_json::from_value(step.data.clone())
                     .map_err(|e| err(format!("model data: {e}")))?;
-                self.turns += 1;
+                self.turns = self.turns.saturating_add(1);
                 self.usage += d.usage;
+                let calls = u32::try_from(d.message.tool_calls.len()).unwrap_or(u32::MAX);
+                self.spent.tool_calls = self.spent.tool_calls.saturating_add(calls);
                 self.pending = d
                     .message
                     .tool_calls
@@ -288,6 +314,7 @@ impl Replayed {
                         .clone()
                         .ok_or_else(|| err("a started tool step without a key".into()))?;
                     self.pending[0].started_key = Some(key);
+                    self.spent.keyed_writes = self.spent.keyed_writes.saturating_add(1);
                 } else {
                     let result = d
                         .result
@@ -437,6 +464,22 @@ mod tests {
         assert_eq!(r.pending[0].call.call_id, "c2");
         assert_eq!(r.pending[0].started_key.as_deref(), Some("abada:t:4"));
         assert!(r.final_answer.is_none());
+        assert_eq!(
+            r.spent,
+            Spent {
+                tool_calls: 2,
+                keyed_writes: 1
+            }
+        );
+        assert_eq!(r.started_at_ms, None);
+        let stamped = started_input_step(
+            1,
+            "s",
+            "i",
+            std::time::UNIX_EPOCH + std::time::Duration::from_millis(1234),
+        );
+        let r = Replayed::from_steps(&[stamped]).unwrap();
+        assert_eq!(r.started_at_ms, Some(1234));
 
         let mut steps = steps;
         steps.push(tool_finished_step(

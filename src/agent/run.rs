@@ -13,13 +13,15 @@ use serde_json::{Map, Value, json};
 
 use super::definition::{self, AgentDefinition};
 use super::journal::{self, PendingCall, Replayed};
+use super::limits::{self, LimitExceeded, Limits};
 use super::{AgentRuntime, JournalHome, RunStoreHome};
-use crate::conversation::{ToolCall, ToolResult, ToolSpec};
+use crate::conversation::{ToolCall, ToolResult, ToolSpec, Usage};
 use crate::engine::capabilities::NoJournalEvidence;
 use crate::engine::{EngineError, FailureReport, JournalStep, Task};
 use crate::handler::{
     FailureKind, Outcome, TaskContext, TaskError, retries_consumed, retries_unchanged,
 };
+use crate::metrics::labels::DeclaredNames;
 use crate::metrics::{ModelLabels, ModelTokenLabels, ToolLabels};
 use crate::provider::ModelRequest;
 use crate::provider::fallback::{CallAttempt, ModelCallError, call_with_fallback_observed};
@@ -40,9 +42,19 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
         Ok(a) => a,
         Err(outcome) => return outcome,
     };
-    let outcome = match attempt.drive().await {
-        Ok(()) => unreachable!("drive only ends with an outcome"),
-        Err(outcome) => outcome,
+    // The wall-clock deadline (`maxDurationMs`) bounds everything the attempt does, a model or
+    // tool call in flight included: dropping the loop there is what a crash would do, and the
+    // journal already holds every step that counts (a started keyed write keeps its key).
+    let deadline = attempt.deadline;
+    let outcome = tokio::select! {
+        r = attempt.drive() => match r {
+            Ok(()) => unreachable!("drive only ends with an outcome"),
+            Err(outcome) => outcome,
+        },
+        _ = tokio::time::sleep_until(deadline.at) => limit_reached(&attempt.def, LimitExceeded::Duration {
+            limit_ms: duration_ms(attempt.limits.max_duration),
+            elapsed_ms: duration_ms(deadline.elapsed_before + deadline.started.elapsed()),
+        }),
     };
     attempt.tools.close().await;
     let run_end = match &outcome {
@@ -90,6 +102,37 @@ pub(super) async fn finish_in_store(
     }
 }
 
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// When the task must be over, on this process's clock.
+#[derive(Clone, Copy, Debug)]
+struct Deadline {
+    at: tokio::time::Instant,
+    /// When this attempt started, and how long the task had run before it (by the wall clock
+    /// of the journal's `startedAtMs`).
+    started: tokio::time::Instant,
+    elapsed_before: Duration,
+}
+
+impl Deadline {
+    fn new(limit: Duration, started_at_ms: Option<u64>, now: std::time::SystemTime) -> Self {
+        // A clock that went back (or a journal without the stamp) counts as no time spent.
+        let elapsed_before = started_at_ms.map_or(Duration::ZERO, |ms| {
+            now.duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .saturating_sub(Duration::from_millis(ms))
+        });
+        let started = tokio::time::Instant::now();
+        Deadline {
+            at: started + limit.saturating_sub(elapsed_before),
+            started,
+            elapsed_before,
+        }
+    }
+}
+
 /// The engine's tool-credential call for this task's lease (protocol.md B.3).
 struct LeaseCredentials {
     ctx: TaskContext,
@@ -119,6 +162,11 @@ struct Attempt<'a> {
     task: &'a Task,
     ctx: &'a TaskContext,
     def: AgentDefinition,
+    /// The definition's limits under the worker's ceilings.
+    limits: Limits,
+    deadline: Deadline,
+    /// When this attempt started (the run's start when it journals its input step).
+    started_at: std::time::SystemTime,
     state: Replayed,
     /// Where this attempt journals its steps (nowhere when the engine turned out to have no
     /// journal).
@@ -127,6 +175,8 @@ struct Attempt<'a> {
     store_run: Option<StoreRun>,
     tools: ToolSessions,
     specs: Option<Vec<ToolSpec>>,
+    /// The model and tool names this task may label metrics with.
+    names: DeclaredNames,
     /// Model requests of this attempt that produced no journaled answer (failed, retried).
     unanswered_model_calls: u32,
     /// Without a journal: how many keyed writes of each content this attempt sent, for the `n`
@@ -211,6 +261,20 @@ impl<'a> Attempt<'a> {
             )
         })?;
         let credentials = servers.credentials(Arc::new(LeaseCredentials { ctx: ctx.clone() }));
+        let limits = Limits::resolve(
+            def.limits,
+            def.max_turns,
+            def.token_budget,
+            def.max_output_tokens,
+            &rt.ceilings,
+        );
+        let started_at = std::time::SystemTime::now();
+        let deadline = Deadline::new(limits.max_duration, state.started_at_ms, started_at);
+        // Tool servers of the worker's registry, once it exists, are declared here too.
+        let names = DeclaredNames::of_definition(
+            &def.models,
+            def.tool_servers.iter().map(|s| s.name.as_str()),
+        );
         let traceparent = task.trace_parent.as_ref().map(|t| t.child_header());
         let tools = ToolSessions::new(
             rt.tool_http.clone(),
@@ -224,11 +288,15 @@ impl<'a> Attempt<'a> {
             task,
             ctx,
             def,
+            limits,
+            deadline,
+            started_at,
             state,
             journal,
             store_run,
             tools,
             specs: None,
+            names,
             unanswered_model_calls: 0,
             identical_writes: std::collections::HashMap::new(),
             traceparent,
@@ -243,8 +311,13 @@ impl<'a> Attempt<'a> {
                 .render(&self.task.variables)
                 .map_err(|e| incident("the agent definition cannot be used", e.to_string()))?;
             let seq = self.state.next_seq;
-            self.journal(journal::input_step(seq, &instructions, &input))
-                .await?;
+            self.journal(journal::started_input_step(
+                seq,
+                &instructions,
+                &input,
+                self.started_at,
+            ))
+            .await?;
         }
         loop {
             self.boundary()?;
@@ -349,6 +422,7 @@ impl<'a> Attempt<'a> {
                 Err(e) => self.tool_error(e, tries, "listing tools").await?,
             }
         };
+        self.names.declare_tools(&specs);
         self.specs = Some(specs.clone());
         Ok(specs)
     }
@@ -383,53 +457,42 @@ impl<'a> Attempt<'a> {
     }
 
     async fn call_model(&mut self) -> Step {
-        let budget_left = match self.def.token_budget {
-            Some(budget) => {
-                let used = self.state.usage.total();
-                if used >= budget {
-                    return Err(incident(
-                        "tokenBudget spent",
-                        format!(
-                            "agent {}: tokenBudget {budget} spent ({used} tokens: {} in, {} out) after {} model turns without a final answer",
-                            self.def.name,
-                            self.state.usage.input_tokens,
-                            self.state.usage.output_tokens,
-                            self.state.turns
-                        ),
-                    ));
-                }
-                Some(budget - used)
-            }
-            None => None,
-        };
-        if self.state.turns >= self.def.max_turns {
-            return Err(incident(
-                "maxTurns reached",
-                format!(
-                    "agent {}: maxTurns {} reached without a final answer ({} tokens in, {} out)",
-                    self.def.name,
-                    self.def.max_turns,
-                    self.state.usage.input_tokens,
-                    self.state.usage.output_tokens
-                ),
+        if self.state.turns >= self.limits.max_turns {
+            return Err(limit_reached(
+                &self.def,
+                LimitExceeded::MaxTurns {
+                    limit: self.limits.max_turns,
+                    input: self.state.usage.input_tokens,
+                    output: self.state.usage.output_tokens,
+                },
             ));
         }
         let tools = self.tool_specs().await?;
         let (instructions, _) = self.state.input.clone().unwrap_or_default();
-        let request = ModelRequest {
+        let mut request = ModelRequest {
             model: String::new(),
             system: instructions,
             messages: self.state.messages.clone(),
             tools,
-            max_output_tokens: budget_left.map(|b| b.min(u32::MAX as u64) as u32),
+            max_output_tokens: None,
             traceparent: self.traceparent.clone(),
         };
+        // The budget is checked against the request about to go out, not only what was spent:
+        // one call must not overshoot it by a context window.
+        let estimated_input = limits::estimate_request_tokens(&request);
+        let cap = self
+            .limits
+            .output_cap(self.state.usage, estimated_input)
+            .map_err(|e| limit_reached(&self.def, e))?;
+        request.max_output_tokens = Some(cap);
         let metrics = self.rt.metrics.clone();
+        let names = &self.names;
         let mut unanswered = 0u32;
         let mut observe = |a: &CallAttempt| {
+            let (provider, model) = names.model(&a.model);
             let labels = ModelLabels {
-                provider: a.model.provider.clone(),
-                model: a.model.model.clone(),
+                provider: provider.clone(),
+                model: model.clone(),
                 outcome: a.outcome,
             };
             metrics.model_calls.get_or_create(&labels).inc();
@@ -442,13 +505,14 @@ impl<'a> Attempt<'a> {
                     metrics
                         .model_tokens
                         .get_or_create(&ModelTokenLabels {
-                            provider: a.model.provider.clone(),
-                            model: a.model.model.clone(),
+                            provider: provider.clone(),
+                            model: model.clone(),
                             direction,
                         })
                         .inc_by(n);
                 }
-            } else {
+            }
+            if a.outcome != "ok" {
                 unanswered += 1;
             }
         };
@@ -464,15 +528,50 @@ impl<'a> Attempt<'a> {
         };
         self.unanswered_model_calls += unanswered;
         let (model, response) = result.map_err(|e| self.model_error(e))?;
+        // Nothing of an answer over a limit is journaled or performed.
+        let writes = self.keyed_writes_in(&response.message.tool_calls);
+        self.limits
+            .check_answer(&response.message, writes, &self.state.spent)
+            .map_err(|e| limit_reached(&self.def, e))?;
+        // A provider that reports no usage still spends the budget: count the estimate.
+        let (usage, estimated) = match response.usage {
+            Some(u) => (u, false),
+            None => (
+                Usage {
+                    input_tokens: estimated_input,
+                    output_tokens: limits::estimate_answer_tokens(&response.message),
+                },
+                true,
+            ),
+        };
         let seq = self.state.next_seq;
-        self.journal(journal::model_step(
+        let mut step = journal::model_step(
             seq,
             &model.to_string(),
             &response.message,
-            response.usage,
+            usage,
             &response.stop_reason,
-        ))
-        .await
+        );
+        if estimated {
+            step.data["usageEstimated"] = json!(true);
+        }
+        self.journal(step).await
+    }
+
+    /// How many of `calls` would be keyed writes: calls of a listed tool not marked read-only,
+    /// with object arguments (what [`Attempt::run_tool_call`] journals as `tool/started`).
+    fn keyed_writes_in(&self, calls: &[ToolCall]) -> u32 {
+        let specs = self.specs.as_deref().unwrap_or_default();
+        let n = calls
+            .iter()
+            .filter(|c| {
+                c.arguments.is_object()
+                    && specs
+                        .iter()
+                        .any(|s| s.server == c.server && s.tool == c.tool && !s.read_only)
+            })
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
     }
 
     fn model_error(&self, e: ModelCallError) -> Outcome {
@@ -629,12 +728,13 @@ impl<'a> Attempt<'a> {
     }
 
     fn count_tool(&self, call: &ToolCall, outcome: &'static str) {
+        let (server, tool) = self.names.tool(&call.server, &call.tool);
         self.rt
             .metrics
             .tool_calls
             .get_or_create(&ToolLabels {
-                server: call.server.clone(),
-                tool: call.tool.clone(),
+                server,
+                tool,
                 outcome,
             })
             .inc();
@@ -765,6 +865,15 @@ fn parse_answer(text: &str) -> Value {
         Ok(v) if !unfenced.is_empty() => v,
         _ => Value::String(text.to_string()),
     }
+}
+
+/// A limit ends the task as an incident naming the limit and its value.
+fn limit_reached(def: &AgentDefinition, e: LimitExceeded) -> Outcome {
+    tracing::warn!(agent = %def.name, limit = e.name(), "an agent limit was reached");
+    incident(
+        &format!("agent {:?} reached a limit", def.name),
+        e.to_string(),
+    )
 }
 
 /// An incident: `failure` with `retries: 0`, for an operator to see, fix and retry.

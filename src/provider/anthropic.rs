@@ -175,12 +175,13 @@ pub fn parse_response(body: &[u8], names: &ToolNames) -> Result<ModelResponse, S
     let u = wire.usage;
     Ok(ModelResponse {
         message: AssistantMessage { text, tool_calls },
-        usage: Usage {
-            input_tokens: u.input_tokens
-                + u.cache_creation_input_tokens.unwrap_or(0)
-                + u.cache_read_input_tokens.unwrap_or(0),
+        usage: Some(Usage {
+            input_tokens: u
+                .input_tokens
+                .saturating_add(u.cache_creation_input_tokens.unwrap_or(0))
+                .saturating_add(u.cache_read_input_tokens.unwrap_or(0)),
             output_tokens: u.output_tokens,
-        },
+        }),
         stop_reason: wire.stop_reason.unwrap_or_default(),
     })
 }

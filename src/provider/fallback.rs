@@ -70,7 +70,7 @@ pub struct CallAttempt {
     pub model: ModelRef,
     /// `ok`, or [`ProviderError::outcome`] of the failure.
     pub outcome: &'static str,
-    /// Tokens of a successful call.
+    /// Tokens of a successful call, as the provider reported them.
     pub usage: Option<Usage>,
     /// How long the call took.
     pub duration: Duration,
@@ -163,7 +163,7 @@ pub async fn call_with_fallback_observed(
                     Ok(_) => "ok",
                     Err(e) => e.outcome(),
                 },
-                usage: result.as_ref().ok().map(|r| r.usage),
+                usage: result.as_ref().ok().and_then(|r| r.usage),
             });
             let error = match result {
                 Ok(response) => return Ok((model.clone(), response)),

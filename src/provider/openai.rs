@@ -2,8 +2,8 @@
 //! OpenAI, Azure-style gateways, vLLM, Ollama, llama.cpp, LiteLLM.
 //!
 //! The output cap goes out as `max_completion_tokens` (OpenAI's current name; reasoning models
-//! refuse the older `max_tokens`). A missing `usage` counts as zero tokens, since some
-//! compatible servers leave it out.
+//! refuse the older `max_tokens`). Some compatible servers leave `usage` out: the response then
+//! carries none, and the agent counts an estimate against the budget.
 
 use async_trait::async_trait;
 use reqwest::header::{AUTHORIZATION, HeaderMap};
@@ -182,13 +182,10 @@ pub fn parse_response(body: &[u8], names: &ToolNames) -> Result<ModelResponse, S
             names.tool_call(id, &c.function.name, arguments)
         })
         .collect();
-    let usage = wire
-        .usage
-        .map(|u| Usage {
-            input_tokens: u.prompt_tokens,
-            output_tokens: u.completion_tokens,
-        })
-        .unwrap_or_default();
+    let usage = wire.usage.map(|u| Usage {
+        input_tokens: u.prompt_tokens,
+        output_tokens: u.completion_tokens,
+    });
     Ok(ModelResponse {
         message: AssistantMessage { text, tool_calls },
         usage,

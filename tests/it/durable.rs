@@ -651,10 +651,10 @@ async fn turns_and_tokens_of_earlier_attempts_count_against_the_limits() {
         assert_eq!(view.journal.len(), 6, "nothing appended");
     }
     let turns_msg = views[0].error_message.as_deref().unwrap_or_default();
-    assert!(turns_msg.contains("maxTurns 2 reached"), "{turns_msg}");
+    assert!(turns_msg.contains("maxTurns = 2 reached"), "{turns_msg}");
     let tokens_msg = views[1].error_message.as_deref().unwrap_or_default();
     assert!(
-        tokens_msg.contains("tokenBudget 300 spent (300 tokens"),
+        tokens_msg.contains("tokenBudget = 300 would be exceeded: 300 tokens spent"),
         "{tokens_msg}"
     );
     assert_eq!(stack.model.total_calls(), 0, "no model call");

@@ -35,14 +35,14 @@ async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
     }
 }
 
-async fn stack() -> Stack {
+pub(crate) async fn stack() -> Stack {
     Stack::start(ProtocolLevel::AgentV1)
         .await
         .expect("the devkit stack starts")
 }
 
 /// Fast retries and short tool timeouts, so a scenario's faults play out in seconds.
-fn settings() -> AgentSettings {
+pub(crate) fn settings() -> AgentSettings {
     let mut s = Stack::fast_agent_settings();
     s.tool_sessions.call_timeout = Duration::from_millis(500);
     s.tool_sessions.open_timeout = Duration::from_secs(2);
@@ -71,7 +71,7 @@ fn refund_tasks(
 }
 
 /// A worker with its recorder.
-fn worker(
+pub(crate) fn worker(
     stack: &Stack,
     id: &str,
     slots: u32,
@@ -87,7 +87,7 @@ fn worker(
 }
 
 /// Waits until every task satisfies `done`.
-async fn wait_tasks(
+pub(crate) async fn wait_tasks(
     stack: &Stack,
     ids: &[String],
     what: &str,
@@ -113,7 +113,7 @@ async fn wait_completed(stack: &Stack, ids: &[String]) -> Vec<TaskView> {
 }
 
 /// Stops the workers (staged), then checks every invariant and fails the test on a violation.
-async fn finish(
+pub(crate) async fn finish(
     stack: &Stack,
     workers: Vec<(WorkerHandle, Recorder)>,
     expect: Expect,

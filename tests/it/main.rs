@@ -2,12 +2,14 @@
 
 mod agent;
 mod content_keys;
+mod checker;
 mod core_http;
 mod demo;
 mod durable;
 mod emulator;
 mod faults;
 mod fuzz_props;
+mod hostile_model;
 mod loadtest_smoke;
 mod mcp_interop;
 mod oidc;

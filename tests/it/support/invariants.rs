@@ -222,6 +222,14 @@ fn is_lease_lost_refusal(c: &CallRecord) -> bool {
     ) || (c.status == 400 && c.error_code.as_deref() == Some("ENGINE_COMMAND_REJECTED"))
 }
 
+/// A lease-lost refusal the attempt's own ending can cause: a heartbeat, append or second ending
+/// that finds the task already ended. A `JOURNAL_CONFLICT` never is (the journal refused a step
+/// that differs from the one it holds, whatever became of the task), so an ending after one is
+/// always a violation.
+fn may_follow_own_ending(c: &CallRecord) -> bool {
+    is_lease_lost_refusal(c) && c.error_code.as_deref() != Some("JOURNAL_CONFLICT")
+}
+
 fn is_ending(op: Operation) -> bool {
     matches!(
         op,
@@ -436,16 +444,19 @@ pub async fn check_invariants(
         }
     }
     // A refusal caused by the attempt's own ending call (a heartbeat that finds the task
-    // completed) is no loss: such attempts are skipped. The call log stamps a request when it
-    // arrives, before injected latency, so arrival order is not decision order.
+    // completed) is no loss: such refusals are skipped when the attempt has a committed ending.
+    // The call log stamps a request when it arrives, before injected latency, so arrival order
+    // is not decision order. A JOURNAL_CONFLICT is never such a refusal (see
+    // `may_follow_own_ending`): the exemption does not cover it.
     for refusal in calls.iter().filter(|c| {
         is_lease_lost_refusal(c)
-            && !calls.iter().any(|e| {
-                is_ending(e.operation)
-                    && committed(e)
-                    && e.task_id == c.task_id
-                    && e.attempt == c.attempt
-            })
+            && !(may_follow_own_ending(c)
+                && calls.iter().any(|e| {
+                    is_ending(e.operation)
+                        && committed(e)
+                        && e.task_id == c.task_id
+                        && e.attempt == c.attempt
+                }))
     }) {
         // A replay of a command already sent (same key) executes nothing; it may have been in
         // flight when the refusal came.
