@@ -88,6 +88,14 @@ pub enum ToolError {
         url: String,
         tool: String,
     },
+    /// The server sent more than the worker reads (a response past its byte limit, a listing
+    /// past its page or tool limit). Retrying cannot help: the task becomes an incident.
+    #[error("tool server {server} ({url}) sent {what}; retrying cannot help")]
+    TooLarge {
+        server: String,
+        url: String,
+        what: String,
+    },
     /// The server broke the protocol or answered with a JSON-RPC error.
     #[error("tool server {server} ({url}) failed{}: {reason}", tool.as_deref().map(|t| format!(" calling {t}")).unwrap_or_default())]
     Protocol {
@@ -168,8 +176,8 @@ pub enum ToolProtocol {
 
 /// Default cap on a tool result kept for the model: 64 KiB.
 pub const DEFAULT_MAX_RESULT_BYTES: usize = 64 * 1024;
-/// Default cap on one response read from a tool server: 4 MiB.
-pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+/// Default cap on one response read from a tool server (`body::TOOL_RESPONSE_MAX_BYTES`).
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = crate::body::TOOL_RESPONSE_MAX_BYTES;
 
 impl Default for ToolSessionOptions {
     fn default() -> Self {
@@ -251,7 +259,7 @@ impl ToolSessions {
             if !session.has_tool(tool) {
                 return Err(ToolError::UnknownTool {
                     server: server.into(),
-                    url: session.url().into(),
+                    url: crate::redact::url(session.url()),
                     tool: tool.into(),
                 });
             }
@@ -317,7 +325,7 @@ impl ToolSessions {
                     },
                     CredentialError::Transient { reason, .. } => ToolError::Unavailable {
                         server: server.into(),
-                        url: server_ref.url.clone(),
+                        url: crate::redact::url(&server_ref.url),
                         reason: format!("no credential: {reason}"),
                     },
                 })?;
