@@ -141,6 +141,8 @@ impl AgentRuntime {
         if let Some(f) = &agents_file {
             tracing::info!(agents = f.len(), "agents file loaded");
         }
+        let mut agent_settings = agent_settings;
+        agent_settings.tool_sessions.allow_insecure_http = config.allow_insecure_http;
         Ok(AgentRuntime::new(
             ProviderRegistry::new(settings, http.clone()),
             agents_file,

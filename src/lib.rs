@@ -9,6 +9,7 @@ pub mod app;
 pub mod auth;
 pub mod backoff;
 pub mod body;
+pub mod channel;
 pub mod config;
 pub mod conversation;
 pub mod decoders;

@@ -96,6 +96,12 @@ pub enum ToolError {
         url: String,
         what: String,
     },
+    /// The credential for this server would travel in clear (`crate::channel`): not asked for.
+    #[error("tool server {server}: {source}")]
+    InsecureChannel {
+        server: String,
+        source: crate::channel::InsecureChannel,
+    },
     /// The server broke the protocol or answered with a JSON-RPC error.
     #[error("tool server {server} ({url}) failed{}: {reason}", tool.as_deref().map(|t| format!(" calling {t}")).unwrap_or_default())]
     Protocol {
@@ -138,6 +144,10 @@ pub struct ToolSessionOptions {
     pub close_timeout: Duration,
     /// How sessions are opened.
     pub protocol: ToolProtocol,
+    /// Tool credentials may go to http:// servers that are not loopback
+    /// (`ABADA_AGENT_ALLOW_INSECURE_HTTP`); otherwise such a server is refused before a
+    /// credential is asked for (`crate::channel`).
+    pub allow_insecure_http: bool,
     /// What each server turned out to speak, shared by every task of the process (clones of the
     /// options share it): with [`ToolProtocol::Auto`], only the first session to a server probes
     /// for MCP 2026-07-28; later ones open directly the way that worked. This saves a round trip
@@ -188,6 +198,7 @@ impl Default for ToolSessionOptions {
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             close_timeout: Duration::from_secs(5),
             protocol: ToolProtocol::Auto,
+            allow_insecure_http: false,
             learned: Arc::new(ProtocolMemo::default()),
         }
     }
@@ -315,6 +326,15 @@ impl ToolSessions {
                         .join(", "),
                 });
             };
+            crate::channel::check(
+                &server_ref.url,
+                &format!("the credential for tool server {server}"),
+                self.options.allow_insecure_http,
+            )
+            .map_err(|source| ToolError::InsecureChannel {
+                server: server.into(),
+                source,
+            })?;
             let credential = self
                 .credentials
                 .credential(server)

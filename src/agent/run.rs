@@ -252,6 +252,9 @@ impl<'a> Attempt<'a> {
         if e.is_lease_lost() {
             return Err(Outcome::Abandoned);
         }
+        if matches!(e, ToolError::InsecureChannel { .. }) {
+            return Err(incident("a tool server is refused", format!("{what}: {e}")));
+        }
         if matches!(e, ToolError::TooLarge { .. }) {
             return Err(incident(
                 "a tool server sent more than the worker reads",
