@@ -7,6 +7,7 @@ mod durable;
 mod emulator;
 mod faults;
 mod fuzz_props;
+mod hostile;
 mod loadtest_smoke;
 mod mcp_interop;
 mod oidc;
