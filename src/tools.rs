@@ -23,7 +23,7 @@ use crate::conversation::{ToolResult, ToolSpec};
 use crate::secret::Secret;
 
 use session::{Session, SessionFailure};
-pub(crate) use session::{cap_result, decode_tool_result};
+pub(crate) use session::{cap_result, decode_tool_result, decode_tool_spec};
 
 /// The `_meta` key carrying the idempotency key of a keyed write (protocol.md B.2).
 pub const IDEMPOTENCY_KEY_META: &str = "io.abada/idempotency-key";

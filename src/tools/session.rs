@@ -278,6 +278,12 @@ async fn list_bounded(peer: &Peer<RoleClient>) -> Result<Vec<Tool>, SessionFailu
     )))
 }
 
+/// One listed tool from its JSON form, as offered to the model (for the decoders).
+pub(crate) fn decode_tool_spec(server: &str, json: &[u8]) -> Result<Option<ToolSpec>, String> {
+    let tool: Tool = serde_json::from_slice(json).map_err(|e| e.to_string())?;
+    Ok(to_spec(server, tool))
+}
+
 /// A listed tool as offered to the model: its description cut to
 /// `body::TOOL_DESCRIPTION_MAX_BYTES`; a tool whose input schema is larger than
 /// `body::TOOL_SCHEMA_MAX_BYTES` is not offered (a cut schema would be wrong).
