@@ -233,6 +233,8 @@ impl AgentRuntime {
         }
         let tool_http =
             crate::tools::http_client(tls()?).map_err(|e| AgentSetupError::Http(e.to_string()))?;
+        let mut agent_settings = agent_settings;
+        agent_settings.tool_sessions.allow_insecure_http = config.allow_insecure_http;
         let runtime = AgentRuntime::new(
             ProviderRegistry::new(settings, http),
             agents_file,

@@ -285,6 +285,9 @@ pub(crate) enum IssuerHttpError {
     Request(String),
     #[error("{0}")]
     Reqwest(#[from] reqwest::Error),
+    /// A document larger than the worker reads from an issuer (`body::ISSUER_DOCUMENT_MAX_BYTES`).
+    #[error(transparent)]
+    TooLarge(#[from] crate::body::TooLarge),
     /// A server error without an OAuth 2.0 error body (a proxy's error page, an overloaded
     /// issuer): transient, and reported with its status instead of as an unreadable body.
     #[error("HTTP status {status} from {url}")]
@@ -313,14 +316,21 @@ impl<'c> AsyncHttpClient<'c> for IssuerHttpClient {
             if response.status().is_server_error() && !json {
                 return Err(IssuerHttpError::ServerError {
                     status: response.status(),
-                    url: url.to_string(),
+                    url: crate::redact::url(url.as_str()),
                 });
             }
             let mut builder = http_response_builder(response.status(), response.version());
             for (name, value) in response.headers() {
                 builder = builder.header(name, value);
             }
-            let body = response.bytes().await?.to_vec();
+            let what = format!("the answer of {}", crate::redact::url(url.as_str()));
+            let body =
+                crate::body::read_capped(response, crate::body::ISSUER_DOCUMENT_MAX_BYTES, &what)
+                    .await
+                    .map_err(|e| match e {
+                        crate::body::ReadError::TooLarge(t) => IssuerHttpError::TooLarge(t),
+                        crate::body::ReadError::Http(e) => IssuerHttpError::Reqwest(e),
+                    })?;
             builder
                 .body(body)
                 .map_err(|e| IssuerHttpError::Request(e.to_string()))

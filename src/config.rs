@@ -49,6 +49,7 @@ pub const ENV_MAX_TOOL_CALLS_PER_TASK: &str = "ABADA_AGENT_MAX_TOOL_CALLS_PER_TA
 pub const ENV_MAX_KEYED_WRITES_PER_TASK: &str = "ABADA_AGENT_MAX_KEYED_WRITES_PER_TASK";
 pub const ENV_MAX_TURNS: &str = "ABADA_AGENT_MAX_TURNS";
 pub const ENV_MAX_TASK_DURATION_MS: &str = "ABADA_AGENT_MAX_TASK_DURATION_MS";
+pub const ENV_ALLOW_INSECURE_HTTP: &str = "ABADA_AGENT_ALLOW_INSECURE_HTTP";
 
 /// Where variables come from.
 pub trait EnvSource {
@@ -180,6 +181,8 @@ pub struct Config {
     pub engine_headers: Option<Arc<EngineHeaders>>,
     /// What no agent definition gets more of (`ABADA_AGENT_MAX_*`).
     pub ceilings: Ceilings,
+    /// Credentials may travel over http:// to hosts that are not loopback (`crate::channel`).
+    pub allow_insecure_http: bool,
 }
 
 impl Config {
@@ -281,6 +284,19 @@ impl Config {
             .transpose()?;
         let tools_file = get(ENV_TOOLS_FILE).map(|p| PathBuf::from(p.trim()));
         let ceilings = parse_ceilings(&get)?;
+        let allow_insecure_http = match get(ENV_ALLOW_INSECURE_HTTP)
+            .map(|v| v.trim().to_ascii_lowercase())
+            .as_deref()
+        {
+            None | Some("false") => false,
+            Some("true") => true,
+            Some(v) => {
+                return Err(ConfigError::new(
+                    ENV_ALLOW_INSECURE_HTTP,
+                    format!("{v:?} is not a boolean: allowed true or false"),
+                ));
+            }
+        };
         Ok(Config {
             engine_url,
             worker_id,
@@ -300,7 +316,61 @@ impl Config {
             store,
             engine_headers,
             ceilings,
+            allow_insecure_http,
         })
+        .and_then(|config| {
+            for (var, what, url) in config.credential_channels() {
+                crate::channel::check(&url, &what, config.allow_insecure_http)
+                    .map_err(|e| ConfigError::new(var, e.to_string()))?;
+            }
+            Ok(config)
+        })
+    }
+
+    /// Every credential the configuration sends and where: (variable, what, URL).
+    fn credential_channels(&self) -> Vec<(&'static str, String, String)> {
+        let mut channels = Vec::new();
+        if let Some(oidc) = &self.oidc {
+            channels.push((
+                ENV_OIDC_ISSUER_URL,
+                "the OIDC client secret".to_string(),
+                oidc.issuer_url.clone(),
+            ));
+            channels.push((
+                ENV_ENGINE_URL,
+                "the engine access token".to_string(),
+                self.engine_url.clone(),
+            ));
+        }
+        for p in &self.providers {
+            if p.api_key.is_some()
+                && let Some(url) = &p.base_url
+            {
+                channels.push((
+                    ENV_PROVIDERS,
+                    format!("the API key of provider {}", p.name),
+                    url.clone(),
+                ));
+            }
+        }
+        channels
+    }
+
+    /// What travels in clear because `ABADA_AGENT_ALLOW_INSECURE_HTTP=true` allowed it, for the
+    /// one warning at start-up (tool credentials are named by their servers at run time).
+    pub fn credentials_in_clear(&self) -> Vec<String> {
+        let mut clear: Vec<String> = self
+            .credential_channels()
+            .into_iter()
+            .filter(|(_, what, url)| {
+                crate::channel::check(url, what, true) == Ok(crate::channel::Channel::Clear)
+            })
+            .map(|(_, what, url)| format!("{what} to {}", crate::redact::url(&url)))
+            .collect();
+        if self.allow_insecure_http {
+            clear.push("tool credentials to any http:// tool server".to_string());
+        }
+        clear
     }
 }
 

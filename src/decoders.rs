@@ -20,6 +20,35 @@ pub fn engine_fetch_response(body: &[u8]) -> Result<(Vec<Task>, Vec<String>), St
     crate::engine::wire::decode_locked_tasks(body)
 }
 
+/// What a limited fetch read: the tasks taken, the problems, the (id, attempt) of a task too large.
+pub type LimitedFetch = (Vec<Task>, Vec<String>, Vec<(String, Option<u32>)>);
+
+/// A fetch-and-lock response read task by task with a per-task byte limit, as the engine
+/// client reads it: the tasks taken, the problems, and the (id, attempt) of a task too large.
+pub fn engine_fetch_response_limited(
+    body: &[u8],
+    task_limit: usize,
+) -> Result<LimitedFetch, String> {
+    let read = crate::engine::wire::decode_locked_tasks_from(&mut &body[..], task_limit)?;
+    let oversized = read
+        .oversized
+        .into_iter()
+        .map(|o| (o.id, o.attempt))
+        .collect();
+    Ok((read.tasks, read.rejected, oversized))
+}
+
+/// One tool of a `tools/list` answer (JSON), as offered to the model: `None` when its input
+/// schema is over the limit (description cut, schema bounded: `body::TOOL_*`).
+pub fn tool_listing_entry(json: &[u8]) -> Result<Option<ToolSpec>, String> {
+    crate::tools::decode_tool_spec("fuzz", json)
+}
+
+/// Text cut to a byte limit at a character boundary (tool error messages, descriptions).
+pub fn truncate_text(text: &str, limit: usize) -> String {
+    crate::body::truncate_text(text, limit)
+}
+
 /// A non-success engine answer (status, headers, body) as the typed error the worker acts on.
 /// Statuses outside 100..=999 are not HTTP and come back as `None`.
 pub fn engine_error(

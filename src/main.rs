@@ -88,6 +88,13 @@ fn daemon() -> ExitCode {
             lock_duration_ms = config.lock_duration.as_millis() as u64,
             "worker starting"
         );
+        let clear = config.credentials_in_clear();
+        if !clear.is_empty() {
+            tracing::warn!(
+                in_clear = %clear.join("; "),
+                "ABADA_AGENT_ALLOW_INSECURE_HTTP=true: credentials travel in clear over http://"
+            );
+        }
         match worker
             .run(config.http_addr, config.poll_interval, shutdown, None)
             .await

@@ -194,6 +194,14 @@ pub enum ProviderError {
         model: String,
         message: String,
     },
+    /// The answer was larger than the worker reads from a model (`body::MODEL_RESPONSE_MAX_BYTES`):
+    /// not read past the limit, and not retried (a model that answers this is broken or hostile).
+    #[error("model {provider}/{model} sent an answer the worker does not read: {too_large}")]
+    TooLarge {
+        provider: String,
+        model: String,
+        too_large: crate::body::TooLarge,
+    },
     /// The worker could not prepare the request (unreadable key file, invalid key characters).
     #[error("cannot call model {provider}/{model}: {message}")]
     Setup {
@@ -213,6 +221,7 @@ impl ProviderError {
             ProviderError::Rejected { .. } => "rejected",
             ProviderError::Malformed { .. } => "malformed",
             ProviderError::Setup { .. } => "setup",
+            ProviderError::TooLarge { .. } => "too_large",
         }
     }
 }

@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::backoff::Backoff;
-use crate::engine::{Engine, FailureReport, FetchRequest, LeaseLostReason, Task};
+use crate::engine::{Engine, EngineError, FailureReport, FetchRequest, LeaseLostReason, Task};
 use crate::handler::{
     FailureKind, Outcome, TaskContext, TaskEnd, TaskError, TaskHandler, retries_consumed,
 };
@@ -128,6 +128,24 @@ impl Default for WorkerStatus {
             draining: AtomicBool::new(false),
             problem: Mutex::new(Some("no fetch has succeeded yet".into())),
         }
+    }
+}
+
+/// Why the engine makes the worker not ready, in a few words for `/readyz`: never the
+/// engine's own text (a body may hold anything) nor a URL; the log line has the detail.
+fn readiness_reason(e: &EngineError) -> &'static str {
+    match e {
+        EngineError::Transient { .. } => "the engine does not answer",
+        EngineError::Unauthenticated { .. } | EngineError::Auth { .. } => {
+            "the engine does not accept the worker's credentials"
+        }
+        EngineError::AccessDenied { .. } => "the engine denies the worker access",
+        EngineError::Throttled { .. } => "the engine asks the worker to slow down",
+        EngineError::UnsupportedProtocolVersion { .. } => "the engine does not speak protocol v1",
+        EngineError::MalformedResponse { .. } | EngineError::TooLarge { .. } => {
+            "the engine's answers cannot be read"
+        }
+        _ => "the engine refuses to fetch",
     }
 }
 
@@ -499,7 +517,7 @@ impl Runner {
                 });
                 self.metrics.backoff_seconds.set(failed.wait.as_secs_f64());
                 if e.is_engine_down() {
-                    self.status.engine_failed(text.clone());
+                    self.status.engine_failed(readiness_reason(&e).to_string());
                 }
                 let retry_in_ms = failed.wait.as_millis() as u64;
                 match failed.log_at {

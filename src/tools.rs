@@ -25,7 +25,7 @@ use crate::conversation::{ToolResult, ToolSpec};
 use crate::secret::Secret;
 
 use session::{Session, SessionFailure};
-pub(crate) use session::{cap_result, decode_tool_result};
+pub(crate) use session::{cap_result, decode_tool_result, decode_tool_spec};
 
 /// The `_meta` key carrying the idempotency key of a keyed write (protocol.md B.2).
 pub const IDEMPOTENCY_KEY_META: &str = "io.abada/idempotency-key";
@@ -111,6 +111,20 @@ pub enum ToolError {
         url: String,
         tool: String,
     },
+    /// The server sent more than the worker reads (a response past its byte limit, a listing
+    /// past its page or tool limit). Retrying cannot help: the task becomes an incident.
+    #[error("tool server {server} ({url}) sent {what}; retrying cannot help")]
+    TooLarge {
+        server: String,
+        url: String,
+        what: String,
+    },
+    /// The credential for this server would travel in clear (`crate::channel`): not asked for.
+    #[error("tool server {server}: {source}")]
+    InsecureChannel {
+        server: String,
+        source: crate::channel::InsecureChannel,
+    },
     /// The server broke the protocol or answered with a JSON-RPC error.
     #[error("tool server {server} ({url}) failed{}: {reason}", tool.as_deref().map(|t| format!(" calling {t}")).unwrap_or_default())]
     Protocol {
@@ -153,6 +167,10 @@ pub struct ToolSessionOptions {
     pub close_timeout: Duration,
     /// How sessions are opened.
     pub protocol: ToolProtocol,
+    /// Tool credentials may go to http:// servers that are not loopback
+    /// (`ABADA_AGENT_ALLOW_INSECURE_HTTP`); otherwise such a server is refused before a
+    /// credential is asked for (`crate::channel`).
+    pub allow_insecure_http: bool,
     /// What each server turned out to speak, shared by every task of the process (clones of the
     /// options share it): with [`ToolProtocol::Auto`], only the first session to a server probes
     /// for MCP 2026-07-28; later ones open directly the way that worked. This saves a round trip
@@ -191,8 +209,8 @@ pub enum ToolProtocol {
 
 /// Default cap on a tool result kept for the model: 64 KiB.
 pub const DEFAULT_MAX_RESULT_BYTES: usize = 64 * 1024;
-/// Default cap on one response read from a tool server: 4 MiB.
-pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+/// Default cap on one response read from a tool server (`body::TOOL_RESPONSE_MAX_BYTES`).
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = crate::body::TOOL_RESPONSE_MAX_BYTES;
 
 impl Default for ToolSessionOptions {
     fn default() -> Self {
@@ -203,6 +221,7 @@ impl Default for ToolSessionOptions {
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             close_timeout: Duration::from_secs(5),
             protocol: ToolProtocol::Auto,
+            allow_insecure_http: false,
             learned: Arc::new(ProtocolMemo::default()),
         }
     }
@@ -289,7 +308,7 @@ impl ToolSessions {
             if !session.has_tool(tool) {
                 return Err(ToolError::UnknownTool {
                     server: server.into(),
-                    url: session.url().into(),
+                    url: crate::redact::url(session.url()),
                     tool: tool.into(),
                 });
             }
@@ -375,6 +394,18 @@ impl ToolSessions {
                 .credential(server)
                 .await
                 .map_err(|e| credential_error(e, &server_ref.url))?;
+            // A credential travels over TLS (or to loopback) only.
+            if credential.is_some() {
+                crate::channel::check(
+                    &server_ref.url,
+                    &format!("the credential for tool server {server}"),
+                    self.options.allow_insecure_http,
+                )
+                .map_err(|source| ToolError::InsecureChannel {
+                    server: server.into(),
+                    source,
+                })?;
+            }
             let mut refreshed = false;
             let session = loop {
                 let opened =
@@ -425,7 +456,7 @@ fn credential_error(e: CredentialError, url: &str) -> ToolError {
         CredentialError::LeaseLost { server } => ToolError::CredentialRefused { server },
         CredentialError::Transient { server, reason } => ToolError::Unavailable {
             server,
-            url: url.to_string(),
+            url: crate::redact::url(url),
             reason: format!("no credential: {reason}"),
         },
     }

@@ -207,6 +207,9 @@ impl<'a> Attempt<'a> {
                         }
                     }
                 }
+                Err(TaskError::Engine(e @ EngineError::TooLarge { .. })) => {
+                    return Err(incident("the task's journal is too large", e.to_string()));
+                }
                 Err(TaskError::Engine(EngineError::NotFound { .. })) => {
                     rt.capabilities.journal_missing(NoJournalEvidence::NotFound);
                     (Replayed::empty(), JournalHome::Nowhere)
@@ -438,6 +441,15 @@ impl<'a> Attempt<'a> {
                 format!("{what}: {e}"),
             ));
         }
+        if matches!(e, ToolError::InsecureChannel { .. }) {
+            return Err(incident("a tool server is refused", format!("{what}: {e}")));
+        }
+        if matches!(e, ToolError::TooLarge { .. }) {
+            return Err(incident(
+                "a tool server sent more than the worker reads",
+                format!("{what}: {e}"),
+            ));
+        }
         if e.is_transient() && tries < self.rt.settings.tool_attempts {
             let wait = self.rt.settings.tool_backoff.delay(tries - 1);
             tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "{what} failed; retrying");
@@ -595,6 +607,11 @@ impl<'a> Attempt<'a> {
             ModelCallError::NoModels | ModelCallError::UnknownProvider { .. } => {
                 incident("the agent definition cannot be used", e.to_string())
             }
+            ModelCallError::Task { ref source, .. }
+                if matches!(**source, crate::provider::ProviderError::TooLarge { .. }) =>
+            {
+                incident("the model's answer is too large", e.to_string())
+            }
             ModelCallError::Task { .. } | ModelCallError::ContextTooLong { .. } => {
                 incident("the model refused the request", e.to_string())
             }
@@ -722,6 +739,10 @@ impl<'a> Attempt<'a> {
         key: Option<&str>,
         result: ToolResult,
     ) -> Step {
+        // Every result the model and the journal see is capped here, whatever produced it: a
+        // server's result, its error message, or the worker's own (unknown tool, bad arguments).
+        let result =
+            crate::tools::cap_result(result, self.rt.settings.tool_sessions.max_result_bytes);
         let seq = self.state.next_seq;
         self.journal(journal::tool_finished_step(seq, key, call, &result))
             .await

@@ -32,11 +32,9 @@ use super::{
 };
 use crate::auth::TokenProvider;
 use crate::backoff::Backoff;
+use crate::body::{self, ReadError};
 use crate::metrics::Metrics;
 use crate::secret::Secret;
-
-/// Largest engine response body the worker reads (a fetch of 50 tasks with big variables fits).
-const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 
 /// Settings of the engine client.
 #[derive(Clone, Debug)]
@@ -94,12 +92,34 @@ struct Call<'a> {
     body: Vec<u8>,
     idempotency_key: Option<String>,
     traceparent: Option<String>,
+    /// How a success answer's body is read.
+    read: Reading,
+}
+
+/// How the body of a success answer is read; every other answer is read as a prefix of
+/// `body::ERROR_BODY_MAX_BYTES` (enough to classify it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reading {
+    /// Whole, within `body::ENGINE_ANSWER_MAX_BYTES`.
+    Buffered,
+    /// A fetch response, decoded task by task as it arrives (`wire::decode_locked_tasks_from`).
+    Tasks,
+    /// A journal, decoded as it arrives within `body::JOURNAL_MAX_BYTES`.
+    Journal,
 }
 
 struct Answer {
     status: StatusCode,
     headers: HeaderMap,
+    /// The body of a buffered or non-success answer (empty when it was decoded as it arrived).
     body: Vec<u8>,
+    /// What a streamed success answer decoded to.
+    decoded: Option<Decoded>,
+}
+
+enum Decoded {
+    Tasks(Result<wire::LockedTasks, String>),
+    Journal(Result<Journal, wire::JournalDecodeError>),
 }
 
 impl HttpEngine {
@@ -221,27 +241,13 @@ impl HttpEngine {
             value.set_sensitive(true);
             req = req.header(reqwest::header::AUTHORIZATION, value);
         }
-        let result = async {
-            let mut resp = req.send().await?;
-            let status = resp.status();
-            let headers = resp.headers().clone();
-            let mut body = Vec::new();
-            while let Some(chunk) = resp.chunk().await? {
-                if body.len() + chunk.len() > MAX_BODY_BYTES {
-                    return Ok(Err(body.len() + chunk.len()));
-                }
-                body.extend_from_slice(&chunk);
-            }
-            Ok::<_, reqwest::Error>(Ok(Answer {
-                status,
-                headers,
-                body,
-            }))
-        }
-        .await;
+        let result = match req.send().await {
+            Ok(resp) => Self::read_answer(call, resp).await,
+            Err(e) => Err(ReadError::Http(e)),
+        };
         let took = started.elapsed();
         match result {
-            Ok(Ok(answer)) => {
+            Ok(answer) => {
                 self.metrics.observe_engine_request(
                     call.op,
                     answer.status.as_u16().to_string(),
@@ -249,15 +255,15 @@ impl HttpEngine {
                 );
                 Ok(answer)
             }
-            Ok(Err(size)) => {
+            Err(ReadError::TooLarge(too_large)) => {
                 self.metrics
                     .observe_engine_request(call.op, "too_large".into(), took);
-                Err(EngineError::MalformedResponse {
+                Err(EngineError::TooLarge {
                     op: call.op,
-                    detail: format!("body larger than {MAX_BODY_BYTES} bytes (at least {size})"),
+                    too_large,
                 })
             }
-            Err(e) => {
+            Err(ReadError::Http(e)) => {
                 let kind = if e.is_timeout() { "timeout" } else { "error" };
                 self.metrics
                     .observe_engine_request(call.op, kind.into(), took);
@@ -268,6 +274,50 @@ impl HttpEngine {
                 })
             }
         }
+    }
+
+    /// Reads an answer's body the way the call asks, never past its limit.
+    async fn read_answer(call: &Call<'_>, resp: reqwest::Response) -> Result<Answer, ReadError> {
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let mut answer = Answer {
+            status,
+            headers,
+            body: Vec::new(),
+            decoded: None,
+        };
+        let subject = call
+            .task_id
+            .map(|id| format!(" of task {id}"))
+            .unwrap_or_default();
+        match call.read {
+            _ if !status.is_success() => {
+                answer.body = body::read_prefix(resp, body::ERROR_BODY_MAX_BYTES).await;
+            }
+            Reading::Buffered => {
+                let what = format!("the {} answer{subject}", call.op);
+                answer.body = body::read_capped(resp, body::ENGINE_ANSWER_MAX_BYTES, &what).await?;
+            }
+            Reading::Tasks => {
+                let decoded = body::decode_streamed(
+                    resp,
+                    body::FETCH_STREAM_MAX_BYTES,
+                    "the fetch response",
+                    |r| wire::decode_locked_tasks_from(r, body::TASK_MAX_BYTES),
+                )
+                .await?;
+                answer.decoded = Some(Decoded::Tasks(decoded));
+            }
+            Reading::Journal => {
+                let what = format!("the journal{subject}");
+                let decoded = body::decode_streamed(resp, body::JOURNAL_MAX_BYTES, &what, |r| {
+                    wire::decode_journal_from(r)
+                })
+                .await?;
+                answer.decoded = Some(Decoded::Journal(decoded));
+            }
+        }
+        Ok(answer)
     }
 
     /// A command: retried with its one idempotency key while the error is transient.
@@ -324,6 +374,44 @@ impl HttpEngine {
             };
             tracing::debug!(op = call.op, attempt, wait_ms = wait.as_millis() as u64, error = %err, "retrying engine command");
             tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// A locked task larger than the worker takes becomes an incident at once (`failure` with
+    /// `retries: 0`, sent once): retrying cannot shrink it, and left locked it would come back
+    /// with every fetch after its lease expired. When the report fails, the lease expires and
+    /// the next fetch tries again.
+    async fn refuse_oversized(&self, task: &wire::OversizedTask) {
+        let message = format!(
+            "the task is larger than the worker takes: at least {} bytes of variables and agent definition, over the limit of {} bytes; make its variables smaller",
+            task.seen, task.limit
+        );
+        tracing::error!(task_id = %task.id, attempt = ?task.attempt, seen_bytes = task.seen, limit_bytes = task.limit, "a fetched task is too large to take; reporting it as an incident");
+        let call = Call {
+            op: "failure",
+            task_id: Some(&task.id),
+            path: self.task_path(&task.id, "failure"),
+            body: Self::json(&wire::FailureBody {
+                worker_id: &self.worker_id,
+                error_message: &message,
+                error_details: &message,
+                retries: 0,
+                retry_timeout: 0,
+                attempt: task.attempt,
+            }),
+            idempotency_key: Some(Self::new_key()),
+            traceparent: None,
+            read: Reading::Buffered,
+        };
+        match self.exchange(&call).await {
+            Ok(answer) if answer.status.is_success() => {}
+            Ok(answer) => {
+                let e = classify(&call, &answer);
+                tracing::warn!(task_id = %task.id, error = %e, "the incident for a too large task was not recorded; it comes back after its lease");
+            }
+            Err(e) => {
+                tracing::warn!(task_id = %task.id, error = %e, "the incident for a too large task was not recorded; it comes back after its lease");
+            }
         }
     }
 
@@ -408,6 +496,7 @@ pub(crate) fn classify_answer(
         body: Vec::new(),
         idempotency_key: Some("decoder-key".into()),
         traceparent: None,
+        read: Reading::Buffered,
     };
     classify(
         &call,
@@ -415,6 +504,7 @@ pub(crate) fn classify_answer(
             status,
             headers,
             body,
+            decoded: None,
         },
     )
 }
@@ -451,7 +541,7 @@ fn describe_transport_error(e: &reqwest::Error, url: &str) -> String {
     let detail = std::error::Error::source(e)
         .map(crate::errors::chain)
         .unwrap_or_default();
-    format!("POST {url} {what}: {detail}")
+    format!("POST {} {what}: {detail}", crate::redact::url(url))
 }
 
 /// Percent-encodes a task id as one path segment.
@@ -502,6 +592,7 @@ impl Engine for HttpEngine {
             }),
             idempotency_key: Some(Self::new_key()),
             traceparent: Some(super::TraceParent::new_root().header()),
+            read: Reading::Tasks,
         };
         let started = Instant::now();
         // A lost response is retried once with the same key: the engine replays what it locked.
@@ -535,12 +626,18 @@ impl Engine for HttpEngine {
                 got: version.map(str::to_string),
             });
         }
-        let (tasks, rejected) = wire::decode_locked_tasks(&answer.body)
-            .map_err(|detail| EngineError::MalformedResponse { op, detail })?;
-        for problem in rejected {
+        let read = match answer.decoded {
+            Some(Decoded::Tasks(read)) => read,
+            _ => Err("the answer was not read as tasks (a worker bug)".to_string()),
+        }
+        .map_err(|detail| EngineError::MalformedResponse { op, detail })?;
+        for problem in read.rejected {
             tracing::error!(problem = %problem, "engine sent a locked task the worker cannot read; it is left to expire and be retried");
         }
-        Ok(tasks)
+        for oversized in read.oversized {
+            self.refuse_oversized(&oversized).await;
+        }
+        Ok(read.tasks)
     }
 
     async fn heartbeat(&self, task: &TaskRef, lock_duration: Duration) -> Result<(), EngineError> {
@@ -556,6 +653,7 @@ impl Engine for HttpEngine {
             // Fresh per heartbeat: a reused key would be answered from storage and extend nothing.
             idempotency_key: Some(Self::new_key()),
             traceparent: Self::trace(task),
+            read: Reading::Buffered,
         };
         let answer = self.exchange(&call).await?;
         if answer.status.is_success() {
@@ -581,6 +679,7 @@ impl Engine for HttpEngine {
             }),
             idempotency_key: Some(Self::new_key()),
             traceparent: Self::trace(task),
+            read: Reading::Buffered,
         })
         .await
         .map(|_| ())
@@ -601,6 +700,7 @@ impl Engine for HttpEngine {
             }),
             idempotency_key: Some(Self::new_key()),
             traceparent: Self::trace(task),
+            read: Reading::Buffered,
         })
         .await
         .map(|_| ())
@@ -624,6 +724,7 @@ impl Engine for HttpEngine {
             }),
             idempotency_key: Some(Self::new_key()),
             traceparent: Self::trace(task),
+            read: Reading::Buffered,
         })
         .await
         .map(|_| ())
@@ -642,12 +743,32 @@ impl Engine for HttpEngine {
                 }),
                 idempotency_key: None,
                 traceparent: Self::trace(task),
+                read: Reading::Journal,
             })
             .await?;
-        wire::decode_journal(&answer.body).map_err(|e| EngineError::MalformedResponse {
-            op,
-            detail: format!("journal of task {}: {e}", task.task_id),
-        })
+        match answer.decoded {
+            Some(Decoded::Journal(Ok(journal))) => Ok(journal),
+            Some(Decoded::Journal(Err(wire::JournalDecodeError::TooManySteps))) => {
+                Err(EngineError::TooLarge {
+                    op,
+                    too_large: body::TooLarge {
+                        what: format!("the journal of task {}", task.task_id),
+                        limit: body::JOURNAL_MAX_STEPS,
+                        seen: body::JOURNAL_MAX_STEPS as u64 + 1,
+                    },
+                })
+            }
+            Some(Decoded::Journal(Err(wire::JournalDecodeError::Malformed(e)))) => {
+                Err(EngineError::MalformedResponse {
+                    op,
+                    detail: format!("journal of task {}: {e}", task.task_id),
+                })
+            }
+            _ => Err(EngineError::MalformedResponse {
+                op,
+                detail: "the answer was not read as a journal (a worker bug)".into(),
+            }),
+        }
     }
 
     async fn append_journal(
@@ -677,6 +798,7 @@ impl Engine for HttpEngine {
                     step.seq
                 )),
                 traceparent: Self::trace(task),
+                read: Reading::Buffered,
             })
             .await
             .map_err(|e| match e {
@@ -715,6 +837,7 @@ impl Engine for HttpEngine {
                 }),
                 idempotency_key: Some(Self::new_key()),
                 traceparent: Self::trace(task),
+                read: Reading::Buffered,
             })
             .await?;
         wire::decode_tool_credential(&answer.body).ok_or_else(|| EngineError::MalformedResponse {
@@ -744,6 +867,7 @@ mod tests {
             status: StatusCode::from_u16(status).unwrap(),
             headers: HeaderMap::new(),
             body: body.as_bytes().to_vec(),
+            decoded: None,
         }
     }
 
@@ -755,6 +879,7 @@ mod tests {
             body: Vec::new(),
             idempotency_key: Some("k1".into()),
             traceparent: None,
+            read: Reading::Buffered,
         }
     }
 

@@ -103,6 +103,13 @@ pub enum EngineError {
         op: &'static str,
         got: Option<String>,
     },
+    /// An answer larger than the worker reads (`body.rs` limits): not read past the limit.
+    /// Retrying cannot shrink it: the task it is about becomes an incident.
+    #[error("engine answered {op}: {too_large}")]
+    TooLarge {
+        op: &'static str,
+        too_large: crate::body::TooLarge,
+    },
     #[error("engine answered {op} with a body the worker cannot read: {detail}")]
     MalformedResponse { op: &'static str, detail: String },
     #[error("engine rejected {op} with {status} {code}: {message}")]

@@ -190,7 +190,7 @@ pub async fn call_with_fallback_observed(
                 ProviderError::Transient { .. } => unavailable += 1,
                 ProviderError::Malformed { .. } | ProviderError::Setup { .. } => technical += 1,
                 ProviderError::ContextTooLong { .. } => {}
-                ProviderError::Rejected { .. } => {
+                ProviderError::Rejected { .. } | ProviderError::TooLarge { .. } => {
                     return Err(ModelCallError::Task {
                         model: model.clone(),
                         source: Box::new(error),

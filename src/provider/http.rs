@@ -140,20 +140,27 @@ impl HttpCore {
             .map_err(|e| transient("request to", e))?;
         let status = response.status();
         let response_headers = response.headers().clone();
-        let bytes = match response.bytes().await {
-            Ok(b) => b.to_vec(),
-            Err(e) if e.is_timeout() => return Err(transient("reading the answer of", e)),
-            Err(e) => {
-                return Err(self.malformed(
-                    model,
-                    format!("the answer of {url} was cut short: {}", describe(&e)),
-                ));
-            }
-        };
-        if status.is_success() {
-            return Ok(bytes);
+        if !status.is_success() {
+            let bytes = crate::body::read_prefix(response, crate::body::ERROR_BODY_MAX_BYTES).await;
+            return Err(self.classify(model, status.as_u16(), &response_headers, &bytes, key));
         }
-        Err(self.classify(model, status.as_u16(), &response_headers, &bytes, key))
+        let what = format!("the answer of {url}");
+        match crate::body::read_capped(response, crate::body::MODEL_RESPONSE_MAX_BYTES, &what).await
+        {
+            Ok(bytes) => Ok(bytes),
+            Err(crate::body::ReadError::TooLarge(too_large)) => Err(ProviderError::TooLarge {
+                provider: self.settings.name.clone(),
+                model: model.to_string(),
+                too_large,
+            }),
+            Err(crate::body::ReadError::Http(e)) if e.is_timeout() => {
+                Err(transient("reading the answer of", e))
+            }
+            Err(crate::body::ReadError::Http(e)) => Err(self.malformed(
+                model,
+                format!("the answer of {url} was cut short: {}", describe(&e)),
+            )),
+        }
     }
 
     /// Classifies a non-2xx answer (protocol.md Part C).

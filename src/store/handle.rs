@@ -105,9 +105,15 @@ impl StoreHandle {
     /// Why the store cannot be used now (for `/readyz`), or `None` when it can.
     pub fn problem(&self) -> Option<String> {
         match &*self.state.read().expect("store handle lock poisoned") {
-            State::Ready(store) => store.outage().map(|e| format!("run store: {e}")),
+            // Short reasons only: the store's own error text (which may quote the server) is
+            // in the log line, never in an answer anyone on the network can read.
+            State::Ready(store) => store
+                .outage()
+                .map(|_| "run store: unavailable (see the worker's log)".into()),
             State::Connecting(None) => Some("run store: connecting".into()),
-            State::Connecting(Some(e)) => Some(format!("run store: {e}")),
+            State::Connecting(Some(_)) => {
+                Some("run store: cannot connect yet (see the worker's log)".into())
+            }
         }
     }
 }

@@ -6,9 +6,9 @@ use std::error::Error as StdError;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig, Implementation,
-    MetaObject, ProtocolVersion, RequestMetaObject,
+    MetaObject, PaginatedRequestParams, ProtocolVersion, RequestMetaObject, Tool,
 };
-use rmcp::service::RunningService;
+use rmcp::service::{Peer, RunningService};
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::{
     StreamableHttpClientTransportConfig, StreamableHttpError,
@@ -17,6 +17,7 @@ use rmcp::{ClientLifecycleMode, ClientServiceExt, RoleClient, ServiceError};
 use serde_json::Value;
 
 use super::{ToolError, ToolProtocol, ToolServerRef, ToolSessionOptions};
+use crate::body;
 use crate::conversation::{ToolResult, ToolSpec};
 use crate::secret::Secret;
 
@@ -31,6 +32,8 @@ pub(crate) enum SessionFailure {
     Unavailable(String),
     /// The response was larger than the transport's byte cap and was not read.
     TooLarge(usize),
+    /// The tool listing went past a limit (pages, tools): what went past it.
+    ListingTooLarge(String),
     /// A protocol violation or a JSON-RPC error.
     Protocol(String),
     /// The host resolved to a link-local or metadata address; no connection was made.
@@ -41,7 +44,10 @@ pub(crate) enum SessionFailure {
 
 impl SessionFailure {
     pub(crate) fn into_tool_error(self, server: &str, url: &str, tool: Option<&str>) -> ToolError {
-        let (server, url) = (server.to_owned(), url.to_owned());
+        // The server's words are bounded before they reach a log, the model or the engine, and
+        // the URL is shown without its secret parts.
+        let cut = |reason: String| body::truncate_text(&reason, body::TOOL_ERROR_MESSAGE_MAX_BYTES);
+        let (server, url) = (server.to_owned(), crate::redact::url(url));
         match self {
             SessionFailure::Unauthorized => ToolError::Unauthorized { server, url },
             SessionFailure::Forbidden(reason) => ToolError::ForbiddenAddress {
@@ -52,19 +58,19 @@ impl SessionFailure {
             SessionFailure::Unavailable(reason) => ToolError::Unavailable {
                 server,
                 url,
-                reason,
+                reason: cut(reason),
             },
             SessionFailure::Expired => ToolError::Unavailable {
                 server,
                 url,
                 reason: "the server expired the session again right after it was re-opened".into(),
             },
-            SessionFailure::TooLarge(max) => ToolError::Protocol {
+            SessionFailure::TooLarge(max) => ToolError::TooLarge {
                 server,
                 url,
-                tool: tool.map(str::to_owned),
-                reason: format!("the response exceeded {max} bytes and was not read"),
+                what: format!("a response larger than the limit of {max} bytes (not read)"),
             },
+            SessionFailure::ListingTooLarge(what) => ToolError::TooLarge { server, url, what },
             SessionFailure::LegacyOnly => ToolError::Protocol {
                 server,
                 url,
@@ -75,7 +81,7 @@ impl SessionFailure {
                 server,
                 url,
                 tool: tool.map(str::to_owned),
-                reason,
+                reason: cut(reason),
             },
         }
     }
@@ -166,19 +172,16 @@ impl Session {
             tools: Vec::new(),
             options: options.clone(),
         };
-        let listed = match tokio::time::timeout(
-            options.call_timeout,
-            session.client.peer().list_all_tools(),
-        )
-        .await
-        {
-            Err(_) => Err(SessionFailure::Unavailable(format!(
-                "tools/list had no answer within {:?}",
-                options.call_timeout
-            ))),
-            Ok(Err(e)) => Err(classify_service(&e)),
-            Ok(Ok(tools)) => Ok(tools),
-        };
+        let listed =
+            match tokio::time::timeout(options.call_timeout, list_bounded(session.client.peer()))
+                .await
+            {
+                Err(_) => Err(SessionFailure::Unavailable(format!(
+                    "tools/list had no answer within {:?}",
+                    options.call_timeout
+                ))),
+                Ok(listed) => listed,
+            };
         let tools = match listed {
             Ok(tools) => tools,
             Err(failure) => {
@@ -188,17 +191,7 @@ impl Session {
         };
         session.tools = tools
             .into_iter()
-            .map(|tool| ToolSpec {
-                server: server.name.clone(),
-                tool: tool.name.to_string(),
-                description: tool.description.as_deref().unwrap_or_default().to_owned(),
-                input_schema: Value::Object((*tool.input_schema).clone()),
-                read_only: tool
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.read_only_hint)
-                    .unwrap_or(false),
-            })
+            .filter_map(|tool| to_spec(&server.name, tool))
             .collect();
         Ok(session)
     }
@@ -261,10 +254,80 @@ impl Session {
             .await
         {
             Ok(Some(_)) => {}
-            Ok(None) => tracing::warn!(url = %self.url, "closing a tool session timed out"),
-            Err(e) => tracing::warn!(url = %self.url, error = %e, "closing a tool session failed"),
+            Ok(None) => {
+                tracing::warn!(url = %crate::redact::url(&self.url), "closing a tool session timed out")
+            }
+            Err(e) => {
+                tracing::warn!(url = %crate::redact::url(&self.url), error = %body::truncate_text(&e.to_string(), body::TOOL_ERROR_MESSAGE_MAX_BYTES), "closing a tool session failed")
+            }
         }
     }
+}
+
+/// Every page of `tools/list` within the listing limits: a server that keeps sending a next-page
+/// cursor, or lists more tools than the worker offers a model, fails the listing by name.
+async fn list_bounded(peer: &Peer<RoleClient>) -> Result<Vec<Tool>, SessionFailure> {
+    let mut tools = Vec::new();
+    let mut cursor = None;
+    for _ in 0..body::TOOL_LIST_MAX_PAGES {
+        let page = peer
+            .list_tools(Some(PaginatedRequestParams::default().with_cursor(cursor)))
+            .await
+            .map_err(|e| classify_service(&e))?;
+        tools.extend(page.tools);
+        if tools.len() > body::TOOL_LIST_MAX_TOOLS {
+            return Err(SessionFailure::ListingTooLarge(format!(
+                "a tool listing of more than the limit of {} tools",
+                body::TOOL_LIST_MAX_TOOLS
+            )));
+        }
+        cursor = page.next_cursor;
+        if cursor.is_none() {
+            return Ok(tools);
+        }
+    }
+    Err(SessionFailure::ListingTooLarge(format!(
+        "a tool listing still going after the limit of {} pages",
+        body::TOOL_LIST_MAX_PAGES
+    )))
+}
+
+/// One listed tool from its JSON form, as offered to the model (for the decoders).
+pub(crate) fn decode_tool_spec(server: &str, json: &[u8]) -> Result<Option<ToolSpec>, String> {
+    let tool: Tool = serde_json::from_slice(json).map_err(|e| e.to_string())?;
+    Ok(to_spec(server, tool))
+}
+
+/// A listed tool as offered to the model: its description cut to
+/// `body::TOOL_DESCRIPTION_MAX_BYTES`; a tool whose input schema is larger than
+/// `body::TOOL_SCHEMA_MAX_BYTES` is not offered (a cut schema would be wrong).
+fn to_spec(server: &str, tool: Tool) -> Option<ToolSpec> {
+    let input_schema = Value::Object((*tool.input_schema).clone());
+    let schema_size = serde_json::to_string(&input_schema).map_or(usize::MAX, |s| s.len());
+    if schema_size > body::TOOL_SCHEMA_MAX_BYTES {
+        tracing::warn!(
+            server,
+            tool = %body::truncate_text(&tool.name, 128),
+            schema_bytes = schema_size,
+            limit_bytes = body::TOOL_SCHEMA_MAX_BYTES,
+            "a tool's input schema is larger than the limit; the tool is not offered to the model"
+        );
+        return None;
+    }
+    Some(ToolSpec {
+        server: server.to_owned(),
+        tool: tool.name.to_string(),
+        description: body::truncate_text(
+            tool.description.as_deref().unwrap_or_default(),
+            body::TOOL_DESCRIPTION_MAX_BYTES,
+        ),
+        input_schema,
+        read_only: tool
+            .annotations
+            .as_ref()
+            .and_then(|a| a.read_only_hint)
+            .unwrap_or(false),
+    })
 }
 
 /// Opens the transport and runs the lifecycle start (discover, or initialize).
@@ -283,7 +346,8 @@ async fn connect(
         // We re-open expired sessions ourselves, with a fresh credential.
         .reinit_on_expired_session(false)
         .max_json_response_size(options.max_response_bytes)
-        .max_sse_event_size(options.max_response_bytes);
+        .max_sse_event_size(options.max_response_bytes)
+        .max_error_response_size(body::TOOL_ERROR_BODY_MAX_BYTES);
     let transport = StreamableHttpClientTransport::with_client(http.clone(), config);
     let info = ClientConfig::new(
         ClientCapabilities::default(),
@@ -410,9 +474,11 @@ fn classify_init(error: &rmcp::service::ClientInitializeError) -> SessionFailure
 fn classify_service(error: &ServiceError) -> SessionFailure {
     match error {
         ServiceError::TransportSend(e) => classify_chain(e.error.as_ref()),
-        ServiceError::McpError(e) => {
-            SessionFailure::Protocol(format!("JSON-RPC error {}: {}", e.code.0, e.message))
-        }
+        ServiceError::McpError(e) => SessionFailure::Protocol(format!(
+            "JSON-RPC error {}: {}",
+            e.code.0,
+            body::truncate_text(&e.message, body::TOOL_ERROR_MESSAGE_MAX_BYTES)
+        )),
         ServiceError::TransportClosed => {
             SessionFailure::Unavailable("the connection to the server closed".into())
         }

@@ -746,3 +746,48 @@ fn an_absurd_retry_after_ms_is_ignored_not_a_panic() {
         "falls back to Retry-After"
     );
 }
+
+// ---- issue 17: the limits on outside input ------------------------------------------------------
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A fetch of any bytes under any per-task limit never panics.
+    #[test]
+    fn fetch_responses_under_any_task_limit_never_panic(raw in bytes(), value in arb_json(), limit in 0usize..4096) {
+        let _ = decoders::engine_fetch_response_limited(&raw, limit);
+        let _ = decoders::engine_fetch_response_limited(json!([value]).to_string().as_bytes(), limit);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(8))]
+
+    /// A journal is read up to its step limit and refused, by name, one step past it.
+    #[test]
+    fn a_journal_is_refused_past_its_step_limit(extra in 0usize..3, under in 0usize..64) {
+        let max = abada_agent_worker::body::JOURNAL_MAX_STEPS;
+        let step = r#"{"seq":1,"kind":"input","state":"done","data":{}}"#;
+        for n in [under, max - extra, max + 1 + extra] {
+            let body = format!(r#"{{"attempt":1,"steps":[{}]}}"#, vec![step; n].join(","));
+            let read = decoders::engine_journal(body.as_bytes());
+            if n <= max {
+                prop_assert_eq!(read.unwrap().steps.len(), n);
+            } else {
+                prop_assert!(read.unwrap_err().contains("more steps than the limit of 4096"));
+            }
+        }
+    }
+}
+
+/// The issue's hostile journal: 100,000 steps are refused at the limit, not read into memory.
+#[test]
+fn a_journal_of_100k_steps_is_refused_at_the_step_limit() {
+    let step = r#"{"seq":1,"kind":"input","state":"done","data":{}}"#;
+    let body = format!(
+        r#"{{"attempt":1,"steps":[{}]}}"#,
+        vec![step; 100_000].join(",")
+    );
+    let err = decoders::engine_journal(body.as_bytes()).unwrap_err();
+    assert!(err.contains("more steps than the limit of 4096"), "{err}");
+}

@@ -10,6 +10,7 @@ mod emulator;
 mod faults;
 mod fuzz_props;
 mod hostile_model;
+mod hostile;
 mod loadtest_smoke;
 mod mcp_interop;
 mod oidc;

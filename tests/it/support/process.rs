@@ -16,6 +16,12 @@ use tokio::process::{Child, Command};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_abada-agent-worker");
 
+/// The binary to run: `ABADA_AGENT_WORKER_BIN` when set (the release build, to measure its
+/// memory: `docs/FAULTS.md`), else the test build's.
+pub fn bin() -> String {
+    std::env::var("ABADA_AGENT_WORKER_BIN").unwrap_or_else(|_| BIN.to_string())
+}
+
 pub struct WorkerProcess {
     child: Child,
     pub pid: u32,
@@ -75,7 +81,7 @@ impl WorkerProcess {
     /// Starts the binary with `args` and exactly `env` (plus PATH, and defaults for the admin
     /// address and log format unless given), without waiting for anything.
     pub fn spawn_raw(args: &[&str], env: &[(String, String)]) -> WorkerProcess {
-        let mut cmd = Command::new(BIN);
+        let mut cmd = Command::new(bin());
         cmd.args(args)
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())

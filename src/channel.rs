@@ -1,0 +1,97 @@
+//! Secrets stay on their channel: whether a credential (the OIDC token and client secret, a tool
+//! credential, a provider key) may be sent to a URL. Over `http://` it travels in clear, so it
+//! is refused unless the host is loopback or the operator allowed it
+//! (`ABADA_AGENT_ALLOW_INSECURE_HTTP=true`), in which case the worker says once at start-up what
+//! travels in clear. Every place that sends a credential asks [`check`].
+
+/// A credential that would travel in clear.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{what} would travel in clear to {url} (http:// to a host that is not loopback); use https://, or set ABADA_AGENT_ALLOW_INSECURE_HTTP=true to allow it"
+)]
+pub struct InsecureChannel {
+    /// What would travel ("the OIDC client secret", "the credential for tool server orders").
+    pub what: String,
+    /// The URL, redacted.
+    pub url: String,
+}
+
+/// How a credential would travel to a URL that [`check`] let through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Channel {
+    /// https, or http to loopback: nothing leaves the host in clear.
+    Protected,
+    /// http to another host, allowed by the operator: say so.
+    Clear,
+}
+
+/// Whether `what` may be sent to `url`: refused over http:// to a host that is not loopback
+/// unless `allow_insecure` (then [`Channel::Clear`]). A URL that does not parse is refused too.
+pub fn check(url: &str, what: &str, allow_insecure: bool) -> Result<Channel, InsecureChannel> {
+    let refused = || InsecureChannel {
+        what: what.to_string(),
+        url: crate::redact::url(url),
+    };
+    let parsed = reqwest::Url::parse(url.trim()).map_err(|_| refused())?;
+    match parsed.scheme() {
+        "https" => Ok(Channel::Protected),
+        "http" if is_loopback(&parsed) => Ok(Channel::Protected),
+        "http" if allow_insecure => Ok(Channel::Clear),
+        _ => Err(refused()),
+    }
+}
+
+fn is_loopback(url: &reqwest::Url) -> bool {
+    let Some(host) = url.host_str() else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => {
+            let d = host.trim_end_matches('.').to_ascii_lowercase();
+            d == "localhost" || d.ends_with(".localhost")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_go_over_https_or_to_loopback_only() {
+        for ok in [
+            "https://issuer.example/realms/x",
+            "http://127.0.0.1:8080/mcp",
+            "http://[::1]:9/x",
+            "http://localhost:3000",
+            "http://a.localhost/x",
+        ] {
+            assert_eq!(check(ok, "x", false), Ok(Channel::Protected), "{ok}");
+        }
+        let err = check(
+            "http://u:pw@orders:8080/mcp?k=1",
+            "the tool credential",
+            false,
+        )
+        .unwrap_err();
+        assert_eq!(err.url, "http://orders:8080/mcp");
+        let text = err.to_string();
+        assert!(
+            text.contains("the tool credential would travel in clear"),
+            "{text}"
+        );
+        assert!(
+            text.contains("ABADA_AGENT_ALLOW_INSECURE_HTTP=true"),
+            "{text}"
+        );
+        assert!(!text.contains("pw") && !text.contains("k=1"), "{text}");
+        assert_eq!(
+            check("http://orders:8080/mcp", "x", true),
+            Ok(Channel::Clear)
+        );
+        assert!(check("ftp://orders/x", "x", true).is_err());
+        assert!(check("not a url", "x", true).is_err());
+    }
+}
