@@ -1,16 +1,16 @@
 //! The integration test binary (one binary keeps link time down): one module per area.
 
 mod agent;
-mod content_keys;
 mod checker;
+mod content_keys;
 mod core_http;
 mod demo;
 mod durable;
 mod emulator;
 mod faults;
 mod fuzz_props;
-mod hostile_model;
 mod hostile;
+mod hostile_model;
 mod loadtest_smoke;
 mod mcp_interop;
 mod oidc;
