@@ -136,9 +136,10 @@ impl Default for WorkerStatus {
 fn readiness_reason(e: &EngineError) -> &'static str {
     match e {
         EngineError::Transient { .. } => "the engine does not answer",
-        EngineError::Unauthenticated { .. } | EngineError::Auth { .. } => {
+        EngineError::Unauthenticated { .. } => {
             "the engine does not accept the worker's credentials"
         }
+        EngineError::Auth { .. } => "the worker cannot obtain its token from the OIDC issuer",
         EngineError::AccessDenied { .. } => "the engine denies the worker access",
         EngineError::Throttled { .. } => "the engine asks the worker to slow down",
         EngineError::UnsupportedProtocolVersion { .. } => "the engine does not speak protocol v1",

@@ -370,6 +370,11 @@ fn complaints(worker: &WorkerProcess, needle: &str) -> Vec<String> {
 }
 
 /// Lines at any level with `message` equal to `message`.
+/// Whether any log line of the worker holds `text` (the detail `/readyz` leaves out).
+fn logged(worker: &WorkerProcess, text: &str) -> bool {
+    worker.stdout().iter().any(|l| l.contains(text))
+}
+
 fn lines_with_message(worker: &WorkerProcess, message: &str) -> usize {
     log_lines(worker)
         .iter()
@@ -715,8 +720,15 @@ async fn a_wrong_client_secret_says_so_once_and_a_rotated_secret_file_recovers()
     .await;
     let (status, body) = readyz(&worker).await;
     assert_eq!(status, 503);
-    assert!(body.contains(CLEAR), "{body}");
-    assert!(body.contains("ABADA_AGENT_OIDC_CLIENT_SECRET"), "{body}");
+    assert_eq!(
+        body.trim(),
+        "not ready: the worker cannot obtain its token from the OIDC issuer"
+    );
+    assert!(logged(&worker, CLEAR), "the log says what failed");
+    assert!(
+        logged(&worker, "ABADA_AGENT_OIDC_CLIENT_SECRET"),
+        "the log says what to fix"
+    );
     eventually(
         Duration::from_secs(10),
         "the repeat logged at debug",
@@ -779,7 +791,14 @@ async fn an_unreachable_issuer_says_so_once_and_recovers_when_it_starts() {
     .await;
     let (status, body) = readyz(&worker).await;
     assert_eq!(status, 503);
-    assert!(body.contains(CLEAR) && body.contains(&issuer), "{body}");
+    assert_eq!(
+        body.trim(),
+        "not ready: the worker cannot obtain its token from the OIDC issuer"
+    );
+    assert!(
+        logged(&worker, CLEAR) && logged(&worker, &issuer),
+        "the log says what failed"
+    );
 
     // A new issuer process (the same signing keys) behind the same URL.
     let second = start_mock(&settings).await.unwrap();
@@ -830,9 +849,13 @@ async fn a_token_without_the_scope_says_so_once_and_recovers_when_granted() {
     .await;
     let (status, body) = readyz(&worker).await;
     assert_eq!(status, 503);
+    assert_eq!(
+        body.trim(),
+        "not ready: the engine denies the worker access"
+    );
     assert!(
-        body.contains(CLEAR) && body.contains("worker:execute"),
-        "{body}"
+        logged(&worker, CLEAR) && logged(&worker, "worker:execute"),
+        "the log says what failed"
     );
     assert!(gate.snapshot().denied >= 2);
 
