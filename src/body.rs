@@ -16,8 +16,10 @@ use bytes::Bytes;
 /// tokens of text); a larger answer is hostile or broken.
 pub const MODEL_RESPONSE_MAX_BYTES: usize = 2 * 1024 * 1024;
 /// One JSON response or SSE event from a tool server. Results are cut to 64 KiB before the
-/// model sees them; this bounds what is read to get there.
-pub const TOOL_RESPONSE_MAX_BYTES: usize = 1024 * 1024;
+/// model sees them; this bounds what is read to get there. 4 MiB: a result up to that size is
+/// read and cut (rmcp reports an SSE event past its cap only as a broken stream, which would
+/// turn a large result on an SSE server into retries instead of a cut result).
+pub const TOOL_RESPONSE_MAX_BYTES: usize = 4 * 1024 * 1024;
 /// The diagnostic text of a tool server's non-JSON error answer.
 pub const TOOL_ERROR_BODY_MAX_BYTES: usize = 16 * 1024;
 /// A tool error message (JSON-RPC error, protocol failure) as it is kept and shown to the model.

@@ -322,7 +322,7 @@ async fn ten_megabyte_tool_results_are_not_read_and_the_model_is_told() {
         assert_eq!(t.status, TaskStatus::Completed, "{t:?}");
         let told = t.journal.iter().any(|step| {
             step.to_string()
-                .contains("larger than 1048576 bytes and was discarded")
+                .contains("larger than 4194304 bytes and was discarded")
         });
         assert!(told, "the model was told the result was discarded: {t:?}");
     }
