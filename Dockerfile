@@ -75,10 +75,12 @@ RUN mkdir -p src devkit/src \
 
 # The real sources. COPY keeps the files' modification times, which can be older than the stub
 # build above; touching the crate roots makes cargo rebuild the crate instead of trusting the
-# stub's fingerprint. Only src/ is needed: tests, scripts and docs stay out of the image.
+# stub's fingerprint. Only src/ and migrations/ (the run store's SQL, embedded at compile time)
+# are needed: tests, scripts and docs stay out of the image.
 # The binary is copied to out/ so the final stage finds it at one path whatever the profile
 # (cargo writes the `dev` profile to target/debug, every other profile to target/<profile>).
 COPY src ./src
+COPY migrations ./migrations
 RUN touch src/main.rs src/lib.rs \
  && cargo build --profile "$PROFILE" --locked --no-default-features \
  && mkdir -p out \
