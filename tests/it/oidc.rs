@@ -3,7 +3,6 @@
 //! against small in-process issuers where the mock cannot misbehave on demand (it accepts any
 //! client secret).
 
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -16,46 +15,7 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::{Value, json};
 
 use crate::support::net::refusing_address;
-use crate::support::peers::installed;
-use crate::support::wait::announcement;
-
-/// A running oauth2-mock-server on 127.0.0.1; killed when dropped.
-struct MockIssuer {
-    /// As the mock advertises itself: `http://localhost:<port>`.
-    issuer: String,
-    _child: tokio::process::Child,
-}
-
-/// Starts the mock issuer, or returns `None` when it is not installed and
-/// `ABADA_SKIP_INTEROP=1` says that is fine.
-async fn mock_issuer() -> Option<MockIssuer> {
-    let entry = installed(
-        "oidc/node_modules/oauth2-mock-server/dist/oauth2-mock-server.mjs",
-        "scripts/install-oidc-peer",
-    )?;
-    let mut child = tokio::process::Command::new("node")
-        .arg(&entry)
-        .args(["-a", "127.0.0.1", "-p", "0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("cannot start node: is Node.js installed?");
-    let issuer = announcement(
-        child.stdout.take().unwrap(),
-        Duration::from_secs(60),
-        "oauth2-mock-server",
-        |line| {
-            line.strip_prefix("OAuth 2 issuer is ")
-                .map(|issuer| issuer.trim().to_string())
-        },
-    )
-    .await;
-    Some(MockIssuer {
-        issuer,
-        _child: child,
-    })
-}
+use crate::support::peers::mock_issuer;
 
 fn provider(issuer: &str, secret: SecretSource, scopes: &[&str]) -> OidcTokenProvider {
     let mut settings = OidcSettings::new(issuer, "worker-client", Arc::new(secret));

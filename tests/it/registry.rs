@@ -6,7 +6,6 @@
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,8 +27,7 @@ use async_trait::async_trait;
 use serde_json::json;
 
 use crate::agent::{spec, wait_all_ended};
-use crate::support::peers::installed;
-use crate::support::wait::announcement;
+use crate::support::peers::mock_issuer;
 use crate::tools::args;
 
 /// A scratch directory for registry files and secrets, removed when dropped.
@@ -298,41 +296,6 @@ async fn a_name_resolving_to_a_metadata_address_is_refused_at_connect_time() {
 }
 
 // ---- oauth2 against oauth2-mock-server ------------------------------------------------------
-
-/// A running oauth2-mock-server on 127.0.0.1; killed when dropped.
-struct MockIssuer {
-    issuer: String,
-    _child: tokio::process::Child,
-}
-
-async fn mock_issuer() -> Option<MockIssuer> {
-    let entry = installed(
-        "oidc/node_modules/oauth2-mock-server/dist/oauth2-mock-server.mjs",
-        "scripts/install-oidc-peer",
-    )?;
-    let mut child = tokio::process::Command::new("node")
-        .arg(&entry)
-        .args(["-a", "127.0.0.1", "-p", "0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("cannot start node: is Node.js installed?");
-    let issuer = announcement(
-        child.stdout.take().unwrap(),
-        Duration::from_secs(60),
-        "oauth2-mock-server",
-        |line| {
-            line.strip_prefix("OAuth 2 issuer is ")
-                .map(|issuer| issuer.trim().to_string())
-        },
-    )
-    .await;
-    Some(MockIssuer {
-        issuer,
-        _child: child,
-    })
-}
 
 /// The claims of a JWT, unverified.
 fn claims(token: &str) -> serde_json::Value {

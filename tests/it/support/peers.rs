@@ -25,3 +25,41 @@ pub fn installed(relative: &str, installer: &str) -> Option<PathBuf> {
         path.display()
     );
 }
+
+/// A running oauth2-mock-server on 127.0.0.1; killed when dropped.
+pub struct MockIssuer {
+    /// As the mock advertises itself: `http://localhost:<port>`.
+    pub issuer: String,
+    _child: tokio::process::Child,
+}
+
+/// Starts the mock issuer, or returns `None` when it is not installed and
+/// `ABADA_SKIP_INTEROP=1` says that is fine.
+pub async fn mock_issuer() -> Option<MockIssuer> {
+    let entry = installed(
+        "oidc/node_modules/oauth2-mock-server/dist/oauth2-mock-server.mjs",
+        "scripts/install-oidc-peer",
+    )?;
+    let mut child = tokio::process::Command::new("node")
+        .arg(&entry)
+        .args(["-a", "127.0.0.1", "-p", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("cannot start node: is Node.js installed?");
+    let issuer = super::wait::announcement(
+        child.stdout.take().unwrap(),
+        std::time::Duration::from_secs(60),
+        "oauth2-mock-server",
+        |line| {
+            line.strip_prefix("OAuth 2 issuer is ")
+                .map(|issuer| issuer.trim().to_string())
+        },
+    )
+    .await;
+    Some(MockIssuer {
+        issuer,
+        _child: child,
+    })
+}
