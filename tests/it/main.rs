@@ -11,6 +11,7 @@ mod loadtest_smoke;
 mod mcp_interop;
 mod oidc;
 mod operations;
+mod otel;
 mod provider;
 mod runner;
 mod secure;
