@@ -2,6 +2,9 @@
 //!
 //! See `ARCHITECTURE.md` for the code map, the invariants and a glossary.
 #![forbid(unsafe_code)]
+// The agent's future nests deeply (task handler, attempt span, deadline, conversation, model
+// fallback, spans, store, MCP session): past rustc's default query depth of 128.
+#![recursion_limit = "256"]
 
 pub mod admin;
 pub mod agent;

@@ -4,7 +4,10 @@
 
 use std::process::ExitCode;
 
+use std::time::Duration;
+
 use abada_agent_worker::config::{Config, ProcessEnv};
+use abada_agent_worker::telemetry::otel::{ExportSettings, SpanExport};
 use abada_agent_worker::{app, telemetry};
 use tokio_util::sync::CancellationToken;
 
@@ -60,7 +63,6 @@ fn daemon() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    telemetry::init(config.log_format, &config.worker_id);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -71,6 +73,18 @@ fn daemon() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let spans = match start_span_export(&config, runtime.handle()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("abada-agent-worker: configuration error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    telemetry::init(
+        config.log_format,
+        &config.worker_id,
+        spans.as_ref().map(SpanExport::tracer),
+    );
     runtime.block_on(async {
         let shutdown = CancellationToken::new();
         tokio::spawn(watch_signals(shutdown.clone()));
@@ -95,7 +109,7 @@ fn daemon() -> ExitCode {
                 "ABADA_AGENT_ALLOW_INSECURE_HTTP=true: credentials travel in clear over http://"
             );
         }
-        match worker
+        let code = match worker
             .run(config.http_addr, config.poll_interval, shutdown, None)
             .await
         {
@@ -104,8 +118,30 @@ fn daemon() -> ExitCode {
                 tracing::error!(error = %e, "worker failed");
                 ExitCode::FAILURE
             }
+        };
+        if let Some(spans) = spans {
+            spans.shutdown(SPAN_FLUSH_LIMIT).await;
         }
+        code
     })
+}
+
+/// How long the exit waits for the last spans to reach the collector.
+const SPAN_FLUSH_LIMIT: Duration = Duration::from_secs(3);
+
+/// Span export, when the `OTEL_*` variables turn it on.
+fn start_span_export(
+    config: &Config,
+    runtime: &tokio::runtime::Handle,
+) -> Result<Option<SpanExport>, String> {
+    let Some(settings) = ExportSettings::from_env(&ProcessEnv).map_err(|e| e.to_string())? else {
+        return Ok(None);
+    };
+    let http = abada_agent_worker::tls::http_client_builder(config.ca_file.as_deref())
+        .map_err(|e| e.to_string())?;
+    SpanExport::start(&settings, http, runtime.clone())
+        .map(Some)
+        .map_err(|e| e.to_string())
 }
 
 /// First SIGTERM or SIGINT: staged shutdown. Second: exit at once.

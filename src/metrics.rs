@@ -55,12 +55,41 @@ pub struct ModelLabels {
 /// Provider and model values from [`labels::DeclaredNames::model`].
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModelTokenLabels {
+    /// The agent definition's name: with the model, what an agent costs.
+    pub agent: String,
     pub provider: String,
     pub model: String,
     pub direction: &'static str,
 }
 
 /// Server and tool values from [`labels::DeclaredNames::tool`].
+/// `gen_ai.client.token.usage`'s attributes (GenAI semantic conventions v1.41.0), in their
+/// Prometheus spelling.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GenAiTokenLabels {
+    pub gen_ai_operation_name: &'static str,
+    pub gen_ai_provider_name: String,
+    pub gen_ai_request_model: String,
+    /// `input` or `output`.
+    pub gen_ai_token_type: &'static str,
+}
+
+/// `gen_ai.client.operation.duration`'s attributes; `error_type` is empty (so absent) for a
+/// call that succeeded.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GenAiDurationLabels {
+    pub gen_ai_operation_name: &'static str,
+    pub gen_ai_provider_name: String,
+    pub gen_ai_request_model: String,
+    pub error_type: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelRefLabels {
+    pub provider: String,
+    pub model: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ToolLabels {
     pub server: String,
@@ -89,6 +118,18 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 17))
 }
 
+/// `gen_ai.client.token.usage`'s bucket boundaries, as the conventions advise: 1, 4, 16, ...
+/// 67108864 tokens.
+fn genai_token_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(1.0, 4.0, 14))
+}
+
+/// `gen_ai.client.operation.duration`'s bucket boundaries, as the conventions advise: 0.01,
+/// 0.02, 0.04, ... 81.92 s.
+fn genai_duration_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.01, 2.0, 14))
+}
+
 fn duration_histogram() -> Histogram {
     // 10 ms .. ~1.4 h
     Histogram::new(exponential_buckets(0.01, 2.5, 14))
@@ -111,6 +152,7 @@ pub struct Metrics {
     pub model_calls: Family<ModelLabels, Counter>,
     pub model_call_duration: Family<ModelLabels, Histogram, fn() -> Histogram>,
     pub model_tokens: Family<ModelTokenLabels, Counter>,
+    pub model_fallback_calls: Family<ModelRefLabels, Counter>,
     pub tool_calls: Family<ToolLabels, Counter>,
     pub backoff_seconds: Gauge<f64, AtomicU64>,
     pub store_transaction_duration: Family<StoreOperationLabel, Histogram, fn() -> Histogram>,
@@ -120,6 +162,10 @@ pub struct Metrics {
     pub store_pool_max: Gauge,
     pub store_errors: Family<StoreErrorLabels, Counter>,
     pub store_runs_deleted: Family<ReasonLabel, Counter>,
+    /// GenAI semantic conventions: tokens per model call, input and output apart.
+    pub genai_token_usage: Family<GenAiTokenLabels, Histogram, fn() -> Histogram>,
+    /// GenAI semantic conventions: the duration of each model call, failed ones included.
+    pub genai_operation_duration: Family<GenAiDurationLabels, Histogram, fn() -> Histogram>,
 }
 
 impl Default for Metrics {
@@ -150,6 +196,7 @@ impl Metrics {
                 latency_histogram as fn() -> Histogram,
             ),
             model_tokens: Family::default(),
+            model_fallback_calls: Family::default(),
             tool_calls: Family::default(),
             backoff_seconds: Gauge::default(),
             store_transaction_duration: Family::new_with_constructor(
@@ -161,6 +208,12 @@ impl Metrics {
             store_pool_max: Gauge::default(),
             store_errors: Family::default(),
             store_runs_deleted: Family::default(),
+            genai_token_usage: Family::new_with_constructor(
+                genai_token_histogram as fn() -> Histogram,
+            ),
+            genai_operation_duration: Family::new_with_constructor(
+                genai_duration_histogram as fn() -> Histogram,
+            ),
             registry: Registry::default(),
         };
         registry.register(
@@ -230,8 +283,13 @@ impl Metrics {
         );
         registry.register(
             "abada_agent_model_tokens",
-            "Model tokens by provider, model and direction (input, output)",
+            "Model tokens by agent, provider, model and direction (input, output): what each agent costs",
             m.model_tokens.clone(),
+        );
+        registry.register(
+            "abada_agent_model_fallback_calls",
+            "Model calls to one of an agent's fallbackModels (its model failed first), by provider and model",
+            m.model_fallback_calls.clone(),
         );
         registry.register(
             "abada_agent_tool_calls",
@@ -278,6 +336,20 @@ impl Metrics {
             "Runs deleted by the run-store sweeper, by reason (finished, abandoned)",
             m.store_runs_deleted.clone(),
         );
+        // The OpenTelemetry GenAI client metrics (semantic conventions v1.41.0), named as the
+        // OpenTelemetry-to-Prometheus translation names them: `{token}` has no suffix, `s`
+        // becomes `_seconds` (added by the unit).
+        registry.register(
+            "gen_ai_client_token_usage",
+            "GenAI semantic conventions: number of input and output tokens used per model call",
+            m.genai_token_usage.clone(),
+        );
+        registry.register_with_unit(
+            "gen_ai_client_operation_duration",
+            "GenAI semantic conventions: duration of each model call",
+            prometheus_client::registry::Unit::Seconds,
+            m.genai_operation_duration.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -319,6 +391,39 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn genai_metrics_have_the_conventions_names_and_buckets() {
+        let m = Metrics::new();
+        m.genai_token_usage
+            .get_or_create(&GenAiTokenLabels {
+                gen_ai_operation_name: "chat",
+                gen_ai_provider_name: "openai".into(),
+                gen_ai_request_model: "gpt-4o-mini".into(),
+                gen_ai_token_type: "input",
+            })
+            .observe(120.0);
+        m.genai_operation_duration
+            .get_or_create(&GenAiDurationLabels {
+                gen_ai_operation_name: "chat",
+                gen_ai_provider_name: "openai".into(),
+                gen_ai_request_model: "gpt-4o-mini".into(),
+                error_type: String::new(),
+            })
+            .observe(0.5);
+        let text = m.encode();
+        for line in [
+            "gen_ai_client_token_usage_bucket{le=\"1.0\",gen_ai_operation_name=\"chat\",gen_ai_provider_name=\"openai\",gen_ai_request_model=\"gpt-4o-mini\",gen_ai_token_type=\"input\"} 0",
+            "gen_ai_client_token_usage_bucket{le=\"256.0\",gen_ai_operation_name=\"chat\",gen_ai_provider_name=\"openai\",gen_ai_request_model=\"gpt-4o-mini\",gen_ai_token_type=\"input\"} 1",
+            "gen_ai_client_token_usage_bucket{le=\"67108864.0\",",
+            "gen_ai_client_operation_duration_seconds_bucket{le=\"0.01\",",
+            "gen_ai_client_operation_duration_seconds_bucket{le=\"81.92\",",
+            "gen_ai_client_operation_duration_seconds_count{gen_ai_operation_name=\"chat\",gen_ai_provider_name=\"openai\",gen_ai_request_model=\"gpt-4o-mini\",error_type=\"\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+        assert!(!text.contains("abada_agent_gen_ai"));
+    }
 
     #[test]
     fn task_endings_are_labelled_with_their_one_spelling() {

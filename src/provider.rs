@@ -139,6 +139,15 @@ pub struct ModelResponse {
     pub usage: Option<Usage>,
     /// The provider's own word (`stop`, `tool_calls`, `end_turn`, `tool_use`, `max_tokens`, ...).
     pub stop_reason: String,
+    /// The model that answered, as the provider names it (may differ from the one asked for:
+    /// an alias resolved to a dated version). For spans only.
+    pub response_model: Option<String>,
+    /// Input tokens read from the provider's prompt cache, when it says (already counted in
+    /// `usage.input_tokens`). For spans only.
+    pub cache_read_tokens: Option<u64>,
+    /// Input tokens written to the provider's prompt cache, when it says (already counted in
+    /// `usage.input_tokens`). For spans only.
+    pub cache_creation_tokens: Option<u64>,
 }
 
 /// A model behind one provider.
@@ -146,6 +155,13 @@ pub struct ModelResponse {
 pub trait ModelProvider: Send + Sync {
     /// One request, one answer; never retries.
     async fn complete(&self, req: &ModelRequest) -> Result<ModelResponse, ProviderError>;
+
+    /// The provider as the OpenTelemetry GenAI conventions name it (`gen_ai.provider.name`):
+    /// the wire format's vendor for the adapters; `None` (the configured name is used) for
+    /// anything else.
+    fn semconv_name(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// Why one model call failed, classified by what the caller should do about it (protocol.md

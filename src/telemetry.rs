@@ -1,10 +1,18 @@
-//! Logging: one JSON object per line (default) or human-readable `pretty` lines, level from
-//! `RUST_LOG` (default `info`).
+//! Logging and span export. Logs: one JSON object per line (default) or human-readable `pretty`
+//! lines, level from `RUST_LOG` (default `info`). Spans: over OTLP when the `OTEL_*` variables
+//! say so ([`otel`]), the span tree of a task being [`spans`].
 //!
 //! The JSON layer flattens the fields of every enclosing span into the line, so a line about a
 //! task carries `task_id`, `process_instance_id`, `activity_id`, `attempt` and `trace_id`, and
 //! every line carries `worker_id`. Values are formatted with their `Debug`/`Display`, so secret
 //! types print their mask.
+//!
+//! Each layer has its own filter: `RUST_LOG` governs the log lines only; the exporter takes the
+//! exported spans ([`spans::SPAN_TARGET`]) and nothing else, no log event in particular; the log
+//! layers never see those spans, so no span field reaches a log line.
+
+pub mod otel;
+pub mod spans;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -14,6 +22,7 @@ use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Record};
 use tracing::{Event, Id, Subscriber};
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::{FilterExt, LevelFilter, Targets};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -23,24 +32,48 @@ use crate::config::LogFormat;
 /// Where JSON lines go: stdout, or a buffer in tests.
 pub type SharedWriter = Arc<Mutex<dyn Write + Send>>;
 
-/// Installs the global subscriber. Safe to call more than once (later calls do nothing).
-pub fn init(format: LogFormat, worker_id: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+/// Installs the global subscriber: the log layer in `format`, and the span exporter's layer
+/// when `tracer` is given. Safe to call more than once (later calls do nothing).
+pub fn init(format: LogFormat, worker_id: &str, tracer: Option<opentelemetry_sdk::trace::Tracer>) {
+    // Static filters (Targets, EnvFilter): their verdict is cached per callsite, so a disabled
+    // span or event costs one branch, as before export existed (a filter_fn would be asked at
+    // every call).
+    let logs = || {
+        EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| EnvFilter::new("info"))
+            .and(
+                Targets::new()
+                    .with_default(LevelFilter::TRACE)
+                    .with_target(spans::SPAN_TARGET, LevelFilter::OFF),
+            )
+    };
+    let export = tracer.map(|tracer| {
+        tracing_opentelemetry::layer()
+            .with_tracer(tracer)
+            .with_location(false)
+            .with_target(false)
+            .with_threads(false)
+            .with_level(false)
+            .with_tracked_inactivity(false)
+            // Only the exported spans; no log event is ever emitted with their target.
+            .with_filter(Targets::new().with_target(spans::SPAN_TARGET, LevelFilter::INFO))
+    });
     let result = match format {
         LogFormat::Json => tracing_subscriber::registry()
-            .with(filter)
-            .with(JsonLayer::new(
-                Arc::new(Mutex::new(std::io::stdout())),
-                worker_id,
-            ))
+            .with(export)
+            .with(
+                JsonLayer::new(Arc::new(Mutex::new(std::io::stdout())), worker_id)
+                    .with_filter(logs()),
+            )
             .try_init(),
         LogFormat::Pretty => tracing_subscriber::registry()
-            .with(filter)
+            .with(export)
             .with(
                 tracing_subscriber::fmt::layer()
                     .with_target(false)
                     .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                    .with_writer(std::io::stderr),
+                    .with_writer(std::io::stderr)
+                    .with_filter(logs()),
             )
             .try_init(),
     };

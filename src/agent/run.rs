@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
+use tracing::{Instrument, Span};
 
 use super::definition::{self, AgentDefinition};
 use super::journal::{self, PendingCall, Replayed};
@@ -17,60 +18,123 @@ use super::limits::{self, LimitExceeded, Limits};
 use super::{AgentRuntime, JournalHome, RunStoreHome};
 use crate::conversation::{ToolCall, ToolResult, ToolSpec, Usage};
 use crate::engine::capabilities::NoJournalEvidence;
-use crate::engine::{EngineError, FailureReport, JournalStep, Task};
+use crate::engine::{EngineError, FailureReport, JournalStep, Task, TraceParent};
 use crate::handler::{
     FailureKind, Outcome, TaskContext, TaskError, retries_consumed, retries_unchanged,
 };
 use crate::metrics::labels::DeclaredNames;
-use crate::metrics::{ModelLabels, ModelTokenLabels, ToolLabels};
+use crate::metrics::{
+    GenAiDurationLabels, GenAiTokenLabels, ModelLabels, ModelRefLabels, ModelTokenLabels,
+    ToolLabels,
+};
 use crate::provider::ModelRequest;
 use crate::provider::fallback::{CallAttempt, ModelCallError, call_with_fallback_observed};
 use crate::secret::Secret;
 use crate::store::{ErrorClass, Fence, RunEnd, RunKey, RunStore, StoreError};
+use crate::telemetry::spans;
 use crate::tools::registry::ToolRegistry;
 use crate::tools::{CredentialError, CredentialSource, ToolError, ToolSessions};
 
 type Step<T = ()> = Result<T, Outcome>;
 
-/// Runs one attempt of the task to its outcome.
+/// Runs one attempt of the task to its outcome, inside its `invoke_agent` span.
 pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Outcome {
     let def = match definition::resolve(task, rt.agents_file.as_ref()) {
         Ok(d) => d,
-        Err(e) => return incident("the agent definition cannot be used", e.to_string()),
+        Err(e) => {
+            let span = spans::invoke_unknown_agent(&task.id, task.trace_parent.as_ref());
+            let outcome =
+                span.in_scope(|| incident("the agent definition cannot be used", e.to_string()));
+            spans::record_attempt_end(&span, outcome.end().as_str(), Some("definition"), 0, 0, 0);
+            return outcome;
+        }
     };
-    let mut attempt = match Attempt::start(rt, task, ctx, def).await {
-        Ok(a) => a,
-        Err(outcome) => return outcome,
-    };
-    // The wall-clock deadline (`maxDurationMs`) bounds everything the attempt does, a model or
-    // tool call in flight included: dropping the loop there is what a crash would do, and the
-    // journal already holds every step that counts (a started keyed write keeps its key).
-    let deadline = attempt.deadline;
-    let outcome = tokio::select! {
-        r = attempt.drive() => match r {
-            Ok(()) => unreachable!("drive only ends with an outcome"),
-            Err(outcome) => outcome,
-        },
-        _ = tokio::time::sleep_until(deadline.at) => limit_reached(&attempt.def, LimitExceeded::Duration {
-            limit_ms: duration_ms(attempt.limits.max_duration),
-            elapsed_ms: duration_ms(deadline.elapsed_before + deadline.started.elapsed()),
-        }),
-    };
-    attempt.tools.close().await;
-    let run_end = match &outcome {
-        Outcome::Complete { .. } => Some(RunEnd::Completed),
-        Outcome::BpmnError(_) => Some(RunEnd::Failed),
-        _ => None,
-    };
-    if let (Some(run), Some(run_end)) = (attempt.store_run.take(), run_end) {
-        // Finished once the engine accepts the outcome (`TaskHandler::ended`), not before: a
-        // completion the engine never got must find the run, final answer included, next time.
-        rt.finishing
-            .lock()
-            .expect("finishing lock poisoned")
-            .insert(ctx.lease().id(), (run.store, run.fence, run_end));
+    let first = def.models.first();
+    let provider = first.map(|m| {
+        rt.providers
+            .get(&m.provider)
+            .and_then(|p| p.semconv_name())
+            .unwrap_or(&m.provider)
+    });
+    let span = spans::invoke_agent(&spans::AgentSpan {
+        agent: &def.name,
+        provider,
+        model: first.map(|m| m.model.as_str()),
+        task_id: &task.id,
+        process_instance_id: task.process_instance_id.as_deref(),
+        attempt: task.attempt,
+        parent: task.trace_parent.as_ref(),
+    });
+    let mut resumed_steps = 0;
+    let mut tokens = (0, 0);
+    let outcome = async {
+        let mut attempt = match Attempt::start(rt, task, ctx, def, span.clone()).await {
+            Ok(a) => a,
+            Err(outcome) => return outcome,
+        };
+        resumed_steps = attempt.state.next_seq - 1;
+        let before = attempt.state.usage;
+        // The wall-clock deadline (`maxDurationMs`) bounds everything the attempt does, a model
+        // or tool call in flight included: dropping the loop there is what a crash would do, and
+        // the journal already holds every step that counts (a started keyed write keeps its key).
+        let deadline = attempt.deadline;
+        let outcome = tokio::select! {
+            r = attempt.drive() => match r {
+                Ok(()) => unreachable!("drive only ends with an outcome"),
+                Err(outcome) => outcome,
+            },
+            _ = tokio::time::sleep_until(deadline.at) => limit_reached(&attempt.def, LimitExceeded::Duration {
+                limit_ms: duration_ms(attempt.limits.max_duration),
+                elapsed_ms: duration_ms(deadline.elapsed_before + deadline.started.elapsed()),
+            }),
+        };
+        attempt.tools.close().await;
+        let after = attempt.state.usage;
+        tokens = (
+            after.input_tokens.saturating_sub(before.input_tokens),
+            after.output_tokens.saturating_sub(before.output_tokens),
+        );
+        let run_end = match &outcome {
+            Outcome::Complete { .. } => Some(RunEnd::Completed),
+            Outcome::BpmnError(_) => Some(RunEnd::Failed),
+            _ => None,
+        };
+        if let (Some(run), Some(run_end)) = (attempt.store_run.take(), run_end) {
+            // Finished once the engine accepts the outcome (`TaskHandler::ended`), not before: a
+            // completion the engine never got must find the run, final answer included, next
+            // time.
+            rt.finishing
+                .lock()
+                .expect("finishing lock poisoned")
+                .insert(ctx.lease().id(), (run.store, run.fence, run_end));
+        }
+        outcome
     }
+    .instrument(span.clone())
+    .await;
+    spans::record_attempt_end(
+        &span,
+        outcome.end().as_str(),
+        attempt_error_type(&outcome),
+        tokens.0,
+        tokens.1,
+        resumed_steps,
+    );
     outcome
+}
+
+/// The `error.type` of an attempt span: none for an outcome that is no error of the attempt
+/// (completed, a BPMN error the agent chose, deferred, released at shutdown).
+fn attempt_error_type(outcome: &Outcome) -> Option<&'static str> {
+    match outcome {
+        Outcome::Complete { .. } | Outcome::BpmnError(_) => None,
+        Outcome::Failure { kind, .. } => match kind {
+            FailureKind::Technical => Some("technical"),
+            FailureKind::Incident => Some("incident"),
+            FailureKind::Deferred | FailureKind::Released => None,
+        },
+        Outcome::Abandoned => Some("lease_lost"),
+    }
 }
 
 /// A task's run in the run store, as this attempt holds it.
@@ -183,6 +247,11 @@ struct Attempt<'a> {
     /// of their content keys ([`journal::content_key`]).
     identical_writes: std::collections::HashMap<String, u32>,
     traceparent: Option<String>,
+    /// This attempt's `invoke_agent` span: its context is journaled with every step, so the
+    /// attempt that resumes this run can link to it.
+    span: Span,
+    /// How the tool call running now was last counted, for its span's end.
+    last_tool_outcome: Option<&'static str>,
 }
 
 impl<'a> Attempt<'a> {
@@ -191,12 +260,16 @@ impl<'a> Attempt<'a> {
         task: &'a Task,
         ctx: &'a TaskContext,
         def: AgentDefinition,
+        span: Span,
     ) -> Step<Attempt<'a>> {
         let mut store_run = None;
         let (state, journal) = match rt.journal_home(task) {
             JournalHome::Engine => match ctx.read_journal().await {
                 Ok(j) => {
                     rt.capabilities.journal_answered();
+                    if let Some(previous) = last_journaled_trace(&j.steps) {
+                        spans::link_resumed_attempt(&span, &previous);
+                    }
                     match Replayed::from_steps(&j.steps) {
                         Ok(r) => (r, JournalHome::Engine),
                         Err(e) => {
@@ -303,6 +376,8 @@ impl<'a> Attempt<'a> {
             unanswered_model_calls: 0,
             identical_writes: std::collections::HashMap::new(),
             traceparent,
+            span,
+            last_tool_outcome: None,
         })
     }
 
@@ -349,7 +424,12 @@ impl<'a> Attempt<'a> {
         Ok(())
     }
 
-    async fn journal(&mut self, step: JournalStep) -> Step {
+    async fn journal(&mut self, mut step: JournalStep) -> Step {
+        if let (Some(trace), Value::Object(data)) =
+            (spans::traceparent_of(&self.span), &mut step.data)
+        {
+            data.insert(JOURNALED_TRACE.into(), Value::String(trace));
+        }
         match self.journal {
             JournalHome::Engine => {
                 self.ctx.append_journal(&step).await.map_err(|e| {
@@ -499,15 +579,38 @@ impl<'a> Attempt<'a> {
         request.max_output_tokens = Some(cap);
         let metrics = self.rt.metrics.clone();
         let names = &self.names;
+        let agent = crate::metrics::labels::capped(&self.def.name);
         let mut unanswered = 0u32;
         let mut observe = |a: &CallAttempt| {
             let (provider, model) = names.model(&a.model);
+            metrics
+                .genai_operation_duration
+                .get_or_create(&GenAiDurationLabels {
+                    gen_ai_operation_name: "chat",
+                    gen_ai_provider_name: a.provider_name.clone(),
+                    gen_ai_request_model: model.clone(),
+                    error_type: if a.outcome == "ok" {
+                        String::new()
+                    } else {
+                        a.outcome.to_string()
+                    },
+                })
+                .observe(a.duration.as_secs_f64());
             let labels = ModelLabels {
                 provider: provider.clone(),
                 model: model.clone(),
                 outcome: a.outcome,
             };
             metrics.model_calls.get_or_create(&labels).inc();
+            if a.fallback_index > 0 {
+                metrics
+                    .model_fallback_calls
+                    .get_or_create(&ModelRefLabels {
+                        provider: a.model.provider.clone(),
+                        model: a.model.model.clone(),
+                    })
+                    .inc();
+            }
             metrics
                 .model_call_duration
                 .get_or_create(&labels)
@@ -515,8 +618,18 @@ impl<'a> Attempt<'a> {
             if let Some(u) = a.usage {
                 for (direction, n) in [("input", u.input_tokens), ("output", u.output_tokens)] {
                     metrics
+                        .genai_token_usage
+                        .get_or_create(&GenAiTokenLabels {
+                            gen_ai_operation_name: "chat",
+                            gen_ai_provider_name: a.provider_name.clone(),
+                            gen_ai_request_model: a.model.model.clone(),
+                            gen_ai_token_type: direction,
+                        })
+                        .observe(n as f64);
+                    metrics
                         .model_tokens
                         .get_or_create(&ModelTokenLabels {
+                            agent: agent.clone(),
                             provider: provider.clone(),
                             model: model.clone(),
                             direction,
@@ -618,7 +731,23 @@ impl<'a> Attempt<'a> {
         }
     }
 
+    /// One tool call, in its `execute_tool` span (the journal writes about it included).
     async fn run_tool_call(&mut self, pending: PendingCall) -> Step {
+        let span = spans::execute_tool(&spans::ToolSpan {
+            server: &pending.call.server,
+            tool: &pending.call.tool,
+            call_id: &pending.call.call_id,
+        });
+        self.last_tool_outcome = None;
+        let result = self
+            .tool_call(pending, &span)
+            .instrument(span.clone())
+            .await;
+        spans::record_tool_end(&span, self.last_tool_outcome, result.is_err());
+        result
+    }
+
+    async fn tool_call(&mut self, pending: PendingCall, span: &Span) -> Step {
         let call = pending.call.clone();
         let specs = self.tool_specs().await?;
         let spec = specs
@@ -643,8 +772,8 @@ impl<'a> Attempt<'a> {
                     },
                     offered.join(", ")
                 ));
-                self.count_tool(&call, "unknown_tool");
-                return self.finish_tool(&call, None, result).await;
+                self.count_tool(span, &call, "unknown_tool");
+                return self.finish_tool(span, &call, None, result).await;
             }
             (Value::Object(map), Some(_)) => map.clone(),
             (other, Some(_)) => {
@@ -657,8 +786,8 @@ impl<'a> Attempt<'a> {
                     "The arguments for {} were not a JSON object ({shown}); call the tool again with a JSON object matching its input schema.",
                     call.tool
                 ));
-                self.count_tool(&call, "bad_arguments");
-                return self.finish_tool(&call, None, result).await;
+                self.count_tool(span, &call, "bad_arguments");
+                return self.finish_tool(span, &call, None, result).await;
             }
         };
         let read_only = spec.is_some_and(|s| s.read_only) && pending.started_key.is_none();
@@ -685,6 +814,7 @@ impl<'a> Attempt<'a> {
                 Some(key)
             }
         };
+        spans::record_tool_call(span, key.as_deref(), &arguments);
         let mut tries = 0;
         let result = loop {
             tries += 1;
@@ -706,6 +836,7 @@ impl<'a> Attempt<'a> {
                 }
                 Err(e) => {
                     self.count_tool(
+                        span,
                         &call,
                         if e.is_transient() {
                             "unavailable"
@@ -722,7 +853,9 @@ impl<'a> Attempt<'a> {
                 }
             }
         };
+        spans::record_tool_tries(span, tries);
         self.count_tool(
+            span,
             &call,
             if result.is_error {
                 "error_result"
@@ -730,11 +863,12 @@ impl<'a> Attempt<'a> {
                 "ok"
             },
         );
-        self.finish_tool(&call, key.as_deref(), result).await
+        self.finish_tool(span, &call, key.as_deref(), result).await
     }
 
     async fn finish_tool(
         &mut self,
+        span: &Span,
         call: &ToolCall,
         key: Option<&str>,
         result: ToolResult,
@@ -743,12 +877,16 @@ impl<'a> Attempt<'a> {
         // server's result, its error message, or the worker's own (unknown tool, bad arguments).
         let result =
             crate::tools::cap_result(result, self.rt.settings.tool_sessions.max_result_bytes);
+        spans::record_tool_result(span, &result);
         let seq = self.state.next_seq;
         self.journal(journal::tool_finished_step(seq, key, call, &result))
             .await
     }
 
-    fn count_tool(&self, call: &ToolCall, outcome: &'static str) {
+    /// Counts a tool call's outcome (a failed try included) and puts it on its span.
+    fn count_tool(&mut self, span: &Span, call: &ToolCall, outcome: &'static str) {
+        spans::record_tool_outcome(span, outcome);
+        self.last_tool_outcome = Some(outcome);
         let (server, tool) = self.names.tool(&call.server, &call.tool);
         self.rt
             .metrics
@@ -870,6 +1008,20 @@ async fn store_retry(
             "the worker shut down before the agent finished; another worker resumes it from the run store",
         )),
     }
+}
+
+/// The field of a journal step's `data` holding the W3C context of the attempt that wrote it
+/// (only while spans are exported), so the attempt resuming the run links to it.
+const JOURNALED_TRACE: &str = "traceparent";
+
+/// The context of the attempt that wrote the last step with one.
+fn last_journaled_trace(steps: &[JournalStep]) -> Option<TraceParent> {
+    steps.iter().rev().find_map(|s| {
+        s.data
+            .get(JOURNALED_TRACE)?
+            .as_str()
+            .and_then(TraceParent::parse)
+    })
 }
 
 /// The final answer as a process variable: parsed JSON when it is JSON (also inside a

@@ -22,19 +22,21 @@ use reqwest::header::{HeaderMap, HeaderValue};
 use serde_json::{Map, Value};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::error::{EngineError, LeaseLostReason};
 use super::headers::EngineHeaders;
 use super::wire::{self, PROTOCOL_HEADER, PROTOCOL_VERSION};
 use super::{
     AppendOutcome, BpmnErrorReport, Engine, FailureReport, FetchRequest, Journal, JournalStep,
-    ProbeOutcome, Task, TaskRef, ToolCredential,
+    ProbeOutcome, Task, TaskRef, ToolCredential, TraceParent,
 };
 use crate::auth::TokenProvider;
 use crate::backoff::Backoff;
 use crate::body::{self, ReadError};
 use crate::metrics::Metrics;
 use crate::secret::Secret;
+use crate::telemetry::spans;
 
 /// Settings of the engine client.
 #[derive(Clone, Debug)]
@@ -75,6 +77,8 @@ impl EngineClientSettings {
 pub struct HttpEngine {
     http: reqwest::Client,
     base: String,
+    /// The engine's host, for the spans of engine calls (`server.address`).
+    host: String,
     worker_id: String,
     tokens: Option<Arc<dyn TokenProvider>>,
     in_flight: Semaphore,
@@ -91,7 +95,9 @@ struct Call<'a> {
     path: String,
     body: Vec<u8>,
     idempotency_key: Option<String>,
-    traceparent: Option<String>,
+    /// The task's trace context (a fresh root for a fetch); the header sent is a child of it,
+    /// or of the call's own span when spans are exported.
+    traceparent: Option<TraceParent>,
     /// How a success answer's body is read.
     read: Reading,
 }
@@ -133,6 +139,10 @@ impl HttpEngine {
         HttpEngine {
             http,
             base: format!("{root}/v1/external-tasks"),
+            host: reqwest::Url::parse(root)
+                .ok()
+                .and_then(|u| u.host_str().map(str::to_string))
+                .unwrap_or_default(),
             worker_id: settings.worker_id.clone(),
             tokens,
             in_flight: Semaphore::new(settings.max_in_flight.max(1)),
@@ -198,7 +208,37 @@ impl HttpEngine {
         }
     }
 
+    /// One HTTP exchange; a call about a task (not its heartbeats, which belong to no attempt)
+    /// is an exported `engine {op}` span.
     async fn send(&self, call: &Call<'_>, token: Option<&Secret>) -> Result<Answer, EngineError> {
+        let span = if call.task_id.is_some() && call.op != "heartbeat" {
+            spans::client_call("engine", call.op, &self.host, call.traceparent.as_ref())
+        } else {
+            tracing::Span::none()
+        };
+        let traceparent = spans::traceparent_of(&span)
+            .or_else(|| call.traceparent.as_ref().map(TraceParent::child_header));
+        let result = self
+            .send_once(call, token, traceparent)
+            .instrument(span.clone())
+            .await;
+        match &result {
+            Ok(answer) => {
+                let status = answer.status.as_u16();
+                let error = (!answer.status.is_success()).then(|| answer.status.as_str());
+                spans::record_client_answer(&span, Some(status), error);
+            }
+            Err(e) => spans::record_client_answer(&span, None, Some(exchange_error_type(e))),
+        }
+        result
+    }
+
+    async fn send_once(
+        &self,
+        call: &Call<'_>,
+        token: Option<&Secret>,
+        traceparent: Option<String>,
+    ) -> Result<Answer, EngineError> {
         let _permit = tokio::time::timeout(self.settings.request_timeout, self.in_flight.acquire())
             .await
             .map_err(|_| EngineError::Transient {
@@ -227,7 +267,7 @@ impl HttpEngine {
         if let Some(key) = &call.idempotency_key {
             req = req.header("Idempotency-Key", key);
         }
-        if let Some(tp) = &call.traceparent {
+        if let Some(tp) = traceparent {
             req = req.header("traceparent", tp);
         }
         if let Some(token) = token {
@@ -419,8 +459,18 @@ impl HttpEngine {
         serde_json::to_vec(body).expect("request bodies always serialise")
     }
 
-    fn trace(task: &TaskRef) -> Option<String> {
-        task.trace_parent.as_ref().map(|t| t.child_header())
+    fn trace(task: &TaskRef) -> Option<TraceParent> {
+        task.trace_parent.clone()
+    }
+}
+
+/// The `error.type` of an exchange that got no answer to classify.
+fn exchange_error_type(e: &EngineError) -> &'static str {
+    match e {
+        EngineError::Transient { .. } => "transport",
+        EngineError::MalformedResponse { .. } => "malformed_response",
+        EngineError::Auth { .. } => "auth",
+        _ => "_OTHER",
     }
 }
 
@@ -591,7 +641,7 @@ impl Engine for HttpEngine {
                 max_tasks: request.max_tasks,
             }),
             idempotency_key: Some(Self::new_key()),
-            traceparent: Some(super::TraceParent::new_root().header()),
+            traceparent: Some(TraceParent::new_root()),
             read: Reading::Tasks,
         };
         let started = Instant::now();

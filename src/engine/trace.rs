@@ -52,6 +52,16 @@ impl TraceParent {
         &self.trace_id
     }
 
+    /// The parent span id (16 lowercase hex digits).
+    pub fn span_id(&self) -> &str {
+        &self.span_id
+    }
+
+    /// The trace flags (2 lowercase hex digits; `01` = sampled).
+    pub fn flags(&self) -> &str {
+        &self.flags
+    }
+
     /// The header value for an outgoing call: same trace, a fresh span id, same flags.
     pub fn child_header(&self) -> String {
         format!("00-{}-{}-{}", self.trace_id, random_span_id(), self.flags)

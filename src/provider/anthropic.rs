@@ -127,6 +127,8 @@ struct WireResponse {
     #[serde(default)]
     stop_reason: Option<String>,
     usage: WireUsage,
+    #[serde(default)]
+    model: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -183,11 +185,18 @@ pub fn parse_response(body: &[u8], names: &ToolNames) -> Result<ModelResponse, S
             output_tokens: u.output_tokens,
         }),
         stop_reason: wire.stop_reason.unwrap_or_default(),
+        response_model: wire.model.filter(|m| !m.is_empty()),
+        cache_read_tokens: u.cache_read_input_tokens,
+        cache_creation_tokens: u.cache_creation_input_tokens,
     })
 }
 
 #[async_trait]
 impl ModelProvider for AnthropicProvider {
+    fn semconv_name(&self) -> Option<&'static str> {
+        Some("anthropic")
+    }
+
     async fn complete(&self, req: &ModelRequest) -> Result<ModelResponse, ProviderError> {
         let names = ToolNames::new(&req.tools);
         let body = request_body(req, &names);

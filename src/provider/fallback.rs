@@ -16,9 +16,11 @@
 use std::time::Duration;
 
 use rand::Rng;
+use tracing::Instrument;
 
 use super::{ModelRef, ModelRequest, ModelResponse, ProviderError, ProviderRegistry};
 use crate::conversation::Usage;
+use crate::telemetry::spans;
 
 /// How hard to retry one model.
 #[derive(Clone, Debug)]
@@ -68,6 +70,11 @@ impl RetryPolicy {
 #[derive(Clone, Debug, PartialEq)]
 pub struct CallAttempt {
     pub model: ModelRef,
+    /// The provider as the OpenTelemetry GenAI conventions name it (`openai`, `anthropic`, or
+    /// the configured name of another).
+    pub provider_name: String,
+    /// 0 for the agent's model, 1.. for its `fallbackModels`.
+    pub fallback_index: usize,
     /// `ok`, or [`ProviderError::outcome`] of the failure.
     pub outcome: &'static str,
     /// Tokens of a successful call, as the provider reported them.
@@ -150,15 +157,45 @@ pub async fn call_with_fallback_observed(
     let mut unavailable = 0usize;
     let mut technical = 0usize;
     let mut last: Option<ProviderError> = None;
-    for (model, provider) in models.iter().zip(providers) {
+    for (fallback_index, (model, provider)) in models.iter().zip(providers).enumerate() {
         req.model = model.model.clone();
         let mut retries = 0u32;
+        let provider_name = provider.semconv_name().unwrap_or(&model.provider);
         loop {
+            let span = spans::chat(&spans::ChatSpan {
+                provider: provider_name,
+                configured_provider: &model.provider,
+                model: &model.model,
+                fallback_index,
+                retry: retries,
+                max_tokens: req.max_output_tokens,
+            });
+            spans::record_chat_request(&span, &req.system, &req.messages);
+            // The model provider sees this call's span as its parent; without export, the
+            // task's own context goes on.
+            req.traceparent = spans::traceparent_of(&span).or_else(|| request.traceparent.clone());
             let started = tokio::time::Instant::now();
-            let result = provider.complete(&req).await;
+            let result = provider.complete(&req).instrument(span.clone()).await;
+            match &result {
+                Ok(r) => spans::record_chat_answer(
+                    &span,
+                    &spans::ChatAnswer {
+                        response_model: r.response_model.as_deref(),
+                        usage: r.usage,
+                        cache_read_tokens: r.cache_read_tokens,
+                        cache_creation_tokens: r.cache_creation_tokens,
+                        finish_reason: &r.stop_reason,
+                    },
+                    &r.message,
+                ),
+                Err(e) => spans::record_chat_error(&span, e.outcome()),
+            }
+            drop(span);
             observe(&CallAttempt {
                 duration: started.elapsed(),
                 model: model.clone(),
+                provider_name: provider_name.to_string(),
+                fallback_index,
                 outcome: match &result {
                     Ok(_) => "ok",
                     Err(e) => e.outcome(),

@@ -98,6 +98,8 @@ struct WireResponse {
     choices: Vec<WireChoice>,
     #[serde(default)]
     usage: Option<WireUsage>,
+    #[serde(default)]
+    model: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -137,6 +139,14 @@ struct WireUsage {
     prompt_tokens: u64,
     #[serde(default)]
     completion_tokens: u64,
+    #[serde(default)]
+    prompt_tokens_details: Option<WirePromptDetails>,
+}
+
+#[derive(Deserialize)]
+struct WirePromptDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
 }
 
 /// Parses a 2xx body; `Err` carries what is wrong with it.
@@ -182,6 +192,11 @@ pub fn parse_response(body: &[u8], names: &ToolNames) -> Result<ModelResponse, S
             names.tool_call(id, &c.function.name, arguments)
         })
         .collect();
+    let cache_read_tokens = wire
+        .usage
+        .as_ref()
+        .and_then(|u| u.prompt_tokens_details.as_ref())
+        .and_then(|d| d.cached_tokens);
     let usage = wire.usage.map(|u| Usage {
         input_tokens: u.prompt_tokens,
         output_tokens: u.completion_tokens,
@@ -190,11 +205,18 @@ pub fn parse_response(body: &[u8], names: &ToolNames) -> Result<ModelResponse, S
         message: AssistantMessage { text, tool_calls },
         usage,
         stop_reason: choice.finish_reason.unwrap_or_default(),
+        response_model: wire.model.filter(|m| !m.is_empty()),
+        cache_read_tokens,
+        cache_creation_tokens: None,
     })
 }
 
 #[async_trait]
 impl ModelProvider for OpenAiProvider {
+    fn semconv_name(&self) -> Option<&'static str> {
+        Some("openai")
+    }
+
     async fn complete(&self, req: &ModelRequest) -> Result<ModelResponse, ProviderError> {
         let names = ToolNames::new(&req.tools);
         let body = request_body(req, &names);

@@ -15,6 +15,7 @@ mod loadtest_smoke;
 mod mcp_interop;
 mod oidc;
 mod operations;
+mod otel;
 mod provider;
 mod proxy_headers;
 mod refusals;

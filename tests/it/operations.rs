@@ -697,7 +697,27 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
         (
             "abada_agent_model_tokens",
             "counter",
-            &["provider", "model", "direction"],
+            &["agent", "provider", "model", "direction"],
+        ),
+        (
+            "gen_ai_client_token_usage",
+            "histogram",
+            &[
+                "gen_ai_operation_name",
+                "gen_ai_provider_name",
+                "gen_ai_request_model",
+                "gen_ai_token_type",
+            ],
+        ),
+        (
+            "gen_ai_client_operation_duration_seconds",
+            "histogram",
+            &[
+                "gen_ai_operation_name",
+                "gen_ai_provider_name",
+                "gen_ai_request_model",
+                "error_type",
+            ],
         ),
         (
             "abada_agent_tool_calls",
@@ -862,7 +882,40 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
                 calls * per_call as f64,
                 "{model} {direction}"
             );
+            assert_eq!(
+                m.sum(
+                    "abada_agent_model_tokens_total",
+                    &[
+                        ("agent", "refund-agent"),
+                        ("model", model),
+                        ("direction", direction)
+                    ]
+                ),
+                calls * per_call as f64,
+                "{model} {direction}: by agent"
+            );
+            if outcome == "ok" {
+                // The conventions' histogram: one observation per answered call and direction.
+                let labels = [
+                    ("gen_ai_request_model", model),
+                    ("gen_ai_token_type", direction),
+                ];
+                assert_eq!(
+                    m.sum("gen_ai_client_token_usage_sum", &labels),
+                    calls * per_call as f64
+                );
+                assert_eq!(m.sum("gen_ai_client_token_usage_count", &labels), calls);
+            }
         }
+        let error_type = if outcome == "ok" { "" } else { outcome };
+        assert_eq!(
+            m.sum(
+                "gen_ai_client_operation_duration_seconds_count",
+                &[("gen_ai_request_model", model), ("error_type", error_type)]
+            ),
+            calls,
+            "{model}: gen_ai duration"
+        );
     }
     assert_eq!(stack.model.calls("refund"), 9);
     assert_eq!(stack.model.calls("steady"), 3);

@@ -813,6 +813,9 @@ fn answer(text: &str) -> Result<ModelResponse, ProviderError> {
             output_tokens: 1,
         }),
         stop_reason: "stop".into(),
+        response_model: None,
+        cache_read_tokens: None,
+        cache_creation_tokens: None,
     })
 }
 

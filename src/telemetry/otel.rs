@@ -1,0 +1,427 @@
+//! Span export over OTLP/HTTP (protobuf), configured by the standard `OTEL_*` variables: whether
+//! it is on, the tracer provider with its bounded batch queue, the HTTP client it sends with
+//! (ours), and its bounded shutdown.
+//!
+//! Export is on when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT` is set
+//! (and neither `OTEL_SDK_DISABLED=true` nor `OTEL_TRACES_EXPORTER=none`). The SDK itself reads
+//! the rest from the process environment: endpoint, `OTEL_EXPORTER_OTLP_HEADERS`/`_TIMEOUT`,
+//! `OTEL_SERVICE_NAME` (defaulted here to `abada-agent-worker`), `OTEL_RESOURCE_ATTRIBUTES`,
+//! `OTEL_TRACES_SAMPLER`/`_ARG` (default parent-based always-on) and `OTEL_BSP_*`.
+//!
+//! The task path never waits on export: a finished span goes into the batch processor's bounded
+//! queue (`try_send`, dropped when full) and one SDK thread sends batches. A collector that is
+//! down costs the dropped spans and one warning a minute, nothing else.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use opentelemetry::KeyValue;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithHttpConfig;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracerProvider, Tracer};
+
+use crate::config::EnvSource;
+
+/// The `service.name` when neither `OTEL_SERVICE_NAME` nor `OTEL_RESOURCE_ATTRIBUTES` names one.
+pub const DEFAULT_SERVICE_NAME: &str = "abada-agent-worker";
+
+/// The largest collector answer read (an `ExportTraceServiceResponse` is a few bytes; a partial
+/// success message a few hundred).
+const MAX_RESPONSE_BYTES: usize = 64 * 1024;
+
+/// The default bound of one export request, as the OTLP specification's
+/// `OTEL_EXPORTER_OTLP_TIMEOUT` default.
+const DEFAULT_EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// At most one "cannot export" warning per this long: a collector that is down must not flood
+/// the logs.
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// Whether message content (prompts, answers, tool arguments and results) goes on spans:
+/// `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`. Process-wide like the subscriber; only
+/// ever true while spans are exported.
+static CAPTURE_CONTENT: AtomicBool = AtomicBool::new(false);
+
+/// True when spans carry message content (opt-in, see [`ExportSettings::capture_content`]).
+pub fn capture_content() -> bool {
+    CAPTURE_CONTENT.load(Ordering::Relaxed)
+}
+
+/// An `OTEL_*` setting this worker cannot honour.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum OtelConfigError {
+    #[error(
+        "{var}={value:?} is not supported: this worker exports spans over OTLP/HTTP with protobuf \
+         only; set it to \"http/protobuf\" (the collector's HTTP port, usually 4318) or unset it"
+    )]
+    UnsupportedProtocol { var: &'static str, value: String },
+    #[error("{var}={value:?} is not a number of milliseconds; set a whole number, e.g. 10000")]
+    BadTimeout { var: &'static str, value: String },
+    #[error("cannot set up span export: {0}")]
+    Setup(String),
+}
+
+/// What the worker reads itself of the `OTEL_*` variables (the SDK reads the rest).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExportSettings {
+    /// Bounds one export request (`OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`, `_TIMEOUT`; default 10 s).
+    /// The SDK applies it to its retry loop only; the client we hand it needs its own.
+    pub timeout: Duration,
+    /// `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`: `true`, `SPAN_ONLY` or
+    /// `SPAN_AND_EVENT` (the OpenTelemetry GenAI instrumentations' spellings, any case) turn
+    /// content capture on; anything else, and unset, leave it off.
+    pub capture_content: bool,
+}
+
+impl ExportSettings {
+    /// `Ok(None)` when span export is off.
+    pub fn from_env(env: &dyn EnvSource) -> Result<Option<ExportSettings>, OtelConfigError> {
+        let var = |k: &str| env.get(k).filter(|v| !v.trim().is_empty());
+        let disabled =
+            var("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+        let no_exporter =
+            var("OTEL_TRACES_EXPORTER").is_some_and(|v| v.trim().eq_ignore_ascii_case("none"));
+        let endpoint =
+            var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or(var("OTEL_EXPORTER_OTLP_ENDPOINT"));
+        if endpoint.is_none() || disabled || no_exporter {
+            return Ok(None);
+        }
+        for name in [
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ] {
+            if let Some(value) = var(name) {
+                if value.trim() != "http/protobuf" {
+                    return Err(OtelConfigError::UnsupportedProtocol { var: name, value });
+                }
+                break;
+            }
+        }
+        let mut timeout = DEFAULT_EXPORT_TIMEOUT;
+        for name in [
+            "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+            "OTEL_EXPORTER_OTLP_TIMEOUT",
+        ] {
+            if let Some(value) = var(name) {
+                let ms: u64 = value
+                    .trim()
+                    .parse()
+                    .map_err(|_| OtelConfigError::BadTimeout { var: name, value })?;
+                timeout = Duration::from_millis(ms.max(1));
+                break;
+            }
+        }
+        let capture_content = var("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT")
+            .is_some_and(|v| {
+                let v = v.trim();
+                ["true", "span_only", "span_and_event"]
+                    .iter()
+                    .any(|on| v.eq_ignore_ascii_case(on))
+            });
+        Ok(Some(ExportSettings {
+            timeout,
+            capture_content,
+        }))
+    }
+}
+
+/// The running span export: the tracer provider and its batch thread.
+pub struct SpanExport {
+    provider: SdkTracerProvider,
+}
+
+impl SpanExport {
+    /// Starts the export. `http` is a client builder with the worker's trust roots
+    /// (`ABADA_AGENT_CA_FILE`); `runtime` drives its requests, since the batch processor's own
+    /// thread has no tokio reactor.
+    pub fn start(
+        settings: &ExportSettings,
+        http: reqwest::ClientBuilder,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<SpanExport, OtelConfigError> {
+        let client = http
+            .timeout(settings.timeout)
+            .connect_timeout(settings.timeout.min(Duration::from_secs(5)))
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| OtelConfigError::Setup(crate::errors::chain(&e)))?;
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_http_client(OtlpHttp {
+                client,
+                runtime,
+                last_warning: std::sync::Arc::new(AtomicU64::new(0)),
+            })
+            .build()
+            .map_err(|e| OtelConfigError::Setup(crate::errors::chain(&e)))?;
+        // `BatchConfigBuilder::default()` reads OTEL_BSP_*; nothing is set over it, so the
+        // specification's defaults hold: a queue of 2048 spans, batches of 512, every 5 s.
+        let batch = BatchSpanProcessor::builder(exporter)
+            .with_batch_config(BatchConfigBuilder::default().build())
+            .build();
+        // No `with_sampler`: the SDK then reads OTEL_TRACES_SAMPLER and defaults to parent-based
+        // always-on, so the engine's sampling decision (the traceparent's flags) holds.
+        let provider = SdkTracerProvider::builder()
+            .with_resource(resource())
+            .with_span_processor(batch)
+            .build();
+        CAPTURE_CONTENT.store(settings.capture_content, Ordering::Relaxed);
+        Ok(SpanExport { provider })
+    }
+
+    /// The tracer the `tracing` bridge layer records into.
+    pub fn tracer(&self) -> Tracer {
+        self.provider.tracer("abada-agent-worker")
+    }
+
+    /// Flushes what is queued and stops the batch thread, within `limit` (a collector that is
+    /// down or never answers does not hold the worker's exit longer). Call it while the runtime
+    /// still runs: the last export is sent on it.
+    pub async fn shutdown(self, limit: Duration) {
+        let provider = self.provider;
+        let result =
+            tokio::task::spawn_blocking(move || provider.shutdown_with_timeout(limit)).await;
+        match result {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "span export did not shut down cleanly; spans still queued are lost")
+            }
+            Err(e) => tracing::warn!(error = %e, "span export shutdown failed"),
+        }
+        CAPTURE_CONTENT.store(false, Ordering::Relaxed);
+    }
+}
+
+/// The resource: what the SDK's detectors found (`OTEL_SERVICE_NAME`,
+/// `OTEL_RESOURCE_ATTRIBUTES`), our service name when they named none, and our version.
+fn resource() -> Resource {
+    let detected = Resource::builder().build();
+    let unnamed = detected
+        .get(&opentelemetry::Key::from_static_str("service.name"))
+        .is_none_or(|v| v.as_str().starts_with("unknown_service"));
+    let mut builder = Resource::builder();
+    if unnamed {
+        builder = builder.with_service_name(DEFAULT_SERVICE_NAME);
+    }
+    builder
+        .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+        .build()
+}
+
+/// The exporter's HTTP client: our reqwest client, each request spawned onto the worker's
+/// runtime and awaited through its `JoinHandle` (which the SDK's executor-less thread can poll).
+#[derive(Debug, Clone)]
+struct OtlpHttp {
+    client: reqwest::Client,
+    runtime: tokio::runtime::Handle,
+    /// Seconds since the epoch of the last "cannot export" warning.
+    last_warning: std::sync::Arc<AtomicU64>,
+}
+
+/// Why one export request failed.
+#[derive(Debug, thiserror::Error)]
+enum ExportError {
+    #[error("the collector's answer is larger than {MAX_RESPONSE_BYTES} bytes")]
+    TooLarge,
+    #[error("the collector answered HTTP {0}")]
+    Status(u16),
+}
+
+impl OtlpHttp {
+    /// Logs a failed export, at most once per [`WARN_EVERY`]. The message names neither the URL
+    /// (it may hold credentials) nor the headers (`OTEL_EXPORTER_OTLP_HEADERS` often does).
+    fn warn(&self, what: &str) {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        let last = self.last_warning.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < WARN_EVERY.as_secs()
+            || self
+                .last_warning
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        tracing::warn!(
+            error = what,
+            "cannot export spans to the OpenTelemetry collector (OTEL_EXPORTER_OTLP_ENDPOINT); \
+             spans are dropped while it lasts, tasks are not affected (next warning in a minute at the earliest)"
+        );
+    }
+}
+
+#[async_trait::async_trait]
+impl opentelemetry_http::HttpClient for OtlpHttp {
+    async fn send_bytes(
+        &self,
+        request: opentelemetry_http::Request<opentelemetry_http::Bytes>,
+    ) -> Result<
+        opentelemetry_http::Response<opentelemetry_http::Bytes>,
+        opentelemetry_http::HttpError,
+    > {
+        let client = self.client.clone();
+        let sent = self.runtime.spawn(async move {
+            let request = reqwest::Request::try_from(request)?;
+            let mut response = client.execute(request).await?;
+            let status = response.status();
+            let headers = response.headers().clone();
+            let mut body = Vec::new();
+            while let Some(chunk) = response.chunk().await? {
+                if body.len() + chunk.len() > MAX_RESPONSE_BYTES {
+                    return Err(ExportError::TooLarge.into());
+                }
+                body.extend_from_slice(&chunk);
+            }
+            let mut out = opentelemetry_http::Response::new(opentelemetry_http::Bytes::from(body));
+            *out.status_mut() = status;
+            *out.headers_mut() = headers;
+            Ok::<_, opentelemetry_http::HttpError>(out)
+        });
+        let result = match sent.await {
+            Ok(r) => r,
+            Err(e) => Err(e.into()),
+        };
+        match &result {
+            Ok(r) if !r.status().is_success() => {
+                self.warn(&ExportError::Status(r.status().as_u16()).to_string())
+            }
+            Ok(_) => {}
+            Err(e) => self.warn(&describe(e.as_ref())),
+        }
+        result
+    }
+}
+
+/// An export error on one line, without the URL a reqwest error would carry.
+fn describe(e: &(dyn std::error::Error + 'static)) -> String {
+    match e.downcast_ref::<reqwest::Error>() {
+        Some(re) => {
+            let kind = if re.is_timeout() {
+                "timed out"
+            } else if re.is_connect() {
+                "connection failed"
+            } else {
+                "request failed"
+            };
+            let mut text = kind.to_string();
+            let mut source = std::error::Error::source(re);
+            while let Some(s) = source {
+                text.push_str(": ");
+                text.push_str(&s.to_string());
+                source = s.source();
+            }
+            text
+        }
+        None => crate::errors::chain(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    struct Env(HashMap<&'static str, &'static str>);
+    impl EnvSource for Env {
+        fn get(&self, key: &str) -> Option<String> {
+            self.0.get(key).map(|v| v.to_string())
+        }
+    }
+    fn env(pairs: &[(&'static str, &'static str)]) -> Env {
+        Env(pairs.iter().copied().collect())
+    }
+
+    #[test]
+    fn export_is_on_only_with_an_endpoint() {
+        assert_eq!(ExportSettings::from_env(&env(&[])), Ok(None));
+        assert_eq!(
+            ExportSettings::from_env(&env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", " ")])),
+            Ok(None)
+        );
+        let on = ExportSettings::from_env(&env(&[(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "http://127.0.0.1:4318/v1/traces",
+        )]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(on.timeout, DEFAULT_EXPORT_TIMEOUT);
+        assert!(!on.capture_content);
+        for off in [
+            ("OTEL_SDK_DISABLED", "TRUE"),
+            ("OTEL_TRACES_EXPORTER", "none"),
+        ] {
+            assert_eq!(
+                ExportSettings::from_env(&env(&[
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+                    off
+                ])),
+                Ok(None),
+                "{off:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_http_protobuf_is_accepted_and_the_traces_variable_wins() {
+        let base = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318");
+        assert!(matches!(
+            ExportSettings::from_env(&env(&[base, ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")])),
+            Err(OtelConfigError::UnsupportedProtocol {
+                var: "OTEL_EXPORTER_OTLP_PROTOCOL",
+                ..
+            })
+        ));
+        assert!(
+            ExportSettings::from_env(&env(&[
+                base,
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+                ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+            ]))
+            .unwrap()
+            .is_some()
+        );
+        let e =
+            ExportSettings::from_env(&env(&[base, ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")]))
+                .unwrap_err();
+        assert!(e.to_string().contains("http/protobuf"), "{e}");
+    }
+
+    #[test]
+    fn timeout_and_content_capture_are_read() {
+        let base = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318");
+        let s = ExportSettings::from_env(&env(&[
+            base,
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "2500"),
+            ("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "True"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(s.timeout, Duration::from_millis(2500));
+        assert!(s.capture_content);
+        for v in ["SPAN_ONLY", "span_and_event"] {
+            let s = ExportSettings::from_env(&env(&[
+                base,
+                ("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", v),
+            ]))
+            .unwrap()
+            .unwrap();
+            assert!(s.capture_content, "{v}");
+        }
+        for v in ["false", "NO_CONTENT", "EVENT_ONLY", "1"] {
+            let s = ExportSettings::from_env(&env(&[
+                base,
+                ("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", v),
+            ]))
+            .unwrap()
+            .unwrap();
+            assert!(!s.capture_content, "{v}");
+        }
+        assert!(matches!(
+            ExportSettings::from_env(&env(&[base, ("OTEL_EXPORTER_OTLP_TIMEOUT", "10s")])),
+            Err(OtelConfigError::BadTimeout { .. })
+        ));
+    }
+}
