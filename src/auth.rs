@@ -77,6 +77,11 @@ pub struct OidcSettings {
     pub client_secret: Arc<SecretSource>,
     pub scopes: Vec<String>,
     pub client_auth: ClientAuth,
+    /// The client secret may go to an `http://` token endpoint that is not loopback
+    /// (`ABADA_AGENT_ALLOW_INSECURE_HTTP`). The issuer URL is checked with the configuration;
+    /// the token endpoint is known only after discovery, so it is checked there
+    /// (`crate::channel`).
+    pub allow_insecure_http: bool,
 }
 
 impl OidcSettings {
@@ -92,6 +97,7 @@ impl OidcSettings {
             client_secret,
             scopes: vec![DEFAULT_SCOPE.to_string()],
             client_auth: ClientAuth::Basic,
+            allow_insecure_http: false,
         }
     }
 }
@@ -111,6 +117,16 @@ pub enum AuthError {
         "OIDC discovery at {issuer_url} failed: {reason}; ABADA_AGENT_OIDC_ISSUER_URL must be the issuer exactly as it advertises itself (same scheme, host, path and trailing slash)"
     )]
     DiscoveryFailed { issuer_url: String, reason: String },
+    /// Discovery named a token endpoint the client secret would reach in clear: nothing was
+    /// sent to it.
+    #[error(
+        "the OIDC issuer {issuer_url} names the token endpoint {token_url} in its discovery document, and the client secret would travel there in clear (http:// to a host that is not loopback); nothing was sent to it. Make the issuer advertise an https:// token endpoint (its public URL), or set ABADA_AGENT_ALLOW_INSECURE_HTTP=true to allow it"
+    )]
+    InsecureTokenEndpoint {
+        issuer_url: String,
+        /// Redacted (no userinfo, query or fragment).
+        token_url: String,
+    },
     #[error(
         "cannot read the OIDC client secret: {reason}; check ABADA_AGENT_OIDC_CLIENT_SECRET or ABADA_AGENT_OIDC_CLIENT_SECRET_FILE"
     )]
@@ -142,6 +158,7 @@ impl AuthError {
         match self {
             AuthError::InvalidIssuerUrl { .. }
             | AuthError::DiscoveryFailed { .. }
+            | AuthError::InsecureTokenEndpoint { .. }
             | AuthError::SecretUnavailable { .. }
             | AuthError::InvalidClient { .. }
             | AuthError::TokenRefused { .. } => true,
@@ -375,8 +392,28 @@ impl OidcSource {
                     issuer_url: issuer.clone(),
                     reason: "the discovery document advertises no token_endpoint".to_string(),
                 })?;
+        // The client secret goes to this endpoint: the issuer URL passed the channel check with
+        // the configuration, but the endpoint the issuer names may be anywhere. Checked before
+        // the first token request and not cached when refused, so an issuer whose
+        // configuration is fixed is used at the next grant.
+        let channel = crate::channel::check(
+            token_url.as_str(),
+            "the OIDC client secret",
+            self.settings.allow_insecure_http,
+        )
+        .map_err(|refused| AuthError::InsecureTokenEndpoint {
+            issuer_url: issuer.clone(),
+            token_url: refused.url,
+        })?;
+        if channel == crate::channel::Channel::Clear {
+            tracing::warn!(
+                issuer = %issuer,
+                token_endpoint = %crate::redact::url(token_url.as_str()),
+                "the OIDC client secret travels in clear to the token endpoint the issuer names (ABADA_AGENT_ALLOW_INSECURE_HTTP=true)"
+            );
+        }
         *lock(&self.discovered) = Some(token_url.clone());
-        tracing::info!(issuer = %issuer, token_endpoint = %token_url.as_str(), "OIDC discovery done");
+        tracing::info!(issuer = %issuer, token_endpoint = %crate::redact::url(token_url.as_str()), "OIDC discovery done");
         Ok(token_url)
     }
 }

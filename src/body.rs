@@ -17,8 +17,8 @@ use bytes::Bytes;
 pub const MODEL_RESPONSE_MAX_BYTES: usize = 2 * 1024 * 1024;
 /// One JSON response or SSE event from a tool server. Results are cut to 64 KiB before the
 /// model sees them; this bounds what is read to get there. 4 MiB: a result up to that size is
-/// read and cut (rmcp reports an SSE event past its cap only as a broken stream, which would
-/// turn a large result on an SSE server into retries instead of a cut result).
+/// read and cut; a larger one is not read, and the model is told (an SSE event past it too, told
+/// apart from a broken stream by `tools::transport`).
 pub const TOOL_RESPONSE_MAX_BYTES: usize = 4 * 1024 * 1024;
 /// The diagnostic text of a tool server's non-JSON error answer.
 pub const TOOL_ERROR_BODY_MAX_BYTES: usize = 16 * 1024;
@@ -51,15 +51,22 @@ pub const ERROR_BODY_MAX_BYTES: usize = 16 * 1024;
 /// An outside body larger than its limit; nothing past the limit was read.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "{what} is larger than the worker's limit of {limit} bytes (at least {seen} bytes); retrying cannot help"
+    "{what} is larger than the worker's limit of {limit} {unit} (at least {seen} {unit}); retrying cannot help"
 )]
 pub struct TooLarge {
     /// What was too large, for people ("the fetch response", "task t-1").
     pub what: String,
     pub limit: usize,
-    /// How many bytes were known when reading stopped (announced or read).
+    /// How many units were known when reading stopped (announced or read).
     pub seen: u64,
+    /// What `limit` and `seen` count: [`BYTES`], or [`STEPS`] for a journal's step limit.
+    pub unit: &'static str,
 }
+
+/// The unit of most limits.
+pub const BYTES: &str = "bytes";
+/// The unit of the journal's step limit ([`JOURNAL_MAX_STEPS`]).
+pub const STEPS: &str = "steps";
 
 /// Why a body could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +89,7 @@ pub async fn read_capped(
         what: what.to_string(),
         limit,
         seen,
+        unit: BYTES,
     };
     let announced = response.content_length();
     if let Some(len) = announced
@@ -139,9 +147,12 @@ pub async fn decode_streamed<T: Send + 'static>(
         };
         let value = decode(&mut reader);
         match reader.failure {
-            Some(Failure::TooLarge(seen)) => {
-                Err(ReadError::TooLarge(TooLarge { what, limit, seen }))
-            }
+            Some(Failure::TooLarge(seen)) => Err(ReadError::TooLarge(TooLarge {
+                what,
+                limit,
+                seen,
+                unit: BYTES,
+            })),
             Some(Failure::Http(e)) => Err(ReadError::Http(e)),
             None => Ok(value),
         }

@@ -318,7 +318,10 @@ impl Config {
             ceilings,
             allow_insecure_http,
         })
-        .and_then(|config| {
+        .and_then(|mut config| {
+            if let Some(oidc) = &mut config.oidc {
+                oidc.allow_insecure_http = config.allow_insecure_http;
+            }
             for (var, what, url) in config.credential_channels() {
                 crate::channel::check(&url, &what, config.allow_insecure_http)
                     .map_err(|e| ConfigError::new(var, e.to_string()))?;
@@ -565,6 +568,8 @@ fn parse_oidc(env: &dyn EnvSource) -> Result<Option<OidcSettings>, ConfigError> 
         client_secret,
         scopes,
         client_auth,
+        // Set from ABADA_AGENT_ALLOW_INSECURE_HTTP once that is read (`Config::from_env`).
+        allow_insecure_http: false,
     }))
 }
 
@@ -859,6 +864,17 @@ mod tests {
         assert_eq!(c.providers[1].max_concurrency, Some(3));
         let oidc = c.oidc.as_ref().unwrap();
         assert_eq!(oidc.scopes, vec!["worker:execute"]);
+        // The discovered token endpoint is checked by the token source with the same switch.
+        assert!(!oidc.allow_insecure_http);
+        let mut pairs = base();
+        pairs.extend_from_slice(&[
+            (ENV_OIDC_ISSUER_URL, "http://localhost:8080"),
+            (ENV_OIDC_CLIENT_ID, "worker"),
+            (ENV_OIDC_CLIENT_SECRET, "s"),
+            (ENV_ALLOW_INSECURE_HTTP, "true"),
+        ]);
+        let allowed = Config::from_env(&env(&pairs)).unwrap();
+        assert!(allowed.oidc.unwrap().allow_insecure_http);
         let printed = format!("{c:?}");
         assert!(!printed.contains("sk-marker-1"));
         assert!(!printed.contains("oidc-marker-2"));

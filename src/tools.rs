@@ -13,6 +13,7 @@
 pub mod address;
 pub mod registry;
 mod session;
+mod transport;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -159,9 +160,9 @@ pub struct ToolSessionOptions {
     /// appended (see [`DEFAULT_MAX_RESULT_BYTES`]).
     pub max_result_bytes: usize,
     /// Hard cap on one HTTP response or SSE event from a tool server, bounding memory per call.
-    /// A larger JSON response is not read and the call answers with an error result saying so;
-    /// a larger SSE event ends the session's transport, so the call fails as
-    /// [`ToolError::Unavailable`] and the next call opens a new session.
+    /// A larger JSON response or SSE event is not read: a call answers with an error result
+    /// saying so (the model is told, nothing is retried); opening a session or listing its
+    /// tools fails as [`ToolError::TooLarge`] (an incident).
     pub max_response_bytes: usize,
     /// Time allowed to close one session when the task ends.
     pub close_timeout: Duration,

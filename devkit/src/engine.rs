@@ -352,6 +352,16 @@ impl EngineEmulator {
         self.shared.state().instance_view(id)
     }
 
+    /// Seeds task `id`'s agent/1 journal with `steps` (replacing what it holds), so the next
+    /// journal read returns them: a task that earlier attempts journaled, or an engine that
+    /// answers a journal of any size. Steps are stored as given (no `seq` check). False when
+    /// there is no such task.
+    pub fn seed_journal(&self, id: &str, steps: Vec<serde_json::Value>) -> bool {
+        let found = self.shared.state().seed_journal(id, steps);
+        self.shared.changed.notify_waiters();
+        found
+    }
+
     /// An operator's action on process instance `id`: `Err` with the engine's message when the
     /// engine refuses it (or the instance is unknown). Its tasks stay as they are.
     pub fn instance_action(&self, id: &str, action: InstanceAction) -> Result<(), String> {

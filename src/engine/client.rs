@@ -805,6 +805,7 @@ impl Engine for HttpEngine {
                         what: format!("the journal of task {}", task.task_id),
                         limit: body::JOURNAL_MAX_STEPS,
                         seen: body::JOURNAL_MAX_STEPS as u64 + 1,
+                        unit: body::STEPS,
                     },
                 })
             }

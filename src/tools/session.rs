@@ -16,6 +16,7 @@ use rmcp::transport::streamable_http_client::{
 use rmcp::{ClientLifecycleMode, ClientServiceExt, RoleClient, ServiceError};
 use serde_json::Value;
 
+use super::transport::McpHttp;
 use super::{ToolError, ToolProtocol, ToolServerRef, ToolSessionOptions};
 use crate::body;
 use crate::conversation::{ToolResult, ToolSpec};
@@ -93,6 +94,9 @@ pub(crate) struct Session {
     /// The credential the session was opened with (sent on each of its requests).
     credential: Option<Secret>,
     client: RunningService<RoleClient, ClientConfig>,
+    /// The transport's HTTP client: tells a response cut for an oversized SSE event from a
+    /// broken one.
+    http: McpHttp,
     tools: Vec<ToolSpec>,
     options: ToolSessionOptions,
 }
@@ -130,6 +134,7 @@ impl Session {
         credential: Option<Secret>,
         options: &ToolSessionOptions,
     ) -> Result<Session, SessionFailure> {
+        let http = &McpHttp::new(http.clone());
         let client = if options.protocol == ToolProtocol::Auto {
             let slot = options.learned.slot(&server.url);
             let mut learned = slot.lock().await;
@@ -169,19 +174,22 @@ impl Session {
             url: server.url.clone(),
             credential,
             client,
+            http: http.clone(),
             tools: Vec::new(),
             options: options.clone(),
         };
-        let listed =
-            match tokio::time::timeout(options.call_timeout, list_bounded(session.client.peer()))
-                .await
-            {
-                Err(_) => Err(SessionFailure::Unavailable(format!(
-                    "tools/list had no answer within {:?}",
-                    options.call_timeout
-                ))),
-                Ok(listed) => listed,
-            };
+        let listed = match tokio::time::timeout(
+            options.call_timeout,
+            list_bounded(session.client.peer(), &session.http),
+        )
+        .await
+        {
+            Err(_) => Err(SessionFailure::Unavailable(format!(
+                "tools/list had no answer within {:?}",
+                options.call_timeout
+            ))),
+            Ok(listed) => listed,
+        };
         let tools = match listed {
             Ok(tools) => tools,
             Err(failure) => {
@@ -220,6 +228,8 @@ impl Session {
         meta: serde_json::Map<String, Value>,
     ) -> Result<ToolResult, SessionFailure> {
         let mut params = CallToolRequestParams::new(tool.to_owned()).with_arguments(arguments);
+        // What an earlier request's stream left behind is not this call's.
+        self.http.take_oversized_event();
         if !meta.is_empty() {
             params.meta = Some(RequestMetaObject(MetaObject(meta)));
         }
@@ -237,7 +247,7 @@ impl Session {
                 convert_result(result),
                 self.options.max_result_bytes,
             )),
-            Ok(Err(e)) => match classify_service(&e) {
+            Ok(Err(e)) => match classify_service(&e, &self.http) {
                 SessionFailure::TooLarge(max) => Ok(ToolResult::error_text(format!(
                     "the tool result was larger than {max} bytes and was discarded"
                 ))),
@@ -266,14 +276,17 @@ impl Session {
 
 /// Every page of `tools/list` within the listing limits: a server that keeps sending a next-page
 /// cursor, or lists more tools than the worker offers a model, fails the listing by name.
-async fn list_bounded(peer: &Peer<RoleClient>) -> Result<Vec<Tool>, SessionFailure> {
+async fn list_bounded(
+    peer: &Peer<RoleClient>,
+    http: &McpHttp,
+) -> Result<Vec<Tool>, SessionFailure> {
     let mut tools = Vec::new();
     let mut cursor = None;
     for _ in 0..body::TOOL_LIST_MAX_PAGES {
         let page = peer
             .list_tools(Some(PaginatedRequestParams::default().with_cursor(cursor)))
             .await
-            .map_err(|e| classify_service(&e))?;
+            .map_err(|e| classify_service(&e, http))?;
         tools.extend(page.tools);
         if tools.len() > body::TOOL_LIST_MAX_TOOLS {
             return Err(SessionFailure::ListingTooLarge(format!(
@@ -332,7 +345,7 @@ fn to_spec(server: &str, tool: Tool) -> Option<ToolSpec> {
 
 /// Opens the transport and runs the lifecycle start (discover, or initialize).
 async fn connect(
-    http: &reqwest::Client,
+    http: &McpHttp,
     server: &ToolServerRef,
     credential: &Option<Secret>,
     options: &ToolSessionOptions,
@@ -376,7 +389,10 @@ async fn connect(
             "no session within {:?}",
             options.open_timeout
         ))),
-        Ok(Err(e)) => Err(classify_init(&e)),
+        Ok(Err(e)) => Err(match http.take_oversized_event() {
+            Some(max) => SessionFailure::TooLarge(max),
+            None => classify_init(&e),
+        }),
         Ok(Ok(client)) => Ok(client),
     }
 }
@@ -471,7 +487,13 @@ fn classify_init(error: &rmcp::service::ClientInitializeError) -> SessionFailure
     }
 }
 
-fn classify_service(error: &ServiceError) -> SessionFailure {
+/// What a failed request means. An SSE event past the transport's cap reaches rmcp's caller only
+/// as a closed stream, so `http` is asked first whether one ended this request (see
+/// `tools::transport`): such a failure is too large, not unavailable, and never retried.
+fn classify_service(error: &ServiceError, http: &McpHttp) -> SessionFailure {
+    if let Some(max) = http.take_oversized_event() {
+        return SessionFailure::TooLarge(max);
+    }
     match error {
         ServiceError::TransportSend(e) => classify_chain(e.error.as_ref()),
         ServiceError::McpError(e) => SessionFailure::Protocol(format!(

@@ -791,3 +791,72 @@ fn a_journal_of_100k_steps_is_refused_at_the_step_limit() {
     let err = decoders::engine_journal(body.as_bytes()).unwrap_err();
     assert!(err.contains("more steps than the limit of 4096"), "{err}");
 }
+
+// ---- tool listing limits and text cuts (issue 17) ---------------------------------------------
+//
+// Inputs are built from a short generated piece repeated, so the sizes straddle the 4 KiB and
+// 32 KiB limits without generating tens of KiB per case; 64 cases each keep the block well under
+// a second in a debug build.
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A listed tool is offered with its description cut at a character boundary to the limit
+    /// (said in the text), and only when its input schema fits the schema limit, unchanged.
+    #[test]
+    fn a_listed_tool_is_offered_within_the_description_and_schema_limits(
+        piece in prop::collection::vec(any::<char>(), 1..24),
+        repeat in 0usize..600,
+        schema_piece in "[a-zA-Zé€😀]{1,8}",
+        schema_repeat in 0usize..9000,
+        read_only in any::<bool>(),
+    ) {
+        let desc_limit = abada_agent_worker::body::TOOL_DESCRIPTION_MAX_BYTES;
+        let schema_limit = abada_agent_worker::body::TOOL_SCHEMA_MAX_BYTES;
+        let description: String = piece.iter().collect::<String>().repeat(repeat);
+        let schema = json!({"type": "object", "description": schema_piece.repeat(schema_repeat)});
+        let tool = json!({"name": "t", "description": description, "inputSchema": schema,
+            "annotations": {"readOnlyHint": read_only}});
+        let offered = decoders::tool_listing_entry(tool.to_string().as_bytes()).unwrap();
+        let schema_size = schema.to_string().len();
+        match offered {
+            None => prop_assert!(schema_size > schema_limit, "a {schema_size}-byte schema refused"),
+            Some(spec) => {
+                prop_assert!(schema_size <= schema_limit, "a {schema_size}-byte schema offered");
+                prop_assert_eq!(&spec.input_schema, &schema);
+                prop_assert_eq!(spec.read_only, read_only);
+                if description.len() <= desc_limit {
+                    prop_assert_eq!(&spec.description, &description);
+                } else {
+                    let kept = &spec.description[..spec.description.rfind("… [").unwrap()];
+                    prop_assert!(kept.len() <= desc_limit && kept.len() + 4 > desc_limit);
+                    prop_assert!(description.starts_with(kept));
+                    let said = format!("… [{} of {} bytes shown]", kept.len(), description.len());
+                    prop_assert!(spec.description.ends_with(&said), "{}", said);
+                }
+            }
+        }
+    }
+
+    /// Text is cut to at most `limit` bytes at a character boundary, at most 3 bytes short of
+    /// it, and the cut is said; text within the limit is kept whole.
+    #[test]
+    fn text_is_cut_at_a_character_boundary_within_the_limit(
+        piece in prop::collection::vec(any::<char>(), 1..16),
+        repeat in 0usize..64,
+        limit in 0usize..512,
+    ) {
+        let text: String = piece.iter().collect::<String>().repeat(repeat);
+        let cut = decoders::truncate_text(&text, limit);
+        if text.len() <= limit {
+            prop_assert_eq!(cut, text);
+        } else {
+            let said = cut.rfind("… [").unwrap();
+            let kept = &cut[..said];
+            prop_assert!(kept.len() <= limit && kept.len() + 4 > limit, "{} of {}", kept.len(), limit);
+            prop_assert!(text.is_char_boundary(kept.len()));
+            prop_assert!(text.starts_with(kept));
+            prop_assert_eq!(&cut[said..], format!("… [{} of {} bytes shown]", kept.len(), text.len()));
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! Hostile peers (issue 17): a tool server, a model and an engine that send what no well-behaved
-//! peer sends (endless list pages, 10 MB results, giant error messages, bodies dripped a byte at
-//! a time, a 48 MiB answer, tens of MiB of variables). Each scenario runs four tasks through the
+//! peer sends (endless list pages, 10 MB results, an SSE event past the cap, giant error
+//! messages, bodies dripped a byte at a time, a 48 MiB answer, tens of MiB of variables, journals
+//! of 100,000 steps). Each scenario runs four tasks through the
 //! real binary with four slots over loopback HTTP, expects a bounded, named outcome, runs the
 //! invariant checker, and prints the process's peak resident memory (VmHWM).
 //!
@@ -439,5 +440,109 @@ async fn an_engine_sending_tens_of_mib_of_variables_makes_that_task_an_incident(
             assert_eq!(t.status, TaskStatus::Completed, "{t:?}");
         }
     }
+    s.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_sse_event_is_not_read_or_retried_and_the_model_is_told() {
+    // The devkit tool server answers over SSE (rmcp, stateful): a 5 MiB result is one event past
+    // the transport's 4 MiB cap. rmcp reports it to its caller only as a closed stream; the
+    // worker tells it apart (`tools::transport`) and treats it as the JSON case: not read, not
+    // retried, the model is told.
+    let s = stack().await;
+    s.model.set_script(
+        "sse",
+        Script::new(vec![
+            Turn::call("lookup_order", json!({"orderId": "${input}"})),
+            Turn::text(r#"{"decision": "done"}"#),
+        ])
+        .with_usage(100, 20),
+    );
+    s.tools.set_oversized_results(Some(5 * 1024 * 1024));
+    let ids = tasks(
+        &s,
+        "sse",
+        4,
+        &agent_on("openai/sse", s.tools.name(), &s.tools.url()),
+    );
+    let (views, _) = run_binary(&s, "oversized-sse-event", &ids, &[]).await;
+    for t in &views {
+        assert_eq!(t.status, TaskStatus::Completed, "{t:?}");
+        assert_eq!(t.attempt, 1, "not retried as a failure: {t:?}");
+        let told = t.journal.iter().any(|step| {
+            step.to_string()
+                .contains("larger than 4194304 bytes and was discarded")
+        });
+        assert!(told, "the model was told the result was discarded: {t:?}");
+    }
+    let calls = s.tools.counters().await.calls_per_tool;
+    assert_eq!(
+        calls.get("lookup_order"),
+        Some(&4),
+        "one call per task, none retried: {calls:?}"
+    );
+    s.tools.set_oversized_results(None);
+    s.shutdown().await;
+}
+
+/// A journal of `n` small steps, numbered from 1, as earlier attempts would have left it.
+fn journal_of(n: usize, data_bytes: usize) -> Vec<Value> {
+    let text = "j".repeat(data_bytes);
+    (1..=n)
+        .map(|seq| json!({"seq": seq, "kind": "input", "state": "done", "data": {"text": text}}))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_answering_journals_of_100k_steps_makes_each_task_a_named_incident() {
+    // Three tasks whose journals hold 100,000 small steps (the step limit, 4096, comes first),
+    // and one whose 2,000 steps of 5 KiB are 10 MB (the byte limit, 8 MiB, comes first).
+    let s = stack().await;
+    s.model.set_script("tooly", lookup_script());
+    let ids = tasks(
+        &s,
+        "journal",
+        4,
+        &agent_on("openai/tooly", s.tools.name(), &s.tools.url()),
+    );
+    for (i, id) in ids.iter().enumerate() {
+        let steps = if i < 3 {
+            journal_of(100_000, 0)
+        } else {
+            journal_of(2_000, 5 * 1024)
+        };
+        assert!(s.engine.seed_journal(id, steps));
+    }
+    // The emulator (a debug build on the test's two threads) takes a while to serialize
+    // 100,000 steps; the engine timeout and the lease leave it that time.
+    let (views, _) = run_binary(
+        &s,
+        "100k-step-journals",
+        &ids,
+        &[
+            ("ABADA_AGENT_ENGINE_TIMEOUT_MS", "60000".into()),
+            ("ABADA_AGENT_LOCK_DURATION_MS", "60000".into()),
+        ],
+    )
+    .await;
+    for (i, t) in views.iter().enumerate() {
+        let m = incident_message(t);
+        assert!(m.contains("the task's journal is too large"), "{m}");
+        if i < 3 {
+            assert!(m.contains("limit of 4096 steps"), "{m}");
+        } else {
+            assert!(m.contains("limit of 8388608 bytes"), "{m}");
+        }
+        let seeded = if i < 3 { 100_000 } else { 2_000 };
+        assert_eq!(
+            t.journal.len(),
+            seeded,
+            "the journal is left as it was, nothing appended on top"
+        );
+    }
+    assert!(
+        s.model.requests().is_empty(),
+        "no model call for a task whose journal was not read"
+    );
     s.shutdown().await;
 }

@@ -140,6 +140,11 @@ struct IssuerState {
     /// The secret the token endpoint accepts; anything else gets 401 `invalid_client`.
     accepted_secret: String,
     grants: usize,
+    /// Token requests received, accepted or not.
+    token_requests: usize,
+    /// The host the discovery document names for the token endpoint (with the issuer's port),
+    /// instead of the issuer's own loopback address.
+    token_host: Option<String>,
 }
 
 /// A minimal issuer on 127.0.0.1: discovery, an empty JWKS, and a token endpoint that checks the
@@ -147,11 +152,16 @@ struct IssuerState {
 async fn in_process_issuer(state: Arc<Mutex<IssuerState>>) -> String {
     use axum::routing::{get, post};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let issuer = format!("http://{}", listener.local_addr().unwrap());
+    let addr = listener.local_addr().unwrap();
+    let issuer = format!("http://{addr}");
+    let token_endpoint = match &state.lock().unwrap().token_host {
+        Some(host) => format!("http://{host}:{}/token", addr.port()),
+        None => format!("{issuer}/token"),
+    };
     let discovery = json!({
         "issuer": issuer,
         "authorization_endpoint": format!("{issuer}/authorize"),
-        "token_endpoint": format!("{issuer}/token"),
+        "token_endpoint": token_endpoint,
         "jwks_uri": format!("{issuer}/jwks"),
         "response_types_supported": ["code"],
         "subject_types_supported": ["public"],
@@ -178,6 +188,7 @@ async fn in_process_issuer(state: Arc<Mutex<IssuerState>>) -> String {
                     .map(basic_password);
                 let presented = from_body.or(from_basic).unwrap_or_default();
                 let mut s = state.lock().unwrap();
+                s.token_requests += 1;
                 if presented != s.accepted_secret {
                     return (
                         StatusCode::UNAUTHORIZED,
@@ -327,4 +338,78 @@ async fn an_issuer_answering_server_errors_is_transient_and_says_the_status() {
     assert!(matches!(e, AuthError::IssuerUnreachable { .. }), "{e}");
     assert!(e.to_string().contains("503"), "{e}");
     assert!(!e.is_configuration_error());
+}
+
+/// The client secret goes to the token endpoint the issuer's discovery document names, which
+/// the configuration's channel check never saw: an `http://` endpoint on a host that is not
+/// loopback is refused after discovery, before any token request, with an error that says so;
+/// `ABADA_AGENT_ALLOW_INSECURE_HTTP=true` allows it.
+///
+/// The named host, `token.example`, is resolved to the issuer's own loopback listener by the
+/// test's client, so the issuer sees any request that would have gone out, and no traffic ever
+/// leaves loopback.
+#[tokio::test]
+async fn a_discovered_http_token_endpoint_off_loopback_is_refused_before_any_request() {
+    let state = Arc::new(Mutex::new(IssuerState {
+        accepted_secret: "s3cr3t".to_string(),
+        token_host: Some("token.example".to_string()),
+        ..Default::default()
+    }));
+    let issuer = in_process_issuer(state.clone()).await;
+    let loopback: std::net::SocketAddr = issuer.trim_start_matches("http://").parse().unwrap();
+    let client = || reqwest::Client::builder().resolve("token.example", loopback);
+
+    let settings = OidcSettings::new(
+        &issuer,
+        "worker-client",
+        Arc::new(SecretSource::value("s3cr3t")),
+    );
+    let p = OidcTokenProvider::new(settings.clone(), client()).unwrap();
+    let e = p.token().await.unwrap_err();
+    let token_url = format!("http://token.example:{}/token", loopback.port());
+    assert_eq!(
+        e,
+        AuthError::InsecureTokenEndpoint {
+            issuer_url: issuer.clone(),
+            token_url: token_url.clone(),
+        }
+    );
+    let text = e.to_string();
+    for part in [
+        token_url.as_str(),
+        "would travel there in clear",
+        "nothing was sent to it",
+        "ABADA_AGENT_ALLOW_INSECURE_HTTP=true",
+    ] {
+        assert!(text.contains(part), "{part:?} in {text}");
+    }
+    assert!(!format!("{e} {e:?}").contains("s3cr3t"));
+    assert!(e.is_configuration_error());
+    assert!(matches!(
+        p.status(),
+        AuthStatus::Failing {
+            configuration_error: true,
+            ..
+        }
+    ));
+    // Refused again at the next grant (not cached), and still nothing sent.
+    assert!(matches!(
+        p.token().await,
+        Err(AuthError::InsecureTokenEndpoint { .. })
+    ));
+    assert_eq!(state.lock().unwrap().token_requests, 0, "no token request");
+
+    // Allowed by the operator: the same endpoint gets the grant (the test's resolver sends it
+    // to loopback), which shows a request would have been seen above.
+    let allowed = OidcSettings {
+        allow_insecure_http: true,
+        ..settings
+    };
+    let token = OidcTokenProvider::new(allowed, client())
+        .unwrap()
+        .token()
+        .await
+        .unwrap();
+    assert!(token.expose().starts_with("opaque-token-"));
+    assert_eq!(state.lock().unwrap().token_requests, 1);
 }

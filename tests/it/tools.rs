@@ -301,18 +301,32 @@ async fn oversized_results_are_capped_with_a_note_and_error_results_pass_through
     assert!(size < 4096 + 200, "{size}");
     assert!(result.to_model_text().contains("only the first 4096 bytes"));
 
-    // Larger than the transport cap: never buffered whole. Over SSE (this server's stateful
-    // mode) the transport gives up on the session, the call fails as unavailable, and the next
-    // call opens a new session.
+    // Larger than the transport cap: never buffered whole. This server answers over SSE
+    // (stateful mode), where rmcp reports the oversized event only as a closed stream; the
+    // worker tells it apart (`tools::transport`): the call answers with an error result naming
+    // the cap, as for a JSON answer, and is not retried.
     orders.set_oversized_results(Some(1024 * 1024));
-    match sessions
+    let calls_before = orders.calls().len();
+    let result = sessions
         .call("orders", "echo", args(json!({"a": 1})), None)
         .await
-    {
-        Ok(result) => assert!(result.is_error && result.to_model_text().contains("larger than")),
-        Err(error) => assert!(error.is_transient(), "{error:?}"),
-    }
+        .unwrap();
+    assert!(result.is_error);
+    assert!(
+        result
+            .to_model_text()
+            .contains("the tool result was larger than 524288 bytes and was discarded"),
+        "{}",
+        result.to_model_text()
+    );
+    assert_eq!(orders.calls().len(), calls_before + 1, "sent once");
     orders.set_oversized_results(None);
+    // The session goes on.
+    let result = sessions
+        .call("orders", "echo", args(json!({"a": 2})), None)
+        .await
+        .unwrap();
+    assert!(!result.is_error);
 
     orders.set_error_results(true);
     let result = sessions

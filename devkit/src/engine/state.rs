@@ -491,6 +491,17 @@ impl EngineState {
         true
     }
 
+    /// Replaces the journal of task `id` with `steps`, as if earlier attempts had written them
+    /// (a hostile or corrupt engine's journal, a resume from a long one). False when there is no
+    /// such task.
+    pub fn seed_journal(&mut self, id: &str, steps: Vec<Value>) -> bool {
+        let Some(task) = parse_task_id(id).and_then(|n| self.tasks.get_mut(&n)) else {
+            return false;
+        };
+        task.journal = steps;
+        true
+    }
+
     pub fn task_view(&self, id: &str) -> Option<TaskView> {
         let number = parse_task_id(id)?;
         self.tasks.get(&number).map(view)
