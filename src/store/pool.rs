@@ -242,7 +242,11 @@ impl Pool {
         F: FnOnce(Checkout) -> Fut,
         Fut: Future<Output = (Checkout, Result<T, StoreError>)>,
     {
-        let result = match self.acquire().await {
+        // Boxed: the checkout (deadpool's wait, the connect with TLS and the statements'
+        // preparation) is some 29 KiB of future state, which would otherwise be carried by every
+        // store call and every future that awaits one, up to the agent run. Unboxed, a debug
+        // build ran a task with a tool call on the store path out of its 2 MiB thread stack.
+        let result = match Box::pin(self.acquire()).await {
             Err(e) => Err(e),
             Ok(conn) => {
                 let started = Instant::now();

@@ -1197,111 +1197,6 @@ async fn credential_refusal(client: &dyn Engine, task: &TaskRef) -> Option<Lease
 
 // ---- the crash test -------------------------------------------------------------------------
 
-/// The order id a recorded model request is about: its first user message.
-fn request_order(body: &Value) -> Option<String> {
-    let messages = body.get("messages")?.as_array()?;
-    let first = messages
-        .iter()
-        .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))?;
-    match first.get("content")? {
-        Value::String(s) => Some(s.clone()),
-        Value::Array(blocks) => blocks
-            .iter()
-            .find_map(|b| b.get("text").and_then(Value::as_str))
-            .map(str::to_string),
-        _ => None,
-    }
-}
-
-/// What the engine's call log says about writes from stale attempts.
-#[derive(Debug, Default)]
-struct StaleAudit {
-    /// Executed writes whose attempt or worker was not the task's holder at that point.
-    accepted: Vec<String>,
-    /// `complete` on an already completed task: 200 and nothing done (protocol.md A.2).
-    noop_completes: usize,
-    /// Refusals by (operation, code).
-    refusals: HashMap<String, usize>,
-}
-
-/// Replays the emulator's call log in order. Each executed fetch-and-lock hands its tasks a new
-/// attempt (the emulator increments `attempt` on every acquisition) held by the fetching worker;
-/// an executed complete, failure or bpmn-error ends the holding. Every other executed write
-/// about a task (heartbeat, journal append, tool credential, complete, failure, bpmn-error) must
-/// then carry exactly the holder's worker id and attempt; one that does not is a write accepted
-/// from a stale attempt. Replays (`Replayed`) wrote nothing and are skipped.
-///
-/// The log is ordered by when each request finished, not by when it took the emulator's lock;
-/// two requests finishing within the same microsecond could swap. A swap could only show up
-/// here as a false positive, never hide a stale write.
-fn audit_stale_writes(calls: &[CallRecord]) -> StaleAudit {
-    let mut audit = StaleAudit::default();
-    let mut holder: HashMap<String, (u32, Option<String>)> = HashMap::new();
-    let mut completed: HashSet<String> = HashSet::new();
-    for c in calls {
-        if c.disposition == Disposition::Refused {
-            *audit
-                .refusals
-                .entry(format!(
-                    "{:?} {}",
-                    c.operation,
-                    c.error_code.as_deref().unwrap_or("?")
-                ))
-                .or_default() += 1;
-            continue;
-        }
-        if c.disposition != Disposition::Executed {
-            continue;
-        }
-        if c.operation == Operation::FetchAndLock {
-            for t in &c.task_ids {
-                let h = holder.entry(t.clone()).or_insert((0, None));
-                h.0 += 1;
-                h.1 = c.worker_id.clone();
-            }
-            continue;
-        }
-        let writes = matches!(
-            c.operation,
-            Operation::Heartbeat
-                | Operation::ExtendLock
-                | Operation::Complete
-                | Operation::Failure
-                | Operation::BpmnError
-                | Operation::JournalAppend
-                | Operation::ToolCredentials
-        );
-        let Some(task) = c.task_id.clone().filter(|_| writes) else {
-            continue;
-        };
-        if c.operation == Operation::Complete && completed.contains(&task) {
-            audit.noop_completes += 1;
-            continue;
-        }
-        let (attempt, worker) = holder.get(&task).cloned().unwrap_or((0, None));
-        let current =
-            worker.is_some() && c.worker_id == worker && c.attempt == Some(i64::from(attempt));
-        if !current {
-            audit.accepted.push(format!(
-                "{:?} on {task} by {:?} attempt {:?} while the holder was {worker:?} attempt {attempt}",
-                c.operation, c.worker_id, c.attempt
-            ));
-        }
-        if matches!(
-            c.operation,
-            Operation::Complete | Operation::Failure | Operation::BpmnError
-        ) {
-            if let Some(h) = holder.get_mut(&task) {
-                h.1 = None;
-            }
-            if c.operation == Operation::Complete {
-                completed.insert(task);
-            }
-        }
-    }
-    audit
-}
-
 /// The real binary under chaos: 3 worker processes against the emulator, the scripted model and
 /// the tool server; 240 refund tasks (3 model turns, one keyed write each); one worker after
 /// another is SIGKILLed and restarted while another is SIGSTOPped past its lease and resumed.
@@ -1310,21 +1205,8 @@ fn audit_stale_writes(calls: &[CallRecord]) -> StaleAudit {
 /// attempt. Prints the figures (`--nocapture` shows them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
+    use crate::support::chaos;
     use crate::support::process::{WorkerProcess, stack_env};
-    use rand::{Rng, SeedableRng};
-
-    /// Says how to replay the chaos when the test fails (dropped while the failure unwinds).
-    struct ReplayHint(u64);
-    impl Drop for ReplayHint {
-        fn drop(&mut self) {
-            if std::thread::panicking() {
-                eprintln!(
-                    "crash test failed with chaos seed {0}; replay its schedule with ABADA_CHAOS_SEED={0}",
-                    self.0
-                );
-            }
-        }
-    }
 
     const TASKS: usize = 240;
     const WORKERS: usize = 3;
@@ -1366,50 +1248,31 @@ async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
         workers.push(WorkerProcess::spawn(&env(&name(k))).await);
     }
 
-    let all_ended = |stack: &Stack| {
+    let all_ended = || {
         stack
             .engine
             .tasks()
             .iter()
             .all(|t| matches!(t.status, TaskStatus::Completed | TaskStatus::Failed))
     };
-    // The chaos schedule (who is frozen and killed, and the waits between) comes from one seed:
-    // ABADA_CHAOS_SEED replays a run's schedule (the processes' own timing is not replayed).
-    let seed: u64 = match std::env::var("ABADA_CHAOS_SEED") {
-        Ok(value) => value
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("ABADA_CHAOS_SEED={value:?} is not a whole number")),
-        Err(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(7),
-    };
-    println!("crash test: chaos seed {seed}");
-    let _replay_hint = ReplayHint(seed);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (mut rng, _replay_hint) = chaos::seeded("crash test");
     let started = tokio::time::Instant::now();
-    let (mut kills, mut freezes, mut rounds) = (0u32, 0u32, 0u32);
-    while rounds < MAX_ROUNDS && started.elapsed() < CHAOS_LIMIT && !all_ended(&stack) {
-        rounds += 1;
-        // Freeze one worker past its lease ...
-        let frozen = rng.random_range(0..WORKERS);
-        workers[frozen].signal("STOP");
-        freezes += 1;
-        let frozen_at = tokio::time::Instant::now();
-        tokio::time::sleep(Duration::from_millis(rng.random_range(100..600))).await;
-        // ... and meanwhile kill another one and start it again.
-        let killed = (frozen + rng.random_range(1..WORKERS)) % WORKERS;
-        workers[killed].signal("KILL");
-        workers[killed].wait(Duration::from_secs(10)).await;
-        kills += 1;
-        workers[killed] = WorkerProcess::spawn(&env(&name(killed))).await;
-        let thaw_at = frozen_at + LOCK + Duration::from_millis(rng.random_range(300..900));
-        tokio::time::sleep_until(thaw_at).await;
-        workers[frozen].signal("CONT");
-        tokio::time::sleep(Duration::from_millis(rng.random_range(200..800))).await;
-    }
-    let chaos_took = started.elapsed();
+    let plan = chaos::Plan {
+        lock: LOCK,
+        max_rounds: MAX_ROUNDS,
+        limit: CHAOS_LIMIT,
+    };
+    let respawn = |k: usize| {
+        let env = env(&name(k));
+        async move { WorkerProcess::spawn(&env).await }
+    };
+    let chaos::Chaos {
+        rounds,
+        kills,
+        freezes,
+        took: chaos_took,
+        ..
+    } = chaos::run(&mut workers, respawn, &plan, &mut rng, all_ended).await;
 
     let finished = tokio::time::timeout(
         FINISH_LIMIT,
@@ -1462,32 +1325,15 @@ async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
 
     // Keyed writes: applied exactly once per task.
     let counters = stack.tools.counters().await;
-    let mut keys_per_task: HashMap<String, HashSet<String>> = HashMap::new();
-    let mut refund_calls = 0usize;
-    for c in stack.tools.calls() {
-        if c.tool != "issue_refund" {
-            continue;
-        }
-        refund_calls += 1;
-        if let Some(key) = c.idempotency_key {
-            let task = key.split(':').nth(1).unwrap_or_default().to_string();
-            keys_per_task.entry(task).or_default().insert(key);
-        }
-    }
+    let (keys_per_task, refund_calls) = chaos::refund_keys_per_task(&stack.tools.calls());
     let one_key_each = ids
         .iter()
         .filter(|id| keys_per_task.get(*id).is_some_and(|k| k.len() == 1))
         .count();
 
     // Model calls: re-paid at most once per interruption of the task.
-    let mut model_calls: HashMap<String, u32> = HashMap::new();
-    let mut unattributed = 0;
-    for r in stack.model.requests() {
-        match request_order(&r.body).and_then(|o| order_of.get(&o).cloned()) {
-            Some(id) => *model_calls.entry(id).or_default() += 1,
-            None => unattributed += 1,
-        }
-    }
+    let (model_calls, unattributed) =
+        chaos::model_calls_per_task(&stack.model.requests(), &order_of);
     let mut repaid_total = 0u32;
     let mut repaid_tasks = 0usize;
     let mut over_budget = Vec::new();
@@ -1508,9 +1354,8 @@ async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
 
     // Writes accepted from stale attempts.
     let calls = stack.engine.calls();
-    let audit = audit_stale_writes(&calls);
-    let mut refusals: Vec<(&String, &usize)> = audit.refusals.iter().collect();
-    refusals.sort();
+    let audit = chaos::audit_stale_writes(&calls, true);
+    let refusals = audit.refusals_sorted();
 
     println!(
         "crash test: {TASKS} tasks, {WORKERS} workers x {SLOTS} slots, lease {LOCK:?}; chaos {rounds} rounds in {chaos_took:.1?} ({kills} SIGKILL + restart, {freezes} SIGSTOP past the lease + SIGCONT); all done after {total:.1?}"

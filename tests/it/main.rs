@@ -23,6 +23,7 @@ mod registry;
 mod runner;
 mod secure;
 mod store;
+mod store_chaos;
 mod store_runs;
 mod support;
 mod tools;

@@ -144,7 +144,7 @@ impl TestDb {
     }
 
     /// A client of the test's own, for arranging and checking rows.
-    async fn sql(&self) -> tokio_postgres::Client {
+    pub(crate) async fn sql(&self) -> tokio_postgres::Client {
         connect_plain(&self.url.render()).await
     }
 

@@ -1,26 +1,34 @@
 //! Agent runs on a plain v1 engine (the emulator's 0.11 mode: no `attempt`, no agent/1) kept
 //! durable by the run store, against a real PostgreSQL: a crashed run resumes without paying the
 //! model again, a frozen worker whose run was claimed by another is refused by the store and
-//! goes silent, and a store outage is waited out within the lease.
+//! goes silent, a store outage is waited out within the lease, and a keyed write started by a
+//! worker killed before it journaled the result is re-sent under its original key, read back
+//! from the store's journal.
 //!
-//! The agents here call no tool: a plain engine issues no tool credential (protocol.md Part D),
-//! and credentials from elsewhere are issue 13's tool-server registry. Keyed writes take their
-//! key from the replayed journal whatever its home (`agent::run`), as `durable.rs` tests on
-//! agent/1.
+//! A plain engine issues no tool credential (protocol.md Part D): agents that call tools get
+//! their servers and tokens from issue 13's tool-server registry (`ABADA_AGENT_TOOLS_FILE`).
+//! The chaos test of this mode is `store_chaos.rs`.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+
+use abada_agent_worker::config;
 
 use abada_agent_worker::devkit::engine::{Operation, ProtocolLevel, TaskStatus};
 use abada_agent_worker::devkit::gate::{self, GatedEngine};
 use abada_agent_worker::devkit::model::{Script, Turn};
-use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerHandle, WorkerOptions};
+use abada_agent_worker::devkit::stack::{
+    ORDERS_SERVER, Stack, StackWorkers, WorkerHandle, WorkerOptions,
+};
+use abada_agent_worker::devkit::tools::{StaticTokens, ToolServer, ToolServerOptions};
 use abada_agent_worker::engine::TaskRef;
 use async_trait::async_trait;
 use tokio::sync::watch;
 
 use crate::agent::{spec, wait_all_ended};
 use crate::store::TestDb;
+use crate::support::process::{WorkerProcess, stack_env};
 use crate::support::tcp_proxy::{Mode, TcpProxy};
 use crate::support::wait::eventually;
 
@@ -63,33 +71,74 @@ fn one_turn(latency: Duration) -> Script {
         .with_latency(latency)
 }
 
-/// An agents file for the plain engine (which sends no definition): a refund agent on `model`.
-fn agents_file(model: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("abada-store-runs-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("agents.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[agents.\"abada:agent\"]\nmodel = \"{model}\"\ninstructions = \"You handle refund requests.\"\n\
-             input = \"${{orderId}}\"\nresultVariable = \"refundDecision\"\nmaxTurns = 8\n"
-        ),
-    )
-    .unwrap();
-    path
+/// What a worker on the plain engine reads from files, since the engine sends no definition and
+/// issues no tool credential: an agents file with a refund agent on `model` and, when a tool
+/// server is given, a tools file naming it `orders` with a bearer token file (issue 13's
+/// registry). Written under a directory of their own, left in place (a worker reads the token
+/// file again for every session).
+pub(crate) struct PlainFiles {
+    pub(crate) agents: PathBuf,
+    pub(crate) tools: Option<PathBuf>,
+}
+
+impl PlainFiles {
+    /// `orders`: the tool server's URL and the token it accepts.
+    pub(crate) fn write(model: &str, orders: Option<(&str, &str)>) -> PlainFiles {
+        let dir = std::env::temp_dir().join(format!("abada-store-runs-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let servers = if orders.is_some() {
+            "toolServers = [\"orders\"]\n"
+        } else {
+            ""
+        };
+        let agents = dir.join("agents.toml");
+        std::fs::write(
+            &agents,
+            format!(
+                "[agents.\"abada:agent\"]\nmodel = \"{model}\"\ninstructions = \"You handle refund requests.\"\n\
+                 input = \"${{orderId}}\"\nresultVariable = \"refundDecision\"\nmaxTurns = 8\n{servers}"
+            ),
+        )
+        .unwrap();
+        let tools = orders.map(|(url, token)| {
+            let token_file = dir.join("orders-token");
+            std::fs::write(&token_file, token).unwrap();
+            let tools = dir.join("tools.toml");
+            std::fs::write(
+                &tools,
+                format!(
+                    "[servers.orders]\nurl = \"{url}\"\nauth = \"bearer\"\ntokenFile = \"{}\"\n",
+                    token_file.display()
+                ),
+            )
+            .unwrap();
+            tools
+        });
+        PlainFiles { agents, tools }
+    }
+
+    /// The variables that point a worker at these files.
+    pub(crate) fn env(&self) -> Vec<(String, String)> {
+        let mut env = vec![(
+            config::ENV_AGENTS_FILE.to_string(),
+            self.agents.display().to_string(),
+        )];
+        if let Some(tools) = &self.tools {
+            env.push((
+                config::ENV_TOOLS_FILE.to_string(),
+                tools.display().to_string(),
+            ));
+        }
+        env
+    }
 }
 
 fn opts(id: &str, store_url: &str, model: &str, lock: Duration) -> WorkerOptions {
     let mut o = WorkerOptions::new(id, 2);
     o.lock_duration = lock;
     o.poll_interval = Duration::from_millis(50);
-    o.env = vec![
-        ("ABADA_AGENT_STORE_URL".into(), store_url.into()),
-        (
-            "ABADA_AGENT_AGENTS_FILE".into(),
-            agents_file(model).display().to_string(),
-        ),
-    ];
+    o.env = vec![("ABADA_AGENT_STORE_URL".into(), store_url.into())];
+    o.env.extend(PlainFiles::write(model, None).env());
     o
 }
 
@@ -315,6 +364,178 @@ async fn a_store_outage_within_the_lease_is_waited_out() {
         "the turn was paid once"
     );
     w.stop().await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// The devkit tool server as the registry names it, accepting `token` only.
+pub(crate) async fn orders_server(token: &str) -> ToolServer {
+    ToolServer::start(ToolServerOptions::new(
+        ORDERS_SERVER,
+        Arc::new(StaticTokens::new([token])),
+    ))
+    .await
+    .unwrap()
+}
+
+/// A step of the store's journal as the test reads it: seq, kind, state, key, tool.
+type StoredStep = (i64, String, String, Option<String>, Option<String>);
+
+/// Worker 1 (the real binary) sends its keyed write (`issue_refund`); while the tool server
+/// holds the write, the store goes away, so the result cannot be journaled; the write is applied
+/// and answered, the worker's append of the result fails, and the worker is SIGKILLed. The
+/// store's journal ends in the write's `tool/started` step with its key. Worker 2 claims the run,
+/// reads that key back from the store's journal and sends the write again under it: the tool
+/// server applies it once and answers the re-send from its ledger. No model turn is paid twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_started_keyed_write_is_resent_with_its_original_key_from_the_store() {
+    const TOKEN: &str = "resend-orders-token";
+    const LIMIT: Duration = Duration::from_secs(30);
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let proxy = TcpProxy::start(db.url.addr()).await;
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    let orders = orders_server(TOKEN).await;
+    let files = PlainFiles::write("openai/refund", Some((&orders.url(), TOKEN)));
+    let id = stack
+        .engine
+        .create_task(spec(stack.refund_agent("openai/refund", &[]), "o-resend"));
+    // Every tool call is held 1 s before it is applied and answered: time to take the store
+    // away between the write's start (journaled) and its result.
+    orders.set_latency(Duration::from_secs(1));
+    let lock = Duration::from_secs(10);
+    let mut env = stack_env(&stack, "w-killed");
+    env.extend([
+        (
+            config::ENV_LOCK_DURATION_MS.into(),
+            lock.as_millis().to_string(),
+        ),
+        (
+            config::ENV_STORE_URL.into(),
+            db.url.clone().at(proxy.addr).render(),
+        ),
+    ]);
+    env.extend(files.env());
+    let mut first = WorkerProcess::spawn(&env).await;
+    let reached = tokio::time::timeout(LIMIT, async {
+        while !orders.calls().iter().any(|c| c.tool == "issue_refund") {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(
+        reached.is_ok(),
+        "the keyed write did not reach the tool server within {LIMIT:?}; tool calls {:?}, model calls {}, task {:?}; worker 1 said:\n{}\n{}",
+        orders.calls(),
+        stack.model.total_calls(),
+        stack.engine.task(&id),
+        first.stdout().join("\n"),
+        first.stderr().join("\n")
+    );
+    proxy.set(Mode::Down);
+    eventually(LIMIT, "the write to be applied", async || {
+        orders.counters().await.writes_applied == 1
+    })
+    .await;
+    eventually(
+        LIMIT,
+        "the worker to fail journaling the result",
+        async || {
+            let (_, metrics) = first.admin_get("/metrics").await;
+            metrics.lines().any(|l| {
+                l.starts_with("abada_agent_store_errors_total{operation=\"append\"")
+                    && !l.ends_with(" 0")
+            })
+        },
+    )
+    .await;
+    first.signal("KILL");
+    first.wait(Duration::from_secs(10)).await;
+
+    let sent: Vec<Option<String>> = orders
+        .calls()
+        .into_iter()
+        .filter(|c| c.tool == "issue_refund")
+        .map(|c| c.idempotency_key)
+        .collect();
+    assert_eq!(sent.len(), 1, "sent once by worker 1");
+    let key = sent[0].clone().expect("a keyed write");
+    let steps: Vec<StoredStep> = db
+        .sql()
+        .await
+        .query(
+            "SELECT seq, kind, state, key, body->>'tool' FROM abada_agent_steps
+              WHERE run_key = $1 ORDER BY seq",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+        .collect();
+    let last = steps.last().expect("worker 1 journaled steps").clone();
+    assert_eq!(
+        last,
+        (
+            last.0,
+            "tool".to_string(),
+            "started".to_string(),
+            Some(key.clone()),
+            Some("issue_refund".to_string())
+        ),
+        "the journal ends in the write's start, without its result: {steps:?}"
+    );
+    assert_eq!(
+        key,
+        format!("abada:{id}:{}", last.0),
+        "the store path's key"
+    );
+    assert_eq!(stack.model.calls("refund"), 2, "worker 1 paid two turns");
+
+    // Worker 1 is gone as far as the engine knows: its lease runs out, worker 2 takes the task.
+    orders.set_latency(Duration::ZERO);
+    proxy.set(Mode::Forward);
+    stack.engine.advance(lock + Duration::from_secs(1));
+    let mut opts = WorkerOptions::new("w-second", 2);
+    opts.lock_duration = lock;
+    opts.poll_interval = Duration::from_millis(50);
+    opts.env = vec![(config::ENV_STORE_URL.into(), db.url.render())];
+    opts.env.extend(files.env());
+    let second = stack.spawn_worker(opts, Stack::fast_agent_settings());
+    let views = wait_all_ended(&stack, std::slice::from_ref(&id), LIMIT).await;
+    second.stop().await;
+    let view = &views[0];
+    assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
+    assert_eq!(view.counters.acquisitions, 2);
+    let keys: Vec<Option<String>> = orders
+        .calls()
+        .into_iter()
+        .filter(|c| c.tool == "issue_refund")
+        .map(|c| c.idempotency_key)
+        .collect();
+    assert_eq!(
+        keys,
+        vec![Some(key.clone()); 2],
+        "re-sent under its original key"
+    );
+    let c = orders.counters().await;
+    assert_eq!(
+        (c.writes_applied, c.duplicates, c.unauthorized),
+        (1, 1, 0),
+        "applied once, the re-send answered from the ledger: {c:?}"
+    );
+    let answer = &view.result_variables.as_ref().unwrap()["refundDecision"];
+    assert_eq!(
+        answer["refund"]["refundId"], "rf-1",
+        "the model saw the first application's result: {answer}"
+    );
+    assert_eq!(
+        stack.model.calls("refund"),
+        3,
+        "worker 2 paid only the last turn"
+    );
+    orders.shutdown().await;
     stack.shutdown().await;
     db.drop().await;
 }

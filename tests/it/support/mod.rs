@@ -1,5 +1,6 @@
 //! Shared test helpers.
 
+pub mod chaos;
 pub mod emulator_worker;
 pub mod fake_engine;
 pub mod invariants;
