@@ -47,6 +47,11 @@
 //! curl -s -XDELETE localhost:5601/admin/faults
 //! ```
 //!
+//! Processes: [`EngineEmulator::deploy`] a [`ProcessModel`] (service tasks, user tasks,
+//! exclusive gateways), start it (`POST /api/v1/processes/start?processId=`), and its external
+//! tasks appear, loop back and end as on the real engine; user tasks are served on the engine's
+//! `/api/v1/tasks` paths (module `process_api`, rules in `process`).
+//!
 //! Outage: while on, every `/api` request has its connection closed without an HTTP response
 //! (clients see a connection error, as with an engine pod that is gone); `/admin` still answers.
 //!
@@ -58,6 +63,8 @@
 mod admin;
 mod faults;
 mod http;
+mod process;
+mod process_api;
 mod state;
 mod wire;
 
@@ -71,6 +78,10 @@ use tokio_util::sync::CancellationToken;
 
 pub use axum::http::HeaderMap;
 pub use faults::{BadBody, Fault};
+pub use process::{
+    ConditionalFlow, NodeKind, ProcessInstanceView, ProcessModel, ProcessNode, ProcessStatus,
+    UserTaskStatus, UserTaskView,
+};
 pub use state::{
     AGENT_TOPIC, CallRecord, Disposition, Operation, TaskCounters, TaskSpec, TaskStatus, TaskView,
 };
@@ -335,6 +346,27 @@ impl EngineEmulator {
         let found = self.shared.state().set_retries(id, retries);
         self.shared.changed.notify_waiters();
         found
+    }
+
+    /// Deploys a process model (replacing one with the same id), for [`EngineEmulator::start_process`]
+    /// and `POST /api/v1/processes/start`.
+    pub fn deploy(&self, model: ProcessModel) {
+        self.shared.state().deploy(model);
+    }
+
+    /// Starts an instance of a deployed process; `Err` with the engine's message.
+    pub fn start_process(
+        &self,
+        process_id: &str,
+        variables: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, String> {
+        let result = self.shared.state().start_process(process_id, variables);
+        self.shared.changed.notify_waiters();
+        result
+    }
+
+    pub fn process_instance(&self, id: &str) -> Option<ProcessInstanceView> {
+        self.shared.state().process_instance(id)
     }
 
     /// Waits until `check` returns `Some`, re-checking after every request the emulator
