@@ -2,6 +2,7 @@
 //! run (a conversation with a model that calls MCP tools), durable through the task's journal,
 //! ending in exactly one outcome of protocol.md B.5.
 //!
+//! - `approval`: which tool calls wait for a person's approval, and the decision variables;
 //! - `definition`: agent definitions, the agents file, `${name}` templates;
 //! - `journal`: the journal's step shapes and the replay that resumes a run;
 //! - `run`: the conversation loop of one attempt.
@@ -11,6 +12,7 @@
 //! sessions and their credentials, its journal state and budget. Where a task's journal lives is
 //! decided in one place, [`AgentRuntime::journal_home`].
 
+pub mod approval;
 pub mod definition;
 pub mod journal;
 mod run;

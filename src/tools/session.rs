@@ -188,6 +188,11 @@ impl Session {
                     .as_ref()
                     .and_then(|a| a.read_only_hint)
                     .unwrap_or(false),
+                destructive: tool
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.destructive_hint)
+                    .unwrap_or(false),
             })
             .collect();
         Ok(session)
