@@ -5,7 +5,8 @@
 //! - `approval`: which tool calls wait for a person's approval, and the decision variables;
 //! - `definition`: agent definitions, the agents file, `${name}` templates;
 //! - `journal`: the journal's step shapes and the replay that resumes a run;
-//! - `run`: the conversation loop of one attempt.
+//! - `run`: the conversation loop of one attempt;
+//! - `run_key`: the key of a run that waits for approval across the tasks of one node visit.
 //!
 //! Shared by all tasks: the provider registry (keys cached), the HTTP clients, what the engine is
 //! known to offer ([`EngineCapabilities`]). Private to each task: its conversation, its MCP
@@ -16,6 +17,7 @@ pub mod approval;
 pub mod definition;
 pub mod journal;
 mod run;
+pub mod run_key;
 
 use std::sync::Arc;
 use std::time::Duration;
