@@ -33,6 +33,13 @@ pub const ENV_OIDC_CLIENT_AUTH: &str = "ABADA_AGENT_OIDC_CLIENT_AUTH";
 pub const ENV_PROVIDERS: &str = "ABADA_AGENT_PROVIDERS";
 pub const ENV_AGENTS_FILE: &str = "ABADA_AGENT_AGENTS_FILE";
 pub const ENV_CA_FILE: &str = "ABADA_AGENT_CA_FILE";
+pub const ENV_STORE_URL: &str = "ABADA_AGENT_STORE_URL";
+pub const ENV_STORE_URL_FILE: &str = "ABADA_AGENT_STORE_URL_FILE";
+pub const ENV_STORE_POOL_SIZE: &str = "ABADA_AGENT_STORE_POOL_SIZE";
+pub const ENV_STORE_ACQUIRE_TIMEOUT_MS: &str = "ABADA_AGENT_STORE_ACQUIRE_TIMEOUT_MS";
+pub const ENV_STORE_TRANSACTION_TIMEOUT_MS: &str = "ABADA_AGENT_STORE_TRANSACTION_TIMEOUT_MS";
+pub const ENV_STORE_RETENTION: &str = "ABADA_AGENT_STORE_RETENTION";
+pub const ENV_STORE_ABANDONED_AFTER: &str = "ABADA_AGENT_STORE_ABANDONED_AFTER";
 
 /// Where variables come from.
 pub trait EnvSource {
@@ -96,6 +103,47 @@ pub struct ProviderConfig {
     pub request_timeout: Duration,
 }
 
+/// The run store (`ABADA_AGENT_STORE_*`, issue 12): PostgreSQL for engines that keep no journal.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// The `postgres://` URL. A secret, since it may hold the password: read again for every new
+    /// connection, so a rotated `_FILE` applies to new connections without a restart.
+    pub url: Arc<SecretSource>,
+    /// Connections at most; a caller beyond them waits up to `acquire_timeout`.
+    pub pool_size: usize,
+    /// Bound on waiting for a free pooled connection: backpressure with a limit, never an
+    /// unbounded wait.
+    pub acquire_timeout: Duration,
+    /// Bound on one transaction, on the client and on the server (`statement_timeout`,
+    /// `lock_timeout`, `idle_in_transaction_session_timeout`), so a frozen worker holds no lock
+    /// for longer; also the bound on opening a connection.
+    pub transaction_timeout: Duration,
+    /// How long a finished run is kept; zero deletes it in the finishing transaction.
+    pub retention: Duration,
+    /// A run nobody finished and nobody touched for this long is deleted; `None`: never.
+    pub abandoned_after: Option<Duration>,
+    /// Runs deleted per sweeper transaction: small, so no transaction runs long.
+    pub sweep_batch: usize,
+    /// Extra trust roots (`ABADA_AGENT_CA_FILE`) for `sslmode=verify-ca`/`verify-full`.
+    pub ca_file: Option<PathBuf>,
+}
+
+impl StoreConfig {
+    /// Defaults for everything but the URL.
+    pub fn new(url: Arc<SecretSource>) -> StoreConfig {
+        StoreConfig {
+            url,
+            pool_size: 8,
+            acquire_timeout: Duration::from_millis(5_000),
+            transaction_timeout: Duration::from_millis(5_000),
+            retention: Duration::ZERO,
+            abandoned_after: Some(Duration::from_secs(30 * 86_400)),
+            sweep_batch: 100,
+            ca_file: None,
+        }
+    }
+}
+
 /// The worker's whole configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -114,6 +162,8 @@ pub struct Config {
     pub providers: Vec<ProviderConfig>,
     pub agents_file: Option<PathBuf>,
     pub ca_file: Option<PathBuf>,
+    /// `None` when `ABADA_AGENT_STORE_URL` (or its `_FILE`) is unset.
+    pub store: Option<StoreConfig>,
 }
 
 impl Config {
@@ -205,6 +255,7 @@ impl Config {
         let providers = parse_providers(env)?;
         let agents_file = get(ENV_AGENTS_FILE).map(PathBuf::from);
         let ca_file = get(ENV_CA_FILE).map(PathBuf::from);
+        let store = parse_store(env, ca_file.clone())?;
         Ok(Config {
             engine_url,
             worker_id,
@@ -220,6 +271,7 @@ impl Config {
             providers,
             agents_file,
             ca_file,
+            store,
         })
     }
 }
@@ -374,6 +426,131 @@ fn parse_oidc(env: &dyn EnvSource) -> Result<Option<OidcSettings>, ConfigError> 
         scopes,
         client_auth,
     }))
+}
+
+fn parse_store(
+    env: &dyn EnvSource,
+    ca_file: Option<PathBuf>,
+) -> Result<Option<StoreConfig>, ConfigError> {
+    let get = |key: &str| env.get(key).filter(|v| !v.trim().is_empty());
+    let Some(url) = secret_source(env, ENV_STORE_URL)? else {
+        for var in [
+            ENV_STORE_POOL_SIZE,
+            ENV_STORE_ACQUIRE_TIMEOUT_MS,
+            ENV_STORE_TRANSACTION_TIMEOUT_MS,
+            ENV_STORE_RETENTION,
+            ENV_STORE_ABANDONED_AFTER,
+        ] {
+            if get(var).is_some() {
+                return Err(ConfigError::new(
+                    ENV_STORE_URL,
+                    format!("is required when {var} is set (or set {ENV_STORE_URL_FILE})"),
+                ));
+            }
+        }
+        return Ok(None);
+    };
+    let url_var = match &*url {
+        SecretSource::File { .. } => ENV_STORE_URL_FILE,
+        SecretSource::Value(_) => ENV_STORE_URL,
+    };
+    let raw = url
+        .load()
+        .map_err(|e| ConfigError::new(url_var, e.to_string()))?;
+    // The problem is named, the URL never echoed: it may hold the password.
+    crate::store::StoreUrl::parse(raw.expose())
+        .map_err(|e| ConfigError::new(url_var, e.to_string()))?;
+    let mut store = StoreConfig::new(url);
+    store.pool_size = parse_range(&get, ENV_STORE_POOL_SIZE, 8, 1, 1000)? as usize;
+    store.acquire_timeout = ms(parse_range(
+        &get,
+        ENV_STORE_ACQUIRE_TIMEOUT_MS,
+        5_000,
+        10,
+        600_000,
+    )?);
+    store.transaction_timeout = ms(parse_range(
+        &get,
+        ENV_STORE_TRANSACTION_TIMEOUT_MS,
+        5_000,
+        100,
+        600_000,
+    )?);
+    if let Some(raw) = get(ENV_STORE_RETENTION) {
+        store.retention = parse_duration(ENV_STORE_RETENTION, &raw, Duration::ZERO)?;
+    }
+    if let Some(raw) = get(ENV_STORE_ABANDONED_AFTER) {
+        store.abandoned_after = match raw.trim() {
+            "never" => None,
+            v => Some(parse_duration(
+                ENV_STORE_ABANDONED_AFTER,
+                v,
+                Duration::from_secs(3_600),
+            )?),
+        };
+    }
+    store.ca_file = ca_file;
+    Ok(Some(store))
+}
+
+/// The longest duration any `ABADA_AGENT_STORE_*` duration takes: ten years.
+const MAX_DURATION: Duration = Duration::from_secs(3_650 * 86_400);
+
+/// A duration for a variable whose name has no unit: the value carries one (`ms`, `s`, `m`,
+/// `h`, `d`), so `3600` can never be misread as seconds when it means milliseconds. `0` needs
+/// none.
+fn parse_duration(var: &str, raw: &str, min: Duration) -> Result<Duration, ConfigError> {
+    let raw = raw.trim();
+    let allowed = || {
+        format!(
+            "a whole number with a unit (ms, s, m, h, d), e.g. 30s, 15m, 24h, 7d{}; at least {} and at most 3650d",
+            if min.is_zero() { ", or 0" } else { "" },
+            human(min),
+        )
+    };
+    let duration = if raw == "0" {
+        Duration::ZERO
+    } else {
+        let split = raw.find(|c: char| !c.is_ascii_digit()).ok_or_else(|| {
+            ConfigError::new(var, format!("{raw:?} has no unit: give {}", allowed()))
+        })?;
+        let (number, unit) = raw.split_at(split);
+        let n: u64 = number
+            .parse()
+            .map_err(|_| ConfigError::new(var, format!("{raw:?} is not {}", allowed())))?;
+        let unit_ms: u64 = match unit {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            "d" => 86_400_000,
+            _ => {
+                return Err(ConfigError::new(
+                    var,
+                    format!("{raw:?} has an unknown unit: give {}", allowed()),
+                ));
+            }
+        };
+        Duration::from_millis(n.saturating_mul(unit_ms))
+    };
+    if duration < min || duration > MAX_DURATION {
+        return Err(ConfigError::new(
+            var,
+            format!("{raw} is out of range: give {}", allowed()),
+        ));
+    }
+    Ok(duration)
+}
+
+fn human(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0 => "0".into(),
+        s if s % 86_400 == 0 => format!("{}d", s / 86_400),
+        s if s % 3_600 == 0 => format!("{}h", s / 3_600),
+        s if s % 60 == 0 => format!("{}m", s / 60),
+        s => format!("{s}s"),
+    }
 }
 
 fn parse_providers(env: &dyn EnvSource) -> Result<Vec<ProviderConfig>, ConfigError> {
@@ -545,6 +722,7 @@ mod tests {
         let printed = format!("{c:?}");
         assert!(!printed.contains("sk-marker-1"));
         assert!(!printed.contains("oidc-marker-2"));
+        assert!(c.store.is_none());
 
         let e = err(&[(ENV_PROVIDERS, "mystery")]);
         assert_eq!(e.var, "ABADA_AGENT_PROVIDER_MYSTERY_KIND");
@@ -564,5 +742,126 @@ mod tests {
             (ENV_PROVIDERS, "openai"),
         ]);
         assert_eq!(e.var, "ABADA_AGENT_PROVIDER_OPENAI_API_KEY_FILE");
+    }
+
+    #[test]
+    fn the_store_url_and_its_settings() {
+        let url = "postgres://abada:store-marker-9@db:5432/runs?sslmode=verify-full";
+        let c = Config::from_env(&env(&[
+            (ENV_ENGINE_URL, "http://e/api"),
+            (ENV_STORE_URL, url),
+            (ENV_CA_FILE, "/etc/ca.pem"),
+        ]))
+        .unwrap();
+        let store = c.store.as_ref().unwrap();
+        assert_eq!(store.url.load().unwrap().expose(), url);
+        assert_eq!(store.pool_size, 8);
+        assert_eq!(store.acquire_timeout, Duration::from_millis(5_000));
+        assert_eq!(store.transaction_timeout, Duration::from_millis(5_000));
+        assert_eq!(store.retention, Duration::ZERO);
+        assert_eq!(
+            store.abandoned_after,
+            Some(Duration::from_secs(30 * 86_400))
+        );
+        assert_eq!(
+            store.ca_file.as_deref(),
+            Some(std::path::Path::new("/etc/ca.pem"))
+        );
+        assert!(!format!("{c:?}").contains("store-marker-9"));
+
+        let c = Config::from_env(&env(&[
+            (ENV_ENGINE_URL, "http://e/api"),
+            (ENV_STORE_URL, url),
+            (ENV_STORE_POOL_SIZE, "3"),
+            (ENV_STORE_ACQUIRE_TIMEOUT_MS, "250"),
+            (ENV_STORE_TRANSACTION_TIMEOUT_MS, "900"),
+            (ENV_STORE_RETENTION, "15m"),
+            (ENV_STORE_ABANDONED_AFTER, "never"),
+        ]))
+        .unwrap();
+        let store = c.store.unwrap();
+        assert_eq!(store.pool_size, 3);
+        assert_eq!(store.acquire_timeout, Duration::from_millis(250));
+        assert_eq!(store.transaction_timeout, Duration::from_millis(900));
+        assert_eq!(store.retention, Duration::from_secs(900));
+        assert_eq!(store.abandoned_after, None);
+    }
+
+    #[test]
+    fn store_errors_name_the_variable_and_never_the_password() {
+        let url = "postgres://abada:store-marker-9@db/runs";
+        let store_err = |extra: &[(&str, &str)]| {
+            let mut pairs = vec![(ENV_STORE_URL, url)];
+            pairs.extend_from_slice(extra);
+            err(&pairs)
+        };
+        let e = err(&[(ENV_STORE_URL, "mysql://abada:store-marker-9@db/runs")]);
+        assert_eq!(e.var, ENV_STORE_URL);
+        assert!(e.problem.contains("postgres://"), "{e}");
+        let e = err(&[(
+            ENV_STORE_URL,
+            "postgres://abada:store-marker-9@db/runs?sslmode=verify_full",
+        )]);
+        assert_eq!(e.var, ENV_STORE_URL);
+        assert!(e.problem.contains("verify-full"), "{e}");
+        let e = err(&[(ENV_STORE_URL, url), (ENV_STORE_URL_FILE, "/run/url")]);
+        assert!(e.problem.contains("set only one"), "{e}");
+        let e = err(&[(ENV_STORE_URL_FILE, "/nonexistent/store-url")]);
+        assert_eq!(e.var, ENV_STORE_URL_FILE);
+        let e = err(&[(ENV_STORE_POOL_SIZE, "4")]);
+        assert_eq!(
+            e.to_string(),
+            "ABADA_AGENT_STORE_URL: is required when ABADA_AGENT_STORE_POOL_SIZE is set (or set ABADA_AGENT_STORE_URL_FILE)"
+        );
+        let e = store_err(&[(ENV_STORE_POOL_SIZE, "0")]);
+        assert_eq!(
+            e.to_string(),
+            "ABADA_AGENT_STORE_POOL_SIZE: 0 is out of range: allowed 1..=1000"
+        );
+        let e = store_err(&[(ENV_STORE_RETENTION, "3600")]);
+        assert_eq!(e.var, ENV_STORE_RETENTION);
+        assert!(e.problem.contains("has no unit"), "{e}");
+        let e = store_err(&[(ENV_STORE_RETENTION, "2w")]);
+        assert!(e.problem.contains("unknown unit"), "{e}");
+        let e = store_err(&[(ENV_STORE_RETENTION, "3651d")]);
+        assert!(e.problem.contains("out of range"), "{e}");
+        let e = store_err(&[(ENV_STORE_ABANDONED_AFTER, "30m")]);
+        assert_eq!(e.var, ENV_STORE_ABANDONED_AFTER);
+        assert!(e.problem.contains("at least 1h"), "{e}");
+        let e = store_err(&[(ENV_STORE_ABANDONED_AFTER, "0")]);
+        assert!(e.problem.contains("out of range"), "{e}");
+        for e in [
+            store_err(&[(ENV_STORE_RETENTION, "x")]),
+            err(&[(
+                ENV_STORE_URL,
+                "postgres://abada:store-marker-9@db/runs?sslrootcert=/x",
+            )]),
+        ] {
+            assert!(!e.to_string().contains("store-marker"), "{e}");
+        }
+    }
+
+    #[test]
+    fn durations_carry_their_unit() {
+        let d = |raw: &str| parse_duration("V", raw, Duration::ZERO);
+        assert_eq!(d("0").unwrap(), Duration::ZERO);
+        assert_eq!(d("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(d("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(d("15m").unwrap(), Duration::from_secs(900));
+        assert_eq!(d("24h").unwrap(), Duration::from_secs(86_400));
+        assert_eq!(d("7d").unwrap(), Duration::from_secs(7 * 86_400));
+        assert_eq!(d(" 2h ").unwrap(), Duration::from_secs(7_200));
+        for bad in [
+            "",
+            "s",
+            "1.5h",
+            "-1s",
+            "1 h",
+            "1H",
+            "12",
+            "99999999999999999999d",
+        ] {
+            assert!(d(bad).is_err(), "{bad:?}");
+        }
     }
 }

@@ -24,6 +24,7 @@ pub mod metrics;
 pub mod provider;
 pub mod runner;
 pub mod secret;
+pub mod store;
 pub mod telemetry;
 pub mod tls;
 pub mod tools;

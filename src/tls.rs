@@ -77,6 +77,35 @@ pub fn load_ca_bundle(path: &Path) -> Result<Vec<reqwest::Certificate>, TlsError
     Ok(certs)
 }
 
+/// The same bundle, checked the same way, as DER certificates for a rustls root store (the run
+/// store's TLS, which is not reqwest).
+pub fn load_ca_certificates(
+    path: &Path,
+) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, TlsError> {
+    use rustls::pki_types::pem::PemObject;
+    let count = load_ca_bundle(path)?.len();
+    let pem = std::fs::read(path).map_err(|source| TlsError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let certs = rustls::pki_types::CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::NotPem {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    if certs.len() != count {
+        return Err(TlsError::NotPem {
+            path: path.to_path_buf(),
+            reason: format!(
+                "{} certificates read, {count} expected: the file changed while it was read",
+                certs.len()
+            ),
+        });
+    }
+    Ok(certs)
+}
+
 fn trust_only(
     certs: impl IntoIterator<Item = reqwest::Certificate>,
 ) -> Result<reqwest::Client, reqwest::Error> {

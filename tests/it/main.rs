@@ -14,5 +14,6 @@ mod operations;
 mod provider;
 mod runner;
 mod secure;
+mod store;
 mod support;
 mod tools;

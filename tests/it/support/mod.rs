@@ -6,4 +6,5 @@ pub mod invariants;
 pub mod net;
 pub mod peers;
 pub mod process;
+pub mod tcp_proxy;
 pub mod wait;

@@ -1,0 +1,332 @@
+//! The run store: durable agent runs in PostgreSQL, for engines that keep no journal
+//! (protocol.md Part D; design.md "The run store"; the seed's short transactions, optimistic
+//! claims and bounded pools).
+//!
+//! A run row per run holds the attempt number, the fencing token: every [`RunStore::claim`]
+//! increments it in one short transaction. Every [`RunStore::append`] is a compare-and-set on
+//! the run row (attempt and version, exactly one row or none) plus the step insert, in one
+//! statement; none means another attempt owns the run ([`StoreError::Fenced`]), and the caller
+//! goes silent as after `STALE_ATTEMPT`. A one-turn task costs three transactions: the claim
+//! (which writes the input step), the model step's append, and [`RunStore::finish`].
+//!
+//! No transaction or connection outlives a call: there is no public handle to either. The pool
+//! is bounded (`ABADA_AGENT_STORE_POOL_SIZE`), and waiting for it is bounded too
+//! (`ABADA_AGENT_STORE_ACQUIRE_TIMEOUT_MS`), as is every transaction.
+//!
+//! Submodules: `url` (the URL, `sslmode`, the redacted form), `tls` (rustls per `sslmode`),
+//! `pool` (connections and the transaction wrapper), `migrate` (the schema), `runs` (the SQL of
+//! claims, appends, finishes and sweeps), `error` (classes), `outage` (one log line per
+//! outage).
+
+mod error;
+mod migrate;
+mod outage;
+mod pool;
+mod runs;
+mod tls;
+mod url;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+pub use error::{ErrorClass, FenceReason, StoreError};
+pub use runs::{
+    Claim, Fence, MAX_BODY_DEPTH, MAX_JOURNAL_BYTES, MAX_RUN_KEY_BYTES, RunEnd, RunKey,
+};
+pub use url::{SslMode, StoreUrl, UrlError};
+
+use crate::config::StoreConfig;
+use crate::engine::{AppendOutcome, JournalStep};
+use crate::metrics::Metrics;
+use pool::{Connector, Operation, Pool};
+use runs::Sweep;
+
+/// What the store's server told the worker at start-up (logged once).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerInfo {
+    /// `server_version`, e.g. `15.18 (Debian 15.18-0+deb12u1)`.
+    pub version: String,
+    /// The TLS protocol of the start-up connection (`TLSv1.3`), `None` for plain TCP.
+    pub tls: Option<String>,
+}
+
+/// What one sweep deleted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Finished runs past `ABADA_AGENT_STORE_RETENTION`.
+    pub finished: u64,
+    /// Unfinished runs idle past `ABADA_AGENT_STORE_ABANDONED_AFTER`.
+    pub abandoned: u64,
+    /// Transactions used (one per batch).
+    pub batches: u32,
+}
+
+/// The run store: cheap to clone (one pool behind an `Arc`).
+#[derive(Clone)]
+pub struct RunStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    metrics: Arc<Metrics>,
+    retention: Duration,
+    abandoned_after: Option<Duration>,
+    sweep_batch: usize,
+    server: ServerInfo,
+    migrations_applied: Vec<&'static str>,
+}
+
+impl std::fmt::Debug for RunStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunStore")
+            .field("store", &self.inner.pool.store())
+            .field("server", &self.inner.server)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RunStore {
+    /// Connects, applies the migrations this worker carries under the advisory lock, and checks
+    /// that the store's statements prepare. An unreachable store is [`ErrorClass::Transient`] (try again
+    /// later); a refusal (password, database, TLS) is [`ErrorClass::Misconfigured`].
+    pub async fn connect(
+        config: &StoreConfig,
+        metrics: Arc<Metrics>,
+    ) -> Result<RunStore, StoreError> {
+        let connector = Connector::new(config)?;
+        let pool = Pool::new(connector, config, metrics.clone());
+        // The migrations run on a connection of their own: they wait for other replicas' lock
+        // and may take longer than a transaction of the store.
+        let mut client = pool.open_unpooled().await?;
+        let store = pool.store();
+        let migrating = migrate::apply(&mut client, &store);
+        let migrations_applied = tokio::time::timeout(
+            migrate::MIGRATION_TIMEOUT + Duration::from_secs(5),
+            migrating,
+        )
+        .await
+        .map_err(|_| StoreError::Unavailable {
+            store: store.to_string(),
+            reason: format!(
+                "the migrations did not finish within {} s",
+                migrate::MIGRATION_TIMEOUT.as_secs()
+            ),
+        })??;
+        let row = client
+            .query_one(
+                "SELECT current_setting('server_version'),
+                        (SELECT version FROM pg_stat_ssl WHERE pid = pg_backend_pid() AND ssl)",
+                &[],
+            )
+            .await
+            .map_err(|e| error::classify(&store, &e))?;
+        let server = ServerInfo {
+            version: row.get(0),
+            tls: row.get(1),
+        };
+        // Proves that the store's statements prepare against the migrated schema; the pool
+        // opens its own connections when they are first needed.
+        runs::Statements::prepare(&client)
+            .await
+            .map_err(|e| error::classify(&store, &e))?;
+        drop(client);
+        tracing::info!(
+            store = %store,
+            server_version = %server.version,
+            tls = server.tls.as_deref().unwrap_or("off"),
+            pool_size = config.pool_size,
+            migrations_applied = migrations_applied.len(),
+            "run store ready"
+        );
+        Ok(RunStore {
+            inner: Arc::new(Inner {
+                pool,
+                metrics,
+                retention: config.retention,
+                abandoned_after: config.abandoned_after,
+                sweep_batch: config.sweep_batch.max(1),
+                server,
+                migrations_applied,
+            }),
+        })
+    }
+
+    /// The store's URL as it may be printed: hosts, ports, database and `sslmode` only.
+    pub fn redacted_url(&self) -> Arc<str> {
+        self.inner.pool.store()
+    }
+
+    pub fn server(&self) -> &ServerInfo {
+        &self.inner.server
+    }
+
+    /// The migrations this instance applied at start-up (none when another replica had).
+    pub fn migrations_applied(&self) -> &[&'static str] {
+        &self.inner.migrations_applied
+    }
+
+    /// Claims the run for a new attempt, in one transaction: creates it (attempt 1) or
+    /// increments its attempt, records `worker_id` as its owner, and returns the journal so far.
+    /// When the run has no step yet and `first_step` is given (the input step, `seq` 1), that
+    /// step is written in the same transaction. A finished run is reopened with its journal.
+    pub async fn claim(
+        &self,
+        run_key: &RunKey,
+        worker_id: &str,
+        first_step: Option<&JournalStep>,
+    ) -> Result<Claim, StoreError> {
+        let first = match first_step {
+            None => None,
+            Some(step) if step.seq != 1 => {
+                return Err(self.refused(
+                    Operation::Claim,
+                    StoreError::Invalid(format!(
+                        "run {run_key}: the first step must have seq 1, not {}",
+                        step.seq
+                    )),
+                ));
+            }
+            Some(step) => match runs::check_step(run_key, 0, step) {
+                Ok(body) => Some((step, body)),
+                Err(e) => return Err(self.refused(Operation::Claim, e)),
+            },
+        };
+        let store = self.inner.pool.store();
+        self.inner
+            .pool
+            .transaction(Operation::Claim, |mut conn| async move {
+                let result = runs::claim(conn.conn(), &store, run_key, worker_id, first).await;
+                (conn, result)
+            })
+            .await
+    }
+
+    /// Appends one step, fenced: one statement that compare-and-sets the run row on this
+    /// fence's attempt and version and inserts the step. On success the fence advances.
+    ///
+    /// - [`AppendOutcome::AlreadyPresent`]: the step was written by this very append before, and
+    ///   the acknowledgement was lost (a retry after a transient error); the fence advances.
+    /// - [`StoreError::Fenced`]: another attempt owns the run (or this fence is a stale copy):
+    ///   stop and report nothing.
+    /// - [`StoreError::Conflict`]: that `seq` holds a different step, or leaves a gap.
+    /// - [`ErrorClass::Transient`]: unknown whether it was written; retry with the same fence
+    ///   and step within the lease. The same holds when the call was cancelled midway: the
+    ///   fence has not moved, and the retry finds the step if it was written.
+    pub async fn append(
+        &self,
+        fence: &mut Fence,
+        step: &JournalStep,
+    ) -> Result<AppendOutcome, StoreError> {
+        let body = match runs::check_step(fence.run_key(), fence.journal_bytes(), step) {
+            Ok(body) => body,
+            Err(e) => return Err(self.refused(Operation::Append, e)),
+        };
+        let store = self.inner.pool.store();
+        self.inner
+            .pool
+            .transaction(Operation::Append, |mut conn| async move {
+                let result = runs::append(conn.conn(), &store, fence, step, &body).await;
+                (conn, result)
+            })
+            .await
+    }
+
+    /// Records that the run ended, after the engine accepted the outcome. With a retention of
+    /// zero the run and its steps are deleted in this transaction; otherwise it is marked and
+    /// the sweeper deletes it later. Idempotent for the fence's attempt; [`StoreError::Fenced`]
+    /// when a newer attempt owns the run.
+    pub async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError> {
+        let store = self.inner.pool.store();
+        let delete = self.inner.retention.is_zero();
+        self.inner
+            .pool
+            .transaction(Operation::Finish, |mut conn| async move {
+                let result = runs::finish(conn.conn(), &store, fence, end, delete).await;
+                (conn, result)
+            })
+            .await
+    }
+
+    /// One pass of the sweeper: deletes finished runs past the retention and unfinished runs
+    /// idle past the abandonment limit, each in batches of at most `sweep_batch` runs, one short
+    /// transaction per batch (no connection held between batches).
+    pub async fn sweep(&self) -> Result<SweepReport, StoreError> {
+        let mut report = SweepReport::default();
+        let mut sweeps = vec![Sweep::Finished(self.inner.retention)];
+        sweeps.extend(self.inner.abandoned_after.map(Sweep::Abandoned));
+        let batch = self.inner.sweep_batch;
+        for sweep in sweeps {
+            loop {
+                let store = self.inner.pool.store();
+                let deleted = self
+                    .inner
+                    .pool
+                    .transaction(Operation::Sweep, |mut conn| async move {
+                        let result = runs::sweep_batch(conn.conn(), &store, sweep, batch).await;
+                        (conn, result)
+                    })
+                    .await?;
+                report.batches += 1;
+                self.inner
+                    .metrics
+                    .count_store_runs_deleted(sweep.reason(), deleted);
+                match sweep {
+                    Sweep::Finished(_) => report.finished += deleted,
+                    Sweep::Abandoned(_) => report.abandoned += deleted,
+                }
+                if deleted < batch as u64 {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Runs [`RunStore::sweep`] every [`RunStore::sweep_interval`] (stretched by up to 10 %,
+    /// so replicas spread out) until `stop` is cancelled. A failed pass is retried at the next
+    /// tick; the outage log has said what failed.
+    pub fn spawn_sweeper(&self, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let wait = crate::backoff::stretched(store.sweep_interval(), 0.1);
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                match store.sweep().await {
+                    Ok(r) if r.finished + r.abandoned > 0 => tracing::info!(
+                        finished = r.finished,
+                        abandoned = r.abandoned,
+                        batches = r.batches,
+                        "the run-store sweeper deleted runs"
+                    ),
+                    Ok(_) => {}
+                    Err(e) => tracing::debug!(error = %e, "a run-store sweep failed"),
+                }
+            }
+        })
+    }
+
+    /// Half the retention, between 1 s and 60 s; 60 s with a retention of zero (finishing deletes
+    /// then, and the sweeper is left with abandoned runs).
+    pub fn sweep_interval(&self) -> Duration {
+        let retention = self.inner.retention;
+        if retention.is_zero() {
+            return Duration::from_secs(60);
+        }
+        (retention / 2).clamp(Duration::from_secs(1), Duration::from_secs(60))
+    }
+
+    /// Counts an error found before any connection was used.
+    fn refused(&self, operation: Operation, error: StoreError) -> StoreError {
+        self.inner
+            .metrics
+            .count_store_error(operation.label(), error.class().label());
+        error
+    }
+}

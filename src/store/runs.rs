@@ -1,0 +1,767 @@
+//! Runs and steps in SQL: the claim (one transaction that makes the attempt the fencing
+//! token), the append (one statement: a compare-and-set on the run row plus the step insert),
+//! the diagnosis of an append that changed nothing, the finish and the sweeper's batches.
+//!
+//! Every statement is prepared once per connection ([`Statements`]), so a call is one round
+//! trip. Steps go in and come out as [`JournalStep`], the shapes of protocol.md B.2, so replay
+//! is the same code for the engine's journal and the store's.
+
+use serde_json::Value;
+use tokio_postgres::{Client, Row, Statement};
+
+use super::error::{FenceReason, StoreError, classify};
+use super::pool::PgConn;
+use crate::engine::{AppendOutcome, JournalStep};
+
+/// The most a run's journal may hold, counted as the bytes of its step bodies: the same bound
+/// as the engine client's response bodies, so a journal read is bounded by construction.
+pub const MAX_JOURNAL_BYTES: u64 = 32 * 1024 * 1024;
+
+/// The longest run key: far below PostgreSQL's index entry limit.
+pub const MAX_RUN_KEY_BYTES: usize = 512;
+
+/// The deepest nesting of arrays and objects a step body may have: below serde_json's limit of
+/// 128, so every body stored can be read back (a step nobody can read would strand its run).
+pub const MAX_BODY_DEPTH: usize = 100;
+
+/// Which run: an opaque key. Today the engine's task id ([`RunKey::for_task`]); a conversation
+/// that spans several engine tasks (issue 14) keys itself by process instance, activity and
+/// loop counter instead, with no change to the schema.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RunKey(String);
+
+impl RunKey {
+    /// A key the store can hold: 1 to 512 bytes, no control character.
+    pub fn new(key: impl Into<String>) -> Result<RunKey, StoreError> {
+        let key = key.into();
+        if key.is_empty() || key.len() > MAX_RUN_KEY_BYTES || key.chars().any(char::is_control) {
+            return Err(StoreError::Invalid(format!(
+                "a run key must be 1 to {MAX_RUN_KEY_BYTES} bytes without control characters; got {} bytes",
+                key.len()
+            )));
+        }
+        Ok(RunKey(key))
+    }
+
+    /// The run of one engine task.
+    pub fn for_task(task_id: &str) -> Result<RunKey, StoreError> {
+        RunKey::new(task_id)
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for RunKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// An attempt's hold on a run: what every append proves to the store. Made only by a claim and
+/// advanced only by the store's answers; a stale copy (a clone kept across a newer append, or
+/// the fence of an attempt a newer claim replaced) is refused by the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fence {
+    run_key: RunKey,
+    attempt: u32,
+    version: i64,
+    next_seq: u64,
+    journal_bytes: u64,
+}
+
+impl Fence {
+    pub fn run_key(&self) -> &RunKey {
+        &self.run_key
+    }
+
+    /// The fencing token: this claim's attempt number (1 on first sight of the run).
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The run's version as this attempt last saw it change.
+    pub fn version(&self) -> i64 {
+        self.version
+    }
+
+    /// The `seq` the next step must have.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// Bytes of step bodies in the journal so far (at most [`MAX_JOURNAL_BYTES`]).
+    pub fn journal_bytes(&self) -> u64 {
+        self.journal_bytes
+    }
+
+    fn advance(&mut self, body: &StepBody) {
+        self.version += 1;
+        self.next_seq += 1;
+        self.journal_bytes += body.len();
+    }
+
+    fn fenced(&self, reason: FenceReason) -> StoreError {
+        StoreError::Fenced {
+            run_key: self.run_key.0.clone(),
+            attempt: self.attempt,
+            reason,
+        }
+    }
+}
+
+/// What a claim returns: the fence for this attempt and the journal so far.
+#[derive(Clone, Debug)]
+pub struct Claim {
+    pub fence: Fence,
+    /// Every step of the run in `seq` order, the first step included when this claim wrote it.
+    pub steps: Vec<JournalStep>,
+    /// This claim created the run (attempt 1).
+    pub created: bool,
+}
+
+/// How a run ended, once the engine accepted the outcome.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunEnd {
+    /// The task was completed.
+    Completed,
+    /// The task ended for good otherwise (a BPMN error that failed the process).
+    Failed,
+}
+
+impl RunEnd {
+    fn status(self) -> &'static str {
+        match self {
+            RunEnd::Completed => "completed",
+            RunEnd::Failed => "failed",
+        }
+    }
+}
+
+/// A step's body as stored: its data as JSON text, with NUL characters (which `jsonb` cannot
+/// hold) replaced by U+FFFD. The same conversion is applied before any comparison, so a retried
+/// append of such a step still recognises itself.
+#[derive(Clone, Debug)]
+pub(super) struct StepBody {
+    text: String,
+}
+
+impl StepBody {
+    pub(super) fn of(step: &JournalStep) -> Result<StepBody, StoreError> {
+        if depth(&step.data) > MAX_BODY_DEPTH {
+            return Err(StoreError::Invalid(format!(
+                "step {} nests arrays and objects deeper than {MAX_BODY_DEPTH} levels",
+                step.seq
+            )));
+        }
+        let text = serde_json::to_string(&step.data)
+            .map_err(|e| StoreError::Invalid(format!("step {} is not JSON: {e}", step.seq)))?;
+        if !text.contains("\\u0000") {
+            return Ok(StepBody { text });
+        }
+        let mut clean = step.data.clone();
+        replace_nul(&mut clean);
+        let text = serde_json::to_string(&clean)
+            .map_err(|e| StoreError::Invalid(format!("step {} is not JSON: {e}", step.seq)))?;
+        Ok(StepBody { text })
+    }
+
+    pub(super) fn len(&self) -> u64 {
+        self.text.len() as u64
+    }
+
+    /// The body as a value again. Cannot fail: the text is serde_json's own output, nested no
+    /// deeper than [`MAX_BODY_DEPTH`].
+    fn value(&self) -> Value {
+        serde_json::from_str(&self.text).expect("a body is serde_json output of bounded depth")
+    }
+}
+
+/// Nesting depth of arrays and objects (a scalar is 0).
+fn depth(value: &Value) -> usize {
+    match value {
+        Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
+        Value::Object(map) => 1 + map.values().map(depth).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+fn replace_nul(value: &mut Value) {
+    const NUL: char = '\0';
+    match value {
+        Value::String(s) if s.contains(NUL) => *s = s.replace(NUL, "\u{FFFD}"),
+        Value::Array(items) => items.iter_mut().for_each(replace_nul),
+        Value::Object(map) => {
+            if map.keys().any(|k| k.contains(NUL)) {
+                let entries: Vec<(String, Value)> = std::mem::take(map).into_iter().collect();
+                for (k, v) in entries {
+                    map.insert(k.replace(NUL, "\u{FFFD}"), v);
+                }
+            }
+            map.values_mut().for_each(replace_nul);
+        }
+        _ => {}
+    }
+}
+
+/// Checks what the store cannot hold before any connection is used: the step's `seq`, NUL
+/// characters in its texts, and the journal's bound given the `journal_bytes` it holds already.
+pub(super) fn check_step(
+    run_key: &RunKey,
+    journal_bytes: u64,
+    step: &JournalStep,
+) -> Result<StepBody, StoreError> {
+    if step.seq == 0 || step.seq > i64::MAX as u64 {
+        return Err(StoreError::Invalid(format!(
+            "run {run_key}: step seq {} is out of range (1 and up)",
+            step.seq
+        )));
+    }
+    let texts = [Some(&step.kind), Some(&step.state), step.key.as_ref()];
+    if texts.into_iter().flatten().any(|t| t.contains('\0')) {
+        return Err(StoreError::Invalid(format!(
+            "run {run_key}: step {} has a NUL character in its kind, state or key",
+            step.seq
+        )));
+    }
+    let body = StepBody::of(step)?;
+    if journal_bytes.saturating_add(body.len()) > MAX_JOURNAL_BYTES {
+        return Err(StoreError::Invalid(format!(
+            "run {run_key}: step {} ({} bytes) would take the journal past {MAX_JOURNAL_BYTES} bytes",
+            step.seq,
+            body.len()
+        )));
+    }
+    Ok(body)
+}
+
+const UPSERT_RUN: &str = "
+    INSERT INTO abada_agent_runs AS r (run_key, attempt, owner, version, next_seq, journal_bytes, status)
+    VALUES ($1::text, 1, $2::text, 1, 1, 0, 'running')
+    ON CONFLICT (run_key) DO UPDATE
+       SET attempt = r.attempt + 1, owner = EXCLUDED.owner, version = r.version + 1,
+           status = 'running', finished_at = NULL, updated_at = now()
+    RETURNING attempt, version, next_seq, journal_bytes";
+
+const READ_STEPS: &str = "
+    SELECT seq, kind, state, key, body::text
+      FROM abada_agent_steps WHERE run_key = $1::text ORDER BY seq";
+
+/// The compare-and-set and the insert in one statement (one implicit transaction): the insert
+/// happens exactly when the run row matched (attempt, version, next seq, running).
+const APPEND: &str = "
+    WITH cas AS (
+        UPDATE abada_agent_runs
+           SET version = version + 1, next_seq = next_seq + 1,
+               journal_bytes = journal_bytes + $5::bigint, updated_at = now()
+         WHERE run_key = $1::text AND attempt = $2::bigint AND version = $3::bigint
+           AND next_seq = $4::bigint AND status = 'running'
+        RETURNING run_key, version
+    )
+    INSERT INTO abada_agent_steps (run_key, seq, attempt, run_version, kind, state, key, body)
+    SELECT run_key, $4::bigint, $2::bigint, version, $6::text, $7::text, $8::text, $9::text::jsonb
+      FROM cas";
+
+const DIAGNOSE: &str = "
+    SELECT r.attempt, r.version, r.next_seq, r.status,
+           s.attempt, s.run_version, s.kind, s.state, s.key, s.body::text
+      FROM abada_agent_runs r
+      LEFT JOIN abada_agent_steps s ON s.run_key = r.run_key AND s.seq = $2::bigint
+     WHERE r.run_key = $1::text";
+
+const FINISH_MARK: &str = "
+    UPDATE abada_agent_runs
+       SET status = $3::text, finished_at = now(), updated_at = now(), version = version + 1
+     WHERE run_key = $1::text AND attempt = $2::bigint AND status = 'running'";
+
+/// Steps go with their run (`ON DELETE CASCADE`).
+const FINISH_DELETE: &str =
+    "DELETE FROM abada_agent_runs WHERE run_key = $1::text AND attempt = $2::bigint";
+
+const RUN_STATE: &str = "SELECT attempt, status FROM abada_agent_runs WHERE run_key = $1::text";
+
+const SWEEP_FINISHED: &str = "
+    DELETE FROM abada_agent_runs WHERE run_key IN (
+        SELECT run_key FROM abada_agent_runs
+         WHERE finished_at IS NOT NULL
+           AND finished_at <= now() - $1::bigint * interval '1 millisecond'
+         ORDER BY finished_at LIMIT $2::bigint
+           FOR UPDATE SKIP LOCKED)";
+
+const SWEEP_ABANDONED: &str = "
+    DELETE FROM abada_agent_runs WHERE run_key IN (
+        SELECT run_key FROM abada_agent_runs
+         WHERE finished_at IS NULL
+           AND updated_at <= now() - $1::bigint * interval '1 millisecond'
+         ORDER BY updated_at LIMIT $2::bigint
+           FOR UPDATE SKIP LOCKED)";
+
+/// The store's statements, prepared on each connection when it opens.
+pub(super) struct Statements {
+    upsert_run: Statement,
+    read_steps: Statement,
+    append: Statement,
+    diagnose: Statement,
+    finish_mark: Statement,
+    finish_delete: Statement,
+    run_state: Statement,
+    sweep_finished: Statement,
+    sweep_abandoned: Statement,
+}
+
+impl Statements {
+    /// Prepares them all, pipelined on the one connection.
+    pub(super) async fn prepare(client: &Client) -> Result<Statements, tokio_postgres::Error> {
+        let (
+            upsert_run,
+            read_steps,
+            append,
+            diagnose,
+            finish_mark,
+            finish_delete,
+            run_state,
+            sweep_finished,
+            sweep_abandoned,
+        ) = futures::try_join!(
+            client.prepare(UPSERT_RUN),
+            client.prepare(READ_STEPS),
+            client.prepare(APPEND),
+            client.prepare(DIAGNOSE),
+            client.prepare(FINISH_MARK),
+            client.prepare(FINISH_DELETE),
+            client.prepare(RUN_STATE),
+            client.prepare(SWEEP_FINISHED),
+            client.prepare(SWEEP_ABANDONED),
+        )?;
+        Ok(Statements {
+            upsert_run,
+            read_steps,
+            append,
+            diagnose,
+            finish_mark,
+            finish_delete,
+            run_state,
+            sweep_finished,
+            sweep_abandoned,
+        })
+    }
+}
+
+fn attempt_of(store: &str, raw: i64) -> Result<u32, StoreError> {
+    u32::try_from(raw).map_err(|_| {
+        StoreError::Internal(format!(
+            "the run store at {store} holds attempt {raw}, which does not fit a u32"
+        ))
+    })
+}
+
+/// The claim: creates the run (attempt 1) or increments its attempt, sets the owner, writes
+/// `first_step` when the run has no step yet, and returns the journal; one transaction.
+pub(super) async fn claim(
+    conn: &mut PgConn,
+    store: &str,
+    run_key: &RunKey,
+    worker_id: &str,
+    first_step: Option<(&JournalStep, StepBody)>,
+) -> Result<Claim, StoreError> {
+    let pg = |e: tokio_postgres::Error| classify(store, &e);
+    let PgConn { client, statements } = conn;
+    let tx = client.transaction().await.map_err(pg)?;
+    let row = tx
+        .query_one(&statements.upsert_run, &[&run_key.as_str(), &worker_id])
+        .await
+        .map_err(pg)?;
+    let attempt = attempt_of(store, row.get(0))?;
+    let next_seq: i64 = row.get(2);
+    let journal_bytes: i64 = row.get(3);
+    let mut fence = Fence {
+        run_key: run_key.clone(),
+        attempt,
+        version: row.get(1),
+        next_seq: next_seq as u64,
+        journal_bytes: journal_bytes as u64,
+    };
+    let steps = match (next_seq, first_step) {
+        (1, Some((step, body))) => {
+            // The row is locked by the upsert above: the compare-and-set cannot miss.
+            let params = append_params(&fence, step, &body);
+            let written = tx
+                .execute(&statements.append, &params.as_params())
+                .await
+                .map_err(pg)?;
+            if written != 1 {
+                return Err(StoreError::Internal(format!(
+                    "run {run_key}: the first step was not written although the claim holds the run"
+                )));
+            }
+            fence.advance(&body);
+            vec![JournalStep {
+                data: body.value(),
+                ..step.clone()
+            }]
+        }
+        (1, None) => Vec::new(),
+        _ => {
+            let rows = tx
+                .query(&statements.read_steps, &[&run_key.as_str()])
+                .await
+                .map_err(pg)?;
+            rows.iter()
+                .map(|row| step_from_row(store, run_key, row))
+                .collect::<Result<Vec<_>, _>>()?
+        }
+    };
+    tx.commit().await.map_err(pg)?;
+    Ok(Claim {
+        created: attempt == 1,
+        fence,
+        steps,
+    })
+}
+
+fn step_from_row(store: &str, run_key: &RunKey, row: &Row) -> Result<JournalStep, StoreError> {
+    let seq: i64 = row.get(0);
+    let body: String = row.get(4);
+    let data = serde_json::from_str(&body).map_err(|e| {
+        StoreError::Internal(format!(
+            "run {run_key}: step {seq} in the run store at {store} is not valid JSON: {e}"
+        ))
+    })?;
+    Ok(JournalStep {
+        seq: seq as u64,
+        kind: row.get(1),
+        state: row.get(2),
+        key: row.get(3),
+        data,
+    })
+}
+
+type Params<'a> = [&'a (dyn tokio_postgres::types::ToSql + Sync); 9];
+
+fn append_params<'a>(
+    fence: &'a Fence,
+    step: &'a JournalStep,
+    body: &'a StepBody,
+) -> AppendParams<'a> {
+    AppendParams {
+        run_key: fence.run_key.as_str(),
+        attempt: i64::from(fence.attempt),
+        version: fence.version,
+        seq: step.seq as i64,
+        len: body.len() as i64,
+        kind: &step.kind,
+        state: &step.state,
+        key: step.key.as_deref(),
+        body: &body.text,
+    }
+}
+
+/// The append statement's parameters, owned long enough to borrow.
+struct AppendParams<'a> {
+    run_key: &'a str,
+    attempt: i64,
+    version: i64,
+    seq: i64,
+    len: i64,
+    kind: &'a str,
+    state: &'a str,
+    key: Option<&'a str>,
+    body: &'a str,
+}
+
+impl<'a> AppendParams<'a> {
+    fn as_params(&'a self) -> Params<'a> {
+        [
+            &self.run_key,
+            &self.attempt,
+            &self.version,
+            &self.seq,
+            &self.len,
+            &self.kind,
+            &self.state,
+            &self.key,
+            &self.body,
+        ]
+    }
+}
+
+/// One append: the compare-and-set and the insert, then, only when they changed nothing, one
+/// read that says why.
+pub(super) async fn append(
+    conn: &mut PgConn,
+    store: &str,
+    fence: &mut Fence,
+    step: &JournalStep,
+    body: &StepBody,
+) -> Result<AppendOutcome, StoreError> {
+    let pg = |e: tokio_postgres::Error| classify(store, &e);
+    let params = append_params(fence, step, body);
+    let written = conn
+        .client
+        .execute(&conn.statements.append, &params.as_params())
+        .await
+        .map_err(pg)?;
+    if written == 1 {
+        fence.advance(body);
+        return Ok(AppendOutcome::Created);
+    }
+    let row = conn
+        .client
+        .query_opt(
+            &conn.statements.diagnose,
+            &[&fence.run_key.as_str(), &(step.seq as i64)],
+        )
+        .await
+        .map_err(pg)?;
+    diagnose(store, fence, step, body, row)
+}
+
+/// Why an append changed nothing. A step of this attempt at that `seq`, identical, that moved
+/// the run from this fence's version by exactly one, is this append's own step whose commit was
+/// not acknowledged: `AlreadyPresent`, and the fence advances.
+fn diagnose(
+    store: &str,
+    fence: &mut Fence,
+    step: &JournalStep,
+    body: &StepBody,
+    row: Option<Row>,
+) -> Result<AppendOutcome, StoreError> {
+    let Some(row) = row else {
+        return Err(fence.fenced(FenceReason::Gone));
+    };
+    let run_attempt = attempt_of(store, row.get(0))?;
+    let run_version: i64 = row.get(1);
+    let next_seq: i64 = row.get(2);
+    let status: String = row.get(3);
+    if run_attempt != fence.attempt {
+        return Err(fence.fenced(FenceReason::StaleAttempt {
+            current: run_attempt,
+        }));
+    }
+    if status != "running" {
+        return Err(fence.fenced(FenceReason::Finished));
+    }
+    let existing: Option<i64> = row.get(4);
+    if let Some(step_attempt) = existing {
+        let step_version: i64 = row.get(5);
+        let kind: String = row.get(6);
+        let state: String = row.get(7);
+        let key: Option<String> = row.get(8);
+        let stored: String = row.get(9);
+        let stored: Option<Value> = serde_json::from_str(&stored).ok();
+        let same = kind == step.kind
+            && state == step.state
+            && key == step.key
+            && stored.as_ref() == Some(&body.value());
+        if !same {
+            return Err(StoreError::Conflict {
+                run_key: fence.run_key.0.clone(),
+                seq: step.seq,
+                reason: "that seq holds a different step".into(),
+            });
+        }
+        let own_lost_commit = step_attempt == i64::from(fence.attempt)
+            && step_version == fence.version + 1
+            && run_version == fence.version + 1;
+        if own_lost_commit {
+            fence.advance(body);
+            return Ok(AppendOutcome::AlreadyPresent);
+        }
+    }
+    if run_version != fence.version {
+        return Err(fence.fenced(FenceReason::StaleVersion {
+            expected: fence.version,
+            current: run_version,
+        }));
+    }
+    if step.seq as i64 != next_seq {
+        return Err(StoreError::Conflict {
+            run_key: fence.run_key.0.clone(),
+            seq: step.seq,
+            reason: format!("the next step of the run is seq {next_seq}: steps are contiguous"),
+        });
+    }
+    Err(StoreError::Internal(format!(
+        "run {}: the append of step {} changed nothing although the run matches it",
+        fence.run_key, step.seq
+    )))
+}
+
+/// Marks the run finished (or deletes it when `delete` is set). Idempotent for its attempt: a
+/// retry after a lost acknowledgement finds the run finished or gone and succeeds.
+pub(super) async fn finish(
+    conn: &mut PgConn,
+    store: &str,
+    fence: &Fence,
+    end: RunEnd,
+    delete: bool,
+) -> Result<(), StoreError> {
+    let pg = |e: tokio_postgres::Error| classify(store, &e);
+    let key = fence.run_key.as_str();
+    let attempt = i64::from(fence.attempt);
+    let changed = if delete {
+        conn.client
+            .execute(&conn.statements.finish_delete, &[&key, &attempt])
+            .await
+    } else {
+        conn.client
+            .execute(
+                &conn.statements.finish_mark,
+                &[&key, &attempt, &end.status()],
+            )
+            .await
+    }
+    .map_err(pg)?;
+    if changed == 1 {
+        return Ok(());
+    }
+    let row = conn
+        .client
+        .query_opt(&conn.statements.run_state, &[&key])
+        .await
+        .map_err(pg)?;
+    let Some(row) = row else {
+        return Ok(()); // deleted already
+    };
+    let run_attempt = attempt_of(store, row.get(0))?;
+    let status: String = row.get(1);
+    if run_attempt != fence.attempt {
+        return Err(fence.fenced(FenceReason::StaleAttempt {
+            current: run_attempt,
+        }));
+    }
+    if status != "running" {
+        return Ok(()); // finished already
+    }
+    Err(StoreError::Internal(format!(
+        "run {}: finishing changed nothing although attempt {} owns the running run",
+        fence.run_key, fence.attempt
+    )))
+}
+
+/// Which runs a sweep deletes.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Sweep {
+    /// Finished at least this long ago.
+    Finished(std::time::Duration),
+    /// Unfinished and untouched for at least this long.
+    Abandoned(std::time::Duration),
+}
+
+impl Sweep {
+    /// The `reason` label of `abada_agent_store_runs_deleted_total`.
+    pub(super) fn reason(self) -> &'static str {
+        match self {
+            Sweep::Finished(_) => "finished",
+            Sweep::Abandoned(_) => "abandoned",
+        }
+    }
+}
+
+/// Deletes at most `batch` runs (and their steps) of one kind; one short transaction.
+pub(super) async fn sweep_batch(
+    conn: &mut PgConn,
+    store: &str,
+    sweep: Sweep,
+    batch: usize,
+) -> Result<u64, StoreError> {
+    let (statement, age) = match sweep {
+        Sweep::Finished(age) => (&conn.statements.sweep_finished, age),
+        Sweep::Abandoned(age) => (&conn.statements.sweep_abandoned, age),
+    };
+    let age_ms = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
+    conn.client
+        .execute(statement, &[&age_ms, &(batch as i64)])
+        .await
+        .map_err(|e| classify(store, &e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn fence() -> Fence {
+        Fence {
+            run_key: RunKey::new("t-1").unwrap(),
+            attempt: 1,
+            version: 2,
+            next_seq: 2,
+            journal_bytes: 0,
+        }
+    }
+
+    fn step(seq: u64, data: Value) -> JournalStep {
+        JournalStep {
+            seq,
+            kind: "model".into(),
+            state: "finished".into(),
+            key: None,
+            data,
+        }
+    }
+
+    #[test]
+    fn run_keys_are_bounded_and_printable() {
+        assert!(RunKey::new("c0a8-17").is_ok());
+        assert!(RunKey::for_task(&"x".repeat(512)).is_ok());
+        assert!(RunKey::new("").is_err());
+        assert!(RunKey::new("x".repeat(513)).is_err());
+        assert!(RunKey::new("a\0b").is_err());
+        assert!(RunKey::new("a\nb").is_err());
+    }
+
+    #[test]
+    fn nul_characters_become_replacement_characters_everywhere() {
+        let s = step(
+            2,
+            json!({"text": "a\u{0}b", "list": ["\u{0}"], "k\u{0}": {"n": 1}}),
+        );
+        let body = StepBody::of(&s).unwrap();
+        assert!(!body.text.contains("\\u0000"), "{}", body.text);
+        assert_eq!(
+            body.value(),
+            json!({"text": "a\u{FFFD}b", "list": ["\u{FFFD}"], "k\u{FFFD}": {"n": 1}})
+        );
+        // An escaped backslash followed by "u0000" is text, not a NUL: left alone.
+        let s = step(2, json!({"text": "\\u0000"}));
+        assert_eq!(
+            StepBody::of(&s).unwrap().value(),
+            json!({"text": "\\u0000"})
+        );
+    }
+
+    #[test]
+    fn bodies_too_deep_to_read_back_are_refused() {
+        let mut deep = json!("leaf");
+        for _ in 0..MAX_BODY_DEPTH {
+            deep = json!([deep]);
+        }
+        assert_eq!(depth(&deep), MAX_BODY_DEPTH);
+        let body = StepBody::of(&step(2, deep.clone())).unwrap();
+        assert_eq!(body.value(), deep);
+        let e = StepBody::of(&step(2, json!([deep]))).unwrap_err();
+        assert_eq!(e.class(), super::super::ErrorClass::Invalid);
+        assert!(e.to_string().contains("deeper than 100 levels"), "{e}");
+    }
+
+    #[test]
+    fn steps_the_store_cannot_hold_are_refused_before_any_connection() {
+        let f = fence();
+        assert!(check_step(&f.run_key, 0, &step(0, json!({}))).is_err());
+        let mut bad = step(2, json!({}));
+        bad.key = Some("abada:t\0:2".into());
+        assert!(check_step(&f.run_key, 0, &bad).is_err());
+        let e =
+            check_step(&f.run_key, MAX_JOURNAL_BYTES - 2, &step(2, json!({"a": 1}))).unwrap_err();
+        assert_eq!(e.class(), super::super::ErrorClass::Invalid);
+        assert!(e.to_string().contains("past 33554432 bytes"), "{e}");
+        assert_eq!(
+            check_step(&f.run_key, 0, &step(2, json!({"a": 1})))
+                .unwrap()
+                .len(),
+            7
+        );
+    }
+}
