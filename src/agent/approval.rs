@@ -140,6 +140,21 @@ impl Default for ApprovalVariables {
     }
 }
 
+/// A definition that may stop for approval on a worker where the conversation has nowhere to
+/// wait. The conversation must outlive the task (the decision arrives on a new task, maybe on
+/// another replica, maybe days later), and the only place meant for that is the run store
+/// (issue 12), keyed by the run key; the engine's journal is per task, and carrying the
+/// conversation in process variables would put it in every listing of the user task. Until the
+/// agent runtime keeps runs in the store, such a definition is refused before anything is
+/// performed: an incident an operator sees at once, not a write done without approval.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "agent {agent:?} asks for approval of tool calls, but a conversation can only wait for a person's decision in the run store, and this worker runs agents without one; nothing was performed. Set approval = \"never\" for this agent, or run it on a worker that keeps agent runs in the run store (ABADA_AGENT_STORE_URL)"
+)]
+pub struct NoWaitingPlace {
+    pub agent: String,
+}
+
 /// The value of the request variable: what a person needs to decide. `summary` is the model's
 /// own text of the turn that asked for the call.
 pub fn approval_request(call: &ToolCall, summary: Option<&str>, run_key: &str) -> Value {
