@@ -11,6 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 
+use super::approval::{ApprovalPolicy, NoWaitingPlace};
 use super::definition::{self, AgentDefinition};
 use super::journal::{self, PendingCall, Replayed};
 use super::limits::{self, LimitExceeded, Limits};
@@ -38,6 +39,13 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
         Ok(d) => d,
         Err(e) => return incident("the agent definition cannot be used", e.to_string()),
     };
+    // Approval needs a place for the conversation to wait across tasks (agent::approval).
+    if def.approval != ApprovalPolicy::Never {
+        let refused = NoWaitingPlace {
+            agent: def.name.clone(),
+        };
+        return incident("the agent definition cannot be used", refused.to_string());
+    }
     let mut attempt = match Attempt::start(rt, task, ctx, def).await {
         Ok(a) => a,
         Err(outcome) => return outcome,
