@@ -253,12 +253,18 @@ impl AgentRuntime {
         })
     }
 
-    /// Where `task`'s journal lives: the one place that choice is made. A task without
-    /// `attempt` is not an agent/1 task (protocol.md Part B), and shows the engine speaks plain
-    /// v1: its journal is in the run store when one is configured, else nowhere. An agent/1 task
-    /// journals to the engine (authoritative there: its attempt is the engine's fencing token)
-    /// unless the engine is known to have no journal.
-    pub fn journal_home(&self, task: &Task) -> JournalHome {
+    /// Where `task`'s journal lives: the one place that choice is made. A run that may wait for
+    /// a person's approval (`waits_across_tasks`) outlives its task, so it lives in the run store
+    /// under its process run key (`run_key`); [`run`] refuses such a definition before this
+    /// when no store is configured. Otherwise a task without `attempt` is not an agent/1 task
+    /// (protocol.md Part B), and shows the engine speaks plain v1: its journal is in the run
+    /// store when one is configured, else nowhere. An agent/1 task journals to the engine
+    /// (authoritative there: its attempt is the engine's fencing token) unless the engine is
+    /// known to have no journal.
+    pub fn journal_home(&self, task: &Task, waits_across_tasks: bool) -> JournalHome {
+        if waits_across_tasks && self.store.is_some() {
+            return JournalHome::Store;
+        }
         if task.attempt.is_none() {
             if self.store.is_some() {
                 return JournalHome::Store;

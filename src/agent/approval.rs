@@ -1,4 +1,5 @@
-//! Approval of tool calls by a person (issue 14), the pure part: which calls need approval
+//! Approval of tool calls by a person (issue 14), the pure part (the stop and the resume are
+//! `run::Attempt::approval_gate`, the journal steps `journal::approval_*_step`): which calls need approval
 //! ([`ApprovalPolicy`], [`ApprovalRules`]), the process variables that carry the question and
 //! the answer ([`ApprovalVariables`]), the request the worker completes with
 //! ([`approval_request`]), the decision it resumes with ([`read_decision`]), and the tool result
@@ -142,11 +143,11 @@ impl Default for ApprovalVariables {
 
 /// A definition that may stop for approval on a worker where the conversation has nowhere to
 /// wait. The conversation must outlive the task (the decision arrives on a new task, maybe on
-/// another replica, maybe days later), and the only place meant for that is the run store
-/// (issue 12), keyed by the run key; the engine's journal is per task, and carrying the
-/// conversation in process variables would put it in every listing of the user task. Until the
-/// agent runtime keeps runs in the store, such a definition is refused before anything is
-/// performed: an incident an operator sees at once, not a write done without approval.
+/// another replica, maybe days later), and the only place meant for that is the run store,
+/// keyed by the run key; the engine's journal is per task, and carrying the conversation in
+/// process variables would put it in every listing of the user task. Without a store such a
+/// definition is refused before anything is performed: an incident an operator sees at once,
+/// not a write done without approval.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
     "agent {agent:?} asks for approval of tool calls, but a conversation can only wait for a person's decision in the run store, and this worker runs agents without one; nothing was performed. Set approval = \"never\" for this agent, or run it on a worker that keeps agent runs in the run store (ABADA_AGENT_STORE_URL)"
@@ -168,11 +169,13 @@ pub fn approval_request(call: &ToolCall, summary: Option<&str>, run_key: &str) -
     })
 }
 
-/// A person's decision on one pending call.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A person's decision on one pending call (also its journal step's data).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Decision {
     pub call_id: String,
     pub approved: bool,
+    #[serde(default)]
     pub comment: Option<String>,
     pub decided_by: String,
 }
