@@ -2,20 +2,24 @@
 //! run (a conversation with a model that calls MCP tools), durable through the task's journal,
 //! ending in exactly one outcome of protocol.md B.5.
 //!
+//! - `approval`: which tool calls wait for a person's approval, and the decision variables;
 //! - `definition`: agent definitions, the agents file, `${name}` templates;
 //! - `journal`: the journal's step shapes and the replay that resumes a run;
 //! - `limits`: what a model can make the worker do (tool calls, writes, turns, time, tokens);
-//! - `run`: the conversation loop of one attempt.
+//! - `run`: the conversation loop of one attempt;
+//! - `run_key`: the key of a run that waits for approval across the tasks of one node visit.
 //!
 //! Shared by all tasks: the provider registry (keys cached), the HTTP clients, what the engine is
 //! known to offer ([`EngineCapabilities`]). Private to each task: its conversation, its MCP
 //! sessions and their credentials, its journal state and budget. Where a task's journal lives is
 //! decided in one place, [`AgentRuntime::journal_home`].
 
+pub mod approval;
 pub mod definition;
 pub mod journal;
 pub mod limits;
 mod run;
+pub mod run_key;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -249,12 +253,18 @@ impl AgentRuntime {
         })
     }
 
-    /// Where `task`'s journal lives: the one place that choice is made. A task without
-    /// `attempt` is not an agent/1 task (protocol.md Part B), and shows the engine speaks plain
-    /// v1: its journal is in the run store when one is configured, else nowhere. An agent/1 task
-    /// journals to the engine (authoritative there: its attempt is the engine's fencing token)
-    /// unless the engine is known to have no journal.
-    pub fn journal_home(&self, task: &Task) -> JournalHome {
+    /// Where `task`'s journal lives: the one place that choice is made. A run that may wait for
+    /// a person's approval (`waits_across_tasks`) outlives its task, so it lives in the run store
+    /// under its process run key (`run_key`); [`run`] refuses such a definition before this
+    /// when no store is configured. Otherwise a task without `attempt` is not an agent/1 task
+    /// (protocol.md Part B), and shows the engine speaks plain v1: its journal is in the run
+    /// store when one is configured, else nowhere. An agent/1 task journals to the engine
+    /// (authoritative there: its attempt is the engine's fencing token) unless the engine is
+    /// known to have no journal.
+    pub fn journal_home(&self, task: &Task, waits_across_tasks: bool) -> JournalHome {
+        if waits_across_tasks && self.store.is_some() {
+            return JournalHome::Store;
+        }
         if task.attempt.is_none() {
             if self.store.is_some() {
                 return JournalHome::Store;

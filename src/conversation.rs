@@ -114,4 +114,8 @@ pub struct ToolSpec {
     pub input_schema: Value,
     /// True only when the server annotated the tool `readOnlyHint: true`.
     pub read_only: bool,
+    /// True only when the server annotated the tool `destructiveHint: true`. MCP's default for a
+    /// tool that is not read-only is "may be destructive"; only an explicit `true` is kept, and
+    /// it counts as a write for approval even beside `readOnlyHint: true`.
+    pub destructive: bool,
 }

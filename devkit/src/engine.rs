@@ -51,6 +51,11 @@
 //! curl -s -XDELETE localhost:5601/admin/faults
 //! ```
 //!
+//! Processes: [`EngineEmulator::deploy`] a [`ProcessModel`] (service tasks, user tasks,
+//! exclusive gateways), start it (`POST /api/v1/processes/start?processId=`), and its external
+//! tasks appear, loop back and end as on the real engine; user tasks are served on the engine's
+//! `/api/v1/tasks` paths (module `process_api`, rules in `process`).
+//!
 //! Outage: while on, every `/api` request has its connection closed without an HTTP response
 //! (clients see a connection error, as with an engine pod that is gone); `/admin` still answers.
 //!
@@ -65,6 +70,8 @@
 mod admin;
 mod faults;
 mod http;
+mod process;
+mod process_api;
 mod proxy;
 mod state;
 mod wire;
@@ -79,6 +86,10 @@ use tokio_util::sync::CancellationToken;
 
 pub use axum::http::HeaderMap;
 pub use faults::{BadBody, Fault};
+pub use process::{
+    ConditionalFlow, NodeKind, ProcessInstanceView, ProcessModel, ProcessNode, UserTaskStatus,
+    UserTaskView,
+};
 pub use proxy::ProxyAuthorizer;
 pub use state::{
     AGENT_TOPIC, CallRecord, Disposition, InstanceAction, InstanceStatus, InstanceView, Operation,
@@ -368,6 +379,28 @@ impl EngineEmulator {
         let result = self.shared.state().instance_action(id, action);
         self.shared.changed.notify_waiters();
         result
+    }
+
+    /// Deploys a process model (replacing one with the same id), for [`EngineEmulator::start_process`]
+    /// and `POST /api/v1/processes/start`.
+    pub fn deploy(&self, model: ProcessModel) {
+        self.shared.state().deploy(model);
+    }
+
+    /// Starts an instance of a deployed process; `Err` with the engine's message.
+    pub fn start_process(
+        &self,
+        process_id: &str,
+        variables: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, String> {
+        let result = self.shared.state().start_process(process_id, variables);
+        self.shared.changed.notify_waiters();
+        result
+    }
+
+    /// A process instance started from a deployed model, as the engine's API shows it.
+    pub fn process_instance(&self, id: &str) -> Option<ProcessInstanceView> {
+        self.shared.state().process_instance(id)
     }
 
     /// Waits until `check` returns `Some`, re-checking after every request the emulator

@@ -14,6 +14,7 @@ fn tools() -> Vec<ToolSpec> {
             description: String::new(),
             input_schema: serde_json::json!({"type": "object"}),
             read_only: tool == "lookup_order",
+            destructive: false,
         })
         .collect()
 }

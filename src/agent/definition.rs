@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use super::approval::{ApprovalPolicy, ApprovalVariables};
 use super::limits::{self, Requested};
 use crate::engine::Task;
 use crate::provider::ModelRef;
@@ -46,6 +47,14 @@ pub struct AgentDefinition {
     /// ceilings still bound them: [`limits::Limits::resolve`]).
     pub limits: Requested,
     pub result_variable: String,
+    /// Which tool calls wait for a person's decision (`approval`); `Never` when not set.
+    pub approval: ApprovalPolicy,
+    /// The process variables of the approval flow (`approvalVariables`), defaults
+    /// `agentStatus`, `agentApprovalRequest`, `agentApproval`.
+    pub approval_variables: ApprovalVariables,
+    /// `loopCounterVariable`: a variable counting the visits of the node, part of the run key,
+    /// for a node the process re-enters for new work and not only with a decision.
+    pub loop_counter_variable: Option<String>,
 }
 
 /// A definition that cannot be used: an error of the definition, not of the worker; the task
@@ -113,6 +122,23 @@ struct AgentWire {
     max_duration_ms: Option<u64>,
     #[serde(default, alias = "result_variable")]
     result_variable: Option<String>,
+    #[serde(default)]
+    approval: Option<Value>,
+    #[serde(default, alias = "approval_variables")]
+    approval_variables: Option<ApprovalVariablesWire>,
+    #[serde(default, alias = "loop_counter_variable")]
+    loop_counter_variable: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ApprovalVariablesWire {
+    #[serde(default)]
+    status: Option<String>,
+    #[serde(default)]
+    request: Option<String>,
+    #[serde(default)]
+    decision: Option<String>,
 }
 
 /// A tool server named with its URL: `{ "name": "orders", "url": "http://orders-mcp/mcp" }`.
@@ -234,6 +260,47 @@ impl AgentDefinition {
                 "its \"input\" (the first user message) is empty".into(),
             ));
         }
+        let approval = match &wire.approval {
+            None => ApprovalPolicy::Never,
+            Some(v) => ApprovalPolicy::from_value(v).map_err(invalid)?,
+        };
+        let mut approval_variables = ApprovalVariables::default();
+        if let Some(names) = wire.approval_variables {
+            for (field, given, slot) in [
+                ("status", names.status, &mut approval_variables.status),
+                ("request", names.request, &mut approval_variables.request),
+                ("decision", names.decision, &mut approval_variables.decision),
+            ] {
+                match given {
+                    Some(n) if n.trim().is_empty() => {
+                        return Err(invalid(format!("approvalVariables.{field} is blank")));
+                    }
+                    Some(n) => *slot = n,
+                    None => {}
+                }
+            }
+        }
+        let names = [
+            ("resultVariable", &result_variable),
+            ("approvalVariables.status", &approval_variables.status),
+            ("approvalVariables.request", &approval_variables.request),
+            ("approvalVariables.decision", &approval_variables.decision),
+        ];
+        for (i, (a, name_a)) in names.iter().enumerate() {
+            if let Some((b, _)) = names[i + 1..].iter().find(|(_, n)| n == name_a) {
+                return Err(invalid(format!(
+                    "{a} and {b} both name the variable {name_a:?}; give each its own"
+                )));
+            }
+        }
+        let loop_counter_variable = match wire.loop_counter_variable {
+            Some(v) if v.trim().is_empty() => {
+                return Err(invalid(
+                    "loopCounterVariable is blank (omit it for none)".into(),
+                ));
+            }
+            other => other,
+        };
         Ok(AgentDefinition {
             name,
             models,
@@ -253,6 +320,9 @@ impl AgentDefinition {
                 max_duration_ms: wire.max_duration_ms,
             },
             result_variable,
+            approval,
+            approval_variables,
+            loop_counter_variable,
         })
     }
 
@@ -311,6 +381,11 @@ const KNOWN_FIELDS: &[&str] = &[
     "max_duration_ms",
     "resultVariable",
     "result_variable",
+    "approval",
+    "approvalVariables",
+    "approval_variables",
+    "loopCounterVariable",
+    "loop_counter_variable",
 ];
 
 /// Replaces every `${name}` by the variable: strings as they are, other values as JSON. `$${`
@@ -658,6 +733,48 @@ mod tests {
                 max_duration_ms: Some(60000),
             }
         );
+        assert_eq!(min.approval, ApprovalPolicy::Never);
+        assert_eq!(min.approval_variables, ApprovalVariables::default());
+        assert_eq!(min.loop_counter_variable, None);
+    }
+
+    #[test]
+    fn approval_settings_parse_and_bad_ones_say_what_is_wrong() {
+        let def = AgentDefinition::from_value(
+            &json!({"model": "p/m", "input": "x", "approval": ["refund"],
+                "approvalVariables": {"decision": "refundDecision"},
+                "loopCounterVariable": "round"}),
+            "a",
+        )
+        .unwrap();
+        assert_eq!(def.approval, ApprovalPolicy::Tools(vec!["refund".into()]));
+        assert_eq!(def.approval_variables.decision, "refundDecision");
+        assert_eq!(def.approval_variables.status, "agentStatus");
+        assert_eq!(def.loop_counter_variable.as_deref(), Some("round"));
+        let file = AgentsFile::parse_str(
+            "[agents.a]\nmodel = \"p/m\"\ninput = \"x\"\napproval = \"writes\"\n[agents.a.approvalVariables]\nstatus = \"refundStatus\"\n",
+        )
+        .unwrap();
+        assert_eq!(file.by_key["a"].approval, ApprovalPolicy::Writes);
+        assert_eq!(file.by_key["a"].approval_variables.status, "refundStatus");
+
+        let err = |extra: Value| {
+            let mut v = json!({"model": "p/m", "input": "x"});
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            AgentDefinition::from_value(&v, "a")
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(json!({"approval": "maybe"})).contains("\"writes\""));
+        assert!(err(json!({"approvalVariables": {"status": " "}})).contains("status is blank"));
+        assert!(err(json!({"approvalVariables": {"other": "x"}})).contains("unknown field"));
+        assert!(
+            err(json!({"approvalVariables": {"decision": "agentResult"}}))
+                .contains("resultVariable and approvalVariables.decision")
+        );
+        assert!(err(json!({"loopCounterVariable": ""})).contains("loopCounterVariable"));
     }
 
     #[test]

@@ -9,6 +9,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use super::approval::Decision;
 use super::limits::Spent;
 use crate::conversation::{AssistantMessage, Message, ToolCall, ToolResult, Usage};
 use crate::engine::JournalStep;
@@ -18,6 +19,11 @@ pub const KIND_MODEL: &str = "model";
 pub const KIND_TOOL: &str = "tool";
 pub const STATE_STARTED: &str = "started";
 pub const STATE_FINISHED: &str = "finished";
+/// A run-store-only kind (issue 14): a call put to a person (`requested`) and their answer
+/// (`decided`). Never written to the engine's journal, whose kinds protocol.md B.2 fixes.
+pub const KIND_APPROVAL: &str = "approval";
+pub const STATE_REQUESTED: &str = "requested";
+pub const STATE_DECIDED: &str = "decided";
 
 /// The idempotency key of a keyed write: `abada:{taskId}:{seq of its started step}`, stable
 /// across attempts.
@@ -143,6 +149,51 @@ pub fn tool_finished_step(
     }
 }
 
+/// The call `call` waits for a person's decision; `task_id` is the task that stopped for it (a
+/// redelivery of that same task only repeats the request, any other task must carry the
+/// decision).
+pub fn approval_requested_step(seq: u64, call: &ToolCall, task_id: &str) -> JournalStep {
+    JournalStep {
+        seq,
+        kind: KIND_APPROVAL.into(),
+        state: STATE_REQUESTED.into(),
+        key: None,
+        data: json!({"callId": call.call_id, "taskId": task_id}),
+    }
+}
+
+/// A person's decision on the waiting call, journaled before it is acted on, so a crash between
+/// the decision and the write performs the write (keyed) or the refusal on the next attempt.
+pub fn approval_decided_step(seq: u64, decision: &Decision) -> JournalStep {
+    JournalStep {
+        seq,
+        kind: KIND_APPROVAL.into(),
+        state: STATE_DECIDED.into(),
+        key: None,
+        data: serde_json::to_value(decision).unwrap_or_default(),
+    }
+}
+
+/// Where the first pending call stands with a person.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ApprovalState {
+    /// Put to a person by task `task_id`; no decision yet.
+    Requested {
+        call_id: String,
+        task_id: String,
+    },
+    Decided(Decision),
+}
+
+impl ApprovalState {
+    pub fn call_id(&self) -> &str {
+        match self {
+            ApprovalState::Requested { call_id, .. } => call_id,
+            ApprovalState::Decided(d) => &d.call_id,
+        }
+    }
+}
+
 /// A journal that cannot be replayed: written by something that broke the contract.
 #[derive(Debug, thiserror::Error, PartialEq)]
 #[error(
@@ -181,6 +232,8 @@ pub struct Replayed {
     pub spent: Spent,
     /// When the run's first attempt started (Unix ms), if its input step says so.
     pub started_at_ms: Option<u64>,
+    /// The first pending call's approval, once it was put to a person.
+    pub approval: Option<ApprovalState>,
 }
 
 #[derive(Deserialize)]
@@ -320,11 +373,16 @@ impl Replayed {
                         .result
                         .ok_or_else(|| err("a finished tool step without a result".into()))?;
                     let done = self.pending.remove(0);
+                    self.approval = None;
                     self.messages.push(Message::ToolResult {
                         call: done.call,
                         result,
                     });
                 }
+            }
+            (KIND_APPROVAL, state @ (STATE_REQUESTED | STATE_DECIDED)) => {
+                let next = self.approval_step(state, &step.data).map_err(err)?;
+                self.approval = Some(next);
             }
             (kind, state) => {
                 return Err(err(format!("unknown step kind/state {kind}/{state}")));
@@ -332,6 +390,44 @@ impl Replayed {
         }
         self.next_seq += 1;
         Ok(())
+    }
+
+    /// The approval state after an `approval` step about the first pending call: a request
+    /// comes first and once, a decision once after it.
+    fn approval_step(&self, state: &str, data: &Value) -> Result<ApprovalState, String> {
+        let call_id = data
+            .get("callId")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let Some(first) = self.pending.first() else {
+            return Err(format!("approval of call {call_id} answers no model step"));
+        };
+        if first.call.call_id != call_id {
+            return Err(format!(
+                "approval of call {call_id} is not about the next pending call ({})",
+                first.call.call_id
+            ));
+        }
+        match (state, &self.approval) {
+            (STATE_REQUESTED, None) => {
+                let task_id = data
+                    .get("taskId")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                Ok(ApprovalState::Requested {
+                    call_id: call_id.to_string(),
+                    task_id: task_id.to_string(),
+                })
+            }
+            (STATE_DECIDED, Some(ApprovalState::Requested { .. })) => {
+                serde_json::from_value(data.clone())
+                    .map(ApprovalState::Decided)
+                    .map_err(|e| format!("approval decision data: {e}"))
+            }
+            (state, _) => Err(format!(
+                "an approval step {state} out of order for call {call_id}"
+            )),
+        }
     }
 }
 
@@ -500,6 +596,58 @@ mod tests {
         assert_eq!(r.usage.total(), 240);
         assert!(r.pending.is_empty());
         assert_eq!(r.final_answer.as_deref(), Some("{\"ok\":true}"));
+    }
+
+    #[test]
+    fn approval_steps_replay_in_order_and_out_of_order_ones_are_refused() {
+        let refund = call("c2", "issue_refund");
+        let steps = vec![
+            input_step(1, "sys", "o-1"),
+            model_step(
+                2,
+                "p/m",
+                &answer(vec![refund.clone()], Some("Refund?")),
+                Usage::default(),
+                "tool_use",
+            ),
+            approval_requested_step(3, &refund, "t-1"),
+        ];
+        let r = Replayed::from_steps(&steps).unwrap();
+        assert_eq!(
+            r.approval,
+            Some(ApprovalState::Requested {
+                call_id: "c2".into(),
+                task_id: "t-1".into()
+            })
+        );
+        let decision = Decision {
+            call_id: "c2".into(),
+            approved: false,
+            comment: Some("no".into()),
+            decided_by: "dana".into(),
+        };
+        let mut decided = steps.clone();
+        decided.push(approval_decided_step(4, &decision));
+        let r = Replayed::from_steps(&decided).unwrap();
+        assert_eq!(r.approval, Some(ApprovalState::Decided(decision.clone())));
+        assert_eq!(r.pending.len(), 1, "the call still waits for its result");
+        // Its result ends the approval; a decision without a request, or twice, is refused.
+        decided.push(tool_finished_step(5, None, &refund, &ok_result("refused")));
+        let r = Replayed::from_steps(&decided).unwrap();
+        assert_eq!((r.approval, r.pending.len()), (None, 0));
+        let mut early = steps[..2].to_vec();
+        early.push(approval_decided_step(3, &decision));
+        assert!(Replayed::from_steps(&early).is_err());
+        let mut twice = steps.clone();
+        twice.push(approval_requested_step(4, &refund, "t-1"));
+        assert!(Replayed::from_steps(&twice).is_err());
+        let mut other = steps[..2].to_vec();
+        other.push(approval_requested_step(
+            3,
+            &call("c9", "issue_refund"),
+            "t-1",
+        ));
+        assert!(Replayed::from_steps(&other).is_err());
     }
 
     #[test]

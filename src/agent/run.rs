@@ -12,10 +12,11 @@ use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 use tracing::{Instrument, Span};
 
+use super::approval::{self, ApprovalPolicy, ApprovalRules, NoWaitingPlace};
 use super::definition::{self, AgentDefinition};
-use super::journal::{self, PendingCall, Replayed};
+use super::journal::{self, ApprovalState, PendingCall, Replayed};
 use super::limits::{self, LimitExceeded, Limits};
-use super::{AgentRuntime, JournalHome, RunStoreHome};
+use super::{AgentRuntime, JournalHome, RunStoreHome, run_key};
 use crate::conversation::{ToolCall, ToolResult, ToolSpec, Usage};
 use crate::engine::capabilities::NoJournalEvidence;
 use crate::engine::{EngineError, FailureReport, JournalStep, Task, TraceParent};
@@ -36,6 +37,7 @@ use crate::tools::registry::ToolRegistry;
 use crate::tools::{CredentialError, CredentialSource, ToolError, ToolSessions};
 
 type Step<T = ()> = Result<T, Outcome>;
+type StepFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = Step<T>> + Send + 'a>>;
 
 /// Runs one attempt of the task to its outcome, inside its `invoke_agent` span.
 pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Outcome {
@@ -49,6 +51,14 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
             return outcome;
         }
     };
+    // Approval needs a place for the conversation to wait across tasks (agent::approval): the
+    // run store, nothing else.
+    if def.approval != ApprovalPolicy::Never && rt.store.is_none() {
+        let refused = NoWaitingPlace {
+            agent: def.name.clone(),
+        };
+        return incident("the agent definition cannot be used", refused.to_string());
+    }
     let first = def.models.first();
     let provider = first.map(|m| {
         rt.providers
@@ -99,6 +109,9 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
             Outcome::BpmnError(_) => Some(RunEnd::Failed),
             _ => None,
         };
+        // A run that stopped for approval is not finished: the task that carries the decision
+        // claims it again by its run key and goes on.
+        let run_end = run_end.filter(|_| !attempt.waiting_for_approval);
         if let (Some(run), Some(run_end)) = (attempt.store_run.take(), run_end) {
             // Finished once the engine accepts the outcome (`TaskHandler::ended`), not before: a
             // completion the engine never got must find the run, final answer included, next
@@ -252,6 +265,8 @@ struct Attempt<'a> {
     span: Span,
     /// How the tool call running now was last counted, for its span's end.
     last_tool_outcome: Option<&'static str>,
+    /// Set when this attempt completes the task to ask a person (the run stays open).
+    waiting_for_approval: bool,
 }
 
 impl<'a> Attempt<'a> {
@@ -263,7 +278,8 @@ impl<'a> Attempt<'a> {
         span: Span,
     ) -> Step<Attempt<'a>> {
         let mut store_run = None;
-        let (state, journal) = match rt.journal_home(task) {
+        let waits = def.approval != ApprovalPolicy::Never;
+        let (state, journal) = match rt.journal_home(task, waits) {
             JournalHome::Engine => match ctx.read_journal().await {
                 Ok(j) => {
                     rt.capabilities.journal_answered();
@@ -378,6 +394,7 @@ impl<'a> Attempt<'a> {
             traceparent,
             span,
             last_tool_outcome: None,
+            waiting_for_approval: false,
         })
     }
 
@@ -403,11 +420,29 @@ impl<'a> Attempt<'a> {
                 return Err(self.complete(&answer));
             }
             if let Some(next) = self.state.pending.first().cloned() {
-                self.run_tool_call(next).await?;
+                if self.boxed_gate(&next).await? {
+                    self.boxed_tool_call(next).await?;
+                }
                 continue;
             }
-            self.call_model().await?;
+            self.boxed_model_call().await?;
         }
+    }
+
+    // The loop's steps are built on the heap by these plain functions: a debug build gives an
+    // async fn's frame a slot for every future it awaits, so awaiting them inline would stack
+    // the gate's, the tool call's and the model call's state machines into one frame of the
+    // loop (over a megabyte along one task's poll chain, past a test thread's 2 MiB).
+    fn boxed_gate<'s>(&'s mut self, next: &'s PendingCall) -> StepFuture<'s, bool> {
+        Box::pin(self.approval_gate(next))
+    }
+
+    fn boxed_tool_call(&mut self, next: PendingCall) -> StepFuture<'_, ()> {
+        Box::pin(self.run_tool_call(next))
+    }
+
+    fn boxed_model_call(&mut self) -> StepFuture<'_, ()> {
+        Box::pin(self.call_model())
     }
 
     /// A step boundary: stop here when the lease is gone or the worker is shutting down.
@@ -477,6 +512,13 @@ impl<'a> Attempt<'a> {
     fn complete(&self, answer: &str) -> Outcome {
         let mut variables = Map::new();
         variables.insert(self.def.result_variable.clone(), parse_answer(answer));
+        if self.def.approval != ApprovalPolicy::Never {
+            // Always written: the engine keeps the last value, and the gateway routes on it.
+            variables.insert(
+                self.def.approval_variables.status.clone(),
+                json!(approval::STATUS_DONE),
+            );
+        }
         variables.insert(
             "agentUsage".into(),
             json!({
@@ -485,6 +527,110 @@ impl<'a> Attempt<'a> {
                 "turns": self.state.turns,
                 "modelCalls": self.state.turns + self.unanswered_model_calls,
             }),
+        );
+        Outcome::Complete { variables }
+    }
+
+    /// Whether the first pending call may run now. A call that needs a person's approval
+    /// (`agent::approval`) and has no decision is journaled as requested and the task completes
+    /// asking for it; a redelivery of that same task asks again (no model call, nothing
+    /// performed); any other task of the run must carry the decision, which is journaled before
+    /// it is acted on. Approved: `true`, and the call runs as a keyed write. Refused: the model
+    /// reads who refused it and why (`false`: nothing performed). A call already started (its
+    /// key journaled) was approved before and only finishes.
+    async fn approval_gate(&mut self, next: &PendingCall) -> Step<bool> {
+        if next.started_key.is_some()
+            || self.def.approval == ApprovalPolicy::Never
+            || !next.call.arguments.is_object()
+        {
+            return Ok(true);
+        }
+        let call = &next.call;
+        // A call already put to a person needed approval then: no tool listing is needed to act
+        // on its decision (nothing but the store stands between the decision and the write).
+        if self.state.approval.is_none() {
+            let specs = self.tool_specs().await?;
+            let rules = ApprovalRules {
+                definition: self.def.approval.clone(),
+                servers: Vec::new(),
+            };
+            let needs = specs
+                .iter()
+                .find(|s| s.server == call.server && s.tool == call.tool)
+                .is_some_and(|spec| rules.needs_approval(spec));
+            if !needs {
+                // An unknown tool is answered by `run_tool_call` without performing anything.
+                return Ok(true);
+            }
+        }
+        match self.state.approval.clone() {
+            Some(ApprovalState::Decided(d)) if d.approved => {
+                tracing::info!(call_id = %call.call_id, "the call was approved; performing it");
+                Ok(true)
+            }
+            Some(ApprovalState::Decided(d)) => {
+                tracing::info!(call_id = %call.call_id, "the call was refused; the model is told");
+                // The refused call still has its `execute_tool` span: the model asked for it.
+                let span = spans::execute_tool(&spans::ToolSpan {
+                    server: &call.server,
+                    tool: &call.tool,
+                    call_id: &call.call_id,
+                });
+                let finished = self
+                    .finish_tool(&span, call, None, approval::refusal_result(call, &d))
+                    .instrument(span.clone())
+                    .await;
+                spans::record_tool_end(&span, Some("refused"), finished.is_err());
+                finished?;
+                Ok(false)
+            }
+            Some(ApprovalState::Requested { task_id, .. }) if task_id == self.task.id => {
+                Err(self.stop_for_approval(call))
+            }
+            Some(ApprovalState::Requested { .. }) => {
+                let decision = approval::read_decision(
+                    &self.task.variables,
+                    &self.def.approval_variables.decision,
+                    &call.call_id,
+                )
+                .map_err(|e| incident("the approval decision cannot be used", e.to_string()))?;
+                let seq = self.state.next_seq;
+                self.journal(journal::approval_decided_step(seq, &decision))
+                    .await?;
+                Ok(false)
+            }
+            None => {
+                let seq = self.state.next_seq;
+                self.journal(journal::approval_requested_step(seq, call, &self.task.id))
+                    .await?;
+                Err(self.stop_for_approval(call))
+            }
+        }
+    }
+
+    /// Completes the task asking a person about `call`: the status and the request variables,
+    /// `summary` the model's own text of the turn that asked for it.
+    fn stop_for_approval(&mut self, call: &crate::conversation::ToolCall) -> Outcome {
+        self.waiting_for_approval = true;
+        let summary = self.state.messages.iter().rev().find_map(|m| match m {
+            crate::conversation::Message::Assistant(a) => Some(a.text.clone().unwrap_or_default()),
+            _ => None,
+        });
+        let run_key = self
+            .store_run
+            .as_ref()
+            .map(|r| r.fence.run_key().to_string())
+            .unwrap_or_default();
+        tracing::info!(call_id = %call.call_id, server = %call.server, tool = %call.tool, run_key = %run_key, "a tool call waits for a person's approval; completing the task with the request");
+        let names = &self.def.approval_variables;
+        let mut variables = Map::new();
+        variables.insert(
+            names.status.clone(),
+            json!(approval::STATUS_APPROVAL_REQUIRED),
+        );
+        variables.insert(
+            names.request.clone(),
+            approval::approval_request(call, summary.as_deref(), &run_key),
         );
         Outcome::Complete { variables }
     }
@@ -909,8 +1055,16 @@ async fn claim_in_store(
     ctx: &TaskContext,
     def: &AgentDefinition,
 ) -> Step<(StoreRun, Vec<JournalStep>)> {
-    let run_key = RunKey::for_task(&task.id)
-        .map_err(|e| incident("the task cannot be kept in the run store", e.to_string()))?;
+    // A run that may wait for approval is keyed by its process visit, so the task carrying the
+    // decision finds it; any other by its task.
+    let run_key = if def.approval != ApprovalPolicy::Never {
+        let key = run_key::run_key(task, def.loop_counter_variable.as_deref())
+            .map_err(|e| incident("the task cannot wait for approval", e.to_string()))?;
+        RunKey::new(key)
+    } else {
+        RunKey::for_task(&task.id)
+    }
+    .map_err(|e| incident("the task cannot be kept in the run store", e.to_string()))?;
     let (instructions, input) = def
         .render(&task.variables)
         .map_err(|e| incident("the agent definition cannot be used", e.to_string()))?;

@@ -106,6 +106,7 @@ mod tests {
             description: String::new(),
             input_schema: json!({"type": "object"}),
             read_only: false,
+            destructive: false,
         }
     }
 

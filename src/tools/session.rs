@@ -340,6 +340,11 @@ fn to_spec(server: &str, tool: Tool) -> Option<ToolSpec> {
             .as_ref()
             .and_then(|a| a.read_only_hint)
             .unwrap_or(false),
+        destructive: tool
+            .annotations
+            .as_ref()
+            .and_then(|a| a.destructive_hint)
+            .unwrap_or(false),
     })
 }
 

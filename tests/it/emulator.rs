@@ -1510,3 +1510,334 @@ async fn the_reject_fault_refuses_a_command_with_the_engines_message() {
     assert_eq!(calls.last().unwrap().disposition, Disposition::Injected);
     assert_eq!(h.call(&format!("{id}/complete"), body).await.status, 200);
 }
+
+// ---- processes: the approval loop of the real engine ------------------------------------------
+
+impl Harness {
+    /// A call to the process or user-task API as `user` with `groups` (the engine's X-User and
+    /// X-Groups): status and JSON body.
+    async fn user_call(
+        &self,
+        method: reqwest::Method,
+        path_and_query: &str,
+        user: Option<(&str, &str)>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let mut request = self
+            .http
+            .request(method, format!("{}{path_and_query}", self.emu.base_url()));
+        if let Some((user, groups)) = user {
+            request = request.header("X-User", user).header("X-Groups", groups);
+        }
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.expect("request goes through");
+        let status = response.status().as_u16();
+        let body = response.json().await.unwrap_or(Value::Null);
+        (status, body)
+    }
+}
+
+const ALICE: Option<(&str, &str)> = Some(("alice", "refund-approvers"));
+const BOB: Option<(&str, &str)> = Some(("bob", "sales"));
+
+#[tokio::test]
+async fn an_approval_loops_back_to_the_agent_node_as_a_new_task_of_the_same_instance() {
+    let h = harness().await;
+    h.emu.deploy(engine::ProcessModel::refund_approval(Some(
+        json!({"name": "refund-agent"}),
+    )));
+    let (status, started) = h
+        .user_call(
+            reqwest::Method::POST,
+            "/v1/processes/start?processId=refundApproval",
+            None,
+            Some(json!({"orderId": "o-77", "amount": 900})),
+        )
+        .await;
+    assert_eq!(status, 200, "{started}");
+    let instance = started["processInstanceId"].as_str().unwrap().to_string();
+
+    let first = h.fetch_one("w1").await;
+    assert_eq!(first["processInstanceId"], instance.as_str());
+    assert_eq!(first["activityId"], "refundAgent");
+    assert_eq!(first["retries"], 3);
+    assert_eq!(first["variables"]["orderId"], "o-77");
+    assert_eq!(first["agent"]["name"], "refund-agent");
+    let request = json!({"callId": "call_1", "server": "orders", "tool": "refund", "arguments": {"amount": 900}});
+    let done = h
+        .call(
+            &format!("{}/complete", first["id"].as_str().unwrap()),
+            json!({"workerId": "w1", "variables": {"agentStatus": "approval-required", "agentApprovalRequest": request}}),
+        )
+        .await;
+    assert_eq!(done.status, 200, "{}", done.body);
+    let view = h.emu.process_instance(&instance).unwrap();
+    assert_eq!(view.current_activity_id, "approveRefund");
+    assert_eq!(view.status, engine::InstanceStatus::Running);
+    assert!(
+        h.fetch("w1", 10).await.is_empty(),
+        "the token waits at the user task"
+    );
+
+    // Only a candidate sees the task; anyone else sees nothing.
+    for caller in [BOB, None] {
+        let (status, listed) = h
+            .user_call(reqwest::Method::GET, "/v1/tasks", caller, None)
+            .await;
+        assert_eq!((status, listed), (200, json!([])));
+    }
+    let (_, listed) = h
+        .user_call(reqwest::Method::GET, "/v1/tasks", ALICE, None)
+        .await;
+    let user_task = &listed[0];
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    assert_eq!(user_task["name"], "Approve refund");
+    assert_eq!(user_task["taskDefinitionKey"], "approveRefund");
+    assert_eq!(user_task["status"], "AVAILABLE");
+    assert_eq!(user_task["candidateGroups"], json!(["refund-approvers"]));
+    assert_eq!(user_task["processInstanceId"], instance.as_str());
+    assert_eq!(user_task["variables"]["agentApprovalRequest"], request);
+    let user_task_id = user_task["id"].as_str().unwrap().to_string();
+
+    let (status, refused) = h
+        .user_call(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/claim?taskId={user_task_id}"),
+            BOB,
+            None,
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert_eq!(refused["code"], "ENGINE_COMMAND_REJECTED");
+    assert_eq!(
+        refused["message"],
+        format!("User bob is not eligible to claim task {user_task_id}")
+    );
+    let (status, claimed) = h
+        .user_call(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/claim?taskId={user_task_id}"),
+            ALICE,
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, claimed),
+        (200, json!({"status": "Claimed", "taskId": user_task_id}))
+    );
+    let decision = json!({"agentApproval": {"callId": "call_1", "approved": true, "comment": "OK, loyal customer", "decidedBy": "alice"}});
+    let complete_path = format!("/v1/tasks/complete?taskId={user_task_id}");
+    let (status, completed) = h
+        .user_call(
+            reqwest::Method::POST,
+            &complete_path,
+            ALICE,
+            Some(decision.clone()),
+        )
+        .await;
+    assert_eq!(
+        (status, completed),
+        (200, json!({"status": "Completed", "taskId": user_task_id}))
+    );
+    let (status, again) = h
+        .user_call(
+            reqwest::Method::POST,
+            &complete_path,
+            ALICE,
+            Some(decision.clone()),
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert_eq!(again["message"], "Task is already completed.");
+
+    // A NEW external task: new id, same instance and activity, every variable, the stale ones too.
+    let second = h.fetch_one("w2").await;
+    assert_ne!(second["id"], first["id"]);
+    assert_eq!(second["processInstanceId"], instance.as_str());
+    assert_eq!(second["activityId"], "refundAgent");
+    assert_eq!(second["retries"], 3);
+    assert_eq!(second["attempt"], 1);
+    assert_eq!(second["variables"]["agentStatus"], "approval-required");
+    assert_eq!(second["variables"]["agentApprovalRequest"], request);
+    assert_eq!(
+        second["variables"]["agentApproval"],
+        decision["agentApproval"]
+    );
+    assert_eq!(second["variables"]["amount"], 900);
+
+    // A second round: a candidate may complete without claiming.
+    let second_id = second["id"].as_str().unwrap();
+    h.call(
+        &format!("{second_id}/complete"),
+        json!({"workerId": "w2", "variables": {"agentStatus": "approval-required"}}),
+    )
+    .await;
+    let (_, listed) = h
+        .user_call(
+            reqwest::Method::GET,
+            "/v1/tasks?status=AVAILABLE",
+            ALICE,
+            None,
+        )
+        .await;
+    let next_user_task = listed[0]["id"].as_str().unwrap().to_string();
+    assert_ne!(next_user_task, user_task_id);
+    let (status, _) = h
+        .user_call(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/complete?taskId={next_user_task}"),
+            ALICE,
+            Some(json!({"agentApproval": {"callId": "call_2", "approved": false, "comment": "no", "decidedBy": "alice"}})),
+        )
+        .await;
+    assert_eq!(status, 200);
+
+    // `agentStatus = "done"` ends the instance.
+    let third = h.fetch_one("w1").await;
+    assert_eq!(third["variables"]["agentApproval"]["callId"], "call_2");
+    let done = h
+        .call(
+            &format!("{}/complete", third["id"].as_str().unwrap()),
+            json!({"workerId": "w1", "variables": {"agentStatus": "done", "agentResult": "refused"}}),
+        )
+        .await;
+    assert_eq!(done.status, 200);
+    let (status, ended) = h
+        .user_call(
+            reqwest::Method::GET,
+            &format!("/v1/processes/instances/{instance}"),
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(ended["status"], "COMPLETED");
+    assert_eq!(ended["currentActivityId"], "end");
+    assert_eq!(ended["variables"]["agentResult"], "refused");
+    assert!(h.fetch("w1", 10).await.is_empty());
+    let (_, open) = h
+        .user_call(
+            reqwest::Method::GET,
+            "/v1/tasks?status=AVAILABLE",
+            ALICE,
+            None,
+        )
+        .await;
+    assert_eq!(open, json!([]));
+}
+
+#[tokio::test]
+async fn a_gateway_that_routes_nowhere_refuses_the_completion_and_the_task_stays_locked() {
+    let h = harness().await;
+    let mut model = engine::ProcessModel::refund_approval(None);
+    for node in &mut model.nodes {
+        if let engine::NodeKind::ExclusiveGateway { default, .. } = &mut node.kind {
+            *default = None;
+        }
+    }
+    h.emu.deploy(model);
+    let instance = h
+        .emu
+        .start_process("refundApproval", serde_json::Map::new())
+        .unwrap();
+    let task = h.fetch_one("w1").await;
+    let id = task["id"].as_str().unwrap();
+    let refused = h
+        .call(
+            &format!("{id}/complete"),
+            json!({"workerId": "w1", "variables": {"agentStatus": "done"}}),
+        )
+        .await;
+    let message = assert_error(&refused, 400, "ENGINE_COMMAND_REJECTED", "/complete");
+    assert_eq!(
+        message,
+        "No matching condition and no default flow for gateway agentOutcome"
+    );
+    assert_eq!(h.emu.task(id).unwrap().status, TaskStatus::Locked);
+    assert_eq!(
+        h.emu
+            .process_instance(&instance)
+            .unwrap()
+            .current_activity_id,
+        "refundAgent"
+    );
+    let routed = h
+        .call(
+            &format!("{id}/complete"),
+            json!({"workerId": "w1", "variables": {"agentStatus": "approval-required"}}),
+        )
+        .await;
+    assert_eq!(routed.status, 200);
+    assert_eq!(
+        h.emu
+            .process_instance(&instance)
+            .unwrap()
+            .current_activity_id,
+        "approveRefund"
+    );
+}
+
+#[tokio::test]
+async fn unknown_processes_instances_and_user_tasks_are_refused_like_the_engine() {
+    let h = harness().await;
+    let (status, body) = h
+        .user_call(
+            reqwest::Method::POST,
+            "/v1/processes/start?processId=nope",
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert_eq!(body["code"], "ENGINE_COMMAND_REJECTED");
+    assert_eq!(body["message"], "Unknown process ID: nope");
+    let (status, body) = h
+        .user_call(
+            reqwest::Method::GET,
+            "/v1/processes/instances/pi-9",
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, body["code"].clone()),
+        (404, json!("RESOURCE_NOT_FOUND"))
+    );
+    let (status, body) = h
+        .user_call(
+            reqwest::Method::POST,
+            "/v1/tasks/claim?taskId=u-9",
+            ALICE,
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, body["message"].clone()),
+        (400, json!("Task not found: u-9"))
+    );
+    let (status, body) = h
+        .user_call(
+            reqwest::Method::POST,
+            "/v1/tasks/complete?taskId=u-9",
+            ALICE,
+            Some(json!([1])),
+        )
+        .await;
+    assert_eq!(
+        (status, body["code"].clone()),
+        (400, json!("INVALID_REQUEST"))
+    );
+    // A task created through the admin API belongs to no process: completing it moves nothing.
+    let id = h.emu.create_task(agent_task());
+    h.fetch_one("w1").await;
+    let done = h
+        .call(
+            &format!("{id}/complete"),
+            json!({"workerId": "w1", "variables": {"agentStatus": "approval-required"}}),
+        )
+        .await;
+    assert_eq!(done.status, 200);
+    assert!(h.fetch("w1", 10).await.is_empty());
+}

@@ -123,6 +123,7 @@ fn tools() -> Vec<ToolSpec> {
             description: String::new(),
             input_schema: json!({"type": "object"}),
             read_only: tool == "lookup_order",
+            destructive: false,
         })
         .collect()
 }

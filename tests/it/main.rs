@@ -1,6 +1,7 @@
 //! The integration test binary (one binary keeps link time down): one module per area.
 
 mod agent;
+mod approval;
 mod checker;
 mod content_keys;
 mod core_http;

@@ -158,6 +158,7 @@ fn tools() -> Vec<ToolSpec> {
                 "required": ["order_id"]
             }),
             read_only: true,
+            destructive: false,
         },
         ToolSpec {
             server: "orders".into(),
@@ -172,6 +173,7 @@ fn tools() -> Vec<ToolSpec> {
                 "required": ["order_id", "amount_cents"]
             }),
             read_only: false,
+            destructive: false,
         },
     ]
 }

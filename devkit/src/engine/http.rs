@@ -192,6 +192,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             post(api(Operation::ToolCredentials)),
         )
         .merge(super::admin::routes())
+        .merge(super::process_api::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(shared)

@@ -29,6 +29,7 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::ProtocolLevel;
+use super::process::{self, Caller, ProcessModel, Processes, Wait};
 use super::wire::{self, ApiError, Command};
 
 /// Idempotency records live this long, as in the engine.
@@ -300,8 +301,9 @@ pub(crate) struct EngineState {
     /// Keys in insertion order with their expiry, to drop expired records cheaply.
     idempotency_expiry: VecDeque<(i64, String)>,
     credentials: HashMap<String, Credential>,
-    /// Process instances by id; created running when a task first names one.
-    instances: HashMap<String, InstanceView>,
+    /// Deployed process models, every process instance (one record each, whether started from
+    /// a model or created running when a task first names it) and the user tasks (`process`).
+    processes: Processes,
     calls: VecDeque<CallRecord>,
 }
 
@@ -332,7 +334,7 @@ impl EngineState {
             idempotency: HashMap::new(),
             idempotency_expiry: VecDeque::new(),
             credentials: HashMap::new(),
-            instances: HashMap::new(),
+            processes: Processes::default(),
             calls: VecDeque::new(),
         }
     }
@@ -415,26 +417,27 @@ impl EngineState {
             journal: Vec::new(),
             counters: TaskCounters::default(),
         };
-        self.instances
+        self.processes
+            .instances
             .entry(task.process_instance_id.clone())
-            .or_insert(InstanceView {
-                status: InstanceStatus::Running,
-                suspended: false,
-            });
+            .or_insert_with(process::Instance::named_by_task);
         self.tasks.insert(number, task);
         self.index(number);
         id
     }
 
     pub fn instance_view(&self, id: &str) -> Option<InstanceView> {
-        self.instances.get(id).copied()
+        self.processes.instances.get(id).map(|i| InstanceView {
+            status: i.status,
+            suspended: i.suspended,
+        })
     }
 
     /// An operator's action on a process instance, refused with the engine's message where the
     /// engine refuses it. Its external tasks are not touched (as in the engine): they stay
     /// `OPEN`/`LOCKED` and are still handed out.
     pub fn instance_action(&mut self, id: &str, action: InstanceAction) -> Result<(), String> {
-        let Some(instance) = self.instances.get_mut(id) else {
+        let Some(instance) = self.processes.instances.get_mut(id) else {
             return Err(format!("Process instance not found: {id}"));
         };
         match action {
@@ -458,7 +461,7 @@ impl EngineState {
 
     /// The engine's `requireActive`: a suspended or ended instance refuses to move on.
     fn require_active(&self, instance_id: &str) -> Result<(), ApiError> {
-        let Some(instance) = self.instances.get(instance_id) else {
+        let Some(instance) = self.processes.instances.get(instance_id) else {
             return Ok(());
         };
         if instance.suspended {
@@ -813,12 +816,23 @@ impl EngineState {
         )?;
         self.require_active(&self.tasks[&number].process_instance_id)?;
         refuse_top_level_null(r.variables.as_ref())?;
+        let task = &self.tasks[&number];
+        let advance = self
+            .route(
+                &task.process_instance_id,
+                &task.activity_id,
+                r.variables.as_ref(),
+            )
+            .map_err(ApiError::rejected)?;
         self.unindex(number);
         if let Some(task) = self.tasks.get_mut(&number) {
             task.status = TaskStatus::Completed;
             task.lock_expiration = None;
             task.result_variables = Some(r.variables.clone().unwrap_or_default());
             task.counters.completes += 1;
+        }
+        if let Some(advance) = advance {
+            self.advance(advance);
         }
         Ok(Reply::empty(StatusCode::OK))
     }
@@ -868,7 +882,7 @@ impl EngineState {
         if let Some(instance) = self
             .tasks
             .get(&number)
-            .and_then(|t| self.instances.get_mut(&t.process_instance_id))
+            .and_then(|t| self.processes.instances.get_mut(&t.process_instance_id))
             && !instance.status.terminal()
         {
             // The engine's `failProcess`: the whole instance fails, suspended or not.
@@ -979,6 +993,173 @@ fn refuse_top_level_null(variables: Option<&Map<String, Value>>) -> Result<(), A
         return Err(ApiError::internal(StatusCode::INTERNAL_SERVER_ERROR));
     }
     Ok(())
+}
+
+/// A token about to move: the instance, its variables after the merge, where it comes to rest.
+struct Advance {
+    instance: String,
+    variables: Map<String, Value>,
+    wait: Wait,
+}
+
+/// Process instances (see `process`): starting them, and moving their token when one of their
+/// tasks completes.
+impl EngineState {
+    pub fn deploy(&mut self, model: ProcessModel) {
+        self.processes.models.insert(model.id.clone(), model);
+    }
+
+    /// The engine's start: the instance's token runs to its first waiting node.
+    pub fn start_process(
+        &mut self,
+        process_id: &str,
+        variables: Map<String, Value>,
+    ) -> Result<String, String> {
+        let model = self
+            .processes
+            .models
+            .get(process_id)
+            .ok_or_else(|| format!("Unknown process ID: {process_id}"))?;
+        let wait = process::walk(model, &model.start, &variables)?;
+        let start = model.start.clone();
+        let instance = self.processes.new_instance_id();
+        self.processes.instances.insert(
+            instance.clone(),
+            process::Instance::started(process::Token {
+                model: process_id.to_string(),
+                variables: Map::new(),
+                current: start,
+            }),
+        );
+        self.advance(Advance {
+            instance: instance.clone(),
+            variables,
+            wait,
+        });
+        Ok(instance)
+    }
+
+    /// Where the token of `instance` goes when its task at `activity_id` completes with
+    /// `variables`, without changing anything: `None` for a task outside any running process
+    /// instance (created through the admin API), `Err` with the engine's refusal.
+    fn route(
+        &self,
+        instance: &str,
+        activity_id: &str,
+        variables: Option<&Map<String, Value>>,
+    ) -> Result<Option<Advance>, String> {
+        let Some(state) = self
+            .processes
+            .instances
+            .get(instance)
+            .filter(|i| i.status == InstanceStatus::Running)
+            .and_then(|i| i.token.as_ref())
+        else {
+            return Ok(None);
+        };
+        let Some(model) = self.processes.models.get(&state.model) else {
+            return Ok(None);
+        };
+        let mut merged = state.variables.clone();
+        if let Some(variables) = variables {
+            merged.extend(variables.clone());
+        }
+        let next = process::next_of(model, activity_id)
+            .ok_or_else(|| format!("Process {} has no task {activity_id}", model.id))?;
+        let wait = process::walk(model, &next, &merged)?;
+        Ok(Some(Advance {
+            instance: instance.to_string(),
+            variables: merged,
+            wait,
+        }))
+    }
+
+    /// Moves the token: a new external task, a new user task, or the end.
+    fn advance(&mut self, advance: Advance) {
+        let Advance {
+            instance,
+            variables,
+            wait,
+        } = advance;
+        let user_task = self.processes.new_user_task(&instance, &wait);
+        let Some(record) = self.processes.instances.get_mut(&instance) else {
+            return;
+        };
+        if matches!(wait, Wait::End { .. }) {
+            record.status = InstanceStatus::Completed;
+        }
+        let Some(state) = record.token.as_mut() else {
+            return;
+        };
+        state.variables = variables;
+        match wait {
+            Wait::External {
+                activity_id,
+                topic,
+                agent,
+            } => {
+                state.current = activity_id.clone();
+                let spec = TaskSpec {
+                    topic: Some(topic),
+                    variables: state.variables.clone(),
+                    agent,
+                    // A new external task starts with the engine's default of 3.
+                    retries: Some(3),
+                    activity_id: Some(activity_id),
+                    process_instance_id: Some(instance),
+                    trace_parent: None,
+                };
+                self.create_task(spec);
+            }
+            Wait::User { activity_id, .. } => {
+                debug_assert!(user_task.is_some());
+                state.current = activity_id;
+            }
+            Wait::End { activity_id } => state.current = activity_id,
+        }
+    }
+
+    pub fn process_instance(&self, id: &str) -> Option<process::ProcessInstanceView> {
+        self.processes.instance_view(id)
+    }
+
+    pub fn user_tasks(
+        &self,
+        caller: &Caller,
+        status: Option<process::UserTaskStatus>,
+    ) -> Vec<process::UserTaskView> {
+        self.processes.visible_user_tasks(caller, status)
+    }
+
+    pub fn user_task(&self, id: &str) -> Option<process::UserTaskView> {
+        let task = self.processes.user_tasks.get(id)?;
+        Some(self.processes.user_task_view(task))
+    }
+
+    pub fn claim_user_task(&mut self, id: &str, caller: &Caller) -> Result<(), String> {
+        self.processes.claim(id, caller)
+    }
+
+    /// The engine's user-task completion: the variables are merged and the token moves on (or
+    /// nothing changes when the engine refuses).
+    pub fn complete_user_task(
+        &mut self,
+        id: &str,
+        caller: &Caller,
+        variables: Map<String, Value>,
+    ) -> Result<(), String> {
+        let (instance, activity_id) = self.processes.check_completion(id, caller)?;
+        self.require_active(&instance).map_err(|e| e.message)?;
+        let advance = self
+            .route(&instance, &activity_id, Some(&variables))?
+            .ok_or_else(|| format!("Process instance is not running: {instance}"))?;
+        if let Some(task) = self.processes.user_tasks.get_mut(id) {
+            task.status = process::UserTaskStatus::Completed;
+            task.assignee.get_or_insert_with(|| caller.user.clone());
+        }
+        self.advance(advance);
+        Ok(())
+    }
 }
 
 fn journal_conflict(message: String) -> ApiError {

@@ -1,0 +1,503 @@
+//! Process instances: the little of BPMN the approval flow needs, run the way the real engine
+//! 0.11 runs it (observed, /work/notes/real-engine.md §8). A [`ProcessModel`] is a graph of
+//! service tasks (an external task on a topic), user tasks, exclusive gateways and end events;
+//! an instance carries the process variables and waits at one node at a time.
+//!
+//! The engine's rules kept here:
+//! - completing an external task or a user task merges its variables into the instance (top
+//!   level, whole values replaced) and moves the token on; variables written earlier persist, so
+//!   a stale `agentStatus` routes again unless the worker sets it;
+//! - a gateway takes the first flow whose condition holds, in model order, else its default flow,
+//!   else the completion is refused with 400 "No matching condition and no default flow for
+//!   gateway {id}" and nothing changes (the external task stays locked);
+//! - reaching a service task creates a NEW external task: a new id, the same
+//!   `processInstanceId` and `activityId`, `retries` 3, every process variable; there is no loop
+//!   counter;
+//! - a user task is listed, claimed and completed through `/api/v1/tasks` (see `process_api`);
+//!   the caller is `X-User` with groups `X-Groups` (the engine's `disabled` security mode); a
+//!   candidate may complete without claiming.
+//!
+//! Honest limits: a condition is only `${variable == 'value'}` (string, number or boolean), not
+//! the engine's JavaScript; models are built in code (no BPMN parsing); a new external task has
+//! no `traceParent`.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use super::state::InstanceStatus;
+
+/// A process the emulator can start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcessModel {
+    /// The BPMN process id (`processId` of the start call).
+    pub id: String,
+    pub name: String,
+    /// The node the start event leads to.
+    pub start: String,
+    pub nodes: Vec<ProcessNode>,
+}
+
+/// One flow node, named by its BPMN element id (the `activityId` of its tasks).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcessNode {
+    pub id: String,
+    pub kind: NodeKind,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum NodeKind {
+    /// `camunda:topic`: an external task. `agent` is the agent/1 definition the emulator sends
+    /// with it (the real engine sends none).
+    ServiceTask {
+        topic: String,
+        agent: Option<Value>,
+        next: String,
+    },
+    UserTask {
+        name: String,
+        candidate_groups: Vec<String>,
+        next: String,
+    },
+    ExclusiveGateway {
+        flows: Vec<ConditionalFlow>,
+        default: Option<String>,
+    },
+    End,
+}
+
+/// `${variable == 'equals'}` leading to `target`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConditionalFlow {
+    pub variable: String,
+    pub equals: Value,
+    pub target: String,
+}
+
+impl ProcessModel {
+    /// The worked example `examples/refund-approval.bpmn` (process `refundApproval`): start →
+    /// `refundAgent` (topic `abada:agent`) → gateway `agentOutcome`: `${agentStatus ==
+    /// 'approval-required'}` → user task `approveRefund` "Approve refund" (candidate group
+    /// `refund-approvers`) → back to `refundAgent`; default → end.
+    pub fn refund_approval(agent: Option<Value>) -> Self {
+        let node = |id: &str, kind| ProcessNode {
+            id: id.into(),
+            kind,
+        };
+        ProcessModel {
+            id: "refundApproval".into(),
+            name: "Refund with approval".into(),
+            start: "refundAgent".into(),
+            nodes: vec![
+                node(
+                    "refundAgent",
+                    NodeKind::ServiceTask {
+                        topic: super::AGENT_TOPIC.into(),
+                        agent,
+                        next: "agentOutcome".into(),
+                    },
+                ),
+                node(
+                    "agentOutcome",
+                    NodeKind::ExclusiveGateway {
+                        flows: vec![ConditionalFlow {
+                            variable: "agentStatus".into(),
+                            equals: Value::from("approval-required"),
+                            target: "approveRefund".into(),
+                        }],
+                        default: Some("end".into()),
+                    },
+                ),
+                node(
+                    "approveRefund",
+                    NodeKind::UserTask {
+                        name: "Approve refund".into(),
+                        candidate_groups: vec!["refund-approvers".into()],
+                        next: "refundAgent".into(),
+                    },
+                ),
+                node("end", NodeKind::End),
+            ],
+        }
+    }
+
+    fn node(&self, id: &str) -> Option<&ProcessNode> {
+        self.nodes.iter().find(|n| n.id == id)
+    }
+}
+
+/// Where a token comes to rest.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Wait {
+    /// An external task to create.
+    External {
+        activity_id: String,
+        topic: String,
+        agent: Option<Value>,
+    },
+    User {
+        activity_id: String,
+        name: String,
+        candidate_groups: Vec<String>,
+    },
+    End {
+        activity_id: String,
+    },
+}
+
+/// At most this many gateways in a row: a model whose gateways route in a circle is refused
+/// instead of looping.
+const MAX_GATEWAY_HOPS: usize = 64;
+
+/// Follows the flow from `from` over gateways to the next node that waits.
+pub(crate) fn walk(
+    model: &ProcessModel,
+    from: &str,
+    variables: &Map<String, Value>,
+) -> Result<Wait, String> {
+    let mut id = from.to_string();
+    for _ in 0..MAX_GATEWAY_HOPS {
+        let node = model
+            .node(&id)
+            .ok_or_else(|| format!("Process {} has no flow node {id}", model.id))?;
+        match &node.kind {
+            NodeKind::ServiceTask { topic, agent, .. } => {
+                return Ok(Wait::External {
+                    activity_id: id,
+                    topic: topic.clone(),
+                    agent: agent.clone(),
+                });
+            }
+            NodeKind::UserTask {
+                name,
+                candidate_groups,
+                ..
+            } => {
+                return Ok(Wait::User {
+                    activity_id: id,
+                    name: name.clone(),
+                    candidate_groups: candidate_groups.clone(),
+                });
+            }
+            NodeKind::End => return Ok(Wait::End { activity_id: id }),
+            NodeKind::ExclusiveGateway { flows, default } => {
+                let taken = flows
+                    .iter()
+                    .find(|f| variables.get(&f.variable) == Some(&f.equals))
+                    .map(|f| f.target.clone())
+                    .or_else(|| default.clone());
+                id = taken.ok_or_else(|| {
+                    format!("No matching condition and no default flow for gateway {id}")
+                })?;
+            }
+        }
+    }
+    Err(format!(
+        "Process {} routes through more than {MAX_GATEWAY_HOPS} gateways in a row from {from}",
+        model.id
+    ))
+}
+
+/// The node after `activity_id` (a task's outgoing flow).
+pub(crate) fn next_of(model: &ProcessModel, activity_id: &str) -> Option<String> {
+    match &model.node(activity_id)?.kind {
+        NodeKind::ServiceTask { next, .. } | NodeKind::UserTask { next, .. } => Some(next.clone()),
+        _ => None,
+    }
+}
+
+/// A process instance, as `GET /api/v1/processes/instances/{id}` shows it.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProcessInstanceView {
+    pub id: String,
+    pub process_definition_id: String,
+    pub process_definition_name: String,
+    /// Where the token waits; the end event's id once completed.
+    pub current_activity_id: String,
+    pub status: InstanceStatus,
+    pub suspended: bool,
+    pub variables: Map<String, Value>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum UserTaskStatus {
+    Available,
+    Claimed,
+    Completed,
+}
+
+/// A user task, as `GET /api/v1/tasks` lists it (the engine's fields that a test or the demo
+/// reads; `variables` are the instance's at the time of listing).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UserTaskView {
+    pub id: String,
+    pub task_definition_key: String,
+    pub name: String,
+    pub assignee: Option<String>,
+    pub status: UserTaskStatus,
+    pub candidate_users: Vec<String>,
+    pub candidate_groups: Vec<String>,
+    pub process_instance_id: String,
+    pub process_definition_id: String,
+    pub process_status: InstanceStatus,
+    pub current_activity_id: String,
+    pub variables: Map<String, Value>,
+}
+
+pub(crate) struct UserTask {
+    pub id: String,
+    pub instance: String,
+    pub activity_id: String,
+    pub name: String,
+    pub candidate_groups: Vec<String>,
+    pub assignee: Option<String>,
+    pub status: UserTaskStatus,
+}
+
+impl UserTask {
+    /// The engine's eligibility: the assignee, else a member of a candidate group.
+    fn eligible(&self, user: &str, groups: &[String]) -> bool {
+        match &self.assignee {
+            Some(assignee) => assignee == user,
+            None => self.candidate_groups.iter().any(|g| groups.contains(g)),
+        }
+    }
+}
+
+/// A process instance: the one record of it, whether a deployed model started it or a task
+/// created through the admin API named it first. Operators suspend, cancel and fail it
+/// (`state::InstanceAction`); a model's token moves it to `Completed` at its end event.
+pub(crate) struct Instance {
+    pub status: InstanceStatus,
+    /// Separate from `status`, as in the engine: a suspended instance that a `bpmn-error` fails
+    /// shows `FAILED` and suspended.
+    pub suspended: bool,
+    /// The model and the token; `None` for an instance only a task named (no model, so a
+    /// `complete` does not end it).
+    pub token: Option<Token>,
+}
+
+/// Where a started instance's token is, and the process variables it carries.
+pub(crate) struct Token {
+    pub model: String,
+    pub variables: Map<String, Value>,
+    pub current: String,
+}
+
+impl Instance {
+    pub fn named_by_task() -> Self {
+        Instance {
+            status: InstanceStatus::Running,
+            suspended: false,
+            token: None,
+        }
+    }
+
+    pub fn started(token: Token) -> Self {
+        Instance {
+            token: Some(token),
+            ..Instance::named_by_task()
+        }
+    }
+}
+
+/// Every deployed model, instance and user task.
+#[derive(Default)]
+pub(crate) struct Processes {
+    pub models: HashMap<String, ProcessModel>,
+    pub instances: BTreeMap<String, Instance>,
+    pub user_tasks: BTreeMap<String, UserTask>,
+    next_instance: u64,
+    next_user_task: u64,
+}
+
+/// Who calls the user-task API: `X-User` and the comma-separated `X-Groups`.
+#[derive(Debug, Clone)]
+pub(crate) struct Caller {
+    pub user: String,
+    pub groups: Vec<String>,
+}
+
+impl Processes {
+    /// A fresh id, never one a task created through the admin API already named.
+    pub fn new_instance_id(&mut self) -> String {
+        loop {
+            self.next_instance += 1;
+            let id = format!("pi-{:06}", self.next_instance);
+            if !self.instances.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    pub fn new_user_task(&mut self, instance: &str, wait: &Wait) -> Option<String> {
+        let Wait::User {
+            activity_id,
+            name,
+            candidate_groups,
+        } = wait
+        else {
+            return None;
+        };
+        self.next_user_task += 1;
+        let id = format!("u-{:06}", self.next_user_task);
+        self.user_tasks.insert(
+            id.clone(),
+            UserTask {
+                id: id.clone(),
+                instance: instance.to_string(),
+                activity_id: activity_id.clone(),
+                name: name.clone(),
+                candidate_groups: candidate_groups.clone(),
+                assignee: None,
+                status: UserTaskStatus::Available,
+            },
+        );
+        Some(id)
+    }
+
+    pub fn instance_view(&self, id: &str) -> Option<ProcessInstanceView> {
+        let instance = self.instances.get(id)?;
+        let token = instance.token.as_ref()?;
+        let model = self.models.get(&token.model);
+        Some(ProcessInstanceView {
+            id: id.to_string(),
+            process_definition_id: token.model.clone(),
+            process_definition_name: model.map(|m| m.name.clone()).unwrap_or_default(),
+            current_activity_id: token.current.clone(),
+            status: instance.status,
+            suspended: instance.suspended,
+            variables: token.variables.clone(),
+        })
+    }
+
+    pub fn user_task_view(&self, task: &UserTask) -> UserTaskView {
+        let record = self.instances.get(&task.instance);
+        let instance = record.and_then(|i| i.token.as_ref());
+        UserTaskView {
+            id: task.id.clone(),
+            task_definition_key: task.activity_id.clone(),
+            name: task.name.clone(),
+            assignee: task.assignee.clone(),
+            status: task.status,
+            candidate_users: Vec::new(),
+            candidate_groups: task.candidate_groups.clone(),
+            process_instance_id: task.instance.clone(),
+            process_definition_id: instance.map(|i| i.model.clone()).unwrap_or_default(),
+            process_status: record.map_or(InstanceStatus::Completed, |i| i.status),
+            current_activity_id: instance.map(|i| i.current.clone()).unwrap_or_default(),
+            variables: instance.map(|i| i.variables.clone()).unwrap_or_default(),
+        }
+    }
+
+    /// The user tasks `caller` may see (eligible or assigned to them), optionally of one status.
+    pub fn visible_user_tasks(
+        &self,
+        caller: &Caller,
+        status: Option<UserTaskStatus>,
+    ) -> Vec<UserTaskView> {
+        self.user_tasks
+            .values()
+            .filter(|t| {
+                t.assignee.as_deref() == Some(caller.user.as_str())
+                    || t.candidate_groups.iter().any(|g| caller.groups.contains(g))
+            })
+            .filter(|t| status.is_none_or(|s| t.status == s))
+            .map(|t| self.user_task_view(t))
+            .collect()
+    }
+
+    /// The engine's claim rules.
+    pub fn claim(&mut self, id: &str, caller: &Caller) -> Result<(), String> {
+        let task = self
+            .user_tasks
+            .get_mut(id)
+            .ok_or_else(|| format!("Task not found: {id}"))?;
+        if task.status == UserTaskStatus::Completed {
+            return Err("Task is already completed.".into());
+        }
+        if !task.eligible(&caller.user, &caller.groups) {
+            return Err(format!(
+                "User {} is not eligible to claim task {id}",
+                caller.user
+            ));
+        }
+        task.assignee = Some(caller.user.clone());
+        task.status = UserTaskStatus::Claimed;
+        Ok(())
+    }
+
+    /// Checks that `caller` may complete user task `id`; returns its instance and activity.
+    pub fn check_completion(&self, id: &str, caller: &Caller) -> Result<(String, String), String> {
+        let task = self
+            .user_tasks
+            .get(id)
+            .ok_or_else(|| format!("Task not found: {id}"))?;
+        if task.status == UserTaskStatus::Completed {
+            return Err("Task is already completed.".into());
+        }
+        if !task.eligible(&caller.user, &caller.groups) {
+            return Err(format!(
+                "User {} is not eligible to complete task {id}",
+                caller.user
+            ));
+        }
+        Ok((task.instance.clone(), task.activity_id.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn vars(v: Value) -> Map<String, Value> {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn the_gateway_routes_on_agent_status_and_defaults_to_the_end() {
+        let model = ProcessModel::refund_approval(None);
+        let required = vars(json!({"agentStatus": "approval-required"}));
+        assert!(matches!(
+            walk(&model, "agentOutcome", &required),
+            Ok(Wait::User { ref activity_id, .. }) if activity_id == "approveRefund"
+        ));
+        for other in [json!({"agentStatus": "done"}), json!({})] {
+            assert_eq!(
+                walk(&model, "agentOutcome", &vars(other)),
+                Ok(Wait::End {
+                    activity_id: "end".into()
+                })
+            );
+        }
+        assert!(matches!(
+            walk(&model, "approveRefund", &required),
+            Ok(Wait::User { .. })
+        ));
+        assert_eq!(
+            next_of(&model, "approveRefund").as_deref(),
+            Some("refundAgent")
+        );
+    }
+
+    #[test]
+    fn a_gateway_without_match_or_default_and_a_gateway_circle_are_refused() {
+        let mut model = ProcessModel::refund_approval(None);
+        if let NodeKind::ExclusiveGateway { default, .. } = &mut model.nodes[1].kind {
+            *default = None;
+        }
+        assert_eq!(
+            walk(&model, "agentOutcome", &Map::new()),
+            Err("No matching condition and no default flow for gateway agentOutcome".into())
+        );
+        if let NodeKind::ExclusiveGateway { default, .. } = &mut model.nodes[1].kind {
+            *default = Some("agentOutcome".into());
+        }
+        assert!(walk(&model, "agentOutcome", &Map::new()).is_err());
+    }
+}

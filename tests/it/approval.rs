@@ -1,0 +1,498 @@
+//! Approval of tool calls (issue 14) end to end: the emulator runs the worked example's process
+//! (agent node, gateway on agentStatus, user task "Approve refund", back to the agent node) and
+//! the real runner works its agent tasks.
+//!
+//! The conversation waits in the run store (real PostgreSQL, `ABADA_TEST_DATABASE_URL`) under
+//! its process run key; without a store a definition that asks for approval is refused before
+//! anything is performed. The guarantees, each tested here: an approved write is performed
+//! exactly once, a refused one never, no model call made before the approval is paid again, and
+//! the request and decision survive a worker crash (a worker frozen between the decision and
+//! the write, whose lease another worker takes over).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use abada_agent_worker::devkit::engine::{
+    InstanceStatus, ProcessInstanceView, ProcessModel, ProtocolLevel, TaskStatus,
+};
+use abada_agent_worker::devkit::gate::{self, GatedEngine};
+use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerHandle, WorkerOptions};
+use abada_agent_worker::engine::TaskRef;
+use async_trait::async_trait;
+use serde_json::{Map, Value, json};
+
+use crate::store::TestDb;
+use crate::support::wait::eventually;
+
+#[tokio::test]
+async fn an_agent_asking_for_approval_without_a_run_store_is_an_incident_and_performs_nothing() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let mut agent = stack.refund_agent("openai/refund", &[]);
+    agent["approval"] = json!("writes");
+    stack
+        .engine
+        .deploy(ProcessModel::refund_approval(Some(agent)));
+    let mut variables = Map::new();
+    variables.insert("orderId".into(), json!("o-77"));
+    let instance = stack
+        .engine
+        .start_process("refundApproval", variables)
+        .unwrap();
+    let worker = stack.spawn_worker(WorkerOptions::new("w1", 2), Stack::fast_agent_settings());
+
+    let failed = tokio::time::timeout(
+        Duration::from_secs(20),
+        stack.engine.wait_for(|e| {
+            e.tasks()
+                .into_iter()
+                .find(|t| t.process_instance_id == instance && t.status == TaskStatus::Failed)
+        }),
+    )
+    .await
+    .expect("the task becomes an incident");
+    assert_eq!(failed.retries, Some(0));
+    let message = failed.error_message.clone().unwrap_or_default();
+    assert!(
+        message.contains("\"refund-agent\"")
+            && message.contains("approval")
+            && message.contains("run store")
+            && message.contains("nothing was performed"),
+        "{message}"
+    );
+    assert!(failed.journal.is_empty(), "no step was journaled");
+    assert_eq!(stack.model.total_calls(), 0, "no model call was paid");
+    assert_eq!(stack.tools.counters().await.writes_applied, 0);
+    let view = stack.engine.process_instance(&instance).unwrap();
+    assert_eq!(
+        view.current_activity_id, "refundAgent",
+        "the token did not move"
+    );
+    worker.stop().await;
+    stack.shutdown().await;
+}
+
+/// The emulator's model is the worked example's BPMN: same process, nodes, topic, condition,
+/// candidate group and flows (checked on the file's text; the emulator does not parse BPMN).
+#[test]
+fn the_emulated_model_is_the_worked_example_bpmn() {
+    use abada_agent_worker::devkit::engine::NodeKind;
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/refund-approval.bpmn");
+    let text = std::fs::read_to_string(path).expect("the example BPMN exists");
+    // The elements only, without the explaining comment.
+    let bpmn = match (text.find("<!--"), text.find("-->")) {
+        (Some(start), Some(end)) if start < end => format!("{}{}", &text[..start], &text[end..]),
+        _ => text,
+    };
+    let model = ProcessModel::refund_approval(None);
+    assert!(bpmn.contains(&format!(
+        r#"<bpmn:process id="{}" name="{}""#,
+        model.id, model.name
+    )));
+    assert!(bpmn.contains(&format!(
+        r#"<bpmn:sequenceFlow id="toAgent" sourceRef="start" targetRef="{}"/>"#,
+        model.start
+    )));
+    assert!(!bpmn.contains("camunda:type"), "refused by the engine");
+    for node in &model.nodes {
+        let id = &node.id;
+        match &node.kind {
+            NodeKind::ServiceTask { topic, next, .. } => {
+                assert!(bpmn.contains(&format!(
+                    r#"<bpmn:serviceTask id="{id}" name="Refund agent" camunda:topic="{topic}">"#
+                )));
+                assert!(bpmn.contains(&format!(r#"sourceRef="{id}" targetRef="{next}"/>"#)));
+            }
+            NodeKind::UserTask {
+                name,
+                candidate_groups,
+                next,
+            } => {
+                assert!(bpmn.contains(&format!(
+                    r#"<bpmn:userTask id="{id}" name="{name}" camunda:candidateGroups="{}">"#,
+                    candidate_groups.join(",")
+                )));
+                assert!(bpmn.contains(&format!(r#"sourceRef="{id}" targetRef="{next}"/>"#)));
+            }
+            NodeKind::ExclusiveGateway { flows, default } => {
+                assert!(bpmn.contains(&format!(
+                    r#"<bpmn:exclusiveGateway id="{id}" name="Agent status?" default="done">"#
+                )));
+                assert_eq!(default.as_deref(), Some("end"));
+                assert!(bpmn.contains(&format!(
+                    r#"<bpmn:sequenceFlow id="done" name="done" sourceRef="{id}" targetRef="end"/>"#
+                )));
+                for flow in flows {
+                    assert!(
+                        bpmn.contains(&format!(r#"sourceRef="{id}" targetRef="{}">"#, flow.target))
+                    );
+                    assert!(bpmn.contains(&format!(
+                        "${{{} == '{}'}}",
+                        flow.variable,
+                        flow.equals.as_str().unwrap()
+                    )));
+                }
+            }
+            NodeKind::End => assert!(bpmn.contains(&format!(r#"<bpmn:endEvent id="{id}""#))),
+        }
+    }
+}
+
+/// A worker whose heartbeats never reach the engine: frozen, as far as anybody can tell.
+struct HoldHeartbeats;
+
+#[async_trait]
+impl gate::Gate for HoldHeartbeats {
+    async fn before(&self, op: gate::Op<'_>, _task: Option<&TaskRef>) {
+        if matches!(op, gate::Op::Heartbeat) {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// The worked example's process on a stack whose worker keeps runs in the store at `url`; the
+/// refund agent asks for approval of every write (`issue_refund`; `lookup_order` is read-only).
+async fn approval_stack() -> Option<(TestDb, Stack)> {
+    let db = TestDb::create().await?;
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let mut agent = stack.refund_agent("openai/refund", &[]);
+    agent["approval"] = json!("writes");
+    stack
+        .engine
+        .deploy(ProcessModel::refund_approval(Some(agent)));
+    Some((db, stack))
+}
+
+fn store_worker(id: &str, db: &TestDb, lock: Duration) -> WorkerOptions {
+    let mut o = WorkerOptions::new(id, 2);
+    o.lock_duration = lock;
+    o.poll_interval = Duration::from_millis(50);
+    o.shutdown_grace = Duration::from_millis(200);
+    o.env = vec![("ABADA_AGENT_STORE_URL".into(), db.url.render())];
+    o
+}
+
+fn start_refund(stack: &Stack, order: &str) -> String {
+    let mut variables = Map::new();
+    variables.insert("orderId".into(), json!(order));
+    stack
+        .engine
+        .start_process("refundApproval", variables)
+        .unwrap()
+}
+
+async fn wait_instance(
+    stack: &Stack,
+    instance: &str,
+    what: &str,
+    check: impl Fn(&ProcessInstanceView) -> bool,
+) -> ProcessInstanceView {
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        stack
+            .engine
+            .wait_for(|e| e.process_instance(instance).filter(|v| check(v))),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "timed out waiting for {what}: {:?}",
+            stack.engine.process_instance(instance)
+        )
+    })
+}
+
+async fn wait_for_approval(stack: &Stack, instance: &str) -> ProcessInstanceView {
+    wait_instance(stack, instance, "the user task", |v| {
+        v.current_activity_id == "approveRefund"
+    })
+    .await
+}
+
+/// Completes the instance's "Approve refund" user task through the engine's user-task API as
+/// `user` (group `refund-approvers`), deciding the call the agent asked about.
+async fn decide(stack: &Stack, instance: &str, user: &str, approved: bool, comment: &str) {
+    let http = reqwest::Client::new();
+    let api = stack.engine.base_url();
+    let tasks: Vec<Value> = http
+        .get(format!("{api}/v1/tasks?status=AVAILABLE"))
+        .header("X-User", user)
+        .header("X-Groups", "refund-approvers")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let task = tasks
+        .iter()
+        .find(|t| t["processInstanceId"] == instance)
+        .expect("the user task is listed for an approver");
+    let call_id = task["variables"]["agentApprovalRequest"]["callId"].clone();
+    let decision = json!({"agentApproval": {
+        "callId": call_id, "approved": approved, "comment": comment, "decidedBy": user}});
+    let r = http
+        .post(format!(
+            "{api}/v1/tasks/complete?taskId={}",
+            task["id"].as_str().unwrap()
+        ))
+        .header("X-User", user)
+        .header("X-Groups", "refund-approvers")
+        .json(&decision)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+}
+
+async fn stop(worker: WorkerHandle) {
+    worker.stop().await;
+}
+
+/// The stop, the request and the approved write: the agent looks the order up (read-only, no
+/// approval), asks for `issue_refund`, and the task completes with the request and nothing
+/// performed; the decision arrives on a NEW task of the same node, whose run is found by its
+/// process run key; the write is performed once, and only the final answer is paid for.
+#[tokio::test]
+async fn an_approved_write_is_performed_exactly_once_and_nothing_is_paid_again() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let instance = start_refund(&stack, "o-1");
+    let worker = stack.spawn_worker(
+        store_worker("w1", &db, Duration::from_secs(10)),
+        Stack::fast_agent_settings(),
+    );
+    let waiting = wait_for_approval(&stack, &instance).await;
+    let request = &waiting.variables["agentApprovalRequest"];
+    assert_eq!(waiting.variables["agentStatus"], "approval-required");
+    assert_eq!(request["server"], "orders");
+    assert_eq!(request["tool"], "issue_refund");
+    assert_eq!(request["arguments"]["orderId"], "o-1");
+    assert!(request["callId"].as_str().is_some_and(|c| !c.is_empty()));
+    assert!(request["summary"].is_string(), "{request}");
+    assert_eq!(
+        request["runKey"],
+        format!("process/{instance}/refundAgent").as_str()
+    );
+    let c = stack.tools.counters().await;
+    assert_eq!(c.writes_applied, 0, "nothing performed before the decision");
+    assert_eq!(c.calls_per_tool.get("issue_refund"), None);
+    assert_eq!(stack.model.total_calls(), 2, "lookup turn, refund turn");
+
+    decide(&stack, &instance, "dana", true, "fine").await;
+    let done = wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    assert_eq!(done.variables["agentStatus"], "done");
+    assert_eq!(done.variables["refundDecision"]["decision"], "refunded");
+    let c = stack.tools.counters().await;
+    assert_eq!(c.writes_applied, 1);
+    assert_eq!(c.duplicates, 0);
+    assert_eq!(
+        stack.model.total_calls(),
+        3,
+        "only the answer after the write is paid; the two turns before the stop are not"
+    );
+    let keys: Vec<_> = stack
+        .tools
+        .calls()
+        .into_iter()
+        .filter(|c| c.tool == "issue_refund")
+        .map(|c| c.idempotency_key)
+        .collect();
+    assert_eq!(keys.len(), 1);
+    assert!(keys[0].is_some(), "the approved write is keyed");
+    // The run finished in the store once the engine took the final completion.
+    let runs = db
+        .count("SELECT count(*) FROM abada_agent_runs WHERE finished_at IS NULL")
+        .await;
+    assert_eq!(runs, 0, "no run left waiting");
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// A refusal: the write is never performed, the model reads who refused it and why (its answer
+/// quotes the tool result), and the process ends with `agentStatus = "done"`.
+#[tokio::test]
+async fn a_refused_write_is_never_performed_and_the_model_is_told_why() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let instance = start_refund(&stack, "o-2");
+    let worker = stack.spawn_worker(
+        store_worker("w1", &db, Duration::from_secs(10)),
+        Stack::fast_agent_settings(),
+    );
+    wait_for_approval(&stack, &instance).await;
+    decide(
+        &stack,
+        &instance,
+        "erin",
+        false,
+        "over the customer's limit",
+    )
+    .await;
+    let done = wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    assert_eq!(done.variables["agentStatus"], "done");
+    // The scripted model quotes the last tool result in its answer: the refusal it read.
+    let told = done.variables["refundDecision"].to_string();
+    assert!(
+        told.contains("erin refused it") && told.contains("over the customer's limit"),
+        "{told}"
+    );
+    let c = stack.tools.counters().await;
+    assert_eq!(c.writes_applied, 0);
+    assert_eq!(c.calls_per_tool.get("issue_refund"), None, "never sent");
+    assert_eq!(stack.model.total_calls(), 3);
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// A decision for another call, or none at all, is an incident naming the variable; nothing is
+/// performed.
+#[tokio::test]
+async fn a_decision_for_another_call_is_an_incident_naming_the_variable() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let instance = start_refund(&stack, "o-3");
+    let worker = stack.spawn_worker(
+        store_worker("w1", &db, Duration::from_secs(10)),
+        Stack::fast_agent_settings(),
+    );
+    wait_for_approval(&stack, &instance).await;
+    let http = reqwest::Client::new();
+    let api = stack.engine.base_url();
+    let tasks: Vec<Value> = http
+        .get(format!("{api}/v1/tasks?status=AVAILABLE"))
+        .header("X-User", "dana")
+        .header("X-Groups", "refund-approvers")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let task = tasks
+        .iter()
+        .find(|t| t["processInstanceId"] == instance)
+        .unwrap();
+    let r = http
+        .post(format!("{api}/v1/tasks/complete?taskId={}", task["id"].as_str().unwrap()))
+        .header("X-User", "dana")
+        .header("X-Groups", "refund-approvers")
+        .json(&json!({"agentApproval": {"callId": "not-this-one", "approved": true, "decidedBy": "dana"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let failed = tokio::time::timeout(
+        Duration::from_secs(30),
+        stack.engine.wait_for(|e| {
+            e.tasks()
+                .into_iter()
+                .find(|t| t.process_instance_id == instance && t.status == TaskStatus::Failed)
+        }),
+    )
+    .await
+    .expect("the second task becomes an incident");
+    assert_eq!(failed.retries, Some(0));
+    let message = failed.error_message.unwrap_or_default();
+    assert!(
+        message.contains("\"agentApproval\"") && message.contains("not-this-one"),
+        "{message}"
+    );
+    assert_eq!(stack.tools.counters().await.writes_applied, 0);
+    assert_eq!(stack.model.total_calls(), 2);
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// A worker frozen between the decision and the write: it journaled the decision and the
+/// write's key in the store and sent the write, which has not been applied (the tool server is
+/// slow), when its heartbeats stop reaching the engine. Its lease runs out; another worker takes
+/// the task, claims the run by its key, and performs the write under the same key: applied
+/// once. The request made before the crash is not asked again and no model call is repeated.
+#[tokio::test]
+async fn a_worker_killed_between_the_decision_and_the_write_performs_it_once_elsewhere() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let instance = start_refund(&stack, "o-4");
+    let w1 = stack.spawn_worker(
+        store_worker("w1", &db, Duration::from_secs(10)),
+        Stack::fast_agent_settings(),
+    );
+    wait_for_approval(&stack, &instance).await;
+    stop(w1).await;
+    // w2 freezes: no heartbeat reaches the engine, and its write hangs in the tool server.
+    stack.tools.set_latency(Duration::from_secs(5));
+    let w2 = stack.spawn_worker_with(
+        store_worker("w2", &db, Duration::from_millis(1500)),
+        Stack::fast_agent_settings(),
+        GatedEngine::wrapper(Arc::new(HoldHeartbeats)),
+    );
+    decide(&stack, &instance, "dana", true, "ok").await;
+    eventually(
+        Duration::from_secs(30),
+        "w2 to send the approved write",
+        async || stack.tools.calls().iter().any(|c| c.tool == "issue_refund"),
+    )
+    .await;
+    let decided = db
+        .count(
+            "SELECT count(*) FROM abada_agent_steps WHERE kind = 'approval' AND state = 'decided'",
+        )
+        .await;
+    assert_eq!(decided, 1, "the decision was journaled before the write");
+    assert_eq!(
+        stack.tools.counters().await.writes_applied,
+        0,
+        "not applied yet"
+    );
+    stack.tools.set_latency(Duration::ZERO);
+    let w3 = stack.spawn_worker(
+        store_worker("w3", &db, Duration::from_secs(10)),
+        Stack::fast_agent_settings(),
+    );
+    let done = wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    assert_eq!(done.variables["agentStatus"], "done");
+    stop(w2).await;
+    // w2's write, if the tool server still applies it, is a duplicate under the same key.
+    let calls: Vec<_> = stack
+        .tools
+        .calls()
+        .into_iter()
+        .filter(|c| c.tool == "issue_refund")
+        .collect();
+    assert!(calls.len() >= 2, "w3 sent the write again: {calls:?}");
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.idempotency_key == calls[0].idempotency_key),
+        "one key for the one approved write: {calls:?}"
+    );
+    assert_eq!(
+        stack.tools.counters().await.writes_applied,
+        1,
+        "applied once"
+    );
+    assert_eq!(
+        stack.model.total_calls(),
+        3,
+        "the two turns before the stop are not paid again"
+    );
+    stop(w3).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
