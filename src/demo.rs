@@ -6,12 +6,14 @@
 //! worker's lease expires, another resumes the task from its journal, the first is fenced off)
 //! and `rate-limit` (fallback model, then a deferral that keeps the task's retries). Each checks
 //! its own invariants; [`DemoReport::passed`] is the verdict. [`run`] serves both the binary and
-//! the tests.
+//! the tests. `takeover --store` tells the takeover on an engine without agent/1, kept durable by
+//! the PostgreSQL run store that `ABADA_AGENT_STORE_URL` names; every other run needs nothing.
 
 mod dev_engine;
 mod load;
 mod rate_limit;
 mod takeover;
+mod takeover_store;
 mod timeline;
 
 use std::collections::HashMap;
@@ -60,11 +62,48 @@ impl Scenario {
 }
 
 /// The demo's command line.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DemoArgs {
     pub scenario: Scenario,
     pub output: Output,
+    /// `--store`: the takeover on a plain v1 engine with this run store.
+    pub store: Option<DemoStore>,
 }
+
+/// The run store of `takeover --store`: a `postgres://` URL (it may hold a password, so it is
+/// printed redacted only).
+#[derive(Clone, PartialEq, Eq)]
+pub struct DemoStore {
+    url: String,
+    redacted: String,
+}
+
+impl DemoStore {
+    /// Checks the URL as the worker would (`ABADA_AGENT_STORE_URL`).
+    pub fn new(url: impl Into<String>) -> Result<DemoStore, ArgsError> {
+        let url = url.into();
+        let parsed = crate::store::StoreUrl::parse(&url)
+            .map_err(|e| ArgsError::BadStoreUrl(e.to_string()))?;
+        Ok(DemoStore {
+            redacted: parsed.redacted().to_string(),
+            url,
+        })
+    }
+
+    /// The URL with its password replaced.
+    pub fn redacted(&self) -> &str {
+        &self.redacted
+    }
+}
+
+impl std::fmt::Debug for DemoStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("DemoStore").field(&self.redacted).finish()
+    }
+}
+
+/// The variable `--store` reads the run store's URL from (the worker's own).
+pub const STORE_URL_VAR: &str = crate::config::ENV_STORE_URL;
 
 /// What is wrong with a command line.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -77,14 +116,26 @@ pub enum ArgsError {
     Unknown(String),
     #[error("--addr {0:?} is not an address like 127.0.0.1:5601")]
     BadAddr(String),
+    #[error(
+        "--store keeps the takeover's run in the PostgreSQL that ABADA_AGENT_STORE_URL names, and it is not set; \
+         set it to a database the demo may create its tables in (e.g. postgres://user:password@127.0.0.1:5432/abada_demo), \
+         or leave --store out: the demo needs no database without it"
+    )]
+    StoreWithoutUrl,
+    #[error("ABADA_AGENT_STORE_URL {0}")]
+    BadStoreUrl(String),
+    #[error("--store applies to --scenario takeover only, not {0}")]
+    StoreScenario(&'static str),
 }
 
 pub const DEMO_USAGE: &str = "\
-usage: abada-agent-worker demo [--scenario load|takeover|rate-limit] [--json]
+usage: abada-agent-worker demo [--scenario load|takeover|rate-limit] [--store] [--json]
 
   --scenario   load (default): 20 refund tasks, two workers of 4 slots
                takeover: a frozen worker's lease expires, another resumes from the journal
                rate-limit: fallback model on 429, then a deferral that keeps the retries
+  --store      takeover on an engine without agent/1 (0.11), the journal in the PostgreSQL run
+               store that ABADA_AGENT_STORE_URL names; the store fences the frozen worker
   --json       one JSON object per event, then a summary object
 
 Exits 0 when every check of the scenario passes, 1 otherwise.";
@@ -108,10 +159,16 @@ fn flag_value<'a>(
         .ok_or(ArgsError::MissingValue(flag))
 }
 
-/// Parses the arguments after `demo`. `color` says whether stdout is a terminal.
-pub fn parse_demo_args(args: &[String], color: bool) -> Result<DemoArgs, ArgsError> {
+/// Parses the arguments after `demo`. `color` says whether stdout is a terminal; `store_url` is
+/// `ABADA_AGENT_STORE_URL`, used with `--store` only.
+pub fn parse_demo_args(
+    args: &[String],
+    color: bool,
+    store_url: Option<String>,
+) -> Result<DemoArgs, ArgsError> {
     let mut scenario = Scenario::Load;
     let mut json = false;
+    let mut store = false;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let (flag, inline) = split_flag(arg);
@@ -121,11 +178,21 @@ pub fn parse_demo_args(args: &[String], color: bool) -> Result<DemoArgs, ArgsErr
                 scenario = Scenario::parse(&value).ok_or(ArgsError::UnknownScenario(value))?;
             }
             "--json" if inline.is_none() => json = true,
+            "--store" if inline.is_none() => store = true,
             _ => return Err(ArgsError::Unknown(arg.clone())),
         }
     }
+    let store = match (store, store_url.filter(|u| !u.trim().is_empty())) {
+        (false, _) => None,
+        (true, _) if scenario != Scenario::Takeover => {
+            return Err(ArgsError::StoreScenario(scenario.name()));
+        }
+        (true, None) => return Err(ArgsError::StoreWithoutUrl),
+        (true, Some(url)) => Some(DemoStore::new(url)?),
+    };
     Ok(DemoArgs {
         scenario,
+        store,
         output: if json {
             Output::Json
         } else {
@@ -214,14 +281,17 @@ pub enum DemoError {
         what: String,
         seconds: u64,
     },
+    #[error("the demo could not be set up: {0}")]
+    Setup(String),
 }
 
 /// Runs one scenario to its verdict, printing its timeline as it goes (per `args.output`).
 pub async fn run(args: DemoArgs) -> Result<DemoReport, DemoError> {
-    let report = match args.scenario {
-        Scenario::Load => load::run(args.output).await?,
-        Scenario::Takeover => takeover::run(args.output).await?,
-        Scenario::RateLimit => rate_limit::run(args.output).await?,
+    let report = match (args.scenario, &args.store) {
+        (Scenario::Takeover, Some(store)) => takeover_store::run(args.output, store).await?,
+        (Scenario::Load, _) => load::run(args.output).await?,
+        (Scenario::Takeover, None) => takeover::run(args.output).await?,
+        (Scenario::RateLimit, _) => rate_limit::run(args.output).await?,
     };
     Timeline::print_summary(args.output, &report);
     Ok(report)
@@ -234,7 +304,8 @@ pub fn cli_demo(args: &[String]) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let color = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    let args = match parse_demo_args(args, color) {
+    let store_url = std::env::var(STORE_URL_VAR).ok();
+    let args = match parse_demo_args(args, color, store_url) {
         Ok(a) => a,
         Err(e) => {
             eprintln!("abada-agent-worker demo: {e}\n\n{DEMO_USAGE}");
@@ -653,26 +724,64 @@ mod tests {
 
     #[test]
     fn the_command_line_is_parsed_by_hand() {
-        let a = parse_demo_args(&args(&[]), true).unwrap();
+        let a = parse_demo_args(&args(&[]), true, None).unwrap();
         assert_eq!(a.scenario, Scenario::Load);
         assert_eq!(a.output, Output::Human { color: true });
-        let a = parse_demo_args(&args(&["--scenario", "takeover", "--json"]), true).unwrap();
+        let a = parse_demo_args(&args(&["--scenario", "takeover", "--json"]), true, None).unwrap();
         assert_eq!(a.scenario, Scenario::Takeover);
         assert_eq!(a.output, Output::Json);
-        let a = parse_demo_args(&args(&["--scenario=rate-limit"]), false).unwrap();
+        let a = parse_demo_args(&args(&["--scenario=rate-limit"]), false, None).unwrap();
         assert_eq!(a.scenario, Scenario::RateLimit);
         assert_eq!(
-            parse_demo_args(&args(&["--scenario", "chaos"]), false),
+            parse_demo_args(&args(&["--scenario", "chaos"]), false, None),
             Err(ArgsError::UnknownScenario("chaos".into()))
         );
         assert_eq!(
-            parse_demo_args(&args(&["--scenario"]), false),
+            parse_demo_args(&args(&["--scenario"]), false, None),
             Err(ArgsError::MissingValue("--scenario"))
         );
         assert_eq!(
-            parse_demo_args(&args(&["--fast"]), false),
+            parse_demo_args(&args(&["--fast"]), false, None),
             Err(ArgsError::Unknown("--fast".into()))
         );
+    }
+
+    #[test]
+    fn store_needs_the_takeover_and_a_url_and_never_prints_the_password() {
+        let url = Some("postgres://abada:s3cret@127.0.0.1:5432/abada_demo".to_string());
+        // Without --store the variable is not even read.
+        let a = parse_demo_args(&args(&["--scenario", "takeover"]), false, url.clone()).unwrap();
+        assert_eq!(a.store, None);
+        let a = parse_demo_args(
+            &args(&["--scenario", "takeover", "--store"]),
+            false,
+            url.clone(),
+        )
+        .unwrap();
+        let store = a.store.unwrap();
+        assert!(!store.redacted().contains("s3cret"), "{}", store.redacted());
+        assert!(!format!("{store:?}").contains("s3cret"));
+        assert_eq!(
+            parse_demo_args(&args(&["--scenario", "takeover", "--store"]), false, None),
+            Err(ArgsError::StoreWithoutUrl)
+        );
+        assert!(
+            ArgsError::StoreWithoutUrl
+                .to_string()
+                .contains("ABADA_AGENT_STORE_URL")
+        );
+        assert_eq!(
+            parse_demo_args(&args(&["--store"]), false, url.clone()),
+            Err(ArgsError::StoreScenario("load"))
+        );
+        let bad = parse_demo_args(
+            &args(&["--scenario", "takeover", "--store"]),
+            false,
+            Some("mysql://root:s3cret@db/x".into()),
+        )
+        .unwrap_err();
+        assert!(matches!(bad, ArgsError::BadStoreUrl(_)), "{bad}");
+        assert!(!bad.to_string().contains("s3cret"), "{bad}");
     }
 
     #[test]

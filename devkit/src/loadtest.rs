@@ -11,6 +11,12 @@
 //!   free; pickup latency is creation to the task's first request (its journal read).
 //! - [`Scenario::Idle`]: no tasks; requests per second and RSS of an idle worker.
 //!
+//! With [`LoadOptions::store`] set, the engine is the plain v1 engine (the emulator's 0.11 mode:
+//! no agent/1, no definition on tasks), the agent comes from an agents file and its tool server
+//! from a registry file, the worker keeps its journal in that PostgreSQL run store, and a backlog
+//! run also reads the worker's `/metrics` at its end: store transaction durations per operation
+//! (`store_*` figures), the wait for a pooled connection and the store's errors.
+//!
 //! The floor client ([`run_floor_client`]) makes, per task, exactly the HTTP requests the worker
 //! makes for a one-turn agent task (journal read, two journal appends, one model call, complete)
 //! with the same fetch pattern and the same number of slots, and nothing else: its CPU per task
@@ -31,6 +37,7 @@ use serde_json::{Value, json};
 use super::engine::{CallRecord, Disposition, Fault, Operation, TaskSpec, TaskStatus};
 use super::model::{Script, Turn};
 use super::stack::{ORDERS_SERVER, Stack};
+use super::tools::{StaticTokens, ToolServer, ToolServerOptions};
 
 /// The scripted model every benchmark task calls.
 pub const BENCH_MODEL: &str = "bench";
@@ -69,6 +76,28 @@ pub struct LoadOptions {
     /// Size of the text each tool call sends and gets back, so conversations have a realistic
     /// weight.
     pub payload_bytes: usize,
+    /// Waited by the tool server before every tool call's answer.
+    pub tool_latency: Duration,
+    /// Runs the worker on a plain v1 engine with its journal in this run store.
+    pub store: Option<StoreTarget>,
+}
+
+/// The run store a worker under load keeps its journal in.
+#[derive(Clone)]
+pub struct StoreTarget {
+    /// `postgres://` URL; may hold a password, so it is never printed.
+    pub url: String,
+    /// `ABADA_AGENT_STORE_POOL_SIZE`; `None` keeps the worker's default.
+    pub pool_size: Option<u32>,
+}
+
+impl std::fmt::Debug for StoreTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreTarget")
+            .field("url", &"<redacted>")
+            .field("pool_size", &self.pool_size)
+            .finish()
+    }
 }
 
 impl Default for LoadOptions {
@@ -83,6 +112,8 @@ impl Default for LoadOptions {
             lock_duration: Duration::from_secs(60),
             poll_interval: Duration::from_millis(1000),
             payload_bytes: 200,
+            tool_latency: Duration::ZERO,
+            store: None,
         }
     }
 }
@@ -102,6 +133,16 @@ pub enum LoadError {
     Child(String),
     #[error("the floor client supports one-turn tasks only (tool calls 0), got {0}")]
     FloorWithTools(u32),
+    #[error("the floor client speaks agent/1 only; a run store needs the worker")]
+    FloorWithStore,
+    #[error("cannot write the {what} file of a store run: {source}")]
+    Files {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the worker's /metrics could not be read: {0}")]
+    Metrics(String),
 }
 
 /// One named figure of a run.
@@ -280,7 +321,9 @@ impl Drop for ChildGuard {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
-        let _ = std::fs::remove_file(&self.log);
+        if std::env::var_os("ABADA_LOADTEST_KEEP_LOG").is_none() {
+            let _ = std::fs::remove_file(&self.log);
+        }
     }
 }
 
@@ -290,6 +333,7 @@ fn spawn_child(
     which: &ChildProgram,
     stack: &Stack,
     opts: &LoadOptions,
+    files: Option<&StoreFiles>,
 ) -> Result<ChildGuard, LoadError> {
     let n = RUN_COUNTER.fetch_add(1, Ordering::Relaxed);
     let log = std::env::temp_dir().join(format!("abada-loadtest-{}-{n}.log", std::process::id()));
@@ -321,7 +365,16 @@ fn spawn_child(
                 )
                 .env("ABADA_AGENT_HTTP_ADDR", "127.0.0.1:0")
                 .env("ABADA_AGENT_LOG_FORMAT", "json")
-                .env("RUST_LOG", "warn");
+                // The admin endpoints' address (an info line) is how a store run finds /metrics.
+                .env("RUST_LOG", "warn,abada_agent_worker::app=info");
+            if let (Some(store), Some(files)) = (&opts.store, files) {
+                cmd.env("ABADA_AGENT_STORE_URL", &store.url)
+                    .env("ABADA_AGENT_AGENTS_FILE", &files.agents)
+                    .env("ABADA_AGENT_TOOLS_FILE", &files.tools);
+                if let Some(size) = store.pool_size {
+                    cmd.env("ABADA_AGENT_STORE_POOL_SIZE", size.to_string());
+                }
+            }
             cmd
         }
         ChildProgram::Floor { program, args } => {
@@ -392,12 +445,57 @@ async fn wait_first_fetch(stack: &Stack, child: &mut ChildGuard) -> Result<(), L
 
 /// Runs one scenario against `which` and returns its figures.
 pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, LoadError> {
-    if matches!(which, ChildProgram::Floor { .. }) && opts.tool_calls > 0 {
-        return Err(LoadError::FloorWithTools(opts.tool_calls));
+    if matches!(which, ChildProgram::Floor { .. }) {
+        if opts.tool_calls > 0 {
+            return Err(LoadError::FloorWithTools(opts.tool_calls));
+        }
+        if opts.store.is_some() {
+            return Err(LoadError::FloorWithStore);
+        }
     }
     let ticks = clock_ticks();
-    let stack = Stack::start(super::engine::ProtocolLevel::AgentV1).await?;
+    let protocol = if opts.store.is_some() {
+        super::engine::ProtocolLevel::PlainV1
+    } else {
+        super::engine::ProtocolLevel::AgentV1
+    };
+    let stack = Stack::start(protocol).await?;
     stack.model.set_script(BENCH_MODEL, bench_script(opts));
+    stack.tools.set_latency(opts.tool_latency);
+    // A plain engine issues no tool credential: the store run's tool server takes none, and the
+    // worker finds it in its registry.
+    let store_tools = match &opts.store {
+        None => None,
+        Some(_) => {
+            let server = ToolServer::start(
+                ToolServerOptions::new(ORDERS_SERVER, Arc::new(StaticTokens::default()))
+                    .anonymous(),
+            )
+            .await
+            .map_err(super::stack::StackError::from)?;
+            server.set_latency(opts.tool_latency);
+            Some(server)
+        }
+    };
+    let files = match &store_tools {
+        Some(server) => Some(StoreFiles::write(&server.url(), opts)?),
+        None => None,
+    };
+    let result = run_on(which, opts, &stack, files.as_ref(), ticks).await;
+    if let Some(server) = store_tools {
+        server.shutdown().await;
+    }
+    stack.shutdown().await;
+    result
+}
+
+async fn run_on(
+    which: &ChildProgram,
+    opts: &LoadOptions,
+    stack: &Stack,
+    files: Option<&StoreFiles>,
+    ticks: f64,
+) -> Result<Figures, LoadError> {
     if !opts.engine_latency.is_zero() {
         for operation in [
             Operation::FetchAndLock,
@@ -417,8 +515,8 @@ pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, Lo
         }
     }
     let started = Instant::now();
-    let mut child = spawn_child(which, &stack, opts)?;
-    wait_first_fetch(&stack, &mut child).await?;
+    let mut child = spawn_child(which, stack, opts, files)?;
+    wait_first_fetch(stack, &mut child).await?;
     let to_first_fetch = started.elapsed();
     let pid = child.pid();
     let mut figures = Figures::default();
@@ -427,13 +525,14 @@ pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, Lo
         "ms",
         to_first_fetch.as_secs_f64() * 1000.0,
     );
-    let result = match opts.scenario {
-        Scenario::Backlog => backlog(&stack, &mut child, opts, ticks, &mut figures).await,
-        Scenario::Pickup => pickup(&stack, &mut child, opts, &mut figures).await,
-        Scenario::Idle { duration } => {
-            idle(&stack, &mut child, duration, ticks, &mut figures).await
-        }
+    let mut result = match opts.scenario {
+        Scenario::Backlog => backlog(stack, &mut child, opts, ticks, &mut figures).await,
+        Scenario::Pickup => pickup(stack, &mut child, opts, &mut figures).await,
+        Scenario::Idle { duration } => idle(stack, &mut child, duration, ticks, &mut figures).await,
     };
+    if result.is_ok() && opts.store.is_some() {
+        result = store_figures(&child, opts, &mut figures).await;
+    }
     figures.put(
         "rss_peak",
         "MB",
@@ -445,8 +544,215 @@ pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, Lo
     for line in problems.iter().take(3) {
         eprintln!("child: {line}");
     }
-    stack.shutdown().await;
     result.map(|()| figures)
+}
+
+/// The agents and registry files of a store run, deleted when dropped.
+struct StoreFiles {
+    dir: PathBuf,
+    agents: PathBuf,
+    tools: PathBuf,
+}
+
+impl StoreFiles {
+    /// The benchmark agent (as [`bench_agent`] sends it on agent/1) for the task topic, and the
+    /// tool server at `tools_url` registered without a credential.
+    fn write(tools_url: &str, opts: &LoadOptions) -> Result<StoreFiles, LoadError> {
+        let n = RUN_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("abada-loadtest-store-{}-{n}", std::process::id()));
+        let files = StoreFiles {
+            agents: dir.join("agents.toml"),
+            tools: dir.join("tools.toml"),
+            dir,
+        };
+        let io = |what| move |source| LoadError::Files { what, source };
+        std::fs::create_dir_all(&files.dir).map_err(io("directory"))?;
+        let servers = if opts.tool_calls > 0 {
+            format!("toolServers = [\"{ORDERS_SERVER}\"]\n")
+        } else {
+            String::new()
+        };
+        std::fs::write(
+            &files.agents,
+            format!(
+                "[agents.\"{TOPIC}\"]\nname = \"bench-agent\"\nmodel = \"openai/{BENCH_MODEL}\"\n\
+                 instructions = \"You answer benchmark requests with JSON.\"\ninput = \"${{orderId}}\"\n\
+                 maxTurns = {}\nresultVariable = \"agentResult\"\n{servers}",
+                opts.tool_calls + 2
+            ),
+        )
+        .map_err(io("agents"))?;
+        std::fs::write(
+            &files.tools,
+            format!("[servers.{ORDERS_SERVER}]\nurl = \"{tools_url}\"\nauth = \"none\"\n"),
+        )
+        .map_err(io("tool registry"))?;
+        Ok(files)
+    }
+}
+
+impl Drop for StoreFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The store's own figures from the worker's `/metrics`, read at the end of the run: per
+/// operation the transaction count and duration (p50 and p99 interpolated within the
+/// histogram's factor-2 buckets, as Prometheus' `histogram_quantile` does; the mean exact),
+/// transactions per task, the wait for a pooled connection, and the store's errors.
+async fn store_figures(
+    child: &ChildGuard,
+    opts: &LoadOptions,
+    figures: &mut Figures,
+) -> Result<(), LoadError> {
+    let addr = std::fs::read_to_string(&child.log)
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            let rest = l.split_once("\"admin_addr\":\"")?.1;
+            Some(rest.split_once('"')?.0.to_string())
+        })
+        .ok_or_else(|| LoadError::Metrics("the worker logged no admin_addr".into()))?;
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .map_err(|e| LoadError::Metrics(e.to_string()))?
+        .text()
+        .await
+        .map_err(|e| LoadError::Metrics(e.to_string()))?;
+    let name = "abada_agent_store_transaction_duration_seconds";
+    let ms = |v: f64| v * 1000.0;
+    let mut transactions = 0.0;
+    for (op, [count, p50, p99, mean]) in [
+        (
+            "claim",
+            [
+                "store_claim_count",
+                "store_claim_p50",
+                "store_claim_p99",
+                "store_claim_mean",
+            ],
+        ),
+        (
+            "append",
+            [
+                "store_append_count",
+                "store_append_p50",
+                "store_append_p99",
+                "store_append_mean",
+            ],
+        ),
+        (
+            "finish",
+            [
+                "store_finish_count",
+                "store_finish_p50",
+                "store_finish_p99",
+                "store_finish_mean",
+            ],
+        ),
+    ] {
+        let h = Histogram::parse(&text, name, &format!("operation=\"{op}\""));
+        transactions += h.count;
+        figures.put(count, "tx", h.count);
+        figures.put(p50, "ms", ms(h.quantile(0.50)));
+        figures.put(p99, "ms", ms(h.quantile(0.99)));
+        figures.put(mean, "ms", ms(h.sum / h.count));
+    }
+    figures.put(
+        "store_tx_per_task",
+        "tx",
+        transactions / f64::from(opts.tasks.max(1)),
+    );
+    let wait = Histogram::parse(&text, "abada_agent_store_pool_wait_seconds", "");
+    figures.put("store_pool_wait_p50", "ms", ms(wait.quantile(0.50)));
+    figures.put("store_pool_wait_p99", "ms", ms(wait.quantile(0.99)));
+    let errors: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("abada_agent_store_errors_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |a, b| a + b);
+    figures.put("store_errors", "count", errors);
+    Ok(())
+}
+
+/// One histogram (one label set) of a Prometheus text exposition.
+#[derive(Debug, Default, PartialEq)]
+pub struct Histogram {
+    /// (upper bound, cumulative count), in order; the last bound is `+Inf`.
+    pub buckets: Vec<(f64, f64)>,
+    pub sum: f64,
+    pub count: f64,
+}
+
+impl Histogram {
+    /// The series of `name` whose labels contain `labels` (`""`: the unlabelled one).
+    pub fn parse(text: &str, name: &str, labels: &str) -> Histogram {
+        let mut h = Histogram::default();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((series, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let Ok(value) = value.parse::<f64>() else {
+                continue;
+            };
+            let (metric, set) = match series.split_once('{') {
+                Some((m, rest)) => (m, rest.trim_end_matches('}')),
+                None => (series, ""),
+            };
+            let others: Vec<&str> = set
+                .split(',')
+                .filter(|l| !l.is_empty() && !l.starts_with("le="))
+                .collect();
+            if others.join(",") != labels {
+                continue;
+            }
+            match metric.strip_prefix(name) {
+                Some("_bucket") => {
+                    let le = set
+                        .split(',')
+                        .find_map(|l| l.strip_prefix("le=\""))
+                        .map(|v| v.trim_end_matches('"'));
+                    let bound = match le {
+                        Some("+Inf") => f64::INFINITY,
+                        Some(v) => v.parse().unwrap_or(f64::NAN),
+                        None => continue,
+                    };
+                    h.buckets.push((bound, value));
+                }
+                Some("_sum") => h.sum = value,
+                Some("_count") => h.count = value,
+                _ => {}
+            }
+        }
+        h
+    }
+
+    /// The `q` quantile (0..=1), linear within its bucket; the largest finite bound when it
+    /// falls in `+Inf`; NaN without observations.
+    pub fn quantile(&self, q: f64) -> f64 {
+        let total = self.buckets.last().map_or(0.0, |b| b.1);
+        if total <= 0.0 {
+            return f64::NAN;
+        }
+        let rank = q * total;
+        let mut lower = (0.0, 0.0);
+        for &(bound, cumulative) in &self.buckets {
+            if cumulative >= rank {
+                if bound.is_infinite() {
+                    return lower.0;
+                }
+                let width = cumulative - lower.1;
+                if width <= 0.0 {
+                    return bound;
+                }
+                return lower.0 + (bound - lower.0) * (rank - lower.1) / width;
+            }
+            lower = (bound, cumulative);
+        }
+        lower.0
+    }
 }
 
 async fn idle(
@@ -895,4 +1201,40 @@ async fn floor_task(http: &reqwest::Client, base: &str, model_url: &str, task: &
         true,
     )
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Histogram;
+
+    const TEXT: &str = "\
+# HELP abada_agent_store_transaction_duration_seconds x
+abada_agent_store_transaction_duration_seconds_sum{operation=\"append\"} 0.012
+abada_agent_store_transaction_duration_seconds_count{operation=\"append\"} 10
+abada_agent_store_transaction_duration_seconds_bucket{le=\"0.001\",operation=\"append\"} 0
+abada_agent_store_transaction_duration_seconds_bucket{operation=\"append\",le=\"0.002\"} 8
+abada_agent_store_transaction_duration_seconds_bucket{operation=\"append\",le=\"0.004\"} 10
+abada_agent_store_transaction_duration_seconds_bucket{operation=\"append\",le=\"+Inf\"} 10
+abada_agent_store_transaction_duration_seconds_bucket{operation=\"claim\",le=\"+Inf\"} 3
+abada_agent_store_pool_wait_seconds_bucket{le=\"0.001\"} 4
+abada_agent_store_pool_wait_seconds_bucket{le=\"+Inf\"} 5
+";
+
+    #[test]
+    fn quantiles_interpolate_within_buckets_of_one_label_set() {
+        let h = Histogram::parse(
+            TEXT,
+            "abada_agent_store_transaction_duration_seconds",
+            "operation=\"append\"",
+        );
+        assert_eq!(h.buckets.len(), 4);
+        assert_eq!((h.sum, h.count), (0.012, 10.0));
+        // Rank 5 of 8 in (1 ms, 2 ms]; rank 9.9 of the last two in (2 ms, 4 ms].
+        assert!((h.quantile(0.5) - 0.001625).abs() < 1e-9);
+        assert!((h.quantile(0.99) - 0.0039).abs() < 1e-9);
+        // Beyond the last finite bound: that bound.
+        let wait = Histogram::parse(TEXT, "abada_agent_store_pool_wait_seconds", "");
+        assert_eq!(wait.quantile(0.99), 0.001);
+        assert!(Histogram::default().quantile(0.5).is_nan());
+    }
 }

@@ -164,6 +164,10 @@ struct Faults {
     error_results: AtomicBool,
     latency: Mutex<Duration>,
     oversized: Mutex<Option<usize>>,
+    /// Armed by [`ToolServer::hold_next_write`]: the next refund that is applied keeps its answer.
+    hold_armed: AtomicBool,
+    /// True while an applied refund's answer is held (until [`ToolServer::release_held`]).
+    holding: tokio::sync::watch::Sender<bool>,
 }
 
 struct Shared {
@@ -290,6 +294,24 @@ impl ToolServer {
     }
 
     /// When on, every `tools/call` answers a result with `isError: true` and applies nothing.
+    /// The next `issue_refund` that is applied (a new key, or none) keeps its answer until
+    /// [`ToolServer::release_held`]: the write is done, its caller does not know it yet. A
+    /// worker waiting there is a worker frozen between its keyed write and journaling its result.
+    pub fn hold_next_write(&self) {
+        self.shared.faults.hold_armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits until an answer is held.
+    pub async fn holding(&self) {
+        let mut rx = self.shared.faults.holding.subscribe();
+        let _ = rx.wait_for(|held| *held).await;
+    }
+
+    /// Lets a held answer go.
+    pub fn release_held(&self) {
+        self.shared.faults.holding.send_replace(false);
+    }
+
     pub fn set_error_results(&self, on: bool) {
         self.shared.faults.error_results.store(on, Ordering::SeqCst);
     }
@@ -645,7 +667,19 @@ impl ServerHandler for OrderTools {
                     "orderId (a string) is required",
                 )]),
             },
-            "issue_refund" => self.issue_refund(&arguments, key.as_deref()),
+            "issue_refund" => {
+                let fresh = key
+                    .as_deref()
+                    .is_none_or(|k| !self.shared.records().refunds.contains_key(k));
+                let result = self.issue_refund(&arguments, key.as_deref());
+                if fresh && self.shared.faults.hold_armed.swap(false, Ordering::SeqCst) {
+                    let faults = &self.shared.faults;
+                    let mut released = faults.holding.subscribe();
+                    faults.holding.send_replace(true);
+                    let _ = released.wait_for(|held| !*held).await;
+                }
+                result
+            }
             "echo" => json_result(Value::Object(arguments)),
             other => {
                 return Err(ErrorData::invalid_params(

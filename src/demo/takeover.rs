@@ -37,14 +37,14 @@ pub(super) async fn run(output: Output) -> Result<DemoReport, DemoError> {
     result
 }
 
-fn operation_name(op: Operation) -> String {
+pub(super) fn operation_name(op: Operation) -> String {
     serde_json::to_value(op)
         .ok()
         .and_then(|v| v.as_str().map(str::to_string))
         .unwrap_or_else(|| format!("{op:?}"))
 }
 
-fn call_text(c: &CallRecord) -> String {
+pub(super) fn call_text(c: &CallRecord) -> String {
     let outcome = match (&c.error_code, c.disposition) {
         (Some(code), _) => format!("{} {code}", c.status),
         (None, Disposition::Refused) => format!("{} refused", c.status),
@@ -58,7 +58,7 @@ fn call_text(c: &CallRecord) -> String {
     )
 }
 
-fn call_json(c: &CallRecord) -> Value {
+pub(super) fn call_json(c: &CallRecord) -> Value {
     json!({
         "operation": operation_name(c.operation),
         "task": c.task_id,

@@ -48,7 +48,7 @@ pub(crate) fn admin_url() -> Option<String> {
 #[derive(Clone, Debug)]
 pub(crate) struct PgUrl {
     user: String,
-    password: String,
+    pub(crate) password: String,
     host: String,
     port: u16,
     dbname: String,
@@ -84,7 +84,7 @@ impl PgUrl {
         }
     }
 
-    fn with(mut self, key: &str, value: &str) -> PgUrl {
+    pub(crate) fn with(mut self, key: &str, value: &str) -> PgUrl {
         self.params.retain(|(k, _)| k != key);
         self.params.push((key.into(), value.into()));
         self

@@ -536,6 +536,234 @@ async fn a_started_keyed_write_is_resent_with_its_original_key_from_the_store() 
         "worker 2 paid only the last turn"
     );
     orders.shutdown().await;
+    db.drop().await;
+}
+
+/// The value of the unlabelled or labelled sample `series` (exact, e.g. `name{a="b"}`), 0 when
+/// the worker has not exported it.
+fn sample(worker: &WorkerHandle, series: &str) -> f64 {
+    worker
+        .metrics
+        .encode()
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Every `abada_agent_store_errors_total` sample that is not 0: `(labels, value)`.
+fn store_errors(worker: &WorkerHandle) -> Vec<(String, f64)> {
+    worker
+        .metrics
+        .encode()
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("abada_agent_store_errors_total")?;
+            let (labels, value) = rest.rsplit_once(' ')?;
+            let value: f64 = value.parse().ok()?;
+            (value != 0.0).then(|| (labels.to_string(), value))
+        })
+        .collect()
+}
+
+/// A worker of `slots` slots on a pool of one connection (`application_name` = `app`).
+fn pool_of_one(
+    stack: &Stack,
+    db: &TestDb,
+    app: &str,
+    slots: u32,
+    acquire_timeout_ms: u64,
+) -> WorkerHandle {
+    let url = db.url.clone().with("application_name", app).render();
+    let mut o = opts(app, &url, "openai/one-turn", Duration::from_secs(60));
+    o.slots = slots;
+    o.env.extend([
+        ("ABADA_AGENT_STORE_POOL_SIZE".into(), "1".into()),
+        (
+            "ABADA_AGENT_STORE_ACQUIRE_TIMEOUT_MS".into(),
+            acquire_timeout_ms.to_string(),
+        ),
+        // The lock this test holds must not outlast a transaction: the waits are the pool's.
+        (
+            "ABADA_AGENT_STORE_TRANSACTION_TIMEOUT_MS".into(),
+            "60000".into(),
+        ),
+    ]);
+    stack.spawn_worker(o, Stack::fast_agent_settings())
+}
+
+/// Runs one task through `w`, so that its store is connected and migrated before the test
+/// locks the runs table (the migrations would wait on that lock too).
+async fn warm_up(stack: &Stack, w: &WorkerHandle, order: &str) {
+    let id = stack
+        .engine
+        .create_task(spec(stack.refund_agent("openai/one-turn", &[]), order));
+    let views = wait_all_ended(stack, &[id], Duration::from_secs(60)).await;
+    assert_eq!(views[0].status, TaskStatus::Completed, "{:?}", views[0]);
+    eventually(
+        Duration::from_secs(30),
+        "the warm-up run to be finished in the store",
+        async || {
+            sample(
+                w,
+                "abada_agent_store_transaction_duration_seconds_count{operation=\"finish\"}",
+            ) == 1.0
+                && sample(w, "abada_agent_store_pool_connections_in_use") == 0.0
+        },
+    )
+    .await;
+}
+
+/// The pool at its limit (issue 12): many tasks at once on a pool of one connection. Another
+/// session holds a lock on the runs table, so the one pooled connection is stuck in a claim
+/// while the other tasks' claims queue for it.
+///
+/// With a patient pool the tasks wait and then proceed: every task completes once, each model
+/// turn is paid once, three transactions per task, not one store error, never more than one
+/// connection, and the pool-wait histogram shows the queue. With an acquire timeout shorter
+/// than the lock, the waiting is bounded: the queued claims give up (transient errors of the
+/// claim, nothing else) while the connection is still held, retry, and complete once it frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_storm() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    // Migrate first, so that the lock below has a table to hold.
+    let (migrated, _) = crate::store::connect(&crate::store::config(&db.url)).await;
+    drop(migrated);
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    stack
+        .model
+        .set_script("one-turn", one_turn(Duration::from_millis(20)));
+    let locker = db.sql().await;
+    let lock_runs = "BEGIN; LOCK TABLE abada_agent_runs IN SHARE ROW EXCLUSIVE MODE";
+    let stuck_on_lock = |app: &str| {
+        format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{app}' AND wait_event_type = 'Lock'"
+        )
+    };
+    let connections = |app: &str| {
+        format!("SELECT count(*) FROM pg_stat_activity WHERE application_name = '{app}'")
+    };
+
+    // A patient pool: 12 slots, 24 tasks, one connection.
+    let w = pool_of_one(&stack, &db, "pool-limit-a", 12, 60_000);
+    warm_up(&stack, &w, "o-warm-a").await;
+    locker.batch_execute(lock_runs).await.unwrap();
+    let ids: Vec<String> = (0..24)
+        .map(|i| {
+            stack.engine.create_task(spec(
+                stack.refund_agent("openai/one-turn", &[]),
+                &format!("o-a{i}"),
+            ))
+        })
+        .collect();
+    eventually(
+        Duration::from_secs(30),
+        "12 tasks started, one claim on the lock, the rest queued for the connection",
+        async || {
+            sample(&w, "abada_agent_slots_in_use") == 12.0
+                && db.count(&stuck_on_lock("pool-limit-a")).await == 1
+        },
+    )
+    .await;
+    assert_eq!(sample(&w, "abada_agent_store_pool_connections_in_use"), 1.0);
+    assert_eq!(sample(&w, "abada_agent_store_pool_connections_open"), 1.0);
+    assert_eq!(stack.model.total_calls(), 1, "no task got past its claim");
+    locker.batch_execute("COMMIT").await.unwrap();
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(120)).await;
+    for v in &views {
+        assert_eq!(v.status, TaskStatus::Completed, "{v:?}");
+        assert_eq!(v.counters.completes, 1, "{v:?}");
+        assert_eq!(v.counters.acquisitions, 1, "{v:?}");
+    }
+    assert_eq!(stack.model.total_calls(), 25, "each turn paid once");
+    assert_eq!(store_errors(&w), [], "not one store error");
+    let transactions = |op: &str| {
+        sample(
+            &w,
+            &format!("abada_agent_store_transaction_duration_seconds_count{{operation=\"{op}\"}}"),
+        )
+    };
+    // A run is finished in the store once its completion was accepted: a moment later.
+    eventually(
+        Duration::from_secs(30),
+        "every run to be finished in the store",
+        async || transactions("finish") == 25.0,
+    )
+    .await;
+    assert_eq!(transactions("claim"), 25.0, "one claim per task");
+    assert_eq!(transactions("append"), 25.0, "one append per task");
+    // Every transaction waited for the one connection; the 11 claims queued behind the stuck
+    // one waited at least as long as it took this test to see them queued.
+    assert!(sample(&w, "abada_agent_store_pool_wait_seconds_count") >= 75.0);
+    let quick = sample(
+        &w,
+        "abada_agent_store_pool_wait_seconds_bucket{le=\"0.0001\"}",
+    );
+    let all = sample(
+        &w,
+        "abada_agent_store_pool_wait_seconds_bucket{le=\"+Inf\"}",
+    );
+    assert!(
+        all - quick >= 11.0,
+        "the queued claims are in the pool-wait histogram: {quick} of {all} under 0.1 ms"
+    );
+    assert!(db.count(&connections("pool-limit-a")).await <= 1);
+    w.stop().await;
+
+    // An impatient pool: the queued claims give up after 200 ms while the connection is held.
+    let w = pool_of_one(&stack, &db, "pool-limit-b", 6, 200);
+    warm_up(&stack, &w, "o-warm-b").await;
+    locker.batch_execute(lock_runs).await.unwrap();
+    let ids: Vec<String> = (0..6)
+        .map(|i| {
+            stack.engine.create_task(spec(
+                stack.refund_agent("openai/one-turn", &[]),
+                &format!("o-b{i}"),
+            ))
+        })
+        .collect();
+    eventually(
+        Duration::from_secs(30),
+        "the queued claims to give up while the connection is held",
+        async || {
+            sample(
+                &w,
+                "abada_agent_store_errors_total{operation=\"claim\",class=\"transient\"}",
+            ) >= 5.0
+        },
+    )
+    .await;
+    assert_eq!(
+        db.count(&stuck_on_lock("pool-limit-b")).await,
+        1,
+        "the connection was still held when they gave up: the wait was the acquire timeout"
+    );
+    assert_eq!(stack.model.total_calls(), 26);
+    locker.batch_execute("COMMIT").await.unwrap();
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(120)).await;
+    for v in &views {
+        assert_eq!(v.status, TaskStatus::Completed, "{v:?}");
+        assert_eq!(v.counters.completes, 1, "{v:?}");
+        assert_eq!(
+            v.counters.acquisitions, 1,
+            "the same attempt went on: {v:?}"
+        );
+    }
+    assert_eq!(stack.model.total_calls(), 32, "each turn paid once");
+    // Only what the test provoked: the pool's timeouts (transient), on the claims queued behind
+    // the lock and on the sweeper if it came by meanwhile; nothing fenced, conflicting or
+    // internal.
+    for (labels, n) in store_errors(&w) {
+        assert!(
+            labels.contains("class=\"transient\"")
+                && (labels.contains("operation=\"claim\"")
+                    || labels.contains("operation=\"sweep\"")),
+            "unexpected store errors {labels}: {n}"
+        );
+    }
+    assert!(db.count(&connections("pool-limit-b")).await <= 1);
+    w.stop().await;
     stack.shutdown().await;
     db.drop().await;
 }
