@@ -65,7 +65,8 @@
 //! rolls the engine's reservation back), so a refused command retried with the same key runs
 //! again. Process instances are a status and a suspension flag, changed by the admin API and
 //! by `bpmn-error` (see `state` for the rules the worker meets); there is no process model, so
-//! a gateway that routes nowhere is emulated with [`Fault::Reject`].
+//! a gateway that routes nowhere is emulated with [`Fault::Reject`]. Lease expiries carry nine
+//! fractional digits, as on the real engine.
 
 mod admin;
 mod faults;

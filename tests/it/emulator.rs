@@ -141,6 +141,26 @@ fn assert_error(answer: &Answer, status: u16, code: &str, path_suffix: &str) -> 
     body["message"].as_str().unwrap().to_string()
 }
 
+/// The real engine 0.11 prints `lockExpirationTime` with nine fractional digits
+/// (`2026-11-30T21:53:17.215741611Z`, docs/REAL_ENGINE.md); the emulator prints the same
+/// precision, so a client that only parses milliseconds fails here and not in production.
+#[tokio::test]
+async fn a_lease_expiry_has_nanosecond_precision_as_on_the_real_engine() {
+    let h = harness().await;
+    h.emu.create_tasks([agent_task()]);
+    let task = h.fetch_one("w1").await;
+    let text = task["lockExpirationTime"].as_str().expect("a string");
+    let (_, fraction) = text.split_once('.').expect("a fractional part");
+    let digits = fraction.strip_suffix('Z').expect("UTC, written Z");
+    assert!(
+        digits.len() == 9 && digits.bytes().all(|b| b.is_ascii_digit()),
+        "nine fractional digits: {text}"
+    );
+    let lease: chrono::DateTime<chrono::Utc> = text.parse().unwrap();
+    let expected = h.emu.now() + chrono::Duration::milliseconds(LEASE_MS as i64);
+    assert!((lease - expected).num_seconds().abs() < 30, "{text}");
+}
+
 #[tokio::test]
 async fn fetch_returns_locked_tasks_in_id_order_with_every_field() {
     let h = harness().await;

@@ -704,7 +704,7 @@ impl EngineState {
             "processInstanceId": task.process_instance_id,
             "activityId": task.activity_id,
             "retries": task.retries,
-            "lockExpirationTime": task.lock_expiration.map(wire::format_time),
+            "lockExpirationTime": task.lock_expiration.map(wire::format_lease_time),
             "traceParent": task.trace_parent,
             "protocolVersion": "1",
         });

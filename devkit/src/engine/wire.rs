@@ -265,6 +265,16 @@ pub(crate) fn format_time(millis: i64) -> String {
         .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
+/// Formats a lease expiry as the engine's fetch-and-lock prints `lockExpirationTime`: nine
+/// fractional digits (the engine's `Instant` has nanoseconds; seen on the real engine 0.11,
+/// docs/REAL_ENGINE.md), so clients meet the precision they will meet in production. The
+/// emulator's clock counts milliseconds: the last six digits are zeros.
+pub(crate) fn format_lease_time(millis: i64) -> String {
+    chrono::DateTime::from_timestamp_millis(millis)
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Nanos, true)
+}
+
 /// Serializes a time as the engine prints it (kept independent of chrono's `serde` feature).
 pub(crate) fn serialize_time<S: serde::Serializer>(
     time: &chrono::DateTime<chrono::Utc>,
