@@ -216,6 +216,7 @@ impl AgentRuntime {
             None => None,
             Some(path) => {
                 let file = ToolsFile::load(path)?;
+                file.check_channels(path, config.allow_insecure_http)?;
                 let registry = ToolRegistry::start(file, tls()?)
                     .map_err(|e| AgentSetupError::Http(e.to_string()))?;
                 tracing::info!(servers = registry.len(), "tool-server registry loaded");

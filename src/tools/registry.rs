@@ -98,6 +98,16 @@ pub enum ToolsFileError {
         field: Option<String>,
         problem: String,
     },
+    /// A client secret that would go to its token endpoint in clear (`http://` to a host that
+    /// is not loopback) while `ABADA_AGENT_ALLOW_INSECURE_HTTP` does not allow it.
+    #[error("the tools file {path} ({VAR}), server {server:?}, field {field}: {source}")]
+    InsecureChannel {
+        path: PathBuf,
+        server: String,
+        field: &'static str,
+        #[source]
+        source: crate::channel::InsecureChannel,
+    },
 }
 
 #[derive(Deserialize)]
@@ -151,6 +161,62 @@ impl ToolsFile {
         }
         Ok(ToolsFile { servers })
     }
+}
+
+impl ToolsFile {
+    /// Whether every secret this file sends at its own say-so may travel to where it goes:
+    /// refuses (naming the file, the server and the field) a client secret bound for an
+    /// `http://` token endpoint that is not loopback, unless `allow_insecure`
+    /// (`ABADA_AGENT_ALLOW_INSECURE_HTTP=true`). Checked at start-up, before any token request.
+    /// (The credential sent to a server's own `url` is checked where a session opens.)
+    pub fn check_channels(&self, path: &Path, allow_insecure: bool) -> Result<(), ToolsFileError> {
+        for c in self.credential_channels() {
+            crate::channel::check(c.url, &c.what, allow_insecure).map_err(|source| {
+                ToolsFileError::InsecureChannel {
+                    path: path.to_path_buf(),
+                    server: c.server.to_string(),
+                    field: c.field,
+                    source,
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    /// What this file sends in clear once `ABADA_AGENT_ALLOW_INSECURE_HTTP=true` allowed it,
+    /// for the one start-up warning (URLs redacted).
+    pub fn credentials_in_clear(&self) -> Vec<String> {
+        self.credential_channels()
+            .filter(|c| {
+                crate::channel::check(c.url, &c.what, true) == Ok(crate::channel::Channel::Clear)
+            })
+            .map(|c| format!("{} to {}", c.what, crate::redact::url(c.url)))
+            .collect()
+    }
+
+    /// Every secret the file sends to a URL of its own (not a session's): today the `oauth2`
+    /// client secret, to `tokenUrl`.
+    fn credential_channels(&self) -> impl Iterator<Item = CredentialChannel<'_>> {
+        self.servers.values().filter_map(|s| match &s.auth {
+            ServerAuth::OAuth2(o) => Some(CredentialChannel {
+                server: &s.name,
+                field: "tokenUrl",
+                what: format!("the OAuth 2.0 client secret of tool server {}", s.name),
+                url: o.token_url.as_str(),
+            }),
+            ServerAuth::None | ServerAuth::Bearer { .. } | ServerAuth::Engine => None,
+        })
+    }
+}
+
+/// Where one secret of the registry file travels.
+struct CredentialChannel<'a> {
+    server: &'a str,
+    /// The file's field naming the URL.
+    field: &'static str,
+    /// What travels, as the warning and the error say it.
+    what: String,
+    url: &'a str,
 }
 
 type FieldProblem = (Option<&'static str>, String);
@@ -700,6 +766,45 @@ mod tests {
         assert_eq!(o.client_auth, ClientAuth::Basic);
         assert!(!format!("{file:?}").contains("tok-1"));
         assert!(parse("").unwrap().servers.is_empty());
+    }
+
+    #[test]
+    fn a_client_secret_goes_to_its_token_endpoint_over_https_or_loopback_only() {
+        let (_dir, secret) = secret_path("s3cret");
+        let oauth2 = |token_url: &str| {
+            format!(
+                "[servers.billing]\nurl = \"https://billing/mcp\"\nauth = \"oauth2\"\ntokenUrl = \"{token_url}\"\nclientId = \"c\"\nclientSecretFile = \"{secret}\"\n"
+            )
+        };
+        let path = Path::new("/etc/abada/tools.toml");
+        for ok in [
+            "https://issuer/token",
+            "http://127.0.0.1:9/token",
+            "http://localhost/t",
+        ] {
+            let file = parse(&oauth2(ok)).unwrap();
+            file.check_channels(path, false).unwrap();
+            assert!(file.credentials_in_clear().is_empty(), "{ok}");
+        }
+        let file = parse(&oauth2("http://u:pw@issuer:8080/token?k=1")).unwrap();
+        let e = file.check_channels(path, false).unwrap_err();
+        let ToolsFileError::InsecureChannel { server, field, .. } = &e else {
+            panic!("{e}")
+        };
+        assert_eq!((server.as_str(), *field), ("billing", "tokenUrl"));
+        let text = e.to_string();
+        assert!(
+            text.starts_with(
+                "the tools file /etc/abada/tools.toml (ABADA_AGENT_TOOLS_FILE), server \"billing\", field tokenUrl: the OAuth 2.0 client secret of tool server billing would travel in clear to http://issuer:8080/token"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("pw") && !text.contains("s3cret"), "{text}");
+        file.check_channels(path, true).unwrap();
+        assert_eq!(
+            file.credentials_in_clear(),
+            ["the OAuth 2.0 client secret of tool server billing to http://issuer:8080/token"]
+        );
     }
 
     fn problem(text: &str) -> (String, Option<String>, String) {

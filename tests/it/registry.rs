@@ -545,3 +545,76 @@ async fn a_bad_registry_or_an_agents_file_naming_an_unknown_server_stops_the_sta
     assert!(e.contains("cannot read the tools file"), "{e}");
     stack.shutdown().await;
 }
+
+/// Issue 17: an `oauth2` server's client secret goes to its `tokenUrl`, so a plain http://
+/// token endpoint that is not loopback stops the start (naming the file, the server and the
+/// field) and receives nothing; `ABADA_AGENT_ALLOW_INSECURE_HTTP=true` allows it and the
+/// start-up warning's list names it. The endpoint is a listener on 127.0.0.1 reached as
+/// `[::ffff:127.0.0.1]`, an address the channel check does not count as loopback: had the
+/// worker sent anything, the listener would have seen a connection.
+#[tokio::test]
+async fn an_oauth2_client_secret_for_a_plain_http_token_endpoint_stops_the_start() {
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    let dir = Dir::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let connections = Arc::new(Mutex::new(0u32));
+    let counted = connections.clone();
+    let accepting = tokio::spawn(async move {
+        while let Ok((_socket, _)) = listener.accept().await {
+            *counted.lock().unwrap() += 1;
+        }
+    });
+    let secret = dir.write("billing-secret", "client-secret-17\n");
+    let token_url = format!("http://[::ffff:127.0.0.1]:{port}/token");
+    let tools = dir.write(
+        "tools.toml",
+        &format!(
+            "[servers.billing]\nurl = \"http://127.0.0.1:1/mcp\"\nauth = \"oauth2\"\ntokenUrl = \"{token_url}\"\nclientId = \"worker\"\nclientSecretFile = \"{}\"\n",
+            secret.display()
+        ),
+    );
+    let refused = config_with(&stack, "clear", &[(config::ENV_TOOLS_FILE, &tools)]);
+    let e = match Worker::build(&refused, Seams::default()) {
+        Ok(_) => panic!("the worker started with a client secret bound for http://"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains(&tools.display().to_string())
+            && e.contains("server \"billing\", field tokenUrl")
+            && e.contains(
+                "the OAuth 2.0 client secret of tool server billing would travel in clear"
+            )
+            && e.contains("ABADA_AGENT_ALLOW_INSECURE_HTTP=true"),
+        "{e}"
+    );
+    assert!(!e.contains("client-secret-17"), "{e}");
+    assert!(
+        refused.credentials_in_clear().is_empty(),
+        "nothing is allowed in clear without the variable"
+    );
+
+    let mut env = worker_env(&stack, &WorkerOptions::new("allowed", 4));
+    env.insert(config::ENV_TOOLS_FILE.into(), tools.display().to_string());
+    env.insert(config::ENV_ALLOW_INSECURE_HTTP.into(), "true".into());
+    let allowed = Config::from_env(&env).unwrap();
+    let worker = Worker::build(&allowed, Seams::default());
+    assert!(worker.is_ok(), "allowed by the variable");
+    let clear = allowed.credentials_in_clear();
+    assert!(
+        clear.contains(&format!(
+            "the OAuth 2.0 client secret of tool server billing to {}",
+            reqwest::Url::parse(&token_url).unwrap()
+        )),
+        "{clear:?}"
+    );
+    assert!(!format!("{clear:?}").contains("client-secret-17"));
+    drop(worker);
+    assert_eq!(
+        *connections.lock().unwrap(),
+        0,
+        "nothing reached the token endpoint"
+    );
+    accepting.abort();
+    stack.shutdown().await;
+}
