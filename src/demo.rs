@@ -9,6 +9,7 @@
 //! the tests. `takeover --store` tells the takeover on an engine without agent/1, kept durable by
 //! the PostgreSQL run store that `ABADA_AGENT_STORE_URL` names; every other run needs nothing.
 
+mod approval;
 mod dev_engine;
 mod load;
 mod rate_limit;
@@ -40,6 +41,7 @@ pub enum Scenario {
     Load,
     Takeover,
     RateLimit,
+    Approval,
 }
 
 impl Scenario {
@@ -48,6 +50,7 @@ impl Scenario {
             Scenario::Load => "load",
             Scenario::Takeover => "takeover",
             Scenario::RateLimit => "rate-limit",
+            Scenario::Approval => "approval",
         }
     }
 
@@ -56,6 +59,7 @@ impl Scenario {
             "load" => Some(Scenario::Load),
             "takeover" => Some(Scenario::Takeover),
             "rate-limit" => Some(Scenario::RateLimit),
+            "approval" => Some(Scenario::Approval),
             _ => None,
         }
     }
@@ -66,7 +70,8 @@ impl Scenario {
 pub struct DemoArgs {
     pub scenario: Scenario,
     pub output: Output,
-    /// `--store`: the takeover on a plain v1 engine with this run store.
+    /// `--store` (the takeover on a plain v1 engine with this run store), and always for
+    /// `approval` (a conversation waits for a person's decision only in the run store).
     pub store: Option<DemoStore>,
 }
 
@@ -108,7 +113,7 @@ pub const STORE_URL_VAR: &str = crate::config::ENV_STORE_URL;
 /// What is wrong with a command line.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ArgsError {
-    #[error("unknown scenario {0:?}; choose load, takeover or rate-limit")]
+    #[error("unknown scenario {0:?}; choose load, takeover, rate-limit or approval")]
     UnknownScenario(String),
     #[error("{0} needs a value")]
     MissingValue(&'static str),
@@ -126,14 +131,22 @@ pub enum ArgsError {
     BadStoreUrl(String),
     #[error("--store applies to --scenario takeover only, not {0}")]
     StoreScenario(&'static str),
+    #[error(
+        "--scenario approval keeps each conversation waiting for a person's decision in the PostgreSQL run store that ABADA_AGENT_STORE_URL names, and it is not set; \
+         set it to a database the demo may create its tables in (e.g. postgres://user:password@127.0.0.1:5432/abada_demo); \
+         the other scenarios need no database"
+    )]
+    ApprovalWithoutUrl,
 }
 
 pub const DEMO_USAGE: &str = "\
-usage: abada-agent-worker demo [--scenario load|takeover|rate-limit] [--store] [--json]
+usage: abada-agent-worker demo [--scenario load|takeover|rate-limit|approval] [--store] [--json]
 
   --scenario   load (default): 20 refund tasks, two workers of 4 slots
                takeover: a frozen worker's lease expires, another resumes from the journal
                rate-limit: fallback model on 429, then a deferral that keeps the retries
+               approval: refunds that wait for a person in a user task, approved and refused;
+               needs the PostgreSQL run store that ABADA_AGENT_STORE_URL names
   --store      takeover on an engine without agent/1 (0.11), the journal in the PostgreSQL run
                store that ABADA_AGENT_STORE_URL names; the store fences the frozen worker
   --json       one JSON object per event, then a summary object
@@ -182,7 +195,22 @@ pub fn parse_demo_args(
             _ => return Err(ArgsError::Unknown(arg.clone())),
         }
     }
-    let store = match (store, store_url.filter(|u| !u.trim().is_empty())) {
+    let output = if json {
+        Output::Json
+    } else {
+        Output::Human { color }
+    };
+    let store_url = store_url.filter(|u| !u.trim().is_empty());
+    if scenario == Scenario::Approval {
+        // The approval flow has nowhere to wait without the store: always read.
+        let url = store_url.ok_or(ArgsError::ApprovalWithoutUrl)?;
+        return Ok(DemoArgs {
+            scenario,
+            store: Some(DemoStore::new(url)?),
+            output,
+        });
+    }
+    let store = match (store, store_url) {
         (false, _) => None,
         (true, _) if scenario != Scenario::Takeover => {
             return Err(ArgsError::StoreScenario(scenario.name()));
@@ -193,11 +221,7 @@ pub fn parse_demo_args(
     Ok(DemoArgs {
         scenario,
         store,
-        output: if json {
-            Output::Json
-        } else {
-            Output::Human { color }
-        },
+        output,
     })
 }
 
@@ -292,6 +316,10 @@ pub async fn run(args: DemoArgs) -> Result<DemoReport, DemoError> {
         (Scenario::Load, _) => load::run(args.output).await?,
         (Scenario::Takeover, None) => takeover::run(args.output).await?,
         (Scenario::RateLimit, _) => rate_limit::run(args.output).await?,
+        (Scenario::Approval, Some(store)) => approval::run(args.output, store).await?,
+        (Scenario::Approval, None) => {
+            return Err(DemoError::Setup(ArgsError::ApprovalWithoutUrl.to_string()));
+        }
     };
     Timeline::print_summary(args.output, &report);
     Ok(report)

@@ -47,6 +47,9 @@ pub struct ScriptedCall {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Turn {
     ToolCalls(Vec<ScriptedCall>),
+    /// Text and tool calls in one answer, as real models often do ("Refunding 1500 cents needs
+    /// approval." then the call); the text is a template like [`Turn::Text`]'s.
+    Say(String, Vec<ScriptedCall>),
     /// A final answer; a template with `${input}`, `${last_tool_result}` and `${call_index}`
     /// (this model's call count including this call, from 1).
     Text(String),
@@ -62,6 +65,21 @@ impl Turn {
             tool: tool.into(),
             arguments,
         }])
+    }
+
+    /// One tool call with the model's text of the same turn.
+    pub fn say_and_call(
+        text: impl Into<String>,
+        tool: impl Into<String>,
+        arguments: Value,
+    ) -> Self {
+        Turn::Say(
+            text.into(),
+            vec![ScriptedCall {
+                tool: tool.into(),
+                arguments,
+            }],
+        )
     }
 }
 
@@ -665,22 +683,22 @@ fn answer_body(
         .cloned()
         .unwrap_or_else(|| Turn::text("(empty script)"));
     let (text, calls) = match &turn {
-        Turn::Text(t) => (Some(render(t, &conv, call_index)), Vec::new()),
-        Turn::ToolCalls(calls) => (
-            None,
-            calls
-                .iter()
-                .enumerate()
-                .map(|(i, c)| {
-                    (
-                        format!("{}_{}", conv.assistant_turns, i),
-                        offered_name(&conv, &c.tool),
-                        render_value(&c.arguments, &conv, call_index),
-                    )
-                })
-                .collect::<Vec<_>>(),
-        ),
+        Turn::Text(t) => (Some(t.as_str()), &[][..]),
+        Turn::ToolCalls(calls) => (None, calls.as_slice()),
+        Turn::Say(t, calls) => (Some(t.as_str()), calls.as_slice()),
     };
+    let text = text.map(|t| render(t, &conv, call_index));
+    let calls: Vec<_> = calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            (
+                format!("{}_{}", conv.assistant_turns, i),
+                offered_name(&conv, &c.tool),
+                render_value(&c.arguments, &conv, call_index),
+            )
+        })
+        .collect();
     let output_chars = text.as_ref().map_or(0, String::len)
         + calls.iter().map(|c| c.2.to_string().len()).sum::<usize>();
     let usage = script.usage.unwrap_or(Usage {

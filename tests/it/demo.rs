@@ -1,6 +1,6 @@
 //! The demo's three scenarios, run in-process through the library function (as the binary runs
 //! them): each must pass its own checks, and the facts behind the checks are asserted here too.
-//! `takeover --store` runs against a database of its own on the test PostgreSQL
+//! `takeover --store` and `approval` run against a database of its own on the test PostgreSQL
 //! (`ABADA_TEST_DATABASE_URL`, see `store.rs`).
 
 use abada_agent_worker::demo::{self, DemoArgs, DemoReport, DemoStore, Output, Scenario};
@@ -187,6 +187,85 @@ async fn takeover_on_the_store() {
     // Retention 0: W2's finish deleted the run.
     assert_eq!(db.count("SELECT count(*) FROM abada_agent_runs").await, 0);
     db.drop().await;
+}
+
+/// The worked example's process with a refund agent whose writes wait for a person: one refund
+/// approved by dana and applied once, one refused by erin and explained to the customer, with
+/// no model call before the stop paid again (same deep-stack runtime as the takeover above).
+#[test]
+fn approval_applies_the_approved_refund_once_and_explains_the_refused_one() {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_stack_size(8 << 20)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(approval_on_the_store());
+}
+
+async fn approval_on_the_store() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let report = demo::run(DemoArgs {
+        scenario: Scenario::Approval,
+        output: Output::Silent,
+        store: Some(DemoStore::new(db.url.render()).unwrap()),
+    })
+    .await
+    .expect("the scenario runs to its verdict");
+    let failed: Vec<_> = report.checks.iter().filter(|c| !c.passed).collect();
+    assert!(report.passed(), "failed checks: {failed:#?}");
+    assert_eq!(report.checks.len(), 8);
+    let facts = &report.facts;
+    assert_eq!(facts["writesApplied"], 1);
+    assert_eq!(facts["approved"]["writes"], 1);
+    assert_eq!(facts["approved"]["modelCalls"], 3);
+    assert_eq!(facts["refused"]["writes"], 0);
+    assert_eq!(facts["refused"]["modelCalls"], 3);
+    let summary = facts["approved"]["request"]["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("o-2001") && summary.contains("1500 cents"),
+        "{summary}"
+    );
+    let told = facts["refused"]["result"].as_str().unwrap();
+    assert!(told.contains("erin refused it"), "{told}");
+    assert!(
+        !facts["store"].as_str().unwrap().contains(&db.url.password),
+        "the password stays out of the report"
+    );
+    // Both runs finished in the store once their last completion was accepted.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while db
+        .count("SELECT count(*) FROM abada_agent_runs WHERE finished_at IS NULL")
+        .await
+        > 0
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        db.count("SELECT count(*) FROM abada_agent_runs WHERE finished_at IS NULL")
+            .await,
+        0,
+        "no run left waiting"
+    );
+    db.drop().await;
+}
+
+#[test]
+fn the_binary_refuses_approval_without_a_store_url() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_abada-agent-worker"))
+        .args(["demo", "--scenario", "approval"])
+        .env_remove("ABADA_AGENT_STORE_URL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("ABADA_AGENT_STORE_URL") && stderr.contains("approval"),
+        "{stderr}"
+    );
 }
 
 #[test]
