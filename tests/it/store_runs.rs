@@ -231,14 +231,16 @@ async fn a_crashed_run_resumes_from_the_store_without_paying_the_model_again() {
 /// lost (RUN_STORE_FENCED) and it sends nothing more (no tool call, no model call, no report).
 #[tokio::test]
 async fn a_frozen_worker_is_refused_by_the_store_and_goes_silent() {
+    // w1's model call must outlast w2's whole run (a store claim, a model call, an append and a
+    // completion) even on a loaded CI machine, where opening a store connection alone has taken
+    // seconds; 15 s was not always enough there.
+    const W1_MODEL_CALL: Duration = Duration::from_secs(40);
     let Some(db) = TestDb::create().await else {
         return;
     };
     let url = db.url.render();
     let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
-    stack
-        .model
-        .set_script("slow-turn", one_turn(Duration::from_secs(15)));
+    stack.model.set_script("slow-turn", one_turn(W1_MODEL_CALL));
     // w1's model call must outlast w2's whole run, not time out.
     stack.set_provider_request_timeout(Duration::from_secs(120));
     stack.model.set_script("one-turn", one_turn(Duration::ZERO));
@@ -267,10 +269,10 @@ async fn a_frozen_worker_is_refused_by_the_store_and_goes_silent() {
     assert_eq!(
         stack.model.calls("slow-turn"),
         1,
-        "w1 is still in its model call (15 s) when w2 is done: the refusal below is the store's"
+        "w1 is still in its model call ({W1_MODEL_CALL:?}) when w2 is done: the refusal below is the store's"
     );
     eventually(
-        Duration::from_secs(30),
+        W1_MODEL_CALL + Duration::from_secs(30),
         "the store to refuse w1",
         async || {
             metric_line(
