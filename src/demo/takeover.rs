@@ -319,31 +319,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     }
 
     // Worker 2 finishes.
-    gate2.thaw();
-    tl.emit("W2", "released", "goes on: complete", json!({}));
-    let engine = stack.engine.clone();
-    let done_id = id.clone();
-    pump(
-        &mut tl,
-        &mut crew,
-        engine.wait_for(move |e| {
-            e.task(&done_id)
-                .filter(|v| v.status == TaskStatus::Completed)
-        }),
-        SCENARIO,
-        "W2 to complete the task",
-        LIMIT,
-    )
-    .await?;
-    pump_until(
-        &mut tl,
-        &mut crew,
-        |c| !c.workers[1].ended.is_empty(),
-        SCENARIO,
-        "W2 to report the end",
-        LIMIT,
-    )
-    .await?;
+    w2_finishes(&mut tl, &mut crew, stack, &gate2, &id, SCENARIO, LIMIT).await?;
     let workers = crew.stop().await;
 
     // The verdict.
@@ -516,4 +492,42 @@ async fn probe_stale_attempt(stack: &Stack, id: &str, key: &str) {
     let _ = engine.append_journal(&stale, &step).await;
     let _ = engine.tool_credential(&stale, ORDERS_SERVER).await;
     let _ = engine.complete(&stale, &Map::new()).await;
+}
+
+/// Worker 2, frozen before its completion, is let go: it completes the task and reports the
+/// end (both takeover stories end so).
+pub(super) async fn w2_finishes(
+    tl: &mut Timeline,
+    crew: &mut Crew,
+    stack: &Stack,
+    gate2: &FreezeGate,
+    id: &str,
+    scenario: &'static str,
+    limit: Duration,
+) -> Result<(), DemoError> {
+    gate2.thaw();
+    tl.emit("W2", "released", "goes on: complete", json!({}));
+    let engine = stack.engine.clone();
+    let done_id = id.to_string();
+    pump(
+        tl,
+        crew,
+        engine.wait_for(move |e| {
+            e.task(&done_id)
+                .filter(|v| v.status == TaskStatus::Completed)
+        }),
+        scenario,
+        "W2 to complete the task",
+        limit,
+    )
+    .await?;
+    pump_until(
+        tl,
+        crew,
+        |c| !c.workers[1].ended.is_empty(),
+        scenario,
+        "W2 to report the end",
+        limit,
+    )
+    .await
 }

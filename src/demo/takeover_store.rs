@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
+use super::takeover::w2_finishes;
 use super::takeover::{call_json, call_text, operation_name};
 use super::timeline::{Output, Timeline};
 use super::{Check, Crew, DemoError, DemoReport, DemoStore, metric_sum, pump, pump_until};
@@ -311,31 +312,7 @@ async fn scenario(
     };
 
     // Worker 2 finishes.
-    gate2.thaw();
-    tl.emit("W2", "released", "goes on: complete", json!({}));
-    let engine = stack.engine.clone();
-    let done_id = id.clone();
-    pump(
-        &mut tl,
-        &mut crew,
-        engine.wait_for(move |e| {
-            e.task(&done_id)
-                .filter(|v| v.status == TaskStatus::Completed)
-        }),
-        SCENARIO,
-        "W2 to complete the task",
-        LIMIT,
-    )
-    .await?;
-    pump_until(
-        &mut tl,
-        &mut crew,
-        |c| !c.workers[1].ended.is_empty(),
-        SCENARIO,
-        "W2 to report the end",
-        LIMIT,
-    )
-    .await?;
+    w2_finishes(&mut tl, &mut crew, stack, &gate2, &id, SCENARIO, LIMIT).await?;
     let w2_finished = {
         let w2 = &crew.workers[1].handle;
         let finished = || {
