@@ -28,7 +28,9 @@ use crate::metrics::Metrics;
 
 const SCENARIO: &str = "takeover";
 const LIMIT: Duration = Duration::from_secs(15);
-const LEASE: Duration = Duration::from_secs(10);
+/// Both takeover stories' lease: long enough that nothing expires unless the emulator's clock is
+/// moved on.
+pub(super) const LEASE: Duration = Duration::from_secs(10);
 
 pub(super) async fn run(output: Output) -> Result<DemoReport, DemoError> {
     let stack = start_stack(Duration::from_millis(100)).await?;
@@ -159,18 +161,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
             json!({"journal": journal_names(v)}),
         );
     }
-    let jump = LEASE + Duration::from_secs(1);
-    stack.engine.advance(jump);
-    tl.emit(
-        "engine",
-        "lease_expired",
-        format!(
-            "clock +{}s (emulator time): W1's {}s lease on {id} has expired",
-            jump.as_secs(),
-            LEASE.as_secs()
-        ),
-        json!({"advancedMs": jump.as_millis() as u64}),
-    );
+    expire_w1_lease(&mut tl, stack, &id);
 
     // Worker 2 takes over; it is held just before `complete` so W1 wakes while W2 owns the task.
     let gate2 = FreezeGate::new();
@@ -492,6 +483,22 @@ async fn probe_stale_attempt(stack: &Stack, id: &str, key: &str) {
     let _ = engine.append_journal(&stale, &step).await;
     let _ = engine.tool_credential(&stale, ORDERS_SERVER).await;
     let _ = engine.complete(&stale, &Map::new()).await;
+}
+
+/// Worker 1 is frozen: the emulator's clock jumps past its lease (both takeover stories do so).
+pub(super) fn expire_w1_lease(tl: &mut Timeline, stack: &Stack, id: &str) {
+    let jump = LEASE + Duration::from_secs(1);
+    stack.engine.advance(jump);
+    tl.emit(
+        "engine",
+        "lease_expired",
+        format!(
+            "clock +{}s (emulator time): W1's {}s lease on {id} has expired",
+            jump.as_secs(),
+            LEASE.as_secs()
+        ),
+        json!({"advancedMs": jump.as_millis() as u64}),
+    );
 }
 
 /// Worker 2, frozen before its completion, is let go: it completes the task and reports the

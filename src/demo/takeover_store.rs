@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use super::takeover::w2_finishes;
+use super::takeover::{LEASE, expire_w1_lease, w2_finishes};
 use super::takeover::{call_json, call_text, operation_name};
 use super::timeline::{Output, Timeline};
 use super::{Check, Crew, DemoError, DemoReport, DemoStore, metric_sum, pump, pump_until};
@@ -30,7 +30,6 @@ use crate::handler::TaskEnd;
 
 const SCENARIO: &str = "takeover";
 const LIMIT: Duration = Duration::from_secs(20);
-const LEASE: Duration = Duration::from_secs(10);
 
 /// The agents and registry files of the run, deleted when dropped.
 struct OperatorFiles {
@@ -199,18 +198,7 @@ async fn scenario(
         "FREEZES inside its keyed write: no heartbeats, the result not journaled",
         json!({}),
     );
-    let jump = LEASE + Duration::from_secs(1);
-    stack.engine.advance(jump);
-    tl.emit(
-        "engine",
-        "lease_expired",
-        format!(
-            "clock +{}s (emulator time): W1's {}s lease on {id} has expired",
-            jump.as_secs(),
-            LEASE.as_secs()
-        ),
-        json!({"advancedMs": jump.as_millis() as u64}),
-    );
+    expire_w1_lease(&mut tl, stack, &id);
 
     // Worker 2 takes over and is held just before `complete`, so W1 wakes while W2 owns it.
     let gate2 = FreezeGate::new();
