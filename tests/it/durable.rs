@@ -1206,7 +1206,7 @@ async fn credential_refusal(client: &dyn Engine, task: &TaskRef) -> Option<Lease
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
     use crate::support::chaos;
-    use crate::support::process::{WorkerProcess, stack_env};
+    use crate::support::process::stack_env;
 
     const TASKS: usize = 240;
     const WORKERS: usize = 3;
@@ -1242,37 +1242,23 @@ async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
         env.push(("ABADA_AGENT_POLL_INTERVAL_MS".into(), "100".into()));
         env
     };
-    let name = |k: usize| format!("crash-{k}");
-    let mut workers = Vec::new();
-    for k in 0..WORKERS {
-        workers.push(WorkerProcess::spawn(&env(&name(k))).await);
-    }
-
-    let all_ended = || {
-        stack
-            .engine
-            .tasks()
-            .iter()
-            .all(|t| matches!(t.status, TaskStatus::Completed | TaskStatus::Failed))
-    };
-    let (mut rng, _replay_hint) = chaos::seeded("crash test");
     let started = tokio::time::Instant::now();
     let plan = chaos::Plan {
         lock: LOCK,
         max_rounds: MAX_ROUNDS,
         limit: CHAOS_LIMIT,
     };
-    let respawn = |k: usize| {
-        let env = env(&name(k));
-        async move { WorkerProcess::spawn(&env).await }
-    };
-    let chaos::Chaos {
-        rounds,
-        kills,
-        freezes,
-        took: chaos_took,
-        ..
-    } = chaos::run(&mut workers, respawn, &plan, &mut rng, all_ended).await;
+    let (
+        mut workers,
+        chaos::Chaos {
+            rounds,
+            kills,
+            freezes,
+            took: chaos_took,
+            ..
+        },
+        _replay_hint,
+    ) = chaos::start_and_run(&stack.engine, WORKERS, "crash", env, &plan, "crash test").await;
 
     let finished = tokio::time::timeout(
         FINISH_LIMIT,

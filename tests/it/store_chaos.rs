@@ -287,31 +287,14 @@ async fn chaos_on_a_plain_engine_with_the_run_store() {
         env.extend(files.env());
         env
     };
-    let name = |k: usize| format!("chaos-{k}");
-    let mut workers = Vec::new();
-    for k in 0..WORKERS {
-        workers.push(WorkerProcess::spawn(&env(&name(k))).await);
-    }
-
-    let all_ended = || {
-        stack
-            .engine
-            .tasks()
-            .iter()
-            .all(|t| matches!(t.status, TaskStatus::Completed | TaskStatus::Failed))
-    };
-    let (mut rng, _replay_hint) = chaos::seeded("store chaos");
     let started = tokio::time::Instant::now();
     let plan = chaos::Plan {
         lock: LOCK,
         max_rounds: MAX_ROUNDS,
         limit: CHAOS_LIMIT,
     };
-    let respawn = |k: usize| {
-        let env = env(&name(k));
-        async move { WorkerProcess::spawn(&env).await }
-    };
-    let chaos = chaos::run(&mut workers, respawn, &plan, &mut rng, all_ended).await;
+    let (mut workers, chaos, _replay_hint) =
+        chaos::start_and_run(&stack.engine, WORKERS, "chaos", env, &plan, "store chaos").await;
 
     // The tasks left finish at the pace of a loaded machine: the wait fails only when no task
     // ends for a whole STALL_LIMIT.

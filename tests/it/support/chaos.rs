@@ -8,7 +8,9 @@ use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::time::Duration;
 
-use abada_agent_worker::devkit::engine::{CallRecord, Disposition, Operation};
+use abada_agent_worker::devkit::engine::{
+    CallRecord, Disposition, EngineEmulator, Operation, TaskStatus,
+};
 use abada_agent_worker::devkit::model::RecordedRequest;
 use abada_agent_worker::devkit::tools::CallRecord as ToolCallRecord;
 use rand::rngs::StdRng;
@@ -122,6 +124,38 @@ where
     }
     chaos.took = started.elapsed();
     chaos
+}
+
+/// Both crash tests' start: `count` worker processes named `{prefix}-{k}` with the environment
+/// `env(name)`, then [`run`] on them (a killed worker comes back with its own name) until every
+/// task the emulator holds has completed or failed. The replay hint is handed back so that it
+/// lives, and prints its seed, until the test ends.
+pub async fn start_and_run(
+    engine: &EngineEmulator,
+    count: usize,
+    prefix: &str,
+    env: impl Fn(&str) -> Vec<(String, String)>,
+    plan: &Plan,
+    test: &'static str,
+) -> (Vec<WorkerProcess>, Chaos, ReplayHint) {
+    let name = |k: usize| format!("{prefix}-{k}");
+    let mut workers = Vec::with_capacity(count);
+    for k in 0..count {
+        workers.push(WorkerProcess::spawn(&env(&name(k))).await);
+    }
+    let all_ended = || {
+        engine
+            .tasks()
+            .iter()
+            .all(|t| matches!(t.status, TaskStatus::Completed | TaskStatus::Failed))
+    };
+    let (mut rng, replay_hint) = seeded(test);
+    let respawn = |k: usize| {
+        let env = env(&name(k));
+        async move { WorkerProcess::spawn(&env).await }
+    };
+    let chaos = run(&mut workers, respawn, plan, &mut rng, all_ended).await;
+    (workers, chaos, replay_hint)
 }
 
 /// The order id a recorded model request is about: its first user message.
