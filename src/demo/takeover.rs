@@ -163,35 +163,9 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     }
     expire_w1_lease(&mut tl, stack, &id);
 
-    // Worker 2 takes over; it is held just before `complete` so W1 wakes while W2 owns the task.
-    let gate2 = FreezeGate::new();
-    gate2.arm(FreezePoint::BeforeComplete);
-    let w2 = {
-        let gate = gate2.clone();
-        let mut opts = WorkerOptions::new("W2", 1);
-        opts.lock_duration = LEASE;
-        stack.spawn_worker_with(
-            opts,
-            Stack::fast_agent_settings(),
-            GatedEngine::wrapper(gate),
-        )
-    };
-    crew.add(w2);
-    tl.emit(
-        "demo",
-        "worker_started",
-        "W2 starts (1 slot, lease 10s)",
-        json!({"worker": "W2"}),
-    );
-    pump(
-        &mut tl,
-        &mut crew,
-        gate2.frozen(),
-        SCENARIO,
-        "W2 to resume the task",
-        LIMIT,
-    )
-    .await?;
+    let mut w2_options = WorkerOptions::new("W2", 1);
+    w2_options.lock_duration = LEASE;
+    let gate2 = w2_takes_over(&mut tl, &mut crew, stack, w2_options, "", SCENARIO, LIMIT).await?;
     let counters = stack.tools.counters().await;
     let resent = stack
         .tools
@@ -499,6 +473,45 @@ pub(super) fn expire_w1_lease(tl: &mut Timeline, stack: &Stack, id: &str) {
         ),
         json!({"advancedMs": jump.as_millis() as u64}),
     );
+}
+
+/// Worker 2 starts with `options`, takes the task over and is held just before `complete`, so
+/// that worker 1 wakes while worker 2 owns the task (both takeover stories do so); returns the
+/// gate that holds it. `what_else` ends the start-up line of the timeline.
+pub(super) async fn w2_takes_over(
+    tl: &mut Timeline,
+    crew: &mut Crew,
+    stack: &Stack,
+    options: WorkerOptions,
+    what_else: &str,
+    scenario: &'static str,
+    limit: Duration,
+) -> Result<Arc<FreezeGate>, DemoError> {
+    let gate2 = FreezeGate::new();
+    gate2.arm(FreezePoint::BeforeComplete);
+    let slots = options.slots;
+    let lease = options.lock_duration.as_secs();
+    crew.add(stack.spawn_worker_with(
+        options,
+        Stack::fast_agent_settings(),
+        GatedEngine::wrapper(gate2.clone()),
+    ));
+    tl.emit(
+        "demo",
+        "worker_started",
+        format!("W2 starts ({slots} slot, lease {lease}s{what_else})"),
+        json!({"worker": "W2"}),
+    );
+    pump(
+        tl,
+        crew,
+        gate2.frozen(),
+        scenario,
+        "W2 to resume the task",
+        limit,
+    )
+    .await?;
+    Ok(gate2)
 }
 
 /// Worker 2, frozen before its completion, is let go: it completes the task and reports the

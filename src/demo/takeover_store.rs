@@ -15,12 +15,12 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use super::takeover::{LEASE, expire_w1_lease, w2_finishes};
+use super::takeover::{LEASE, expire_w1_lease, w2_finishes, w2_takes_over};
 use super::takeover::{call_json, call_text, operation_name};
 use super::timeline::{Output, Timeline};
 use super::{Check, Crew, DemoError, DemoReport, DemoStore, metric_sum, pump, pump_until};
 use crate::devkit::engine::{CallRecord, Disposition, Operation, ProtocolLevel, TaskStatus};
-use crate::devkit::freeze::{FreezeGate, FreezePoint};
+use crate::devkit::freeze::FreezeGate;
 use crate::devkit::gate::GatedEngine;
 use crate::devkit::stack::{
     ORDERS_SERVER, REFUND_MODEL, Stack, StackWorkers, WorkerOptions, refund_script,
@@ -200,26 +200,13 @@ async fn scenario(
     );
     expire_w1_lease(&mut tl, stack, &id);
 
-    // Worker 2 takes over and is held just before `complete`, so W1 wakes while W2 owns it.
-    let gate2 = FreezeGate::new();
-    gate2.arm(FreezePoint::BeforeComplete);
-    crew.add(stack.spawn_worker_with(
-        worker_options("W2", files, store),
-        Stack::fast_agent_settings(),
-        GatedEngine::wrapper(gate2.clone()),
-    ));
-    tl.emit(
-        "demo",
-        "worker_started",
-        "W2 starts (1 slot, lease 10s, run store)",
-        json!({"worker": "W2"}),
-    );
-    pump(
+    let gate2 = w2_takes_over(
         &mut tl,
         &mut crew,
-        gate2.frozen(),
+        stack,
+        worker_options("W2", files, store),
+        ", run store",
         SCENARIO,
-        "W2 to resume the task",
         LIMIT,
     )
     .await?;
