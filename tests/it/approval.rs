@@ -12,6 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use abada_agent_worker::config;
 use abada_agent_worker::devkit::engine::{
     InstanceStatus, ProcessInstanceView, ProcessModel, ProtocolLevel, TaskStatus,
 };
@@ -22,6 +23,7 @@ use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 
 use crate::store::TestDb;
+use crate::support::scratch::ScratchDir;
 use crate::support::wait::eventually;
 
 #[tokio::test]
@@ -29,16 +31,55 @@ async fn an_agent_asking_for_approval_without_a_run_store_is_an_incident_and_per
     let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
     let mut agent = stack.refund_agent("openai/refund", &[]);
     agent["approval"] = json!("writes");
+    refused_without_a_store(stack, agent, Vec::new()).await;
+}
+
+/// The same when only the operator's registry asks for approval (the tool server's `approval`),
+/// the definition saying "never".
+#[tokio::test]
+async fn a_servers_approval_without_a_run_store_is_an_incident_and_performs_nothing() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let dir = ScratchDir::new("approval");
+    let (agent, env) = registry_approval(&stack, &dir, "writes");
+    refused_without_a_store(stack, agent, env).await;
+}
+
+/// A refund agent whose definition says approval = "never" and names `orders` by name; the
+/// registry (`ABADA_AGENT_TOOLS_FILE`, written in `dir`) registers the stack's tool server
+/// under that name with the engine's credential and `approval = server_approval`. Returns the
+/// definition and the worker's variables.
+fn registry_approval(
+    stack: &Stack,
+    dir: &ScratchDir,
+    server_approval: &str,
+) -> (Value, Vec<(String, String)>) {
+    let tools = dir.write(
+        "tools.toml",
+        &format!(
+            "[servers.orders]\nurl = \"{}\"\nauth = \"engine\"\napproval = \"{server_approval}\"\n",
+            stack.tools.url()
+        ),
+    );
+    let mut agent = stack.refund_agent("openai/refund", &[]);
+    agent["approval"] = json!("never");
+    agent["toolServers"] = json!(["orders"]);
+    let env = vec![(
+        config::ENV_TOOLS_FILE.to_string(),
+        tools.display().to_string(),
+    )];
+    (agent, env)
+}
+
+/// Runs the worked example with `agent` on a worker without a run store (plus `env`): the task
+/// is an incident saying why, and nothing is journaled, paid or performed.
+async fn refused_without_a_store(stack: Stack, agent: Value, env: Vec<(String, String)>) {
     stack
         .engine
         .deploy(ProcessModel::refund_approval(Some(agent)));
-    let mut variables = Map::new();
-    variables.insert("orderId".into(), json!("o-77"));
-    let instance = stack
-        .engine
-        .start_process("refundApproval", variables)
-        .unwrap();
-    let worker = stack.spawn_worker(WorkerOptions::new("w1", 2), Stack::fast_agent_settings());
+    let instance = start_refund(&stack, "o-77");
+    let mut opts = WorkerOptions::new("w1", 2);
+    opts.env = env;
+    let worker = stack.spawn_worker(opts, Stack::fast_agent_settings());
 
     let failed = tokio::time::timeout(
         Duration::from_secs(20),
@@ -348,6 +389,56 @@ async fn a_refused_write_is_never_performed_and_the_model_is_told_why() {
     let c = stack.tools.counters().await;
     assert_eq!(c.writes_applied, 0);
     assert_eq!(c.calls_per_tool.get("issue_refund"), None, "never sent");
+    assert_eq!(stack.model.total_calls(), 3);
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// The operator's word wins: the definition says approval = "never", but the registry entry of
+/// the server it uses says "writes". The write still waits for a person (the run in the store,
+/// keyed by its process visit), and is performed once she approves it.
+#[tokio::test]
+async fn a_servers_approval_in_the_registry_stops_a_definition_that_says_never() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let dir = ScratchDir::new("approval");
+    let (agent, env) = registry_approval(&stack, &dir, "writes");
+    stack
+        .engine
+        .deploy(ProcessModel::refund_approval(Some(agent)));
+    let instance = start_refund(&stack, "o-6");
+    let mut opts = store_worker("w1", &db, Duration::from_secs(10));
+    opts.env.extend(env);
+    let worker = stack.spawn_worker(opts, Stack::fast_agent_settings());
+    let waiting = wait_for_approval(&stack, &instance).await;
+    assert_eq!(waiting.variables["agentStatus"], "approval-required");
+    let request = &waiting.variables["agentApprovalRequest"];
+    assert_eq!(
+        (&request["server"], &request["tool"]),
+        (&json!("orders"), &json!("issue_refund")),
+        "{request}"
+    );
+    let c = stack.tools.counters().await;
+    assert_eq!(
+        (c.writes_applied, c.calls_per_tool.get("issue_refund")),
+        (0, None),
+        "nothing performed before the decision"
+    );
+    assert_eq!(
+        c.calls_per_tool.get("lookup_order"),
+        Some(&1),
+        "the read-only lookup needed no approval"
+    );
+    decide(&stack, &instance, "dana", true, "fine").await;
+    let done = wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    assert_eq!(done.variables["agentStatus"], "done");
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
     assert_eq!(stack.model.total_calls(), 3);
     stop(worker).await;
     stack.shutdown().await;
