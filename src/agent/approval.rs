@@ -1,9 +1,11 @@
 //! Approval of tool calls by a person (issue 14), the pure part (the stop and the resume are
-//! `run::Attempt::approval_gate`, the journal steps `journal::approval_*_step`): which calls need approval
-//! ([`ApprovalPolicy`], [`ApprovalRules`]), the process variables that carry the question and
-//! the answer ([`ApprovalVariables`]), the request the worker completes with
-//! ([`approval_request`]), the decision it resumes with ([`read_decision`]), and the tool result
-//! a refusal becomes ([`refusal_result`]).
+//! `run::Attempt::approval_gate`, the journal steps `journal::approval_*_step`): which calls
+//! need approval ([`ApprovalPolicy`], whose [`ToolRule`]s may bound a numeric argument;
+//! [`ApprovalRules`], the definition's policy plus each tool server's from the operator's
+//! registry), the process variables that carry the question and the answer
+//! ([`ApprovalVariables`]), the request the worker completes with ([`approval_request`]), the
+//! decision it resumes with ([`read_decision`]), and the tool result a refusal becomes
+//! ([`refusal_result`]).
 //!
 //! The flow around it: when the model asks for a call that needs approval and no decision
 //! exists, the worker performs nothing, journals the pending call and completes the task with
