@@ -23,6 +23,7 @@ use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 
 use crate::store::TestDb;
+use crate::support::process::{WorkerProcess, stack_env};
 use crate::support::scratch::ScratchDir;
 use crate::support::wait::eventually;
 
@@ -335,13 +336,7 @@ async fn an_approved_write_is_performed_exactly_once_and_nothing_is_paid_again()
         3,
         "only the answer after the write is paid; the two turns before the stop are not"
     );
-    let keys: Vec<_> = stack
-        .tools
-        .calls()
-        .into_iter()
-        .filter(|c| c.tool == "issue_refund")
-        .map(|c| c.idempotency_key)
-        .collect();
+    let keys = stack.tools.keys_sent("issue_refund");
     assert_eq!(keys.len(), 1);
     assert!(keys[0].is_some(), "the approved write is keyed");
     // The run finished in the store once the engine took the final completion.
@@ -584,6 +579,118 @@ async fn a_worker_killed_between_the_decision_and_the_write_performs_it_once_els
         "the two turns before the stop are not paid again"
     );
     stop(w3).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// The same guarantee with the real binary and a real crash: worker 1 (the `abada-agent-worker`
+/// binary, run store on PostgreSQL) stops for approval, then claims the task carrying dana's
+/// decision, journals the decision and the write's key, and sends the approved write; the tool
+/// server applies it and holds the answer. Worker 1 is SIGKILLed there. Its lease runs out;
+/// worker 2 takes the task, claims the run by its run key, re-sends the write under the key the
+/// store holds (answered from the tool server's ledger: applied once), and completes the task
+/// `done`, paying only the model turn after the write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_binary_killed_with_the_approved_write_in_flight_is_replaced_and_the_write_applied_once()
+ {
+    const LIMIT: Duration = Duration::from_secs(30);
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let instance = start_refund(&stack, "o-9");
+    let lock = Duration::from_secs(10);
+    let mut env = stack_env(&stack, "w-killed");
+    env.extend([
+        (
+            config::ENV_LOCK_DURATION_MS.to_string(),
+            lock.as_millis().to_string(),
+        ),
+        (config::ENV_STORE_URL.to_string(), db.url.render()),
+    ]);
+    let mut first = WorkerProcess::spawn(&env).await;
+    wait_for_approval(&stack, &instance).await;
+    assert_eq!(stack.model.total_calls(), 2, "lookup turn, refund turn");
+
+    stack.tools.hold_next_write();
+    decide(&stack, &instance, "dana", true, "fine").await;
+    let held = tokio::time::timeout(LIMIT, stack.tools.holding()).await;
+    assert!(
+        held.is_ok(),
+        "worker 1 did not send the approved write within {LIMIT:?}; tool calls {:?}, instance {:?}; worker 1 said:\n{}\n{}",
+        stack.tools.calls(),
+        stack.engine.process_instance(&instance),
+        first.stdout().join("\n"),
+        first.stderr().join("\n")
+    );
+    let (run_key, started_key): (String, String) = {
+        let row = db
+            .sql()
+            .await
+            .query_one(
+                "SELECT run_key, key FROM abada_agent_steps
+                  WHERE kind = 'tool' AND state = 'started' AND body->>'tool' = 'issue_refund'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(run_key, format!("process/{instance}/refundAgent"));
+    first.signal("KILL");
+    first.wait(Duration::from_secs(10)).await;
+    stack.tools.release_held();
+    let decided = db
+        .count(
+            "SELECT count(*) FROM abada_agent_steps WHERE kind = 'approval' AND state = 'decided'",
+        )
+        .await;
+    assert_eq!(decided, 1, "the decision was journaled before the write");
+    let finished = db
+        .count("SELECT count(*) FROM abada_agent_steps WHERE kind = 'tool' AND state = 'finished' AND body->>'tool' = 'issue_refund'")
+        .await;
+    assert_eq!(finished, 0, "worker 1 died before journaling the result");
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
+
+    // Worker 1 is gone as far as the engine knows: its lease runs out, worker 2 takes the task.
+    stack.engine.advance(lock + Duration::from_secs(1));
+    let second = stack.spawn_worker(store_worker("w2", &db, lock), Stack::fast_agent_settings());
+    let done = wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    stop(second).await;
+    assert_eq!(done.variables["agentStatus"], "done");
+    assert_eq!(done.variables["agentApproval"]["decidedBy"], "dana");
+    assert_eq!(done.variables["refundDecision"]["decision"], "refunded");
+    let tasks: Vec<_> = stack
+        .engine
+        .tasks()
+        .into_iter()
+        .filter(|t| t.process_instance_id == instance)
+        .collect();
+    assert_eq!(tasks.len(), 2, "the stop's task and the decision's task");
+    assert_eq!(tasks[1].status, TaskStatus::Completed, "{:?}", tasks[1]);
+    assert_eq!(
+        tasks[1].counters.acquisitions, 2,
+        "claimed by worker 1, then by worker 2"
+    );
+    let keys = stack.tools.keys_sent("issue_refund");
+    assert_eq!(
+        keys,
+        vec![Some(started_key); 2],
+        "re-sent under the key the store holds"
+    );
+    let c = stack.tools.counters().await;
+    assert_eq!(
+        (c.writes_applied, c.duplicates),
+        (1, 1),
+        "applied once, the re-send answered from the ledger: {c:?}"
+    );
+    assert_eq!(
+        stack.model.total_calls(),
+        3,
+        "the two turns before the stop are not paid again"
+    );
     stack.shutdown().await;
     db.drop().await;
 }
