@@ -606,12 +606,18 @@ impl<'a> Attempt<'a> {
                 let seq = self.state.next_seq;
                 self.journal(journal::approval_decided_step(seq, &decision))
                     .await?;
+                self.rt.metrics.count_approval(if decision.approved {
+                    "approved"
+                } else {
+                    "refused"
+                });
                 Ok(false)
             }
             None => {
                 let seq = self.state.next_seq;
                 self.journal(journal::approval_requested_step(seq, call, &self.task.id))
                     .await?;
+                self.rt.metrics.count_approval("requested");
                 Err(self.stop_for_approval(call))
             }
         }

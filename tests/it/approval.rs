@@ -636,6 +636,20 @@ async fn a_worker_binary_killed_with_the_approved_write_in_flight_is_replaced_an
         (row.get(0), row.get(1))
     };
     assert_eq!(run_key, format!("process/{instance}/refundAgent"));
+    let (_, metrics) = first.admin_get("/metrics").await;
+    let mut approvals: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("abada_agent_approvals_total"))
+        .collect();
+    approvals.sort_unstable();
+    assert_eq!(
+        approvals,
+        [
+            "abada_agent_approvals_total{event=\"approved\"} 1",
+            "abada_agent_approvals_total{event=\"requested\"} 1"
+        ],
+        "one stop, one approval, nothing refused: {approvals:?}"
+    );
     first.signal("KILL");
     first.wait(Duration::from_secs(10)).await;
     stack.tools.release_held();
