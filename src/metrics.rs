@@ -97,6 +97,13 @@ pub struct ToolLabels {
     pub outcome: &'static str,
 }
 
+/// What happened to a tool call that needs a person's approval.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApprovalLabel {
+    /// `requested` (the task stopped to ask), `approved` or `refused` (a decision journaled).
+    pub event: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StoreOperationLabel {
     pub operation: &'static str,
@@ -154,6 +161,9 @@ pub struct Metrics {
     pub model_tokens: Family<ModelTokenLabels, Counter>,
     pub model_fallback_calls: Family<ModelRefLabels, Counter>,
     pub tool_calls: Family<ToolLabels, Counter>,
+    /// Approval stops and decisions; a label per event only: agents and tools are on the
+    /// journal and the logs, and the stops of one agent are few.
+    pub approvals: Family<ApprovalLabel, Counter>,
     pub backoff_seconds: Gauge<f64, AtomicU64>,
     pub store_transaction_duration: Family<StoreOperationLabel, Histogram, fn() -> Histogram>,
     pub store_pool_wait: Histogram,
@@ -198,6 +208,7 @@ impl Metrics {
             model_tokens: Family::default(),
             model_fallback_calls: Family::default(),
             tool_calls: Family::default(),
+            approvals: Family::default(),
             backoff_seconds: Gauge::default(),
             store_transaction_duration: Family::new_with_constructor(
                 store_histogram as fn() -> Histogram,
@@ -297,6 +308,11 @@ impl Metrics {
             m.tool_calls.clone(),
         );
         registry.register(
+            "abada_agent_approvals",
+            "Tool calls put to a person (requested) and the decisions acted on (approved, refused)",
+            m.approvals.clone(),
+        );
+        registry.register(
             "abada_agent_backoff_seconds",
             "Current wait of the poll loop's error backoff (0 when healthy)",
             m.backoff_seconds.clone(),
@@ -379,6 +395,11 @@ impl Metrics {
                 .get_or_create(&ReasonLabel { reason })
                 .inc_by(runs);
         }
+    }
+
+    /// Counts an approval event: `requested`, `approved` or `refused`.
+    pub fn count_approval(&self, event: &'static str) {
+        self.approvals.get_or_create(&ApprovalLabel { event }).inc();
     }
 
     pub fn observe_engine_request(&self, operation: &'static str, status: String, took: Duration) {

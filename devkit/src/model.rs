@@ -39,7 +39,9 @@ pub struct ScriptedCall {
     /// The MCP tool name; the call uses the offered function name that equals it or ends in
     /// `__<tool>`, else this name as it is (a tool nobody offered).
     pub tool: String,
-    /// A JSON template: every string in it is rendered like a text template.
+    /// A JSON template: every string in it is rendered like a text template, except that a
+    /// string that is exactly one `${input.<field>}` becomes the field's JSON value (a number
+    /// stays a number: `"amountCents": "${input.amountCents}"`).
     pub arguments: Value,
 }
 
@@ -50,8 +52,9 @@ pub enum Turn {
     /// Text and tool calls in one answer, as real models often do ("Refunding 1500 cents needs
     /// approval." then the call); the text is a template like [`Turn::Text`]'s.
     Say(String, Vec<ScriptedCall>),
-    /// A final answer; a template with `${input}`, `${last_tool_result}` and `${call_index}`
-    /// (this model's call count including this call, from 1).
+    /// A final answer; a template with `${input}`, `${input.<field>}` (a field of the input
+    /// read as a JSON object, as a model reads structured input), `${last_tool_result}` and
+    /// `${call_index}` (this model's call count including this call, from 1).
     Text(String),
 }
 
@@ -633,16 +636,58 @@ fn content_text(content: Option<&Value>) -> String {
     }
 }
 
+/// The marker of an input field placeholder, `${input.<field>}`.
+const INPUT_FIELD: &str = "${input.";
+
+/// A field of the conversation's input read as a JSON object; None when the input is not one or
+/// lacks the field.
+fn input_field(conv: &Conversation, field: &str) -> Option<Value> {
+    serde_json::from_str::<Value>(&conv.input)
+        .ok()?
+        .get(field)
+        .cloned()
+}
+
+/// Replaces each `${input.<field>}` by the field (a string as it is, other values as JSON); a
+/// field that is not there stays as written, so a script's mistake shows in its output.
+fn render_input_fields(template: &str, conv: &Conversation) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(start) = rest.find(INPUT_FIELD) {
+        let after = &rest[start + INPUT_FIELD.len()..];
+        let Some(end) = after.find('}') else {
+            break;
+        };
+        out.push_str(&rest[..start]);
+        match input_field(conv, &after[..end]) {
+            Some(Value::String(s)) => out.push_str(&s),
+            Some(v) => out.push_str(&v.to_string()),
+            None => out.push_str(&rest[start..start + INPUT_FIELD.len() + end + 1]),
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
 fn render(template: &str, conv: &Conversation, call_index: u64) -> String {
-    template
+    render_input_fields(template, conv)
         .replace("${input}", &conv.input)
         .replace("${last_tool_result}", &conv.last_tool_result)
         .replace("${call_index}", &call_index.to_string())
 }
 
 fn render_value(template: &Value, conv: &Conversation, call_index: u64) -> Value {
+    let whole_field = |s: &str| {
+        s.strip_prefix(INPUT_FIELD)?
+            .strip_suffix('}')
+            .filter(|f| !f.contains('}'))
+            .and_then(|f| input_field(conv, f))
+    };
     match template {
-        Value::String(s) => Value::String(render(s, conv, call_index)),
+        Value::String(s) => {
+            whole_field(s).unwrap_or_else(|| Value::String(render(s, conv, call_index)))
+        }
         Value::Array(items) => Value::Array(
             items
                 .iter()
@@ -766,5 +811,52 @@ fn answer_body(
                 },
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conv(input: &str) -> Conversation {
+        Conversation {
+            assistant_turns: 0,
+            input: input.to_string(),
+            last_tool_result: "refunded".into(),
+            offered_tools: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn input_fields_render_as_text_and_keep_their_type_as_a_whole_argument() {
+        let c = conv(r#"{"orderId": "o-1", "amountCents": 25000, "nested": {"a": 1}}"#);
+        assert_eq!(
+            render(
+                "Order ${input.orderId}: ${input.amountCents} cents, ${last_tool_result}",
+                &c,
+                1
+            ),
+            "Order o-1: 25000 cents, refunded"
+        );
+        assert_eq!(
+            render_value(
+                &json!({"orderId": "${input.orderId}", "amountCents": "${input.amountCents}",
+                        "nested": "${input.nested}", "text": "n=${input.amountCents}"}),
+                &c,
+                1
+            ),
+            json!({"orderId": "o-1", "amountCents": 25000, "nested": {"a": 1}, "text": "n=25000"})
+        );
+        // A missing field, or an input that is not JSON, leaves the placeholder as written.
+        assert_eq!(
+            render("${input.missing} ${input.orderId", &c, 1),
+            "${input.missing} ${input.orderId"
+        );
+        let plain = conv("o-2");
+        assert_eq!(
+            render_value(&json!("${input.amountCents}"), &plain, 1),
+            json!("${input.amountCents}")
+        );
+        assert_eq!(render("${input}", &plain, 1), "o-2");
     }
 }

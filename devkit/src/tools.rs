@@ -277,6 +277,17 @@ impl ToolServer {
         self.shared.records().calls.clone()
     }
 
+    /// The idempotency key of every call of `tool` received, in order (None: sent unkeyed).
+    pub fn keys_sent(&self, tool: &str) -> Vec<Option<String>> {
+        self.shared
+            .records()
+            .calls
+            .iter()
+            .filter(|c| c.tool == tool)
+            .map(|c| c.idempotency_key.clone())
+            .collect()
+    }
+
     /// Down: new connections are accepted and dropped at once, and requests on connections
     /// already open get 503. Up again with `false`.
     pub fn set_down(&self, down: bool) {

@@ -1,9 +1,11 @@
 //! Approval of tool calls by a person (issue 14), the pure part (the stop and the resume are
-//! `run::Attempt::approval_gate`, the journal steps `journal::approval_*_step`): which calls need approval
-//! ([`ApprovalPolicy`], [`ApprovalRules`]), the process variables that carry the question and
-//! the answer ([`ApprovalVariables`]), the request the worker completes with
-//! ([`approval_request`]), the decision it resumes with ([`read_decision`]), and the tool result
-//! a refusal becomes ([`refusal_result`]).
+//! `run::Attempt::approval_gate`, the journal steps `journal::approval_*_step`): which calls
+//! need approval ([`ApprovalPolicy`], whose [`ToolRule`]s may bound a numeric argument;
+//! [`ApprovalRules`], the definition's policy plus each tool server's from the operator's
+//! registry), the process variables that carry the question and the answer
+//! ([`ApprovalVariables`]), the request the worker completes with ([`approval_request`]), the
+//! decision it resumes with ([`read_decision`]), and the tool result a refusal becomes
+//! ([`refusal_result`]).
 //!
 //! The flow around it: when the model asks for a call that needs approval and no decision
 //! exists, the worker performs nothing, journals the pending call and completes the task with
@@ -11,6 +13,8 @@
 //! person's decision comes back on a new task of the same node, whose run is found by its run
 //! key (`run_key`). Approved: the call is performed like any keyed write. Refused: the model
 //! reads a tool result saying who refused and why.
+
+use std::cmp::Ordering;
 
 use serde_json::{Map, Value, json};
 
@@ -31,9 +35,9 @@ const MAX_COMMENT_CHARS: usize = 4096;
 const MAX_NAME_CHARS: usize = 256;
 const MAX_CALL_ID_CHARS: usize = 256;
 
-/// Which calls need a person's approval: `"never"`, `"writes"`, `"always"`, or a list of tool
-/// names.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// Which calls need a person's approval: `"never"`, `"writes"`, `"always"`, or a list of
+/// [`ToolRule`]s (tool names, or tool names with a condition on an argument).
+#[derive(Clone, Debug, Default, PartialEq)]
 pub enum ApprovalPolicy {
     #[default]
     Never,
@@ -41,12 +45,41 @@ pub enum ApprovalPolicy {
     /// `destructiveHint: true` (even one that also claims to be read-only: the stricter hint wins).
     Writes,
     Always,
-    /// These tool names, on any server of the definition.
-    Tools(Vec<String>),
+    /// These tools, each always or only when its condition holds.
+    Tools(Vec<ToolRule>),
 }
 
+/// One entry of a policy's list: `"issue_refund"` (every call of that tool), or
+/// `{tool = "issue_refund", argument = "amountCents", above = 10000}` (only calls whose
+/// argument is out of bounds).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolRule {
+    pub tool: String,
+    /// None: every call of the tool needs approval.
+    pub when: Option<ArgumentBound>,
+}
+
+/// A condition on one numeric argument of a call. The arguments are the model's output, hostile
+/// input: a call whose argument is missing, not a JSON number, or not finite needs approval
+/// (fail safe), so only a call that provably stays within the bounds goes through at once.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ArgumentBound {
+    /// A top-level argument name, or a JSON pointer (`/refund/amountCents`) into nested
+    /// arguments.
+    pub argument: String,
+    /// Approval when the argument is greater than this.
+    pub above: Option<f64>,
+    /// Approval when the argument is less than this (e.g. `below = 0` for a negative refund,
+    /// which a tool might take as a charge).
+    pub below: Option<f64>,
+}
+
+/// The keys a conditional rule may have; any other is an error, so a typo (`abvoe`) is not a
+/// rule that silently never asks.
+const RULE_KEYS: [&str; 4] = ["tool", "argument", "above", "below"];
+
 impl ApprovalPolicy {
-    /// Parses `"never" | "writes" | "always" | ["tool", ...]`; the error says what is allowed.
+    /// Parses `"never" | "writes" | "always" | [rule, ...]`; the error says what is allowed.
     pub fn from_value(value: &Value) -> Result<Self, String> {
         match value {
             Value::String(s) => match s.as_str() {
@@ -57,55 +90,158 @@ impl ApprovalPolicy {
                     "approval {other:?} is not one of \"never\", \"writes\", \"always\" or a list of tool names"
                 )),
             },
-            Value::Array(items) => {
-                let mut tools = Vec::with_capacity(items.len());
-                for item in items {
-                    match item.as_str().map(str::trim) {
-                        Some(name) if !name.is_empty() => tools.push(name.to_string()),
-                        _ => {
-                            return Err(format!(
-                                "approval lists {item}, which is not a tool name (a non-empty string)"
-                            ));
-                        }
-                    }
-                }
-                Ok(ApprovalPolicy::Tools(tools))
-            }
+            Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| {
+                    ToolRule::from_value(item).map_err(|e| format!("approval[{i}]: {e}"))
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(ApprovalPolicy::Tools),
             other => Err(format!(
-                "approval is {other}; use \"never\", \"writes\", \"always\" or a list of tool names"
+                "approval is {}; use \"never\", \"writes\", \"always\" or a list of tool names",
+                kind(other)
             )),
         }
     }
 
-    /// Whether a call of `spec` needs approval under this policy alone.
-    pub fn covers(&self, spec: &ToolSpec) -> bool {
+    /// Whether a call of `spec` with `arguments` needs approval under this policy alone.
+    pub fn covers(&self, spec: &ToolSpec, arguments: &Value) -> bool {
         match self {
             ApprovalPolicy::Never => false,
             ApprovalPolicy::Always => true,
             ApprovalPolicy::Writes => !spec.read_only || spec.destructive,
-            ApprovalPolicy::Tools(names) => names.contains(&spec.tool),
+            ApprovalPolicy::Tools(rules) => rules
+                .iter()
+                .any(|r| r.tool == spec.tool && r.when.as_ref().is_none_or(|b| b.holds(arguments))),
         }
+    }
+}
+
+impl ToolRule {
+    fn from_value(item: &Value) -> Result<Self, String> {
+        let name = |v: Option<&Value>, field: &str| match v.and_then(Value::as_str).map(str::trim) {
+            Some(n) if !n.is_empty() => Ok(n.to_string()),
+            _ => Err(format!("{field} must be a non-empty string")),
+        };
+        let object = match item {
+            Value::String(_) => {
+                return Ok(ToolRule {
+                    tool: name(Some(item), "a tool name")?,
+                    when: None,
+                });
+            }
+            Value::Object(o) => o,
+            other => {
+                return Err(format!(
+                    "{} is neither a tool name nor {{tool, argument, above, below}}",
+                    kind(other)
+                ));
+            }
+        };
+        if let Some(unknown) = object.keys().find(|k| !RULE_KEYS.contains(&k.as_str())) {
+            return Err(format!(
+                "unknown key {unknown:?}; a rule has tool, argument, above and below"
+            ));
+        }
+        let tool = name(object.get("tool"), "tool")?;
+        let argument = name(object.get("argument"), "argument")?;
+        let bound = |field: &str| match object.get(field) {
+            None => Ok(None),
+            Some(Value::Number(n)) => n
+                .as_f64()
+                .filter(|f| f.is_finite())
+                .map(Some)
+                .ok_or_else(|| format!("{field} must be a finite number")),
+            Some(v) => Err(format!("{field} is {}, not a number", kind(v))),
+        };
+        let (above, below) = (bound("above")?, bound("below")?);
+        match (above, below) {
+            (None, None) => {
+                return Err(format!(
+                    "the rule for {tool:?} has argument {argument:?} but neither above nor below; give a bound, or list the tool by name to ask for every call"
+                ));
+            }
+            (Some(a), Some(b)) if b > a => {
+                return Err(format!(
+                    "below ({b}) is greater than above ({a}): every call would need approval; list the tool by name for that"
+                ));
+            }
+            _ => {}
+        }
+        Ok(ToolRule {
+            tool,
+            when: Some(ArgumentBound {
+                argument,
+                above,
+                below,
+            }),
+        })
+    }
+}
+
+impl ArgumentBound {
+    /// Whether a call with `arguments` needs approval: its argument is out of bounds, or not a
+    /// finite number at all.
+    pub fn holds(&self, arguments: &Value) -> bool {
+        let value = if self.argument.starts_with('/') {
+            arguments.pointer(&self.argument)
+        } else {
+            arguments.get(&self.argument)
+        };
+        let Some(Value::Number(n)) = value else {
+            return true;
+        };
+        let out = |bound: Option<f64>, outside: Ordering| {
+            bound.is_some_and(|b| compare(n, b).is_none_or(|o| o == outside))
+        };
+        out(self.above, Ordering::Greater) || out(self.below, Ordering::Less)
+    }
+}
+
+/// `n` against a finite `bound`, exactly (an integer argument past 2^53 is not rounded into the
+/// bound); `None` when `n` is not finite.
+fn compare(n: &serde_json::Number, bound: f64) -> Option<Ordering> {
+    let integer = n
+        .as_i64()
+        .map(i128::from)
+        .or_else(|| n.as_u64().map(i128::from));
+    match integer {
+        Some(x) => {
+            let floor = bound.floor();
+            // Saturating: a bound past i128's range is past every integer JSON holds.
+            let f = floor as i128;
+            Some(match x.cmp(&f) {
+                Ordering::Equal if bound > floor => Ordering::Less,
+                o => o,
+            })
+        }
+        None => n
+            .as_f64()
+            .filter(|x| x.is_finite())
+            .and_then(|x| x.partial_cmp(&bound)),
     }
 }
 
 /// The policies that apply to one agent: its definition's, and each tool server's in the
 /// operator's registry. A call needs approval when either says so: the operator can require
 /// approval for a server whatever a definition (possibly sent by the engine) asks for.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct ApprovalRules {
     pub definition: ApprovalPolicy,
-    /// By server name. Filled from the tool-server registry (`ABADA_AGENT_TOOLS_FILE`, per
-    /// server `approval = ...`) once it exists; empty until then.
+    /// By server name: the `approval` of each server the definition uses, from the operator's
+    /// tool-server registry (`ABADA_AGENT_TOOLS_FILE`); servers without one are not listed.
     pub servers: Vec<(String, ApprovalPolicy)>,
 }
 
 impl ApprovalRules {
-    pub fn needs_approval(&self, spec: &ToolSpec) -> bool {
-        self.definition.covers(spec)
+    /// Whether a call of `spec` with `arguments` (the model's, as it will be sent) needs approval.
+    pub fn needs_approval(&self, spec: &ToolSpec, arguments: &Value) -> bool {
+        self.definition.covers(spec, arguments)
             || self
                 .servers
                 .iter()
-                .any(|(server, policy)| *server == spec.server && policy.covers(spec))
+                .any(|(server, policy)| *server == spec.server && policy.covers(spec, arguments))
     }
 
     /// Whether any call could ever need approval (a definition that cannot stop needs no run
@@ -150,7 +286,7 @@ impl Default for ApprovalVariables {
 /// not a write done without approval.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
-    "agent {agent:?} asks for approval of tool calls, but a conversation can only wait for a person's decision in the run store, and this worker runs agents without one; nothing was performed. Set approval = \"never\" for this agent, or run it on a worker that keeps agent runs in the run store (ABADA_AGENT_STORE_URL)"
+    "agent {agent:?} asks for approval of tool calls (its definition's approval, or that of a tool server it uses in ABADA_AGENT_TOOLS_FILE), but a conversation can only wait for a person's decision in the run store, and this worker runs agents without one; nothing was performed. Set approval = \"never\" for this agent and its servers, or run it on a worker that keeps agent runs in the run store (ABADA_AGENT_STORE_URL)"
 )]
 pub struct NoWaitingPlace {
     pub agent: String,
@@ -309,6 +445,13 @@ mod tests {
         }
     }
 
+    fn named(tool: &str) -> ToolRule {
+        ToolRule {
+            tool: tool.into(),
+            when: None,
+        }
+    }
+
     fn vars(v: Value) -> Map<String, Value> {
         serde_json::from_value(v).unwrap()
     }
@@ -325,8 +468,8 @@ mod tests {
         assert_eq!(
             ApprovalPolicy::from_value(&json!(["refund", " cancel "])),
             Ok(ApprovalPolicy::Tools(vec![
-                "refund".into(),
-                "cancel".into()
+                named("refund"),
+                named("cancel")
             ]))
         );
         for bad in [
@@ -346,35 +489,208 @@ mod tests {
         let lookup = spec("lookup_order", true, false);
         let refund = spec("refund", false, false);
         let lying = spec("purge", true, true);
+        let args = json!({});
         let p = ApprovalPolicy::Writes;
-        assert!(!p.covers(&lookup));
-        assert!(p.covers(&refund));
-        assert!(p.covers(&lying), "destructiveHint wins over readOnlyHint");
-        assert!(!ApprovalPolicy::Never.covers(&lying));
-        assert!(ApprovalPolicy::Always.covers(&lookup));
-        let listed = ApprovalPolicy::Tools(vec!["refund".into()]);
-        assert!(listed.covers(&refund) && !listed.covers(&lookup) && !listed.covers(&lying));
+        assert!(!p.covers(&lookup, &args));
+        assert!(p.covers(&refund, &args));
+        assert!(
+            p.covers(&lying, &args),
+            "destructiveHint wins over readOnlyHint"
+        );
+        assert!(!ApprovalPolicy::Never.covers(&lying, &args));
+        assert!(ApprovalPolicy::Always.covers(&lookup, &args));
+        let listed = ApprovalPolicy::Tools(vec![named("refund")]);
+        assert!(
+            listed.covers(&refund, &args)
+                && !listed.covers(&lookup, &args)
+                && !listed.covers(&lying, &args)
+        );
     }
 
     #[test]
     fn a_server_policy_adds_to_the_definition_never_removes() {
         let refund = spec("refund", false, false);
+        let args = json!({"amountCents": 5});
         let mut rules = ApprovalRules::default();
-        assert!(!rules.needs_approval(&refund) && !rules.may_stop());
+        assert!(!rules.needs_approval(&refund, &args) && !rules.may_stop());
         rules
             .servers
             .push(("billing".into(), ApprovalPolicy::Always));
-        assert!(!rules.needs_approval(&refund), "another server's policy");
+        assert!(
+            !rules.needs_approval(&refund, &args),
+            "another server's policy"
+        );
         assert!(rules.may_stop());
         rules
             .servers
             .push(("orders".into(), ApprovalPolicy::Writes));
-        assert!(rules.needs_approval(&refund));
+        assert!(rules.needs_approval(&refund, &args));
         let rules = ApprovalRules {
             definition: ApprovalPolicy::Always,
             servers: vec![("orders".into(), ApprovalPolicy::Never)],
         };
-        assert!(rules.needs_approval(&refund), "the server cannot loosen it");
+        assert!(
+            rules.needs_approval(&refund, &args),
+            "the server cannot loosen it"
+        );
+    }
+
+    fn refund_rule(bounds: Value) -> ApprovalPolicy {
+        let mut rule = json!({"tool": "refund", "argument": "amountCents"});
+        rule.as_object_mut()
+            .unwrap()
+            .extend(bounds.as_object().unwrap().clone());
+        ApprovalPolicy::from_value(&json!([rule])).unwrap()
+    }
+
+    #[test]
+    fn a_conditional_rule_asks_only_above_its_threshold() {
+        let refund = spec("refund", false, false);
+        let lookup = spec("lookup_order", true, false);
+        let p = refund_rule(json!({"above": 10000}));
+        let needs = |args: Value| p.covers(&refund, &args);
+        assert!(!needs(json!({"orderId": "o-1", "amountCents": 1500})));
+        assert!(!needs(json!({"amountCents": 10000})), "at the threshold");
+        assert!(!needs(json!({"amountCents": 10000.0})));
+        assert!(!needs(json!({"amountCents": 0})));
+        assert!(needs(json!({"amountCents": 10001})));
+        assert!(needs(json!({"amountCents": 10000.000001})));
+        assert!(needs(json!({"amountCents": 25000})));
+        assert!(
+            !p.covers(&lookup, &json!({"amountCents": 99999})),
+            "another tool"
+        );
+        // A negative amount is within `above`; `below` catches it when the operator says so.
+        assert!(!needs(json!({"amountCents": -5000})));
+        let both = refund_rule(json!({"above": 10000, "below": 0}));
+        assert!(both.covers(&refund, &json!({"amountCents": -1})));
+        assert!(both.covers(&refund, &json!({"amountCents": -0.5})));
+        assert!(!both.covers(&refund, &json!({"amountCents": 0})));
+        assert!(!both.covers(&refund, &json!({"amountCents": 9999})));
+        assert!(both.covers(&refund, &json!({"amountCents": 10001})));
+    }
+
+    #[test]
+    fn hostile_arguments_fail_safe_and_need_approval() {
+        let refund = spec("refund", false, false);
+        let p = refund_rule(json!({"above": 10000}));
+        let hostile = [
+            json!({}),
+            json!({"amountCents": null}),
+            json!({"amountCents": "99999"}),
+            json!({"amountCents": "1500"}),
+            json!({"amountCents": "NaN"}),
+            json!({"amountCents": "Infinity"}),
+            json!({"amountCents": "-Infinity"}),
+            json!({"amountCents": true}),
+            json!({"amountCents": [1500]}),
+            json!({"amountCents": {"value": 1500}}),
+            json!({"amountcents": 1500}),
+            json!({"amountCents": u64::MAX}),
+            json!({"amountCents": 1e308}),
+            json!({"amountCents": 9_007_199_254_740_993_u64}),
+            json!("amountCents=1500"),
+            json!([1500]),
+            Value::Null,
+        ];
+        for args in hostile {
+            assert!(p.covers(&refund, &args), "{args}");
+        }
+        // Integers past 2^53 are compared exactly, not rounded onto the bound.
+        let near = refund_rule(json!({"above": 9_007_199_254_740_992_u64}));
+        assert!(near.covers(&refund, &json!({"amountCents": 9_007_199_254_740_993_u64})));
+        assert!(!near.covers(&refund, &json!({"amountCents": 9_007_199_254_740_992_u64})));
+        let huge = refund_rule(json!({"above": 1e300, "below": -1e300}));
+        assert!(!huge.covers(&refund, &json!({"amountCents": i64::MIN})));
+        assert!(!huge.covers(&refund, &json!({"amountCents": u64::MAX})));
+        assert!(huge.covers(&refund, &json!({"amountCents": 1e301})));
+        // Arguments the worker parsed from a model's text: the last of two keys is what both
+        // the rule and the tool server see (the worker sends the parsed value, never the text).
+        let parsed: Value =
+            serde_json::from_str(r#"{"amountCents": 100, "amountCents": 50000}"#).unwrap();
+        assert!(p.covers(&refund, &parsed));
+    }
+
+    #[test]
+    fn a_rule_may_point_into_nested_arguments() {
+        let refund = spec("refund", false, false);
+        let p = ApprovalPolicy::from_value(
+            &json!([{"tool": "refund", "argument": "/refund/amountCents", "above": 100}]),
+        )
+        .unwrap();
+        assert!(!p.covers(&refund, &json!({"refund": {"amountCents": 99}})));
+        assert!(p.covers(&refund, &json!({"refund": {"amountCents": 101}})));
+        assert!(p.covers(&refund, &json!({"refund": {"amountCents": "99"}})));
+        assert!(p.covers(&refund, &json!({"amountCents": 99})), "missing");
+    }
+
+    #[test]
+    fn bad_rules_are_refused_at_configuration_time_saying_what_is_wrong() {
+        let cases = [
+            (
+                json!([{"tool": "refund", "argument": "a", "abvoe": 1}]),
+                "unknown key \"abvoe\"",
+            ),
+            (
+                json!([{"tool": "", "argument": "a", "above": 1}]),
+                "tool must be a non-empty string",
+            ),
+            (
+                json!([{"argument": "a", "above": 1}]),
+                "tool must be a non-empty string",
+            ),
+            (
+                json!([{"tool": "refund", "above": 1}]),
+                "argument must be a non-empty string",
+            ),
+            (
+                json!([{"tool": "refund", "argument": " ", "above": 1}]),
+                "argument must be",
+            ),
+            (
+                json!([{"tool": "refund", "argument": "a", "above": "10000"}]),
+                "above is a string, not a number",
+            ),
+            (
+                json!([{"tool": "refund", "argument": "a", "below": null}]),
+                "below is null, not a number",
+            ),
+            (
+                json!([{"tool": "refund", "argument": "a"}]),
+                "neither above nor below",
+            ),
+            (
+                json!([{"tool": "refund", "argument": "a", "above": 1, "below": 2}]),
+                "below (2) is greater than above (1)",
+            ),
+            (
+                json!(["refund", {"tool": 7, "argument": "a", "above": 1}]),
+                "approval[1]: tool must be",
+            ),
+            (json!([[]]), "an array is neither a tool name nor"),
+        ];
+        for (value, wanted) in cases {
+            let e = ApprovalPolicy::from_value(&value).unwrap_err();
+            assert!(e.contains(wanted), "{value}: {e}");
+        }
+        let ok = ApprovalPolicy::from_value(
+            &json!(["lookup", {"tool": "refund", "argument": "amountCents", "above": 10000, "below": 0}]),
+        )
+        .unwrap();
+        assert_eq!(
+            ok,
+            ApprovalPolicy::Tools(vec![
+                named("lookup"),
+                ToolRule {
+                    tool: "refund".into(),
+                    when: Some(ArgumentBound {
+                        argument: "amountCents".into(),
+                        above: Some(10000.0),
+                        below: Some(0.0),
+                    }),
+                },
+            ])
+        );
     }
 
     #[test]

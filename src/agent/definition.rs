@@ -599,6 +599,7 @@ pub fn resolve(task: &Task, file: Option<&AgentsFile>) -> Result<AgentDefinition
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::approval::{ArgumentBound, ToolRule};
     use serde_json::json;
 
     fn vars() -> Map<String, Value> {
@@ -747,7 +748,36 @@ mod tests {
             "a",
         )
         .unwrap();
-        assert_eq!(def.approval, ApprovalPolicy::Tools(vec!["refund".into()]));
+        assert_eq!(
+            def.approval,
+            ApprovalPolicy::Tools(vec![ToolRule {
+                tool: "refund".into(),
+                when: None
+            }])
+        );
+        // A rule on an argument, as an engine sends it (JSON) and as an agents file says it.
+        let sent = AgentDefinition::from_value(
+            &json!({"model": "p/m", "input": "x",
+                "approval": [{"tool": "issue_refund", "argument": "amountCents", "above": 10000}]}),
+            "a",
+        )
+        .unwrap();
+        let file = AgentsFile::parse_str(
+            "[agents.a]\nmodel = \"p/m\"\ninput = \"x\"\napproval = [{ tool = \"issue_refund\", argument = \"amountCents\", above = 10000 }]\n",
+        )
+        .unwrap();
+        assert_eq!(file.by_key["a"].approval, sent.approval);
+        let ApprovalPolicy::Tools(rules) = &sent.approval else {
+            panic!("{:?}", sent.approval)
+        };
+        assert_eq!(
+            rules[0].when,
+            Some(ArgumentBound {
+                argument: "amountCents".into(),
+                above: Some(10000.0),
+                below: None
+            })
+        );
         assert_eq!(def.approval_variables.decision, "refundDecision");
         assert_eq!(def.approval_variables.status, "agentStatus");
         assert_eq!(def.loop_counter_variable.as_deref(), Some("round"));
@@ -768,6 +798,13 @@ mod tests {
                 .to_string()
         };
         assert!(err(json!({"approval": "maybe"})).contains("\"writes\""));
+        let e = err(
+            json!({"approval": [{"tool": "issue_refund", "argument": "amountCents", "above": "10000"}]}),
+        );
+        assert!(
+            e.contains("\"a\"") && e.contains("approval[0]: above is a string, not a number"),
+            "{e}"
+        );
         assert!(err(json!({"approvalVariables": {"status": " "}})).contains("status is blank"));
         assert!(err(json!({"approvalVariables": {"other": "x"}})).contains("unknown field"));
         assert!(

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 use tracing::{Instrument, Span};
 
-use super::approval::{self, ApprovalPolicy, ApprovalRules, NoWaitingPlace};
+use super::approval::{self, ApprovalRules, NoWaitingPlace};
 use super::definition::{self, AgentDefinition};
 use super::journal::{self, ApprovalState, PendingCall, Replayed};
 use super::limits::{self, LimitExceeded, Limits};
@@ -51,9 +51,18 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
             return outcome;
         }
     };
-    // Approval needs a place for the conversation to wait across tasks (agent::approval): the
-    // run store, nothing else.
-    if def.approval != ApprovalPolicy::Never && rt.store.is_none() {
+    // Which calls wait for a person: the definition's approval and that of each tool server it
+    // uses in the operator's registry. Approval needs a place for the conversation to wait
+    // across tasks (agent::approval): the run store, nothing else.
+    let approval = ApprovalRules {
+        definition: def.approval.clone(),
+        servers: rt
+            .tool_registry
+            .as_deref()
+            .map(|r| r.approval_policies(&def.tool_servers))
+            .unwrap_or_default(),
+    };
+    if approval.may_stop() && rt.store.is_none() {
         let refused = NoWaitingPlace {
             agent: def.name.clone(),
         };
@@ -78,7 +87,7 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
     let mut resumed_steps = 0;
     let mut tokens = (0, 0);
     let outcome = async {
-        let mut attempt = match Attempt::start(rt, task, ctx, def, span.clone()).await {
+        let mut attempt = match Attempt::start(rt, task, ctx, def, approval, span.clone()).await {
             Ok(a) => a,
             Err(outcome) => return outcome,
         };
@@ -265,6 +274,8 @@ struct Attempt<'a> {
     span: Span,
     /// How the tool call running now was last counted, for its span's end.
     last_tool_outcome: Option<&'static str>,
+    /// Which calls wait for a person's decision (the definition's and its servers' policies).
+    approval: ApprovalRules,
     /// Set when this attempt completes the task to ask a person (the run stays open).
     waiting_for_approval: bool,
 }
@@ -275,10 +286,11 @@ impl<'a> Attempt<'a> {
         task: &'a Task,
         ctx: &'a TaskContext,
         def: AgentDefinition,
+        approval: ApprovalRules,
         span: Span,
     ) -> Step<Attempt<'a>> {
         let mut store_run = None;
-        let waits = def.approval != ApprovalPolicy::Never;
+        let waits = approval.may_stop();
         let (state, journal) = match rt.journal_home(task, waits) {
             JournalHome::Engine => match ctx.read_journal().await {
                 Ok(j) => {
@@ -317,7 +329,7 @@ impl<'a> Attempt<'a> {
                     .store
                     .as_ref()
                     .expect("the store home is chosen only with a store");
-                let (run, steps) = claim_in_store(rt, home, task, ctx, &def).await?;
+                let (run, steps) = claim_in_store(rt, home, task, ctx, &def, waits).await?;
                 store_run = Some(run);
                 match Replayed::from_steps(&steps) {
                     Ok(r) => (r, JournalHome::Store),
@@ -394,6 +406,7 @@ impl<'a> Attempt<'a> {
             traceparent,
             span,
             last_tool_outcome: None,
+            approval,
             waiting_for_approval: false,
         })
     }
@@ -512,7 +525,7 @@ impl<'a> Attempt<'a> {
     fn complete(&self, answer: &str) -> Outcome {
         let mut variables = Map::new();
         variables.insert(self.def.result_variable.clone(), parse_answer(answer));
-        if self.def.approval != ApprovalPolicy::Never {
+        if self.approval.may_stop() {
             // Always written: the engine keeps the last value, and the gateway routes on it.
             variables.insert(
                 self.def.approval_variables.status.clone(),
@@ -540,7 +553,7 @@ impl<'a> Attempt<'a> {
     /// key journaled) was approved before and only finishes.
     async fn approval_gate(&mut self, next: &PendingCall) -> Step<bool> {
         if next.started_key.is_some()
-            || self.def.approval == ApprovalPolicy::Never
+            || !self.approval.may_stop()
             || !next.call.arguments.is_object()
         {
             return Ok(true);
@@ -550,14 +563,10 @@ impl<'a> Attempt<'a> {
         // on its decision (nothing but the store stands between the decision and the write).
         if self.state.approval.is_none() {
             let specs = self.tool_specs().await?;
-            let rules = ApprovalRules {
-                definition: self.def.approval.clone(),
-                servers: Vec::new(),
-            };
             let needs = specs
                 .iter()
                 .find(|s| s.server == call.server && s.tool == call.tool)
-                .is_some_and(|spec| rules.needs_approval(spec));
+                .is_some_and(|spec| self.approval.needs_approval(spec, &call.arguments));
             if !needs {
                 // An unknown tool is answered by `run_tool_call` without performing anything.
                 return Ok(true);
@@ -597,12 +606,18 @@ impl<'a> Attempt<'a> {
                 let seq = self.state.next_seq;
                 self.journal(journal::approval_decided_step(seq, &decision))
                     .await?;
+                self.rt.metrics.count_approval(if decision.approved {
+                    "approved"
+                } else {
+                    "refused"
+                });
                 Ok(false)
             }
             None => {
                 let seq = self.state.next_seq;
                 self.journal(journal::approval_requested_step(seq, call, &self.task.id))
                     .await?;
+                self.rt.metrics.count_approval("requested");
                 Err(self.stop_for_approval(call))
             }
         }
@@ -1054,10 +1069,11 @@ async fn claim_in_store(
     task: &Task,
     ctx: &TaskContext,
     def: &AgentDefinition,
+    waits_for_approval: bool,
 ) -> Step<(StoreRun, Vec<JournalStep>)> {
     // A run that may wait for approval is keyed by its process visit, so the task carrying the
     // decision finds it; any other by its task.
-    let run_key = if def.approval != ApprovalPolicy::Never {
+    let run_key = if waits_for_approval {
         let key = run_key::run_key(task, def.loop_counter_variable.as_deref())
             .map_err(|e| incident("the task cannot wait for approval", e.to_string()))?;
         RunKey::new(key)

@@ -1,9 +1,11 @@
 //! Scenario `approval` (issue 14): the worked example's process (`examples/refund-approval.bpmn`,
-//! run by the emulator as `ProcessModel::refund_approval`) with a refund agent whose writes wait
-//! for a person, its conversation kept in the PostgreSQL run store that `ABADA_AGENT_STORE_URL`
-//! names. One refund is approved by a named person in the user task "Approve refund" and applied
-//! once, with no model call before the stop paid again; one is refused, and the model explains
-//! the refusal to the customer; the write is never performed.
+//! run by the emulator as `ProcessModel::refund_approval`) with a refund agent whose refunds
+//! above 10,000 cents wait for a person (`approval = [{tool = "issue_refund", argument =
+//! "amountCents", above = 10000}]`), its conversation kept in the PostgreSQL run store that
+//! `ABADA_AGENT_STORE_URL` names. One refund under the threshold is done at once (no stop, the
+//! gateway goes straight to the end); one over it is approved by a named person in the user task
+//! "Approve refund" and applied once, with no model call before the stop paid again; one over it
+//! is refused, and the model explains the refusal to the customer; that write is never performed.
 
 use std::time::Duration;
 
@@ -11,7 +13,9 @@ use serde_json::{Map, Value, json};
 
 use super::timeline::{Output, Timeline};
 use super::{Check, Crew, DemoError, DemoReport, DemoStore, pump};
-use crate::devkit::engine::{InstanceStatus, ProcessInstanceView, ProcessModel, ProtocolLevel};
+use crate::devkit::engine::{
+    InstanceStatus, ProcessInstanceView, ProcessModel, ProtocolLevel, TaskView,
+};
 use crate::devkit::model::{Script, Turn};
 use crate::devkit::stack::{REFUND_MODEL, Stack, StackWorkers, WorkerOptions};
 
@@ -19,18 +23,24 @@ const SCENARIO: &str = "approval";
 const LIMIT: Duration = Duration::from_secs(30);
 /// The user task's candidate group in the worked example.
 const APPROVERS: &str = "refund-approvers";
+/// Refunds above this many cents wait for a person.
+const THRESHOLD_CENTS: u64 = 10_000;
 
-/// Look the order up, ask for the refund saying why (the request's `summary`), then answer the
-/// customer with what the last tool said: the refund, or who refused it and why.
+/// The agent's input: the order and the amount the customer asks for, as JSON the model reads.
+const AGENT_INPUT: &str = r#"{"orderId": "${orderId}", "amountCents": ${amountCents}}"#;
+
+/// Look the order up, ask for the refund of the amount in the input saying why (the request's
+/// `summary`), then answer the customer with what the last tool said: the refund, or who
+/// refused it and why.
 fn approval_script() -> Script {
     Script::new(vec![
-        Turn::call("lookup_order", json!({"orderId": "${input}"})),
+        Turn::call("lookup_order", json!({"orderId": "${input.orderId}"})),
         Turn::say_and_call(
-            "Order ${input} arrived damaged: I will refund 1500 cents to the customer.",
+            "Order ${input.orderId} arrived damaged: I will refund ${input.amountCents} cents to the customer.",
             "issue_refund",
-            json!({"orderId": "${input}", "amountCents": 1500, "reason": "damaged"}),
+            json!({"orderId": "${input.orderId}", "amountCents": "${input.amountCents}", "reason": "damaged"}),
         ),
-        Turn::text("Dear customer, about your order ${input}: ${last_tool_result}"),
+        Turn::text("Dear customer, about your order ${input.orderId}: ${last_tool_result}"),
     ])
     .with_usage(120, 30)
     .with_latency(Duration::from_millis(100))
@@ -48,8 +58,15 @@ pub(super) async fn run(output: Output, store: &DemoStore) -> Result<DemoReport,
 struct Path {
     instance: String,
     order: String,
+    /// The approval request; null on the path that did not stop.
     request: Value,
     done: ProcessInstanceView,
+}
+
+/// A refund the demo starts: the order and the amount the customer asks for.
+struct Refund<'a> {
+    order: &'a str,
+    amount_cents: u64,
 }
 
 async fn scenario(
@@ -59,7 +76,10 @@ async fn scenario(
 ) -> Result<DemoReport, DemoError> {
     let mut tl = Timeline::new(output);
     let mut agent = stack.refund_agent(&format!("openai/{REFUND_MODEL}"), &[]);
-    agent["approval"] = json!("writes");
+    let approval =
+        json!([{"tool": "issue_refund", "argument": "amountCents", "above": THRESHOLD_CENTS}]);
+    agent["approval"] = approval.clone();
+    agent["input"] = json!(AGENT_INPUT);
     stack
         .engine
         .deploy(ProcessModel::refund_approval(Some(agent)));
@@ -73,8 +93,11 @@ async fn scenario(
     tl.emit(
         "demo",
         "agent",
-        "refund-agent: approval = \"writes\" (issue_refund waits for a person, lookup_order is read-only)",
-        json!({"approval": "writes"}),
+        format!(
+            "refund-agent: issue_refund above {THRESHOLD_CENTS} cents waits for a person \
+             (lookup_order and smaller refunds go through)"
+        ),
+        json!({"approval": approval}),
     );
     let mut opts = WorkerOptions::new("W1", 2);
     opts.env = vec![("ABADA_AGENT_STORE_URL".into(), store.url.clone())];
@@ -87,21 +110,34 @@ async fn scenario(
         json!({"worker": "W1"}),
     );
 
+    let small = Refund {
+        order: "o-2000",
+        amount_cents: 1_500,
+    };
+    let at_once = at_once_path(stack, &mut tl, &mut crew, &small).await?;
+    let large = Refund {
+        order: "o-2001",
+        amount_cents: 25_000,
+    };
     let approved = decided_path(
         stack,
         &mut tl,
         &mut crew,
-        "o-2001",
+        &large,
         "dana",
         true,
         "fine, a damaged parcel",
     )
     .await?;
+    let again = Refund {
+        order: "o-2002",
+        amount_cents: 40_000,
+    };
     let refused = decided_path(
         stack,
         &mut tl,
         &mut crew,
-        "o-2002",
+        &again,
         "erin",
         false,
         "the customer was already refunded for this order",
@@ -119,14 +155,53 @@ async fn scenario(
             .filter(|c| c.tool == "issue_refund" && c.arguments["orderId"] == order)
             .collect::<Vec<_>>()
     };
+    // Under the threshold.
+    let u = &at_once;
+    let tasks = agent_tasks(stack, &u.instance);
+    let first = tasks.first().and_then(|t| t.result_variables.as_ref());
+    checks.push(Check::new(
+        "under the threshold: done at once, no approval stop (one agent task, agentStatus done, the gateway went to the end)",
+        tasks.len() == 1
+            && first.is_some_and(|v| v["agentStatus"] == "done" && !v.contains_key("agentApprovalRequest"))
+            && u.done.current_activity_id == "end"
+            && !u.done.variables.contains_key("agentApprovalRequest"),
+        format!(
+            "{} agent task(s), first completed with agentStatus {}, ended at {}",
+            tasks.len(),
+            first.map_or(Value::Null, |v| v["agentStatus"].clone()),
+            u.done.current_activity_id
+        ),
+    ));
+    let u_writes = writes(&u.order);
+    checks.push(Check::new(
+        "under the threshold: the write was applied once, keyed, for the amount asked",
+        u_writes.len() == 1
+            && u_writes[0].idempotency_key.is_some()
+            && u_writes[0].arguments["amountCents"] == small.amount_cents,
+        format!(
+            "issue_refund calls for {}: {} ({})",
+            u.order,
+            u_writes.len(),
+            u_writes
+                .first()
+                .map_or(Value::Null, |w| w.arguments["amountCents"].clone())
+        ),
+    ));
+    let u_calls = model_calls(&u.order);
+    checks.push(Check::new(
+        "under the threshold: one pass of three model calls",
+        u_calls == 3,
+        format!("{u_calls} model calls: lookup, refund, answer"),
+    ));
     // Approved.
     let a = &approved;
     checks.push(Check::new(
         "approved: the agent stopped with approval-required and a request with the model's summary",
         a.request["tool"] == "issue_refund"
+            && a.request["arguments"]["amountCents"] == large.amount_cents
             && a.request["summary"]
                 .as_str()
-                .is_some_and(|s| s.contains("1500 cents"))
+                .is_some_and(|s| s.contains("25000 cents"))
             && a.request["runKey"] == format!("process/{}/refundAgent", a.instance).as_str(),
         format!("request {}", a.request),
     ));
@@ -176,14 +251,16 @@ async fn scenario(
     ));
     let counters = stack.tools.counters().await;
     checks.push(Check::new(
-        "the tool server applied one refund in all",
-        counters.writes_applied == 1 && counters.duplicates == 0,
+        "the tool server applied two refunds in all (under the threshold, approved)",
+        counters.writes_applied == 2 && counters.duplicates == 0,
         format!(
             "{} applied, {} duplicates",
             counters.writes_applied, counters.duplicates
         ),
     ));
     let facts = json!({
+        "atOnce": {"instance": u.instance, "agentTasks": tasks.len(), "modelCalls": u_calls,
+                   "writes": u_writes.len(), "result": u.done.variables["refundDecision"]},
         "approved": {"instance": a.instance, "request": a.request, "modelCalls": a_calls,
                      "writes": a_writes.len(), "result": a.done.variables["refundDecision"]},
         "refused": {"instance": r.instance, "request": r.request, "modelCalls": r_calls,
@@ -202,34 +279,46 @@ async fn scenario(
     })
 }
 
-/// Model calls whose conversation is about `order` (its input).
+/// Model calls whose conversation is about `order` (the order of its JSON input).
 fn model_calls_for(stack: &Stack, order: &str) -> usize {
+    let about = |m: &Value| {
+        m["role"] == "user"
+            && m["content"]
+                .as_str()
+                .and_then(|c| serde_json::from_str::<Value>(c).ok())
+                .is_some_and(|input| input["orderId"] == order)
+    };
     stack
         .model
         .requests()
         .iter()
         .filter(|r| {
-            r.body["messages"].as_array().is_some_and(|m| {
-                m.iter()
-                    .any(|m| m["role"] == "user" && m["content"] == order)
-            })
+            r.body["messages"]
+                .as_array()
+                .is_some_and(|m| m.iter().any(about))
         })
         .count()
 }
 
-/// Starts a refund for `order`, waits for the user task, completes it as `user` with
-/// `approved` and `comment` through the engine's user-task API, and waits for the end.
-async fn decided_path(
+/// The agent node's external tasks of `instance`, oldest first: one per visit of the node.
+fn agent_tasks(stack: &Stack, instance: &str) -> Vec<TaskView> {
+    stack
+        .engine
+        .tasks()
+        .into_iter()
+        .filter(|t| t.process_instance_id == instance)
+        .collect()
+}
+
+/// Starts the refund process for `refund`: its instance id.
+fn start_refund(
     stack: &Stack,
     tl: &mut Timeline,
-    crew: &mut Crew,
-    order: &str,
-    user: &str,
-    approved: bool,
-    comment: &str,
-) -> Result<Path, DemoError> {
+    refund: &Refund<'_>,
+) -> Result<String, DemoError> {
     let mut variables = Map::new();
-    variables.insert("orderId".into(), json!(order));
+    variables.insert("orderId".into(), json!(refund.order));
+    variables.insert("amountCents".into(), json!(refund.amount_cents));
     let instance = stack
         .engine
         .start_process("refundApproval", variables)
@@ -237,9 +326,76 @@ async fn decided_path(
     tl.emit(
         "engine",
         "instance_started",
-        format!("starts {instance}: refund order {order}"),
-        json!({"instance": instance, "order": order}),
+        format!(
+            "starts {instance}: refund {} cents for order {}",
+            refund.amount_cents, refund.order
+        ),
+        json!({"instance": instance, "order": refund.order, "amountCents": refund.amount_cents}),
     );
+    Ok(instance)
+}
+
+/// Waits until `instance` ends.
+async fn wait_for_end(
+    stack: &Stack,
+    tl: &mut Timeline,
+    crew: &mut Crew,
+    instance: &str,
+) -> Result<ProcessInstanceView, DemoError> {
+    let id = instance.to_string();
+    let done = pump(
+        tl,
+        crew,
+        stack.engine.wait_for(move |e| {
+            e.process_instance(&id)
+                .filter(|v| v.status == InstanceStatus::Completed)
+        }),
+        SCENARIO,
+        "the process to end",
+        LIMIT,
+    )
+    .await?;
+    tl.emit(
+        "engine",
+        "instance_done",
+        format!(
+            "{instance} ended: agentStatus={}, refundDecision {}",
+            done.variables["agentStatus"], done.variables["refundDecision"]
+        ),
+        json!({"instance": instance}),
+    );
+    Ok(done)
+}
+
+/// A refund under the threshold: started, and ended without any stop.
+async fn at_once_path(
+    stack: &Stack,
+    tl: &mut Timeline,
+    crew: &mut Crew,
+    refund: &Refund<'_>,
+) -> Result<Path, DemoError> {
+    let instance = start_refund(stack, tl, refund)?;
+    let done = wait_for_end(stack, tl, crew, &instance).await?;
+    Ok(Path {
+        instance,
+        order: refund.order.to_string(),
+        request: Value::Null,
+        done,
+    })
+}
+
+/// Starts `refund` (over the threshold), waits for the user task, completes it as `user` with
+/// `approved` and `comment` through the engine's user-task API, and waits for the end.
+async fn decided_path(
+    stack: &Stack,
+    tl: &mut Timeline,
+    crew: &mut Crew,
+    refund: &Refund<'_>,
+    user: &str,
+    approved: bool,
+    comment: &str,
+) -> Result<Path, DemoError> {
+    let instance = start_refund(stack, tl, refund)?;
     let engine = stack.engine.clone();
     let id = instance.clone();
     let waiting = pump(
@@ -284,31 +440,10 @@ async fn decided_path(
         ),
         json!({"instance": instance, "decidedBy": user, "approved": approved}),
     );
-    let id = instance.clone();
-    let done = pump(
-        tl,
-        crew,
-        engine.wait_for(move |e| {
-            e.process_instance(&id)
-                .filter(|v| v.status == InstanceStatus::Completed)
-        }),
-        SCENARIO,
-        "the process to end",
-        LIMIT,
-    )
-    .await?;
-    tl.emit(
-        "engine",
-        "instance_done",
-        format!(
-            "{instance} ended: agentStatus={}, refundDecision {}",
-            done.variables["agentStatus"], done.variables["refundDecision"]
-        ),
-        json!({"instance": instance}),
-    );
+    let done = wait_for_end(stack, tl, crew, &instance).await?;
     Ok(Path {
         instance,
-        order: order.to_string(),
+        order: refund.order.to_string(),
         request,
         done,
     })

@@ -9,7 +9,13 @@
 //! url = "https://orders-mcp:8080/mcp"
 //! auth = "bearer"                 # "none" | "bearer" | "oauth2" | "engine"
 //! tokenFile = "/var/run/secrets/abada/orders-token"
+//! approval = "writes"             # optional; "never" | "writes" | "always" | [rule, ...]
 //! ```
+//!
+//! `approval` is the operator's word on which calls of this server wait for a person
+//! ([`crate::agent::approval`], the same grammar as a definition's `approval`): it applies to
+//! every agent whose definition uses the server, on top of the definition's own, so a definition
+//! (possibly sent by the engine) can add approvals but never remove this one.
 //!
 //! Credentials: `bearer` re-reads its token file when it changes ([`SecretSource`]); `oauth2`
 //! is one client-credentials token per server, shared by every task, owned by the generic token
@@ -29,6 +35,7 @@ use serde::Deserialize;
 
 use super::address::{self, ForbiddenAddress};
 use super::{CredentialError, CredentialSource, ToolServerRef};
+use crate::agent::approval::ApprovalPolicy;
 use crate::auth::token::{self, GrantedToken, TokenError, TokenHandle, TokenSource};
 use crate::auth::{ClientAuth, ClientCredentials, GrantError, IssuerHttpClient};
 use crate::secret::{Secret, SecretSource};
@@ -71,6 +78,8 @@ pub struct RegisteredServer {
     pub name: String,
     pub url: reqwest::Url,
     pub auth: ServerAuth,
+    /// Which calls of this server wait for a person, whatever the definition says.
+    pub approval: ApprovalPolicy,
 }
 
 /// The registry file, parsed and checked (no token fetched yet).
@@ -129,6 +138,7 @@ struct ServerWire {
     scopes: Option<Vec<String>>,
     resource: Option<String>,
     client_auth: Option<String>,
+    approval: Option<toml::Value>,
 }
 
 impl ToolsFile {
@@ -330,10 +340,18 @@ fn parse_server(name: &str, value: toml::Value) -> Result<RegisteredServer, Fiel
             ));
         }
     };
+    let approval = match wire.approval {
+        None => ApprovalPolicy::Never,
+        Some(value) => serde_json::to_value(value)
+            .map_err(|e| e.to_string())
+            .and_then(|v| ApprovalPolicy::from_value(&v))
+            .map_err(|p| (Some("approval"), p))?,
+    };
     Ok(RegisteredServer {
         name: name.to_string(),
         url,
         auth,
+        approval,
     })
 }
 
@@ -445,6 +463,17 @@ impl ToolRegistry {
 
     pub fn is_empty(&self) -> bool {
         self.servers.is_empty()
+    }
+
+    /// The `approval` of each registered server among `named` that has one (not `"never"`),
+    /// for [`crate::agent::approval::ApprovalRules::servers`].
+    pub fn approval_policies(&self, named: &[NamedServer]) -> Vec<(String, ApprovalPolicy)> {
+        named
+            .iter()
+            .filter_map(|n| self.servers.get(&n.name))
+            .filter(|(server, _)| server.approval != ApprovalPolicy::Never)
+            .map(|(server, _)| (server.name.clone(), server.approval.clone()))
+            .collect()
     }
 
     /// The servers a task may use and where each one's credential comes from, or the first
@@ -863,6 +892,85 @@ mod tests {
             parse("[servers"),
             Err(ToolsFileError::Syntax { .. })
         ));
+    }
+
+    #[test]
+    fn a_server_may_require_approval_in_the_definitions_grammar() {
+        let file = parse(
+            r#"
+            [servers.orders]
+            url = "http://orders:1/mcp"
+            auth = "none"
+            approval = "writes"
+
+            [servers.billing]
+            url = "http://billing:1/mcp"
+            auth = "none"
+            approval = ["close_account", { tool = "refund", argument = "amountCents", above = 10000 }]
+
+            [servers.public]
+            url = "http://public:1/mcp"
+            auth = "none"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(file.servers["orders"].approval, ApprovalPolicy::Writes);
+        assert_eq!(file.servers["public"].approval, ApprovalPolicy::Never);
+        let ApprovalPolicy::Tools(rules) = &file.servers["billing"].approval else {
+            panic!("{:?}", file.servers["billing"].approval)
+        };
+        assert_eq!(rules.len(), 2);
+        assert_eq!(
+            rules[1]
+                .when
+                .as_ref()
+                .map(|b| (b.argument.as_str(), b.above)),
+            Some(("amountCents", Some(10000.0)))
+        );
+        let cases = [
+            ("approval = \"sometimes\"", "\"sometimes\" is not one of"),
+            ("approval = 3", "approval is a number"),
+            (
+                "approval = [{ tool = \"refund\", argument = \"a\", above = \"1\" }]",
+                "above is a string",
+            ),
+            (
+                "approval = [{ tool = \"refund\", argument = \"a\", above = nan }]",
+                "above is null, not a number",
+            ),
+            (
+                "approval = [{ tool = \"refund\", argumnet = \"a\", above = 1 }]",
+                "unknown key \"argumnet\"",
+            ),
+        ];
+        for (line, wanted) in cases {
+            let (server, field, p) = problem(&format!(
+                "[servers.orders]\nurl = \"http://x/\"\nauth = \"none\"\n{line}\n"
+            ));
+            assert_eq!(
+                (server.as_str(), field.as_deref()),
+                ("orders", Some("approval"))
+            );
+            assert!(p.contains(wanted), "{line}: {p}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_servers_approval_applies_to_the_definitions_that_use_it() {
+        let r = registry(
+            "[servers.orders]\nurl = \"http://orders:1/mcp\"\nauth = \"none\"\napproval = \"writes\"\n\
+             [servers.public]\nurl = \"http://public:1/mcp\"\nauth = \"none\"\napproval = \"never\"\n\
+             [servers.billing]\nurl = \"http://billing:1/mcp\"\nauth = \"none\"\napproval = \"always\"\n",
+        );
+        assert_eq!(
+            r.approval_policies(&[
+                named("orders", None),
+                named("public", None),
+                named("unregistered", Some("http://u/"))
+            ]),
+            vec![("orders".to_string(), ApprovalPolicy::Writes)]
+        );
+        assert!(r.approval_policies(&[named("public", None)]).is_empty());
     }
 
     fn registry(text: &str) -> ToolRegistry {

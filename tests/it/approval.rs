@@ -12,6 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use abada_agent_worker::config;
 use abada_agent_worker::devkit::engine::{
     InstanceStatus, ProcessInstanceView, ProcessModel, ProtocolLevel, TaskStatus,
 };
@@ -22,6 +23,8 @@ use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 
 use crate::store::TestDb;
+use crate::support::process::{WorkerProcess, stack_env};
+use crate::support::scratch::ScratchDir;
 use crate::support::wait::eventually;
 
 #[tokio::test]
@@ -29,16 +32,55 @@ async fn an_agent_asking_for_approval_without_a_run_store_is_an_incident_and_per
     let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
     let mut agent = stack.refund_agent("openai/refund", &[]);
     agent["approval"] = json!("writes");
+    refused_without_a_store(stack, agent, Vec::new()).await;
+}
+
+/// The same when only the operator's registry asks for approval (the tool server's `approval`),
+/// the definition saying "never".
+#[tokio::test]
+async fn a_servers_approval_without_a_run_store_is_an_incident_and_performs_nothing() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let dir = ScratchDir::new("approval");
+    let (agent, env) = registry_approval(&stack, &dir, "writes");
+    refused_without_a_store(stack, agent, env).await;
+}
+
+/// A refund agent whose definition says approval = "never" and names `orders` by name; the
+/// registry (`ABADA_AGENT_TOOLS_FILE`, written in `dir`) registers the stack's tool server
+/// under that name with the engine's credential and `approval = server_approval`. Returns the
+/// definition and the worker's variables.
+fn registry_approval(
+    stack: &Stack,
+    dir: &ScratchDir,
+    server_approval: &str,
+) -> (Value, Vec<(String, String)>) {
+    let tools = dir.write(
+        "tools.toml",
+        &format!(
+            "[servers.orders]\nurl = \"{}\"\nauth = \"engine\"\napproval = \"{server_approval}\"\n",
+            stack.tools.url()
+        ),
+    );
+    let mut agent = stack.refund_agent("openai/refund", &[]);
+    agent["approval"] = json!("never");
+    agent["toolServers"] = json!(["orders"]);
+    let env = vec![(
+        config::ENV_TOOLS_FILE.to_string(),
+        tools.display().to_string(),
+    )];
+    (agent, env)
+}
+
+/// Runs the worked example with `agent` on a worker without a run store (plus `env`): the task
+/// is an incident saying why, and nothing is journaled, paid or performed.
+async fn refused_without_a_store(stack: Stack, agent: Value, env: Vec<(String, String)>) {
     stack
         .engine
         .deploy(ProcessModel::refund_approval(Some(agent)));
-    let mut variables = Map::new();
-    variables.insert("orderId".into(), json!("o-77"));
-    let instance = stack
-        .engine
-        .start_process("refundApproval", variables)
-        .unwrap();
-    let worker = stack.spawn_worker(WorkerOptions::new("w1", 2), Stack::fast_agent_settings());
+    let instance = start_refund(&stack, "o-77");
+    let mut opts = WorkerOptions::new("w1", 2);
+    opts.env = env;
+    let worker = stack.spawn_worker(opts, Stack::fast_agent_settings());
 
     let failed = tokio::time::timeout(
         Duration::from_secs(20),
@@ -294,13 +336,7 @@ async fn an_approved_write_is_performed_exactly_once_and_nothing_is_paid_again()
         3,
         "only the answer after the write is paid; the two turns before the stop are not"
     );
-    let keys: Vec<_> = stack
-        .tools
-        .calls()
-        .into_iter()
-        .filter(|c| c.tool == "issue_refund")
-        .map(|c| c.idempotency_key)
-        .collect();
+    let keys = stack.tools.keys_sent("issue_refund");
     assert_eq!(keys.len(), 1);
     assert!(keys[0].is_some(), "the approved write is keyed");
     // The run finished in the store once the engine took the final completion.
@@ -348,6 +384,56 @@ async fn a_refused_write_is_never_performed_and_the_model_is_told_why() {
     let c = stack.tools.counters().await;
     assert_eq!(c.writes_applied, 0);
     assert_eq!(c.calls_per_tool.get("issue_refund"), None, "never sent");
+    assert_eq!(stack.model.total_calls(), 3);
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// The operator's word wins: the definition says approval = "never", but the registry entry of
+/// the server it uses says "writes". The write still waits for a person (the run in the store,
+/// keyed by its process visit), and is performed once she approves it.
+#[tokio::test]
+async fn a_servers_approval_in_the_registry_stops_a_definition_that_says_never() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let dir = ScratchDir::new("approval");
+    let (agent, env) = registry_approval(&stack, &dir, "writes");
+    stack
+        .engine
+        .deploy(ProcessModel::refund_approval(Some(agent)));
+    let instance = start_refund(&stack, "o-6");
+    let mut opts = store_worker("w1", &db, Duration::from_secs(10));
+    opts.env.extend(env);
+    let worker = stack.spawn_worker(opts, Stack::fast_agent_settings());
+    let waiting = wait_for_approval(&stack, &instance).await;
+    assert_eq!(waiting.variables["agentStatus"], "approval-required");
+    let request = &waiting.variables["agentApprovalRequest"];
+    assert_eq!(
+        (&request["server"], &request["tool"]),
+        (&json!("orders"), &json!("issue_refund")),
+        "{request}"
+    );
+    let c = stack.tools.counters().await;
+    assert_eq!(
+        (c.writes_applied, c.calls_per_tool.get("issue_refund")),
+        (0, None),
+        "nothing performed before the decision"
+    );
+    assert_eq!(
+        c.calls_per_tool.get("lookup_order"),
+        Some(&1),
+        "the read-only lookup needed no approval"
+    );
+    decide(&stack, &instance, "dana", true, "fine").await;
+    let done = wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    assert_eq!(done.variables["agentStatus"], "done");
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
     assert_eq!(stack.model.total_calls(), 3);
     stop(worker).await;
     stack.shutdown().await;
@@ -493,6 +579,132 @@ async fn a_worker_killed_between_the_decision_and_the_write_performs_it_once_els
         "the two turns before the stop are not paid again"
     );
     stop(w3).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// The same guarantee with the real binary and a real crash: worker 1 (the `abada-agent-worker`
+/// binary, run store on PostgreSQL) stops for approval, then claims the task carrying dana's
+/// decision, journals the decision and the write's key, and sends the approved write; the tool
+/// server applies it and holds the answer. Worker 1 is SIGKILLed there. Its lease runs out;
+/// worker 2 takes the task, claims the run by its run key, re-sends the write under the key the
+/// store holds (answered from the tool server's ledger: applied once), and completes the task
+/// `done`, paying only the model turn after the write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_binary_killed_with_the_approved_write_in_flight_is_replaced_and_the_write_applied_once()
+ {
+    const LIMIT: Duration = Duration::from_secs(30);
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let instance = start_refund(&stack, "o-9");
+    let lock = Duration::from_secs(10);
+    let mut env = stack_env(&stack, "w-killed");
+    env.extend([
+        (
+            config::ENV_LOCK_DURATION_MS.to_string(),
+            lock.as_millis().to_string(),
+        ),
+        (config::ENV_STORE_URL.to_string(), db.url.render()),
+    ]);
+    let mut first = WorkerProcess::spawn(&env).await;
+    wait_for_approval(&stack, &instance).await;
+    assert_eq!(stack.model.total_calls(), 2, "lookup turn, refund turn");
+
+    stack.tools.hold_next_write();
+    decide(&stack, &instance, "dana", true, "fine").await;
+    let held = tokio::time::timeout(LIMIT, stack.tools.holding()).await;
+    assert!(
+        held.is_ok(),
+        "worker 1 did not send the approved write within {LIMIT:?}; tool calls {:?}, instance {:?}; worker 1 said:\n{}\n{}",
+        stack.tools.calls(),
+        stack.engine.process_instance(&instance),
+        first.stdout().join("\n"),
+        first.stderr().join("\n")
+    );
+    let (run_key, started_key): (String, String) = {
+        let row = db
+            .sql()
+            .await
+            .query_one(
+                "SELECT run_key, key FROM abada_agent_steps
+                  WHERE kind = 'tool' AND state = 'started' AND body->>'tool' = 'issue_refund'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(run_key, format!("process/{instance}/refundAgent"));
+    let (_, metrics) = first.admin_get("/metrics").await;
+    let mut approvals: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("abada_agent_approvals_total"))
+        .collect();
+    approvals.sort_unstable();
+    assert_eq!(
+        approvals,
+        [
+            "abada_agent_approvals_total{event=\"approved\"} 1",
+            "abada_agent_approvals_total{event=\"requested\"} 1"
+        ],
+        "one stop, one approval, nothing refused: {approvals:?}"
+    );
+    first.signal("KILL");
+    first.wait(Duration::from_secs(10)).await;
+    stack.tools.release_held();
+    let decided = db
+        .count(
+            "SELECT count(*) FROM abada_agent_steps WHERE kind = 'approval' AND state = 'decided'",
+        )
+        .await;
+    assert_eq!(decided, 1, "the decision was journaled before the write");
+    let finished = db
+        .count("SELECT count(*) FROM abada_agent_steps WHERE kind = 'tool' AND state = 'finished' AND body->>'tool' = 'issue_refund'")
+        .await;
+    assert_eq!(finished, 0, "worker 1 died before journaling the result");
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
+
+    // Worker 1 is gone as far as the engine knows: its lease runs out, worker 2 takes the task.
+    stack.engine.advance(lock + Duration::from_secs(1));
+    let second = stack.spawn_worker(store_worker("w2", &db, lock), Stack::fast_agent_settings());
+    let done = wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    stop(second).await;
+    assert_eq!(done.variables["agentStatus"], "done");
+    assert_eq!(done.variables["agentApproval"]["decidedBy"], "dana");
+    assert_eq!(done.variables["refundDecision"]["decision"], "refunded");
+    let tasks: Vec<_> = stack
+        .engine
+        .tasks()
+        .into_iter()
+        .filter(|t| t.process_instance_id == instance)
+        .collect();
+    assert_eq!(tasks.len(), 2, "the stop's task and the decision's task");
+    assert_eq!(tasks[1].status, TaskStatus::Completed, "{:?}", tasks[1]);
+    assert_eq!(
+        tasks[1].counters.acquisitions, 2,
+        "claimed by worker 1, then by worker 2"
+    );
+    let keys = stack.tools.keys_sent("issue_refund");
+    assert_eq!(
+        keys,
+        vec![Some(started_key); 2],
+        "re-sent under the key the store holds"
+    );
+    let c = stack.tools.counters().await;
+    assert_eq!(
+        (c.writes_applied, c.duplicates),
+        (1, 1),
+        "applied once, the re-send answered from the ledger: {c:?}"
+    );
+    assert_eq!(
+        stack.model.total_calls(),
+        3,
+        "the two turns before the stop are not paid again"
+    );
     stack.shutdown().await;
     db.drop().await;
 }

@@ -189,11 +189,12 @@ async fn takeover_on_the_store() {
     db.drop().await;
 }
 
-/// The worked example's process with a refund agent whose writes wait for a person: one refund
-/// approved by dana and applied once, one refused by erin and explained to the customer, with
-/// no model call before the stop paid again (same deep-stack runtime as the takeover above).
+/// The worked example's process with a refund agent whose refunds above 10,000 cents wait for a
+/// person: one under the threshold done at once (one agent task, no stop), one approved by dana
+/// and applied once, one refused by erin and explained to the customer, with no model call
+/// before the stop paid again (same deep-stack runtime as the takeover above).
 #[test]
-fn approval_applies_the_approved_refund_once_and_explains_the_refused_one() {
+fn approval_does_a_small_refund_at_once_applies_the_approved_one_and_explains_the_refused_one() {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_stack_size(8 << 20)
@@ -216,20 +217,32 @@ async fn approval_on_the_store() {
     .expect("the scenario runs to its verdict");
     let failed: Vec<_> = report.checks.iter().filter(|c| !c.passed).collect();
     assert!(report.passed(), "failed checks: {failed:#?}");
-    assert_eq!(report.checks.len(), 8);
+    assert_eq!(report.checks.len(), 11);
     let facts = &report.facts;
-    assert_eq!(facts["writesApplied"], 1);
+    assert_eq!(facts["writesApplied"], 2);
+    assert_eq!(facts["atOnce"]["agentTasks"], 1, "no approval stop");
+    assert_eq!(facts["atOnce"]["writes"], 1);
+    assert_eq!(facts["atOnce"]["modelCalls"], 3);
+    let refunded = facts["atOnce"]["result"].as_str().unwrap();
+    assert!(
+        refunded.contains("o-2000") && refunded.contains("\"amountCents\":1500"),
+        "the customer is told of the refund the tool applied: {refunded}"
+    );
     assert_eq!(facts["approved"]["writes"], 1);
     assert_eq!(facts["approved"]["modelCalls"], 3);
     assert_eq!(facts["refused"]["writes"], 0);
     assert_eq!(facts["refused"]["modelCalls"], 3);
     let summary = facts["approved"]["request"]["summary"].as_str().unwrap();
     assert!(
-        summary.contains("o-2001") && summary.contains("1500 cents"),
+        summary.contains("o-2001") && summary.contains("25000 cents"),
         "{summary}"
     );
     let told = facts["refused"]["result"].as_str().unwrap();
     assert!(told.contains("erin refused it"), "{told}");
+    assert_eq!(
+        facts["refused"]["request"]["arguments"]["amountCents"],
+        40000
+    );
     assert!(
         !facts["store"].as_str().unwrap().contains(&db.url.password),
         "the password stays out of the report"

@@ -371,13 +371,7 @@ fn reports_from(calls: &[CallRecord], worker: &str) -> usize {
 
 /// Keys the tool server received for `issue_refund`, in order.
 fn refund_keys(stack: &Stack) -> Vec<Option<String>> {
-    stack
-        .tools
-        .calls()
-        .into_iter()
-        .filter(|c| c.tool == "issue_refund")
-        .map(|c| c.idempotency_key)
-        .collect()
+    stack.tools.keys_sent("issue_refund")
 }
 
 /// A credential source for the fake earlier worker.

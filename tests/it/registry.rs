@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,33 +28,8 @@ use serde_json::json;
 
 use crate::agent::{spec, wait_all_ended};
 use crate::support::peers::mock_issuer;
+use crate::support::scratch::ScratchDir as Dir;
 use crate::tools::args;
-
-/// A scratch directory for registry files and secrets, removed when dropped.
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new() -> Self {
-        let path = std::env::temp_dir().join(format!("abada-registry-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&path).unwrap();
-        Dir(path)
-    }
-
-    fn write(&self, name: &str, content: &str) -> PathBuf {
-        let path = self.0.join(name);
-        // Write then rename, as the kubelet updates a mounted Secret: never a half-written file.
-        let tmp = self.0.join(format!(".{name}.tmp"));
-        std::fs::write(&tmp, content).unwrap();
-        std::fs::rename(&tmp, &path).unwrap();
-        path
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// The engine's credential, which no test here may ask for.
 struct NoEngine;
@@ -138,7 +113,7 @@ fn tokens_seen(server: &ToolServer) -> Vec<Option<String>> {
 
 #[tokio::test]
 async fn a_bearer_token_goes_on_every_call_and_a_rotated_file_is_used() {
-    let dir = Dir::new();
+    let dir = Dir::new("registry");
     let token_file = dir.write("orders-token", "tok-1\n");
     let validator = Arc::new(Revocable::default());
     let orders = tool_server("orders", validator.clone()).await;
@@ -181,7 +156,7 @@ async fn a_bearer_token_goes_on_every_call_and_a_rotated_file_is_used() {
 
 #[tokio::test]
 async fn a_credential_never_reaches_another_server() {
-    let dir = Dir::new();
+    let dir = Dir::new("registry");
     let token_file = dir.write("orders-token", "orders-only-token");
     let orders = tool_server("orders", Arc::new(StaticTokens::new(["orders-only-token"]))).await;
     let public =
@@ -235,7 +210,7 @@ async fn redirector(to: String) -> (String, Arc<Mutex<u32>>) {
 
 #[tokio::test]
 async fn a_redirect_to_another_origin_is_not_followed_with_the_credential() {
-    let dir = Dir::new();
+    let dir = Dir::new("registry");
     let token_file = dir.write("orders-token", "redirect-me-token");
     // The other origin would accept anything: had the worker followed, it would show.
     let elsewhere = tool_server("elsewhere", Arc::new(AcceptAny)).await;
@@ -307,7 +282,7 @@ async fn an_oauth2_token_is_shared_sent_on_every_call_and_refreshed_once_on_a_40
     let Some(mock) = mock_issuer().await else {
         return;
     };
-    let dir = Dir::new();
+    let dir = Dir::new("registry");
     let secret = dir.write("client-secret", "tool-client-secret");
     let validator = Arc::new(Revocable::default());
     let orders = tool_server("orders", validator.clone()).await;
@@ -392,7 +367,7 @@ fn config_with(stack: &Stack, id: &str, extra: &[(&str, &Path)]) -> Config {
 #[tokio::test]
 async fn refund_agents_complete_on_a_plain_engine_with_the_registrys_credential() {
     let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
-    let dir = Dir::new();
+    let dir = Dir::new("registry");
     let token_file = dir.write("orders-token", "registry-token");
     let orders = tool_server("orders", Arc::new(StaticTokens::new(["registry-token"]))).await;
     let tools = dir.write(
@@ -452,7 +427,7 @@ async fn refund_agents_complete_on_a_plain_engine_with_the_registrys_credential(
 #[tokio::test]
 async fn engine_sent_definitions_name_registry_servers_and_a_wrong_url_is_an_incident() {
     let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
-    let dir = Dir::new();
+    let dir = Dir::new("registry");
     let other = tool_server("orders", Arc::new(AcceptAny)).await;
     let tools = dir.write(
         "tools.toml",
@@ -504,7 +479,7 @@ async fn engine_sent_definitions_name_registry_servers_and_a_wrong_url_is_an_inc
 #[tokio::test]
 async fn a_bad_registry_or_an_agents_file_naming_an_unknown_server_stops_the_start() {
     let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
-    let dir = Dir::new();
+    let dir = Dir::new("registry");
     let start_error = |extra: &[(&str, &Path)]| {
         let config = config_with(&stack, "bad", extra);
         match Worker::build(&config, Seams::default()) {
@@ -555,7 +530,7 @@ async fn a_bad_registry_or_an_agents_file_naming_an_unknown_server_stops_the_sta
 #[tokio::test]
 async fn an_oauth2_client_secret_for_a_plain_http_token_endpoint_stops_the_start() {
     let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
-    let dir = Dir::new();
+    let dir = Dir::new("registry");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let connections = Arc::new(Mutex::new(0u32));

@@ -455,12 +455,7 @@ async fn a_started_keyed_write_is_resent_with_its_original_key_from_the_store() 
     first.signal("KILL");
     first.wait(Duration::from_secs(10)).await;
 
-    let sent: Vec<Option<String>> = orders
-        .calls()
-        .into_iter()
-        .filter(|c| c.tool == "issue_refund")
-        .map(|c| c.idempotency_key)
-        .collect();
+    let sent = orders.keys_sent("issue_refund");
     assert_eq!(sent.len(), 1, "sent once by worker 1");
     let key = sent[0].clone().expect("a keyed write");
     let steps: Vec<StoredStep> = db
@@ -510,12 +505,7 @@ async fn a_started_keyed_write_is_resent_with_its_original_key_from_the_store() 
     let view = &views[0];
     assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
     assert_eq!(view.counters.acquisitions, 2);
-    let keys: Vec<Option<String>> = orders
-        .calls()
-        .into_iter()
-        .filter(|c| c.tool == "issue_refund")
-        .map(|c| c.idempotency_key)
-        .collect();
+    let keys = orders.keys_sent("issue_refund");
     assert_eq!(
         keys,
         vec![Some(key.clone()); 2],

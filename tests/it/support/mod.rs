@@ -7,5 +7,6 @@ pub mod invariants;
 pub mod net;
 pub mod peers;
 pub mod process;
+pub mod scratch;
 pub mod tcp_proxy;
 pub mod wait;
