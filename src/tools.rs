@@ -18,6 +18,7 @@ mod transport;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::task::TaskTracker;
 
 use async_trait::async_trait;
 use serde_json::Value;
@@ -251,6 +252,10 @@ pub struct ToolSessions {
     options: ToolSessionOptions,
     /// Open sessions by server name.
     open: HashMap<String, Session>,
+    /// Tracks the closes (and the openings) that outlive a dropped `ToolSessions`, so the
+    /// runner can wait for them before it gives the lease back: the credential a session
+    /// was opened with may be refused once the lease is gone, and the close with it.
+    cleanup: TaskTracker,
 }
 
 impl ToolSessions {
@@ -270,7 +275,16 @@ impl ToolSessions {
             traceparent,
             options,
             open: HashMap::new(),
+            cleanup: TaskTracker::new(),
         }
+    }
+
+    /// Tracks the work that outlives these sessions when they are dropped (their closes, an
+    /// opening under way) with `cleanup`, the task's own tracker (see
+    /// [`TaskContext::cleanup`](crate::handler::TaskContext::cleanup)).
+    pub fn with_cleanup(mut self, cleanup: TaskTracker) -> Self {
+        self.cleanup = cleanup;
+        self
     }
 
     /// Every tool of every server of the task, opening sessions as needed. The listing of a
@@ -409,8 +423,14 @@ impl ToolSessions {
             }
             let mut refreshed = false;
             let session = loop {
-                let opened =
-                    Session::open(&self.http, &server_ref, credential.clone(), &self.options).await;
+                let opened = Session::open(
+                    &self.http,
+                    &server_ref,
+                    credential.clone(),
+                    &self.options,
+                    &self.cleanup,
+                )
+                .await;
                 match (opened, &credential) {
                     (Ok(session), _) => break session,
                     (Err(SessionFailure::Unauthorized), Some(refused)) if !refreshed => {
@@ -471,9 +491,9 @@ impl Drop for ToolSessions {
         let sessions: Vec<Session> = self.open.drain().map(|(_, s)| s).collect();
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
-                handle.spawn(async move {
+                handle.spawn(self.cleanup.track_future(async move {
                     futures::future::join_all(sessions.into_iter().map(Session::close)).await;
-                });
+                }));
             }
             Err(_) => {
                 // No runtime left: dropping each client cancels its transport, which closes the

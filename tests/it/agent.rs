@@ -452,6 +452,39 @@ mod outcomes {
         assert_eq!(s.tools.counters().await.sessions_open, 0);
     }
 
+    /// A task cut by shutdown while its MCP session is open: the runner drops it, and its
+    /// session is closed (with the task's credential, still valid) before the lease is given
+    /// back. The emulator's tool credentials die with the lease, so a close sent after the
+    /// release would be refused (401) and leave the session open on the server: once the
+    /// worker has stopped, no session is open and no close was refused, with no waiting.
+    #[tokio::test]
+    async fn a_task_cut_by_shutdown_closes_its_sessions_before_giving_the_lease_back() {
+        let s = stack().await;
+        s.model.set_script(
+            "stuck",
+            super::super::agent::refund_like().with_latency(Duration::from_secs(120)),
+        );
+        let ids = s
+            .engine
+            .create_tasks([spec(s.refund_agent("openai/stuck", &[]), "cut")]);
+        let mut opts = WorkerOptions::new("w", 1);
+        opts.shutdown_grace = Duration::from_millis(100);
+        let w = s.spawn_worker(opts, Stack::fast_agent_settings());
+        // The tools are listed before the first model call, which then hangs.
+        eventually(
+            Duration::from_secs(30),
+            "the task's MCP session to be open",
+            async || s.tools.counters().await.sessions_open == 1,
+        )
+        .await;
+        w.stop().await;
+        let c = s.tools.counters().await;
+        assert_eq!((c.sessions_open, c.unauthorized), (0, 0), "{c:?}");
+        assert_eq!(c.sessions_closed, 1, "{c:?}");
+        let t = s.engine.task(&ids[0]).unwrap();
+        assert_ne!(t.status, TaskStatus::Locked, "the lease was given back");
+    }
+
     #[tokio::test]
     async fn no_mcp_session_outlives_a_mixed_run() {
         let s = stack().await;
