@@ -642,8 +642,9 @@ async fn run_task(
             }
         };
         // An aborted handler is dropped at its next await, and what it held (open MCP
-        // sessions) starts closing then: wait for the drop, then for those closes, before the
-        // lease is given back. Each close is bounded (`ToolSessionOptions::close_timeout`).
+        // sessions, a close or an opening under way) goes on in tasks of the cleanup tracker:
+        // wait for the drop, then for those, before the lease is given back (a session's
+        // credential may die with it). Each is bounded (`ToolSessionOptions`' timeouts).
         if aborted {
             let _ = handle.await;
         }

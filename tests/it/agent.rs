@@ -454,9 +454,12 @@ mod outcomes {
 
     /// A task cut by shutdown while its MCP session is open: the runner drops it, and its
     /// session is closed (with the task's credential, still valid) before the lease is given
-    /// back. The emulator's tool credentials die with the lease, so a close sent after the
-    /// release would be refused (401) and leave the session open on the server: once the
-    /// worker has stopped, no session is open and no close was refused, with no waiting.
+    /// back. A real server refuses a close whose credential died with the lease, and the
+    /// session stays open there. The tool server takes longer over the close than the task has
+    /// to stop (`stop_wait`, 500 ms) and less than the close timeout (5 s): the task's own
+    /// close is cut by the abort, and a close left running in the background would still be
+    /// under way when the worker has stopped. Once it has, no session is open and no close was
+    /// refused, with no waiting.
     #[tokio::test]
     async fn a_task_cut_by_shutdown_closes_its_sessions_before_giving_the_lease_back() {
         let s = stack().await;
@@ -477,6 +480,7 @@ mod outcomes {
             async || s.tools.counters().await.sessions_open == 1,
         )
         .await;
+        s.tools.set_close_latency(Duration::from_millis(1500));
         w.stop().await;
         let c = s.tools.counters().await;
         assert_eq!((c.sessions_open, c.unauthorized), (0, 0), "{c:?}");
