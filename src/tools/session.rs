@@ -388,7 +388,7 @@ async fn connect(
             ClientLifecycleMode::Initialize,
         ),
     };
-    match tokio::time::timeout(
+    let connected = match tokio::time::timeout(
         options.open_timeout,
         info.serve_with_lifecycle(transport, lifecycle),
     )
@@ -403,7 +403,18 @@ async fn connect(
             None => classify_init(&e),
         }),
         Ok(Ok(client)) => Ok(client),
+    };
+    match &connected {
+        Ok(_) => http.claim_session(),
+        // The server may hold a session the failed handshake cannot close (see
+        // `McpHttp::close_unclaimed`).
+        Err(_) => {
+            let auth = credential.as_ref().map(|c| c.expose().to_owned());
+            http.close_unclaimed(&server.url, auth, options.close_timeout)
+                .await
+        }
     }
+    connected
 }
 
 /// Reads an MCP `CallToolResult` from its JSON form, as a tool server sent it.
