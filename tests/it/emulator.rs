@@ -161,6 +161,63 @@ async fn a_lease_expiry_has_nanosecond_precision_as_on_the_real_engine() {
     assert!((lease - expected).num_seconds().abs() < 30, "{text}");
 }
 
+/// The real engine (Tomcat) answers its 400s and 500s with `Connection: close` and closes the
+/// connection; its 401, 403, 404, 405 and 409 keep it open (docs/REAL_ENGINE.md).
+#[tokio::test]
+async fn a_400_or_500_closes_the_connection_as_on_the_real_engine() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let h = harness().await;
+    let ids = h.emu.create_tasks([agent_task()]);
+    let bad = h
+        .call(
+            "fetch-and-lock",
+            json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": 0}),
+        )
+        .await;
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.headers["connection"], "close");
+    h.fetch_one("w1").await;
+    let null = h
+        .call(
+            &format!("{}/complete", ids[0]),
+            json!({"workerId": "w1", "variables": {"result": null}}),
+        )
+        .await;
+    assert_eq!(null.status, 500);
+    assert_eq!(null.headers["connection"], "close");
+    let not_owned = h
+        .call(
+            &format!("{}/complete", ids[0]),
+            json!({"workerId": "w2", "variables": {}}),
+        )
+        .await;
+    assert_eq!(not_owned.status, 403);
+    assert!(not_owned.headers.get("connection").is_none());
+
+    // On the wire: after the 400 the server closes; the socket reads to its end.
+    let addr = h.emu.base_url();
+    let host = addr
+        .trim_start_matches("http://")
+        .trim_end_matches("/api")
+        .to_string();
+    let mut socket = tokio::net::TcpStream::connect(&host).await.unwrap();
+    let body = r#"{"workerId":"w1","topics":["abada:agent"],"lockDuration":0}"#;
+    let request = format!(
+        "POST /api/v1/external-tasks/fetch-and-lock HTTP/1.1\r\nHost: {host}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), socket.read_to_end(&mut answer))
+        .await
+        .expect("the emulator closes the connection after a 400")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+}
+
 #[tokio::test]
 async fn fetch_returns_locked_tasks_in_id_order_with_every_field() {
     let h = harness().await;
