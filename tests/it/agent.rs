@@ -159,6 +159,16 @@ mod outcomes {
         .expect("a failure reported within 20 s")
     }
 
+    /// One refund task (order `order`) whose every model call takes `latency`.
+    fn one_slow_refund(s: &Stack, latency: Duration, order: &str) -> Vec<String> {
+        s.model.set_script(
+            "slow",
+            super::super::agent::refund_like().with_latency(latency),
+        );
+        s.engine
+            .create_tasks([spec(s.refund_agent("openai/slow", &[]), order)])
+    }
+
     /// Waits until the tool server has seen every MCP session closed (a session a task drops is
     /// closed in the background).
     async fn sessions_all_closed(s: &Stack) {
@@ -364,13 +374,7 @@ mod outcomes {
     #[tokio::test]
     async fn a_lost_lease_stops_the_task_reports_nothing_and_closes_its_sessions() {
         let s = stack().await;
-        s.model.set_script(
-            "slow",
-            super::super::agent::refund_like().with_latency(Duration::from_millis(400)),
-        );
-        let ids = s
-            .engine
-            .create_tasks([spec(s.refund_agent("openai/slow", &[]), "o-1")]);
+        let ids = one_slow_refund(&s, Duration::from_millis(400), "o-1");
         s.engine.inject(EngineFault::RefuseHeartbeats {
             task_id: ids[0].clone(),
         });
@@ -463,13 +467,7 @@ mod outcomes {
     #[tokio::test]
     async fn a_task_cut_by_shutdown_closes_its_sessions_before_giving_the_lease_back() {
         let s = stack().await;
-        s.model.set_script(
-            "stuck",
-            super::super::agent::refund_like().with_latency(Duration::from_secs(120)),
-        );
-        let ids = s
-            .engine
-            .create_tasks([spec(s.refund_agent("openai/stuck", &[]), "cut")]);
+        let ids = one_slow_refund(&s, Duration::from_secs(120), "cut");
         let mut opts = WorkerOptions::new("w", 1);
         opts.shutdown_grace = Duration::from_millis(100);
         let w = s.spawn_worker(opts, Stack::fast_agent_settings());

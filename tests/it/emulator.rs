@@ -47,6 +47,15 @@ fn agent_task() -> TaskSpec {
 }
 
 impl Harness {
+    /// A fetch asking for a lease of 0 ms: a 400, as on the real engine (docs/REAL_ENGINE.md).
+    async fn zero_lease_fetch(&self) -> Answer {
+        self.call(
+            "fetch-and-lock",
+            json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": 0}),
+        )
+        .await
+    }
+
     async fn try_call(
         &self,
         path: &str,
@@ -169,12 +178,7 @@ async fn a_400_or_500_closes_the_connection_as_on_the_real_engine() {
 
     let h = harness().await;
     let ids = h.emu.create_tasks([agent_task()]);
-    let bad = h
-        .call(
-            "fetch-and-lock",
-            json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": 0}),
-        )
-        .await;
+    let bad = h.zero_lease_fetch().await;
     assert_eq!(bad.status, 400);
     assert_eq!(bad.headers["connection"], "close");
     h.fetch_one("w1").await;
@@ -1373,12 +1377,7 @@ async fn the_protocol_header_comes_on_fetch_answers_only() {
         .await;
     assert_eq!(answer.status, 200);
     assert_eq!(answer.headers["x-abada-worker-protocol-version"], "1");
-    let bad = h
-        .call(
-            "fetch-and-lock",
-            json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": 0}),
-        )
-        .await;
+    let bad = h.zero_lease_fetch().await;
     assert_eq!(bad.status, 400);
     for answer in [
         bad,
