@@ -11,6 +11,7 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::task::TaskTracker;
 
 use async_trait::async_trait;
 use serde_json::{Map, Value};
@@ -247,6 +248,10 @@ pub struct TaskContext {
     engine: Arc<dyn Engine>,
     lease: Lease,
     stop: CancellationToken,
+    /// Work the task leaves behind that must end before its lease is given back: closing its
+    /// MCP sessions when the task was dropped (aborted at shutdown or on a lost lease). The
+    /// runner waits for it; a session's credential may not outlive the lease.
+    cleanup: TaskTracker,
 }
 
 impl TaskContext {
@@ -255,7 +260,13 @@ impl TaskContext {
             engine,
             lease,
             stop,
+            cleanup: TaskTracker::new(),
         }
+    }
+
+    /// The task's cleanup tracker (see the field): every clone of this context shares it.
+    pub fn cleanup(&self) -> &TaskTracker {
+        &self.cleanup
     }
 
     pub fn lease(&self) -> &Lease {

@@ -601,6 +601,7 @@ async fn run_task(
     async {
         tracing::info!(topic = %task.topic, retries = ?task.retries, "task started");
         let ctx = TaskContext::new(shared.engine.clone(), lease.clone(), shared.stop.clone());
+        let cleanup = ctx.cleanup().clone();
         let handler = shared.handler.clone();
         let mut handle = tokio::spawn(
             {
@@ -613,13 +614,13 @@ async fn run_task(
             shared.stop.cancelled().await;
             tokio::time::sleep(shared.stop_wait).await;
         };
-        let outcome = tokio::select! {
+        let (outcome, aborted) = tokio::select! {
             biased;
             _ = lease.lost() => {
                 handle.abort();
-                Outcome::Abandoned
+                (Outcome::Abandoned, true)
             }
-            joined = &mut handle => match joined {
+            joined = &mut handle => (match joined {
                 Ok(outcome) => outcome,
                 Err(e) if e.is_panic() => {
                     tracing::error!("the task handler panicked; the task is failed technically so it can be retried");
@@ -634,12 +635,21 @@ async fn run_task(
                     }
                 }
                 Err(_) => Outcome::Abandoned,
-            },
+            }, false),
             _ = stop_deadline => {
                 handle.abort();
-                Outcome::released(&task, "the worker shut down before the task finished; another worker resumes it")
+                (Outcome::released(&task, "the worker shut down before the task finished; another worker resumes it"), true)
             }
         };
+        // An aborted handler is dropped at its next await, and what it held (open MCP
+        // sessions, a close or an opening under way) goes on in tasks of the cleanup tracker:
+        // wait for the drop, then for those, before the lease is given back (a session's
+        // credential may die with it). Each is bounded (`ToolSessionOptions`' timeouts).
+        if aborted {
+            let _ = handle.await;
+        }
+        cleanup.close();
+        cleanup.wait().await;
         // Stop extending before reporting: an extension still in flight could otherwise reach
         // the engine after the completion, be refused as "not locked" and make a completed task
         // look lost. The report is short next to the lease (at least 2/3 of it is left here).

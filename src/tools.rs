@@ -18,6 +18,7 @@ mod transport;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::task::TaskTracker;
 
 use async_trait::async_trait;
 use serde_json::Value;
@@ -251,6 +252,10 @@ pub struct ToolSessions {
     options: ToolSessionOptions,
     /// Open sessions by server name.
     open: HashMap<String, Session>,
+    /// Tracks the closes (and the openings) that outlive a dropped `ToolSessions`, so the
+    /// runner can wait for them before it gives the lease back: the credential a session
+    /// was opened with may be refused once the lease is gone, and the close with it.
+    cleanup: TaskTracker,
 }
 
 impl ToolSessions {
@@ -270,7 +275,16 @@ impl ToolSessions {
             traceparent,
             options,
             open: HashMap::new(),
+            cleanup: TaskTracker::new(),
         }
+    }
+
+    /// Tracks the work that outlives these sessions when they are dropped (their closes, an
+    /// opening under way) with `cleanup`, the task's own tracker (see
+    /// [`TaskContext::cleanup`](crate::handler::TaskContext::cleanup)).
+    pub fn with_cleanup(mut self, cleanup: TaskTracker) -> Self {
+        self.cleanup = cleanup;
+        self
     }
 
     /// Every tool of every server of the task, opening sessions as needed. The listing of a
@@ -320,17 +334,13 @@ impl ToolSessions {
                 Err(SessionFailure::Expired) if !reopened => {
                     reopened = true;
                     tracing::info!(server, tool, "tool session expired; opening a new one");
-                    if let Some(old) = self.open.remove(server) {
-                        old.close().await;
-                    }
+                    self.close_removed(server).await;
                 }
                 // Refused before the server did anything: one new session with a refreshed
                 // credential, and the call re-sent (with the same key).
                 Err(SessionFailure::Unauthorized) if !refreshed && refused.is_some() => {
                     refreshed = true;
-                    if let Some(old) = self.open.remove(server) {
-                        old.close().await;
-                    }
+                    self.close_removed(server).await;
                     let next = match &refused {
                         Some(refused) => self.rejected(server, &url, refused).await?,
                         None => None,
@@ -354,9 +364,7 @@ impl ToolSessions {
                         ToolError::Unavailable { .. } | ToolError::Unauthorized { .. }
                     ) {
                         // The session may be dead: the caller's retry opens a new one.
-                        if let Some(old) = self.open.remove(server) {
-                            old.close().await;
-                        }
+                        self.close_removed(server).await;
                     }
                     return Err(error);
                 }
@@ -367,7 +375,40 @@ impl ToolSessions {
     /// Closes every open session (HTTP DELETE of the session for stateful servers).
     pub async fn close(mut self) {
         let sessions: Vec<Session> = self.open.drain().map(|(_, s)| s).collect();
-        futures::future::join_all(sessions.into_iter().map(Session::close)).await;
+        self.close_tracked(sessions).await;
+    }
+
+    /// Closes the session with `server`, if one is open, and forgets it.
+    async fn close_removed(&mut self, server: &str) {
+        if let Some(old) = self.open.remove(server) {
+            self.close_tracked(vec![old]).await;
+        }
+    }
+
+    /// Closes `sessions` in a task of the cleanup tracker and waits for it: when the caller is
+    /// dropped half-way (its task aborted), the closes go on where the runner waits for them
+    /// before it gives the lease back, instead of being cut or left to run unseen.
+    async fn close_tracked(&self, sessions: Vec<Session>) {
+        if let Some(closing) = self.spawn_closes(sessions) {
+            let _ = closing.await;
+        }
+    }
+
+    /// Starts closing `sessions` in a task of the cleanup tracker (each close is bounded by
+    /// `close_timeout`). Without a runtime (it is going down) the sessions are dropped: dropping
+    /// each client cancels its transport, which closes the connection, and the server expires
+    /// the session on its own.
+    fn spawn_closes(&self, sessions: Vec<Session>) -> Option<tokio::task::JoinHandle<()>> {
+        if sessions.is_empty() {
+            return None;
+        }
+        let handle = tokio::runtime::Handle::try_current().ok()?;
+        Some(self.cleanup.spawn_on(
+            async move {
+                futures::future::join_all(sessions.into_iter().map(Session::close)).await;
+            },
+            &handle,
+        ))
     }
 
     /// Names of the servers with an open session (for logs and tests).
@@ -409,8 +450,14 @@ impl ToolSessions {
             }
             let mut refreshed = false;
             let session = loop {
-                let opened =
-                    Session::open(&self.http, &server_ref, credential.clone(), &self.options).await;
+                let opened = Session::open(
+                    &self.http,
+                    &server_ref,
+                    credential.clone(),
+                    &self.options,
+                    &self.cleanup,
+                )
+                .await;
                 match (opened, &credential) {
                     (Ok(session), _) => break session,
                     (Err(SessionFailure::Unauthorized), Some(refused)) if !refreshed => {
@@ -465,22 +512,9 @@ fn credential_error(e: CredentialError, url: &str) -> ToolError {
 
 impl Drop for ToolSessions {
     fn drop(&mut self) {
-        if self.open.is_empty() {
-            return;
-        }
         let sessions: Vec<Session> = self.open.drain().map(|(_, s)| s).collect();
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                handle.spawn(async move {
-                    futures::future::join_all(sessions.into_iter().map(Session::close)).await;
-                });
-            }
-            Err(_) => {
-                // No runtime left: dropping each client cancels its transport, which closes the
-                // connection; the server expires the session on its own.
-                drop(sessions);
-            }
-        }
+        // Nobody awaits these closes; the runner waits for the tracker.
+        drop(self.spawn_closes(sessions));
     }
 }
 

@@ -66,7 +66,8 @@
 //! again. Process instances are a status and a suspension flag, changed by the admin API and
 //! by `bpmn-error` (see `state` for the rules the worker meets); there is no process model, so
 //! a gateway that routes nowhere is emulated with [`Fault::Reject`]. Lease expiries carry nine
-//! fractional digits, as on the real engine.
+//! fractional digits, and 400 and 500 answers close the connection (`Connection: close`), as
+//! Tomcat does under the real engine.
 
 mod admin;
 mod faults;

@@ -163,11 +163,25 @@ struct Faults {
     down: AtomicBool,
     error_results: AtomicBool,
     latency: Mutex<Duration>,
+    /// Delay before a DELETE (a session close) is looked at: its credential is checked, and
+    /// the session dropped, only after it.
+    close_latency: Mutex<Duration>,
     oversized: Mutex<Option<usize>>,
     /// Armed by [`ToolServer::hold_next_write`]: the next refund that is applied keeps its answer.
     hold_armed: AtomicBool,
     /// True while an applied refund's answer is held (until [`ToolServer::release_held`]).
     holding: tokio::sync::watch::Sender<bool>,
+}
+
+impl Faults {
+    fn get(delay: &Mutex<Duration>) -> Duration {
+        // A delay is one plain value: a panic elsewhere cannot leave it half-written.
+        *delay.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set(delay: &Mutex<Duration>, value: Duration) {
+        *delay.lock().unwrap_or_else(|p| p.into_inner()) = value;
+    }
 }
 
 struct Shared {
@@ -296,15 +310,15 @@ impl ToolServer {
 
     /// Delay before answering every `tools/call`.
     pub fn set_latency(&self, latency: Duration) {
-        *self
-            .shared
-            .faults
-            .latency
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = latency;
+        Faults::set(&self.shared.faults.latency, latency);
     }
 
-    /// When on, every `tools/call` answers a result with `isError: true` and applies nothing.
+    /// Delay before every DELETE (session close) is checked and served: a close still in
+    /// flight when a test looks shows as a session still open.
+    pub fn set_close_latency(&self, latency: Duration) {
+        Faults::set(&self.shared.faults.close_latency, latency);
+    }
+
     /// The next `issue_refund` that is applied (a new key, or none) keeps its answer until
     /// [`ToolServer::release_held`]: the write is done, its caller does not know it yet. A
     /// worker waiting there is a worker frozen between its keyed write and journaling its result.
@@ -323,6 +337,7 @@ impl ToolServer {
         self.shared.faults.holding.send_replace(false);
     }
 
+    /// When on, every `tools/call` answers a result with `isError: true` and applies nothing.
     pub fn set_error_results(&self, on: bool) {
         self.shared.faults.error_results.store(on, Ordering::SeqCst);
     }
@@ -407,6 +422,12 @@ async fn gate(State(shared): State<Arc<Shared>>, request: Request, next: Next) -
         return (StatusCode::SERVICE_UNAVAILABLE, "the tool server is down").into_response();
     }
     let is_delete = request.method() == Method::DELETE;
+    if is_delete {
+        let delay = Faults::get(&shared.faults.close_latency);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+    }
     let session_id = request
         .headers()
         .get("mcp-session-id")
@@ -656,12 +677,7 @@ impl ServerHandler for OrderTools {
                 session_id,
             });
         }
-        let latency = *self
-            .shared
-            .faults
-            .latency
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let latency = Faults::get(&self.shared.faults.latency);
         if !latency.is_zero() {
             tokio::time::sleep(latency).await;
         }

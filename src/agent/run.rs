@@ -386,7 +386,8 @@ impl<'a> Attempt<'a> {
             Arc::new(credentials),
             traceparent.clone(),
             rt.settings.tool_sessions.clone(),
-        );
+        )
+        .with_cleanup(ctx.cleanup().clone());
         Ok(Attempt {
             rt,
             task,

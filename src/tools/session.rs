@@ -3,6 +3,7 @@
 //! to what a caller acts on.
 
 use std::error::Error as StdError;
+use tokio_util::task::TaskTracker;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig, Implementation,
@@ -106,16 +107,19 @@ impl Session {
     ///
     /// The opening runs in its own spawned task: when the caller is dropped half-way (its task
     /// was cancelled, its lease lost), the server may already hold a session, so the opening
-    /// finishes anyway and closes what it opened instead of leaving it on the server.
+    /// finishes anyway and closes what it opened instead of leaving it on the server. That task
+    /// is tracked by `cleanup`, so whoever gives the task's lease back can wait for it first
+    /// (a session's credential may die with the lease, and with it the DELETE that closes it).
     pub(crate) async fn open(
         http: &reqwest::Client,
         server: &ToolServerRef,
         credential: Option<Secret>,
         options: &ToolSessionOptions,
+        cleanup: &TaskTracker,
     ) -> Result<Session, SessionFailure> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (http, server, options) = (http.clone(), server.clone(), options.clone());
-        tokio::spawn(async move {
+        cleanup.spawn(async move {
             let opened = Session::open_here(&http, &server, credential, &options).await;
             if let Err(Ok(orphan)) = tx.send(opened) {
                 orphan.close().await;
@@ -384,7 +388,7 @@ async fn connect(
             ClientLifecycleMode::Initialize,
         ),
     };
-    match tokio::time::timeout(
+    let connected = match tokio::time::timeout(
         options.open_timeout,
         info.serve_with_lifecycle(transport, lifecycle),
     )
@@ -399,7 +403,18 @@ async fn connect(
             None => classify_init(&e),
         }),
         Ok(Ok(client)) => Ok(client),
+    };
+    match &connected {
+        Ok(_) => http.claim_session(),
+        // The server may hold a session the failed handshake cannot close (see
+        // `McpHttp::close_unclaimed`).
+        Err(_) => {
+            let auth = credential.as_ref().map(|c| c.expose().to_owned());
+            http.close_unclaimed(&server.url, auth, options.close_timeout)
+                .await
+        }
     }
+    connected
 }
 
 /// Reads an MCP `CallToolResult` from its JSON form, as a tool server sent it.

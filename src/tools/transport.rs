@@ -1,17 +1,25 @@
 //! The HTTP client under one session's rmcp streamable HTTP transport: the tools' reqwest
-//! client, plus the one fact rmcp keeps from its caller, that a response's SSE event went past
-//! the transport's size cap.
+//! client, plus two facts rmcp keeps from its caller: that a response's SSE event went past
+//! the transport's size cap, and the session a failed handshake left on the server.
 //!
 //! rmcp ends such a stream with a private error and tells the pending request only that its
 //! stream closed (`ServiceError::TransportClosed`), which reads as a broken connection and would
 //! be retried. [`McpHttp`] watches the response streams of the session's POSTs; the session asks
 //! it after a failure whether an oversized event caused it, and classifies the failure as
 //! too large (never retried) when one did.
+//!
+//! rmcp deletes a session only when its transport got past the handshake: when the
+//! `initialize` answer created a session but the handshake then failed (the `initialized`
+//! notification refused because the credential died with the lease, the opening timed out),
+//! the session id dies inside rmcp and the session stays open on the server. [`McpHttp`] keeps
+//! the id of the session the opening POST created until a DELETE of it is sent, so the opener
+//! can close it ([`McpHttp::close_unclaimed`]).
 
 use std::collections::HashMap;
 use std::error::Error as StdError;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures::StreamExt;
 use reqwest::header::{HeaderName, HeaderValue};
@@ -38,6 +46,9 @@ pub(crate) struct McpHttp {
     /// The cap an oversized response event went past, 0 when none did since the last
     /// [`McpHttp::take_oversized_event`].
     oversized_event: Arc<AtomicUsize>,
+    /// The session the opening POST (the one sent without a session id) created on the server,
+    /// until a DELETE of it is sent: what a failed handshake would otherwise leave open.
+    unclosed: Arc<Mutex<Option<Arc<str>>>>,
 }
 
 impl McpHttp {
@@ -45,6 +56,67 @@ impl McpHttp {
         McpHttp {
             http,
             oversized_event: Arc::new(AtomicUsize::new(0)),
+            unclosed: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    fn unclosed(&self) -> std::sync::MutexGuard<'_, Option<Arc<str>>> {
+        // Only ever holds an id; a panic elsewhere cannot leave it half-written.
+        self.unclosed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Forgets the session the opening created: its transport now owns it (and deletes it when
+    /// it closes).
+    pub(crate) fn claim_session(&self) {
+        self.unclosed().take();
+    }
+
+    /// Deletes the session a failed opening left on the server, if it created one that no
+    /// DELETE has been sent for: with the opening's credential, bounded by `timeout`.
+    pub(crate) async fn close_unclaimed(
+        &self,
+        uri: &str,
+        auth_header: Option<String>,
+        timeout: Duration,
+    ) {
+        let Some(session_id) = self.unclosed().take() else {
+            return;
+        };
+        let deleted = tokio::time::timeout(
+            timeout,
+            self.http
+                .delete_session(uri.into(), session_id, auth_header, HashMap::new()),
+        )
+        .await;
+        let url = crate::redact::url(uri);
+        match deleted {
+            Ok(Ok(())) => {
+                tracing::debug!(url = %url, "closed the session a failed opening left on the tool server")
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(url = %url, error = %crate::body::truncate_text(&e.to_string(), crate::body::TOOL_ERROR_MESSAGE_MAX_BYTES), "could not close the session a failed opening left on the tool server; the server expires it")
+            }
+            Err(_) => {
+                tracing::warn!(url = %url, timeout_ms = timeout.as_millis() as u64, "closing the session a failed opening left on the tool server timed out; the server expires it")
+            }
+        }
+    }
+
+    /// Notes the session an opening POST's answer created (the `unclosed` field).
+    fn note_opened(
+        &self,
+        sent_with: &Option<Arc<str>>,
+        response: &Result<StreamableHttpPostResponse, StreamableHttpError<reqwest::Error>>,
+    ) {
+        if sent_with.is_some() {
+            return;
+        }
+        if let Ok(
+            StreamableHttpPostResponse::Json(_, Some(id))
+            | StreamableHttpPostResponse::Sse(_, Some(id)),
+        ) = response
+        {
+            *self.unclosed() = Some(id.as_str().into());
         }
     }
 
@@ -132,12 +204,13 @@ impl StreamableHttpClient for McpHttp {
             .post_message_with_max_sse_event_size(
                 uri,
                 message,
-                session_id,
+                session_id.clone(),
                 auth_header,
                 custom_headers,
                 max_sse_event_size,
             )
             .await;
+        self.note_opened(&session_id, &response);
         self.watch(response, max_sse_event_size)
     }
 
@@ -155,12 +228,13 @@ impl StreamableHttpClient for McpHttp {
             .post_message_with_response_limits(
                 uri,
                 message,
-                session_id,
+                session_id.clone(),
                 auth_header,
                 custom_headers,
                 limits,
             )
             .await;
+        self.note_opened(&session_id, &response);
         self.watch(response, limits.max_sse_event_size)
     }
 
@@ -171,6 +245,12 @@ impl StreamableHttpClient for McpHttp {
         auth_header: Option<String>,
         custom_headers: HashMap<HeaderName, HeaderValue>,
     ) -> Result<(), StreamableHttpError<Self::Error>> {
+        {
+            let mut unclosed = self.unclosed();
+            if unclosed.as_deref() == Some(&*session_id) {
+                unclosed.take();
+            }
+        }
         self.http
             .delete_session(uri, session_id, auth_header, custom_headers)
             .await

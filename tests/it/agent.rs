@@ -159,6 +159,16 @@ mod outcomes {
         .expect("a failure reported within 20 s")
     }
 
+    /// One refund task (order `order`) whose every model call takes `latency`.
+    fn one_slow_refund(s: &Stack, latency: Duration, order: &str) -> Vec<String> {
+        s.model.set_script(
+            "slow",
+            super::super::agent::refund_like().with_latency(latency),
+        );
+        s.engine
+            .create_tasks([spec(s.refund_agent("openai/slow", &[]), order)])
+    }
+
     /// Waits until the tool server has seen every MCP session closed (a session a task drops is
     /// closed in the background).
     async fn sessions_all_closed(s: &Stack) {
@@ -364,13 +374,7 @@ mod outcomes {
     #[tokio::test]
     async fn a_lost_lease_stops_the_task_reports_nothing_and_closes_its_sessions() {
         let s = stack().await;
-        s.model.set_script(
-            "slow",
-            super::super::agent::refund_like().with_latency(Duration::from_millis(400)),
-        );
-        let ids = s
-            .engine
-            .create_tasks([spec(s.refund_agent("openai/slow", &[]), "o-1")]);
+        let ids = one_slow_refund(&s, Duration::from_millis(400), "o-1");
         s.engine.inject(EngineFault::RefuseHeartbeats {
             task_id: ids[0].clone(),
         });
@@ -450,6 +454,37 @@ mod outcomes {
         assert_eq!(by_token.len(), 50, "one credential per task");
         w.stop().await;
         assert_eq!(s.tools.counters().await.sessions_open, 0);
+    }
+
+    /// A task cut by shutdown while its MCP session is open: the runner drops it, and its
+    /// session is closed (with the task's credential, still valid) before the lease is given
+    /// back. A real server refuses a close whose credential died with the lease, and the
+    /// session stays open there. The tool server takes longer over the close than the task has
+    /// to stop (`stop_wait`, 500 ms) and less than the close timeout (5 s): the task's own
+    /// close is cut by the abort, and a close left running in the background would still be
+    /// under way when the worker has stopped. Once it has, no session is open and no close was
+    /// refused, with no waiting.
+    #[tokio::test]
+    async fn a_task_cut_by_shutdown_closes_its_sessions_before_giving_the_lease_back() {
+        let s = stack().await;
+        let ids = one_slow_refund(&s, Duration::from_secs(120), "cut");
+        let mut opts = WorkerOptions::new("w", 1);
+        opts.shutdown_grace = Duration::from_millis(100);
+        let w = s.spawn_worker(opts, Stack::fast_agent_settings());
+        // The tools are listed before the first model call, which then hangs.
+        eventually(
+            Duration::from_secs(30),
+            "the task's MCP session to be open",
+            async || s.tools.counters().await.sessions_open == 1,
+        )
+        .await;
+        s.tools.set_close_latency(Duration::from_millis(1500));
+        w.stop().await;
+        let c = s.tools.counters().await;
+        assert_eq!((c.sessions_open, c.unauthorized), (0, 0), "{c:?}");
+        assert_eq!(c.sessions_closed, 1, "{c:?}");
+        let t = s.engine.task(&ids[0]).unwrap();
+        assert_ne!(t.status, TaskStatus::Locked, "the lease was given back");
     }
 
     #[tokio::test]

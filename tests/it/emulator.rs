@@ -47,6 +47,15 @@ fn agent_task() -> TaskSpec {
 }
 
 impl Harness {
+    /// A fetch asking for a lease of 0 ms: a 400, as on the real engine (docs/REAL_ENGINE.md).
+    async fn zero_lease_fetch(&self) -> Answer {
+        self.call(
+            "fetch-and-lock",
+            json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": 0}),
+        )
+        .await
+    }
+
     async fn try_call(
         &self,
         path: &str,
@@ -159,6 +168,58 @@ async fn a_lease_expiry_has_nanosecond_precision_as_on_the_real_engine() {
     let lease: chrono::DateTime<chrono::Utc> = text.parse().unwrap();
     let expected = h.emu.now() + chrono::Duration::milliseconds(LEASE_MS as i64);
     assert!((lease - expected).num_seconds().abs() < 30, "{text}");
+}
+
+/// The real engine (Tomcat) answers its 400s and 500s with `Connection: close` and closes the
+/// connection; its 401, 403, 404, 405 and 409 keep it open (docs/REAL_ENGINE.md).
+#[tokio::test]
+async fn a_400_or_500_closes_the_connection_as_on_the_real_engine() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let h = harness().await;
+    let ids = h.emu.create_tasks([agent_task()]);
+    let bad = h.zero_lease_fetch().await;
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.headers["connection"], "close");
+    h.fetch_one("w1").await;
+    let null = h
+        .call(
+            &format!("{}/complete", ids[0]),
+            json!({"workerId": "w1", "variables": {"result": null}}),
+        )
+        .await;
+    assert_eq!(null.status, 500);
+    assert_eq!(null.headers["connection"], "close");
+    let not_owned = h
+        .call(
+            &format!("{}/complete", ids[0]),
+            json!({"workerId": "w2", "variables": {}}),
+        )
+        .await;
+    assert_eq!(not_owned.status, 403);
+    assert!(not_owned.headers.get("connection").is_none());
+
+    // On the wire: after the 400 the server closes; the socket reads to its end.
+    let addr = h.emu.base_url();
+    let host = addr
+        .trim_start_matches("http://")
+        .trim_end_matches("/api")
+        .to_string();
+    let mut socket = tokio::net::TcpStream::connect(&host).await.unwrap();
+    let body = r#"{"workerId":"w1","topics":["abada:agent"],"lockDuration":0}"#;
+    let request = format!(
+        "POST /api/v1/external-tasks/fetch-and-lock HTTP/1.1\r\nHost: {host}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), socket.read_to_end(&mut answer))
+        .await
+        .expect("the emulator closes the connection after a 400")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
 }
 
 #[tokio::test]
@@ -1316,12 +1377,7 @@ async fn the_protocol_header_comes_on_fetch_answers_only() {
         .await;
     assert_eq!(answer.status, 200);
     assert_eq!(answer.headers["x-abada-worker-protocol-version"], "1");
-    let bad = h
-        .call(
-            "fetch-and-lock",
-            json!({"workerId": "w1", "topics": ["abada:agent"], "lockDuration": 0}),
-        )
-        .await;
+    let bad = h.zero_lease_fetch().await;
     assert_eq!(bad.status, 400);
     for answer in [
         bad,

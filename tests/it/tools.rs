@@ -1,14 +1,17 @@
 //! ToolSessions (src/tools.rs) against the devkit MCP tool server (devkit/src/tools.rs).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use abada_agent_worker::devkit::tools::{AcceptAny, StaticTokens, ToolServer, ToolServerOptions};
+use abada_agent_worker::devkit::tools::{
+    AcceptAny, CredentialValidator, StaticTokens, ToolServer, ToolServerOptions,
+};
 use abada_agent_worker::secret::Secret;
 use abada_agent_worker::tools::{
-    CredentialError, CredentialSource, ToolError, ToolServerRef, ToolSessionOptions, ToolSessions,
+    CredentialError, CredentialSource, ToolError, ToolProtocol, ToolServerRef, ToolSessionOptions,
+    ToolSessions,
 };
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
@@ -454,5 +457,52 @@ async fn a_call_slower_than_its_timeout_is_transient() {
         .await
         .unwrap();
     sessions.close().await;
+    orders.shutdown().await;
+}
+
+/// Accepts each token for one request only: a credential that dies right after the server
+/// created the session, as a task's does when its lease is lost while the session opens.
+#[derive(Default)]
+struct OneRequestPerToken(Mutex<HashSet<String>>);
+
+impl CredentialValidator for OneRequestPerToken {
+    fn validate(&self, _server: &str, token: &str) -> bool {
+        self.0.lock().unwrap().insert(token.to_owned())
+    }
+}
+
+/// The `initialize` answer created a session, then the handshake failed (its `initialized`
+/// notification refused): rmcp never learns to close that session, so the opener closes it,
+/// with the credential it was opened with (which the server lets its owner use to close).
+#[tokio::test]
+async fn a_handshake_refused_after_the_server_opened_its_session_closes_that_session() {
+    let orders = ToolServer::start(ToolServerOptions::new(
+        "orders",
+        Arc::new(OneRequestPerToken::default()),
+    ))
+    .await
+    .unwrap();
+    let mut sessions = sessions_with(
+        &[&orders],
+        Arc::new(TestCredentials::default()),
+        None,
+        ToolSessionOptions {
+            protocol: ToolProtocol::Initialize,
+            ..options()
+        },
+    );
+    let error = sessions.tools().await.unwrap_err();
+    assert!(
+        matches!(
+            error,
+            ToolError::Unauthorized { .. } | ToolError::Unavailable { .. }
+        ),
+        "{error:?}"
+    );
+    let c = orders.counters().await;
+    assert!(c.sessions_opened >= 1 && c.unauthorized >= 1, "{c:?}");
+    assert_eq!(c.sessions_open, 0, "{c:?}");
+    assert_eq!(c.sessions_closed, c.sessions_opened, "{c:?}");
+    drop(sessions);
     orders.shutdown().await;
 }

@@ -396,7 +396,24 @@ fn error_response(shared: &Shared, error: &ApiError, path: &str, headers: &Heade
         path,
         &wire::trace_id(header_str(headers, "traceparent")),
     );
-    (error.status, axum::Json(body)).into_response()
+    let mut response = (error.status, axum::Json(body)).into_response();
+    if drops_connection(error.status) {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+/// The engine runs in Tomcat, which closes the connection after an answer with one of these
+/// statuses (its `statusDropsConnection`): seen on the real engine 0.11 for its 400s and 500s
+/// (`Connection: close`), never for 401, 403, 404, 405 or 409 (docs/REAL_ENGINE.md). A client's
+/// pooled connection is gone after such an answer, so the emulator closes it too.
+fn drops_connection(status: StatusCode) -> bool {
+    matches!(
+        status.as_u16(),
+        400 | 408 | 411 | 413 | 414 | 500 | 501 | 503
+    )
 }
 
 fn refused(error: ApiError, disposition: Disposition) -> Outcome {
