@@ -343,7 +343,13 @@ impl<'a> Attempt<'a> {
             }
             JournalHome::Nowhere => (Replayed::empty(), JournalHome::Nowhere),
         };
-        if state.turns > 0 || state.input.is_some() {
+        // A store claim writes the input step of a run it creates in the same transaction: the
+        // run was there before only when this is not its first attempt.
+        let resumed = match &store_run {
+            Some(run) => run.fence.attempt() > 1,
+            None => state.turns > 0 || state.input.is_some(),
+        };
+        if resumed {
             tracing::info!(
                 resumed_steps = state.next_seq - 1,
                 turns = state.turns,
@@ -1196,7 +1202,7 @@ fn last_journaled_trace(steps: &[JournalStep]) -> Option<TraceParent> {
 }
 
 /// The final answer as a process variable: parsed JSON when it is JSON (also inside a
-/// ```json fence), else the text.
+/// Markdown code fence tagged `json`), else the text.
 fn parse_answer(text: &str) -> Value {
     let trimmed = text.trim();
     let unfenced = trimmed
