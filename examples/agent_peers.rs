@@ -13,6 +13,9 @@
 //! - `refund`: look the order up, issue a keyed refund, answer with a JSON object;
 //! - `refund-slow`: the same, each answer after `--slow-ms` (default 6000), to kill a worker
 //!   between the refund and the final answer;
+//! - `refund-approval`: the approval example's refund (`demo --scenario approval`): the input is
+//!   JSON with `orderId` and `amountCents`; look the order up, refund that amount with a word of
+//!   why, then tell the customer what the last tool said (the refund, or who refused it);
 //! - `null-answer`: a final answer that is the JSON `null`.
 
 use std::net::SocketAddr;
@@ -22,13 +25,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use abada_agent_worker::devkit::model::{Script, ScriptedModel, Turn};
-use abada_agent_worker::devkit::stack::{ORDERS_SERVER, refund_script};
+use abada_agent_worker::devkit::stack::{ORDERS_SERVER, refund_amount_script, refund_script};
 use abada_agent_worker::devkit::tools::{StaticTokens, ToolServer, ToolServerOptions};
 use axum::extract::State;
 use axum::routing::get;
 use serde_json::{Value, json};
 
-const MODELS: [&str; 3] = ["refund", "refund-slow", "null-answer"];
+const MODELS: [&str; 4] = ["refund", "refund-slow", "refund-approval", "null-answer"];
 
 struct Args {
     token_file: PathBuf,
@@ -143,6 +146,7 @@ async fn main() -> ExitCode {
     };
     model.set_script("refund", refund_script());
     model.set_script("refund-slow", refund_script().with_latency(args.slow));
+    model.set_script("refund-approval", refund_amount_script());
     model.set_script("null-answer", Script::new(vec![Turn::text("null")]));
     let orders = match ToolServer::start(ToolServerOptions::new(
         ORDERS_SERVER,

@@ -146,6 +146,23 @@ async fn start_tool_server(engine: &EngineEmulator, name: &str) -> Result<ToolSe
     .await?)
 }
 
+/// The approval example's refund (`demo --scenario approval`, and `agent_peers`' model
+/// `refund-approval`): the input is JSON with `orderId` and `amountCents`. Look the order up, ask
+/// for the refund of that amount saying why (an approval request's `summary`), then answer the
+/// customer with what the last tool said: the refund, or who refused it and why.
+pub fn refund_amount_script() -> Script {
+    Script::new(vec![
+        Turn::call("lookup_order", json!({"orderId": "${input.orderId}"})),
+        Turn::say_and_call(
+            "Order ${input.orderId} arrived damaged: I will refund ${input.amountCents} cents to the customer.",
+            "issue_refund",
+            json!({"orderId": "${input.orderId}", "amountCents": "${input.amountCents}", "reason": "damaged"}),
+        ),
+        Turn::text("Dear customer, about your order ${input.orderId}: ${last_tool_result}"),
+    ])
+    .with_usage(120, 30)
+}
+
 /// Look the order up (read-only), refund it (a keyed write), answer with JSON.
 pub fn refund_script() -> Script {
     Script::new(vec![

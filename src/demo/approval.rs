@@ -16,8 +16,9 @@ use super::{Check, Crew, DemoError, DemoReport, DemoStore, pump};
 use crate::devkit::engine::{
     InstanceStatus, ProcessInstanceView, ProcessModel, ProtocolLevel, TaskView,
 };
-use crate::devkit::model::{Script, Turn};
-use crate::devkit::stack::{REFUND_MODEL, Stack, StackWorkers, WorkerOptions};
+use crate::devkit::stack::{
+    REFUND_MODEL, Stack, StackWorkers, WorkerOptions, refund_amount_script,
+};
 
 const SCENARIO: &str = "approval";
 const LIMIT: Duration = Duration::from_secs(30);
@@ -29,26 +30,12 @@ const THRESHOLD_CENTS: u64 = 10_000;
 /// The agent's input: the order and the amount the customer asks for, as JSON the model reads.
 const AGENT_INPUT: &str = r#"{"orderId": "${orderId}", "amountCents": ${amountCents}}"#;
 
-/// Look the order up, ask for the refund of the amount in the input saying why (the request's
-/// `summary`), then answer the customer with what the last tool said: the refund, or who
-/// refused it and why.
-fn approval_script() -> Script {
-    Script::new(vec![
-        Turn::call("lookup_order", json!({"orderId": "${input.orderId}"})),
-        Turn::say_and_call(
-            "Order ${input.orderId} arrived damaged: I will refund ${input.amountCents} cents to the customer.",
-            "issue_refund",
-            json!({"orderId": "${input.orderId}", "amountCents": "${input.amountCents}", "reason": "damaged"}),
-        ),
-        Turn::text("Dear customer, about your order ${input.orderId}: ${last_tool_result}"),
-    ])
-    .with_usage(120, 30)
-    .with_latency(Duration::from_millis(100))
-}
-
 pub(super) async fn run(output: Output, store: &DemoStore) -> Result<DemoReport, DemoError> {
     let stack = Stack::start(ProtocolLevel::AgentV1).await?;
-    stack.model.set_script(REFUND_MODEL, approval_script());
+    stack.model.set_script(
+        REFUND_MODEL,
+        refund_amount_script().with_latency(Duration::from_millis(100)),
+    );
     let result = scenario(&stack, store, output).await;
     stack.shutdown().await;
     result
