@@ -68,10 +68,41 @@ pub struct ArgumentBound {
     /// arguments.
     pub argument: String,
     /// Approval when the argument is greater than this.
-    pub above: Option<f64>,
+    pub above: Option<Bound>,
     /// Approval when the argument is less than this (e.g. `below = 0` for a negative refund,
     /// which a tool might take as a charge).
-    pub below: Option<f64>,
+    pub below: Option<Bound>,
+}
+
+/// A bound as written: an integer is kept exactly (a bound past 2^53 is not rounded, which
+/// could let a call just past it through), any other number as a finite float.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Bound {
+    Integer(i128),
+    Float(f64),
+}
+
+impl Bound {
+    /// A JSON number as a bound or an argument; `None` when it is not finite.
+    fn of(n: &serde_json::Number) -> Option<Bound> {
+        match n
+            .as_i64()
+            .map(i128::from)
+            .or_else(|| n.as_u64().map(i128::from))
+        {
+            Some(i) => Some(Bound::Integer(i)),
+            None => n.as_f64().filter(|f| f.is_finite()).map(Bound::Float),
+        }
+    }
+}
+
+impl std::fmt::Display for Bound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Bound::Integer(i) => write!(f, "{i}"),
+            Bound::Float(x) => write!(f, "{x}"),
+        }
+    }
 }
 
 /// The keys a conditional rule may have; any other is an error, so a typo (`abvoe`) is not a
@@ -90,6 +121,10 @@ impl ApprovalPolicy {
                     "approval {other:?} is not one of \"never\", \"writes\", \"always\" or a list of tool names"
                 )),
             },
+            Value::Array(items) if items.is_empty() => Err(
+                "approval is an empty list, which asks for no call; use \"never\", or list the tools that need approval"
+                    .to_string(),
+            ),
             Value::Array(items) => items
                 .iter()
                 .enumerate()
@@ -148,9 +183,7 @@ impl ToolRule {
         let argument = name(object.get("argument"), "argument")?;
         let bound = |field: &str| match object.get(field) {
             None => Ok(None),
-            Some(Value::Number(n)) => n
-                .as_f64()
-                .filter(|f| f.is_finite())
+            Some(Value::Number(n)) => Bound::of(n)
                 .map(Some)
                 .ok_or_else(|| format!("{field} must be a finite number")),
             Some(v) => Err(format!("{field} is {}, not a number", kind(v))),
@@ -162,7 +195,7 @@ impl ToolRule {
                     "the rule for {tool:?} has argument {argument:?} but neither above nor below; give a bound, or list the tool by name to ask for every call"
                 ));
             }
-            (Some(a), Some(b)) if b > a => {
+            (Some(a), Some(b)) if compare(b, a) == Ordering::Greater => {
                 return Err(format!(
                     "below ({b}) is greater than above ({a}): every call would need approval; list the tool by name for that"
                 ));
@@ -189,37 +222,33 @@ impl ArgumentBound {
         } else {
             arguments.get(&self.argument)
         };
-        let Some(Value::Number(n)) = value else {
+        let Some(n) = value.and_then(Value::as_number).and_then(Bound::of) else {
             return true;
         };
-        let out = |bound: Option<f64>, outside: Ordering| {
-            bound.is_some_and(|b| compare(n, b).is_none_or(|o| o == outside))
+        let out = |bound: Option<Bound>, outside: Ordering| {
+            bound.is_some_and(|b| compare(n, b) == outside)
         };
         out(self.above, Ordering::Greater) || out(self.below, Ordering::Less)
     }
 }
 
-/// `n` against a finite `bound`, exactly (an integer argument past 2^53 is not rounded into the
-/// bound); `None` when `n` is not finite.
-fn compare(n: &serde_json::Number, bound: f64) -> Option<Ordering> {
-    let integer = n
-        .as_i64()
-        .map(i128::from)
-        .or_else(|| n.as_u64().map(i128::from));
-    match integer {
-        Some(x) => {
-            let floor = bound.floor();
-            // Saturating: a bound past i128's range is past every integer JSON holds.
-            let f = floor as i128;
-            Some(match x.cmp(&f) {
-                Ordering::Equal if bound > floor => Ordering::Less,
-                o => o,
-            })
-        }
-        None => n
-            .as_f64()
-            .filter(|x| x.is_finite())
-            .and_then(|x| x.partial_cmp(&bound)),
+/// `a` against `b`, exactly: integers as integers (none rounded past 2^53), an integer against
+/// a float through the float's floor, floats as floats (both are finite).
+fn compare(a: Bound, b: Bound) -> Ordering {
+    match (a, b) {
+        (Bound::Integer(x), Bound::Integer(y)) => x.cmp(&y),
+        (Bound::Integer(x), Bound::Float(f)) => integer_against_float(x, f),
+        (Bound::Float(f), Bound::Integer(x)) => integer_against_float(x, f).reverse(),
+        (Bound::Float(x), Bound::Float(y)) => x.partial_cmp(&y).unwrap_or(Ordering::Equal),
+    }
+}
+
+fn integer_against_float(x: i128, f: f64) -> Ordering {
+    let floor = f.floor();
+    // Saturating: a float past i128's range is past every integer JSON holds.
+    match x.cmp(&(floor as i128)) {
+        Ordering::Equal if f > floor => Ordering::Less,
+        o => o,
     }
 }
 
@@ -600,6 +629,18 @@ mod tests {
         let near = refund_rule(json!({"above": 9_007_199_254_740_992_u64}));
         assert!(near.covers(&refund, &json!({"amountCents": 9_007_199_254_740_993_u64})));
         assert!(!near.covers(&refund, &json!({"amountCents": 9_007_199_254_740_992_u64})));
+        // A bound past 2^53 is kept exactly too: as a float it would round up onto the argument.
+        let exact = refund_rule(json!({"above": 9_007_199_254_740_995_u64}));
+        assert!(exact.covers(&refund, &json!({"amountCents": 9_007_199_254_740_996_u64})));
+        assert!(exact.covers(&refund, &json!({"amountCents": 9_007_199_254_740_996.0})));
+        assert!(!exact.covers(&refund, &json!({"amountCents": 9_007_199_254_740_995_u64})));
+        let fraction = refund_rule(json!({"above": 100.5, "below": -0.5}));
+        assert!(!fraction.covers(&refund, &json!({"amountCents": 100})));
+        assert!(fraction.covers(&refund, &json!({"amountCents": 101})));
+        assert!(fraction.covers(&refund, &json!({"amountCents": 100.75})));
+        assert!(!fraction.covers(&refund, &json!({"amountCents": 0})));
+        assert!(!fraction.covers(&refund, &json!({"amountCents": -0.0})));
+        assert!(fraction.covers(&refund, &json!({"amountCents": -1})));
         let huge = refund_rule(json!({"above": 1e300, "below": -1e300}));
         assert!(!huge.covers(&refund, &json!({"amountCents": i64::MIN})));
         assert!(!huge.covers(&refund, &json!({"amountCents": u64::MAX})));
@@ -668,6 +709,11 @@ mod tests {
                 "approval[1]: tool must be",
             ),
             (json!([[]]), "an array is neither a tool name nor"),
+            (json!([]), "approval is an empty list"),
+            (
+                json!([{"tool": "refund", "argument": "a", "above": 1.5, "below": 2}]),
+                "below (2) is greater than above (1.5)",
+            ),
         ];
         for (value, wanted) in cases {
             let e = ApprovalPolicy::from_value(&value).unwrap_err();
@@ -685,8 +731,8 @@ mod tests {
                     tool: "refund".into(),
                     when: Some(ArgumentBound {
                         argument: "amountCents".into(),
-                        above: Some(10000.0),
-                        below: Some(0.0),
+                        above: Some(Bound::Integer(10000)),
+                        below: Some(Bound::Integer(0)),
                     }),
                 },
             ])

@@ -599,7 +599,7 @@ pub fn resolve(task: &Task, file: Option<&AgentsFile>) -> Result<AgentDefinition
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::approval::{ArgumentBound, ToolRule};
+    use crate::agent::approval::{ArgumentBound, Bound, ToolRule};
     use serde_json::json;
 
     fn vars() -> Map<String, Value> {
@@ -774,7 +774,7 @@ mod tests {
             rules[0].when,
             Some(ArgumentBound {
                 argument: "amountCents".into(),
-                above: Some(10000.0),
+                above: Some(Bound::Integer(10000)),
                 below: None
             })
         );

@@ -391,6 +391,14 @@ pub enum ServerResolutionError {
         definition_url: String,
         registry_url: String,
     },
+    #[error(
+        "tool server {server:?}: the agent definition gives URL {url}, which {VAR} registers as server {registered:?}; nothing was sent. Name the server {registered:?} in the definition: the registry's credential and approval then apply"
+    )]
+    RegisteredUnderAnotherName {
+        server: String,
+        url: String,
+        registered: String,
+    },
     #[error("tool server {server:?}: the definition's URL {url:?} is not usable: {reason}")]
     BadUrl {
         server: String,
@@ -465,6 +473,24 @@ impl ToolRegistry {
         self.servers.is_empty()
     }
 
+    /// The name of the registered server at `url`'s endpoint, however the URL is written (case,
+    /// default port, a trailing slash, a query or fragment, user info).
+    fn server_at(&self, url: &reqwest::Url) -> Option<&str> {
+        let endpoint = |u: &reqwest::Url| {
+            (
+                u.scheme().to_string(),
+                u.host_str().map(str::to_ascii_lowercase),
+                u.port_or_known_default(),
+                u.path().trim_end_matches('/').to_string(),
+            )
+        };
+        let wanted = endpoint(url);
+        self.servers
+            .iter()
+            .find(|(_, (server, _))| endpoint(&server.url) == wanted)
+            .map(|(name, _)| name.as_str())
+    }
+
     /// The `approval` of each registered server among `named` that has one (not `"never"`),
     /// for [`crate::agent::approval::ApprovalRules::servers`].
     pub fn approval_policies(&self, named: &[NamedServer]) -> Vec<(String, ApprovalPolicy)> {
@@ -521,6 +547,16 @@ impl ToolRegistry {
                             reason: e.to_string(),
                         }
                     })?;
+                    // A registered server under another name would escape the registry's
+                    // credential and its `approval` (which a definition can add to, never
+                    // remove): the registry's server is named by its registered name only.
+                    if let Some(registered) = registry.and_then(|r| r.server_at(&parsed)) {
+                        return Err(ServerResolutionError::RegisteredUnderAnotherName {
+                            server: n.name.clone(),
+                            url: crate::redact::url(url),
+                            registered: registered.to_string(),
+                        });
+                    }
                     address::check_url(&parsed).map_err(|source| {
                         ServerResolutionError::Forbidden {
                             server: n.name.clone(),
@@ -925,7 +961,10 @@ mod tests {
                 .when
                 .as_ref()
                 .map(|b| (b.argument.as_str(), b.above)),
-            Some(("amountCents", Some(10000.0)))
+            Some((
+                "amountCents",
+                Some(crate::agent::approval::Bound::Integer(10000))
+            ))
         );
         let cases = [
             ("approval = \"sometimes\"", "\"sometimes\" is not one of"),
@@ -1007,6 +1046,45 @@ mod tests {
                 server: "payments".into()
             }
         );
+        // A registered server's URL under another name: refused, however the URL is written
+        // (the registry's credential and approval would not apply to the alias).
+        for alias in [
+            "http://orders:8080/mcp",
+            "http://ORDERS:8080/mcp/",
+            "http://orders:8080/mcp?x=1#f",
+            "http://user@orders:8080/mcp",
+        ] {
+            let e = ToolRegistry::resolve(Some(&r), &[named("orders-alias", Some(alias))], true)
+                .err()
+                .unwrap();
+            assert!(
+                matches!(
+                    &e,
+                    ServerResolutionError::RegisteredUnderAnotherName { registered, .. }
+                        if registered == "orders"
+                ),
+                "{alias}: {e}"
+            );
+        }
+        let e = ToolRegistry::resolve(
+            Some(&r),
+            &[named("a", Some("http://old:1/mcp?key=s3cret"))],
+            true,
+        )
+        .err()
+        .unwrap();
+        assert!(!e.to_string().contains("s3cret"), "{e}");
+        // Another port or path is another server.
+        for other in [
+            "http://orders:8081/mcp",
+            "http://orders:8080/mcp2",
+            "https://orders:8080/mcp",
+        ] {
+            assert!(
+                ToolRegistry::resolve(Some(&r), &[named("x", Some(other))], true).is_ok(),
+                "{other}"
+            );
+        }
         // Named with a URL and not registered: the engine's credential, as before.
         let p = ToolRegistry::resolve(Some(&r), &[named("payments", Some("http://p/"))], true);
         assert_eq!(p.unwrap().servers[0].url, "http://p/");
