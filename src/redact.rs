@@ -26,6 +26,16 @@ pub fn url(raw: &str) -> String {
     format!("{scheme}{host}{path}")
 }
 
+/// A borrowed reqwest error's text with its cause chain, its URL shown as [`url`] shows it
+/// (reqwest writes the whole URL, query included, into its message).
+pub fn reqwest_error_text(e: &reqwest::Error) -> String {
+    let text = crate::errors::chain(e);
+    match e.url() {
+        Some(u) => text.replace(u.as_str(), &url(u.as_str())),
+        None => text,
+    }
+}
+
 /// A reqwest error's text with its URL redacted (reqwest puts the full URL in its message).
 pub fn reqwest_error(e: reqwest::Error) -> reqwest::Error {
     match e.url().map(|u| url(u.as_str())) {
@@ -68,6 +78,12 @@ mod tests {
         let e = reqwest::get("http://user:pw@127.0.0.1:1/x?token=abc")
             .await
             .unwrap_err();
+        let borrowed = reqwest_error_text(&e);
+        assert!(
+            !borrowed.contains("abc") && !borrowed.contains("pw"),
+            "{borrowed}"
+        );
+        assert!(borrowed.contains("127.0.0.1:1/x"), "{borrowed}");
         let shown = crate::errors::chain(&reqwest_error(e));
         assert!(!shown.contains("abc") && !shown.contains("pw"), "{shown}");
     }

@@ -165,7 +165,10 @@ pub struct ToolSessionOptions {
     /// saying so (the model is told, nothing is retried); opening a session or listing its
     /// tools fails as [`ToolError::TooLarge`] (an incident).
     pub max_response_bytes: usize,
-    /// Time allowed to close one session when the task ends.
+    /// Time allowed to close one session when the task ends. Longer than rmcp's own bound on
+    /// the DELETE that closes it ([`RMCP_SESSION_DELETE_TIMEOUT`]), so that a close the worker
+    /// stops waiting for is one rmcp has given up too, not a DELETE still on its way after the
+    /// task's lease (and the credential it carries) is given back.
     pub close_timeout: Duration,
     /// How sessions are opened.
     pub protocol: ToolProtocol,
@@ -209,6 +212,10 @@ pub enum ToolProtocol {
     Initialize,
 }
 
+/// How long rmcp (3.11, `SESSION_CLEANUP_TIMEOUT` in its streamable HTTP client) lets the
+/// DELETE of a closing session run; the worker waits longer than that for a close.
+pub const RMCP_SESSION_DELETE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Default cap on a tool result kept for the model: 64 KiB.
 pub const DEFAULT_MAX_RESULT_BYTES: usize = 64 * 1024;
 /// Default cap on one response read from a tool server (`body::TOOL_RESPONSE_MAX_BYTES`).
@@ -221,7 +228,7 @@ impl Default for ToolSessionOptions {
             call_timeout: Duration::from_secs(60),
             max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
-            close_timeout: Duration::from_secs(5),
+            close_timeout: RMCP_SESSION_DELETE_TIMEOUT + Duration::from_secs(2),
             protocol: ToolProtocol::Auto,
             allow_insecure_http: false,
             learned: Arc::new(ProtocolMemo::default()),

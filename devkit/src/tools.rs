@@ -171,6 +171,10 @@ struct Faults {
     hold_armed: AtomicBool,
     /// True while an applied refund's answer is held (until [`ToolServer::release_held`]).
     holding: tokio::sync::watch::Sender<bool>,
+    /// While true, a request opening a session (a POST without a session id) waits.
+    hold_openings: tokio::sync::watch::Sender<bool>,
+    /// Requests opening a session that have arrived (held or not).
+    openings: tokio::sync::watch::Sender<u64>,
 }
 
 impl Faults {
@@ -337,6 +341,24 @@ impl ToolServer {
         self.shared.faults.holding.send_replace(false);
     }
 
+    /// While on, every request that opens a session (a POST without a session id: `initialize`
+    /// or `server/discover`) waits, unanswered, until it is turned off: an opening stuck in the
+    /// middle of its negotiation.
+    pub fn hold_openings(&self, on: bool) {
+        self.shared.faults.hold_openings.send_replace(on);
+    }
+
+    /// Waits until at least `n` requests opening a session have arrived.
+    pub async fn openings_arrived(&self, n: u64) {
+        let mut rx = self.shared.faults.openings.subscribe();
+        let _ = rx.wait_for(|seen| *seen >= n).await;
+    }
+
+    /// Requests opening a session that have arrived so far.
+    pub fn openings(&self) -> u64 {
+        *self.shared.faults.openings.borrow()
+    }
+
     /// When on, every `tools/call` answers a result with `isError: true` and applies nothing.
     pub fn set_error_results(&self, on: bool) {
         self.shared.faults.error_results.store(on, Ordering::SeqCst);
@@ -433,6 +455,11 @@ async fn gate(State(shared): State<Arc<Shared>>, request: Request, next: Next) -
         .get("mcp-session-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
+    if request.method() == Method::POST && session_id.is_none() {
+        shared.faults.openings.send_modify(|n| *n += 1);
+        let mut held = shared.faults.hold_openings.subscribe();
+        let _ = held.wait_for(|on| !*on).await;
+    }
     let token = bearer(request.headers()).map(str::to_owned);
     let owner_closes = is_delete
         && match (&session_id, &token) {

@@ -110,6 +110,9 @@ impl Session {
     /// finishes anyway and closes what it opened instead of leaving it on the server. That task
     /// is tracked by `cleanup`, so whoever gives the task's lease back can wait for it first
     /// (a session's credential may die with the lease, and with it the DELETE that closes it).
+    /// Once the caller is gone the opening does no more than it must: it stops waiting for
+    /// another opening's protocol negotiation (nothing is open yet), and a session already
+    /// open is closed at once instead of listed.
     pub(crate) async fn open(
         http: &reqwest::Client,
         server: &ToolServerRef,
@@ -117,10 +120,10 @@ impl Session {
         options: &ToolSessionOptions,
         cleanup: &TaskTracker,
     ) -> Result<Session, SessionFailure> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (mut tx, rx) = tokio::sync::oneshot::channel();
         let (http, server, options) = (http.clone(), server.clone(), options.clone());
         cleanup.spawn(async move {
-            let opened = Session::open_here(&http, &server, credential, &options).await;
+            let opened = Session::open_here(&http, &server, credential, &options, &mut tx).await;
             if let Err(Ok(orphan)) = tx.send(opened) {
                 orphan.close().await;
             }
@@ -132,16 +135,24 @@ impl Session {
         })
     }
 
+    /// The opening itself; `caller` is where its answer goes, watched only to stop early once
+    /// nobody waits for it.
     async fn open_here(
         http: &reqwest::Client,
         server: &ToolServerRef,
         credential: Option<Secret>,
         options: &ToolSessionOptions,
+        caller: &mut tokio::sync::oneshot::Sender<Result<Session, SessionFailure>>,
     ) -> Result<Session, SessionFailure> {
+        let abandoned =
+            || SessionFailure::Unavailable("nobody waits for the session any more".into());
         let http = &McpHttp::new(http.clone());
         let client = if options.protocol == ToolProtocol::Auto {
             let slot = options.learned.slot(&server.url);
-            let mut learned = slot.lock().await;
+            let mut learned = tokio::select! {
+                learned = slot.lock() => learned,
+                () = caller.closed() => return Err(abandoned()),
+            };
             match *learned {
                 Some(protocol) => {
                     drop(learned);
@@ -182,17 +193,20 @@ impl Session {
             tools: Vec::new(),
             options: options.clone(),
         };
-        let listed = match tokio::time::timeout(
+        let listing = tokio::time::timeout(
             options.call_timeout,
             list_bounded(session.client.peer(), &session.http),
-        )
-        .await
-        {
-            Err(_) => Err(SessionFailure::Unavailable(format!(
-                "tools/list had no answer within {:?}",
-                options.call_timeout
-            ))),
-            Ok(listed) => listed,
+        );
+        let listed = tokio::select! {
+            listed = listing => match listed {
+                Err(_) => Err(SessionFailure::Unavailable(format!(
+                    "tools/list had no answer within {:?}",
+                    options.call_timeout
+                ))),
+                Ok(listed) => listed,
+            },
+            // The session is open: close it now rather than list tools nobody will read.
+            () = caller.closed() => Err(abandoned()),
         };
         let tools = match listed {
             Ok(tools) => tools,
@@ -579,7 +593,7 @@ fn describe_reqwest(e: &reqwest::Error) -> String {
     } else {
         "HTTP error"
     };
-    format!("{kind}: {}", crate::errors::chain(e))
+    format!("{kind}: {}", crate::redact::reqwest_error_text(e))
 }
 
 #[cfg(test)]

@@ -94,7 +94,11 @@ impl McpHttp {
                 tracing::debug!(url = %url, "closed the session a failed opening left on the tool server")
             }
             Ok(Err(e)) => {
-                tracing::warn!(url = %url, error = %crate::body::truncate_text(&e.to_string(), crate::body::TOOL_ERROR_MESSAGE_MAX_BYTES), "could not close the session a failed opening left on the tool server; the server expires it")
+                let error = match &e {
+                    StreamableHttpError::Client(e) => crate::redact::reqwest_error_text(e),
+                    other => other.to_string(),
+                };
+                tracing::warn!(url = %url, error = %crate::body::truncate_text(&error, crate::body::TOOL_ERROR_MESSAGE_MAX_BYTES), "could not close the session a failed opening left on the tool server; the server expires it")
             }
             Err(_) => {
                 tracing::warn!(url = %url, timeout_ms = timeout.as_millis() as u64, "closing the session a failed opening left on the tool server timed out; the server expires it")

@@ -506,3 +506,44 @@ async fn a_handshake_refused_after_the_server_opened_its_session_closes_that_ses
     drop(sessions);
     orders.shutdown().await;
 }
+
+/// A task dropped while its session opening waits for another opening's protocol negotiation
+/// (the first session to a server negotiates while later ones wait) leaves nothing to wait
+/// for: the opening sees that nobody waits for it and stops, before it sends anything. Its
+/// task's cleanup (which the runner awaits before giving the lease back) is done while the
+/// other negotiation is still stuck; before, it waited for that negotiation and then opened,
+/// listed and closed a session nobody wanted.
+#[tokio::test]
+async fn an_opening_nobody_waits_for_stops_waiting_for_another_openings_negotiation() {
+    let orders = server("orders").await;
+    orders.hold_openings(true);
+    let options = options();
+    let credentials: Arc<dyn CredentialSource> = Arc::new(TestCredentials::default());
+    let mut first = sessions_with(&[&orders], credentials.clone(), None, options.clone());
+    let negotiating = tokio::spawn(async move {
+        let listed = first.tools().await.map(|tools| tools.len());
+        first.close().await;
+        listed
+    });
+    orders.openings_arrived(1).await;
+
+    let cleanup = tokio_util::task::TaskTracker::new();
+    let mut second =
+        sessions_with(&[&orders], credentials, None, options).with_cleanup(cleanup.clone());
+    let waiting = tokio::spawn(async move { second.tools().await.map(|tools| tools.len()) });
+    tokio::task::yield_now().await;
+    waiting.abort();
+    assert!(waiting.await.unwrap_err().is_cancelled());
+    cleanup.close();
+    tokio::time::timeout(Duration::from_secs(10), cleanup.wait())
+        .await
+        .expect("the dropped opening still waits for the other opening's negotiation");
+    assert_eq!(orders.openings(), 1, "the dropped opening sent a request");
+
+    orders.hold_openings(false);
+    assert!(negotiating.await.unwrap().unwrap() > 0);
+    let c = orders.counters().await;
+    assert_eq!(c.sessions_opened, 1, "{c:?}");
+    assert_eq!(c.sessions_open, 0, "{c:?}");
+    orders.shutdown().await;
+}
