@@ -192,6 +192,8 @@ struct Shared {
 
 struct Inner {
     shared: Mutex<Shared>,
+    /// Models whose answers wait (counted and recorded, not answered) until released.
+    held: tokio::sync::watch::Sender<std::collections::HashSet<String>>,
     stop: CancellationToken,
     addr: SocketAddr,
     server: Mutex<Option<JoinHandle<()>>>,
@@ -222,6 +224,7 @@ impl ScriptedModel {
         let addr = listener.local_addr()?;
         let inner = Arc::new(Inner {
             shared: Mutex::new(Shared::default()),
+            held: tokio::sync::watch::Sender::default(),
             stop: CancellationToken::new(),
             addr,
             server: Mutex::new(None),
@@ -277,6 +280,22 @@ impl ScriptedModel {
             .entry(model.into())
             .or_default()
             .push((fault, remaining));
+    }
+
+    /// Calls of `model` are counted and recorded as they come, but answered only once
+    /// [`ScriptedModel::release`] is called: a worker frozen inside its model call for exactly
+    /// as long as a test needs, whatever the machine's load.
+    pub fn hold(&self, model: &str) {
+        self.inner.held.send_modify(|held| {
+            held.insert(model.to_string());
+        });
+    }
+
+    /// Lets the held calls of `model` (and later ones) be answered.
+    pub fn release(&self, model: &str) {
+        self.inner.held.send_modify(|held| {
+            held.remove(model);
+        });
     }
 
     pub fn clear_faults(&self, model: &str) {
@@ -392,6 +411,14 @@ async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: 
             .cloned();
         (call_index, fault, script)
     };
+    let mut held = inner.held.subscribe();
+    let released = tokio::select! {
+        released = held.wait_for(|held| !held.contains(&model)) => released.is_ok(),
+        _ = inner.stop.cancelled() => false,
+    };
+    if !released {
+        return error(format, 503, "api_error", "server shutting down");
+    }
     if let Some(script) = &script
         && !script.latency.is_zero()
         && !sleep_or_stop(&inner, script.latency).await

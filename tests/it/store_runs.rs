@@ -231,32 +231,33 @@ async fn a_crashed_run_resumes_from_the_store_without_paying_the_model_again() {
 /// lost (RUN_STORE_FENCED) and it sends nothing more (no tool call, no model call, no report).
 #[tokio::test]
 async fn a_frozen_worker_is_refused_by_the_store_and_goes_silent() {
-    // w1's model call must outlast w2's whole run (a store claim, a model call, an append and a
-    // completion) even on a loaded CI machine, where opening a store connection alone has taken
-    // seconds; 15 s was not always enough there.
-    const W1_MODEL_CALL: Duration = Duration::from_secs(40);
     let Some(db) = TestDb::create().await else {
         return;
     };
     let url = db.url.render();
     let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
-    stack.model.set_script("slow-turn", one_turn(W1_MODEL_CALL));
-    // w1's model call must outlast w2's whole run, not time out.
-    stack.set_provider_request_timeout(Duration::from_secs(120));
+    // w1's model call is answered only once w2 is done (held, not timed): the refusal below is
+    // the store's whatever the machine's load. The lease and the provider timeout are long
+    // enough that w1 neither gives up its call nor sees its own lease run out meanwhile.
+    stack
+        .model
+        .set_script("frozen-turn", one_turn(Duration::ZERO));
+    stack.model.hold("frozen-turn");
+    stack.set_provider_request_timeout(Duration::from_secs(300));
     stack.model.set_script("one-turn", one_turn(Duration::ZERO));
     let id = stack
         .engine
         .create_task(spec(stack.refund_agent("openai/one-turn", &[]), "o-seed"));
-    let lock = Duration::from_secs(60);
+    let lock = Duration::from_secs(180);
     let w1 = stack.spawn_worker_with(
-        opts("w1", &url, "openai/slow-turn", lock),
+        opts("w1", &url, "openai/frozen-turn", lock),
         Stack::fast_agent_settings(),
         GatedEngine::wrapper(Arc::new(HoldHeartbeats)),
     );
     eventually(
         Duration::from_secs(30),
         "w1 to be in its model call",
-        async || stack.model.calls("slow-turn") >= 1,
+        async || stack.model.calls("frozen-turn") >= 1,
     )
     .await;
     stack.engine.advance(lock + Duration::from_secs(1));
@@ -264,15 +265,16 @@ async fn a_frozen_worker_is_refused_by_the_store_and_goes_silent() {
         opts("w2", &url, "openai/one-turn", lock),
         Stack::fast_agent_settings(),
     );
-    let views = wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(30)).await;
+    let views = wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(90)).await;
     assert_eq!(views[0].status, TaskStatus::Completed, "{:?}", views[0]);
     assert_eq!(
-        stack.model.calls("slow-turn"),
+        stack.model.calls("frozen-turn"),
         1,
-        "w1 is still in its model call ({W1_MODEL_CALL:?}) when w2 is done: the refusal below is the store's"
+        "w1 is in its one model call"
     );
+    stack.model.release("frozen-turn");
     eventually(
-        W1_MODEL_CALL + Duration::from_secs(30),
+        Duration::from_secs(30),
         "the store to refuse w1",
         async || {
             metric_line(
@@ -286,7 +288,11 @@ async fn a_frozen_worker_is_refused_by_the_store_and_goes_silent() {
     // Its heartbeats are held for good: stop it without waiting for them.
     let _ = tokio::time::timeout(Duration::from_secs(10), w1.stop()).await;
     w2.stop().await;
-    assert_eq!(stack.model.calls("slow-turn"), 1, "w1 asked the model once");
+    assert_eq!(
+        stack.model.calls("frozen-turn"),
+        1,
+        "w1 asked the model once"
+    );
     let from_w1: Vec<_> = stack
         .engine
         .calls()
