@@ -145,7 +145,7 @@ impl ApprovalPolicy {
         match self {
             ApprovalPolicy::Never => false,
             ApprovalPolicy::Always => true,
-            ApprovalPolicy::Writes => !spec.read_only || spec.destructive,
+            ApprovalPolicy::Writes => spec.is_write(),
             ApprovalPolicy::Tools(rules) => rules
                 .iter()
                 .any(|r| r.tool == spec.tool && r.when.as_ref().is_none_or(|b| b.holds(arguments))),

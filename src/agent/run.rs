@@ -851,8 +851,9 @@ impl<'a> Attempt<'a> {
         self.journal(step).await
     }
 
-    /// How many of `calls` would be keyed writes: calls of a listed tool not marked read-only,
-    /// with object arguments (what [`Attempt::run_tool_call`] journals as `tool/started`).
+    /// How many of `calls` would be keyed writes: calls of a listed tool that is a write
+    /// ([`ToolSpec::is_write`]), with object arguments (what [`Attempt::run_tool_call`]
+    /// journals as `tool/started`).
     fn keyed_writes_in(&self, calls: &[ToolCall]) -> u32 {
         let specs = self.specs.as_deref().unwrap_or_default();
         let n = calls
@@ -861,7 +862,7 @@ impl<'a> Attempt<'a> {
                 c.arguments.is_object()
                     && specs
                         .iter()
-                        .any(|s| s.server == c.server && s.tool == c.tool && !s.read_only)
+                        .any(|s| s.server == c.server && s.tool == c.tool && s.is_write())
             })
             .count();
         u32::try_from(n).unwrap_or(u32::MAX)
@@ -958,7 +959,14 @@ impl<'a> Attempt<'a> {
                 return self.finish_tool(span, &call, None, result).await;
             }
         };
-        let read_only = spec.is_some_and(|s| s.read_only) && pending.started_key.is_none();
+        // A call a person approved is keyed and journaled like any write, whatever its tool
+        // claims: nothing but the journal stands between the decision and sending it again.
+        let approved = matches!(
+            &self.state.approval,
+            Some(ApprovalState::Decided(d)) if d.approved && d.call_id == call.call_id
+        );
+        let read_only =
+            spec.is_some_and(|s| !s.is_write()) && !approved && pending.started_key.is_none();
         let key = match (&pending.started_key, read_only) {
             (Some(key), _) => Some(key.clone()),
             (None, true) => None,
@@ -1068,6 +1076,48 @@ impl<'a> Attempt<'a> {
     }
 }
 
+/// A task that says it carries the decision for a run waiting in the store (its status
+/// variable `approval-required`, its request naming this run key) whose run holds no approval
+/// step at all: the conversation that waited is gone (deleted as abandoned after
+/// `ABADA_AGENT_STORE_ABANDONED_AFTER`, or the store was replaced). Starting over would ask the
+/// model again and could repeat the writes made before the stop under new keys, so the task
+/// becomes an incident instead, having performed nothing.
+fn waiting_run_not_lost(
+    task: &Task,
+    def: &AgentDefinition,
+    run_key: &RunKey,
+    steps: &[JournalStep],
+) -> Step<()> {
+    let vars = &def.approval_variables;
+    let says_waiting = task
+        .variables
+        .get(&vars.status)
+        .and_then(Value::as_str)
+        .is_some_and(|s| s == approval::STATUS_APPROVAL_REQUIRED)
+        && task
+            .variables
+            .get(&vars.request)
+            .and_then(|r| r.get("runKey"))
+            .and_then(Value::as_str)
+            .is_some_and(|k| k == run_key.as_str());
+    if !says_waiting || steps.iter().any(|s| s.kind == journal::KIND_APPROVAL) {
+        return Ok(());
+    }
+    Err(incident(
+        "the conversation waiting for this approval is gone from the run store",
+        format!(
+            "the task's {status} is {required:?} and its {request} names run {run_key}, but the \
+             run store holds no approval request for that run: it was deleted as abandoned \
+             (ABADA_AGENT_STORE_ABANDONED_AFTER) or the store was replaced. Nothing was \
+             performed; starting over could repeat the writes made before the stop. To start \
+             the conversation over anyway, set {status} to another value and retry the task",
+            status = vars.status,
+            required = approval::STATUS_APPROVAL_REQUIRED,
+            request = vars.request,
+        ),
+    ))
+}
+
 /// Claims the task's run in the store (the fencing token of this attempt) and returns the
 /// journal so far; the input step is written in the claim's transaction when the run is new.
 async fn claim_in_store(
@@ -1109,6 +1159,9 @@ async fn claim_in_store(
                     steps = claim.steps.len(),
                     "run claimed in the run store"
                 );
+                if waits_for_approval {
+                    waiting_run_not_lost(task, def, &run_key, &claim.steps)?;
+                }
                 let run = StoreRun {
                     store,
                     fence: claim.fence,

@@ -349,6 +349,99 @@ async fn an_approved_write_is_performed_exactly_once_and_nothing_is_paid_again()
     db.drop().await;
 }
 
+/// An approved call is keyed and journaled like a write even when its tool says it is
+/// read-only: nothing but the journal stands between the decision and sending it again.
+#[tokio::test]
+async fn an_approved_call_of_a_read_only_tool_is_keyed_like_a_write() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let mut agent = stack.refund_agent("openai/refund", &[]);
+    agent["approval"] = json!(["lookup_order"]);
+    stack
+        .engine
+        .deploy(ProcessModel::refund_approval(Some(agent)));
+    let instance = start_refund(&stack, "o-ro");
+    let worker = stack.spawn_worker(
+        store_worker("w1", &db, Duration::from_secs(10)),
+        Stack::fast_agent_settings(),
+    );
+    let waiting = wait_for_approval(&stack, &instance).await;
+    assert_eq!(
+        waiting.variables["agentApprovalRequest"]["tool"],
+        "lookup_order"
+    );
+    assert!(
+        stack.tools.keys_sent("lookup_order").is_empty(),
+        "nothing sent before the decision"
+    );
+    decide(&stack, &instance, "dana", true, "look it up").await;
+    wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    let keys = stack.tools.keys_sent("lookup_order");
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    assert!(
+        keys[0].is_some(),
+        "the approved read-only call is keyed: {keys:?}"
+    );
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// The run that waited for the decision is gone from the store (deleted as abandoned, or the
+/// store replaced): the task carrying the decision becomes an incident saying so, and nothing
+/// starts over (no model call, no write under a new key).
+#[tokio::test]
+async fn a_decision_for_a_run_gone_from_the_store_is_an_incident_and_nothing_starts_over() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let instance = start_refund(&stack, "o-gone");
+    let worker = stack.spawn_worker(
+        store_worker("w1", &db, Duration::from_secs(10)),
+        Stack::fast_agent_settings(),
+    );
+    wait_for_approval(&stack, &instance).await;
+    let lookups = stack.tools.keys_sent("lookup_order").len();
+    // What the abandoned-run sweep does to a run idle past ABADA_AGENT_STORE_ABANDONED_AFTER.
+    db.sql()
+        .await
+        .batch_execute("DELETE FROM abada_agent_runs")
+        .await
+        .unwrap();
+    decide(&stack, &instance, "dana", true, "fine").await;
+    let failed = tokio::time::timeout(
+        Duration::from_secs(30),
+        stack.engine.wait_for(|e| {
+            e.tasks()
+                .into_iter()
+                .find(|t| t.process_instance_id == instance && t.status == TaskStatus::Failed)
+        }),
+    )
+    .await
+    .expect("the decision's task becomes an incident");
+    assert_eq!(failed.retries, Some(0));
+    let message = failed.error_message.unwrap_or_default();
+    assert!(
+        message.contains("gone from the run store") && message.contains("ABANDONED_AFTER"),
+        "{message}"
+    );
+    assert_eq!(stack.model.total_calls(), 2, "no model call made again");
+    assert_eq!(
+        stack.tools.keys_sent("lookup_order").len(),
+        lookups,
+        "nothing redone"
+    );
+    assert_eq!(stack.tools.counters().await.writes_applied, 0);
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
 /// A refusal: the write is never performed, the model reads who refused it and why (its answer
 /// quotes the tool result), and the process ends with `agentStatus = "done"`.
 #[tokio::test]
