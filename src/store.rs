@@ -179,7 +179,8 @@ impl RunStore {
     /// Claims the run for a new attempt, in one transaction: creates it (attempt 1) or
     /// increments its attempt, records `worker_id` as its owner, and returns the journal so far.
     /// When the run has no step yet and `first_step` is given (the input step, `seq` 1), that
-    /// step is written in the same transaction. A finished run is reopened with its journal.
+    /// step is written in the same transaction. A finished run is reopened with its journal,
+    /// except under a visit's key ([`RunKey::for_visit`]), where it starts over.
     pub async fn claim(
         &self,
         run_key: &RunKey,

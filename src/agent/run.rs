@@ -164,6 +164,9 @@ struct StoreRun {
     store: RunStore,
     /// Advanced by every append; what proves to the store that this attempt still owns the run.
     fence: Fence,
+    /// This attempt's claim began the run's journal (a new run, or a visit's finished run
+    /// started over): nothing was resumed.
+    began: bool,
 }
 
 /// Finishes a run after the engine accepted its end: a few quick tries, then it is left to the
@@ -343,10 +346,10 @@ impl<'a> Attempt<'a> {
             }
             JournalHome::Nowhere => (Replayed::empty(), JournalHome::Nowhere),
         };
-        // A store claim writes the input step of a run it creates in the same transaction: the
-        // run was there before only when this is not its first attempt.
+        // A store claim writes the input step of a run it begins in the same transaction: that
+        // step is no resumption.
         let resumed = match &store_run {
-            Some(run) => run.fence.attempt() > 1,
+            Some(run) => !run.began,
             None => state.turns > 0 || state.input.is_some(),
         };
         if resumed {
@@ -1133,7 +1136,7 @@ async fn claim_in_store(
     let run_key = if waits_for_approval {
         let key = run_key::run_key(task, def.loop_counter_variable.as_deref())
             .map_err(|e| incident("the task cannot wait for approval", e.to_string()))?;
-        RunKey::new(key)
+        RunKey::for_visit(key)
     } else {
         RunKey::for_task(&task.id)
     }
@@ -1164,6 +1167,7 @@ async fn claim_in_store(
                 }
                 let run = StoreRun {
                     store,
+                    began: claim.created,
                     fence: claim.fence,
                 };
                 return Ok((run, claim.steps));

@@ -24,11 +24,17 @@ pub const MAX_RUN_KEY_BYTES: usize = 512;
 /// 128, so every body stored can be read back (a step nobody can read would strand its run).
 pub const MAX_BODY_DEPTH: usize = 100;
 
-/// Which run: an opaque key. Today the engine's task id ([`RunKey::for_task`]); a conversation
-/// that spans several engine tasks (issue 14) keys itself by process instance, activity and
-/// loop counter instead, with no change to the schema.
+/// Which run: an opaque key. The engine's task id ([`RunKey::for_task`]), or, for a
+/// conversation that spans several engine tasks (issue 14), its process visit: process
+/// instance, activity and loop counter ([`RunKey::for_visit`]), with no change to the schema.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct RunKey(String);
+pub struct RunKey {
+    key: String,
+    /// A visit's run ends with the visit: claimed again once finished (the process came back to
+    /// the node for new work), it starts over instead of replaying the finished conversation.
+    /// A task's run is reopened with its journal (the same task came back).
+    per_visit: bool,
+}
 
 impl RunKey {
     /// A key the store can hold: 1 to 512 bytes, no control character.
@@ -40,7 +46,10 @@ impl RunKey {
                 key.len()
             )));
         }
-        Ok(RunKey(key))
+        Ok(RunKey {
+            key,
+            per_visit: false,
+        })
     }
 
     /// The run of one engine task.
@@ -48,14 +57,23 @@ impl RunKey {
         RunKey::new(task_id)
     }
 
+    /// The key of a process visit's run (`run_key::run_key`): a finished run under it is started
+    /// over by the next claim, not reopened.
+    pub fn for_visit(key: impl Into<String>) -> Result<RunKey, StoreError> {
+        Ok(RunKey {
+            per_visit: true,
+            ..RunKey::new(key)?
+        })
+    }
+
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.key
     }
 }
 
 impl std::fmt::Display for RunKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.key)
     }
 }
 
@@ -104,7 +122,7 @@ impl Fence {
 
     fn fenced(&self, reason: FenceReason) -> StoreError {
         StoreError::Fenced {
-            run_key: self.run_key.0.clone(),
+            run_key: self.run_key.key.clone(),
             attempt: self.attempt,
             reason,
         }
@@ -117,7 +135,8 @@ pub struct Claim {
     pub fence: Fence,
     /// Every step of the run in `seq` order, the first step included when this claim wrote it.
     pub steps: Vec<JournalStep>,
-    /// This claim created the run (attempt 1).
+    /// This claim began the run's journal: the run had no step (a new run, or a visit's
+    /// finished run started over). Its attempt may be above 1.
     pub created: bool,
 }
 
@@ -244,6 +263,17 @@ const UPSERT_RUN: &str = "
            status = 'running', finished_at = NULL, updated_at = now()
     RETURNING attempt, version, next_seq, journal_bytes";
 
+/// A visit's finished run, claimed again, starts over: its steps go and its next seq is 1 again,
+/// while its attempt and version keep counting up (the upsert after this), so no fence of the
+/// finished conversation can ever match the new one.
+const RESTART_FINISHED: &str = "
+    WITH finished AS (
+        UPDATE abada_agent_runs SET next_seq = 1, journal_bytes = 0
+         WHERE run_key = $1::text AND status <> 'running'
+        RETURNING run_key
+    )
+    DELETE FROM abada_agent_steps WHERE run_key IN (SELECT run_key FROM finished)";
+
 const READ_STEPS: &str = "
     SELECT seq, kind, state, key, body::text
       FROM abada_agent_steps WHERE run_key = $1::text ORDER BY seq";
@@ -308,6 +338,7 @@ pub(super) struct Statements {
     run_state: Statement,
     sweep_finished: Statement,
     sweep_abandoned: Statement,
+    restart_finished: Statement,
 }
 
 impl Statements {
@@ -323,6 +354,7 @@ impl Statements {
             run_state,
             sweep_finished,
             sweep_abandoned,
+            restart_finished,
         ) = futures::try_join!(
             client.prepare(UPSERT_RUN),
             client.prepare(READ_STEPS),
@@ -333,6 +365,7 @@ impl Statements {
             client.prepare(RUN_STATE),
             client.prepare(SWEEP_FINISHED),
             client.prepare(SWEEP_ABANDONED),
+            client.prepare(RESTART_FINISHED),
         )?;
         Ok(Statements {
             upsert_run,
@@ -344,6 +377,7 @@ impl Statements {
             run_state,
             sweep_finished,
             sweep_abandoned,
+            restart_finished,
         })
     }
 }
@@ -357,7 +391,8 @@ fn attempt_of(store: &str, raw: i64) -> Result<u32, StoreError> {
 }
 
 /// The claim: creates the run (attempt 1) or increments its attempt, sets the owner, writes
-/// `first_step` when the run has no step yet, and returns the journal; one transaction.
+/// `first_step` when the run has no step yet, and returns the journal; one transaction. A
+/// visit's finished run is started over first (`RESTART_FINISHED`).
 pub(super) async fn claim(
     conn: &mut PgConn,
     store: &str,
@@ -368,6 +403,11 @@ pub(super) async fn claim(
     let pg = |e: tokio_postgres::Error| classify(store, &e);
     let PgConn { client, statements } = conn;
     let tx = client.transaction().await.map_err(pg)?;
+    if run_key.per_visit {
+        tx.execute(&statements.restart_finished, &[&run_key.as_str()])
+            .await
+            .map_err(pg)?;
+    }
     let row = tx
         .query_one(&statements.upsert_run, &[&run_key.as_str(), &worker_id])
         .await
@@ -414,7 +454,7 @@ pub(super) async fn claim(
     };
     tx.commit().await.map_err(pg)?;
     Ok(Claim {
-        created: attempt == 1,
+        created: next_seq == 1,
         fence,
         steps,
     })
@@ -556,7 +596,7 @@ fn diagnose(
             && stored.as_ref() == Some(&body.value());
         if !same {
             return Err(StoreError::Conflict {
-                run_key: fence.run_key.0.clone(),
+                run_key: fence.run_key.key.clone(),
                 seq: step.seq,
                 reason: "that seq holds a different step".into(),
             });
@@ -577,7 +617,7 @@ fn diagnose(
     }
     if step.seq as i64 != next_seq {
         return Err(StoreError::Conflict {
-            run_key: fence.run_key.0.clone(),
+            run_key: fence.run_key.key.clone(),
             seq: step.seq,
             reason: format!("the next step of the run is seq {next_seq}: steps are contiguous"),
         });

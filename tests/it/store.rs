@@ -503,6 +503,71 @@ async fn a_claim_creates_the_run_then_increments_its_attempt_and_writes_the_inpu
     db.drop().await;
 }
 
+/// A process visit's run (approval) that finished is started over by the next claim: the
+/// process came back to the node for new work, and replaying the finished conversation would
+/// complete the new task with the old answer. Its attempt keeps counting, so the finished
+/// conversation's fence matches nothing. A task's run is still reopened with its journal.
+#[tokio::test]
+async fn a_visits_finished_run_claimed_again_starts_over_and_no_old_fence_matches() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let mut cfg = config(&db.url);
+    cfg.retention = Duration::from_secs(3600);
+    let (store, _) = connect(&cfg).await;
+
+    let visit = RunKey::for_visit("process/p-1/refundAgent").unwrap();
+    let mut old = store
+        .claim(&visit, "worker-a", Some(&input("first visit")))
+        .await
+        .unwrap()
+        .fence;
+    store
+        .append(&mut old, &model(2, "answer one"))
+        .await
+        .unwrap();
+    store.finish(&old, RunEnd::Completed).await.unwrap();
+    let again = store
+        .claim(&visit, "worker-b", Some(&input("second visit")))
+        .await
+        .unwrap();
+    assert!(again.created, "the claim began the journal again");
+    assert_eq!(again.steps, vec![input("second visit")]);
+    assert_eq!(again.fence.attempt(), 2);
+    let e = store
+        .append(&mut old, &model(2, "late from the first visit"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::Fenced { .. }), "{e:?}");
+    let steps = db
+        .count("SELECT count(*) FROM abada_agent_steps WHERE run_key = 'process/p-1/refundAgent'")
+        .await;
+    assert_eq!(steps, 1, "only the new visit's input step");
+
+    // A running visit is resumed, not started over.
+    let resumed = store
+        .claim(&visit, "worker-c", Some(&input("third")))
+        .await
+        .unwrap();
+    assert!(!resumed.created);
+    assert_eq!(resumed.steps, vec![input("second visit")]);
+
+    // A task's finished run claimed again (the same task came back) keeps its journal.
+    let task = key("task-again");
+    let mut t = store
+        .claim(&task, "worker-a", Some(&input("hi")))
+        .await
+        .unwrap()
+        .fence;
+    store.append(&mut t, &model(2, "done")).await.unwrap();
+    store.finish(&t, RunEnd::Completed).await.unwrap();
+    let reopened = store.claim(&task, "worker-b", None).await.unwrap();
+    assert!(!reopened.created);
+    assert_eq!(reopened.steps.len(), 2);
+    drop(store);
+    db.drop().await;
+}
+
 #[tokio::test]
 async fn a_newer_claim_fences_the_older_attempt_and_only_the_new_owner_writes() {
     let Some(db) = TestDb::create().await else {
