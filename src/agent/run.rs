@@ -1144,7 +1144,14 @@ async fn claim_in_store(
     let (instructions, input) = def
         .render(&task.variables)
         .map_err(|e| incident("the agent definition cannot be used", e.to_string()))?;
-    let first = journal::input_step(1, &instructions, &input);
+    // Stamped with the run's start, so the wall-clock limit (maxDurationMs) counts from the
+    // task's first start on every attempt, as with the engine's journal. Not for a visit's run:
+    // the wait for a person's decision is no agent time, so its limit counts per task.
+    let first = if waits_for_approval {
+        journal::input_step(1, &instructions, &input)
+    } else {
+        journal::started_input_step(1, &instructions, &input, std::time::SystemTime::now())
+    };
     let since = tokio::time::Instant::now();
     let mut tries = 0;
     loop {

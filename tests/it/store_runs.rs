@@ -183,6 +183,15 @@ async fn a_crashed_run_resumes_from_the_store_without_paying_the_model_again() {
         2,
         "the input and the model's answer"
     );
+    // The input step carries the run's start, so maxDurationMs counts from it on every attempt
+    // (journal::started_input_step; the limit itself is tested with the engine's journal).
+    let started = db
+        .count(
+            "SELECT count(*) FROM abada_agent_steps
+              WHERE seq = 1 AND (body->>'startedAtMs')::bigint > 0",
+        )
+        .await;
+    assert_eq!(started, 1, "the input step is stamped with the run's start");
 
     // w1 is gone as far as the engine knows: its lease runs out, w2 takes the task.
     stack.engine.advance(lock + Duration::from_secs(1));
