@@ -101,11 +101,14 @@ impl Collector {
         })
     }
 
-    /// Every span the file exporter wrote so far, with its resource's attributes.
+    /// Every span in the lines the file exporter has finished writing, with its resource's
+    /// attributes. A last line without its newline is still being written: it is left for the
+    /// next read.
     fn spans(&self) -> Vec<(Value, Value)> {
         let text = std::fs::read_to_string(&self.spans_file).unwrap_or_default();
+        let written = text.rfind('\n').map_or("", |end| &text[..end]);
         let mut out = Vec::new();
-        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        for line in written.lines().filter(|l| !l.trim().is_empty()) {
             let batch: Value = serde_json::from_str(line).expect("the file exporter writes JSON");
             for rs in batch["resourceSpans"].as_array().into_iter().flatten() {
                 for ss in rs["scopeSpans"].as_array().into_iter().flatten() {
@@ -210,18 +213,20 @@ async fn a_refund_task_is_one_trace_under_the_engines_trace_id() {
     let exit = worker.wait(Duration::from_secs(15)).await;
     assert!(exit.success(), "{exit}\n{}", worker.stdout().join("\n"));
     // The file exporter writes every 100 ms: wait until the last span (the completion of the
-    // last task) is there.
+    // last task) is there and the file has stopped growing over a few of its writes.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut seen = None;
     let spans = loop {
         let spans = collector.spans();
         let completes = spans
             .iter()
             .filter(|(_, s)| name(s) == "engine complete")
             .count();
-        if completes >= 2 || tokio::time::Instant::now() > deadline {
+        let settled = seen.replace(spans.len()) == Some(spans.len());
+        if (completes >= 2 && settled) || tokio::time::Instant::now() > deadline {
             break spans;
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
     };
     assert!(!spans.is_empty(), "the collector received no span");
 

@@ -24,6 +24,11 @@ use crate::support::invariants::{Expect, Recorder, check_invariants};
 /// A hang guard for each wait (not a timing assertion).
 const LIMIT: Duration = Duration::from_secs(30);
 
+/// The workers' lock duration. Nothing here waits for a lease to run out (the emulator's clock
+/// is moved instead), so it is long: a heartbeat delayed on a loaded machine must not lose a
+/// lease, which every scenario checks never happens.
+const LOCK: Duration = Duration::from_secs(10);
+
 async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
     match tokio::time::timeout(LIMIT, fut).await {
         Ok(v) => v,
@@ -109,7 +114,7 @@ async fn a_null_final_answer_ends_its_task_once_as_an_incident() {
         .engine
         .create_task(task(&s, "openai/nested-null", "p-nested"));
     let mut opts = WorkerOptions::new("w-null", 2);
-    opts.lock_duration = Duration::from_secs(3);
+    opts.lock_duration = LOCK;
     opts.poll_interval = Duration::from_millis(100);
     let mut handle = s.spawn_worker(opts, Stack::fast_agent_settings());
     let recorder = Recorder::attach(&s.engine, &mut handle, 2);
@@ -206,7 +211,7 @@ async fn a_completion_refused_for_good_is_reported_once_as_an_incident() {
         ids.push(id);
     }
     let mut opts = WorkerOptions::new("w-refused", 4);
-    opts.lock_duration = Duration::from_secs(3);
+    opts.lock_duration = LOCK;
     opts.poll_interval = Duration::from_millis(100);
     let mut handle = s.spawn_worker(opts, Stack::fast_agent_settings());
     let recorder = Recorder::attach(&s.engine, &mut handle, 4);
@@ -306,8 +311,7 @@ async fn a_bpmn_error_refused_or_unstorable_ends_once_as_an_incident() {
         .unwrap();
     let w = spawn_worker(
         &emu,
-        emulator_worker::WorkerOptions::new("w-bpmn", Duration::from_secs(3))
-            .handler(BpmnErrorHandler),
+        emulator_worker::WorkerOptions::new("w-bpmn", LOCK).handler(BpmnErrorHandler),
     );
     for id in [&no_code, &null] {
         let view = within("the incident", async {

@@ -168,7 +168,12 @@ async fn a_crashed_run_resumes_from_the_store_without_paying_the_model_again() {
     let lock = Duration::from_secs(30);
     let hold = Arc::new(HoldCompletes::default());
     let w1 = stack.spawn_worker_with(
-        opts("w1", &url, "openai/one-turn", lock),
+        // One slot, filled by the held attempt: once the lease runs out, w1 cannot fetch the
+        // task again before w2 (its poll is much quicker than w2's start).
+        WorkerOptions {
+            slots: 1,
+            ..opts("w1", &url, "openai/one-turn", lock)
+        },
         Stack::fast_agent_settings(),
         GatedEngine::wrapper(hold.clone()),
     );
@@ -259,7 +264,12 @@ async fn a_frozen_worker_is_refused_by_the_store_and_goes_silent() {
         .create_task(spec(stack.refund_agent("openai/one-turn", &[]), "o-seed"));
     let lock = Duration::from_secs(180);
     let w1 = stack.spawn_worker_with(
-        opts("w1", &url, "openai/frozen-turn", lock),
+        // One slot, filled by the held attempt: once the lease runs out, w1 cannot fetch the
+        // task again before w2 (its poll is much quicker than w2's start).
+        WorkerOptions {
+            slots: 1,
+            ..opts("w1", &url, "openai/frozen-turn", lock)
+        },
         Stack::fast_agent_settings(),
         GatedEngine::wrapper(Arc::new(HoldHeartbeats)),
     );
