@@ -8,6 +8,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use abada_agent_worker::agent::AgentSettings;
+use abada_agent_worker::backoff::Backoff;
 use abada_agent_worker::devkit::engine::{
     BadBody, Disposition, Fault, Operation, ProtocolLevel, TaskSpec, TaskStatus, TaskView,
 };
@@ -42,12 +43,20 @@ pub(crate) async fn stack() -> Stack {
 }
 
 /// Fast retries and short tool timeouts, so a scenario's faults play out in seconds.
+/// The suite's agent settings: tool bounds well above what a loaded machine takes to answer, so
+/// only the scenarios that make a tool server slow on purpose (with their own short bound) see
+/// a timeout.
 pub(crate) fn settings() -> AgentSettings {
     let mut s = Stack::fast_agent_settings();
-    s.tool_sessions.call_timeout = Duration::from_millis(500);
-    s.tool_sessions.open_timeout = Duration::from_secs(2);
+    s.tool_sessions.call_timeout = Duration::from_secs(5);
+    s.tool_sessions.open_timeout = Duration::from_secs(5);
     s
 }
+
+/// The scenarios' lock duration where no lease has to run out. Heartbeats every 1.7 s still
+/// meet the engine faults of a task that runs a few seconds, and a heartbeat can be 2.8 s late
+/// (0.567 of the lock: src/heartbeat.rs) before the worker gives a healthy lease up.
+const LOCK: Duration = Duration::from_secs(5);
 
 /// `n` refund tasks on `model` (a `provider/model`), orders `<prefix>-<i>`.
 fn refund_tasks(
@@ -174,8 +183,8 @@ async fn engine_latency_spikes_keep_every_lease_and_complete_every_task() {
         });
     }
     let ids = refund_tasks(&s, "lat", 4, "openai/slowish", &[]);
-    // Lock 3 s: a heartbeat every second that itself takes 0.6 s.
-    let w = worker(&s, "w-lat", 4, Duration::from_secs(3), settings());
+    // A heartbeat every 1.7 s that itself takes 0.6 s.
+    let w = worker(&s, "w-lat", 4, LOCK, settings());
     wait_completed(&s, &ids).await;
     for id in &ids {
         assert_eq!(executed(&s, Operation::Complete, id), 1);
@@ -205,7 +214,7 @@ async fn engine_5xx_on_every_operation_are_retried_with_the_same_key() {
         refund_script().with_latency(Duration::from_millis(200)),
     );
     let ids = refund_tasks(&s, "5xx", 3, "openai/slowish", &[]);
-    let w = worker(&s, "w-5xx", 4, Duration::from_secs(3), settings());
+    let w = worker(&s, "w-5xx", 4, LOCK, settings());
     let views = wait_completed(&s, &ids).await;
     assert!(
         views.iter().all(|t| t.attempt == 1),
@@ -236,7 +245,7 @@ async fn connection_resets_before_the_command_runs_are_retried() {
         refund_script().with_latency(Duration::from_millis(200)),
     );
     let ids = refund_tasks(&s, "rst", 3, "openai/slowish", &[]);
-    let w = worker(&s, "w-rst", 4, Duration::from_secs(3), settings());
+    let w = worker(&s, "w-rst", 4, LOCK, settings());
     let views = wait_completed(&s, &ids).await;
     assert!(views.iter().all(|t| t.attempt == 1));
     assert_eq!(injected(&s, Operation::Complete), 2, "both resets met");
@@ -268,7 +277,7 @@ async fn responses_dropped_after_the_command_committed_are_replayed_not_redone()
         .inject_fault("broken", ModelFault::ServerError, FaultTimes::Always);
     let ids = refund_tasks(&s, "drop", 3, "openai/slowish", &[]);
     let failing = refund_tasks(&s, "dropf", 1, "openai/broken", &[]);
-    let w = worker(&s, "w-drop", 4, Duration::from_secs(3), settings());
+    let w = worker(&s, "w-drop", 4, LOCK, settings());
     wait_completed(&s, &ids).await;
     let failed = &failing[0];
     within("the failing task's failure", async {
@@ -339,7 +348,7 @@ async fn throttling_429_with_retry_after_is_honoured() {
         retry_after_secs: None,
     });
     let ids = refund_tasks(&s, "thr", 3, "openai/refund", &[]);
-    let w = worker(&s, "w-thr", 4, Duration::from_secs(3), settings());
+    let w = worker(&s, "w-thr", 4, LOCK, settings());
     wait_completed(&s, &ids).await;
     let throttled =
         w.1.events()
@@ -375,7 +384,7 @@ async fn bodies_that_are_not_json_or_not_the_right_json_are_refused_not_trusted(
         body: BadBody::NotJson,
     });
     let ids = refund_tasks(&s, "bad", 3, "openai/refund", &[]);
-    let w = worker(&s, "w-bad", 4, Duration::from_secs(3), settings());
+    let w = worker(&s, "w-bad", 4, LOCK, settings());
     let views = wait_completed(&s, &ids).await;
     let malformed =
         w.1.events()
@@ -398,7 +407,7 @@ async fn a_fetch_without_the_protocol_header_is_not_processed() {
     let s = stack().await;
     s.engine.inject(Fault::OmitProtocolHeader { count: 1 });
     let ids = refund_tasks(&s, "hdr", 2, "openai/refund", &[]);
-    let w = worker(&s, "w-hdr", 4, Duration::from_secs(2), settings());
+    let w = worker(&s, "w-hdr", 4, LOCK, settings());
     within("the refused fetch", w.1.wait_until(|ev| {
         ev.iter().any(|e| matches!(e, RunnerEvent::FetchFailed { error } if error.to_lowercase().contains("protocol")))
     }))
@@ -412,7 +421,7 @@ async fn a_fetch_without_the_protocol_header_is_not_processed() {
         .map(|c| c.task_ids.clone())
         .unwrap_or_default();
     assert_eq!(stranded.len(), 2);
-    s.engine.advance(Duration::from_secs(3));
+    s.engine.advance(LOCK + Duration::from_secs(1));
     let views = wait_completed(&s, &ids).await;
     assert!(
         views.iter().all(|t| t.attempt == 2),
@@ -587,7 +596,7 @@ async fn provider_429_and_529_fall_back_and_every_model_unavailable_defers() {
     let rl = refund_tasks(&s, "rl", 2, "openai/rl", &["anthropic/refund"]);
     let ovl = refund_tasks(&s, "ovl", 2, "anthropic/ovl", &["openai/refund"]);
     let down = refund_tasks(&s, "down", 1, "openai/down1", &["anthropic/down2"]);
-    let w = worker(&s, "w-prov", 4, Duration::from_secs(3), settings());
+    let w = worker(&s, "w-prov", 4, LOCK, settings());
     let mut both = rl.clone();
     both.extend(ovl.iter().cloned());
     let views = wait_completed(&s, &both).await;
@@ -628,7 +637,7 @@ async fn provider_500_timeouts_and_broken_bodies_are_retried_then_technical() {
         ids.extend(refund_tasks(&s, name, 1, &format!("openai/{name}"), &[]));
     }
     let broken = refund_tasks(&s, "always", 1, "anthropic/always", &[]);
-    let w = worker(&s, "w-prov2", 6, Duration::from_secs(3), settings());
+    let w = worker(&s, "w-prov2", 6, LOCK, settings());
     let views = wait_completed(&s, &ids).await;
     assert!(
         views.iter().all(|t| t.attempt == 1),
@@ -680,7 +689,7 @@ async fn tool_calls_with_unparsable_arguments_or_an_unknown_tool_are_answered_as
     );
     let ids = refund_tasks(&s, "sloppy", 2, "openai/sloppy", &[]);
     let anth = refund_tasks(&s, "sloppya", 1, "anthropic/sloppy", &[]);
-    let w = worker(&s, "w-sloppy", 4, Duration::from_secs(3), settings());
+    let w = worker(&s, "w-sloppy", 4, LOCK, settings());
     let mut all = ids.clone();
     all.extend(anth);
     let views = wait_completed(&s, &all).await;
@@ -711,7 +720,13 @@ async fn a_tool_server_down_or_slow_past_its_timeout_fails_technically_then_resu
     let s = stack().await;
     s.tools.set_down(true);
     let down = refund_tasks(&s, "tdown", 2, "openai/refund", &[]);
-    let w = worker(&s, "w-tools", 4, Duration::from_secs(3), settings());
+    // A 10 s technical retry (the emulator's clock is moved past it): no task can fail twice
+    // before the other has failed once.
+    let retry = Duration::from_secs(10);
+    let mut agent = settings();
+    agent.tool_sessions.call_timeout = Duration::from_millis(500);
+    agent.technical_retry = Backoff::new(retry, retry).without_jitter();
+    let w = worker(&s, "w-tools", 4, LOCK, agent);
     let views = wait_tasks(&s, &down, "technical failures", |t| {
         t.counters.failures >= 1
     })
@@ -721,6 +736,7 @@ async fn a_tool_server_down_or_slow_past_its_timeout_fails_technically_then_resu
         "one retry consumed"
     );
     s.tools.set_down(false);
+    s.engine.advance(retry + Duration::from_secs(1));
     wait_completed(&s, &down).await;
 
     // Slow past the call timeout (500 ms): the keyed write may land late; its re-send with the
@@ -732,6 +748,7 @@ async fn a_tool_server_down_or_slow_past_its_timeout_fails_technically_then_resu
     })
     .await;
     s.tools.set_latency(Duration::ZERO);
+    s.engine.advance(retry + Duration::from_secs(1));
     wait_completed(&s, &slow).await;
     finish(&s, vec![w], Expect::default(), "tool server down / slow").await;
 }
@@ -745,10 +762,9 @@ async fn expired_sessions_error_results_and_oversized_results_still_complete() {
     );
     // Expired sessions: forget every session once the first tool call went through.
     let exp = refund_tasks(&s, "texp", 2, "openai/slowish", &[]);
-    // The suite's 500 ms call bound and 3 s lease are for its hang and expiry scenarios; nothing
-    // here hangs or expires, and on a loaded machine a 3 MiB result can take longer than 500 ms
-    // to arrive (every attempt then fails as "unavailable") and its decoding can hold the
-    // worker's threads long enough to starve a 3 s lease's heartbeats.
+    // On a loaded machine a 3 MiB result can take seconds to arrive (every attempt then fails
+    // as "unavailable") and its decoding can hold the worker's threads long enough to starve a
+    // short lease's heartbeats: nothing here hangs or expires, so both bounds are long.
     let mut agent = settings();
     agent.tool_sessions.call_timeout = Duration::from_secs(10);
     let w = worker(&s, "w-tools2", 4, Duration::from_secs(10), agent);
