@@ -26,8 +26,9 @@ use crate::support::invariants::{
 use crate::support::process::{WorkerProcess, stack_env};
 use crate::support::wait::eventually;
 
-/// A hang guard for each wait (not a timing assertion).
-const LIMIT: Duration = Duration::from_secs(30);
+/// A hang guard for each wait (not a timing assertion): long, since megabyte tool results in a
+/// debug build on a loaded 2-core machine take seconds.
+const LIMIT: Duration = Duration::from_secs(60);
 
 async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
     match tokio::time::timeout(LIMIT, fut).await {
@@ -767,7 +768,7 @@ async fn expired_sessions_error_results_and_oversized_results_still_complete() {
     // short lease's heartbeats: nothing here hangs or expires, so both bounds are long.
     let mut agent = settings();
     agent.tool_sessions.call_timeout = Duration::from_secs(10);
-    let w = worker(&s, "w-tools2", 4, Duration::from_secs(10), agent);
+    let w = worker(&s, "w-tools2", 4, Duration::from_secs(30), agent);
     within("a first tool call", async {
         while s.tools.calls().is_empty() {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -854,7 +855,9 @@ async fn the_real_binary_rides_out_a_fault_mix_without_panic_in_bounded_memory()
     s.tools.set_oversized_results(Some(1024 * 1024));
     let ids = refund_tasks(&s, "bin", 8, "openai/refund", &[]);
     let mut env = stack_env(&s, "proc-faults");
-    env.push(("ABADA_AGENT_LOCK_DURATION_MS".into(), "10000".into()));
+    // Nothing here waits for a lease to run out; decoding 1 MiB results in a debug build on a
+    // loaded machine must not starve a heartbeat.
+    env.push(("ABADA_AGENT_LOCK_DURATION_MS".into(), "30000".into()));
     let mut p = WorkerProcess::spawn(&env).await;
     wait_completed(&s, &ids).await;
     let peak = peak_memory_kib(p.pid).expect("VmHWM readable on Linux");

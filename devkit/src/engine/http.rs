@@ -11,8 +11,8 @@
 use std::convert::Infallible;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, MutexGuard};
 use std::task::{Context, Poll};
 
 use axum::Router;
@@ -27,7 +27,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::faults::EarlyAnswer;
-use super::state::{CallRecord, Disposition, Operation, Reply};
+use super::state::{CallRecord, Disposition, EngineState, Operation, Reply};
 use super::wire::{self, ApiError, Command, PROTOCOL_HEADER};
 use super::{AuthRejection, ProtocolLevel, Shared};
 
@@ -243,9 +243,13 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 }
 
 /// What the pipeline produced: an answer (or refusal), plus bookkeeping for the call log.
-struct Outcome {
+struct Outcome<'a> {
     result: Result<Reply, ApiError>,
     disposition: Disposition,
+    /// The state, still locked after the command ran, so the call is recorded under the same
+    /// lock: nobody (a test waiting for a task's status, then reading the call log) can see a
+    /// command's effect without its call.
+    state: Option<MutexGuard<'a, EngineState>>,
 }
 
 async fn handle(call: ApiCall, op: Operation) -> Response {
@@ -289,7 +293,7 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
         return early_answer(&shared, &call, early, record);
     }
 
-    let outcome = pipeline(&call, op, parsed_body).await;
+    let mut outcome = pipeline(&call, op, parsed_body).await;
 
     let mut drop_response = false;
     let mut omit_header = false;
@@ -338,7 +342,14 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
         conn.kill();
         record.response_dropped = true;
     }
-    shared.record_call(record);
+    match outcome.state.take() {
+        Some(mut state) => {
+            state.record_call(record);
+            drop(state);
+            shared.changed.notify_waiters();
+        }
+        None => shared.record_call(record),
+    }
     response
 }
 
@@ -416,14 +427,15 @@ fn drops_connection(status: StatusCode) -> bool {
     )
 }
 
-fn refused(error: ApiError, disposition: Disposition) -> Outcome {
+fn refused(error: ApiError, disposition: Disposition) -> Outcome<'static> {
     Outcome {
         result: Err(error),
         disposition,
+        state: None,
     }
 }
 
-async fn pipeline(call: &ApiCall, op: Operation, parsed_body: Option<Value>) -> Outcome {
+async fn pipeline(call: &ApiCall, op: Operation, parsed_body: Option<Value>) -> Outcome<'_> {
     let shared = &call.shared;
     if let Some(authorizer) = &shared.authorizer
         && let Err(rejection) = authorizer.authorize(&call.headers)
@@ -473,15 +485,15 @@ async fn pipeline(call: &ApiCall, op: Operation, parsed_body: Option<Value>) -> 
     };
     let key = header_str(&call.headers, "idempotency-key");
     let now = shared.clock.now_ms();
-    let result = shared
-        .state()
-        .run(op, call.task_id.as_deref(), key, &command, now);
-    match result {
-        Ok((reply, disposition)) => Outcome {
-            result: Ok(reply),
-            disposition,
-        },
-        Err(error) => refused(error, Disposition::Refused),
+    let mut state = shared.state();
+    let (result, disposition) = match state.run(op, call.task_id.as_deref(), key, &command, now) {
+        Ok((reply, disposition)) => (Ok(reply), disposition),
+        Err(error) => (Err(error), Disposition::Refused),
+    };
+    Outcome {
+        result,
+        disposition,
+        state: Some(state),
     }
 }
 
