@@ -807,10 +807,17 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
         "a deferral keeps the retries"
     );
     assert!(deferred_view.hidden, "{deferred_view:?}");
-    // Leases.
+    // Leases. An extension still on its way when its task ended is aborted with the lease
+    // (src/heartbeat.rs): the engine may have run it, the worker never saw its answer, so it is
+    // neither counted as extended nor observed as a request. At most one per task.
     let extended = executed(Operation::Heartbeat);
     assert!(extended >= 1.0, "the steady task was heartbeated");
-    assert_eq!(m.sum("abada_agent_leases_extended_total", &[]), extended);
+    let counted = m.sum("abada_agent_leases_extended_total", &[]);
+    let aborted = extended - counted;
+    assert!(
+        (0.0..=6.0).contains(&aborted),
+        "{counted} extensions counted, {extended} run by the engine"
+    );
     assert_eq!(m.sum("abada_agent_leases_lost_total", &[]), 1.0);
     assert!(
         count(Operation::Heartbeat, &|c| c.status == 403
@@ -836,6 +843,11 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
             (s.labels["operation"].clone(), s.labels["status"].clone()),
             s.value,
         );
+    }
+    if aborted > 0.0 {
+        *by_op_status
+            .get_mut(&("heartbeat".to_string(), "204".to_string()))
+            .unwrap() -= aborted;
     }
     assert_eq!(observed, by_op_status);
     for op in [
