@@ -247,7 +247,9 @@ async fn run_binary(
     let worker_id = format!("hostile-{scenario}");
     let mut env = stack_env(stack, &worker_id);
     env.push(("ABADA_AGENT_MAX_TASKS".into(), "4".into()));
-    env.push(("ABADA_AGENT_LOCK_DURATION_MS".into(), "5000".into()));
+    // Nothing here waits for a lease to run out, and megabytes of hostile input in a debug
+    // build on a loaded machine must not starve a heartbeat.
+    env.push(("ABADA_AGENT_LOCK_DURATION_MS".into(), "30000".into()));
     env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
     let mut p = WorkerProcess::spawn(&env).await;
     let views = wait_ended(stack, ids, &p).await;
