@@ -25,7 +25,9 @@ const SCENARIO: &str = "rate-limit";
 const LIMIT: Duration = Duration::from_secs(15);
 const PRIMARY: &str = "refund-primary";
 const FALLBACK: &str = "refund-fallback";
-const RETRY_AFTER: Duration = Duration::from_secs(1);
+/// Long enough that the provider has recovered before the deferred task comes back, however
+/// slowly the demo gets from the deferral to the recovery.
+const RETRY_AFTER: Duration = Duration::from_secs(3);
 const RETRIES: i32 = 3;
 
 pub(super) async fn run(output: Output) -> Result<DemoReport, DemoError> {
@@ -134,7 +136,10 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     tl.emit(
         "model",
         "rate_limited",
-        format!("{primary} answers 429 (Retry-After 1s) to every call; {fallback} is fine"),
+        format!(
+            "{primary} answers 429 (Retry-After {}s) to every call; {fallback} is fine",
+            RETRY_AFTER.as_secs()
+        ),
         json!({"model": primary}),
     );
     // 1. The fallback finishes the task.
@@ -188,7 +193,10 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     tl.emit(
         "model",
         "rate_limited",
-        format!("{fallback} answers 429 (Retry-After 1s) too: every model is unavailable"),
+        format!(
+            "{fallback} answers 429 (Retry-After {}s) too: every model is unavailable",
+            RETRY_AFTER.as_secs()
+        ),
         json!({"model": fallback}),
     );
     let b = stack.engine.create_task(refund_task(agent, "o-502"));

@@ -130,11 +130,14 @@ mod outcomes {
 
     use std::time::Duration;
 
+    use abada_agent_worker::backoff::Backoff;
     use abada_agent_worker::devkit::engine::{
         Fault as EngineFault, Operation, TaskStatus, TaskView,
     };
     use abada_agent_worker::devkit::model::{Fault, FaultTimes, Script, Turn};
     use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
+    use abada_agent_worker::handler::TaskEnd;
+    use abada_agent_worker::runner::RunnerEvent;
     use serde_json::json;
 
     use super::{spec, wait_all_ended};
@@ -281,9 +284,11 @@ mod outcomes {
         .await
         .unwrap();
         assert_eq!(deferred.retries, Some(3), "the attempt was not consumed");
+        // More than the 1 s default of these settings (which no Retry-After would give), at
+        // most the earliest Retry-After.
         let hidden_for = deferred.lock_expiration_time.unwrap() - s.engine.now();
         assert!(
-            hidden_for > chrono::Duration::seconds(2) && hidden_for <= chrono::Duration::seconds(4),
+            hidden_for > chrono::Duration::seconds(1) && hidden_for <= chrono::Duration::seconds(4),
             "retryTimeout follows the earliest Retry-After (4 s): {hidden_for}"
         );
         // The provider recovers: the task completes after its retry timeout.
@@ -322,7 +327,11 @@ mod outcomes {
         let ids = s
             .engine
             .create_tasks([spec(s.refund_agent("openai/garbled", &[]), "o-1")]);
-        let w = s.spawn_worker(WorkerOptions::new("w", 2), Stack::fast_agent_settings());
+        // A long retryTimeout: no second attempt adds calls before they are counted.
+        let mut settings = Stack::fast_agent_settings();
+        settings.technical_retry =
+            Backoff::new(Duration::from_secs(60), Duration::from_secs(600)).without_jitter();
+        let w = s.spawn_worker(WorkerOptions::new("w", 2), settings);
         let v = first_failure(&s, &ids[0]).await;
         assert_eq!(v.retries, Some(2));
         assert_eq!(s.model.calls("garbled"), 3, "one call and two retries");
@@ -374,12 +383,15 @@ mod outcomes {
     #[tokio::test]
     async fn a_lost_lease_stops_the_task_reports_nothing_and_closes_its_sessions() {
         let s = stack().await;
-        let ids = one_slow_refund(&s, Duration::from_millis(400), "o-1");
+        // Lease 3 s: the first heartbeat (1 s) is refused during the first model call (2 s);
+        // the emulator's lease runs out at 3 s, so the worker cannot take the task again (and
+        // call about it) until 2 s after the refusal, while it is being stopped.
+        let ids = one_slow_refund(&s, Duration::from_secs(2), "o-1");
         s.engine.inject(EngineFault::RefuseHeartbeats {
             task_id: ids[0].clone(),
         });
         let mut opts = WorkerOptions::new("w", 2);
-        opts.lock_duration = Duration::from_millis(600);
+        opts.lock_duration = Duration::from_secs(3);
         let mut w = s.spawn_worker(opts, Stack::fast_agent_settings());
         loop {
             if let abada_agent_worker::runner::RunnerEvent::TaskEnded { outcome, .. } =
@@ -423,7 +435,9 @@ mod outcomes {
                 &format!("secret-word-{i:02}x"),
             )
         }));
-        let w = s.spawn_worker(WorkerOptions::new("w", 50), Stack::fast_agent_settings());
+        let mut opts = WorkerOptions::new("w", 50);
+        opts.lock_duration = Duration::from_secs(30);
+        let w = s.spawn_worker(opts, Stack::fast_agent_settings());
         let views = wait_all_ended(&s, &ids, Duration::from_secs(60)).await;
         for v in &views {
             assert_eq!(v.status, TaskStatus::Completed);
@@ -491,9 +505,11 @@ mod outcomes {
     async fn no_mcp_session_outlives_a_mixed_run() {
         let s = stack().await;
         s.model.set_script("loop", looping());
+        // Each slow call takes 1.5 s: a lost task meets its first heartbeat (1 s) mid-call, and
+        // a cut one (three calls) is still running when the worker stops.
         s.model.set_script(
             "slow",
-            super::super::agent::refund_like().with_latency(Duration::from_millis(300)),
+            super::super::agent::refund_like().with_latency(Duration::from_millis(1500)),
         );
         let mut capped = s.refund_agent("openai/loop", &[]);
         capped["maxTurns"] = json!(2);
@@ -524,11 +540,27 @@ mod outcomes {
             });
         }
         let mut opts = WorkerOptions::new("w", 16);
-        opts.lock_duration = Duration::from_millis(600);
+        opts.lock_duration = Duration::from_secs(3);
         opts.shutdown_grace = Duration::from_millis(100);
-        let w = s.spawn_worker(opts, Stack::fast_agent_settings());
+        let mut w = s.spawn_worker(opts, Stack::fast_agent_settings());
         // Successes, the incident and the lost leases end; the slow rest is cut by shutdown.
         wait_all_ended(&s, &ids[..7], Duration::from_secs(30)).await;
+        let mut lost = std::collections::HashSet::new();
+        while !ids[7..10].iter().all(|id| lost.contains(id)) {
+            if let RunnerEvent::TaskEnded {
+                task_id,
+                outcome: TaskEnd::LeaseLost,
+                ..
+            } = recv_within(
+                &mut w.events,
+                Duration::from_secs(30),
+                "the lost leases' end",
+            )
+            .await
+            {
+                lost.insert(task_id);
+            }
+        }
         w.stop().await;
         sessions_all_closed(&s).await;
         let c = s.tools.counters().await;

@@ -12,12 +12,10 @@ use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
 use serde_json::{Map, json};
 
 use crate::support::process::{WorkerProcess, stack_env};
-use crate::support::wait::eventually;
 
 const LIMIT: Duration = Duration::from_secs(30);
 
-/// Look up, refund (its `reason` as `reason` says), then answer; each turn takes 600 ms so the
-/// worker can be killed between the write and the answer.
+/// Look up, refund (its `reason` as `reason` says), then answer.
 fn script(reason: &str) -> Script {
     Script::new(vec![
         Turn::call("lookup_order", json!({"orderId": "${input}"})),
@@ -27,7 +25,6 @@ fn script(reason: &str) -> Script {
         ),
         Turn::text(r#"{"decision": "refunded", "orderId": "${input}"}"#),
     ])
-    .with_latency(Duration::from_millis(600))
     .with_usage(10, 5)
 }
 
@@ -53,13 +50,17 @@ async fn killed_after_its_write_then_finished_by_another(model: &str, order: &st
     });
     let mut env = stack_env(&s, "w-killed");
     env.push(("ABADA_AGENT_LOCK_DURATION_MS".into(), "5000".into()));
+    // The first write is applied and its answer held: the worker is killed between its write
+    // and anything after it.
+    s.tools.hold_next_write();
     let mut first = WorkerProcess::spawn(&env).await;
-    eventually(LIMIT, "the first write applied", async || {
-        s.tools.counters().await.writes_applied == 1
-    })
-    .await;
+    tokio::time::timeout(LIMIT, s.tools.holding())
+        .await
+        .expect("the first write applied and held");
+    assert_eq!(s.tools.counters().await.writes_applied, 1);
     first.signal("KILL");
     first.wait(Duration::from_secs(10)).await;
+    s.tools.release_held();
     assert_eq!(
         s.engine.task(&id).unwrap().status,
         TaskStatus::Locked,

@@ -382,17 +382,18 @@ async fn a_fetch_response_without_the_protocol_header_is_not_processed() {
 #[tokio::test]
 async fn heartbeats_extend_with_fresh_keys_and_a_refused_one_loses_the_task() {
     let emu = start_emulator().await;
-    // Two slots: `long` runs ~2 s under a 900 ms lease; `refused` loses its lease at its first
-    // heartbeat; `after` then takes the freed slot.
-    let long = emu.create_task(spec_sleeping(2000));
-    let refused = emu.create_task(spec_sleeping(2000));
+    // Two slots: `long` runs 4 s under a 3 s lease (heartbeats at 1, 2 and 3 s, the third a
+    // second before it ends); `refused` loses its lease at its first heartbeat (1 s); `after`
+    // then takes the freed slot.
+    let long = emu.create_task(spec_sleeping(4000));
+    let refused = emu.create_task(spec_sleeping(3500));
     let after = emu.create_task(spec_sleeping(50));
     emu.inject(Fault::RefuseHeartbeats {
         task_id: refused.clone(),
     });
     let w = spawn_worker(
         &emu,
-        WorkerOptions::new("w-beat", Duration::from_millis(900)).max_tasks(2),
+        WorkerOptions::new("w-beat", Duration::from_secs(3)).max_tasks(2),
     );
 
     assert_eq!(w.wait_ended(&refused, 1).await, TaskEnd::LeaseLost);
@@ -405,7 +406,7 @@ async fn heartbeats_extend_with_fresh_keys_and_a_refused_one_loses_the_task() {
     let beats = calls_of(&calls, &long, Operation::Heartbeat);
     assert!(
         beats.len() >= 3,
-        "several heartbeats in ~2 s at 300 ms: {beats:?}"
+        "several heartbeats in 4 s at 1 s: {beats:?}"
     );
     let keys: HashSet<_> = beats.iter().map(|c| c.idempotency_key.clone()).collect();
     assert_eq!(keys.len(), beats.len(), "a fresh key per heartbeat");

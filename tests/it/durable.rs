@@ -1021,9 +1021,9 @@ async fn the_seed_story_a_frozen_worker_wakes_to_find_its_task_taken() {
         .engine
         .create_task(spec(stack.refund_agent("openai/refund", &[]), "o-seed"));
     // Worker 1 freezes at the journal append of its keyed write's result and stays frozen.
-    // Lock 9 s: a heartbeat falls due (and is held) within 3 s, and its own clock would give
-    // the lease up only after 8.1 s, long after this story is told.
-    let lock = Duration::from_secs(9);
+    // Lock 15 s: a heartbeat falls due (and is held) within 5 s, and its own clock would give
+    // the lease up only after 13.5 s, long after this story is told.
+    let lock = Duration::from_secs(15);
     let gate1 = Freezable::new(|op, _, step| match (op, step) {
         (Op::JournalAppend, Some(s))
             if s.kind == "tool" && s.state == "finished" && s.key.is_some() =>

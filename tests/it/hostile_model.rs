@@ -7,12 +7,13 @@
 
 use std::time::Duration;
 
+use abada_agent_worker::agent::AgentSettings;
 use abada_agent_worker::devkit::engine::{TaskSpec, TaskStatus, TaskView};
 use abada_agent_worker::devkit::model::{Script, ScriptedCall, Turn};
 use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
 use serde_json::{Map, Value, json};
 
-use crate::faults::{finish, settings, stack, wait_tasks, worker};
+use crate::faults::{finish, stack, wait_tasks, worker};
 use crate::support::invariants::{Expect, Recorder};
 
 /// One task on `model` with its order `order`, the refund agent's definition changed by `edit`.
@@ -34,6 +35,15 @@ fn task(s: &Stack, order: &str, model: &str, edit: Value) -> String {
         }])
         .remove(0)
 }
+
+/// The fault suite's fast retries with the default tool timeouts: no case here has a slow tool,
+/// and the exact call counts must not depend on how fast a loaded machine answers one.
+fn settings() -> AgentSettings {
+    Stack::fast_agent_settings()
+}
+
+/// Leases long enough that no heartbeat is ever late enough to lose one.
+const LOCK: Duration = Duration::from_secs(10);
 
 fn refund(order: &str) -> Value {
     json!({"orderId": order, "amountCents": 100, "reason": "hostile"})
@@ -185,7 +195,7 @@ async fn a_hostile_model_ends_every_task_in_a_named_bounded_outcome() {
         capped.clone(),
         capped_a.clone(),
     ];
-    let w = worker(&s, "w-hostile", 4, Duration::from_secs(3), settings());
+    let w = worker(&s, "w-hostile", 4, LOCK, settings());
     let metrics = w.0.metrics.clone();
     let views = wait_tasks(&s, &all, "every hostile task to end", |t| {
         matches!(t.status, TaskStatus::Completed | TaskStatus::Failed)
@@ -309,7 +319,7 @@ async fn a_resumed_task_gets_no_fresh_allowance() {
     // grace: the task is released at its next step. The second resumes it from the journal and
     // may make only what is left of the four calls.
     let mut opts = WorkerOptions::new("w-first", 1);
-    opts.lock_duration = Duration::from_secs(3);
+    opts.lock_duration = LOCK;
     opts.poll_interval = Duration::from_millis(100);
     opts.shutdown_grace = Duration::ZERO;
     let mut handle = s.spawn_worker(opts, settings());
@@ -326,7 +336,7 @@ async fn a_resumed_task_gets_no_fresh_allowance() {
     )
     .await;
     first.0.shutdown.cancel();
-    let second = worker(&s, "w-second", 1, Duration::from_secs(3), settings());
+    let second = worker(&s, "w-second", 1, LOCK, settings());
     let views = wait_tasks(&s, std::slice::from_ref(&id), "the task to end", |t| {
         t.status == TaskStatus::Failed
     })
