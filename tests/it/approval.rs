@@ -584,10 +584,17 @@ async fn a_worker_killed_between_the_decision_and_the_write_performs_it_once_els
     };
     let (instance, w1, _) = stopped_for_approval(&stack, &db, "o-4").await;
     stop(w1).await;
-    // w2 freezes: no heartbeat reaches the engine, and its write hangs in the tool server.
-    stack.tools.set_latency(Duration::from_secs(5));
+    // w2 freezes: no heartbeat reaches the engine, and its write hangs in the tool server, for
+    // longer than w3 needs to take over (below the worker's 60 s call timeout). Its lease runs
+    // out by the emulator's clock, not in real time, and its one slot stays filled by the hung
+    // write: it cannot fetch the task back from w3 and pay a model turn it never journals.
+    let lock = Duration::from_secs(60);
+    stack.tools.set_latency(Duration::from_secs(30));
     let w2 = stack.spawn_worker_with(
-        store_worker("w2", &db, Duration::from_millis(1500)),
+        WorkerOptions {
+            slots: 1,
+            ..store_worker("w2", &db, lock)
+        },
         Stack::fast_agent_settings(),
         GatedEngine::wrapper(Arc::new(HoldHeartbeats)),
     );
@@ -610,6 +617,7 @@ async fn a_worker_killed_between_the_decision_and_the_write_performs_it_once_els
         "not applied yet"
     );
     stack.tools.set_latency(Duration::ZERO);
+    stack.engine.advance(lock + Duration::from_secs(1));
     let w3 = stack.spawn_worker(
         store_worker("w3", &db, Duration::from_secs(10)),
         Stack::fast_agent_settings(),

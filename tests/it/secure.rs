@@ -1097,7 +1097,7 @@ async fn only_the_lease_holder_gets_a_tool_credential() {
     let fetch = |worker: &str| {
         post(
             "fetch-and-lock".into(),
-            json!({"workerId": worker, "topics": ["abada:agent"], "lockDuration": 1000, "maxTasks": 1}),
+            json!({"workerId": worker, "topics": ["abada:agent"], "lockDuration": 60000, "maxTasks": 1}),
         )
     };
     let credential = |worker: &str, attempt: u32| {
@@ -1124,8 +1124,9 @@ async fn only_the_lease_holder_gets_a_tool_credential() {
             .is_none()
     );
 
-    // The lease runs out and another worker takes the task.
-    stack.engine.advance(Duration::from_secs(2));
+    // The lease runs out (by the emulator's clock: a lease of real seconds would have to
+    // outlast each fetch's credential call on a loaded machine) and another worker takes it.
+    stack.engine.advance(Duration::from_secs(61));
     let second: Value = fetch("w-new").await.unwrap().json().await.unwrap();
     assert_eq!(second[0]["attempt"], 2);
 

@@ -345,9 +345,12 @@ async fn a_store_outage_within_the_lease_is_waited_out() {
     let proxy = TcpProxy::start(db.url.addr()).await;
     let url = db.url.clone().at(proxy.addr).render();
     let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    // The model call is held until the store is down (not timed): its answer is what the
+    // worker must journal while the store is away, whatever the machine's load.
     stack
         .model
-        .set_script("steady-turn", one_turn(Duration::from_millis(500)));
+        .set_script("steady-turn", one_turn(Duration::ZERO));
+    stack.model.hold("steady-turn");
     let id = stack.engine.create_task(spec(
         stack.refund_agent("openai/steady-turn", &[]),
         "o-outage",
@@ -368,6 +371,7 @@ async fn a_store_outage_within_the_lease_is_waited_out() {
     )
     .await;
     proxy.set(Mode::Down);
+    stack.model.release("steady-turn");
     eventually(
         Duration::from_secs(30),
         "appends to fail while the store is down",
@@ -428,9 +432,9 @@ async fn a_started_keyed_write_is_resent_with_its_original_key_from_the_store() 
     let id = stack
         .engine
         .create_task(spec(stack.refund_agent("openai/refund", &[]), "o-resend"));
-    // Every tool call is held 1 s before it is applied and answered: time to take the store
-    // away between the write's start (journaled) and its result.
-    orders.set_latency(Duration::from_secs(1));
+    // The write is applied and its answer held until the store is away (not timed): the worker
+    // has journaled the write's start and cannot journal its result, whatever the load.
+    orders.hold_next_write();
     let lock = Duration::from_secs(10);
     let mut env = stack_env(&stack, "w-killed");
     env.extend([
@@ -445,15 +449,10 @@ async fn a_started_keyed_write_is_resent_with_its_original_key_from_the_store() 
     ]);
     env.extend(files.env());
     let mut first = WorkerProcess::spawn(&env).await;
-    let reached = tokio::time::timeout(LIMIT, async {
-        while !orders.calls().iter().any(|c| c.tool == "issue_refund") {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    let reached = tokio::time::timeout(LIMIT, orders.holding()).await;
     assert!(
         reached.is_ok(),
-        "the keyed write did not reach the tool server within {LIMIT:?}; tool calls {:?}, model calls {}, task {:?}; worker 1 said:\n{}\n{}",
+        "the keyed write was not applied and held within {LIMIT:?}; tool calls {:?}, model calls {}, task {:?}; worker 1 said:\n{}\n{}",
         orders.calls(),
         stack.model.total_calls(),
         stack.engine.task(&id),
@@ -461,10 +460,12 @@ async fn a_started_keyed_write_is_resent_with_its_original_key_from_the_store() 
         first.stderr().join("\n")
     );
     proxy.set(Mode::Down);
-    eventually(LIMIT, "the write to be applied", async || {
-        orders.counters().await.writes_applied == 1
-    })
-    .await;
+    assert_eq!(
+        orders.counters().await.writes_applied,
+        1,
+        "the write is applied"
+    );
+    orders.release_held();
     eventually(
         LIMIT,
         "the worker to fail journaling the result",
@@ -516,7 +517,6 @@ async fn a_started_keyed_write_is_resent_with_its_original_key_from_the_store() 
     assert_eq!(stack.model.calls("refund"), 2, "worker 1 paid two turns");
 
     // Worker 1 is gone as far as the engine knows: its lease runs out, worker 2 takes the task.
-    orders.set_latency(Duration::ZERO);
     proxy.set(Mode::Forward);
     stack.engine.advance(lock + Duration::from_secs(1));
     let mut opts = WorkerOptions::new("w-second", 2);
@@ -728,8 +728,10 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
     assert!(db.count(&connections("pool-limit-a")).await <= 1);
     w.stop().await;
 
-    // An impatient pool: the queued claims give up after 200 ms while the connection is held.
-    let w = pool_of_one(&stack, &db, "pool-limit-b", 6, 200);
+    // An impatient pool: the queued claims give up after 2 s while the connection is held. Not
+    // shorter: once the lock is gone, six tasks' claims, appends and finishes queue for the one
+    // connection, and on a loaded machine a 200 ms wait there could give up an append.
+    let w = pool_of_one(&stack, &db, "pool-limit-b", 6, 2_000);
     warm_up(&stack, &w, "o-warm-b").await;
     locker.batch_execute(lock_runs).await.unwrap();
     let ids: Vec<String> = (0..6)
