@@ -866,7 +866,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
     wait_count(
         &db,
         "both pooled connections to wait on the row lock",
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pool-a' AND wait_event_type = 'Lock'",
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pool-a' AND wait_event_type = 'Lock'",
         2,
     )
     .await;
@@ -896,7 +896,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
     let (outcome, _) = within("the waiting append", waiting).await.unwrap();
     assert_eq!(outcome.unwrap(), AppendOutcome::Created);
     assert_eq!(
-        db.count("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pool-a'")
+        db.count("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pool-a'")
             .await,
         2,
         "never more connections than the pool size"
@@ -922,7 +922,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
     wait_count(
         &db,
         "the only pooled connection to wait on the row lock",
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pool-b' AND wait_event_type = 'Lock'",
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pool-b' AND wait_event_type = 'Lock'",
         1,
     )
     .await;
@@ -944,7 +944,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
     }
     assert_eq!(transient_errors(&metrics, "claim"), 10);
     assert_eq!(
-        db.count("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pool-b'")
+        db.count("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pool-b'")
             .await,
         1
     );

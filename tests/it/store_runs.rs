@@ -655,11 +655,13 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
     let lock_runs = "BEGIN; LOCK TABLE abada_agent_runs IN SHARE ROW EXCLUSIVE MODE";
     let stuck_on_lock = |app: &str| {
         format!(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{app}' AND wait_event_type = 'Lock'"
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = '{app}' AND wait_event_type = 'Lock'"
         )
     };
     let connections = |app: &str| {
-        format!("SELECT count(*) FROM pg_stat_activity WHERE application_name = '{app}'")
+        format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = '{app}'"
+        )
     };
 
     // A patient pool: 12 slots, 24 tasks, one connection.
