@@ -31,10 +31,7 @@ use crate::support::wait::eventually;
 const LIMIT: Duration = Duration::from_secs(60);
 
 async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
-    match tokio::time::timeout(LIMIT, fut).await {
-        Ok(v) => v,
-        Err(_) => panic!("gave up after {LIMIT:?} waiting for {what}"),
-    }
+    crate::support::emulator_worker::within_for(LIMIT, what, fut).await
 }
 
 pub(crate) async fn stack() -> Stack {

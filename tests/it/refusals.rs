@@ -30,10 +30,7 @@ const LIMIT: Duration = Duration::from_secs(30);
 const LOCK: Duration = Duration::from_secs(10);
 
 async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
-    match tokio::time::timeout(LIMIT, fut).await {
-        Ok(v) => v,
-        Err(_) => panic!("gave up after {LIMIT:?} waiting for {what}"),
-    }
+    crate::support::emulator_worker::within_for(LIMIT, what, fut).await
 }
 
 fn task(stack: &Stack, model: &str, instance: &str) -> TaskSpec {

@@ -23,7 +23,7 @@ use abada_agent_worker::store::{
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::support::emulator_worker::within;
+use crate::support::emulator_worker::{within, within_for};
 use crate::support::tcp_proxy::{Mode, TcpProxy};
 
 // ---------------------------------------------------------------------------------------------
@@ -354,17 +354,17 @@ where
     .await
 }
 
-/// [`within`] with a guard of its own, for a wait that is long by nature (many handshakes,
-/// hundreds of transactions) on a loaded machine in a debug build: a hang guard still.
-async fn within_long<T>(
-    limit: Duration,
-    what: &str,
-    fut: impl std::future::Future<Output = T>,
-) -> T {
-    match tokio::time::timeout(limit, fut).await {
-        Ok(v) => v,
-        Err(_) => panic!("gave up after {limit:?} waiting for {what}"),
-    }
+/// Counts the sessions of this test's database whose `application_name` is `app` (the view is
+/// cluster-wide: another test's pool under the same name is not counted).
+pub(crate) fn sessions_of(app: &str) -> String {
+    format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = '{app}'"
+    )
+}
+
+/// [`sessions_of`] that wait on a lock.
+pub(crate) fn lock_waits_of(app: &str) -> String {
+    format!("{} AND wait_event_type = 'Lock'", sessions_of(app))
 }
 
 /// Waits until `query` (a count) reaches `n`: PostgreSQL's own view of sessions and locks.
@@ -400,7 +400,7 @@ async fn twenty_replicas_starting_at_once_migrate_once() {
     });
     // The guard is longer than the connect timeout above, so a slow start fails as the
     // store's own error, not as this guard.
-    let stores: Vec<RunStore> = within_long(
+    let stores: Vec<RunStore> = within_for(
         Duration::from_secs(90),
         "20 stores to connect",
         futures::future::join_all(starts),
@@ -866,7 +866,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
     wait_count(
         &db,
         "both pooled connections to wait on the row lock",
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pool-a' AND wait_event_type = 'Lock'",
+        &lock_waits_of("pool-a"),
         2,
     )
     .await;
@@ -896,8 +896,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
     let (outcome, _) = within("the waiting append", waiting).await.unwrap();
     assert_eq!(outcome.unwrap(), AppendOutcome::Created);
     assert_eq!(
-        db.count("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pool-a'")
-            .await,
+        db.count(&sessions_of("pool-a")).await,
         2,
         "never more connections than the pool size"
     );
@@ -922,7 +921,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
     wait_count(
         &db,
         "the only pooled connection to wait on the row lock",
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pool-b' AND wait_event_type = 'Lock'",
+        &lock_waits_of("pool-b"),
         1,
     )
     .await;
@@ -943,11 +942,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
         );
     }
     assert_eq!(transient_errors(&metrics, "claim"), 10);
-    assert_eq!(
-        db.count("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pool-b'")
-            .await,
-        1
-    );
+    assert_eq!(db.count(&sessions_of("pool-b")).await, 1);
     locker.batch_execute("COMMIT").await.unwrap();
     assert_eq!(
         within("the holder", holder).await.unwrap().unwrap(),
@@ -1475,7 +1470,7 @@ async fn append_latency_figures() {
         })
     });
     // 800 transactions on a loaded 2-core machine: a hang guard, not a figure.
-    let mut all: Vec<Duration> = within_long(
+    let mut all: Vec<Duration> = within_for(
         Duration::from_secs(120),
         "the appenders",
         futures::future::join_all(runs),

@@ -27,7 +27,7 @@ use async_trait::async_trait;
 use tokio::sync::watch;
 
 use crate::agent::{spec, wait_all_ended};
-use crate::store::TestDb;
+use crate::store::{TestDb, lock_waits_of, sessions_of};
 use crate::support::process::{WorkerProcess, stack_env};
 use crate::support::tcp_proxy::{Mode, TcpProxy};
 use crate::support::wait::eventually;
@@ -142,6 +142,16 @@ fn opts(id: &str, store_url: &str, model: &str, lock: Duration) -> WorkerOptions
     o
 }
 
+/// The first worker of a takeover, held inside its attempt: one slot, which the held attempt
+/// fills, so once its lease runs out it cannot fetch the task again before the second worker
+/// starts (its poll is much quicker than that start).
+fn held_first_worker(store_url: &str, model: &str, lock: Duration) -> WorkerOptions {
+    WorkerOptions {
+        slots: 1,
+        ..opts("w1", store_url, model, lock)
+    }
+}
+
 fn metric_line(worker: &WorkerHandle, prefix: &str) -> Option<String> {
     worker
         .metrics
@@ -168,12 +178,7 @@ async fn a_crashed_run_resumes_from_the_store_without_paying_the_model_again() {
     let lock = Duration::from_secs(30);
     let hold = Arc::new(HoldCompletes::default());
     let w1 = stack.spawn_worker_with(
-        // One slot, filled by the held attempt: once the lease runs out, w1 cannot fetch the
-        // task again before w2 (its poll is much quicker than w2's start).
-        WorkerOptions {
-            slots: 1,
-            ..opts("w1", &url, "openai/one-turn", lock)
-        },
+        held_first_worker(&url, "openai/one-turn", lock),
         Stack::fast_agent_settings(),
         GatedEngine::wrapper(hold.clone()),
     );
@@ -264,12 +269,7 @@ async fn a_frozen_worker_is_refused_by_the_store_and_goes_silent() {
         .create_task(spec(stack.refund_agent("openai/one-turn", &[]), "o-seed"));
     let lock = Duration::from_secs(180);
     let w1 = stack.spawn_worker_with(
-        // One slot, filled by the held attempt: once the lease runs out, w1 cannot fetch the
-        // task again before w2 (its poll is much quicker than w2's start).
-        WorkerOptions {
-            slots: 1,
-            ..opts("w1", &url, "openai/frozen-turn", lock)
-        },
+        held_first_worker(&url, "openai/frozen-turn", lock),
         Stack::fast_agent_settings(),
         GatedEngine::wrapper(Arc::new(HoldHeartbeats)),
     );
@@ -653,16 +653,6 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
         .set_script("one-turn", one_turn(Duration::from_millis(20)));
     let locker = db.sql().await;
     let lock_runs = "BEGIN; LOCK TABLE abada_agent_runs IN SHARE ROW EXCLUSIVE MODE";
-    let stuck_on_lock = |app: &str| {
-        format!(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = '{app}' AND wait_event_type = 'Lock'"
-        )
-    };
-    let connections = |app: &str| {
-        format!(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = '{app}'"
-        )
-    };
 
     // A patient pool: 12 slots, 24 tasks, one connection.
     let w = pool_of_one(&stack, &db, "pool-limit-a", 12, 60_000);
@@ -681,7 +671,7 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
         "12 tasks started, one claim on the lock, the rest queued for the connection",
         async || {
             sample(&w, "abada_agent_slots_in_use") == 12.0
-                && db.count(&stuck_on_lock("pool-limit-a")).await == 1
+                && db.count(&lock_waits_of("pool-limit-a")).await == 1
         },
     )
     .await;
@@ -727,7 +717,7 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
         all - quick >= 11.0,
         "the queued claims are in the pool-wait histogram: {quick} of {all} under 0.1 ms"
     );
-    assert!(db.count(&connections("pool-limit-a")).await <= 1);
+    assert!(db.count(&sessions_of("pool-limit-a")).await <= 1);
     w.stop().await;
 
     // An impatient pool: the queued claims give up after 2 s while the connection is held. Not
@@ -756,7 +746,7 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
     )
     .await;
     assert_eq!(
-        db.count(&stuck_on_lock("pool-limit-b")).await,
+        db.count(&lock_waits_of("pool-limit-b")).await,
         1,
         "the connection was still held when they gave up: the wait was the acquire timeout"
     );
@@ -783,7 +773,7 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
             "unexpected store errors {labels}: {n}"
         );
     }
-    assert!(db.count(&connections("pool-limit-b")).await <= 1);
+    assert!(db.count(&sessions_of("pool-limit-b")).await <= 1);
     w.stop().await;
     stack.shutdown().await;
     db.drop().await;

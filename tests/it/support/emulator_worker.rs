@@ -38,9 +38,19 @@ pub const WAIT_LIMIT: Duration = Duration::from_secs(20);
 
 /// Awaits `fut`, failing the test with `what` if it hangs past [`WAIT_LIMIT`].
 pub async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
-    match tokio::time::timeout(WAIT_LIMIT, fut).await {
+    within_for(WAIT_LIMIT, what, fut).await
+}
+
+/// [`within`] with a hang guard of the caller's: for suites whose waits are long by nature
+/// (megabytes in a debug build, many handshakes, hundreds of transactions).
+pub async fn within_for<T>(
+    limit: Duration,
+    what: &str,
+    fut: impl std::future::Future<Output = T>,
+) -> T {
+    match tokio::time::timeout(limit, fut).await {
         Ok(v) => v,
-        Err(_) => panic!("gave up after {WAIT_LIMIT:?} waiting for {what}"),
+        Err(_) => panic!("gave up after {limit:?} waiting for {what}"),
     }
 }
 
