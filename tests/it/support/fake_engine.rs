@@ -38,6 +38,8 @@ pub struct FakeState {
     /// `fetch_transient` is on, reachable otherwise. When not set, the trait default (cannot
     /// probe) applies.
     pub probe_supported: bool,
+    /// A misbehaving engine: each fetch answer holds up to this many tasks beyond `maxTasks`.
+    pub surplus: usize,
 }
 
 #[derive(Clone, Default)]
@@ -116,7 +118,7 @@ impl Engine for FakeEngine {
             });
         }
         let mut out = Vec::new();
-        while out.len() < request.max_tasks as usize {
+        while out.len() < request.max_tasks as usize + s.surplus {
             let Some(t) = s.open.pop_front() else { break };
             s.outstanding.insert(t.id.clone());
             out.push(t);
