@@ -565,6 +565,11 @@ impl Runner {
 /// How many surplus tasks are released at once (one engine call each).
 const SURPLUS_RELEASES_AT_ONCE: usize = 8;
 
+/// The longest the poll loop spends releasing one answer's surplus: an engine that answers
+/// thousands of tasks and then stalls on each release must not stall the loop (and its
+/// liveness) with it. What is not released by then is left to its lock's expiry.
+const SURPLUS_RELEASE_LIMIT: Duration = Duration::from_secs(10);
+
 /// Gives back at once the tasks a fetch answer held beyond the `asked` maxTasks: no slot is
 /// free for them, and left alone they would stay locked to this worker until their lock
 /// expires. Each is released as at shutdown (`failure`, retries unchanged, `retryTimeout` 0),
@@ -577,8 +582,9 @@ async fn release_surplus(shared: &Shared, surplus: Vec<Task>, asked: u32) {
         surplus = surplus.len(),
         "the engine answered a fetch with more tasks than maxTasks asked for; releasing the surplus at once (retries unchanged)"
     );
-    futures::stream::iter(surplus)
-        .for_each_concurrent(SURPLUS_RELEASES_AT_ONCE, |task| async move {
+    let release = futures::stream::iter(surplus).for_each_concurrent(
+        SURPLUS_RELEASES_AT_ONCE,
+        |task| async move {
             let report = FailureReport {
                 error_message: "released at once: the engine handed this worker more tasks than it asked for (maxTasks)".into(),
                 error_details: String::new(),
@@ -588,8 +594,17 @@ async fn release_surplus(shared: &Shared, surplus: Vec<Task>, asked: u32) {
             if let Err(e) = shared.engine.failure(&task.task_ref(), &report).await {
                 tracing::warn!(task_id = %task.id, error = %e, "could not release a surplus task; its lock will expire and the engine will offer it again");
             }
-        })
-        .await;
+        },
+    );
+    if tokio::time::timeout(SURPLUS_RELEASE_LIMIT, release)
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            limit_ms = SURPLUS_RELEASE_LIMIT.as_millis() as u64,
+            "releasing the surplus took too long; the tasks not released yet are left to their locks' expiry"
+        );
+    }
 }
 
 /// How often the poll loop proves it is alive while it waits.

@@ -518,6 +518,48 @@ async fn tasks_beyond_max_tasks_are_released_at_once_with_retries_unchanged() {
     r.join.await.unwrap();
 }
 
+/// An engine that answers a surplus and then stalls on every release holds the poll loop for
+/// the release bound (10 s) at most: the loop goes on fetching, and stays live.
+#[tokio::test(start_paused = true)]
+async fn a_stalled_surplus_release_holds_the_poll_loop_ten_seconds_at_most() {
+    let engine = FakeEngine::with_tasks(40);
+    {
+        let mut st = engine.state.lock().unwrap();
+        st.surplus = 30;
+        st.stall_failures = true;
+    }
+    let handler = SleepHandler::new(Duration::from_secs(1));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 1;
+    let r = start(&engine, handler, s);
+    let fetches = || {
+        engine
+            .calls()
+            .into_iter()
+            .filter(|c| c.op == "fetch-and-lock")
+            .map(|c| c.at)
+            .collect::<Vec<_>>()
+    };
+    wait_until(|| fetches().len() >= 2, Duration::from_secs(60)).await;
+    let at = fetches();
+    let gap = at[1] - at[0];
+    assert!(
+        gap >= Duration::from_secs(10) && gap < Duration::from_secs(11),
+        "the next fetch came {gap:?} after the first"
+    );
+    assert_eq!(
+        engine
+            .calls()
+            .iter()
+            .filter(|c| c.op == "failure" && c.at < at[1])
+            .count(),
+        8,
+        "8 releases at once before the next fetch, the rest left to their locks"
+    );
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_handler_that_ignores_the_stop_signal_is_dropped_and_released_anyway() {
     let engine = FakeEngine::with_tasks(1);

@@ -40,6 +40,8 @@ pub struct FakeState {
     pub probe_supported: bool,
     /// A misbehaving engine: each fetch answer holds up to this many tasks beyond `maxTasks`.
     pub surplus: usize,
+    /// A stalled engine: `failure` answers only after an hour.
+    pub stall_failures: bool,
 }
 
 #[derive(Clone, Default)]
@@ -161,6 +163,10 @@ impl Engine for FakeEngine {
 
     async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
         self.record("failure", Some(task), 0);
+        let stall = self.state.lock().unwrap().stall_failures;
+        if stall {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
         self.state
             .lock()
             .unwrap()
