@@ -345,6 +345,14 @@ impl Config {
                 self.engine_url.clone(),
             ));
         }
+        if self.engine_headers.is_some() {
+            // Its values are credentials of an authenticating proxy: the same rule.
+            channels.push((
+                ENV_ENGINE_HEADERS_FILE,
+                "the engine headers file's values".to_string(),
+                self.engine_url.clone(),
+            ));
+        }
         for p in &self.providers {
             if p.api_key.is_some()
                 && let Some(url) = &p.base_url
@@ -797,6 +805,45 @@ mod tests {
         let mut pairs = base();
         pairs.extend_from_slice(extra);
         Config::from_env(&env(&pairs)).unwrap_err()
+    }
+
+    #[test]
+    fn engine_headers_go_over_https_or_to_loopback_only() {
+        let dir = std::env::temp_dir().join(format!("abada-headers-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("headers");
+        std::fs::write(&file, "X-Auth-Request-User: header-marker-7\n").unwrap();
+        let path = file.to_str().unwrap();
+        let with = |url: &str, insecure: Option<&str>| {
+            let mut pairs = vec![(ENV_ENGINE_URL, url), (ENV_ENGINE_HEADERS_FILE, path)];
+            if let Some(v) = insecure {
+                pairs.push((ENV_ALLOW_INSECURE_HTTP, v));
+            }
+            Config::from_env(&env(&pairs))
+        };
+        let e = with("http://engine.internal:5601/api", None).unwrap_err();
+        assert_eq!(e.var, ENV_ENGINE_HEADERS_FILE);
+        let text = e.to_string();
+        assert!(
+            text.contains("ABADA_AGENT_ALLOW_INSECURE_HTTP=true"),
+            "{text}"
+        );
+        assert!(!text.contains("header-marker-7"), "{text}");
+        for ok in [
+            "https://engine.internal/api",
+            "http://127.0.0.1:5601/api",
+            "http://[::1]:5601/api",
+        ] {
+            assert!(with(ok, None).is_ok(), "{ok}");
+        }
+        let allowed = with("http://engine.internal:5601/api", Some("true")).unwrap();
+        let clear = allowed.credentials_in_clear().join("; ");
+        assert!(
+            clear.contains("the engine headers file's values"),
+            "{clear}"
+        );
+        assert!(!clear.contains("header-marker-7"), "{clear}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

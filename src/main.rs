@@ -102,7 +102,13 @@ fn daemon() -> ExitCode {
             lock_duration_ms = config.lock_duration.as_millis() as u64,
             "worker starting"
         );
-        let clear = config.credentials_in_clear();
+        let mut clear = config.credentials_in_clear();
+        clear.extend(
+            spans
+                .as_ref()
+                .and_then(SpanExport::credentials_in_clear)
+                .map(str::to_string),
+        );
         if !clear.is_empty() {
             tracing::warn!(
                 in_clear = %clear.join("; "),
@@ -134,7 +140,9 @@ fn start_span_export(
     config: &Config,
     runtime: &tokio::runtime::Handle,
 ) -> Result<Option<SpanExport>, String> {
-    let Some(settings) = ExportSettings::from_env(&ProcessEnv).map_err(|e| e.to_string())? else {
+    let Some(settings) = ExportSettings::from_env(&ProcessEnv, config.allow_insecure_http)
+        .map_err(|e| e.to_string())?
+    else {
         return Ok(None);
     };
     let http = abada_agent_worker::tls::http_client_builder(config.ca_file.as_deref())

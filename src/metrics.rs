@@ -397,6 +397,73 @@ impl Metrics {
         }
     }
 
+    /// Counts one model call in every model family: `model_calls`, its duration, the fallback
+    /// calls, the tokens and both `gen_ai_*` families. Every provider and model label comes from
+    /// `names` ([`labels::DeclaredNames::model`]): a model the task's definition did not declare
+    /// is `other` in each of them, and a declared name is cut to [`labels::MAX_LABEL_LEN`].
+    /// `agent` is the definition's name, already capped.
+    pub fn observe_model_call(
+        &self,
+        names: &labels::DeclaredNames,
+        agent: &str,
+        a: &crate::provider::fallback::CallAttempt,
+    ) {
+        let (provider, model) = names.model(&a.model);
+        // The conventions' provider name: `openai`, `anthropic`, or a configured provider's
+        // name (the operator's, a closed set), cut like every label.
+        let semconv_provider = labels::capped(&a.provider_name);
+        let took = a.duration.as_secs_f64();
+        self.genai_operation_duration
+            .get_or_create(&GenAiDurationLabels {
+                gen_ai_operation_name: "chat",
+                gen_ai_provider_name: semconv_provider.clone(),
+                gen_ai_request_model: model.clone(),
+                error_type: if a.outcome == "ok" {
+                    String::new()
+                } else {
+                    a.outcome.to_string()
+                },
+            })
+            .observe(took);
+        let labels = ModelLabels {
+            provider: provider.clone(),
+            model: model.clone(),
+            outcome: a.outcome,
+        };
+        self.model_calls.get_or_create(&labels).inc();
+        self.model_call_duration
+            .get_or_create(&labels)
+            .observe(took);
+        if a.fallback_index > 0 {
+            self.model_fallback_calls
+                .get_or_create(&ModelRefLabels {
+                    provider: provider.clone(),
+                    model: model.clone(),
+                })
+                .inc();
+        }
+        if let Some(u) = a.usage {
+            for (direction, n) in [("input", u.input_tokens), ("output", u.output_tokens)] {
+                self.genai_token_usage
+                    .get_or_create(&GenAiTokenLabels {
+                        gen_ai_operation_name: "chat",
+                        gen_ai_provider_name: semconv_provider.clone(),
+                        gen_ai_request_model: model.clone(),
+                        gen_ai_token_type: direction,
+                    })
+                    .observe(n as f64);
+                self.model_tokens
+                    .get_or_create(&ModelTokenLabels {
+                        agent: agent.to_string(),
+                        provider: provider.clone(),
+                        model: model.clone(),
+                        direction,
+                    })
+                    .inc_by(n);
+            }
+        }
+    }
+
     /// Counts an approval event: `requested`, `approved` or `refused`.
     pub fn count_approval(&self, event: &'static str) {
         self.approvals.get_or_create(&ApprovalLabel { event }).inc();
@@ -412,6 +479,64 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn attempt(model: &str, fallback_index: usize) -> crate::provider::fallback::CallAttempt {
+        crate::provider::fallback::CallAttempt {
+            model: crate::provider::ModelRef::parse(model).unwrap(),
+            provider_name: "openai".into(),
+            fallback_index,
+            outcome: "ok",
+            usage: Some(crate::conversation::Usage {
+                input_tokens: 10,
+                output_tokens: 5,
+            }),
+            duration: Duration::from_millis(20),
+        }
+    }
+
+    #[test]
+    fn a_model_the_definition_did_not_declare_is_other_in_every_model_family() {
+        let declared = crate::provider::ModelRef::parse("openai/gpt-4.1-mini").unwrap();
+        let names = labels::DeclaredNames::of_definition([&declared], ["orders"]);
+        let m = Metrics::new();
+        // A fallback call and its tokens, to a model name the engine sent but nobody declared.
+        m.observe_model_call(
+            &names,
+            "refund-agent",
+            &attempt("openai/undeclared-9f3a", 1),
+        );
+        let text = m.encode();
+        assert!(!text.contains("undeclared-9f3a"), "{text}");
+        for family in [
+            "abada_agent_model_calls_total{",
+            "abada_agent_model_call_duration_seconds_count{",
+            "abada_agent_model_fallback_calls_total{",
+            "abada_agent_model_tokens_total{",
+            "gen_ai_client_token_usage_count{",
+            "gen_ai_client_operation_duration_seconds_count{",
+        ] {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(family))
+                .unwrap_or_else(|| panic!("no {family} sample in {text}"));
+            assert!(line.contains("model=\"other\""), "{line}");
+        }
+    }
+
+    #[test]
+    fn a_declared_model_name_is_cut_in_every_model_family() {
+        let long = format!("openai/{}", "m".repeat(300));
+        let declared = crate::provider::ModelRef::parse(&long).unwrap();
+        let names = labels::DeclaredNames::of_definition([&declared], ["orders"]);
+        let m = Metrics::new();
+        m.observe_model_call(&names, "refund-agent", &attempt(&long, 1));
+        let text = m.encode();
+        assert!(
+            !text.contains(&"m".repeat(labels::MAX_LABEL_LEN + 1)),
+            "{text}"
+        );
+        assert!(text.contains(&"m".repeat(labels::MAX_LABEL_LEN)), "{text}");
+    }
 
     #[test]
     fn genai_metrics_have_the_conventions_names_and_buckets() {

@@ -6,7 +6,8 @@
 //! The loop here does what it decides, and owns everything else:
 //!
 //! - A semaphore of `MAX_TASKS` slots. Each fetch asks for exactly the free slots, and none when
-//!   none is free: the worker never holds work it cannot start.
+//!   none is free: the worker never holds work it cannot start. Tasks an answer holds beyond
+//!   that are released at once, as at shutdown, rather than left locked until they expire.
 //! - Each task runs as its own spawned future owning its slot permit, in the loop's `JoinSet`
 //!   beside the lease it runs under. The loop learns of a task's end by joining it: with every
 //!   slot busy it waits for that join, so a freed slot is refilled after one round trip.
@@ -39,6 +40,7 @@ use crate::backoff::Backoff;
 use crate::engine::{Engine, EngineError, FailureReport, FetchRequest, LeaseLostReason, Task};
 use crate::handler::{
     FailureKind, Outcome, TaskContext, TaskEnd, TaskError, TaskHandler, retries_consumed,
+    retries_unchanged,
 };
 use crate::heartbeat::{self, HeartbeatEvent, HeartbeatHandle, HeartbeatSettings};
 use crate::lease::Lease;
@@ -495,8 +497,10 @@ impl Runner {
                 });
                 // Attempts that ended are no longer running: only a live one is superseded.
                 tasks.reap();
+                let mut locked = locked;
+                let surplus = locked.split_off(locked.len().min(free as usize));
                 let mut batch = batch;
-                for task in locked.into_iter().take(free as usize) {
+                for task in locked {
                     let permit = batch
                         .split(1)
                         .expect("at most `free` tasks, one permit each");
@@ -504,6 +508,9 @@ impl Runner {
                 }
                 drop(batch);
                 shared.update_slot_gauge();
+                if !surplus.is_empty() {
+                    release_surplus(shared, surplus, free).await;
+                }
             }
             Err(e) => {
                 drop(batch);
@@ -551,6 +558,51 @@ impl Runner {
         tasks.start(
             lease.clone(),
             run_task(shared.clone(), Arc::new(task), lease, permit, acquired_at),
+        );
+    }
+}
+
+/// How many surplus tasks are released at once (one engine call each).
+const SURPLUS_RELEASES_AT_ONCE: usize = 8;
+
+/// The longest the poll loop spends releasing one answer's surplus: an engine that answers
+/// thousands of tasks and then stalls on each release must not stall the loop (and its
+/// liveness) with it. What is not released by then is left to its lock's expiry.
+const SURPLUS_RELEASE_LIMIT: Duration = Duration::from_secs(10);
+
+/// Gives back at once the tasks a fetch answer held beyond the `asked` maxTasks: no slot is
+/// free for them, and left alone they would stay locked to this worker until their lock
+/// expires. Each is released as at shutdown (`failure`, retries unchanged, `retryTimeout` 0),
+/// so the next fetch, here or at another worker, takes it at once. The call is not fenced by a
+/// lease: none was taken, the task never started here.
+async fn release_surplus(shared: &Shared, surplus: Vec<Task>, asked: u32) {
+    use futures::StreamExt;
+    tracing::warn!(
+        asked,
+        surplus = surplus.len(),
+        "the engine answered a fetch with more tasks than maxTasks asked for; releasing the surplus at once (retries unchanged)"
+    );
+    let release = futures::stream::iter(surplus).for_each_concurrent(
+        SURPLUS_RELEASES_AT_ONCE,
+        |task| async move {
+            let report = FailureReport {
+                error_message: "released at once: the engine handed this worker more tasks than it asked for (maxTasks)".into(),
+                error_details: String::new(),
+                retries: retries_unchanged(&task),
+                retry_timeout: Duration::ZERO,
+            };
+            if let Err(e) = shared.engine.failure(&task.task_ref(), &report).await {
+                tracing::warn!(task_id = %task.id, error = %e, "could not release a surplus task; its lock will expire and the engine will offer it again");
+            }
+        },
+    );
+    if tokio::time::timeout(SURPLUS_RELEASE_LIMIT, release)
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            limit_ms = SURPLUS_RELEASE_LIMIT.as_millis() as u64,
+            "releasing the surplus took too long; the tasks not released yet are left to their locks' expiry"
         );
     }
 }

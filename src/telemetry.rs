@@ -2,6 +2,12 @@
 //! lines, level from `RUST_LOG` (default `info`). Spans: over OTLP when the `OTEL_*` variables
 //! say so ([`otel`]), the span tree of a task being [`spans`].
 //!
+//! Two libraries log what a peer controls or what is secret at their lower levels: rmcp logs a
+//! tool server's `instructions` and every notification at INFO, tokio-postgres logs statement
+//! parameters (prompts, tool arguments and results) at DEBUG. [`log_filter`] holds them at
+//! [`HELD_TARGETS`]' levels whatever `RUST_LOG` says, unless `RUST_LOG` names them
+//! (`RUST_LOG=debug,rmcp=debug`). Every field of a line is capped ([`cap`]).
+//!
 //! The JSON layer flattens the fields of every enclosing span into the line, so a line about a
 //! task carries `task_id`, `process_instance_id`, `activity_id`, `attempt` and `trace_id`, and
 //! every line carries `worker_id`. Values are formatted with their `Debug`/`Display`, so secret
@@ -11,6 +17,7 @@
 //! exported spans ([`spans::SPAN_TARGET`]) and nothing else, no log event in particular; the log
 //! layers never see those spans, so no span field reaches a log line.
 
+pub mod cap;
 pub mod otel;
 pub mod spans;
 
@@ -28,6 +35,7 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 
 use crate::config::LogFormat;
+use cap::CappedValue;
 
 /// Where JSON lines go: stdout, or a buffer in tests.
 pub type SharedWriter = Arc<Mutex<dyn Write + Send>>;
@@ -38,14 +46,13 @@ pub fn init(format: LogFormat, worker_id: &str, tracer: Option<opentelemetry_sdk
     // Static filters (Targets, EnvFilter): their verdict is cached per callsite, so a disabled
     // span or event costs one branch, as before export existed (a filter_fn would be asked at
     // every call).
+    let rust_log = std::env::var(EnvFilter::DEFAULT_ENV).ok();
     let logs = || {
-        EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| EnvFilter::new("info"))
-            .and(
-                Targets::new()
-                    .with_default(LevelFilter::TRACE)
-                    .with_target(spans::SPAN_TARGET, LevelFilter::OFF),
-            )
+        log_filter(rust_log.as_deref()).and(
+            Targets::new()
+                .with_default(LevelFilter::TRACE)
+                .with_target(spans::SPAN_TARGET, LevelFilter::OFF),
+        )
     };
     let export = tracer.map(|tracer| {
         tracing_opentelemetry::layer()
@@ -69,15 +76,71 @@ pub fn init(format: LogFormat, worker_id: &str, tracer: Option<opentelemetry_sdk
         LogFormat::Pretty => tracing_subscriber::registry()
             .with(export)
             .with(
-                tracing_subscriber::fmt::layer()
-                    .with_target(false)
-                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                    .with_writer(std::io::stderr)
-                    .with_filter(logs()),
+                pretty_layer(
+                    std::io::stderr,
+                    std::io::IsTerminal::is_terminal(&std::io::stderr()),
+                )
+                .with_filter(logs()),
             )
             .try_init(),
     };
     let _ = result;
+}
+
+/// The `pretty` format's layer writing to `writer`, every field capped ([`cap::CappedFields`]).
+pub fn pretty_layer<S, W>(writer: W, ansi: bool) -> impl Layer<S>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    tracing_subscriber::fmt::layer()
+        .fmt_fields(cap::CappedFields)
+        .with_target(false)
+        .with_ansi(ansi)
+        .with_writer(writer)
+}
+
+/// Libraries held at a level (their target, and the most they log) unless `RUST_LOG` names them.
+pub const HELD_TARGETS: &[(&str, LevelFilter)] = &[
+    // A tool server's `instructions` and notifications, at INFO: a hostile server's megabytes.
+    ("rmcp", LevelFilter::WARN),
+    // Statement parameters at DEBUG (`tokio_postgres::query`): prompts, arguments, results.
+    ("tokio_postgres", LevelFilter::INFO),
+];
+
+/// The log lines' filter: `rust_log` (`RUST_LOG`; `info` when unset or invalid), with each of
+/// [`HELD_TARGETS`] held at its level unless a directive of `rust_log` names that target. A
+/// bare `RUST_LOG=debug` thus leaves rmcp at `warn` and tokio-postgres at `info`;
+/// `RUST_LOG=debug,rmcp=debug` lowers rmcp, `tokio_postgres::query=debug` that module only.
+pub fn log_filter(rust_log: Option<&str>) -> EnvFilter {
+    let spec = rust_log.map(str::trim).filter(|s| !s.is_empty());
+    let mut filter = spec
+        .and_then(|s| EnvFilter::try_new(s).ok())
+        .unwrap_or_else(|| EnvFilter::new("info"));
+    let spec = spec.filter(|s| EnvFilter::try_new(s).is_ok()).unwrap_or("");
+    for (target, level) in HELD_TARGETS {
+        if !names_target(spec, target) {
+            let directive = format!("{target}={level}")
+                .parse()
+                .expect("a target and a level are a valid directive");
+            filter = filter.add_directive(directive);
+        }
+    }
+    filter
+}
+
+/// Whether a directive of `spec` (`RUST_LOG` syntax) names `target` itself.
+fn names_target(spec: &str, target: &str) -> bool {
+    spec.split(',').any(|directive| {
+        let name = directive
+            .split(['[', '='])
+            .next()
+            .unwrap_or_default()
+            .trim();
+        // A module named alone (`rmcp::service=debug`) is more specific than the held
+        // crate's directive and wins over it for that module; the rest of the crate stays held.
+        name == target
+    })
 }
 
 /// A layer writing one flattened JSON object per event.
@@ -114,15 +177,18 @@ impl Visit for JsonVisitor<'_> {
         self.0.insert(field.name().into(), Value::from(value));
     }
     fn record_str(&mut self, field: &Field, value: &str) {
-        self.0.insert(field.name().into(), Value::from(value));
+        self.0
+            .insert(field.name().into(), Value::from(CappedValue::str(value)));
     }
     fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
-        self.0
-            .insert(field.name().into(), Value::from(value.to_string()));
+        self.0.insert(
+            field.name().into(),
+            Value::from(CappedValue::display(value)),
+        );
     }
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
         self.0
-            .insert(field.name().into(), Value::from(format!("{value:?}")));
+            .insert(field.name().into(), Value::from(CappedValue::debug(value)));
     }
 }
 
@@ -202,5 +268,149 @@ mod tests {
         assert_eq!(v["attempt"], 2);
         assert_eq!(v["message"], "hello");
         assert!(!text.contains("sk-marker"));
+    }
+
+    /// The lines a JSON layer behind `filter` writes for `emit`.
+    fn json_lines(filter: EnvFilter, emit: impl FnOnce()) -> Vec<String> {
+        let buf: Arc<Mutex<Vec<u8>>> = Arc::new(Mutex::new(Vec::new()));
+        let subscriber = tracing_subscriber::registry()
+            .with(JsonLayer::new(buf.clone(), "w-1").with_filter(filter));
+        tracing::subscriber::with_default(subscriber, emit);
+        let text = String::from_utf8(buf.lock().unwrap().clone()).unwrap();
+        text.lines().map(str::to_string).collect()
+    }
+
+    fn emit_from_every_held_library() {
+        tracing::info!(target: "rmcp::service", instructions = "HOSTILE", "received instructions");
+        tracing::warn!(target: "rmcp::service", "rmcp warning");
+        tracing::debug!(target: "tokio_postgres::query", "executing statement with parameters: [\"PROMPT\"]");
+        tracing::info!(target: "tokio_postgres::connection", "server notice");
+        tracing::debug!(target: "abada_agent_worker::runner", "our own debug line");
+    }
+
+    #[test]
+    fn a_bare_debug_leaves_rmcp_at_warn_and_tokio_postgres_at_info() {
+        for rust_log in [
+            None,
+            Some("debug"),
+            Some("trace"),
+            Some("debug,abada_agent_worker=trace"),
+        ] {
+            let lines = json_lines(log_filter(rust_log), emit_from_every_held_library);
+            let text = lines.join("\n");
+            assert!(!text.contains("HOSTILE"), "{rust_log:?}: {text}");
+            assert!(!text.contains("PROMPT"), "{rust_log:?}: {text}");
+            assert!(text.contains("rmcp warning"), "{rust_log:?}: {text}");
+            assert!(text.contains("server notice"), "{rust_log:?}: {text}");
+            assert_eq!(
+                text.contains("our own debug line"),
+                rust_log.is_some(),
+                "{rust_log:?}: {text}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_held_library_goes_lower_only_when_named() {
+        let text = json_lines(
+            log_filter(Some("debug,rmcp=debug")),
+            emit_from_every_held_library,
+        )
+        .join("\n");
+        assert!(text.contains("HOSTILE"), "{text}");
+        assert!(!text.contains("PROMPT"), "{text}");
+        let text = json_lines(
+            log_filter(Some("info,tokio_postgres::query=debug")),
+            emit_from_every_held_library,
+        )
+        .join("\n");
+        assert!(text.contains("PROMPT"), "{text}");
+        assert!(!text.contains("HOSTILE"), "{text}");
+        // An invalid RUST_LOG is `info`, and the held libraries stay held.
+        let text =
+            json_lines(log_filter(Some("debug,=[")), emit_from_every_held_library).join("\n");
+        assert!(
+            !text.contains("HOSTILE") && !text.contains("our own debug line"),
+            "{text}"
+        );
+    }
+
+    const HUGE: usize = 1_000_000;
+
+    /// A hostile peer's megabyte in every kind of field an event and its span can carry.
+    fn emit_huge_fields() {
+        let huge = "i".repeat(HUGE);
+        let span = tracing::info_span!("tool_server", instructions = huge.as_str());
+        let _g = span.enter();
+        let error = std::io::Error::other("e".repeat(HUGE));
+        tracing::warn!(
+            notification = huge.as_str(),
+            debug = ?vec![7u8; HUGE / 3],
+            error = &error as &(dyn std::error::Error + 'static),
+            "{huge}"
+        );
+    }
+
+    #[test]
+    fn every_field_of_a_json_line_is_capped_and_says_it_was_cut() {
+        let lines = json_lines(EnvFilter::new("info"), emit_huge_fields);
+        assert_eq!(lines.len(), 1);
+        let line = &lines[0];
+        // Five capped fields and the fixed ones.
+        assert!(
+            line.len() < 6 * cap::MAX_FIELD_BYTES,
+            "a line of {} bytes",
+            line.len()
+        );
+        let v: Value = serde_json::from_str(line).unwrap();
+        for field in ["instructions", "notification", "message", "error", "debug"] {
+            let text = v[field].as_str().unwrap();
+            assert!(
+                text.len() < cap::MAX_FIELD_BYTES + 40,
+                "{field}: {} bytes",
+                text.len()
+            );
+            assert!(text.contains("…[cut: "), "{field} does not say it was cut");
+        }
+        assert!(
+            v["instructions"]
+                .as_str()
+                .unwrap()
+                .ends_with(&format!("…[cut: {HUGE} bytes]"))
+        );
+    }
+
+    #[test]
+    fn every_field_of_a_pretty_line_is_capped_and_says_it_was_cut() {
+        #[derive(Clone)]
+        struct Buf(Arc<Mutex<Vec<u8>>>);
+        impl Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf(Arc::new(Mutex::new(Vec::new())));
+        let out = buf.clone();
+        let subscriber =
+            tracing_subscriber::registry().with(pretty_layer(move || out.clone(), false));
+        tracing::subscriber::with_default(subscriber, emit_huge_fields);
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(text.lines().count(), 1, "{}", &text[..200.min(text.len())]);
+        assert!(
+            text.len() < 6 * cap::MAX_FIELD_BYTES,
+            "a line of {} bytes",
+            text.len()
+        );
+        assert_eq!(
+            text.matches("…[cut: ").count(),
+            5,
+            "every huge field says it was cut"
+        );
+        assert!(text.contains(&format!("…[cut: {HUGE} bytes]")));
+        assert!(text.contains("instructions=\"iii"));
     }
 }

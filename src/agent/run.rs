@@ -23,11 +23,8 @@ use crate::engine::{EngineError, FailureReport, JournalStep, Task, TraceParent};
 use crate::handler::{
     FailureKind, Outcome, TaskContext, TaskError, retries_consumed, retries_unchanged,
 };
+use crate::metrics::ToolLabels;
 use crate::metrics::labels::DeclaredNames;
-use crate::metrics::{
-    GenAiDurationLabels, GenAiTokenLabels, ModelLabels, ModelRefLabels, ModelTokenLabels,
-    ToolLabels,
-};
 use crate::provider::ModelRequest;
 use crate::provider::fallback::{CallAttempt, ModelCallError, call_with_fallback_observed};
 use crate::secret::Secret;
@@ -753,61 +750,7 @@ impl<'a> Attempt<'a> {
         let agent = crate::metrics::labels::capped(&self.def.name);
         let mut unanswered = 0u32;
         let mut observe = |a: &CallAttempt| {
-            let (provider, model) = names.model(&a.model);
-            metrics
-                .genai_operation_duration
-                .get_or_create(&GenAiDurationLabels {
-                    gen_ai_operation_name: "chat",
-                    gen_ai_provider_name: a.provider_name.clone(),
-                    gen_ai_request_model: model.clone(),
-                    error_type: if a.outcome == "ok" {
-                        String::new()
-                    } else {
-                        a.outcome.to_string()
-                    },
-                })
-                .observe(a.duration.as_secs_f64());
-            let labels = ModelLabels {
-                provider: provider.clone(),
-                model: model.clone(),
-                outcome: a.outcome,
-            };
-            metrics.model_calls.get_or_create(&labels).inc();
-            if a.fallback_index > 0 {
-                metrics
-                    .model_fallback_calls
-                    .get_or_create(&ModelRefLabels {
-                        provider: a.model.provider.clone(),
-                        model: a.model.model.clone(),
-                    })
-                    .inc();
-            }
-            metrics
-                .model_call_duration
-                .get_or_create(&labels)
-                .observe(a.duration.as_secs_f64());
-            if let Some(u) = a.usage {
-                for (direction, n) in [("input", u.input_tokens), ("output", u.output_tokens)] {
-                    metrics
-                        .genai_token_usage
-                        .get_or_create(&GenAiTokenLabels {
-                            gen_ai_operation_name: "chat",
-                            gen_ai_provider_name: a.provider_name.clone(),
-                            gen_ai_request_model: a.model.model.clone(),
-                            gen_ai_token_type: direction,
-                        })
-                        .observe(n as f64);
-                    metrics
-                        .model_tokens
-                        .get_or_create(&ModelTokenLabels {
-                            agent: agent.clone(),
-                            provider: provider.clone(),
-                            model: model.clone(),
-                            direction,
-                        })
-                        .inc_by(n);
-                }
-            }
+            metrics.observe_model_call(names, &agent, a);
             if a.outcome != "ok" {
                 unanswered += 1;
             }

@@ -8,6 +8,11 @@
 //! `OTEL_SERVICE_NAME` (defaulted here to `abada-agent-worker`), `OTEL_RESOURCE_ATTRIBUTES`,
 //! `OTEL_TRACES_SAMPLER`/`_ARG` (default parent-based always-on) and `OTEL_BSP_*`.
 //!
+//! The headers (`OTEL_EXPORTER_OTLP_TRACES_HEADERS`, `OTEL_EXPORTER_OTLP_HEADERS`) and a user
+//! part of the endpoint are credentials (a collector's API key): they follow the rule of every
+//! credential ([`crate::channel`]), https or loopback, or `ABADA_AGENT_ALLOW_INSECURE_HTTP=true`;
+//! otherwise the worker does not start, naming the variable (never its value).
+//!
 //! The task path never waits on export: a finished span goes into the batch processor's bounded
 //! queue (`try_send`, dropped when full) and one SDK thread sends batches. A collector that is
 //! down costs the dropped spans and one warning a minute, nothing else.
@@ -58,6 +63,11 @@ pub enum OtelConfigError {
     UnsupportedProtocol { var: &'static str, value: String },
     #[error("{var}={value:?} is not a number of milliseconds; set a whole number, e.g. 10000")]
     BadTimeout { var: &'static str, value: String },
+    #[error("{var}: {source}")]
+    InsecureHeaders {
+        var: &'static str,
+        source: crate::channel::InsecureChannel,
+    },
     #[error("cannot set up span export: {0}")]
     Setup(String),
 }
@@ -72,21 +82,34 @@ pub struct ExportSettings {
     /// `SPAN_AND_EVENT` (the OpenTelemetry GenAI instrumentations' spellings, any case) turn
     /// content capture on; anything else, and unset, leave it off.
     pub capture_content: bool,
+    /// What travels in clear because `ABADA_AGENT_ALLOW_INSECURE_HTTP=true` allowed it (the
+    /// headers to an http:// collector that is not loopback), for the start-up warning.
+    pub in_clear: Option<String>,
 }
 
 impl ExportSettings {
-    /// `Ok(None)` when span export is off.
-    pub fn from_env(env: &dyn EnvSource) -> Result<Option<ExportSettings>, OtelConfigError> {
+    /// `Ok(None)` when span export is off. `allow_insecure` is
+    /// `ABADA_AGENT_ALLOW_INSECURE_HTTP`: whether the headers may go to an http:// collector
+    /// that is not loopback.
+    pub fn from_env(
+        env: &dyn EnvSource,
+        allow_insecure: bool,
+    ) -> Result<Option<ExportSettings>, OtelConfigError> {
         let var = |k: &str| env.get(k).filter(|v| !v.trim().is_empty());
         let disabled =
             var("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
         let no_exporter =
             var("OTEL_TRACES_EXPORTER").is_some_and(|v| v.trim().eq_ignore_ascii_case("none"));
-        let endpoint =
-            var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or(var("OTEL_EXPORTER_OTLP_ENDPOINT"));
-        if endpoint.is_none() || disabled || no_exporter {
+        let endpoint = [
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+        ]
+        .into_iter()
+        .find_map(|name| var(name).map(|url| (name, url)));
+        let Some((endpoint_var, endpoint)) = endpoint.filter(|_| !disabled && !no_exporter) else {
             return Ok(None);
-        }
+        };
+        let in_clear = check_credentials(&var, endpoint_var, &endpoint, allow_insecure)?;
         for name in [
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
             "OTEL_EXPORTER_OTLP_PROTOCOL",
@@ -122,13 +145,50 @@ impl ExportSettings {
         Ok(Some(ExportSettings {
             timeout,
             capture_content,
+            in_clear,
         }))
+    }
+}
+
+/// The credentials span export sends (the headers the SDK reads, a user part of the endpoint)
+/// checked against [`crate::channel::check`]: an error naming the variable when they would
+/// travel in clear unallowed; what travels in clear when allowed.
+fn check_credentials(
+    var: &dyn Fn(&str) -> Option<String>,
+    endpoint_var: &'static str,
+    endpoint: &str,
+    allow_insecure: bool,
+) -> Result<Option<String>, OtelConfigError> {
+    // The SDK sends the traces variable's headers when it is set, else the general one's.
+    let headers = [
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+        "OTEL_EXPORTER_OTLP_HEADERS",
+    ]
+    .into_iter()
+    .find(|name| var(name).is_some());
+    let user_part = reqwest::Url::parse(endpoint.trim())
+        .is_ok_and(|u| !u.username().is_empty() || u.password().is_some());
+    let credential = match (headers, user_part) {
+        (Some(name), _) => Some((name, format!("the OTLP headers ({name})"))),
+        (None, true) => Some((endpoint_var, format!("the user part of {endpoint_var}"))),
+        (None, false) => None,
+    };
+    let Some((name, what)) = credential else {
+        return Ok(None);
+    };
+    match crate::channel::check(endpoint, &what, allow_insecure) {
+        Ok(crate::channel::Channel::Protected) => Ok(None),
+        Ok(crate::channel::Channel::Clear) => {
+            Ok(Some(format!("{what} to {}", crate::redact::url(endpoint))))
+        }
+        Err(source) => Err(OtelConfigError::InsecureHeaders { var: name, source }),
     }
 }
 
 /// The running span export: the tracer provider and its batch thread.
 pub struct SpanExport {
     provider: SdkTracerProvider,
+    in_clear: Option<String>,
 }
 
 impl SpanExport {
@@ -167,7 +227,15 @@ impl SpanExport {
             .with_span_processor(batch)
             .build();
         CAPTURE_CONTENT.store(settings.capture_content, Ordering::Relaxed);
-        Ok(SpanExport { provider })
+        Ok(SpanExport {
+            provider,
+            in_clear: settings.in_clear.clone(),
+        })
+    }
+
+    /// What the export sends in clear, allowed by `ABADA_AGENT_ALLOW_INSECURE_HTTP=true`.
+    pub fn credentials_in_clear(&self) -> Option<&str> {
+        self.in_clear.as_deref()
     }
 
     /// The tracer the `tracing` bridge layer records into.
@@ -333,15 +401,94 @@ mod tests {
     fn env(pairs: &[(&'static str, &'static str)]) -> Env {
         Env(pairs.iter().copied().collect())
     }
+    fn from_env(env: &Env) -> Result<Option<ExportSettings>, OtelConfigError> {
+        ExportSettings::from_env(env, false)
+    }
+
+    #[test]
+    fn otlp_headers_go_over_https_or_to_loopback_only() {
+        let headers = ("OTEL_EXPORTER_OTLP_HEADERS", "api-key=otlp-marker-9");
+        let far = (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "http://collector.internal:4318",
+        );
+        let e = from_env(&env(&[far, headers])).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                OtelConfigError::InsecureHeaders {
+                    var: "OTEL_EXPORTER_OTLP_HEADERS",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(text.starts_with("OTEL_EXPORTER_OTLP_HEADERS: "), "{text}");
+        assert!(
+            text.contains("ABADA_AGENT_ALLOW_INSECURE_HTTP=true"),
+            "{text}"
+        );
+        assert!(!text.contains("otlp-marker-9"), "{text}");
+        // The traces variable, and a password in the endpoint, are credentials too.
+        let e = from_env(&env(&[
+            far,
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+                "authorization=Bearer otlp-marker-9",
+            ),
+        ]))
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("OTEL_EXPORTER_OTLP_TRACES_HEADERS: "),
+            "{e}"
+        );
+        let e = from_env(&env(&[(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "http://u:otlp-marker-9@collector.internal:4318/v1/traces",
+        )]))
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: "),
+            "{e}"
+        );
+        assert!(!e.to_string().contains("otlp-marker-9"), "{e}");
+        // https, loopback, no credential at all, or the operator's allow.
+        for ok in [
+            vec![
+                (
+                    "OTEL_EXPORTER_OTLP_ENDPOINT",
+                    "https://collector.internal:4318",
+                ),
+                headers,
+            ],
+            vec![
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318"),
+                headers,
+            ],
+            vec![far],
+        ] {
+            let s = from_env(&env(&ok)).unwrap().unwrap();
+            assert_eq!(s.in_clear, None, "{ok:?}");
+        }
+        let allowed = ExportSettings::from_env(&env(&[far, headers]), true)
+            .unwrap()
+            .unwrap();
+        let clear = allowed.in_clear.unwrap();
+        assert!(clear.contains("OTEL_EXPORTER_OTLP_HEADERS"), "{clear}");
+        assert!(!clear.contains("otlp-marker-9"), "{clear}");
+    }
 
     #[test]
     fn export_is_on_only_with_an_endpoint() {
-        assert_eq!(ExportSettings::from_env(&env(&[])), Ok(None));
+        assert_eq!(from_env(&env(&[])), Ok(None));
         assert_eq!(
-            ExportSettings::from_env(&env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", " ")])),
+            from_env(&env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", " ")])),
             Ok(None)
         );
-        let on = ExportSettings::from_env(&env(&[(
+        let on = from_env(&env(&[(
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
             "http://127.0.0.1:4318/v1/traces",
         )]))
@@ -354,7 +501,7 @@ mod tests {
             ("OTEL_TRACES_EXPORTER", "none"),
         ] {
             assert_eq!(
-                ExportSettings::from_env(&env(&[
+                from_env(&env(&[
                     ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
                     off
                 ])),
@@ -368,14 +515,14 @@ mod tests {
     fn only_http_protobuf_is_accepted_and_the_traces_variable_wins() {
         let base = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318");
         assert!(matches!(
-            ExportSettings::from_env(&env(&[base, ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")])),
+            from_env(&env(&[base, ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")])),
             Err(OtelConfigError::UnsupportedProtocol {
                 var: "OTEL_EXPORTER_OTLP_PROTOCOL",
                 ..
             })
         ));
         assert!(
-            ExportSettings::from_env(&env(&[
+            from_env(&env(&[
                 base,
                 ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
                 ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
@@ -383,16 +530,14 @@ mod tests {
             .unwrap()
             .is_some()
         );
-        let e =
-            ExportSettings::from_env(&env(&[base, ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")]))
-                .unwrap_err();
+        let e = from_env(&env(&[base, ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")])).unwrap_err();
         assert!(e.to_string().contains("http/protobuf"), "{e}");
     }
 
     #[test]
     fn timeout_and_content_capture_are_read() {
         let base = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318");
-        let s = ExportSettings::from_env(&env(&[
+        let s = from_env(&env(&[
             base,
             ("OTEL_EXPORTER_OTLP_TIMEOUT", "2500"),
             ("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "True"),
@@ -402,7 +547,7 @@ mod tests {
         assert_eq!(s.timeout, Duration::from_millis(2500));
         assert!(s.capture_content);
         for v in ["SPAN_ONLY", "span_and_event"] {
-            let s = ExportSettings::from_env(&env(&[
+            let s = from_env(&env(&[
                 base,
                 ("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", v),
             ]))
@@ -411,7 +556,7 @@ mod tests {
             assert!(s.capture_content, "{v}");
         }
         for v in ["false", "NO_CONTENT", "EVENT_ONLY", "1"] {
-            let s = ExportSettings::from_env(&env(&[
+            let s = from_env(&env(&[
                 base,
                 ("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", v),
             ]))
@@ -420,7 +565,7 @@ mod tests {
             assert!(!s.capture_content, "{v}");
         }
         assert!(matches!(
-            ExportSettings::from_env(&env(&[base, ("OTEL_EXPORTER_OTLP_TIMEOUT", "10s")])),
+            from_env(&env(&[base, ("OTEL_EXPORTER_OTLP_TIMEOUT", "10s")])),
             Err(OtelConfigError::BadTimeout { .. })
         ));
     }

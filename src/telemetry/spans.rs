@@ -74,6 +74,14 @@ fn inside_exported_span() -> bool {
         .is_valid()
 }
 
+/// An integer attribute as the GenAI conventions type it (OTLP `intValue`): recorded as an
+/// `i64`, since tracing-opentelemetry 0.34 has no `record_u64` and exports every unsigned
+/// integer through `Debug`, as a string (backends that sum tokens ignore strings). Saturates
+/// at `i64::MAX`.
+fn int<T: TryInto<i64>>(n: T) -> i64 {
+    n.try_into().unwrap_or(i64::MAX)
+}
+
 /// Records `error.type` and the ERROR status.
 fn set_error(span: &Span, error_type: &str) {
     span.record("error.type", error_type);
@@ -111,7 +119,7 @@ pub fn invoke_agent(a: &AgentSpan<'_>) -> Span {
         error.type = Empty,
         abada.task.id = a.task_id,
         abada.process_instance.id = a.process_instance_id,
-        abada.attempt = a.attempt,
+        abada.attempt = a.attempt.map(int),
         abada.task.end = Empty,
         abada.resumed_steps = Empty,
     );
@@ -158,10 +166,10 @@ pub fn record_attempt_end(
     resumed_steps: u64,
 ) {
     span.record("abada.task.end", end);
-    span.record("gen_ai.usage.input_tokens", input_tokens);
-    span.record("gen_ai.usage.output_tokens", output_tokens);
+    span.record("gen_ai.usage.input_tokens", int(input_tokens));
+    span.record("gen_ai.usage.output_tokens", int(output_tokens));
     if resumed_steps > 0 {
-        span.record("abada.resumed_steps", resumed_steps);
+        span.record("abada.resumed_steps", int(resumed_steps));
     }
     if let Some(t) = error_type {
         set_error(span, t);
@@ -193,7 +201,7 @@ pub fn chat(c: &ChatSpan<'_>) -> Span {
         gen_ai.operation.name = "chat",
         gen_ai.provider.name = c.provider,
         gen_ai.request.model = c.model,
-        gen_ai.request.max_tokens = c.max_tokens,
+        gen_ai.request.max_tokens = c.max_tokens.map(int),
         gen_ai.response.model = Empty,
         gen_ai.usage.input_tokens = Empty,
         gen_ai.usage.output_tokens = Empty,
@@ -204,9 +212,9 @@ pub fn chat(c: &ChatSpan<'_>) -> Span {
         gen_ai.output.messages = Empty,
         error.type = Empty,
         abada.provider = c.configured_provider,
-        abada.fallback.index = c.fallback_index,
+        abada.fallback.index = int(c.fallback_index),
         abada.fallback = c.fallback_index > 0,
-        abada.retry = c.retry,
+        abada.retry = int(c.retry),
     )
 }
 
@@ -273,14 +281,14 @@ pub fn record_chat_answer(span: &Span, a: &ChatAnswer<'_>, output: &AssistantMes
         span.record("gen_ai.response.model", m);
     }
     if let Some(u) = a.usage {
-        span.record("gen_ai.usage.input_tokens", u.input_tokens);
-        span.record("gen_ai.usage.output_tokens", u.output_tokens);
+        span.record("gen_ai.usage.input_tokens", int(u.input_tokens));
+        span.record("gen_ai.usage.output_tokens", int(u.output_tokens));
     }
     if let Some(n) = a.cache_read_tokens {
-        span.record("gen_ai.usage.cache_read.input_tokens", n);
+        span.record("gen_ai.usage.cache_read.input_tokens", int(n));
     }
     if let Some(n) = a.cache_creation_tokens {
-        span.record("gen_ai.usage.cache_creation.input_tokens", n);
+        span.record("gen_ai.usage.cache_creation.input_tokens", int(n));
     }
     if !a.finish_reason.is_empty() {
         span.set_attribute(
@@ -331,6 +339,7 @@ pub fn execute_tool(t: &ToolSpan<'_>) -> Span {
         error.type = Empty,
         abada.tool.server = t.server,
         abada.idempotency_key = Empty,
+        abada.idempotency_key.kind = Empty,
         abada.tool.outcome = Empty,
         abada.tool.tries = Empty,
     )
@@ -338,12 +347,25 @@ pub fn execute_tool(t: &ToolSpan<'_>) -> Span {
 
 /// Records what is sent: the keyed write's idempotency key (none for a read-only call), and
 /// the arguments (only with content capture on).
+///
+/// A key derived from the call's content (`abada:{taskId}:h:{hash}:{n}`, when no journal
+/// exists) is not exported, only its kind (`abada.idempotency_key.kind` = `content`): its hash
+/// is a SHA-256 of the arguments, and small arguments (an amount, an order id) are recovered
+/// from it by guessing, content capture off or not. An HMAC under a worker secret would only
+/// correlate spans of one worker, which their trace already does, and could no longer be
+/// matched against the tool server's logs either. A journal key (`abada:{taskId}:{seq}`)
+/// names a step, nothing of the content: it is exported (`journal`).
 pub fn record_tool_call(span: &Span, key: Option<&str>, arguments: &impl serde::Serialize) {
     if span.is_disabled() {
         return;
     }
     if let Some(k) = key {
-        span.record("abada.idempotency_key", k);
+        if is_content_key(k) {
+            span.record("abada.idempotency_key.kind", "content");
+        } else {
+            span.record("abada.idempotency_key", k);
+            span.record("abada.idempotency_key.kind", "journal");
+        }
     }
     if super::otel::capture_content()
         && let Ok(text) = serde_json::to_string(arguments)
@@ -352,9 +374,24 @@ pub fn record_tool_call(span: &Span, key: Option<&str>, arguments: &impl serde::
     }
 }
 
+/// Whether `key` has the shape of a content-derived key: `…:h:{32 hex digits}:{n}`. A journal
+/// key ends in `:{seq}` right after the task id, so it has this shape only for a task id that
+/// itself ends in `:h:{32 hex digits}`, and is then left off the span too: the safe side.
+fn is_content_key(key: &str) -> bool {
+    let mut parts = key.rsplit(':');
+    let (Some(n), Some(hash), Some(h)) = (parts.next(), parts.next(), parts.next()) else {
+        return false;
+    };
+    h == "h"
+        && hash.len() == 32
+        && hash.bytes().all(|b| b.is_ascii_hexdigit())
+        && !n.is_empty()
+        && n.bytes().all(|b| b.is_ascii_digit())
+}
+
 /// Records how many tries the call took.
 pub fn record_tool_tries(span: &Span, tries: u32) {
-    span.record("abada.tool.tries", tries);
+    span.record("abada.tool.tries", int(tries));
 }
 
 /// Records a tool call's outcome as it is counted: `ok`, or the class of failure (a failed try
@@ -417,9 +454,36 @@ pub fn client_call(
 /// `error`, or the status).
 pub fn record_client_answer(span: &Span, status: Option<u16>, error_type: Option<&str>) {
     if let Some(s) = status {
-        span.record("http.response.status_code", s);
+        span.record("http.response.status_code", int(s));
     }
     if let Some(t) = error_type {
         set_error(span, t);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_keys_are_told_from_journal_keys() {
+        let args = json!({"orderId": "o-1", "amountCents": 1500});
+        for task in ["t1", "a:b", "x:h:0"] {
+            let key = crate::agent::journal::content_key(task, "orders", "refund", &args, 2);
+            assert!(is_content_key(&key), "{key}");
+            assert!(!is_content_key(&crate::agent::journal::write_key(task, 5)));
+        }
+        assert!(!is_content_key("abada:t1:h:abc:1"));
+        assert!(!is_content_key(
+            "abada:t1:h:00112233445566778899aabbccddeeff:"
+        ));
+    }
+
+    #[test]
+    fn unsigned_integers_become_i64_and_saturate() {
+        assert_eq!(int(7u16), 7i64);
+        assert_eq!(int(u32::MAX), i64::from(u32::MAX));
+        assert_eq!(int(u64::MAX), i64::MAX);
+        assert_eq!(int(3usize), 3);
     }
 }

@@ -48,6 +48,8 @@ enum Mcp {
     GiantError,
     /// Every answer is sent one byte at a time.
     Drip,
+    /// `initialize` answers with 1 MB of `instructions` (rmcp logs them at INFO).
+    LoudInstructions,
 }
 
 /// A minimal MCP server (2025-11-25, JSON answers) misbehaving as `mode` says, on 127.0.0.1.
@@ -76,6 +78,10 @@ async fn mcp(State(mode): State<Mcp>, body: Bytes) -> Response {
         "inputSchema": {"type": "object"}, "annotations": {"readOnlyHint": true}});
     let answer = match (method, mode) {
         ("server/discover", _) => return (StatusCode::BAD_REQUEST, "unsupported").into_response(),
+        ("initialize", Mcp::LoudInstructions) => json!({"jsonrpc": "2.0", "id": id, "result": {
+            "protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+            "serverInfo": {"name": "hostile", "version": "1"},
+            "instructions": "i".repeat(1_000_000)}}),
         ("initialize", _) => json!({"jsonrpc": "2.0", "id": id, "result": {
             "protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
             "serverInfo": {"name": "hostile", "version": "1"}}}),
@@ -310,6 +316,61 @@ async fn a_tool_server_with_endless_list_pages_ends_each_task_as_a_named_inciden
     for t in &views {
         let m = incident_message(t);
         assert!(m.contains("limit of 16 pages"), "{m}");
+    }
+    s.shutdown().await;
+}
+
+/// A tool server answering `initialize` with 1 MB of `instructions` (a hostile server wrote a
+/// 1,000,851-byte log line this way): under the default filter, a bare `RUST_LOG=debug` and
+/// even `rmcp=debug` named by the operator, no line the worker writes is longer than a few
+/// capped fields; when rmcp is let through, its line says it was cut. (The `pretty` format's
+/// cap is held by `telemetry::tests::every_field_of_a_pretty_line_is_capped_and_says_it_was_cut`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_servers_megabyte_of_instructions_never_makes_a_long_log_line() {
+    let s = stack().await;
+    s.model.set_script("tooly", lookup_script());
+    let url = hostile_mcp(Mcp::LoudInstructions).await;
+    for (run, rust_log) in [
+        ("default", None),
+        ("debug", Some("debug")),
+        ("named", Some("info,rmcp=debug")),
+    ] {
+        let ids = tasks(&s, &format!("loud-{run}"), 1, &agent("openai/tooly", &url));
+        let mut env = stack_env(&s, &format!("hostile-loud-{run}"));
+        env.retain(|(k, _)| k != "RUST_LOG");
+        if let Some(filter) = rust_log {
+            env.push(("RUST_LOG".into(), filter.into()));
+        }
+        let mut p = WorkerProcess::spawn(&env).await;
+        let views = wait_ended(&s, &ids, &p).await;
+        assert_eq!(views[0].status, TaskStatus::Completed, "{run}: {views:?}");
+        p.signal("TERM");
+        let status = p.wait(Duration::from_secs(20)).await;
+        assert!(status.success(), "{run}: exit {status}");
+        let mut output = p.stdout();
+        output.extend(p.stderr());
+        let longest = output.iter().map(String::len).max().unwrap_or_default();
+        eprintln!("{run}: {} lines, the longest {longest} bytes", output.len());
+        assert!(
+            longest < 64 * 1024,
+            "{run}: a log line of {longest} bytes: {}",
+            output
+                .iter()
+                .find(|l| l.len() == longest)
+                .map(|l| &l[..300.min(l.len())])
+                .unwrap_or_default()
+        );
+        let instructions_logged = output.iter().any(|l| l.contains("iiiiiiii"));
+        if run == "named" {
+            assert!(
+                output
+                    .iter()
+                    .any(|l| l.contains("iiiiiiii") && l.contains("…[cut: ")),
+                "{run}: rmcp, named, logs the instructions cut"
+            );
+        } else {
+            assert!(!instructions_logged, "{run}: rmcp logged the instructions");
+        }
     }
     s.shutdown().await;
 }

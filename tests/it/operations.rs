@@ -443,6 +443,82 @@ async fn pretty_log_format_writes_human_lines_to_stderr() {
     stack.shutdown().await;
 }
 
+/// Headers that are credentials (the engine headers file's values, the OTLP export's headers)
+/// bound for an `http://` host that is not loopback: the binary does not start (exit code 2, one
+/// line naming the variable, never the value), before any network call; with
+/// `ABADA_AGENT_ALLOW_INSECURE_HTTP=true` it starts and says once what travels in clear.
+#[tokio::test]
+async fn headers_bound_for_plain_http_elsewhere_stop_the_start_naming_the_variable() {
+    const MARKER: &str = "hdr-marker-5e1d-never-print";
+    let dir = std::env::temp_dir().join(format!("abada-ops-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let headers_file = dir.join("engine-headers");
+    std::fs::write(&headers_file, format!("X-Auth-Request-User: {MARKER}\n")).unwrap();
+    let headers_file = headers_file.to_str().unwrap().to_string();
+    let otlp_headers = format!("api-key={MARKER}");
+    let cases: [(&str, Vec<(&str, &str)>); 2] = [
+        (
+            "ABADA_AGENT_ENGINE_HEADERS_FILE",
+            vec![
+                ("ABADA_AGENT_ENGINE_URL", "http://engine.invalid:5601/api"),
+                ("ABADA_AGENT_ENGINE_HEADERS_FILE", headers_file.as_str()),
+            ],
+        ),
+        (
+            "OTEL_EXPORTER_OTLP_HEADERS",
+            vec![
+                ("ABADA_AGENT_ENGINE_URL", "http://127.0.0.1:9/api"),
+                (
+                    "OTEL_EXPORTER_OTLP_ENDPOINT",
+                    "http://collector.invalid:4318",
+                ),
+                ("OTEL_EXPORTER_OTLP_HEADERS", otlp_headers.as_str()),
+            ],
+        ),
+    ];
+    for (var, vars) in &cases {
+        let env: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let mut worker = WorkerProcess::spawn_raw(&[], &env);
+        let exit = worker.wait(Duration::from_secs(15)).await;
+        let stderr = lines_until(|| worker.stderr(), "configuration error").await;
+        assert_eq!(exit.code(), Some(2), "{var}: {exit} {stderr:?}");
+        assert_eq!(stderr.len(), 1, "{var}: one line: {stderr:?}");
+        assert!(stderr[0].contains(var), "{var} named: {}", stderr[0]);
+        assert!(
+            stderr[0].contains("ABADA_AGENT_ALLOW_INSECURE_HTTP=true"),
+            "{}",
+            stderr[0]
+        );
+        let all = [worker.stdout(), stderr].concat().join("\n");
+        assert!(
+            !all.contains(MARKER),
+            "{var}: a header value was printed: {all}"
+        );
+    }
+    // Allowed: the worker starts, and its one warning names what travels in clear, not a value.
+    let (_, vars) = &cases[1];
+    let mut env: Vec<(String, String)> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    env.push(("ABADA_AGENT_ALLOW_INSECURE_HTTP".into(), "true".into()));
+    let mut worker = WorkerProcess::spawn(&env).await;
+    let warning = lines_until(|| worker.stdout(), "credentials travel in clear").await;
+    let warning = warning
+        .iter()
+        .find(|l| l.contains("credentials travel in clear"))
+        .unwrap();
+    assert!(warning.contains("OTEL_EXPORTER_OTLP_HEADERS"), "{warning}");
+    worker.signal("TERM");
+    let _ = worker.wait(Duration::from_secs(10)).await;
+    let all = [worker.stdout(), worker.stderr()].concat().join("\n");
+    assert!(!all.contains(MARKER), "a header value was printed: {all}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// One sample of the text exposition.
 #[derive(Debug)]
 struct Sample {

@@ -164,6 +164,31 @@ fn attr(span: &Value, key: &str) -> Option<String> {
     Some(v.to_string())
 }
 
+/// An attribute exported as an OTLP `intValue` (the GenAI conventions' type for token counts
+/// and every other integer); `None` when absent or of another type (a string in particular).
+fn int_attr(span: &Value, key: &str) -> Option<i64> {
+    let kv = span["attributes"]
+        .as_array()?
+        .iter()
+        .find(|kv| kv["key"] == key)?;
+    // OTLP/JSON writes an int64 as a string of digits, under `intValue`.
+    kv["value"]["intValue"].as_str()?.parse().ok()
+}
+
+/// Asserts that each of `keys` on `span` is exported as an OTLP `intValue`.
+fn assert_ints(span: &Value, keys: &[&str]) {
+    for k in keys {
+        assert!(
+            int_attr(span, k).is_some(),
+            "{k} is not an intValue on {}: {:?}",
+            name(span),
+            span["attributes"]
+                .as_array()
+                .and_then(|a| a.iter().find(|kv| kv["key"] == *k))
+        );
+    }
+}
+
 fn name(span: &Value) -> &str {
     span["name"].as_str().unwrap_or_default()
 }
@@ -288,6 +313,15 @@ async fn a_refund_task_is_one_trace_under_the_engines_trace_id() {
         ] {
             assert_eq!(attr(invoke, k).as_deref(), Some(v), "{k} on {invoke}");
         }
+        assert_ints(
+            invoke,
+            &[
+                "gen_ai.usage.input_tokens",
+                "gen_ai.usage.output_tokens",
+                "abada.attempt",
+            ],
+        );
+        assert_eq!(int_attr(invoke, "gen_ai.usage.input_tokens"), Some(360));
         let invoke_id = invoke["spanId"].as_str().unwrap();
 
         let chats: Vec<&&Value> = trace.iter().filter(|s| name(s) == "chat refund").collect();
@@ -313,6 +347,16 @@ async fn a_refund_task_is_one_trace_under_the_engines_trace_id() {
                 assert!(attr(c, k).is_some(), "{k} missing on {c}");
             }
             assert!(attr(c, "error.type").is_none());
+            assert_ints(
+                c,
+                &[
+                    "gen_ai.usage.input_tokens",
+                    "gen_ai.usage.output_tokens",
+                    "gen_ai.request.max_tokens",
+                    "abada.fallback.index",
+                    "abada.retry",
+                ],
+            );
         }
         let input_tokens: u64 = chats
             .iter()
@@ -347,6 +391,7 @@ async fn a_refund_task_is_one_trace_under_the_engines_trace_id() {
             assert_eq!(attr(t, "abada.tool.server").as_deref(), Some("orders"));
             assert_eq!(attr(t, "abada.tool.outcome").as_deref(), Some("ok"));
             assert!(attr(t, "gen_ai.tool.call.id").is_some());
+            assert_ints(t, &["abada.tool.tries"]);
         }
         let refund = tools
             .iter()
@@ -355,6 +400,10 @@ async fn a_refund_task_is_one_trace_under_the_engines_trace_id() {
         assert_eq!(
             attr(refund, "abada.idempotency_key"),
             Some(format!("abada:{}:5", view.id))
+        );
+        assert_eq!(
+            attr(refund, "abada.idempotency_key.kind").as_deref(),
+            Some("journal")
         );
         assert!(
             tools
@@ -381,8 +430,8 @@ async fn a_refund_task_is_one_trace_under_the_engines_trace_id() {
             .collect();
         assert_eq!(complete.len(), 1);
         assert_eq!(complete[0]["parentSpanId"], *engine_span);
-        let status = attr(complete[0], "http.response.status_code").unwrap_or_default();
-        assert!(status.starts_with('2'), "complete answered {status}");
+        let status = int_attr(complete[0], "http.response.status_code").unwrap_or_default();
+        assert!((200..300).contains(&status), "complete answered {status}");
         // Every journaled step names the attempt that wrote it, for a resuming attempt's link.
         for step in &view.journal {
             let tp = step["data"]["traceparent"].as_str().unwrap_or_default();
@@ -401,6 +450,83 @@ async fn a_refund_task_is_one_trace_under_the_engines_trace_id() {
             "a tool credential reached a span"
         );
     }
+    collector.stop().await;
+    stack.shutdown().await;
+}
+
+/// Without a journal, a keyed write's key is derived from its content
+/// (`abada:{taskId}:h:{hash}:{n}`, the hash a SHA-256 of the arguments). The tool server gets
+/// it unchanged; no exported span carries the hash (small arguments could be recovered from it
+/// by guessing), only the key's kind.
+#[tokio::test]
+async fn a_content_derived_key_reaches_the_tool_server_but_no_span() {
+    let Some(collector) = Collector::start().await else {
+        return;
+    };
+    let stack = Stack::start(ProtocolLevel::AgentV1WithoutJournal)
+        .await
+        .unwrap();
+    let ids = stack
+        .engine
+        .create_tasks([spec(stack.refund_agent("openai/refund", &[]), "o-content")]);
+    let mut env = stack_env(&stack, "otel-content");
+    for (k, v) in [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", collector.endpoint.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        // Content capture off: the hash must not be the one way the arguments leave.
+        ("ABADA_AGENT_PROVIDER_OPENAI_API_KEY", API_KEY),
+    ] {
+        env.push((k.to_string(), v.to_string()));
+    }
+    let mut worker = WorkerProcess::spawn(&env).await;
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(30)).await;
+    assert_eq!(views[0].status, TaskStatus::Completed, "{views:?}");
+    worker.signal("TERM");
+    let exit = worker.wait(Duration::from_secs(15)).await;
+    assert!(exit.success(), "{exit}");
+
+    // The key the tool server received: content-derived, unchanged.
+    let keys: Vec<String> = stack
+        .tools
+        .calls()
+        .into_iter()
+        .filter_map(|c| c.idempotency_key)
+        .collect();
+    let prefix = format!("abada:{}:h:", ids[0]);
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    assert!(keys[0].starts_with(&prefix), "{keys:?}");
+    let hash = keys[0][prefix.len()..]
+        .split(':')
+        .next()
+        .unwrap()
+        .to_string();
+    assert_eq!(hash.len(), 32, "{keys:?}");
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let refund = loop {
+        let found = collector
+            .spans()
+            .into_iter()
+            .map(|(_, s)| s)
+            .find(|s| name(s) == "execute_tool issue_refund");
+        if let Some(s) = found {
+            break s;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the refund's span never reached the collector"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // Nowhere in anything exported: neither the hash nor the key.
+    let raw = collector.raw();
+    assert!(!raw.contains(&hash), "the content hash reached a span");
+    assert!(!raw.contains(&keys[0]), "the content key reached a span");
+    assert_eq!(attr(&refund, "abada.idempotency_key"), None);
+    assert_eq!(
+        attr(&refund, "abada.idempotency_key.kind").as_deref(),
+        Some("content")
+    );
     collector.stop().await;
     stack.shutdown().await;
 }

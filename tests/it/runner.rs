@@ -446,6 +446,120 @@ async fn shutdown_lets_short_tasks_finish_and_releases_the_rest_with_retries_unc
     assert_eq!(report.retry_timeout, Duration::ZERO);
 }
 
+/// An engine answering a fetch with more tasks than `maxTasks` asked for: the worker starts
+/// what its free slots hold and releases the rest at once (retries unchanged, no retry wait),
+/// instead of holding them locked, unstarted, until their locks expire.
+#[tokio::test(start_paused = true)]
+async fn tasks_beyond_max_tasks_are_released_at_once_with_retries_unchanged() {
+    let engine = FakeEngine::default();
+    for i in 0..5 {
+        let mut t = task(&format!("t-{i}"));
+        t.retries = Some(2);
+        engine.push(t);
+    }
+    engine.state.lock().unwrap().surplus = 3;
+    let handler = SleepHandler::new(Duration::from_secs(60));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 2;
+    s.poll_interval = Duration::from_secs(3600);
+    let mut r = start(&engine, handler.clone(), s);
+    let fetched = loop {
+        if let RunnerEvent::Fetched { requested, got } = next_event(&mut r.events).await {
+            break (requested, got);
+        }
+    };
+    assert_eq!(
+        fetched,
+        (2, 5),
+        "the engine answered 5 tasks to a maxTasks of 2"
+    );
+    // Released within the fetch's own round trip, long before a lock (120 s) could expire.
+    wait_until(
+        || engine.state.lock().unwrap().failures.len() == 3,
+        Duration::from_millis(100),
+    )
+    .await;
+    let fetched_at = engine
+        .calls()
+        .iter()
+        .find(|c| c.op == "fetch-and-lock")
+        .unwrap()
+        .at;
+    {
+        let st = engine.state.lock().unwrap();
+        let mut released: Vec<&str> = st.failures.iter().map(|(id, _)| id.as_str()).collect();
+        released.sort();
+        assert_eq!(released, ["t-2", "t-3", "t-4"]);
+        for (id, report) in &st.failures {
+            assert_eq!(report.retries, 2, "{id}: retries unchanged");
+            assert_eq!(
+                report.retry_timeout,
+                Duration::ZERO,
+                "{id}: offered again at once"
+            );
+        }
+    }
+    for id in ["t-2", "t-3", "t-4"] {
+        let calls = engine.calls_for(id);
+        assert_eq!(
+            calls.iter().map(|c| c.op).collect::<Vec<_>>(),
+            ["failure"],
+            "{id} was never started nor extended, only released"
+        );
+        assert!(
+            calls[0].at - fetched_at < Duration::from_millis(10),
+            "{id} released late"
+        );
+    }
+    // The two that fit run to completion; never more than the slots at once.
+    wait_until(|| completed(&engine) == 2, Duration::from_secs(120)).await;
+    assert_eq!(handler.most.load(Ordering::SeqCst), 2);
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+}
+
+/// An engine that answers a surplus and then stalls on every release holds the poll loop for
+/// the release bound (10 s) at most: the loop goes on fetching, and stays live.
+#[tokio::test(start_paused = true)]
+async fn a_stalled_surplus_release_holds_the_poll_loop_ten_seconds_at_most() {
+    let engine = FakeEngine::with_tasks(40);
+    {
+        let mut st = engine.state.lock().unwrap();
+        st.surplus = 30;
+        st.stall_failures = true;
+    }
+    let handler = SleepHandler::new(Duration::from_secs(1));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 1;
+    let r = start(&engine, handler, s);
+    let fetches = || {
+        engine
+            .calls()
+            .into_iter()
+            .filter(|c| c.op == "fetch-and-lock")
+            .map(|c| c.at)
+            .collect::<Vec<_>>()
+    };
+    wait_until(|| fetches().len() >= 2, Duration::from_secs(60)).await;
+    let at = fetches();
+    let gap = at[1] - at[0];
+    assert!(
+        gap >= Duration::from_secs(10) && gap < Duration::from_secs(11),
+        "the next fetch came {gap:?} after the first"
+    );
+    assert_eq!(
+        engine
+            .calls()
+            .iter()
+            .filter(|c| c.op == "failure" && c.at < at[1])
+            .count(),
+        8,
+        "8 releases at once before the next fetch, the rest left to their locks"
+    );
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_handler_that_ignores_the_stop_signal_is_dropped_and_released_anyway() {
     let engine = FakeEngine::with_tasks(1);

@@ -38,6 +38,10 @@ pub struct FakeState {
     /// `fetch_transient` is on, reachable otherwise. When not set, the trait default (cannot
     /// probe) applies.
     pub probe_supported: bool,
+    /// A misbehaving engine: each fetch answer holds up to this many tasks beyond `maxTasks`.
+    pub surplus: usize,
+    /// A stalled engine: `failure` answers only after an hour.
+    pub stall_failures: bool,
 }
 
 #[derive(Clone, Default)]
@@ -116,7 +120,7 @@ impl Engine for FakeEngine {
             });
         }
         let mut out = Vec::new();
-        while out.len() < request.max_tasks as usize {
+        while out.len() < request.max_tasks as usize + s.surplus {
             let Some(t) = s.open.pop_front() else { break };
             s.outstanding.insert(t.id.clone());
             out.push(t);
@@ -159,6 +163,10 @@ impl Engine for FakeEngine {
 
     async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
         self.record("failure", Some(task), 0);
+        let stall = self.state.lock().unwrap().stall_failures;
+        if stall {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
         self.state
             .lock()
             .unwrap()
