@@ -474,7 +474,8 @@ impl<'a> Split<'a> {
             tail = &path[end..];
         }
         let mut query = Vec::new();
-        if let Some(q) = tail.strip_prefix('?') {
+        // A bare '?' is an empty query to every reader.
+        if let Some(q) = tail.strip_prefix('?').filter(|q| !q.is_empty()) {
             for pair in q.split('&') {
                 // tokio-postgres reads a name up to the next '=' whatever '&' lie between.
                 let (name, value) = pair.split_once('=').ok_or(UrlError::MalformedParameter)?;
