@@ -1487,10 +1487,22 @@ async fn a_remote_store_is_verify_full_with_channel_binding_by_default() {
         "{e}"
     );
     require.allow_insecure = true;
+    let logs = Logs::default();
+    let capture = logs.capture();
     let store = RunStore::connect(&require, Arc::new(Metrics::new()))
         .await
         .unwrap();
+    drop(capture);
     assert!(store.server().tls.is_some());
+    // One warning says what the allowance exposes; the password is in no line.
+    assert_eq!(
+        logs.count("ABADA_AGENT_STORE_ALLOW_INSECURE=true"),
+        1,
+        "{}",
+        logs.text()
+    );
+    assert!(logs.text().contains("sslmode=require"), "{}", logs.text());
+    assert!(!logs.text().contains(&by_name.password), "{}", logs.text());
     drop(store);
     db.drop().await;
 }
