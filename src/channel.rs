@@ -47,12 +47,19 @@ fn is_loopback(url: &reqwest::Url) -> bool {
     };
     let host = host.trim_start_matches('[').trim_end_matches(']');
     match host.parse::<std::net::IpAddr>() {
-        Ok(ip) => ip.is_loopback(),
+        Ok(ip) => is_loopback_ip(ip),
         Err(_) => {
             let d = host.trim_end_matches('.').to_ascii_lowercase();
             d == "localhost" || d.ends_with(".localhost")
         }
     }
+}
+
+/// Whether an address is loopback: 127.0.0.0/8, `::1`, or the IPv4-mapped form of one
+/// (`::ffff:127.0.0.1`), which reaches 127.0.0.1. The one notion of loopback by address that
+/// every secret's channel uses (here and the run store's `sslmode` rules).
+pub(crate) fn is_loopback_ip(ip: std::net::IpAddr) -> bool {
+    ip.to_canonical().is_loopback()
 }
 
 #[cfg(test)]
@@ -92,6 +99,17 @@ mod tests {
             Ok(Channel::Clear)
         );
         assert!(check("ftp://orders/x", "x", true).is_err());
+        assert_eq!(
+            check("http://[::ffff:127.0.0.1]:9/x", "x", false),
+            Ok(Channel::Protected)
+        );
+        for remote in [
+            "http://[::ffff:10.0.0.1]/x",
+            "http://128.0.0.1/x",
+            "http://[::2]/x",
+        ] {
+            assert!(check(remote, "x", false).is_err(), "{remote}");
+        }
         assert!(check("not a url", "x", true).is_err());
     }
 }

@@ -42,6 +42,7 @@ pub const ENV_STORE_ACQUIRE_TIMEOUT_MS: &str = "ABADA_AGENT_STORE_ACQUIRE_TIMEOU
 pub const ENV_STORE_TRANSACTION_TIMEOUT_MS: &str = "ABADA_AGENT_STORE_TRANSACTION_TIMEOUT_MS";
 pub const ENV_STORE_RETENTION: &str = "ABADA_AGENT_STORE_RETENTION";
 pub const ENV_STORE_ABANDONED_AFTER: &str = "ABADA_AGENT_STORE_ABANDONED_AFTER";
+pub const ENV_STORE_ALLOW_INSECURE: &str = "ABADA_AGENT_STORE_ALLOW_INSECURE";
 pub const ENV_ENGINE_HEADERS_FILE: &str = "ABADA_AGENT_ENGINE_HEADERS_FILE";
 pub const ENV_TOOLS_FILE: &str = "ABADA_AGENT_TOOLS_FILE";
 pub const ENV_MAX_TOOL_CALLS_PER_ANSWER: &str = "ABADA_AGENT_MAX_TOOL_CALLS_PER_ANSWER";
@@ -136,6 +137,10 @@ pub struct StoreConfig {
     pub sweep_batch: usize,
     /// Extra trust roots (`ABADA_AGENT_CA_FILE`) for `sslmode=verify-ca`/`verify-full`.
     pub ca_file: Option<PathBuf>,
+    /// `ABADA_AGENT_STORE_ALLOW_INSECURE`: a store that is not on a loopback address may be
+    /// reached without verified TLS (`sslmode=disable`, `prefer`, `require`) or with a weak
+    /// `channel_binding` (see `crate::store::StoreUrl`). Off: refused.
+    pub allow_insecure: bool,
 }
 
 impl StoreConfig {
@@ -150,6 +155,7 @@ impl StoreConfig {
             abandoned_after: Some(Duration::from_secs(30 * 86_400)),
             sweep_batch: 100,
             ca_file: None,
+            allow_insecure: false,
         }
     }
 }
@@ -284,19 +290,7 @@ impl Config {
             .transpose()?;
         let tools_file = get(ENV_TOOLS_FILE).map(|p| PathBuf::from(p.trim()));
         let ceilings = parse_ceilings(&get)?;
-        let allow_insecure_http = match get(ENV_ALLOW_INSECURE_HTTP)
-            .map(|v| v.trim().to_ascii_lowercase())
-            .as_deref()
-        {
-            None | Some("false") => false,
-            Some("true") => true,
-            Some(v) => {
-                return Err(ConfigError::new(
-                    ENV_ALLOW_INSECURE_HTTP,
-                    format!("{v:?} is not a boolean: allowed true or false"),
-                ));
-            }
-        };
+        let allow_insecure_http = parse_bool(&get, ENV_ALLOW_INSECURE_HTTP)?;
         Ok(Config {
             engine_url,
             worker_id,
@@ -602,6 +596,7 @@ fn parse_store(
             ENV_STORE_TRANSACTION_TIMEOUT_MS,
             ENV_STORE_RETENTION,
             ENV_STORE_ABANDONED_AFTER,
+            ENV_STORE_ALLOW_INSECURE,
         ] {
             if get(var).is_some() {
                 return Err(ConfigError::new(
@@ -619,10 +614,12 @@ fn parse_store(
     let raw = url
         .load()
         .map_err(|e| ConfigError::new(url_var, e.to_string()))?;
+    let allow_insecure = parse_bool(&get, ENV_STORE_ALLOW_INSECURE)?;
     // The problem is named, the URL never echoed: it may hold the password.
-    crate::store::StoreUrl::parse(raw.expose())
+    crate::store::StoreUrl::parse(raw.expose(), allow_insecure)
         .map_err(|e| ConfigError::new(url_var, e.to_string()))?;
     let mut store = StoreConfig::new(url);
+    store.allow_insecure = allow_insecure;
     store.pool_size = parse_range(&get, ENV_STORE_POOL_SIZE, 8, 1, 1000)? as usize;
     store.acquire_timeout = ms(parse_range(
         &get,
@@ -653,6 +650,18 @@ fn parse_store(
     }
     store.ca_file = ca_file;
     Ok(Some(store))
+}
+
+/// `true` or `false` (any case), `false` when unset.
+fn parse_bool(get: &dyn Fn(&str) -> Option<String>, var: &str) -> Result<bool, ConfigError> {
+    match get(var).map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(v) => Err(ConfigError::new(
+            var,
+            format!("{v:?} is not a boolean: allowed true or false"),
+        )),
+    }
 }
 
 /// The longest duration any `ABADA_AGENT_STORE_*` duration takes: ten years.
@@ -997,6 +1006,39 @@ mod tests {
         assert_eq!(store.transaction_timeout, Duration::from_millis(900));
         assert_eq!(store.retention, Duration::from_secs(900));
         assert_eq!(store.abandoned_after, None);
+    }
+
+    #[test]
+    fn a_remote_store_without_verified_tls_needs_the_explicit_allowance() {
+        let url = "postgres://abada:store-marker-9@db:5432/runs?sslmode=require";
+        let e = err(&[(ENV_STORE_URL, url)]);
+        assert_eq!(e.var, ENV_STORE_URL);
+        assert!(
+            e.problem.contains("ABADA_AGENT_STORE_ALLOW_INSECURE=true"),
+            "{e}"
+        );
+        assert!(!e.to_string().contains("store-marker-9"), "{e}");
+        let c = Config::from_env(&env(&[
+            (ENV_ENGINE_URL, "http://e/api"),
+            (ENV_STORE_URL, url),
+            (ENV_STORE_ALLOW_INSECURE, "TRUE"),
+        ]))
+        .unwrap();
+        assert!(c.store.unwrap().allow_insecure);
+        let e = err(&[(ENV_STORE_URL, url), (ENV_STORE_ALLOW_INSECURE, "yes")]);
+        assert_eq!(e.var, ENV_STORE_ALLOW_INSECURE);
+        assert!(e.problem.contains("true or false"), "{e}");
+        let e = err(&[(ENV_STORE_ALLOW_INSECURE, "true")]);
+        assert_eq!(e.var, ENV_STORE_URL);
+        // Loopback by address needs no allowance.
+        Config::from_env(&env(&[
+            (ENV_ENGINE_URL, "http://e/api"),
+            (
+                ENV_STORE_URL,
+                "postgres://abada:store-marker-9@127.0.0.1:5432/runs?sslmode=disable",
+            ),
+        ]))
+        .unwrap();
     }
 
     #[test]

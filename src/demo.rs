@@ -81,18 +81,37 @@ pub struct DemoArgs {
 pub struct DemoStore {
     url: String,
     redacted: String,
+    /// `ABADA_AGENT_STORE_ALLOW_INSECURE=true` in the demo's environment, passed on to its
+    /// workers.
+    allow_insecure: bool,
 }
 
 impl DemoStore {
-    /// Checks the URL as the worker would (`ABADA_AGENT_STORE_URL`).
+    /// Checks the URL as the worker would (`ABADA_AGENT_STORE_URL`, with
+    /// `ABADA_AGENT_STORE_ALLOW_INSECURE` from the environment).
     pub fn new(url: impl Into<String>) -> Result<DemoStore, ArgsError> {
         let url = url.into();
-        let parsed = crate::store::StoreUrl::parse(&url)
+        let allow_insecure = std::env::var(crate::config::ENV_STORE_ALLOW_INSECURE)
+            .is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"));
+        let parsed = crate::store::StoreUrl::parse(&url, allow_insecure)
             .map_err(|e| ArgsError::BadStoreUrl(e.to_string()))?;
         Ok(DemoStore {
             redacted: parsed.redacted().to_string(),
             url,
+            allow_insecure,
         })
+    }
+
+    /// The store's variables for a demo worker.
+    pub(crate) fn worker_env(&self) -> Vec<(String, String)> {
+        let mut env = vec![(crate::config::ENV_STORE_URL.into(), self.url.clone())];
+        if self.allow_insecure {
+            env.push((
+                crate::config::ENV_STORE_ALLOW_INSECURE.into(),
+                "true".into(),
+            ));
+        }
+        env
     }
 
     /// The URL with its password replaced.

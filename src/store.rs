@@ -14,7 +14,8 @@
 //! (`ABADA_AGENT_STORE_ACQUIRE_TIMEOUT_MS`), as is every transaction.
 //!
 //! Submodules: `handle` (the store as a worker holds it: connected in the background, swept,
-//! reported to `/readyz`), `url` (the URL, `sslmode`, the redacted form), `tls` (rustls per `sslmode`),
+//! reported to `/readyz`), `url` (the one reading of the URL, the TLS rules, the redacted form),
+//! `tls` (rustls per `sslmode`),
 //! `pool` (connections and the transaction wrapper), `migrate` (the schema), `runs` (the SQL of
 //! claims, appends, finishes and sweeps), `error` (classes), `outage` (one log line per
 //! outage).
@@ -38,7 +39,7 @@ pub use handle::{StoreHandle, connect_backoff};
 pub use runs::{
     Claim, Fence, MAX_BODY_DEPTH, MAX_JOURNAL_BYTES, MAX_RUN_KEY_BYTES, RunEnd, RunKey,
 };
-pub use url::{SslMode, StoreUrl, UrlError};
+pub use url::{SslMode, StoreUrl, UrlError, UrlPart};
 
 use crate::config::StoreConfig;
 use crate::engine::{AppendOutcome, JournalStep};
@@ -136,6 +137,13 @@ impl RunStore {
             .await
             .map_err(|e| error::classify(&store, &e))?;
         drop(client);
+        if let Some(exposure) = pool.url().ok().and_then(|url| url.exposure()) {
+            tracing::warn!(
+                store = %store,
+                exposure,
+                "ABADA_AGENT_STORE_ALLOW_INSECURE=true: the run store is reached without verified TLS"
+            );
+        }
         tracing::info!(
             store = %store,
             server_version = %server.version,

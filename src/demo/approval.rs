@@ -87,7 +87,7 @@ async fn scenario(
         json!({"approval": approval}),
     );
     let mut opts = WorkerOptions::new("W1", 2);
-    opts.env = vec![("ABADA_AGENT_STORE_URL".into(), store.url.clone())];
+    opts.env = store.worker_env();
     let mut crew = Crew::new();
     crew.add(stack.spawn_worker(opts, Stack::fast_agent_settings()));
     tl.emit(

@@ -111,8 +111,8 @@ pub(super) async fn run(output: Output, store: &DemoStore) -> Result<DemoReport,
 fn worker_options(name: &str, files: &OperatorFiles, store: &DemoStore) -> WorkerOptions {
     let mut opts = WorkerOptions::new(name, 1);
     opts.lock_duration = LEASE;
-    opts.env = vec![
-        ("ABADA_AGENT_STORE_URL".into(), store.url.clone()),
+    opts.env = store.worker_env();
+    opts.env.extend([
         (
             "ABADA_AGENT_AGENTS_FILE".into(),
             files.agents.display().to_string(),
@@ -121,7 +121,7 @@ fn worker_options(name: &str, files: &OperatorFiles, store: &DemoStore) -> Worke
             "ABADA_AGENT_TOOLS_FILE".into(),
             files.tools.display().to_string(),
         ),
-    ];
+    ]);
     opts
 }
 

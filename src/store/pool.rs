@@ -46,6 +46,8 @@ impl Operation {
 /// Opens connections; deadpool's manager.
 pub(super) struct Connector {
     url: Arc<SecretSource>,
+    /// `ABADA_AGENT_STORE_ALLOW_INSECURE`, applied at every parse of the URL.
+    allow_insecure: bool,
     tls: StoreTls,
     /// Bound on opening a connection (TCP, TLS, authentication): one exchange with the server,
     /// like a transaction.
@@ -64,6 +66,7 @@ impl Connector {
     pub(super) fn new(config: &StoreConfig) -> Result<Connector, StoreError> {
         let connector = Connector {
             url: config.url.clone(),
+            allow_insecure: config.allow_insecure,
             tls: StoreTls::new(config.ca_file.clone()),
             transaction_timeout: config.transaction_timeout,
             store: RwLock::new(Arc::from("the configured run store")),
@@ -77,18 +80,21 @@ impl Connector {
         self.store.read().expect("store name lock poisoned").clone()
     }
 
-    /// The URL as it is now (a `_FILE` may have been rotated).
-    fn url(&self) -> Result<StoreUrl, StoreError> {
+    /// The URL as it is now (a `_FILE` may have been rotated), checked again: a rotated file
+    /// is held to the same rules as the first.
+    pub(super) fn url(&self) -> Result<StoreUrl, StoreError> {
         let store = self.store();
         let raw = self.url.load().map_err(|e| StoreError::Misconfigured {
             store: store.to_string(),
             reason: e.to_string(),
             remedy: "check ABADA_AGENT_STORE_URL_FILE",
         })?;
-        let url = StoreUrl::parse(raw.expose()).map_err(|e| StoreError::Misconfigured {
-            store: store.to_string(),
-            reason: format!("the URL {e}"),
-            remedy: "fix ABADA_AGENT_STORE_URL (or its _FILE)",
+        let url = StoreUrl::parse(raw.expose(), self.allow_insecure).map_err(|e| {
+            StoreError::Misconfigured {
+                store: store.to_string(),
+                reason: format!("the URL {e}"),
+                remedy: "fix ABADA_AGENT_STORE_URL (or its _FILE)",
+            }
         })?;
         *self.store.write().expect("store name lock poisoned") = Arc::from(url.redacted());
         Ok(url)
@@ -214,6 +220,11 @@ impl Pool {
 
     pub(super) fn store(&self) -> Arc<str> {
         self.pool.manager().store()
+    }
+
+    /// The URL as it is now, parsed and checked.
+    pub(super) fn url(&self) -> Result<StoreUrl, StoreError> {
+        self.pool.manager().url()
     }
 
     /// Why the store is unavailable now, while an outage is open.

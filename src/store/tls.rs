@@ -5,8 +5,9 @@
 //! One certificate verifier covers every mode: without trust roots (`prefer`, `require`) it
 //! accepts any certificate; with them it checks the chain (`verify-ca`) and, for `verify-full`,
 //! the host name. The handshake signature is always checked, so the server proves it holds the
-//! key of the certificate it shows, and SCRAM channel binding (tokio-postgres-rustls) ties the
-//! password exchange to that certificate.
+//! key of the certificate it shows, and SCRAM channel binding (tokio-postgres-rustls), which the
+//! URL's rules require for a remote store wherever TLS may be used (`url`), ties the password
+//! exchange to that certificate. Which modes a store may use at all is decided there, not here.
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};

@@ -1428,6 +1428,85 @@ async fn every_sslmode_does_what_the_readme_says() {
     db.drop().await;
 }
 
+/// The real cluster reached as a remote store: by the name `localhost` (a name, so remote to
+/// the worker) and without `sslmode`, it is `verify-full` with `channel_binding=require`: SCRAM
+/// bound to the certificate, which PostgreSQL offers over TLS. Without the CA it is refused in
+/// the handshake; `require` is refused unless allowed, and works with the allowance (channel
+/// binding still required).
+#[tokio::test]
+async fn a_remote_store_is_verify_full_with_channel_binding_by_default() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let Ok(ca) = std::env::var("ABADA_TEST_DATABASE_CA_FILE") else {
+        eprintln!("skipping: ABADA_TEST_DATABASE_CA_FILE is not set (scripts/test sets it)");
+        return;
+    };
+    let mut by_name = db.url.clone();
+    by_name
+        .params
+        .retain(|(k, _)| k != "sslmode" && k != "hostaddr");
+    by_name.host = "localhost".into();
+    let mut cfg = config(&by_name);
+    cfg.ca_file = Some(ca.into());
+
+    let store = within(
+        "the store to connect by name",
+        RunStore::connect(&cfg, Arc::new(Metrics::new())),
+    )
+    .await
+    .unwrap();
+    assert!(
+        store.redacted_url().ends_with("sslmode=verify-full"),
+        "{}",
+        store.redacted_url()
+    );
+    assert!(store.server().tls.is_some());
+    let mut fence = started(&store, "remote").await;
+    assert_eq!(
+        store.append(&mut fence, &model(2, "bound")).await.unwrap(),
+        AppendOutcome::Created
+    );
+    drop(store);
+
+    let mut untrusted = cfg.clone();
+    untrusted.ca_file = None;
+    let e = RunStore::connect(&untrusted, Arc::new(Metrics::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.class(), ErrorClass::Misconfigured, "{e:?}");
+
+    let mut require = config(&by_name.clone().with("sslmode", "require"));
+    let e = RunStore::connect(&require, Arc::new(Metrics::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.class(), ErrorClass::Misconfigured, "{e:?}");
+    assert!(
+        e.to_string()
+            .contains("ABADA_AGENT_STORE_ALLOW_INSECURE=true"),
+        "{e}"
+    );
+    require.allow_insecure = true;
+    let logs = Logs::default();
+    let capture = logs.capture();
+    let store = RunStore::connect(&require, Arc::new(Metrics::new()))
+        .await
+        .unwrap();
+    drop(capture);
+    assert!(store.server().tls.is_some());
+    // One warning says what the allowance exposes; the password is in no line.
+    assert_eq!(
+        logs.count("ABADA_AGENT_STORE_ALLOW_INSECURE=true"),
+        1,
+        "{}",
+        logs.text()
+    );
+    assert!(logs.text().contains("sslmode=require"), "{}", logs.text());
+    assert!(!logs.text().contains(&by_name.password), "{}", logs.text());
+    drop(store);
+    db.drop().await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Figures
 
