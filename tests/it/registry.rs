@@ -752,6 +752,63 @@ async fn engine_sent_aliases_and_unregistered_servers_are_incidents_by_default()
     stack.shutdown().await;
 }
 
+/// Issue 23, with `ABADA_AGENT_TOOLS_UNREGISTERED=allow` through the emulator: `localhost` for
+/// the registered `127.0.0.1` server (whose calls all wait for a person) is refused where the
+/// session opens, as an incident naming the registered server; a server the registry does not
+/// list, at another port, completes with the engine's credential through a pinned client.
+#[tokio::test]
+async fn with_unregistered_servers_allowed_an_alias_by_address_is_still_an_incident() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let dir = Dir::new("registry");
+    let payments = tool_server("payments", Arc::new(AcceptAny)).await;
+    let tools = dir.write(
+        "tools.toml",
+        &format!(
+            "[servers.orders]\nurl = \"{}\"\nauth = \"engine\"\napproval = \"always\"\n",
+            stack.tools.url()
+        ),
+    );
+    let mut env = worker_env(&stack, &WorkerOptions::new("v1-allow", 4));
+    env.insert(config::ENV_TOOLS_FILE.into(), tools.display().to_string());
+    env.insert(config::ENV_TOOLS_UNREGISTERED.into(), "allow".into());
+    let config = Config::from_env(&env).unwrap();
+    let port = stack.tools.addr().port();
+    let definitions = [
+        ("orders-alias", format!("http://localhost:{port}/mcp")),
+        (
+            "payments",
+            format!("http://localhost:{}/mcp", payments.addr().port()),
+        ),
+    ];
+    let ids = stack
+        .engine
+        .create_tasks(definitions.iter().enumerate().map(|(i, (name, url))| {
+            let mut agent = stack.refund_agent("openai/refund", &[]);
+            agent["toolServers"] = json!([{"name": name, "url": url}]);
+            spec(agent, &format!("o-{i}"))
+        }));
+    let worker = workers::start(&config, fast_seams());
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(30)).await;
+    worker.stop().await;
+    assert_eq!(views[0].status, TaskStatus::Failed, "{:?}", views[0]);
+    assert_eq!(views[0].retries, Some(0), "an incident: {:?}", views[0]);
+    let message = views[0].error_message.clone().unwrap_or_default();
+    for word in [
+        "tool server orders-alias (http://localhost:",
+        &format!("127.0.0.1:{port}, an address of tool server \"orders\""),
+    ] {
+        assert!(message.contains(word), "{word} in {message}");
+    }
+    assert_eq!(views[1].status, TaskStatus::Completed, "{:?}", views[1]);
+    assert_eq!(payments.counters().await.writes_applied, 1);
+    assert!(payments.calls().iter().all(|c| c.token.is_some()));
+    assert!(stack.tools.calls().is_empty());
+    let c = stack.tools.counters().await;
+    assert_eq!((c.sessions_opened, c.unauthorized), (0, 0), "{c:?}");
+    payments.shutdown().await;
+    stack.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_bad_registry_or_an_agents_file_naming_an_unknown_server_stops_the_start() {
     let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
