@@ -96,8 +96,9 @@ pub enum ToolError {
         "tool server {server} ({url}) rejected the credential sent to it; check the server's entry in ABADA_AGENT_TOOLS_FILE, or, for the engine's credential, that the engine and the server agree on credentials"
     )]
     Unauthorized { server: String, url: String },
-    /// The server's host name resolved to a link-local or cloud-metadata address: nothing was
-    /// sent. Retrying cannot help.
+    /// The server's host name resolved to a link-local or cloud-metadata address, or, for a
+    /// server the registry does not list, to a registered server's address and port
+    /// ([`alias`]): nothing was sent. Retrying cannot help.
     #[error("tool server {server} ({url}) is refused: {reason}")]
     ForbiddenAddress {
         server: String,

@@ -6,9 +6,15 @@
 //!   IPv4-mapped form, and the port with its default (`http://Orders.:80/x` is `orders:80`);
 //! - by address, where a session to a server the registry does not list opens
 //!   ([`AliasGuard::client_for`]): its host and every registered server's host are resolved,
-//!   and a shared socket address (IP and port) makes it the registered server. The session then
+//!   and a shared socket address (IP and port; every loopback or unspecified address counts
+//!   as one, since each reaches this host's listeners) makes it the registered server. The session then
 //!   connects with a client pinned to exactly the addresses checked, so a name cannot resolve
 //!   elsewhere between the check and the connection (DNS rebinding).
+//!
+//! What an address cannot tell: a server also reachable at addresses its registered name does
+//! not resolve to (a pod's own IP behind a Service, a NodePort, another interface of its host)
+//! is not recognised there. The default, `ABADA_AGENT_TOOLS_UNREGISTERED=refuse`, has no such
+//! gap: with a registry, only its servers are used.
 //!
 //! The path is not part of a server's identity here: a server may route `/mcp`, `/MCP`,
 //! `/mcp;x` or `//mcp` alike, so a URL at a registered server's host and port is that server,
@@ -99,6 +105,18 @@ pub(crate) fn normalized_path(url: &reqwest::Url) -> String {
     out
 }
 
+/// The address standing for every address that reaches the same listeners: any loopback or
+/// unspecified address (`127.0.0.2`, `0.0.0.0`, `::`) reaches a server of this host listening
+/// on every interface, so they are one host here. Other addresses stand for themselves.
+fn same_host_as(address: SocketAddr) -> SocketAddr {
+    let ip = address.ip().to_canonical();
+    if ip.is_loopback() || ip.is_unspecified() {
+        SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), address.port())
+    } else {
+        address
+    }
+}
+
 /// Why a session to a server the registry does not list is not opened.
 #[derive(Debug, thiserror::Error)]
 pub enum AliasRefusal {
@@ -178,8 +196,16 @@ impl AliasGuard {
             if theirs.port != endpoint.port {
                 continue;
             }
-            let theirs = self.addresses(&theirs).await?;
-            if let Some(shared_address) = addresses.intersection(&theirs).next() {
+            let theirs: BTreeSet<SocketAddr> = self
+                .addresses(&theirs)
+                .await?
+                .into_iter()
+                .map(same_host_as)
+                .collect();
+            if let Some(shared_address) = addresses
+                .iter()
+                .find(|a| theirs.contains(&same_host_as(**a)))
+            {
                 return Err(AliasRefusal::Registered {
                     registered: name.clone(),
                     address: *shared_address,
@@ -285,12 +311,20 @@ mod tests {
     }
 
     fn guard(dns: Dns) -> AliasGuard {
-        let registered = [
-            ("orders", "http://orders.internal:8080/mcp"),
-            ("ledger", "https://10.0.0.5/mcp"),
-        ]
-        .map(|(n, u)| (n.to_string(), reqwest::Url::parse(u).unwrap()))
-        .to_vec();
+        guard_over(
+            vec![
+                ("orders", "http://orders.internal:8080/mcp"),
+                ("ledger", "https://10.0.0.5/mcp"),
+            ],
+            dns,
+        )
+    }
+
+    fn guard_over(registered: Vec<(&str, &str)>, dns: Dns) -> AliasGuard {
+        let registered = registered
+            .into_iter()
+            .map(|(n, u)| (n.to_string(), reqwest::Url::parse(u).unwrap()))
+            .collect();
         AliasGuard::new(registered, Arc::new(reqwest::Client::builder)).with_resolver(Arc::new(dns))
     }
 
@@ -350,6 +384,23 @@ mod tests {
                 other => panic!("{alias}: {other:?}"),
             }
         }
+        // Every loopback or unspecified address is this host.
+        let local = guard_over(
+            vec![("dev", "http://127.0.0.1:7000/mcp")],
+            Dns::default().with("dev.test", vec![vec!["127.0.0.53"]]),
+        );
+        for alias in [
+            "http://0.0.0.0:7000/mcp",
+            "http://127.1.2.3:7000/mcp",
+            "http://[::]:7000/mcp",
+            "http://[::1]:7000/mcp",
+            "http://[::ffff:127.0.0.2]:7000/mcp",
+            "http://dev.test:7000/mcp",
+        ] {
+            let e = check(&local, alias).await.unwrap_err();
+            assert!(matches!(e, AliasRefusal::Registered { .. }), "{alias}: {e}");
+        }
+        check(&local, "http://0.0.0.0:7001/mcp").await.unwrap();
         // Another port or another address is another server.
         for other in [
             "http://orders.ns.svc.cluster.local:8081/mcp",

@@ -334,6 +334,8 @@ fn named_sessions_resolving(
     servers: &[(&str, &str)],
     dns: Option<Arc<dyn reqwest::dns::Resolve>>,
 ) -> Result<ToolSessions, ServerResolutionError> {
+    // A connection to the test's unroutable address fails at this bound at the latest.
+    let open_timeout = Duration::from_secs(if dns.is_some() { 2 } else { 10 });
     let named: Vec<NamedServer> = servers
         .iter()
         .map(|(name, url)| NamedServer {
@@ -361,7 +363,7 @@ fn named_sessions_resolving(
         Arc::new(credentials),
         None,
         ToolSessionOptions {
-            open_timeout: Duration::from_secs(10),
+            open_timeout,
             call_timeout: Duration::from_secs(10),
             // The tests' own names (`rebind.test`) are not loopback by name; the channel rule
             // is not what is tested here.
@@ -453,8 +455,8 @@ async fn an_alias_of_a_registered_server_never_reaches_it_by_any_spelling() {
 
 /// Issue 23: the address checked is the address connected to. The name answers an address
 /// that is no registered server's to the check, then the registered server's (a rebinding
-/// DNS): the session connects where the check looked (127.0.0.2, where nothing listens), never
-/// to the registered server, and the name is resolved once.
+/// DNS): the session connects where the check looked (192.0.2.1, TEST-NET-1, where nothing
+/// answers), never to the registered server, and the name is resolved once.
 #[tokio::test]
 async fn a_name_is_connected_to_the_address_it_was_checked_at() {
     let orders = tool_server("orders", Arc::new(AcceptAny)).await;
@@ -466,7 +468,7 @@ async fn a_name_is_connected_to_the_address_it_was_checked_at() {
     let mut dns = TableDns::default();
     dns.answers.insert(
         "rebind.test".into(),
-        vec![format!("127.0.0.2:{port}").parse().unwrap(), orders.addr()],
+        vec![format!("192.0.2.1:{port}").parse().unwrap(), orders.addr()],
     );
     let dns = Arc::new(dns);
     let registry = allowing(registry, Some(dns.clone()));
