@@ -38,7 +38,9 @@ use crate::provider::fallback::RetryPolicy;
 use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
 use crate::store::{Fence, RunEnd, RunStore, StoreHandle};
 use crate::tools::ToolSessionOptions;
-use crate::tools::registry::{ServerResolutionError, ToolRegistry, ToolsFile, ToolsFileError};
+use crate::tools::registry::{
+    ServerResolutionError, ToolRegistry, ToolsFile, ToolsFileError, UnregisteredPolicy,
+};
 use definition::AgentsFile;
 use limits::Ceilings;
 
@@ -217,8 +219,23 @@ impl AgentRuntime {
             Some(path) => {
                 let file = ToolsFile::load(path)?;
                 file.check_channels(path, config.allow_insecure_http)?;
-                let registry = ToolRegistry::start(file, tls()?)
+                let mut registry = ToolRegistry::start(file, tls()?)
                     .map_err(|e| AgentSetupError::Http(e.to_string()))?;
+                if config.tools_unregistered == UnregisteredPolicy::Allow {
+                    // Each session to an unregistered server gets a client of its own, pinned
+                    // to the addresses checked: with the same trust roots as every client.
+                    let certs = config
+                        .ca_file
+                        .as_deref()
+                        .map(crate::tls::load_ca_bundle)
+                        .transpose()
+                        .map_err(|e| AgentSetupError::Http(e.to_string()))?;
+                    let clients = Arc::new(move || match &certs {
+                        Some(certs) => reqwest::Client::builder().tls_certs_merge(certs.clone()),
+                        None => reqwest::Client::builder(),
+                    });
+                    registry = registry.allow_unregistered(clients, None);
+                }
                 tracing::info!(servers = registry.len(), "tool-server registry loaded");
                 Some(Arc::new(registry))
             }

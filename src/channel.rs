@@ -41,6 +41,10 @@ pub fn check(url: &str, what: &str, allow_insecure: bool) -> Result<Channel, Ins
     }
 }
 
+/// A loopback address literal, or the name `localhost` itself. Names under it (`a.localhost`)
+/// are not: a resolver may send them to DNS, which can answer any address. The tools' resolver
+/// also refuses `localhost` when it resolves to an address that is not loopback
+/// ([`crate::tools::address::GuardedResolver`]).
 fn is_loopback(url: &reqwest::Url) -> bool {
     let Some(host) = url.host_str() else {
         return false;
@@ -48,10 +52,7 @@ fn is_loopback(url: &reqwest::Url) -> bool {
     let host = host.trim_start_matches('[').trim_end_matches(']');
     match host.parse::<std::net::IpAddr>() {
         Ok(ip) => is_loopback_ip(ip),
-        Err(_) => {
-            let d = host.trim_end_matches('.').to_ascii_lowercase();
-            d == "localhost" || d.ends_with(".localhost")
-        }
+        Err(_) => crate::tools::address::is_localhost(host),
     }
 }
 
@@ -73,10 +74,11 @@ mod tests {
             "http://127.0.0.1:8080/mcp",
             "http://[::1]:9/x",
             "http://localhost:3000",
-            "http://a.localhost/x",
+            "http://LOCALHOST.:3000",
         ] {
             assert_eq!(check(ok, "x", false), Ok(Channel::Protected), "{ok}");
         }
+
         let err = check(
             "http://u:pw@orders:8080/mcp?k=1",
             "the tool credential",
@@ -111,5 +113,19 @@ mod tests {
             assert!(check(remote, "x", false).is_err(), "{remote}");
         }
         assert!(check("not a url", "x", true).is_err());
+    }
+
+    /// Issue 23: a name under `localhost` is decided by its address, which this check does not
+    /// know, so it is not loopback: a DNS answer for `evil.localhost` could be anywhere.
+    #[test]
+    fn a_name_under_localhost_is_not_trusted_as_loopback() {
+        for clear in [
+            "http://a.localhost/x",
+            "http://evil.localhost.:8080/mcp",
+            "http://localhost.evil.example/x",
+        ] {
+            assert!(check(clear, "x", false).is_err(), "{clear}");
+            assert_eq!(check(clear, "x", true), Ok(Channel::Clear), "{clear}");
+        }
     }
 }

@@ -15,6 +15,7 @@ use crate::agent::limits::{self, Ceilings};
 use crate::auth::{ClientAuth, DEFAULT_SCOPE, OidcSettings};
 use crate::engine::headers::EngineHeaders;
 use crate::secret::SecretSource;
+use crate::tools::registry::UnregisteredPolicy;
 
 pub const ENV_ENGINE_URL: &str = "ABADA_AGENT_ENGINE_URL";
 pub const ENV_WORKER_ID: &str = "ABADA_AGENT_WORKER_ID";
@@ -45,6 +46,7 @@ pub const ENV_STORE_ABANDONED_AFTER: &str = "ABADA_AGENT_STORE_ABANDONED_AFTER";
 pub const ENV_STORE_ALLOW_INSECURE: &str = "ABADA_AGENT_STORE_ALLOW_INSECURE";
 pub const ENV_ENGINE_HEADERS_FILE: &str = "ABADA_AGENT_ENGINE_HEADERS_FILE";
 pub const ENV_TOOLS_FILE: &str = "ABADA_AGENT_TOOLS_FILE";
+pub const ENV_TOOLS_UNREGISTERED: &str = "ABADA_AGENT_TOOLS_UNREGISTERED";
 pub const ENV_MAX_TOOL_CALLS_PER_ANSWER: &str = "ABADA_AGENT_MAX_TOOL_CALLS_PER_ANSWER";
 pub const ENV_MAX_TOOL_CALLS_PER_TASK: &str = "ABADA_AGENT_MAX_TOOL_CALLS_PER_TASK";
 pub const ENV_MAX_KEYED_WRITES_PER_TASK: &str = "ABADA_AGENT_MAX_KEYED_WRITES_PER_TASK";
@@ -179,6 +181,8 @@ pub struct Config {
     pub agents_file: Option<PathBuf>,
     /// The operator's tool-server registry (read by the agent runtime at start-up).
     pub tools_file: Option<PathBuf>,
+    /// Whether definitions may use servers the registry does not list (with a registry only).
+    pub tools_unregistered: UnregisteredPolicy,
     pub ca_file: Option<PathBuf>,
     /// `None` when `ABADA_AGENT_STORE_URL` (or its `_FILE`) is unset.
     pub store: Option<StoreConfig>,
@@ -289,6 +293,21 @@ impl Config {
             })
             .transpose()?;
         let tools_file = get(ENV_TOOLS_FILE).map(|p| PathBuf::from(p.trim()));
+        let tools_unregistered = match get(ENV_TOOLS_UNREGISTERED)
+            .map(|v| v.trim().to_ascii_lowercase())
+            .as_deref()
+        {
+            None | Some("refuse") => UnregisteredPolicy::Refuse,
+            Some("allow") => UnregisteredPolicy::Allow,
+            Some(v) => {
+                return Err(ConfigError::new(
+                    ENV_TOOLS_UNREGISTERED,
+                    format!(
+                        "{v:?} is not allowed: refuse (the default: definitions use the servers of {ENV_TOOLS_FILE} only) or allow"
+                    ),
+                ));
+            }
+        };
         let ceilings = parse_ceilings(&get)?;
         let allow_insecure_http = parse_bool(&get, ENV_ALLOW_INSECURE_HTTP)?;
         Ok(Config {
@@ -306,6 +325,7 @@ impl Config {
             providers,
             agents_file,
             tools_file,
+            tools_unregistered,
             ca_file,
             store,
             engine_headers,
@@ -853,6 +873,28 @@ mod tests {
         );
         assert!(!clear.contains("header-marker-7"), "{clear}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn unregistered_tool_servers_are_refused_unless_allowed() {
+        let c = Config::from_env(&env(&base())).unwrap();
+        assert_eq!(c.tools_unregistered, UnregisteredPolicy::Refuse);
+        for (value, wanted) in [
+            ("refuse", UnregisteredPolicy::Refuse),
+            (" Allow ", UnregisteredPolicy::Allow),
+            ("", UnregisteredPolicy::Refuse),
+        ] {
+            let mut pairs = base();
+            pairs.push((ENV_TOOLS_UNREGISTERED, value));
+            let c = Config::from_env(&env(&pairs)).unwrap();
+            assert_eq!(c.tools_unregistered, wanted, "{value:?}");
+        }
+        let e = err(&[(ENV_TOOLS_UNREGISTERED, "yes")]);
+        assert_eq!(e.var, ENV_TOOLS_UNREGISTERED);
+        assert!(
+            e.to_string().contains("\"yes\" is not allowed: refuse"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! journal's order strict (B.2).
 
 pub mod address;
+pub mod alias;
 pub mod registry;
 mod session;
 mod transport;
@@ -95,8 +96,9 @@ pub enum ToolError {
         "tool server {server} ({url}) rejected the credential sent to it; check the server's entry in ABADA_AGENT_TOOLS_FILE, or, for the engine's credential, that the engine and the server agree on credentials"
     )]
     Unauthorized { server: String, url: String },
-    /// The server's host name resolved to a link-local or cloud-metadata address: nothing was
-    /// sent. Retrying cannot help.
+    /// The server's host name resolved to a link-local or cloud-metadata address, or, for a
+    /// server the registry does not list, to a registered server's address and port
+    /// ([`alias`]): nothing was sent. Retrying cannot help.
     #[error("tool server {server} ({url}) is refused: {reason}")]
     ForbiddenAddress {
         server: String,
@@ -250,6 +252,24 @@ pub fn http_client(builder: reqwest::ClientBuilder) -> Result<reqwest::Client, r
         .build()
 }
 
+/// A tool servers' client like [`http_client`] whose connections to `host` go to `addresses`
+/// only (the addresses [`alias::AliasGuard`] checked), never to a new resolution of the name.
+pub fn pinned_http_client(
+    builder: reqwest::ClientBuilder,
+    host: &str,
+    addresses: &[std::net::SocketAddr],
+) -> Result<reqwest::Client, reqwest::Error> {
+    http_client(builder.resolve_to_addrs(host, addresses))
+}
+
+/// The servers of a task that the registry does not list, and the guard their sessions open
+/// through (`ABADA_AGENT_TOOLS_UNREGISTERED=allow`).
+#[derive(Clone)]
+pub struct UnregisteredServers {
+    pub names: std::collections::HashSet<String>,
+    pub guard: Arc<alias::AliasGuard>,
+}
+
 /// The MCP sessions of one task: at most one per tool server, opened on first use.
 pub struct ToolSessions {
     http: reqwest::Client,
@@ -263,6 +283,9 @@ pub struct ToolSessions {
     /// runner can wait for them before it gives the lease back: the credential a session
     /// was opened with may be refused once the lease is gone, and the close with it.
     cleanup: TaskTracker,
+    /// Servers the registry does not list: each session opens only once the guard has told it
+    /// from every registered server, on a client pinned to the addresses checked.
+    unregistered: Option<UnregisteredServers>,
 }
 
 impl ToolSessions {
@@ -283,7 +306,15 @@ impl ToolSessions {
             options,
             open: HashMap::new(),
             cleanup: TaskTracker::new(),
+            unregistered: None,
         }
+    }
+
+    /// Opens the sessions of `unregistered` servers through its guard
+    /// ([`alias::AliasGuard::client_for`]).
+    pub fn with_unregistered(mut self, unregistered: Option<UnregisteredServers>) -> Self {
+        self.unregistered = unregistered;
+        self
     }
 
     /// Tracks the work that outlives these sessions when they are dropped (their closes, an
@@ -438,6 +469,15 @@ impl ToolSessions {
                         .join(", "),
                 });
             };
+            // A server the registry does not list may not be a registered one by address.
+            let http = match &self.unregistered {
+                Some(u) if u.names.contains(server) => u
+                    .guard
+                    .client_for(&server_ref.url, &self.http)
+                    .await
+                    .map_err(|refusal| alias_error(refusal, server, &server_ref.url))?,
+                _ => self.http.clone(),
+            };
             let mut credential = self
                 .credentials
                 .credential(server)
@@ -458,7 +498,7 @@ impl ToolSessions {
             let mut refreshed = false;
             let session = loop {
                 let opened = Session::open(
-                    &self.http,
+                    &http,
                     &server_ref,
                     credential.clone(),
                     &self.options,
@@ -502,6 +542,25 @@ impl ToolSessions {
             .rejected(server, refused)
             .await
             .map_err(|e| credential_error(e, url))
+    }
+}
+
+/// A session the alias guard did not open, as the tool error a task acts on: an incident
+/// unless a resolver or client may do better later.
+fn alias_error(refusal: alias::AliasRefusal, server: &str, url: &str) -> ToolError {
+    let (server, url) = (server.to_owned(), crate::redact::url(url));
+    if refusal.is_transient() {
+        ToolError::Unavailable {
+            server,
+            url,
+            reason: refusal.to_string(),
+        }
+    } else {
+        ToolError::ForbiddenAddress {
+            server,
+            url,
+            reason: refusal.to_string(),
+        }
     }
 }
 

@@ -371,6 +371,7 @@ impl<'a> Attempt<'a> {
             )
         })?;
         let credentials = servers.credentials(Arc::new(LeaseCredentials { ctx: ctx.clone() }));
+        let unregistered = servers.unregistered();
         let limits = Limits::resolve(
             def.limits,
             def.max_turns,
@@ -393,7 +394,8 @@ impl<'a> Attempt<'a> {
             traceparent.clone(),
             rt.settings.tool_sessions.clone(),
         )
-        .with_cleanup(ctx.cleanup().clone());
+        .with_cleanup(ctx.cleanup().clone())
+        .with_unregistered(unregistered);
         Ok(Attempt {
             rt,
             task,

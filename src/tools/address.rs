@@ -16,19 +16,32 @@ use std::sync::Arc;
 
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 
-/// Host names of instance-metadata services (lower case, no trailing dot).
+/// Host names of instance-metadata services (lower case, no trailing dot). Most resolve to a
+/// link-local address, refused by address too; Equinix Metal's resolves to a public one.
 const METADATA_NAMES: &[&str] = &[
     "metadata.google.internal",
     "metadata.goog",
     "metadata",
     "instance-data",
     "instance-data.ec2.internal",
+    "metadata.tencentyun.com",
+    "api.metadata.cloud.ibm.com",
+    "metadata.platformequinix.com",
 ];
 
-/// Metadata addresses outside the link-local ranges: AWS over IPv6, Alibaba Cloud.
+/// Metadata addresses outside the link-local ranges.
 const METADATA_ADDRESSES: &[IpAddr] = &[
+    // AWS instance metadata over IPv6 (IMDS), and the other instance service of that range.
     IpAddr::V6(Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0x0254)),
+    IpAddr::V6(Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0x0023)),
+    // Google Cloud's metadata server over IPv6.
+    IpAddr::V6(Ipv6Addr::new(0xfd20, 0x00ce, 0, 0, 0, 0, 0, 0x0254)),
+    // Alibaba Cloud.
     IpAddr::V4(Ipv4Addr::new(100, 100, 100, 200)),
+    // Azure's wireserver (host agent, extension configuration, certificates).
+    IpAddr::V4(Ipv4Addr::new(168, 63, 129, 16)),
+    // Oracle Cloud Infrastructure Classic.
+    IpAddr::V4(Ipv4Addr::new(192, 0, 0, 192)),
 ];
 
 /// Why a tool server address is refused.
@@ -42,28 +55,73 @@ pub enum ForbiddenAddress {
         "{host} resolves to {address}, a link-local or cloud-metadata address, which tool traffic never goes to"
     )]
     Resolved { host: String, address: IpAddr },
+    #[error(
+        "{host} resolves to {address}, which is not a loopback address: the name localhost is trusted as loopback only when it resolves to loopback addresses only; fix the host's resolver or give 127.0.0.1"
+    )]
+    LocalhostNotLoopback { host: String, address: IpAddr },
 }
 
-/// True for an address tool traffic must never reach. IPv4-mapped IPv6 addresses are judged as
-/// the IPv4 address they carry.
+/// True for an address tool traffic must never reach: a link-local or metadata address, or an
+/// IPv6 address that carries one of those IPv4 addresses in a form that reaches it
+/// ([`embedded_ipv4`]).
 pub fn is_forbidden_ip(ip: IpAddr) -> bool {
-    let ip = match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
-        v4 => v4,
-    };
-    if METADATA_ADDRESSES.contains(&ip) {
-        return true;
-    }
     match ip {
-        IpAddr::V4(v4) => v4.is_link_local(),
-        IpAddr::V6(v6) => v6.is_unicast_link_local(),
+        IpAddr::V4(v4) => is_forbidden_v4(v4),
+        IpAddr::V6(v6) => {
+            METADATA_ADDRESSES.contains(&ip)
+                || v6.is_unicast_link_local()
+                || embedded_ipv4(v6).into_iter().any(is_forbidden_v4)
+        }
     }
+}
+
+fn is_forbidden_v4(v4: Ipv4Addr) -> bool {
+    v4.is_link_local() || METADATA_ADDRESSES.contains(&IpAddr::V4(v4))
+}
+
+/// The IPv4 addresses an IPv6 address may stand for, in every form by which a connection to it
+/// can reach that IPv4 host: IPv4-mapped (`::ffff:a.b.c.d`), IPv4-translated
+/// (`::ffff:0:a.b.c.d`, RFC 6145), IPv4-compatible (`::a.b.c.d`, deprecated but still routed by
+/// some stacks), and NAT64: the well-known prefix `64:ff9b::/96` and the local-use
+/// `64:ff9b:1::/48` (RFC 8215), read at each prefix length RFC 6052 allows inside it (/48, /56,
+/// /64, /96), since the translator's length is not known here.
+pub(crate) fn embedded_ipv4(v6: Ipv6Addr) -> Vec<Ipv4Addr> {
+    let o = v6.octets();
+    let v4 = |a: u8, b: u8, c: u8, d: u8| Ipv4Addr::new(a, b, c, d);
+    let last = v4(o[12], o[13], o[14], o[15]);
+    let s = v6.segments();
+    let mut found = Vec::new();
+    // ::/96 (compatible), ::ffff:0:0/96 (mapped), ::ffff:0:0:0/96 (translated).
+    if s[..5] == [0; 5] && (s[5] == 0 || s[5] == 0xffff) && !(s[5] == 0 && s[6] == 0) {
+        found.push(last);
+    }
+    if s[..4] == [0; 4] && s[4] == 0xffff && s[5] == 0 {
+        found.push(last);
+    }
+    // 64:ff9b::/96, the well-known NAT64 prefix.
+    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+        found.push(last);
+    }
+    // 64:ff9b:1::/48, local-use NAT64 prefixes of any RFC 6052 length (octet 8 is reserved).
+    if s[..3] == [0x64, 0xff9b, 1] {
+        found.push(v4(o[6], o[7], o[9], o[10]));
+        found.push(v4(o[7], o[9], o[10], o[11]));
+        found.push(v4(o[9], o[10], o[11], o[12]));
+        found.push(last);
+    }
+    found
 }
 
 /// True for a host name of a metadata service.
 fn is_metadata_name(host: &str) -> bool {
     let host = host.trim_end_matches('.').to_ascii_lowercase();
     METADATA_NAMES.contains(&host.as_str())
+}
+
+/// True for the name `localhost` (any case, with or without the root's trailing dot); not for
+/// names under it (`a.localhost`), which a resolver may send to DNS like any other.
+pub(crate) fn is_localhost(host: &str) -> bool {
+    host.trim_end_matches('.').eq_ignore_ascii_case("localhost")
 }
 
 /// Refuses a URL whose host is a forbidden address literal or metadata name. Names that merely
@@ -114,6 +172,16 @@ impl Resolve for GuardedResolver {
             let addrs: Vec<SocketAddr> = resolving.await?.collect();
             if let Some(bad) = addrs.iter().find(|a| is_forbidden_ip(a.ip())) {
                 return Err(Box::new(ForbiddenAddress::Resolved {
+                    host,
+                    address: bad.ip(),
+                }) as _);
+            }
+            // `localhost` is the one name the channel rule trusts as loopback
+            // (`crate::channel`): it is, here, only when every address it resolves to is.
+            if is_localhost(&host)
+                && let Some(bad) = addrs.iter().find(|a| !a.ip().to_canonical().is_loopback())
+            {
+                return Err(Box::new(ForbiddenAddress::LocalhostNotLoopback {
                     host,
                     address: bad.ip(),
                 }) as _);
@@ -205,6 +273,86 @@ mod tests {
         }
     }
 
+    /// Issue 23: the metadata endpoints the list missed, and the IPv6 forms that carry a
+    /// forbidden IPv4 address to it (mapped, translated, compatible, NAT64 at every prefix
+    /// length of the local-use range).
+    #[test]
+    fn every_form_of_a_metadata_address_is_forbidden() {
+        for bad in [
+            // Azure wireserver, AWS IMDS over IPv6 (both its addresses), GCP over IPv6,
+            // Alibaba, Oracle Classic.
+            "168.63.129.16",
+            "fd00:ec2::23",
+            "fd00:ec2::254",
+            "fd20:ce::254",
+            "100.100.100.200",
+            "192.0.0.192",
+            // IPv4-mapped, -translated and -compatible forms.
+            "::ffff:169.254.169.254",
+            "::ffff:168.63.129.16",
+            "::ffff:0:169.254.169.254",
+            "::169.254.169.254",
+            "::a9fe:a9fe",
+            "::ffff:100.100.100.200",
+            // NAT64, well-known prefix.
+            "64:ff9b::169.254.169.254",
+            "64:ff9b::a83f:8110",
+            // NAT64, local-use prefix 64:ff9b:1::/48 read as /96, /64, /56 and /48.
+            "64:ff9b:1::169.254.169.254",
+            "64:ff9b:1:0:a9:fea9:fe00:0",
+            "64:ff9b:1:a9:fe:a9fe::",
+            "64:ff9b:1:a9fe:a9:fe00::",
+            "64:ff9b:1:a83f:81:1000::",
+        ] {
+            let ip: IpAddr = bad.parse().unwrap();
+            assert!(is_forbidden_ip(ip), "{bad}");
+            let url = reqwest::Url::parse(&match ip {
+                IpAddr::V4(_) => format!("http://{bad}:8080/mcp"),
+                IpAddr::V6(_) => format!("http://[{bad}]:8080/mcp"),
+            })
+            .unwrap();
+            assert!(check_url(&url).is_err(), "{url}");
+        }
+        // The same prefixes carrying an ordinary address, and neighbours of the endpoints.
+        for good in [
+            "::ffff:10.0.0.1",
+            "::ffff:127.0.0.1",
+            "64:ff9b::8.8.8.8",
+            "64:ff9b:1::10.1.2.3",
+            "::1",
+            "::",
+            "fd00:ec2::1",
+            "fd20:ce::1",
+            "168.63.129.17",
+            "100.100.100.201",
+            "2002:a9fe:a9fe::1",
+        ] {
+            assert!(!is_forbidden_ip(good.parse().unwrap()), "{good}");
+        }
+    }
+
+    /// The URL parser turns every spelling of an IPv4 host into its dotted form, and of a
+    /// name into lower case without percent-encoding, before the check sees it.
+    #[test]
+    fn other_spellings_of_a_forbidden_host_are_refused() {
+        for bad in [
+            "http://2852039166/",
+            "http://0xa9fea9fe/",
+            "http://0251.0376.0251.0376/",
+            "http://169.254.43518/",
+            "http://169.254.169.254./",
+            "http://%31%36%39.254.169.254/",
+            "http://metadata%2egoogle.internal/",
+            "http://Metadata.Google.Internal./",
+            "http://[::FFFF:A9FE:A9FE]/",
+            "http://metadata.tencentyun.com/",
+            "http://metadata.platformequinix.com/metadata",
+        ] {
+            let url = reqwest::Url::parse(bad).unwrap();
+            assert!(check_url(&url).is_err(), "{bad} parsed as {url}");
+        }
+    }
+
     /// Answers every name with fixed addresses.
     struct Fixed(Vec<SocketAddr>);
 
@@ -242,5 +390,47 @@ mod tests {
             .await
             .unwrap_err();
         assert!(e.contains("metadata.google.internal"), "{e}");
+    }
+
+    /// Issue 23: a resolver answer carrying a metadata address in an IPv6 form is refused like
+    /// the address itself.
+    #[tokio::test]
+    async fn the_resolver_refuses_names_resolving_to_an_embedded_metadata_address() {
+        for bad in [
+            "[64:ff9b::a9fe:a9fe]:0",
+            "[::ffff:168.63.129.16]:0",
+            "[fd00:ec2::23]:0",
+        ] {
+            let e = resolve(vec!["127.0.0.1:0", bad], "orders.test")
+                .await
+                .unwrap_err();
+            assert!(e.contains("orders.test resolves to"), "{bad}: {e}");
+        }
+    }
+
+    /// Issue 23: `localhost` is loopback only when every address it resolves to is.
+    #[tokio::test]
+    async fn localhost_resolving_elsewhere_is_refused() {
+        assert!(
+            resolve(vec!["127.0.0.1:0", "[::1]:0"], "localhost")
+                .await
+                .is_ok()
+        );
+        assert!(
+            resolve(vec!["[::ffff:127.0.0.1]:0"], "localhost.")
+                .await
+                .is_ok()
+        );
+        for name in ["localhost", "LOCALHOST.", "localhost."] {
+            let e = resolve(vec!["127.0.0.1:0", "10.0.0.7:0"], name)
+                .await
+                .unwrap_err();
+            assert!(
+                e.contains("10.0.0.7, which is not a loopback address"),
+                "{e}"
+            );
+        }
+        // Another name may resolve anywhere (its channel rule treats it as remote).
+        assert!(resolve(vec!["10.0.0.7:0"], "a.localhost").await.is_ok());
     }
 }

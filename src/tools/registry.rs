@@ -17,6 +17,11 @@
 //! every agent whose definition uses the server, on top of the definition's own, so a definition
 //! (possibly sent by the engine) can add approvals but never remove this one.
 //!
+//! With a registry, the registry is the list: a definition naming a server it does not list is
+//! refused unless `ABADA_AGENT_TOOLS_UNREGISTERED=allow` ([`UnregisteredPolicy`]); then such a
+//! server may still not be a registered one under another name, by spelling or by address
+//! ([`super::alias`]), so no definition reaches a registered server around its `approval`.
+//!
 //! Credentials: `bearer` re-reads its token file when it changes ([`SecretSource`]); `oauth2`
 //! is one client-credentials token per server, shared by every task, owned by the generic token
 //! actor ([`crate::auth::token`]: refreshed ahead of expiry, one grant at a time, a forced
@@ -34,7 +39,8 @@ use oauth2::TokenUrl;
 use serde::Deserialize;
 
 use super::address::{self, ForbiddenAddress};
-use super::{CredentialError, CredentialSource, ToolServerRef};
+use super::alias::{AliasGuard, ClientBuilderFactory, Endpoint, normalized_path};
+use super::{CredentialError, CredentialSource, ToolServerRef, UnregisteredServers};
 use crate::agent::approval::ApprovalPolicy;
 use crate::auth::token::{self, GrantedToken, TokenError, TokenHandle, TokenSource};
 use crate::auth::{ClientAuth, ClientCredentials, GrantError, IssuerHttpClient};
@@ -45,6 +51,20 @@ const GRANT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The variable naming the registry file (also in [`crate::config`]).
 const VAR: &str = "ABADA_AGENT_TOOLS_FILE";
+/// The variable saying whether definitions may use servers the registry does not list.
+const UNREGISTERED_VAR: &str = "ABADA_AGENT_TOOLS_UNREGISTERED";
+
+/// Whether an agent definition may use a tool server the registry does not list, given with
+/// its URL (`ABADA_AGENT_TOOLS_UNREGISTERED`; without a registry every server is such a one).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnregisteredPolicy {
+    /// The registry is the list: any other server is an incident naming it.
+    #[default]
+    Refuse,
+    /// Allowed, with the engine's per-task credential, unless it reaches a registered server
+    /// by its spelling or, at connect time, by its address ([`super::alias`]).
+    Allow,
+}
 
 /// How the worker authenticates to one registered server.
 #[derive(Clone, Debug)]
@@ -399,6 +419,10 @@ pub enum ServerResolutionError {
         url: String,
         registered: String,
     },
+    #[error(
+        "tool server {server:?} (URL {url}) is not in {VAR}, and {UNREGISTERED_VAR} is refuse (the default): a definition uses registered servers only; nothing was sent. Register the server, or set {UNREGISTERED_VAR}=allow"
+    )]
+    Unregistered { server: String, url: String },
     #[error("tool server {server:?}: the definition's URL {url:?} is not usable: {reason}")]
     BadUrl {
         server: String,
@@ -436,6 +460,9 @@ enum Route {
 /// The registry, live: the servers and the token actor of each `oauth2` server.
 pub struct ToolRegistry {
     servers: BTreeMap<String, (RegisteredServer, Route)>,
+    /// Set when definitions may use servers the registry does not list
+    /// ([`UnregisteredPolicy::Allow`]): it keeps them off the registered servers' addresses.
+    unregistered: Option<Arc<AliasGuard>>,
 }
 
 impl ToolRegistry {
@@ -461,7 +488,32 @@ impl ToolRegistry {
                 (name, (server, route))
             })
             .collect();
-        Ok(ToolRegistry { servers })
+        Ok(ToolRegistry {
+            servers,
+            unregistered: None,
+        })
+    }
+
+    /// Lets definitions use servers the registry does not list ([`UnregisteredPolicy::Allow`]):
+    /// each session to one opens on a client from `clients` pinned to addresses that are no
+    /// registered server's. `resolver` replaces the system's (tests).
+    pub fn allow_unregistered(
+        mut self,
+        clients: ClientBuilderFactory,
+        resolver: Option<Arc<dyn reqwest::dns::Resolve>>,
+    ) -> Self {
+        let registered = self
+            .servers
+            .iter()
+            .map(|(name, (server, _))| (name.clone(), server.url.clone()))
+            .collect();
+        let guard = AliasGuard::new(registered, clients);
+        let guard = match resolver {
+            Some(inner) => guard.with_resolver(inner),
+            None => guard,
+        };
+        self.unregistered = Some(Arc::new(guard));
+        self
     }
 
     /// Number of registered servers.
@@ -473,21 +525,14 @@ impl ToolRegistry {
         self.servers.is_empty()
     }
 
-    /// The name of the registered server at `url`'s endpoint, however the URL is written (case,
-    /// default port, a trailing slash, a query or fragment, user info).
+    /// The name of the registered server at `url`'s host and port, however the URL is written
+    /// (case, the root's trailing dot, default port, an IPv4-mapped address) and whatever its
+    /// scheme, path, query or user info: one socket is one server ([`super::alias`]).
     fn server_at(&self, url: &reqwest::Url) -> Option<&str> {
-        let endpoint = |u: &reqwest::Url| {
-            (
-                u.scheme().to_string(),
-                u.host_str().map(str::to_ascii_lowercase),
-                u.port_or_known_default(),
-                u.path().trim_end_matches('/').to_string(),
-            )
-        };
-        let wanted = endpoint(url);
+        let wanted = Endpoint::of(url)?;
         self.servers
             .iter()
-            .find(|(_, (server, _))| endpoint(&server.url) == wanted)
+            .find(|(_, (server, _))| Endpoint::of(&server.url).as_ref() == Some(&wanted))
             .map(|(name, _)| name.as_str())
     }
 
@@ -512,11 +557,13 @@ impl ToolRegistry {
     ) -> Result<ResolvedServers, ServerResolutionError> {
         let mut servers = Vec::new();
         let mut routes = HashMap::new();
+        let mut unregistered: Option<UnregisteredServers> = None;
         for n in named {
             let registered = registry.and_then(|r| r.servers.get(&n.name));
             let (url, route) = match (registered, &n.url) {
                 (Some((server, route)), Some(url)) => {
-                    let same = reqwest::Url::parse(url.trim()).is_ok_and(|u| u == server.url);
+                    let same = reqwest::Url::parse(url.trim())
+                        .is_ok_and(|u| same_server_url(&u, &server.url));
                     if !same {
                         return Err(ServerResolutionError::UrlMismatch {
                             server: n.name.clone(),
@@ -563,6 +610,23 @@ impl ToolRegistry {
                             source,
                         }
                     })?;
+                    // With a registry, the registry is the list unless the operator allowed
+                    // more; those sessions then open through the registry's address guard.
+                    if let Some(r) = registry {
+                        let Some(guard) = &r.unregistered else {
+                            return Err(ServerResolutionError::Unregistered {
+                                server: n.name.clone(),
+                                url: crate::redact::url(url),
+                            });
+                        };
+                        unregistered
+                            .get_or_insert_with(|| UnregisteredServers {
+                                names: Default::default(),
+                                guard: guard.clone(),
+                            })
+                            .names
+                            .insert(n.name.clone());
+                    }
                     (url.clone(), Route::Engine)
                 }
             };
@@ -577,17 +641,40 @@ impl ToolRegistry {
                 url,
             });
         }
-        Ok(ResolvedServers { servers, routes })
+        Ok(ResolvedServers {
+            servers,
+            routes,
+            unregistered,
+        })
     }
+}
+
+/// Whether a definition's URL for a registered server is the registry's, however it is written:
+/// scheme, host and port as [`Endpoint`] compares them, the path after [`normalized_path`]
+/// (percent-encoding, dot segments, trailing slash), the same query; user info and fragment are
+/// not sent as part of the request line and do not count.
+fn same_server_url(definition: &reqwest::Url, registry: &reqwest::Url) -> bool {
+    definition.scheme() == registry.scheme()
+        && Endpoint::of(definition).is_some_and(|e| Endpoint::of(registry) == Some(e))
+        && normalized_path(definition) == normalized_path(registry)
+        && definition.query() == registry.query()
 }
 
 /// A task's servers, resolved: their URLs and where each one's credential comes from.
 pub struct ResolvedServers {
     pub servers: Vec<ToolServerRef>,
     routes: HashMap<String, Route>,
+    unregistered: Option<UnregisteredServers>,
 }
 
 impl ResolvedServers {
+    /// The servers the registry does not list, for
+    /// [`ToolSessions::with_unregistered`](super::ToolSessions::with_unregistered): their
+    /// sessions open only through the registry's address guard. `None` without a registry.
+    pub fn unregistered(&self) -> Option<UnregisteredServers> {
+        self.unregistered.clone()
+    }
+
     /// The task's credential source: each server's own route; `engine` asks the engine for the
     /// task's lease through `engine`.
     pub fn credentials(&self, engine: Arc<dyn CredentialSource>) -> TaskCredentials {
@@ -1074,35 +1161,177 @@ mod tests {
         .err()
         .unwrap();
         assert!(!e.to_string().contains("s3cret"), "{e}");
-        // Another port or path is another server.
-        for other in [
-            "http://orders:8081/mcp",
-            "http://orders:8080/mcp2",
-            "https://orders:8080/mcp",
-        ] {
+        // Another port is another server (when unregistered servers are allowed); another
+        // path or scheme at the same host and port is the same socket, so the same server.
+        let allowing = allowing(r);
+        let r = &allowing;
+        assert!(
+            ToolRegistry::resolve(Some(r), &[named("x", Some("http://orders:8081/mcp"))], true)
+                .is_ok()
+        );
+        for same in ["http://orders:8080/mcp2", "https://orders:8080/mcp"] {
+            let e = ToolRegistry::resolve(Some(r), &[named("x", Some(same))], true)
+                .err()
+                .unwrap();
             assert!(
-                ToolRegistry::resolve(Some(&r), &[named("x", Some(other))], true).is_ok(),
-                "{other}"
+                matches!(e, ServerResolutionError::RegisteredUnderAnotherName { .. }),
+                "{same}: {e}"
             );
         }
         // Named with a URL and not registered: the engine's credential, as before.
-        let p = ToolRegistry::resolve(Some(&r), &[named("payments", Some("http://p/"))], true);
+        let p = ToolRegistry::resolve(Some(r), &[named("payments", Some("http://p/"))], true);
         assert_eq!(p.unwrap().servers[0].url, "http://p/");
-        let e = ToolRegistry::resolve(Some(&r), &[named("payments", Some("http://p/"))], false)
+        let e = ToolRegistry::resolve(Some(r), &[named("payments", Some("http://p/"))], false)
             .err()
             .unwrap();
         assert!(
             matches!(e, ServerResolutionError::NoEngineCredentials { .. }),
             "{e}"
         );
-        let e = ToolRegistry::resolve(Some(&r), &[named("old", None)], false)
+        let e = ToolRegistry::resolve(Some(r), &[named("old", None)], false)
             .err()
             .unwrap();
         assert!(
             matches!(e, ServerResolutionError::NoEngineCredentials { .. }),
             "{e}"
         );
-        assert!(ToolRegistry::resolve(Some(&r), &[named("old", None)], true).is_ok());
+        assert!(ToolRegistry::resolve(Some(r), &[named("old", None)], true).is_ok());
+    }
+
+    fn allowing(r: ToolRegistry) -> ToolRegistry {
+        r.allow_unregistered(Arc::new(reqwest::Client::builder), None)
+    }
+
+    /// Issue 23: with a registry, a server it does not list is an incident naming the server
+    /// unless `ABADA_AGENT_TOOLS_UNREGISTERED=allow`: an engine-sent definition cannot add one.
+    #[tokio::test]
+    async fn an_unregistered_server_is_refused_by_default() {
+        let r = registry(
+            "[servers.orders]\nurl = \"http://orders:8080/mcp\"\nauth = \"none\"\napproval = \"always\"\n",
+        );
+        let e = ToolRegistry::resolve(
+            Some(&r),
+            &[
+                named("orders", None),
+                named("payments", Some("http://payments:1/mcp?key=s3cret")),
+            ],
+            true,
+        )
+        .err()
+        .unwrap();
+        assert_eq!(
+            e,
+            ServerResolutionError::Unregistered {
+                server: "payments".into(),
+                url: "http://payments:1/mcp".into()
+            }
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("ABADA_AGENT_TOOLS_UNREGISTERED=allow") && !text.contains("s3cret"),
+            "{text}"
+        );
+        // A forbidden address says so first; without a registry nothing changes.
+        let e = ToolRegistry::resolve(
+            Some(&r),
+            &[named("m", Some("http://[fd00:ec2::23]/"))],
+            true,
+        )
+        .err()
+        .unwrap();
+        assert!(matches!(e, ServerResolutionError::Forbidden { .. }), "{e}");
+        let ok =
+            ToolRegistry::resolve(None, &[named("payments", Some("http://payments:1/"))], true)
+                .unwrap();
+        assert!(ok.unregistered().is_none());
+        // Allowed: the server's session opens through the registry's address guard.
+        let r = allowing(r);
+        let ok = ToolRegistry::resolve(
+            Some(&r),
+            &[
+                named("orders", None),
+                named("payments", Some("http://payments:1/")),
+            ],
+            true,
+        )
+        .unwrap();
+        let unregistered = ok.unregistered().unwrap();
+        assert_eq!(
+            unregistered.names.into_iter().collect::<Vec<_>>(),
+            ["payments"]
+        );
+    }
+
+    /// Issue 23: a registered server's host and port under another spelling is the registered
+    /// server, refused under another name whichever the policy: no escape from its approval.
+    #[tokio::test]
+    async fn an_alias_of_a_registered_server_is_refused_however_it_is_spelled() {
+        let text = "[servers.orders]\nurl = \"http://orders/mcp\"\nauth = \"none\"\napproval = \"always\"\n\
+                    [servers.ledger]\nurl = \"https://10.0.0.5:8443/mcp\"\nauth = \"none\"\napproval = \"writes\"\n";
+        for r in [registry(text), allowing(registry(text))] {
+            for (alias, want) in [
+                ("http://orders./mcp", "orders"),
+                ("http://ORDERS/mcp", "orders"),
+                ("http://Orders.:80/mcp", "orders"),
+                ("http://orders:80/%6Dcp", "orders"),
+                ("http://orders/x/../mcp", "orders"),
+                ("http://orders/%2e/mcp/", "orders"),
+                ("http://orders/MCP;x", "orders"),
+                ("https://orders:80/mcp", "orders"),
+                ("http://u:p@orders/mcp?x#y", "orders"),
+                ("https://10.0.0.5.:8443/mcp", "ledger"),
+                ("https://[::ffff:10.0.0.5]:8443/mcp", "ledger"),
+                ("https://[::ffff:a00:5]:8443/other", "ledger"),
+                ("https://167772165:8443/mcp", "ledger"),
+                ("https://0xa.0.0.5:8443/mcp", "ledger"),
+                ("http://10.0.0.5:8443/mcp", "ledger"),
+            ] {
+                let e = ToolRegistry::resolve(Some(&r), &[named("alias", Some(alias))], true)
+                    .err()
+                    .unwrap_or_else(|| panic!("{alias} was let through"));
+                assert!(
+                    matches!(
+                        &e,
+                        ServerResolutionError::RegisteredUnderAnotherName { server, registered, .. }
+                            if server == "alias" && registered == want
+                    ),
+                    "{alias}: {e}"
+                );
+            }
+        }
+    }
+
+    /// The registered server named with its URL: any spelling of that URL is accepted (the
+    /// registry's URL is used), any other URL is refused.
+    #[tokio::test]
+    async fn a_registered_servers_url_is_compared_without_its_spelling() {
+        let r = registry("[servers.orders]\nurl = \"http://orders/mcp\"\nauth = \"none\"\n");
+        for same in [
+            "http://orders/mcp",
+            "HTTP://ORDERS.:80/%6d%63%70/",
+            "http://orders/a/../mcp",
+            "http://u@orders/mcp#f",
+        ] {
+            let ok = ToolRegistry::resolve(Some(&r), &[named("orders", Some(same))], true)
+                .unwrap_or_else(|e| panic!("{same}: {e}"));
+            assert_eq!(ok.servers[0].url, "http://orders/mcp", "{same}");
+        }
+        for other in [
+            "http://orders/mcp2",
+            "http://orders:81/mcp",
+            "https://orders:80/mcp",
+            "http://orders/mcp?x=1",
+            "http://orders/%2Fmcp",
+            "http://orders2/mcp",
+        ] {
+            let e = ToolRegistry::resolve(Some(&r), &[named("orders", Some(other))], true)
+                .err()
+                .unwrap_or_else(|| panic!("{other} was accepted"));
+            assert!(
+                matches!(e, ServerResolutionError::UrlMismatch { .. }),
+                "{other}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -19,7 +19,9 @@ use abada_agent_worker::devkit::tools::{
 use abada_agent_worker::devkit::workers::{self, StackWorkers, WorkerOptions, worker_env};
 use abada_agent_worker::secret::Secret;
 use abada_agent_worker::tools::address::GuardedResolver;
-use abada_agent_worker::tools::registry::{NamedServer, ToolRegistry, ToolsFile};
+use abada_agent_worker::tools::registry::{
+    NamedServer, ServerResolutionError, ToolRegistry, ToolsFile,
+};
 use abada_agent_worker::tools::{
     CredentialError, CredentialSource, ToolError, ToolServerRef, ToolSessionOptions, ToolSessions,
 };
@@ -270,6 +272,229 @@ async fn a_name_resolving_to_a_metadata_address_is_refused_at_connect_time() {
     orders.shutdown().await;
 }
 
+// ---- aliases of a registered server (issue 23) -------------------------------------------------
+
+/// Answers each name from a table, its answers in turn (the last one repeats), and counts the
+/// queries; a name not in the table is not found.
+#[derive(Default)]
+struct TableDns {
+    answers: std::collections::HashMap<String, Vec<SocketAddr>>,
+    asked: Mutex<Vec<String>>,
+}
+
+impl TableDns {
+    fn asked(&self, name: &str) -> usize {
+        self.asked
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|n| *n == name)
+            .count()
+    }
+}
+
+impl reqwest::dns::Resolve for TableDns {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let name = name.as_str().to_string();
+        let turn = {
+            let mut asked = self.asked.lock().unwrap();
+            asked.push(name.clone());
+            asked.iter().filter(|n| **n == name).count() - 1
+        };
+        let answer = self
+            .answers
+            .get(&name)
+            .map(|all| all[turn.min(all.len() - 1)]);
+        Box::pin(async move {
+            match answer {
+                Some(addr) => Ok(Box::new(std::iter::once(addr)) as reqwest::dns::Addrs),
+                None => Err(format!("no such name {name}").into()),
+            }
+        })
+    }
+}
+
+/// `registry` with `ABADA_AGENT_TOOLS_UNREGISTERED=allow`, resolving through `dns` when given.
+fn allowing(registry: ToolRegistry, dns: Option<Arc<dyn reqwest::dns::Resolve>>) -> ToolRegistry {
+    registry.allow_unregistered(Arc::new(reqwest::Client::builder), dns)
+}
+
+/// One task's sessions over `servers` as a definition names them (an agent/1 task, whose
+/// engine credential is `engine-token`), resolved against `registry`.
+fn named_sessions(
+    registry: &ToolRegistry,
+    servers: &[(&str, &str)],
+) -> Result<ToolSessions, ServerResolutionError> {
+    named_sessions_resolving(registry, servers, None)
+}
+
+/// [`named_sessions`] whose tools client resolves through `dns` (as the registry's guard does).
+fn named_sessions_resolving(
+    registry: &ToolRegistry,
+    servers: &[(&str, &str)],
+    dns: Option<Arc<dyn reqwest::dns::Resolve>>,
+) -> Result<ToolSessions, ServerResolutionError> {
+    // A connection to the test's unroutable address fails at this bound at the latest.
+    let open_timeout = Duration::from_secs(if dns.is_some() { 2 } else { 10 });
+    let named: Vec<NamedServer> = servers
+        .iter()
+        .map(|(name, url)| NamedServer {
+            name: name.to_string(),
+            url: Some(url.to_string()),
+        })
+        .collect();
+    let resolved = ToolRegistry::resolve(Some(registry), &named, true)?;
+    let credentials = resolved.credentials(Arc::new(crate::tools::TestCredentials::fixed(
+        "engine-token",
+    )));
+    let unregistered = resolved.unregistered();
+    let http = match dns {
+        // As the tools' client, with the test's resolver (`http_client` sets the system's).
+        Some(dns) => reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .dns_resolver(GuardedResolver::over(dns))
+            .build()
+            .unwrap(),
+        None => abada_agent_worker::tools::http_client(reqwest::Client::builder()).unwrap(),
+    };
+    Ok(ToolSessions::new(
+        http,
+        resolved.servers,
+        Arc::new(credentials),
+        None,
+        ToolSessionOptions {
+            open_timeout,
+            call_timeout: Duration::from_secs(10),
+            // The tests' own names (`rebind.test`) are not loopback by name; the channel rule
+            // is not what is tested here.
+            allow_insecure_http: true,
+            ..Default::default()
+        },
+    )
+    .with_unregistered(unregistered))
+}
+
+/// Issue 23: a registered server (whose calls all wait for a person) reached under another
+/// name and another spelling of its URL. Spellings of its address are refused before anything
+/// is sent; `localhost` for `127.0.0.1` is refused where the session opens, by the address it
+/// resolves to. An unregistered server on another port, by the same names, is reached.
+#[tokio::test]
+async fn an_alias_of_a_registered_server_never_reaches_it_by_any_spelling() {
+    let orders = tool_server("orders", Arc::new(AcceptAny)).await;
+    let other = tool_server("other", Arc::new(AcceptAny)).await;
+    let registry = registry(&format!(
+        "[servers.orders]\nurl = \"{}\"\nauth = \"none\"\napproval = \"always\"\n",
+        orders.url()
+    ));
+    let port = orders.addr().port();
+    // By default the registry is the list: any other server is refused, alias or not.
+    for url in [format!("http://localhost:{port}/mcp"), other.url()] {
+        let e = named_sessions(&registry, &[("alias", &url)]).err().unwrap();
+        assert!(
+            matches!(&e, ServerResolutionError::Unregistered { server, .. } if server == "alias"),
+            "{url}: {e}"
+        );
+    }
+    let registry = allowing(registry, None);
+    for alias in [
+        format!("http://127.0.0.1.:{port}/mcp"),
+        format!("http://[::ffff:127.0.0.1]:{port}/mcp"),
+        format!("http://2130706433:{port}/MCP"),
+        format!("http://0x7f.1:{port}/%6Dcp"),
+        format!("https://127.0.0.1:{port}/mcp"),
+    ] {
+        let e = named_sessions(&registry, &[("alias", &alias)])
+            .err()
+            .unwrap();
+        assert!(
+            matches!(&e, ServerResolutionError::RegisteredUnderAnotherName { registered, .. } if registered == "orders"),
+            "{alias}: {e}"
+        );
+    }
+    for alias in [
+        format!("http://localhost:{port}/mcp"),
+        format!("http://LOCALHOST.:{port}/other/"),
+    ] {
+        let mut sessions = named_sessions(&registry, &[("alias", &alias)]).unwrap();
+        let e = lookup(&mut sessions, "alias").await.unwrap_err();
+        assert!(
+            matches!(e, ToolError::ForbiddenAddress { .. }),
+            "{alias}: {e}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains(&format!(
+                "127.0.0.1:{port}, an address of tool server \"orders\""
+            )),
+            "{text}"
+        );
+    }
+    let c = orders.counters().await;
+    assert_eq!((c.sessions_opened, c.unauthorized), (0, 0), "{c:?}");
+    assert!(orders.calls().is_empty());
+
+    // Another server on another port, by name (a client pinned to what was checked) or by
+    // address: reached, with the engine's credential.
+    let other_port = other.addr().port();
+    for url in [
+        format!("http://localhost:{other_port}/mcp"),
+        format!("http://127.0.0.1:{other_port}/mcp"),
+    ] {
+        let mut sessions = named_sessions(&registry, &[("payments", &url)]).unwrap();
+        lookup(&mut sessions, "payments").await.unwrap();
+        sessions.close().await;
+    }
+    assert_eq!(
+        tokens_seen(&other),
+        vec![Some("engine-token".to_string()); 2]
+    );
+    assert!(orders.calls().is_empty());
+    orders.shutdown().await;
+    other.shutdown().await;
+}
+
+/// Issue 23: the address checked is the address connected to. The name answers an address
+/// that is no registered server's to the check, then the registered server's (a rebinding
+/// DNS): the session connects where the check looked (192.0.2.1, TEST-NET-1, where nothing
+/// answers), never to the registered server, and the name is resolved once.
+#[tokio::test]
+async fn a_name_is_connected_to_the_address_it_was_checked_at() {
+    let orders = tool_server("orders", Arc::new(AcceptAny)).await;
+    let port = orders.addr().port();
+    let registry = registry(&format!(
+        "[servers.orders]\nurl = \"{}\"\nauth = \"none\"\napproval = \"always\"\n",
+        orders.url()
+    ));
+    let mut dns = TableDns::default();
+    dns.answers.insert(
+        "rebind.test".into(),
+        vec![format!("192.0.2.1:{port}").parse().unwrap(), orders.addr()],
+    );
+    let dns = Arc::new(dns);
+    let registry = allowing(registry, Some(dns.clone()));
+    let mut sessions = named_sessions_resolving(
+        &registry,
+        &[("rebind", &format!("http://rebind.test:{port}/mcp"))],
+        Some(dns.clone()),
+    )
+    .unwrap();
+    let e = lookup(&mut sessions, "rebind").await.unwrap_err();
+    assert!(matches!(e, ToolError::Unavailable { .. }), "{e}");
+    assert_eq!(
+        dns.asked("rebind.test"),
+        1,
+        "checked once, never re-resolved"
+    );
+    let c = orders.counters().await;
+    assert_eq!((c.sessions_opened, c.unauthorized), (0, 0), "{c:?}");
+    // Asked again (the task's retry), the name now answers the registered address: refused.
+    let e = lookup(&mut sessions, "rebind").await.unwrap_err();
+    assert!(matches!(e, ToolError::ForbiddenAddress { .. }), "{e}");
+    assert!(e.to_string().contains("\"orders\""), "{e}");
+    assert!(orders.calls().is_empty());
+    orders.shutdown().await;
+}
+
 // ---- oauth2 against oauth2-mock-server ------------------------------------------------------
 
 /// The claims of a JWT, unverified.
@@ -473,6 +698,116 @@ async fn engine_sent_definitions_name_registry_servers_and_a_wrong_url_is_an_inc
     // The registered server served the by-name task only: one lookup, one refund.
     assert_eq!(stack.tools.counters().await.writes_applied, 1);
     other.shutdown().await;
+    stack.shutdown().await;
+}
+
+/// Issue 23, through the emulator on an agent/1 engine: the registry's `orders` has
+/// `approval = "always"`. Engine-sent definitions reach it under other names and spellings, or
+/// name a server the registry lacks: with the default `ABADA_AGENT_TOOLS_UNREGISTERED` each is
+/// an incident naming the server, and no server sees a call; no approval was escaped.
+#[tokio::test]
+async fn engine_sent_aliases_and_unregistered_servers_are_incidents_by_default() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let dir = Dir::new("registry");
+    let other = tool_server("payments", Arc::new(AcceptAny)).await;
+    let tools = dir.write(
+        "tools.toml",
+        &format!(
+            "[servers.orders]\nurl = \"{}\"\nauth = \"engine\"\napproval = \"always\"\n",
+            stack.tools.url()
+        ),
+    );
+    let config = config_with(&stack, "v1-aliases", &[(config::ENV_TOOLS_FILE, &tools)]);
+    let port = stack.tools.addr().port();
+    let definitions = [
+        ("orders-alias", format!("http://localhost:{port}/mcp")),
+        ("orders-dot", format!("http://127.0.0.1.:{port}/%6Dcp")),
+        ("payments", other.url()),
+    ];
+    let ids = stack
+        .engine
+        .create_tasks(definitions.iter().enumerate().map(|(i, (name, url))| {
+            let mut agent = stack.refund_agent("openai/refund", &[]);
+            agent["toolServers"] = json!([{"name": name, "url": url}]);
+            spec(agent, &format!("o-{i}"))
+        }));
+    let worker = workers::start(&config, fast_seams());
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(30)).await;
+    worker.stop().await;
+    for (view, words) in views.iter().zip([
+        ["\"orders-alias\"", "ABADA_AGENT_TOOLS_UNREGISTERED"],
+        ["\"orders-dot\"", "registers as server \"orders\""],
+        ["\"payments\"", "ABADA_AGENT_TOOLS_UNREGISTERED"],
+    ]) {
+        assert_eq!(view.status, TaskStatus::Failed, "{view:?}");
+        assert_eq!(view.retries, Some(0), "an incident: {view:?}");
+        let message = view.error_message.clone().unwrap_or_default();
+        for word in words {
+            assert!(message.contains(word), "{word} in {message}");
+        }
+    }
+    assert!(stack.tools.calls().is_empty());
+    assert!(other.calls().is_empty());
+    let c = stack.tools.counters().await;
+    assert_eq!((c.sessions_opened, c.unauthorized), (0, 0), "{c:?}");
+    other.shutdown().await;
+    stack.shutdown().await;
+}
+
+/// Issue 23, with `ABADA_AGENT_TOOLS_UNREGISTERED=allow` through the emulator: `localhost` for
+/// the registered `127.0.0.1` server (whose calls all wait for a person) is refused where the
+/// session opens, as an incident naming the registered server; a server the registry does not
+/// list, at another port, completes with the engine's credential through a pinned client.
+#[tokio::test]
+async fn with_unregistered_servers_allowed_an_alias_by_address_is_still_an_incident() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let dir = Dir::new("registry");
+    let payments = tool_server("payments", Arc::new(AcceptAny)).await;
+    let tools = dir.write(
+        "tools.toml",
+        &format!(
+            "[servers.orders]\nurl = \"{}\"\nauth = \"engine\"\napproval = \"always\"\n",
+            stack.tools.url()
+        ),
+    );
+    let mut env = worker_env(&stack, &WorkerOptions::new("v1-allow", 4));
+    env.insert(config::ENV_TOOLS_FILE.into(), tools.display().to_string());
+    env.insert(config::ENV_TOOLS_UNREGISTERED.into(), "allow".into());
+    let config = Config::from_env(&env).unwrap();
+    let port = stack.tools.addr().port();
+    let definitions = [
+        ("orders-alias", format!("http://localhost:{port}/mcp")),
+        (
+            "payments",
+            format!("http://localhost:{}/mcp", payments.addr().port()),
+        ),
+    ];
+    let ids = stack
+        .engine
+        .create_tasks(definitions.iter().enumerate().map(|(i, (name, url))| {
+            let mut agent = stack.refund_agent("openai/refund", &[]);
+            agent["toolServers"] = json!([{"name": name, "url": url}]);
+            spec(agent, &format!("o-{i}"))
+        }));
+    let worker = workers::start(&config, fast_seams());
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(30)).await;
+    worker.stop().await;
+    assert_eq!(views[0].status, TaskStatus::Failed, "{:?}", views[0]);
+    assert_eq!(views[0].retries, Some(0), "an incident: {:?}", views[0]);
+    let message = views[0].error_message.clone().unwrap_or_default();
+    for word in [
+        "tool server orders-alias (http://localhost:",
+        &format!("127.0.0.1:{port}, an address of tool server \"orders\""),
+    ] {
+        assert!(message.contains(word), "{word} in {message}");
+    }
+    assert_eq!(views[1].status, TaskStatus::Completed, "{:?}", views[1]);
+    assert_eq!(payments.counters().await.writes_applied, 1);
+    assert!(payments.calls().iter().all(|c| c.token.is_some()));
+    assert!(stack.tools.calls().is_empty());
+    let c = stack.tools.counters().await;
+    assert_eq!((c.sessions_opened, c.unauthorized), (0, 0), "{c:?}");
+    payments.shutdown().await;
     stack.shutdown().await;
 }
 
