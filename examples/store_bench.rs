@@ -30,7 +30,7 @@ use abada_agent_worker::devkit::loadtest::{
 };
 use abada_agent_worker::metrics::Metrics;
 use abada_agent_worker::secret::SecretSource;
-use abada_agent_worker::store::{RunEnd, RunKey, RunStore};
+use abada_agent_worker::store::{Claimant, RunEnd, RunKey, RunStore};
 
 const SEED_USAGE: &str = "\
 usage: store_bench seed [FLAGS]
@@ -263,7 +263,12 @@ async fn direct(tasks: usize, concurrency: usize, url: String) {
             for i in (lane..tasks).step_by(concurrency) {
                 let key = RunKey::new(format!("bench-{run}-{i}")).unwrap();
                 let input = input_step(1, "You handle refund requests.", "o-1");
-                let mut claim = store.claim(&key, "bench", Some(&input)).await.unwrap();
+                let claimant = Claimant {
+                    worker_id: "bench",
+                    task_id: key.as_str(),
+                    hold: Duration::from_secs(30),
+                };
+                let mut claim = store.claim(&key, &claimant, Some(&input)).await.unwrap();
                 let answer = AssistantMessage {
                     text: Some(r#"{"decision": "refunded"}"#.into()),
                     tool_calls: vec![],

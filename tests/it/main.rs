@@ -26,5 +26,6 @@ mod secure;
 mod store;
 mod store_chaos;
 mod store_runs;
+mod store_visits;
 mod support;
 mod tools;
