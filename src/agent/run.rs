@@ -1376,6 +1376,47 @@ fn technical(rt: &AgentRuntime, task: &Task, details: String) -> Outcome {
 mod tests {
     use super::*;
 
+    /// A refused claim ends the task as an incident (no retry) that says why and what to do.
+    #[test]
+    fn a_refused_claim_is_an_incident_that_says_what_to_do() {
+        let digest = crate::store::InputDigest::of;
+        let cases = [
+            (
+                ClaimRefusal::HeldByAnotherTask {
+                    holder: "t-1".into(),
+                    hold_ms: 30_000,
+                },
+                ["another live task holds", "task t-1", "loopCounterVariable"],
+            ),
+            (
+                ClaimRefusal::InputDiffers {
+                    journaled: Some(digest("i", "o-1")),
+                    offered: digest("i", "o-2"),
+                },
+                ["input differs", "sha256:", "loopCounterVariable"],
+            ),
+        ];
+        for (reason, needles) in cases {
+            let e = StoreError::Refused {
+                run_key: "process/pi-1/refundAgent".into(),
+                task_id: "t-2".into(),
+                reason,
+            };
+            let Outcome::Failure { kind, report } = refused_claim(&e) else {
+                panic!("not a failure")
+            };
+            assert_eq!(kind, FailureKind::Incident);
+            assert_eq!(report.retries, 0);
+            for needle in needles {
+                assert!(
+                    report.error_message.contains(needle),
+                    "{needle}: {report:?}"
+                );
+            }
+            assert!(report.error_details.contains("task t-2"), "{report:?}");
+        }
+    }
+
     #[test]
     fn answers_that_are_json_become_json() {
         assert_eq!(

@@ -31,9 +31,9 @@ pub const MAX_BODY_DEPTH: usize = 100;
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct RunKey {
     key: String,
-    /// A visit's run ends with the visit: claimed again once finished (the process came back to
-    /// the node for new work), it starts over instead of replaying the finished conversation.
-    /// A task's run is reopened with its journal (the same task came back).
+    /// Many tasks claim a visit's run (the tasks of one visit, and the next visits): the
+    /// admission rule (`admission`) decides which may take it and whether it begins afresh.
+    /// A task's run is only ever claimed by its task, and reopened with its journal.
     per_visit: bool,
 }
 
@@ -58,8 +58,8 @@ impl RunKey {
         RunKey::new(task_id)
     }
 
-    /// The key of a process visit's run (`run_key::run_key`): a finished run under it is started
-    /// over by the next claim, not reopened.
+    /// The key of a process visit's run (`run_key::run_key`): a finished (or answered) run under
+    /// it is begun afresh by the next task, never reopened; a live holder's run is not taken.
     pub fn for_visit(key: impl Into<String>) -> Result<RunKey, StoreError> {
         Ok(RunKey {
             per_visit: true,

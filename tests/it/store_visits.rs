@@ -474,3 +474,109 @@ async fn a_waiting_visit_resumes_only_for_the_same_input_and_names_both_digests(
     drop(store);
     db.drop().await;
 }
+
+/// End to end on the worked example's process: the person's user task also rewrites the variable
+/// the agent's input reads (`orderId`), as any task between two visits of the node may. The task
+/// carrying the decision renders another input than the waiting conversation's: it becomes an
+/// incident naming both digests, with no model call and nothing performed. On main it resumed
+/// the conversation about o-1 while its process now said o-2.
+#[tokio::test]
+async fn a_decision_task_whose_input_changed_is_an_incident_naming_both_digests() {
+    use abada_agent_worker::devkit::engine::{ProcessModel, ProtocolLevel, TaskStatus};
+    use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
+
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let mut agent = stack.refund_agent("openai/refund", &[]);
+    agent["approval"] = json!("writes");
+    let instructions = agent["instructions"].as_str().unwrap().to_string();
+    stack
+        .engine
+        .deploy(ProcessModel::refund_approval(Some(agent)));
+    let mut variables = serde_json::Map::new();
+    variables.insert("orderId".into(), json!("o-1"));
+    let instance = stack
+        .engine
+        .start_process("refundApproval", variables)
+        .unwrap();
+    let mut options = WorkerOptions::new("w1", 2);
+    options.lock_duration = Duration::from_secs(10);
+    options.poll_interval = Duration::from_millis(50);
+    options.shutdown_grace = Duration::from_millis(200);
+    options.env = vec![("ABADA_AGENT_STORE_URL".into(), db.url.render())];
+    let worker = stack.spawn_worker(options, Stack::fast_agent_settings());
+    let waiting = tokio::time::timeout(
+        Duration::from_secs(30),
+        stack.engine.wait_for(|e| {
+            e.process_instance(&instance)
+                .filter(|v| v.current_activity_id == "approveRefund")
+        }),
+    )
+    .await
+    .expect("the agent stops for approval");
+    let request = &waiting.variables["agentApprovalRequest"];
+    let model_calls = stack.model.total_calls();
+
+    // The approver's completion: a decision, and another order id.
+    let http = reqwest::Client::new();
+    let api = stack.engine.base_url();
+    let tasks: Vec<serde_json::Value> = http
+        .get(format!("{api}/v1/tasks?status=AVAILABLE"))
+        .header("X-User", "dana")
+        .header("X-Groups", "refund-approvers")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let user_task = tasks
+        .iter()
+        .find(|t| t["processInstanceId"] == instance.as_str())
+        .expect("the user task is listed for an approver");
+    let completion = json!({
+        "agentApproval": {"callId": request["callId"], "requestId": request["requestId"],
+                          "approved": true, "comment": "ok", "decidedBy": "dana"},
+        "orderId": "o-2",
+    });
+    let r = http
+        .post(format!(
+            "{api}/v1/tasks/complete?taskId={}",
+            user_task["id"].as_str().unwrap()
+        ))
+        .header("X-User", "dana")
+        .header("X-Groups", "refund-approvers")
+        .json(&completion)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    let failed = tokio::time::timeout(
+        Duration::from_secs(30),
+        stack.engine.wait_for(|e| {
+            e.tasks()
+                .into_iter()
+                .find(|t| t.process_instance_id == instance && t.status == TaskStatus::Failed)
+        }),
+    )
+    .await
+    .expect("the decision's task becomes an incident");
+    assert_eq!(failed.retries, Some(0), "an incident");
+    let message = failed.error_message.clone().unwrap_or_default();
+    let details = failed.error_details.clone().unwrap_or_default();
+    assert!(message.contains("input differs"), "{message}");
+    let journaled = InputDigest::of(&instructions, "o-1");
+    let offered = InputDigest::of(&instructions, "o-2");
+    assert!(
+        details.contains(&journaled.to_string()) && details.contains(&offered.to_string()),
+        "{details}"
+    );
+    assert_eq!(stack.model.total_calls(), model_calls, "no model call");
+    assert_eq!(stack.tools.counters().await.writes_applied, 0);
+    worker.stop().await;
+    stack.shutdown().await;
+    db.drop().await;
+}
