@@ -299,6 +299,15 @@ async fn direct(tasks: usize, concurrency: usize, url: String) {
             .and_then(|n| n.parse().ok())
             .unwrap_or(0)
     };
+    let seconds = |op: &str| -> f64 {
+        let prefix =
+            format!("abada_agent_store_transaction_duration_seconds_sum{{operation=\"{op}\"}}");
+        text.lines()
+            .find(|l| l.starts_with(&prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
     let transactions = count("claim") + count("append") + count("finish");
     println!(
         "one-turn tasks: {tasks}, concurrency {concurrency}, {:.0} tasks/s",
@@ -310,6 +319,10 @@ async fn direct(tasks: usize, concurrency: usize, url: String) {
         count("claim"),
         count("append"),
         count("finish")
+    );
+    println!(
+        "claim transaction mean: {:.2} ms (the lock, the rule, the claim, the input step)",
+        seconds("claim") / count("claim") as f64 * 1e3
     );
     println!(
         "append latency: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
