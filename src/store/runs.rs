@@ -275,21 +275,28 @@ pub(super) fn check_step(
     Ok(body)
 }
 
-/// The run as a claim finds it, its row locked until the claim commits: what the admission rule
-/// reads (`admission::Seen`). The first step's texts give the journaled input's digest; the last
-/// step's kind, state and number of tool calls give the conversation's phase.
+/// The run as a claim finds it, its row locked until the claim commits: the row's part of what
+/// the admission rule reads (`admission::Seen`), and its next seq for `JOURNAL_ENDS`.
 const LOCK_RUN: &str = "
-    SELECT r.status = 'running', r.holder_task,
-           r.updated_at >= now() - $2::bigint * interval '1 millisecond',
-           f.kind, f.body->>'instructions', f.body->>'input',
+    SELECT status = 'running', holder_task,
+           updated_at >= now() - $2::bigint * interval '1 millisecond', next_seq
+      FROM abada_agent_runs
+     WHERE run_key = $1::text
+       FOR UPDATE";
+
+/// The journal's first and last steps, read by a statement of its own once the row is locked:
+/// its snapshot is taken after the lock, and every change of a run's steps takes that lock, so
+/// it sees the journal as it stands (a join in `LOCK_RUN` would read the steps as they were
+/// before a concurrent claim it waited for). The first step's texts give the journaled input's
+/// digest; the last step's kind, state and number of tool calls the conversation's phase.
+const JOURNAL_ENDS: &str = "
+    SELECT f.kind, f.body->>'instructions', f.body->>'input',
            l.kind, l.state,
            CASE WHEN jsonb_typeof(l.body->'message'->'toolCalls') = 'array'
                 THEN jsonb_array_length(l.body->'message'->'toolCalls') ELSE 0 END
-      FROM abada_agent_runs r
-      LEFT JOIN abada_agent_steps f ON f.run_key = r.run_key AND f.seq = 1
-      LEFT JOIN abada_agent_steps l ON l.run_key = r.run_key AND l.seq = r.next_seq - 1
-     WHERE r.run_key = $1::text
-       FOR UPDATE OF r";
+      FROM (SELECT 1) AS one
+      LEFT JOIN abada_agent_steps f ON f.run_key = $1::text AND f.seq = 1
+      LEFT JOIN abada_agent_steps l ON l.run_key = $1::text AND l.seq = $2::bigint - 1";
 
 /// A new run. Nothing when a concurrent claim created it first (the claim then reads it again).
 const CREATE_RUN: &str = "
@@ -374,6 +381,7 @@ const SWEEP_ABANDONED: &str = "
 /// The store's statements, prepared on each connection when it opens.
 pub(super) struct Statements {
     lock_run: Statement,
+    journal_ends: Statement,
     create_run: Statement,
     resume_run: Statement,
     restart_run: Statement,
@@ -392,6 +400,7 @@ impl Statements {
     pub(super) async fn prepare(client: &Client) -> Result<Statements, tokio_postgres::Error> {
         let (
             lock_run,
+            journal_ends,
             create_run,
             resume_run,
             restart_run,
@@ -405,6 +414,7 @@ impl Statements {
             sweep_abandoned,
         ) = futures::try_join!(
             client.prepare(LOCK_RUN),
+            client.prepare(JOURNAL_ENDS),
             client.prepare(CREATE_RUN),
             client.prepare(RESUME_RUN),
             client.prepare(RESTART_RUN),
@@ -419,6 +429,7 @@ impl Statements {
         )?;
         Ok(Statements {
             lock_run,
+            journal_ends,
             create_run,
             resume_run,
             restart_run,
@@ -442,11 +453,11 @@ fn attempt_of(store: &str, raw: i64) -> Result<u64, StoreError> {
     })
 }
 
-/// The locked run as the admission rule reads it (`LOCK_RUN`'s columns).
-fn seen_of(row: &Row) -> Seen {
-    let first_kind: Option<String> = row.get(3);
-    let instructions: Option<String> = row.get(4);
-    let input: Option<String> = row.get(5);
+/// The locked run as the admission rule reads it: `LOCK_RUN`'s row and `JOURNAL_ENDS`'s.
+fn seen_of(run: &Row, ends: &Row) -> Seen {
+    let first_kind: Option<String> = ends.get(0);
+    let instructions: Option<String> = ends.get(1);
+    let input: Option<String> = ends.get(2);
     let journaled_input = match (first_kind.as_deref(), input) {
         (Some("input"), Some(input)) => Some(InputDigest::of(
             instructions.as_deref().unwrap_or_default(),
@@ -454,9 +465,9 @@ fn seen_of(row: &Row) -> Seen {
         )),
         _ => None,
     };
-    let last_kind: Option<String> = row.get(6);
-    let last_state: Option<String> = row.get(7);
-    let tool_calls: Option<i32> = row.get(8);
+    let last_kind: Option<String> = ends.get(3);
+    let last_state: Option<String> = ends.get(4);
+    let tool_calls: Option<i32> = ends.get(5);
     let phase = match (last_kind, last_state) {
         (Some(kind), Some(state)) => {
             Phase::of_last_step(&kind, &state, i64::from(tool_calls.unwrap_or(0)))
@@ -464,9 +475,9 @@ fn seen_of(row: &Row) -> Seen {
         _ => Phase::Working,
     };
     Seen {
-        running: row.get(0),
-        holder: row.get(1),
-        held: row.get(2),
+        running: run.get(0),
+        holder: run.get(1),
+        held: run.get(2),
         journaled_input,
         phase,
     }
@@ -508,7 +519,17 @@ pub(super) async fn claim(
             )
             .await
             .map_err(pg)?;
-        let seen = found.as_ref().map(seen_of);
+        let seen = match found {
+            None => None,
+            Some(run) => {
+                let next_seq: i64 = run.get(3);
+                let ends = tx
+                    .query_one(&statements.journal_ends, &[&key, &next_seq])
+                    .await
+                    .map_err(pg)?;
+                Some(seen_of(&run, &ends))
+            }
+        };
         let statement = match (admit(&asking, seen.as_ref()), seen.is_some()) {
             (Admission::Refuse(reason), _) => {
                 return Err(StoreError::Refused {

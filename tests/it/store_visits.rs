@@ -580,3 +580,83 @@ async fn a_decision_task_whose_input_changed_is_an_incident_naming_both_digests(
     stack.shutdown().await;
     db.drop().await;
 }
+
+/// A claim that waits for another claim's lock on the run decides on the run as that claim left
+/// it, never on the journal as it was before: here the other claim (played by the test's own
+/// transaction) gave a waiting conversation to task t-9, begun afresh, while t-2's claim waited.
+/// t-2 must be refused (t-9 is live), not resume as if the run still waited for a decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_waited_for_another_decides_on_the_run_as_it_was_left() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let (store, _) = connect(&config(&db.url)).await;
+    let mut first = store
+        .claim(&visit(), &task("w-a", "t-1"), Some(&input("refund o-1")))
+        .await
+        .unwrap()
+        .fence;
+    store.append(&mut first, &asks_refund(2)).await.unwrap();
+    store
+        .append(&mut first, &approval_requested(3, "t-1"))
+        .await
+        .unwrap();
+
+    let mut other = db.sql().await;
+    let tx = other.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM abada_agent_runs WHERE run_key = $1 FOR UPDATE",
+        &[&VISIT],
+    )
+    .await
+    .unwrap();
+    let waiting = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            store
+                .claim(&visit(), &task("w-b", "t-2"), Some(&input("refund o-1")))
+                .await
+        })
+    };
+    let watcher = db.sql().await;
+    crate::support::emulator_worker::within("t-2's claim to wait for the lock", async {
+        loop {
+            let n: i64 = watcher
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if n == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    tx.batch_execute(&format!(
+        "DELETE FROM abada_agent_steps WHERE run_key = '{VISIT}';
+         UPDATE abada_agent_runs SET holder_task = 't-9', attempt = nextval('abada_agent_run_attempts'),
+                version = version + 1, next_seq = 2, journal_bytes = 2, updated_at = now()
+          WHERE run_key = '{VISIT}';
+         INSERT INTO abada_agent_steps (run_key, seq, attempt, run_version, kind, state, body)
+              SELECT run_key, 1, attempt, version, 'input', 'finished',
+                     '{{\"instructions\": \"{INSTRUCTIONS}\", \"input\": \"refund o-1\"}}'
+                FROM abada_agent_runs WHERE run_key = '{VISIT}';"
+    ))
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let e = waiting.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&e, StoreError::Refused { reason: ClaimRefusal::HeldByAnotherTask { holder, .. }, .. }
+            if holder == "t-9"),
+        "{e:?}"
+    );
+    assert_eq!(run_row(&db).await.2.as_deref(), Some("t-9"));
+    drop(store);
+    db.drop().await;
+}
