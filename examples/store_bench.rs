@@ -30,7 +30,7 @@ use abada_agent_worker::devkit::loadtest::{
 };
 use abada_agent_worker::metrics::Metrics;
 use abada_agent_worker::secret::SecretSource;
-use abada_agent_worker::store::{RunEnd, RunKey, RunStore};
+use abada_agent_worker::store::{Claimant, RunEnd, RunKey, RunStore};
 
 const SEED_USAGE: &str = "\
 usage: store_bench seed [FLAGS]
@@ -263,7 +263,12 @@ async fn direct(tasks: usize, concurrency: usize, url: String) {
             for i in (lane..tasks).step_by(concurrency) {
                 let key = RunKey::new(format!("bench-{run}-{i}")).unwrap();
                 let input = input_step(1, "You handle refund requests.", "o-1");
-                let mut claim = store.claim(&key, "bench", Some(&input)).await.unwrap();
+                let claimant = Claimant {
+                    worker_id: "bench",
+                    task_id: key.as_str(),
+                    hold: Duration::from_secs(30),
+                };
+                let mut claim = store.claim(&key, &claimant, Some(&input)).await.unwrap();
                 let answer = AssistantMessage {
                     text: Some(r#"{"decision": "refunded"}"#.into()),
                     tool_calls: vec![],
@@ -294,6 +299,15 @@ async fn direct(tasks: usize, concurrency: usize, url: String) {
             .and_then(|n| n.parse().ok())
             .unwrap_or(0)
     };
+    let seconds = |op: &str| -> f64 {
+        let prefix =
+            format!("abada_agent_store_transaction_duration_seconds_sum{{operation=\"{op}\"}}");
+        text.lines()
+            .find(|l| l.starts_with(&prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
     let transactions = count("claim") + count("append") + count("finish");
     println!(
         "one-turn tasks: {tasks}, concurrency {concurrency}, {:.0} tasks/s",
@@ -305,6 +319,10 @@ async fn direct(tasks: usize, concurrency: usize, url: String) {
         count("claim"),
         count("append"),
         count("finish")
+    );
+    println!(
+        "claim transaction mean: {:.2} ms (the lock, the rule, the claim, the input step)",
+        seconds("claim") / count("claim") as f64 * 1e3
     );
     println!(
         "append latency: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",

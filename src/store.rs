@@ -3,7 +3,10 @@
 //! claims and bounded pools).
 //!
 //! A run row per run holds the attempt number, the fencing token: every [`RunStore::claim`]
-//! increments it in one short transaction. Every [`RunStore::append`] is a compare-and-set on
+//! takes a new one from a database sequence that outlives the rows, in one short transaction, so
+//! a run deleted and created again never hands out a token an earlier holder had. Who may claim
+//! a run (another task of a process visit, or only its holder) is the admission rule's
+//! (`admission`). Every [`RunStore::append`] is a compare-and-set on
 //! the run row (attempt and version, exactly one row or none) plus the step insert, in one
 //! statement; none means another attempt owns the run ([`StoreError::Fenced`]), and the caller
 //! goes silent as after `STALE_ATTEMPT`. A one-turn task costs three transactions: the claim
@@ -17,9 +20,10 @@
 //! reported to `/readyz`), `url` (the one reading of the URL, the TLS rules, the redacted form),
 //! `tls` (rustls per `sslmode`),
 //! `pool` (connections and the transaction wrapper), `migrate` (the schema), `runs` (the SQL of
-//! claims, appends, finishes and sweeps), `error` (classes), `outage` (one log line per
-//! outage).
+//! claims, appends, finishes and sweeps), `admission` (which claim may take a run), `error`
+//! (classes), `outage` (one log line per outage).
 
+mod admission;
 mod error;
 mod handle;
 mod migrate;
@@ -34,10 +38,11 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+pub use admission::{ClaimRefusal, InputDigest};
 pub use error::{ErrorClass, FenceReason, StoreError};
 pub use handle::{StoreHandle, connect_backoff};
 pub use runs::{
-    Claim, Fence, MAX_BODY_DEPTH, MAX_JOURNAL_BYTES, MAX_RUN_KEY_BYTES, RunEnd, RunKey,
+    Claim, Claimant, Fence, MAX_BODY_DEPTH, MAX_JOURNAL_BYTES, MAX_RUN_KEY_BYTES, RunEnd, RunKey,
 };
 pub use url::{SslMode, StoreUrl, UrlError, UrlPart};
 
@@ -184,15 +189,17 @@ impl RunStore {
         &self.inner.migrations_applied
     }
 
-    /// Claims the run for a new attempt, in one transaction: creates it (attempt 1) or
-    /// increments its attempt, records `worker_id` as its owner, and returns the journal so far.
-    /// When the run has no step yet and `first_step` is given (the input step, `seq` 1), that
-    /// step is written in the same transaction. A finished run is reopened with its journal,
-    /// except under a visit's key ([`RunKey::for_visit`]), where it starts over.
+    /// Claims the run for a new attempt, in one transaction: the admission rule (`admission`)
+    /// decides whether the claimant begins the run (created, or started over with no step),
+    /// resumes it (its journal so far) or is refused ([`StoreError::Refused`], nothing
+    /// changed). A claim that goes ahead takes a new attempt from the sequence, records the
+    /// claimant's worker and task, and returns the journal so far. When the run has no step yet
+    /// and `first_step` is given (the input step, `seq` 1), that step is written in the same
+    /// transaction; it is also what a resumed run's journaled input must equal.
     pub async fn claim(
         &self,
         run_key: &RunKey,
-        worker_id: &str,
+        claimant: &Claimant<'_>,
         first_step: Option<&JournalStep>,
     ) -> Result<Claim, StoreError> {
         let first = match first_step {
@@ -215,7 +222,7 @@ impl RunStore {
         self.inner
             .pool
             .transaction(Operation::Claim, |mut conn| async move {
-                let result = runs::claim(conn.conn(), &store, run_key, worker_id, first).await;
+                let result = runs::claim(conn.conn(), &store, run_key, claimant, first).await;
                 (conn, result)
             })
             .await

@@ -28,7 +28,9 @@ use crate::metrics::labels::DeclaredNames;
 use crate::provider::ModelRequest;
 use crate::provider::fallback::{CallAttempt, ModelCallError, call_with_fallback_observed};
 use crate::secret::Secret;
-use crate::store::{ErrorClass, Fence, RunEnd, RunKey, RunStore, StoreError};
+use crate::store::{
+    ClaimRefusal, Claimant, ErrorClass, Fence, RunEnd, RunKey, RunStore, StoreError,
+};
 use crate::telemetry::spans;
 use crate::tools::registry::ToolRegistry;
 use crate::tools::{CredentialError, CredentialSource, ToolError, ToolSessions};
@@ -1068,6 +1070,9 @@ fn waiting_run_not_lost(
 
 /// Claims the task's run in the store (the fencing token of this attempt) and returns the
 /// journal so far; the input step is written in the claim's transaction when the run is new.
+/// The store's admission rule decides whether this task may take the run at all (its input
+/// must equal the journaled one; a visit's run held by another live task is not taken): a
+/// refusal is an incident that performed nothing.
 async fn claim_in_store(
     rt: &AgentRuntime,
     home: &RunStoreHome,
@@ -1097,13 +1102,20 @@ async fn claim_in_store(
     } else {
         journal::started_input_step(1, &instructions, &input, std::time::SystemTime::now())
     };
+    // Another task holds a visit's run against this one for a lock duration after its latest
+    // claim or write: as long as the engine lets a silent worker keep its task.
+    let claimant = Claimant {
+        worker_id: &home.worker_id,
+        task_id: &task.id,
+        hold: home.patience,
+    };
     let since = tokio::time::Instant::now();
     let mut tries = 0;
     loop {
         let claimed = ctx
             .fenced(async {
                 let store = home.handle.get()?;
-                let claim = store.claim(&run_key, &home.worker_id, Some(&first)).await?;
+                let claim = store.claim(&run_key, &claimant, Some(&first)).await?;
                 Ok((store, claim))
             })
             .await;
@@ -1124,6 +1136,9 @@ async fn claim_in_store(
                 };
                 return Ok((run, claim.steps));
             }
+            Err(TaskError::Engine(e @ StoreError::Refused { .. })) => {
+                return Err(refused_claim(&e));
+            }
             Err(e) => {
                 store_retry(
                     rt,
@@ -1137,6 +1152,36 @@ async fn claim_in_store(
                 .await?
             }
         }
+    }
+}
+
+/// The incident of a claim the store's admission rule refused; the run stays with its holder.
+fn refused_claim(e: &StoreError) -> Outcome {
+    let StoreError::Refused { reason, .. } = e else {
+        return incident("the run store refused the claim", e.to_string());
+    };
+    match reason {
+        ClaimRefusal::InputDiffers { .. } => incident(
+            "the task's input differs from the conversation kept under its run key",
+            format!(
+                "{e}. Resuming would continue another conversation: another visit of the node \
+                 holds the run (the process came back to the node while the run waits for a \
+                 decision, and the definition has no loopCounterVariable), or the variables the \
+                 definition's instructions and input read changed since the run began. Nothing \
+                 was performed. Give the node a loopCounterVariable that tells its visits apart, \
+                 or restore the variables; a run left alone is deleted after \
+                 ABADA_AGENT_STORE_ABANDONED_AFTER, and a retry after that starts over"
+            ),
+        ),
+        ClaimRefusal::HeldByAnotherTask { .. } => incident(
+            "another live task holds the conversation of this node visit",
+            format!(
+                "{e}: two tokens reached the node at once (parallel branches, a multi-instance \
+                 node) and would share one conversation. Nothing was performed. Give the node a \
+                 loopCounterVariable that tells the tokens apart; a retry once the other task \
+                 has ended, or has been silent for a lock duration, takes the run"
+            ),
+        ),
     }
 }
 
@@ -1166,6 +1211,7 @@ async fn store_retry(
                 format!("{what}: {e}"),
             ));
         }
+        ErrorClass::Refused => return Err(refused_claim(&e)),
         ErrorClass::Fenced | ErrorClass::Conflict | ErrorClass::Internal => {
             return Err(technical(rt, task, format!("{what} failed: {e}")));
         }
@@ -1274,6 +1320,47 @@ fn technical(rt: &AgentRuntime, task: &Task, details: String) -> Outcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refused claim ends the task as an incident (no retry) that says why and what to do.
+    #[test]
+    fn a_refused_claim_is_an_incident_that_says_what_to_do() {
+        let digest = crate::store::InputDigest::of;
+        let cases = [
+            (
+                ClaimRefusal::HeldByAnotherTask {
+                    holder: "t-1".into(),
+                    hold_ms: 30_000,
+                },
+                ["another live task holds", "task t-1", "loopCounterVariable"],
+            ),
+            (
+                ClaimRefusal::InputDiffers {
+                    journaled: Some(digest("i", "o-1")),
+                    offered: digest("i", "o-2"),
+                },
+                ["input differs", "sha256:", "loopCounterVariable"],
+            ),
+        ];
+        for (reason, needles) in cases {
+            let e = StoreError::Refused {
+                run_key: "process/pi-1/refundAgent".into(),
+                task_id: "t-2".into(),
+                reason,
+            };
+            let Outcome::Failure { kind, report } = refused_claim(&e) else {
+                panic!("not a failure")
+            };
+            assert_eq!(kind, FailureKind::Incident);
+            assert_eq!(report.retries, 0);
+            for needle in needles {
+                assert!(
+                    report.error_message.contains(needle),
+                    "{needle}: {report:?}"
+                );
+            }
+            assert!(report.error_details.contains("task t-2"), "{report:?}");
+        }
+    }
 
     #[test]
     fn answers_that_are_json_become_json() {

@@ -9,6 +9,15 @@
 //! percent-escaped (`%`, `/` and control characters), so two different triples never give the
 //! same key and a key never holds a control character. At most [`MAX_RUN_KEY_BYTES`] bytes, the
 //! run store's bound. The `process/` prefix keeps these keys apart from task-id keys.
+//!
+//! The key cannot be the task id: the decision arrives on the NEXT task of the same visit, which
+//! must find the conversation. So the key alone does not tell two tokens at the node at once
+//! apart, nor a visit from the one before it when no loop counter is named. The run store's
+//! admission rule (`store/admission.rs`) does, at every claim, from the claiming task, the run's
+//! holder task and its liveness, the conversation's phase (waiting for a decision, answered) and
+//! the digest of the rendered input: another task resumes a conversation only when it was
+//! handed over and its input is the same; a live holder's conversation is refused to it (an
+//! incident); an answered one is begun afresh, never replayed.
 
 use serde_json::{Map, Value};
 

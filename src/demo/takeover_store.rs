@@ -219,8 +219,8 @@ async fn scenario(
     tl.emit(
         "W2",
         "claimed_run",
-        "claims the run in the store: attempt 2 (W1 held attempt 1); reads the journal: \
-         issue_refund started, no result",
+        "claims the run in the store: a new attempt from the store's sequence, W1's is stale; \
+         reads the journal: issue_refund started, no result",
         json!({"storeClaims": w2_claims}),
     );
     let counters = tools.counters().await;
@@ -246,7 +246,7 @@ async fn scenario(
     tl.emit(
         "W1",
         "wakes",
-        "WAKES with the write's answer and journals it, as attempt 1",
+        "WAKES with the write's answer and journals it, under its own stale attempt",
         json!({}),
     );
     pump_until(
@@ -273,7 +273,7 @@ async fn scenario(
         "store",
         "refused",
         format!(
-            "REFUSES W1's append (attempt 1, the run is at attempt 2): RUN_STORE_FENCED ({refused} refused, lease lost {fenced})"
+            "REFUSES W1's append (its attempt is no longer the run's): RUN_STORE_FENCED ({refused} refused, lease lost {fenced})"
         ),
         json!({"code": "RUN_STORE_FENCED", "refusedAppends": refused, "leasesLost": fenced}),
     );

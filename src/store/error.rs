@@ -6,11 +6,13 @@
 
 use std::time::Duration;
 
+use super::admission::ClaimRefusal;
+
 /// Why an append (or a finish) was refused because the run is not this attempt's any more.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FenceReason {
     /// A newer claim took the run: the attempt number moved on (like `STALE_ATTEMPT`).
-    StaleAttempt { current: u32 },
+    StaleAttempt { current: u64 },
     /// Same attempt, but the run's version moved: this fence is an out-of-date copy.
     StaleVersion { expected: i64, current: i64 },
     /// The run was finished (and maybe deleted by retention).
@@ -46,6 +48,8 @@ pub enum ErrorClass {
     Conflict,
     /// The store refuses the worker (credentials, database, TLS): an operator must act.
     Misconfigured,
+    /// A claim the visit rule refuses (`admission`): the run is another task's conversation.
+    Refused,
     /// The input cannot be stored (a run key or step the store refuses).
     Invalid,
     /// Anything else: a bug, or a schema or row the worker does not understand.
@@ -59,6 +63,7 @@ impl ErrorClass {
             ErrorClass::Fenced => "fenced",
             ErrorClass::Conflict => "conflict",
             ErrorClass::Misconfigured => "misconfigured",
+            ErrorClass::Refused => "refused",
             ErrorClass::Invalid => "invalid",
             ErrorClass::Internal => "internal",
         }
@@ -73,8 +78,14 @@ pub enum StoreError {
     )]
     Fenced {
         run_key: String,
-        attempt: u32,
+        attempt: u64,
         reason: FenceReason,
+    },
+    #[error("run {run_key}: task {task_id} may not take the run: {reason}")]
+    Refused {
+        run_key: String,
+        task_id: String,
+        reason: ClaimRefusal,
     },
     #[error("run {run_key}: step {seq} conflicts with the journal: {reason}")]
     Conflict {
@@ -105,6 +116,7 @@ impl StoreError {
             StoreError::Conflict { .. } => ErrorClass::Conflict,
             StoreError::Unavailable { .. } => ErrorClass::Transient,
             StoreError::Misconfigured { .. } => ErrorClass::Misconfigured,
+            StoreError::Refused { .. } => ErrorClass::Refused,
             StoreError::Invalid(_) => ErrorClass::Invalid,
             StoreError::Internal(_) => ErrorClass::Internal,
         }
@@ -247,6 +259,17 @@ mod tests {
             (
                 StoreError::transaction_timeout("s", Duration::from_millis(5)),
                 ErrorClass::Transient,
+            ),
+            (
+                StoreError::Refused {
+                    run_key: "process/p/a".into(),
+                    task_id: "t-2".into(),
+                    reason: ClaimRefusal::HeldByAnotherTask {
+                        holder: "t-1".into(),
+                        hold_ms: 5,
+                    },
+                },
+                ErrorClass::Refused,
             ),
             (StoreError::Invalid("x".into()), ErrorClass::Invalid),
             (StoreError::Internal("x".into()), ErrorClass::Internal),

@@ -21,11 +21,18 @@ pub(super) struct Migration {
 }
 
 /// Every migration, in order. A new one is a new file in `migrations/` and a line here.
-pub(super) const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_run_store",
-    sql: include_str!("../../migrations/0001_run_store.sql"),
-}];
+pub(super) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_run_store",
+        sql: include_str!("../../migrations/0001_run_store.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_run_attempts",
+        sql: include_str!("../../migrations/0002_run_attempts.sql"),
+    },
+];
 
 /// The advisory lock every starting worker takes before looking at the schema: a fixed key,
 /// "abadamig" in ASCII, shared by every replica of every version.

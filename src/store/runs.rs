@@ -9,6 +9,7 @@
 use serde_json::Value;
 use tokio_postgres::{Client, Row, Statement};
 
+use super::admission::{Admission, Asking, InputDigest, Phase, Seen, admit};
 use super::error::{FenceReason, StoreError, classify};
 use super::pool::PgConn;
 use crate::engine::{AppendOutcome, JournalStep};
@@ -30,9 +31,9 @@ pub const MAX_BODY_DEPTH: usize = 100;
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct RunKey {
     key: String,
-    /// A visit's run ends with the visit: claimed again once finished (the process came back to
-    /// the node for new work), it starts over instead of replaying the finished conversation.
-    /// A task's run is reopened with its journal (the same task came back).
+    /// Many tasks claim a visit's run (the tasks of one visit, and the next visits): the
+    /// admission rule (`admission`) decides which may take it and whether it begins afresh.
+    /// A task's run is only ever claimed by its task, and reopened with its journal.
     per_visit: bool,
 }
 
@@ -57,8 +58,8 @@ impl RunKey {
         RunKey::new(task_id)
     }
 
-    /// The key of a process visit's run (`run_key::run_key`): a finished run under it is started
-    /// over by the next claim, not reopened.
+    /// The key of a process visit's run (`run_key::run_key`): a finished (or answered) run under
+    /// it is begun afresh by the next task, never reopened; a live holder's run is not taken.
     pub fn for_visit(key: impl Into<String>) -> Result<RunKey, StoreError> {
         Ok(RunKey {
             per_visit: true,
@@ -83,7 +84,7 @@ impl std::fmt::Display for RunKey {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fence {
     run_key: RunKey,
-    attempt: u32,
+    attempt: u64,
     version: i64,
     next_seq: u64,
     journal_bytes: u64,
@@ -94,8 +95,9 @@ impl Fence {
         &self.run_key
     }
 
-    /// The fencing token: this claim's attempt number (1 on first sight of the run).
-    pub fn attempt(&self) -> u32 {
+    /// The fencing token: this claim's attempt number, from a database sequence that outlives
+    /// the run rows, so no two claims of any run ever share one (not 1, 2, 3 per run).
+    pub fn attempt(&self) -> u64 {
         self.attempt
     }
 
@@ -112,6 +114,11 @@ impl Fence {
     /// Bytes of step bodies in the journal so far (at most [`MAX_JOURNAL_BYTES`]).
     pub fn journal_bytes(&self) -> u64 {
         self.journal_bytes
+    }
+
+    /// The attempt as the store holds it: read from a `bigint`, so it fits.
+    fn attempt_sql(&self) -> i64 {
+        i64::try_from(self.attempt).unwrap_or(i64::MAX)
     }
 
     fn advance(&mut self, body: &StepBody) {
@@ -135,9 +142,22 @@ pub struct Claim {
     pub fence: Fence,
     /// Every step of the run in `seq` order, the first step included when this claim wrote it.
     pub steps: Vec<JournalStep>,
-    /// This claim began the run's journal: the run had no step (a new run, or a visit's
-    /// finished run started over). Its attempt may be above 1.
+    /// This claim began the run's journal: the run had no step (a new run, or a visit's run
+    /// started over by the admission rule).
     pub created: bool,
+}
+
+/// Who claims a run: recorded on it, and what the admission rule (`admission`) weighs.
+#[derive(Clone, Copy, Debug)]
+pub struct Claimant<'a> {
+    /// Recorded as the run's owner, for operators.
+    pub worker_id: &'a str,
+    /// The engine task claiming: the run's holder once claimed. Under a visit's key another
+    /// task may take the run only as the admission rule says.
+    pub task_id: &'a str,
+    /// How long a visit's holder keeps its run against other tasks after its latest claim or
+    /// write: the lock duration.
+    pub hold: std::time::Duration,
 }
 
 /// How a run ended, once the engine accepted the outcome.
@@ -255,24 +275,55 @@ pub(super) fn check_step(
     Ok(body)
 }
 
-const UPSERT_RUN: &str = "
-    INSERT INTO abada_agent_runs AS r (run_key, attempt, owner, version, next_seq, journal_bytes, status)
-    VALUES ($1::text, 1, $2::text, 1, 1, 0, 'running')
-    ON CONFLICT (run_key) DO UPDATE
-       SET attempt = r.attempt + 1, owner = EXCLUDED.owner, version = r.version + 1,
-           status = 'running', finished_at = NULL, updated_at = now()
+/// The run as a claim finds it, its row locked until the claim commits: the row's part of what
+/// the admission rule reads (`admission::Seen`), and its next seq for `JOURNAL_ENDS`.
+const LOCK_RUN: &str = "
+    SELECT status = 'running', holder_task,
+           updated_at >= now() - $2::bigint * interval '1 millisecond', next_seq
+      FROM abada_agent_runs
+     WHERE run_key = $1::text
+       FOR UPDATE";
+
+/// The journal's first and last steps, read by a statement of its own once the row is locked:
+/// its snapshot is taken after the lock, and every change of a run's steps takes that lock, so
+/// it sees the journal as it stands (a join in `LOCK_RUN` would read the steps as they were
+/// before a concurrent claim it waited for). The first step's texts give the journaled input's
+/// digest; the last step's kind, state and number of tool calls the conversation's phase.
+const JOURNAL_ENDS: &str = "
+    SELECT f.kind, f.body->>'instructions', f.body->>'input',
+           l.kind, l.state,
+           CASE WHEN jsonb_typeof(l.body->'message'->'toolCalls') = 'array'
+                THEN jsonb_array_length(l.body->'message'->'toolCalls') ELSE 0 END
+      FROM (SELECT 1) AS one
+      LEFT JOIN abada_agent_steps f ON f.run_key = $1::text AND f.seq = 1
+      LEFT JOIN abada_agent_steps l ON l.run_key = $1::text AND l.seq = $2::bigint - 1";
+
+/// A new run. Nothing when a concurrent claim created it first (the claim then reads it again).
+const CREATE_RUN: &str = "
+    INSERT INTO abada_agent_runs
+           (run_key, attempt, owner, holder_task, version, next_seq, journal_bytes, status)
+    VALUES ($1::text, nextval('abada_agent_run_attempts'), $2::text, $3::text, 1, 1, 0, 'running')
+    ON CONFLICT (run_key) DO NOTHING
     RETURNING attempt, version, next_seq, journal_bytes";
 
-/// A visit's finished run, claimed again, starts over: its steps go and its next seq is 1 again,
-/// while its attempt and version keep counting up (the upsert after this), so no fence of the
-/// finished conversation can ever match the new one.
-const RESTART_FINISHED: &str = "
-    WITH finished AS (
-        UPDATE abada_agent_runs SET next_seq = 1, journal_bytes = 0
-         WHERE run_key = $1::text AND status <> 'running'
-        RETURNING run_key
-    )
-    DELETE FROM abada_agent_steps WHERE run_key IN (SELECT run_key FROM finished)";
+/// The run resumed by a new attempt (reopened if it was a task's finished run).
+const RESUME_RUN: &str = "
+    UPDATE abada_agent_runs
+       SET attempt = nextval('abada_agent_run_attempts'), owner = $2::text, holder_task = $3::text,
+           version = version + 1, status = 'running', finished_at = NULL, updated_at = now()
+     WHERE run_key = $1::text
+    RETURNING attempt, version, next_seq, journal_bytes";
+
+/// The run begun again by a new attempt: its steps go, its next seq is 1 again. The attempt
+/// comes from the sequence, so no fence of the conversation that went can match the new one.
+const RESTART_RUN: &str = "
+    WITH gone AS (DELETE FROM abada_agent_steps WHERE run_key = $1::text)
+    UPDATE abada_agent_runs
+       SET attempt = nextval('abada_agent_run_attempts'), owner = $2::text, holder_task = $3::text,
+           version = version + 1, next_seq = 1, journal_bytes = 0, status = 'running',
+           finished_at = NULL, updated_at = now()
+     WHERE run_key = $1::text
+    RETURNING attempt, version, next_seq, journal_bytes";
 
 const READ_STEPS: &str = "
     SELECT seq, kind, state, key, body::text
@@ -329,7 +380,11 @@ const SWEEP_ABANDONED: &str = "
 
 /// The store's statements, prepared on each connection when it opens.
 pub(super) struct Statements {
-    upsert_run: Statement,
+    lock_run: Statement,
+    journal_ends: Statement,
+    create_run: Statement,
+    resume_run: Statement,
+    restart_run: Statement,
     read_steps: Statement,
     append: Statement,
     diagnose: Statement,
@@ -338,14 +393,17 @@ pub(super) struct Statements {
     run_state: Statement,
     sweep_finished: Statement,
     sweep_abandoned: Statement,
-    restart_finished: Statement,
 }
 
 impl Statements {
     /// Prepares them all, pipelined on the one connection.
     pub(super) async fn prepare(client: &Client) -> Result<Statements, tokio_postgres::Error> {
         let (
-            upsert_run,
+            lock_run,
+            journal_ends,
+            create_run,
+            resume_run,
+            restart_run,
             read_steps,
             append,
             diagnose,
@@ -354,9 +412,12 @@ impl Statements {
             run_state,
             sweep_finished,
             sweep_abandoned,
-            restart_finished,
         ) = futures::try_join!(
-            client.prepare(UPSERT_RUN),
+            client.prepare(LOCK_RUN),
+            client.prepare(JOURNAL_ENDS),
+            client.prepare(CREATE_RUN),
+            client.prepare(RESUME_RUN),
+            client.prepare(RESTART_RUN),
             client.prepare(READ_STEPS),
             client.prepare(APPEND),
             client.prepare(DIAGNOSE),
@@ -365,10 +426,13 @@ impl Statements {
             client.prepare(RUN_STATE),
             client.prepare(SWEEP_FINISHED),
             client.prepare(SWEEP_ABANDONED),
-            client.prepare(RESTART_FINISHED),
         )?;
         Ok(Statements {
-            upsert_run,
+            lock_run,
+            journal_ends,
+            create_run,
+            resume_run,
+            restart_run,
             read_steps,
             append,
             diagnose,
@@ -377,41 +441,120 @@ impl Statements {
             run_state,
             sweep_finished,
             sweep_abandoned,
-            restart_finished,
         })
     }
 }
 
-fn attempt_of(store: &str, raw: i64) -> Result<u32, StoreError> {
-    u32::try_from(raw).map_err(|_| {
+fn attempt_of(store: &str, raw: i64) -> Result<u64, StoreError> {
+    u64::try_from(raw).map_err(|_| {
         StoreError::Internal(format!(
-            "the run store at {store} holds attempt {raw}, which does not fit a u32"
+            "the run store at {store} holds attempt {raw}, which is negative"
         ))
     })
 }
 
-/// The claim: creates the run (attempt 1) or increments its attempt, sets the owner, writes
-/// `first_step` when the run has no step yet, and returns the journal; one transaction. A
-/// visit's finished run is started over first (`RESTART_FINISHED`).
+/// The locked run as the admission rule reads it: `LOCK_RUN`'s row and `JOURNAL_ENDS`'s.
+fn seen_of(run: &Row, ends: &Row) -> Seen {
+    let first_kind: Option<String> = ends.get(0);
+    let instructions: Option<String> = ends.get(1);
+    let input: Option<String> = ends.get(2);
+    let journaled_input = match (first_kind.as_deref(), input) {
+        (Some("input"), Some(input)) => Some(InputDigest::of(
+            instructions.as_deref().unwrap_or_default(),
+            &input,
+        )),
+        _ => None,
+    };
+    let last_kind: Option<String> = ends.get(3);
+    let last_state: Option<String> = ends.get(4);
+    let tool_calls: Option<i32> = ends.get(5);
+    let phase = match (last_kind, last_state) {
+        (Some(kind), Some(state)) => {
+            Phase::of_last_step(&kind, &state, i64::from(tool_calls.unwrap_or(0)))
+        }
+        _ => Phase::Working,
+    };
+    Seen {
+        running: run.get(0),
+        holder: run.get(1),
+        held: run.get(2),
+        journaled_input,
+        phase,
+    }
+}
+
+/// The claim, one transaction: locks the run, lets the admission rule decide, then creates,
+/// resumes or begins the run again under a new attempt from the sequence, writes `first_step`
+/// when the run has no step, and returns the journal. A refusal changes nothing.
 pub(super) async fn claim(
     conn: &mut PgConn,
     store: &str,
     run_key: &RunKey,
-    worker_id: &str,
+    claimant: &Claimant<'_>,
     first_step: Option<(&JournalStep, StepBody)>,
 ) -> Result<Claim, StoreError> {
     let pg = |e: tokio_postgres::Error| classify(store, &e);
     let PgConn { client, statements } = conn;
     let tx = client.transaction().await.map_err(pg)?;
-    if run_key.per_visit {
-        tx.execute(&statements.restart_finished, &[&run_key.as_str()])
+    let hold_ms = u64::try_from(claimant.hold.as_millis()).unwrap_or(u64::MAX);
+    let asking = Asking {
+        per_visit: run_key.per_visit,
+        task_id: claimant.task_id,
+        input: first_step
+            .as_ref()
+            .and_then(|(step, _)| InputDigest::of_step(step)),
+        hold_ms,
+    };
+    let key = run_key.as_str();
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+        [&key, &claimant.worker_id, &claimant.task_id];
+    // Twice at most: a concurrent claim may create the run between the look and the insert,
+    // and then the rule must look at it.
+    let mut row = None;
+    for _ in 0..2 {
+        let found = tx
+            .query_opt(
+                &statements.lock_run,
+                &[&key, &(hold_ms.min(i64::MAX as u64) as i64)],
+            )
             .await
             .map_err(pg)?;
+        let seen = match found {
+            None => None,
+            Some(run) => {
+                let next_seq: i64 = run.get(3);
+                let ends = tx
+                    .query_one(&statements.journal_ends, &[&key, &next_seq])
+                    .await
+                    .map_err(pg)?;
+                Some(seen_of(&run, &ends))
+            }
+        };
+        let statement = match (admit(&asking, seen.as_ref()), seen.is_some()) {
+            (Admission::Refuse(reason), _) => {
+                return Err(StoreError::Refused {
+                    run_key: key.to_string(),
+                    task_id: claimant.task_id.to_string(),
+                    reason,
+                });
+            }
+            (Admission::Begin, false) => &statements.create_run,
+            (Admission::Begin, true) => &statements.restart_run,
+            (Admission::Resume, _) => &statements.resume_run,
+        };
+        row = tx.query_opt(statement, &params).await.map_err(pg)?;
+        if row.is_some() {
+            break;
+        }
     }
-    let row = tx
-        .query_one(&statements.upsert_run, &[&run_key.as_str(), &worker_id])
-        .await
-        .map_err(pg)?;
+    let Some(row) = row else {
+        return Err(StoreError::Unavailable {
+            store: store.to_string(),
+            reason: format!(
+                "run {run_key} was created and deleted by concurrent claims and sweeps while this claim looked at it; try again"
+            ),
+        });
+    };
     let attempt = attempt_of(store, row.get(0))?;
     let next_seq: i64 = row.get(2);
     let journal_bytes: i64 = row.get(3);
@@ -424,7 +567,7 @@ pub(super) async fn claim(
     };
     let steps = match (next_seq, first_step) {
         (1, Some((step, body))) => {
-            // The row is locked by the upsert above: the compare-and-set cannot miss.
+            // The row is locked by this transaction: the compare-and-set cannot miss.
             let params = append_params(&fence, step, &body);
             let written = tx
                 .execute(&statements.append, &params.as_params())
@@ -486,7 +629,7 @@ fn append_params<'a>(
 ) -> AppendParams<'a> {
     AppendParams {
         run_key: fence.run_key.as_str(),
-        attempt: i64::from(fence.attempt),
+        attempt: fence.attempt_sql(),
         version: fence.version,
         seq: step.seq as i64,
         len: body.len() as i64,
@@ -601,7 +744,7 @@ fn diagnose(
                 reason: "that seq holds a different step".into(),
             });
         }
-        let own_lost_commit = step_attempt == i64::from(fence.attempt)
+        let own_lost_commit = step_attempt == fence.attempt_sql()
             && step_version == fence.version + 1
             && run_version == fence.version + 1;
         if own_lost_commit {
@@ -639,7 +782,7 @@ pub(super) async fn finish(
 ) -> Result<(), StoreError> {
     let pg = |e: tokio_postgres::Error| classify(store, &e);
     let key = fence.run_key.as_str();
-    let attempt = i64::from(fence.attempt);
+    let attempt = fence.attempt_sql();
     let changed = if delete {
         conn.client
             .execute(&conn.statements.finish_delete, &[&key, &attempt])

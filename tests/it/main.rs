@@ -27,5 +27,6 @@ mod store;
 mod store_chaos;
 mod store_runs;
 mod store_tls;
+mod store_visits;
 mod support;
 mod tools;

@@ -18,7 +18,7 @@ use abada_agent_worker::engine::{AppendOutcome, JournalStep};
 use abada_agent_worker::metrics::{Metrics, ReasonLabel, StoreErrorLabels};
 use abada_agent_worker::secret::SecretSource;
 use abada_agent_worker::store::{
-    ErrorClass, FenceReason, RunEnd, RunKey, RunStore, StoreError, SweepReport,
+    Claimant, ErrorClass, FenceReason, RunEnd, RunKey, RunStore, StoreError, SweepReport,
 };
 use serde_json::json;
 use tokio::time::Instant;
@@ -167,7 +167,8 @@ impl TestDb {
                 "CREATE ROLE {role} LOGIN PASSWORD '{password}';
                  REVOKE CREATE ON SCHEMA public FROM PUBLIC;
                  GRANT SELECT, INSERT, UPDATE, DELETE
-                    ON abada_agent_runs, abada_agent_steps, abada_agent_store_migrations TO {role};"
+                    ON abada_agent_runs, abada_agent_steps, abada_agent_store_migrations TO {role};
+                 GRANT USAGE ON SEQUENCE abada_agent_run_attempts TO {role};"
             ))
             .await
             .unwrap();
@@ -248,6 +249,19 @@ fn model(seq: u64, text: &str) -> JournalStep {
     }
 }
 
+/// The first attempt the sequence hands out (migration 0002): above every per-run count before.
+pub(crate) const FIRST_ATTEMPT: u64 = 1 << 32;
+
+/// A claimant for tests where the holder does not matter (a task's run: only that task claims
+/// it): worker `worker`, task "task", a hold of 30 s.
+pub(crate) fn by(worker: &'static str) -> Claimant<'static> {
+    Claimant {
+        worker_id: worker,
+        task_id: "task",
+        hold: Duration::from_secs(30),
+    }
+}
+
 fn key(name: &str) -> RunKey {
     RunKey::for_task(name).unwrap()
 }
@@ -255,7 +269,7 @@ fn key(name: &str) -> RunKey {
 /// Claims a fresh run `name` with its input step, for worker "w", and returns its fence.
 async fn started(store: &RunStore, name: impl AsRef<str>) -> abada_agent_worker::store::Fence {
     store
-        .claim(&key(name.as_ref()), "w", Some(&input("hi")))
+        .claim(&key(name.as_ref()), &by("w"), Some(&input("hi")))
         .await
         .unwrap()
         .fence
@@ -413,19 +427,23 @@ async fn twenty_replicas_starting_at_once_migrate_once() {
         .iter()
         .flat_map(|s| s.migrations_applied().iter().copied())
         .collect();
-    assert_eq!(applied, ["0001_run_store"], "exactly one replica migrated");
+    assert_eq!(
+        applied,
+        ["0001_run_store", "0002_run_attempts"],
+        "exactly one replica migrated"
+    );
     assert_eq!(
         db.count("SELECT count(*) FROM abada_agent_store_migrations")
             .await,
-        1
+        2
     );
     // Every replica works on the schema it found.
     for (i, store) in stores.iter().enumerate() {
         let claim = store
-            .claim(&key(&format!("t-{i}")), "w", Some(&input("hi")))
+            .claim(&key(&format!("t-{i}")), &by("w"), Some(&input("hi")))
             .await
             .unwrap();
-        assert_eq!(claim.fence.attempt(), 1);
+        assert!(claim.fence.attempt() >= FIRST_ATTEMPT);
     }
     // A later start finds nothing to do.
     let (late, _) = connect(&config).await;
@@ -479,22 +497,22 @@ async fn a_claim_creates_the_run_then_increments_its_attempt_and_writes_the_inpu
     let run = key("task-1");
 
     let first = store
-        .claim(&run, "worker-a", Some(&input("refund me")))
+        .claim(&run, &by("worker-a"), Some(&input("refund me")))
         .await
         .unwrap();
     assert!(first.created);
-    assert_eq!(first.fence.attempt(), 1);
+    assert!(first.fence.attempt() >= FIRST_ATTEMPT);
     assert_eq!(first.fence.next_seq(), 2);
     assert_eq!(first.steps, vec![input("refund me")]);
 
-    // A second claim (another worker) increments the attempt, keeps the journal, and ignores
-    // the input it offers: the journal wins, as with the engine's.
+    // A second claim (another worker) takes a newer attempt and keeps the journal. Its input
+    // must be the journaled one (`store_visits` has the refusal of another).
     let second = store
-        .claim(&run, "worker-b", Some(&input("changed")))
+        .claim(&run, &by("worker-b"), Some(&input("refund me")))
         .await
         .unwrap();
     assert!(!second.created);
-    assert_eq!(second.fence.attempt(), 2);
+    assert!(second.fence.attempt() > first.fence.attempt());
     assert_eq!(second.steps, vec![input("refund me")]);
     let owner: String = db
         .sql()
@@ -509,12 +527,15 @@ async fn a_claim_creates_the_run_then_increments_its_attempt_and_writes_the_inpu
     assert_eq!(owner, "worker-b");
 
     // Without a first step a fresh run has no step; the next append is seq 1.
-    let bare = store.claim(&key("task-2"), "worker-a", None).await.unwrap();
+    let bare = store
+        .claim(&key("task-2"), &by("worker-a"), None)
+        .await
+        .unwrap();
     assert!(bare.steps.is_empty());
     assert_eq!(bare.fence.next_seq(), 1);
     // A first step must be seq 1.
     let e = store
-        .claim(&key("task-3"), "worker-a", Some(&model(2, "x")))
+        .claim(&key("task-3"), &by("worker-a"), Some(&model(2, "x")))
         .await
         .unwrap_err();
     assert_eq!(e.class(), ErrorClass::Invalid);
@@ -524,8 +545,9 @@ async fn a_claim_creates_the_run_then_increments_its_attempt_and_writes_the_inpu
 
 /// A process visit's run (approval) that finished is started over by the next claim: the
 /// process came back to the node for new work, and replaying the finished conversation would
-/// complete the new task with the old answer. Its attempt keeps counting, so the finished
-/// conversation's fence matches nothing. A task's run is still reopened with its journal.
+/// complete the new task with the old answer. Its attempt comes from the sequence, so the
+/// finished conversation's fence matches nothing. A task's run is still reopened with its
+/// journal.
 #[tokio::test]
 async fn a_visits_finished_run_claimed_again_starts_over_and_no_old_fence_matches() {
     let Some(db) = TestDb::create().await else {
@@ -537,7 +559,7 @@ async fn a_visits_finished_run_claimed_again_starts_over_and_no_old_fence_matche
 
     let visit = RunKey::for_visit("process/p-1/refundAgent").unwrap();
     let mut old = store
-        .claim(&visit, "worker-a", Some(&input("first visit")))
+        .claim(&visit, &by("worker-a"), Some(&input("first visit")))
         .await
         .unwrap()
         .fence;
@@ -547,12 +569,12 @@ async fn a_visits_finished_run_claimed_again_starts_over_and_no_old_fence_matche
         .unwrap();
     store.finish(&old, RunEnd::Completed).await.unwrap();
     let again = store
-        .claim(&visit, "worker-b", Some(&input("second visit")))
+        .claim(&visit, &by("worker-b"), Some(&input("second visit")))
         .await
         .unwrap();
     assert!(again.created, "the claim began the journal again");
     assert_eq!(again.steps, vec![input("second visit")]);
-    assert_eq!(again.fence.attempt(), 2);
+    assert!(again.fence.attempt() > old.attempt());
     let e = store
         .append(&mut old, &model(2, "late from the first visit"))
         .await
@@ -563,9 +585,9 @@ async fn a_visits_finished_run_claimed_again_starts_over_and_no_old_fence_matche
         .await;
     assert_eq!(steps, 1, "only the new visit's input step");
 
-    // A running visit is resumed, not started over.
+    // A running visit claimed again by its task (a redelivery) is resumed, not started over.
     let resumed = store
-        .claim(&visit, "worker-c", Some(&input("third")))
+        .claim(&visit, &by("worker-c"), Some(&input("second visit")))
         .await
         .unwrap();
     assert!(!resumed.created);
@@ -574,13 +596,13 @@ async fn a_visits_finished_run_claimed_again_starts_over_and_no_old_fence_matche
     // A task's finished run claimed again (the same task came back) keeps its journal.
     let task = key("task-again");
     let mut t = store
-        .claim(&task, "worker-a", Some(&input("hi")))
+        .claim(&task, &by("worker-a"), Some(&input("hi")))
         .await
         .unwrap()
         .fence;
     store.append(&mut t, &model(2, "done")).await.unwrap();
     store.finish(&t, RunEnd::Completed).await.unwrap();
-    let reopened = store.claim(&task, "worker-b", None).await.unwrap();
+    let reopened = store.claim(&task, &by("worker-b"), None).await.unwrap();
     assert!(!reopened.created);
     assert_eq!(reopened.steps.len(), 2);
     drop(store);
@@ -596,7 +618,7 @@ async fn a_newer_claim_fences_the_older_attempt_and_only_the_new_owner_writes() 
     let run = key("task-fence");
 
     let mut a = store
-        .claim(&run, "worker-a", Some(&input("hi")))
+        .claim(&run, &by("worker-a"), Some(&input("hi")))
         .await
         .unwrap()
         .fence;
@@ -605,10 +627,11 @@ async fn a_newer_claim_fences_the_older_attempt_and_only_the_new_owner_writes() 
         AppendOutcome::Created
     );
     // Worker a freezes past its lease; worker b claims the run.
-    let b_claim = store.claim(&run, "worker-b", None).await.unwrap();
+    let b_claim = store.claim(&run, &by("worker-b"), None).await.unwrap();
     assert_eq!(b_claim.steps, vec![input("hi"), model(2, "from a")]);
     let mut b = b_claim.fence;
-    assert_eq!(b.attempt(), 2);
+    assert!(b.attempt() > a.attempt());
+    let (old, new) = (a.attempt(), b.attempt());
 
     // a wakes up: refused, distinctly.
     let e = store
@@ -620,16 +643,18 @@ async fn a_newer_claim_fences_the_older_attempt_and_only_the_new_owner_writes() 
         matches!(
             &e,
             StoreError::Fenced {
-                attempt: 1,
-                reason: FenceReason::StaleAttempt { current: 2 },
+                attempt,
+                reason: FenceReason::StaleAttempt { current },
                 ..
-            }
+            } if *attempt == old && *current == new
         ),
         "{e:?}"
     );
     assert_eq!(
         e.to_string(),
-        "run task-fence: attempt 1 no longer owns the run (attempt 2 has claimed the run since); it must stop and report nothing"
+        format!(
+            "run task-fence: attempt {old} no longer owns the run (attempt {new} has claimed the run since); it must stop and report nothing"
+        )
     );
     let e = store.finish(&a, RunEnd::Completed).await.unwrap_err();
     assert_eq!(e.class(), ErrorClass::Fenced);
@@ -638,21 +663,21 @@ async fn a_newer_claim_fences_the_older_attempt_and_only_the_new_owner_writes() 
         store.append(&mut b, &model(3, "from b")).await.unwrap(),
         AppendOutcome::Created
     );
-    let c = store.claim(&run, "worker-c", None).await.unwrap();
+    let c = store.claim(&run, &by("worker-c"), None).await.unwrap();
     assert_eq!(
         c.steps,
         vec![input("hi"), model(2, "from a"), model(3, "from b")]
     );
-    let attempts: Vec<i64> = db
+    let attempts: Vec<u64> = db
         .sql()
         .await
         .query("SELECT attempt FROM abada_agent_steps ORDER BY seq", &[])
         .await
         .unwrap()
         .iter()
-        .map(|r| r.get(0))
+        .map(|r| r.get::<_, i64>(0) as u64)
         .collect();
-    assert_eq!(attempts, [1, 1, 2]);
+    assert_eq!(attempts, [old, old, new]);
     let fenced = metrics
         .store_errors
         .get_or_create(&StoreErrorLabels {
@@ -745,7 +770,7 @@ async fn a_retried_append_recognises_its_own_step_and_a_different_one_is_a_confl
 
     // Both go on from there; the journal holds the step once (NUL stored as U+FFFD).
     store.append(&mut retry, &model(3, "next")).await.unwrap();
-    let steps = store.claim(&key("t"), "w2", None).await.unwrap().steps;
+    let steps = store.claim(&key("t"), &by("w2"), None).await.unwrap().steps;
     assert_eq!(steps.len(), 3);
     assert_eq!(
         steps[1].data["message"]["text"],
@@ -789,7 +814,7 @@ async fn a_commit_whose_acknowledgement_is_lost_on_the_wire_is_already_present_o
         store.append(&mut fence, &model(3, "next")).await.unwrap(),
         AppendOutcome::Created
     );
-    let steps = store.claim(&key("t"), "w2", None).await.unwrap().steps;
+    let steps = store.claim(&key("t"), &by("w2"), None).await.unwrap().steps;
     assert_eq!(steps, vec![input("hi"), step, model(3, "next")]);
     assert_eq!(transient_errors(&metrics, "append"), 1);
     drop(store);
@@ -839,7 +864,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
     for name in ["x1", "x2", "y"] {
         fences.push(
             store
-                .claim(&key(name), "w", Some(&input("hi")))
+                .claim(&key(name), &by("w"), Some(&input("hi")))
                 .await
                 .unwrap()
                 .fence,
@@ -926,7 +951,8 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
     )
     .await;
     let started = Instant::now();
-    let attempts = callers.iter().map(|run| small.claim(run, "w", None));
+    let w = by("w");
+    let attempts = callers.iter().map(|run| small.claim(run, &w, None));
     let results = within(
         "the callers to give up",
         futures::future::join_all(attempts),
@@ -976,7 +1002,8 @@ async fn a_transaction_stuck_on_a_lock_gives_up_after_the_transaction_timeout() 
         RunStore::connect(&cfg, metrics.clone())
     })
     .await;
-    until_ok("a pooled connection", || store.claim(&warm_up, "w", None)).await;
+    let w = by("w");
+    until_ok("a pooled connection", || store.claim(&warm_up, &w, None)).await;
     let locker = db.sql().await;
     locker
         .batch_execute("BEGIN; SELECT 1 FROM abada_agent_runs WHERE run_key = 't' FOR UPDATE")
@@ -1110,9 +1137,9 @@ async fn finished_runs_are_deleted_after_retention_in_small_batches() {
     );
 
     // A finished run claimed again (its task came back) is reopened with its journal.
-    let again = store.claim(&key("done-00"), "w2", None).await.unwrap();
+    let again = store.claim(&key("done-00"), &by("w2"), None).await.unwrap();
     assert_eq!(again.steps.len(), 2);
-    assert_eq!(again.fence.attempt(), 2);
+    assert!(again.fence.attempt() > FIRST_ATTEMPT);
 
     // The background sweeper does the same on its own, every half retention (here 1 s).
     let mut short = config(&db.url);
@@ -1160,7 +1187,7 @@ async fn a_run_never_finished_is_deleted_once_abandoned_and_not_before() {
     let (store, metrics) = connect(&cfg).await;
     for name in ["orphan", "busy"] {
         let mut fence = store
-            .claim(&key(name), "w", Some(&input("hi")))
+            .claim(&key(name), &by("w"), Some(&input("hi")))
             .await
             .unwrap()
             .fence;
@@ -1272,7 +1299,7 @@ async fn the_password_appears_in_no_error_log_line_or_debug_print() {
     cfg.url = Arc::new(SecretSource::file(&file));
     let (store, metrics) = connect(&cfg).await;
     let claim = store
-        .claim(&key("t"), "w", Some(&input("hi")))
+        .claim(&key("t"), &by("w"), Some(&input("hi")))
         .await
         .unwrap();
     let mut fence = claim.fence.clone();
