@@ -386,7 +386,14 @@ impl EngineEmulator {
     /// Deploys a process model (replacing one with the same id), for [`EngineEmulator::start_process`]
     /// and `POST /api/v1/processes/start`.
     pub fn deploy(&self, model: ProcessModel) {
-        self.shared.state().deploy(model);
+        self.shared.state().deploy(model, None);
+    }
+
+    /// Deploys `model` with the BPMN XML the process API serves for it
+    /// (`GET /api/v1/processes/{id}`), as the next version of its key: what a worker reads for
+    /// agents defined in the BPMN. The emulator routes by `model`; it does not parse the XML.
+    pub fn deploy_bpmn(&self, model: ProcessModel, bpmn_xml: impl Into<String>) {
+        self.shared.state().deploy(model, Some(bpmn_xml.into()));
     }
 
     /// Starts an instance of a deployed process; `Err` with the engine's message.

@@ -564,7 +564,9 @@ fn parse_command(
             }
             Command::ToolCredentials(request)
         }
-        Operation::Unknown => return Err(ApiError::not_found_resource()),
+        Operation::ProcessInstanceRead | Operation::ProcessDefinitionRead | Operation::Unknown => {
+            return Err(ApiError::not_found_resource());
+        }
     })
 }
 
