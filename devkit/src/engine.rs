@@ -396,6 +396,12 @@ impl EngineEmulator {
         self.shared.state().deploy(model, Some(bpmn_xml.into()));
     }
 
+    /// Makes the process API's reads (`GET /api/v1/processes/...`) answer 403 ACCESS_DENIED
+    /// (`denied`), as the engine answers an identity without `process:read`.
+    pub fn deny_process_reads(&self, denied: bool) {
+        self.shared.state().deny_process_reads(denied);
+    }
+
     /// Starts an instance of a deployed process; `Err` with the engine's message.
     pub fn start_process(
         &self,

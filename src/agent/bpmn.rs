@@ -546,6 +546,9 @@ pub struct BpmnDefinitions {
     /// Activity ids with an agents-file entry already checked against the BPMN (an override is
     /// logged once each).
     overridden: Mutex<HashSet<String>>,
+    /// When the process API last refused the worker's identity (403) or was not there (404):
+    /// tasks the agents file covers by topic skip it for `latest_for`.
+    denied_at: Mutex<Option<Instant>>,
 }
 
 impl BpmnDefinitions {
@@ -557,6 +560,7 @@ impl BpmnDefinitions {
             instances: Mutex::new(Bounded::new(settings.max_instances)),
             loading: Mutex::new(HashMap::new()),
             overridden: Mutex::new(HashSet::new()),
+            denied_at: Mutex::new(None),
         }
     }
 
@@ -585,23 +589,46 @@ impl BpmnDefinitions {
             }
             return Ok(def.clone());
         }
+        if let Some(def) = by_topic
+            && self.denied_recently()
+        {
+            return Ok(def.clone());
+        }
         match self.read_bpmn(task, ctx).await {
             Ok(Some(def)) => Ok(def),
             Ok(None) => by_topic
                 .cloned()
                 .ok_or_else(|| definition::missing(task).into()),
             // Not allowed or not served: a node covered by the agents file's topic entry still
-            // runs (as before BPMN definitions existed), said in the log.
+            // runs (as before BPMN definitions existed), said in the log. A refusal of the
+            // worker's identity (403), or an engine without the process API (404: a live task's
+            // instance always exists), holds for every task: the process API is left alone for
+            // `latest_for` instead of being asked (and logged) once per task.
             Err(ResolveError::Refused {
                 what,
                 source,
                 advice,
             }) if by_topic.is_some() => {
+                if matches!(
+                    source,
+                    EngineError::AccessDenied { .. } | EngineError::NotFound { .. }
+                ) {
+                    *self.denied_at.lock().expect("bpmn denied lock") = Some(Instant::now());
+                }
                 tracing::warn!(error = %source, advice, "{what}; using the agents file's entry for the topic");
                 Ok(by_topic.cloned().expect("checked"))
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// The process API refused the worker's identity (403) or was not found (404) less than
+    /// `latest_for` ago.
+    fn denied_recently(&self) -> bool {
+        self.denied_at
+            .lock()
+            .expect("bpmn denied lock")
+            .is_some_and(|at| at.elapsed() < self.settings.latest_for)
     }
 
     /// True the first time an activity with an agents-file entry is seen (the set is bounded by
@@ -868,6 +895,24 @@ status = "refundStatus"
         // Only service tasks with properties are agents.
         let agents = parse_process("refund", Some(3), &xml).unwrap();
         assert!(agents.agent("plain").is_none());
+    }
+
+    /// The worked example defines its agent this way: it parses, as the agents file's entry of
+    /// docs/REAL_ENGINE.md.
+    #[test]
+    fn the_worked_example_defines_its_agent_in_the_bpmn() {
+        let xml = include_str!("../../examples/refund-approval.bpmn");
+        let agents = parse_process("refundApproval", Some(1), xml).unwrap();
+        let def = agents.agent("refundAgent").unwrap().clone().unwrap();
+        assert_eq!(def.name, "refund-agent");
+        assert_eq!(def.models[0].model, "refund");
+        assert_eq!(def.tool_servers[0].name, "orders");
+        assert_eq!(def.tool_servers[0].url, None);
+        assert_eq!(def.approval, super::super::approval::ApprovalPolicy::Writes);
+        assert_eq!(def.result_variable, "refundDecision");
+        assert_eq!(def.max_turns, 8);
+        assert!(def.output_schema.is_some());
+        assert_eq!(agents.by_activity.len(), 1, "one agent in the process");
     }
 
     #[test]

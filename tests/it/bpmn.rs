@@ -401,3 +401,57 @@ async fn a_service_task_without_properties_and_no_agents_file_says_where_to_defi
     worker.stop().await;
     stack.shutdown().await;
 }
+
+/// An identity without `process:read`: the 403 is an incident that names the scope; with an
+/// agents-file entry for the topic, that entry runs instead, and the process API is not asked
+/// again for every task.
+#[tokio::test]
+async fn a_refused_process_read_names_process_read_or_falls_back_to_the_topic_entry() {
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    stack
+        .model
+        .set_script("operator", answer_script("operator"));
+    stack.engine.deploy_bpmn(
+        ProcessModel::refund_approval(None),
+        refund_bpmn(&agent_properties("openai/bpmn-v1", "refundDecision")),
+    );
+    stack.engine.deny_process_reads(true);
+    let instance = start(&stack, "o-1");
+    let worker = stack.spawn_worker(
+        WorkerOptions::new("w1", 1),
+        settings(Duration::from_secs(600)),
+    );
+    let failed = wait_incident(&stack, &instance).await;
+    let message = failed.error_message.unwrap_or_default();
+    assert!(
+        message.contains("403 ACCESS_DENIED") && message.contains("process:read"),
+        "{message}"
+    );
+    worker.stop().await;
+
+    let dir = ScratchDir::new("bpmn-denied");
+    let agents = dir.write(
+        "agents.toml",
+        "[agents.\"abada:agent\"]\nmodel = \"openai/operator\"\ninput = \"${orderId}\"\nresultVariable = \"operatorResult\"\n",
+    );
+    let mut opts = WorkerOptions::new("w2", 1);
+    opts.env = vec![(
+        config::ENV_AGENTS_FILE.to_string(),
+        agents.display().to_string(),
+    )];
+    stack.engine.clear_calls();
+    let instances = [start(&stack, "o-2"), start(&stack, "o-3")];
+    let worker = stack.spawn_worker(opts, settings(Duration::from_secs(600)));
+    for instance in &instances {
+        let done = wait_completed(&stack, instance).await;
+        assert_eq!(done.variables["operatorResult"]["by"], json!("operator"));
+    }
+    assert_eq!(
+        reads(&stack, Operation::ProcessInstanceRead),
+        1,
+        "refused once, then left alone"
+    );
+    assert_eq!(stack.model.calls("bpmn-v1"), 0);
+    worker.stop().await;
+    stack.shutdown().await;
+}

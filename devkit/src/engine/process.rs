@@ -311,6 +311,9 @@ pub(crate) struct Processes {
     pub models: HashMap<String, ProcessModel>,
     /// The latest deployment of each process key (the process API serves no older one).
     pub deployments: HashMap<String, Deployment>,
+    /// The process API's reads answer 403 ACCESS_DENIED, as the engine does to an identity
+    /// without `process:read`.
+    pub reads_denied: bool,
     pub instances: BTreeMap<String, Instance>,
     pub user_tasks: BTreeMap<String, UserTask>,
     next_instance: u64,

@@ -144,11 +144,29 @@ fn record_read(
     });
 }
 
+/// The engine's answer to an identity without `process:read`, when the emulator is told to
+/// give it ([`super::EngineEmulator::deny_process_reads`]).
+fn denied(shared: &Shared, headers: &HeaderMap, operation: Operation) -> Option<Response> {
+    if !shared.state().process_reads_denied() {
+        return None;
+    }
+    let e = ApiError::new(
+        StatusCode::FORBIDDEN,
+        wire::code::ACCESS_DENIED,
+        "Access Denied",
+    );
+    record_read(shared, operation, headers, Some(&e));
+    Some(error(shared, e, "/api/v1/processes"))
+}
+
 async fn instance(
     State(shared): State<Arc<Shared>>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
+    if let Some(denied) = denied(&shared, &headers, Operation::ProcessInstanceRead) {
+        return denied;
+    }
     let found = shared.state().process_instance(&id);
     match found {
         Some(view) => {
@@ -172,6 +190,9 @@ async fn definition(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
+    if let Some(denied) = denied(&shared, &headers, Operation::ProcessDefinitionRead) {
+        return denied;
+    }
     let found = shared.state().process_definition(&id);
     match found {
         Some(view) => {

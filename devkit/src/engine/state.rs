@@ -1035,6 +1035,14 @@ impl EngineState {
         self.processes.models.insert(model.id.clone(), model);
     }
 
+    pub fn deny_process_reads(&mut self, denied: bool) {
+        self.processes.reads_denied = denied;
+    }
+
+    pub fn process_reads_denied(&self) -> bool {
+        self.processes.reads_denied
+    }
+
     /// `GET /api/v1/processes/{id}`: the latest deployed version.
     pub fn process_definition(&self, id: &str) -> Option<process::ProcessDefinitionView> {
         self.processes.definition_view(id)
