@@ -286,6 +286,26 @@ fn element_depth(xml: &str) -> usize {
     deepest
 }
 
+/// A service task's id with its definition, or the text of the error naming what is wrong.
+pub type BpmnAgent = (String, Result<AgentDefinition, String>);
+
+/// [`parse_process`] as plain values, for `decoders` (property tests and fuzzing): each agent's
+/// service task id with its definition or the error's text, sorted by id.
+pub(crate) fn agents_of_xml(
+    process: &str,
+    version: Option<i64>,
+    xml: &str,
+) -> Result<Vec<BpmnAgent>, String> {
+    let agents = parse_process(process, version, xml).map_err(|e| e.to_string())?;
+    let mut all: Vec<_> = agents
+        .by_activity
+        .into_iter()
+        .map(|(id, def)| (id, def.map_err(|e| e.to_string())))
+        .collect();
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(all)
+}
+
 /// One service task's definition: its properties mapped into the raw definition, then parsed by
 /// the agents file's parser.
 fn definition_of(
