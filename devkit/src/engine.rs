@@ -125,6 +125,13 @@ pub enum AuthRejection {
 /// completion bodies (`workerId` required, no legacy body).
 pub trait Authorizer: Send + Sync {
     fn authorize(&self, headers: &HeaderMap) -> Result<(), AuthRejection>;
+
+    /// Whether the caller may read the process API (`GET /api/v1/processes/...`), which the
+    /// engine guards with `process:read` rather than `worker:execute`. The default applies the
+    /// same rule as [`Authorizer::authorize`].
+    fn authorize_process_read(&self, headers: &HeaderMap) -> Result<(), AuthRejection> {
+        self.authorize(headers)
+    }
 }
 
 /// How to start the emulator.

@@ -455,3 +455,56 @@ async fn a_refused_process_read_names_process_read_or_falls_back_to_the_topic_en
     worker.stop().await;
     stack.shutdown().await;
 }
+
+/// Behind the engine's `proxy` security mode, the worker's headers file reaches the process
+/// API's reads too, and `abada-worker` alone does not grant them: the incident names
+/// `process:read`; with the permission `process:read` the agent runs.
+#[tokio::test]
+async fn behind_the_proxy_the_process_reads_need_the_process_read_permission() {
+    use abada_agent_worker::devkit::engine::ProxyAuthorizer;
+    use abada_agent_worker::devkit::stack::StackOptions;
+    let stack = Stack::start_with(StackOptions {
+        protocol: ProtocolLevel::PlainV1,
+        authorizer: Some(std::sync::Arc::new(ProxyAuthorizer)),
+    })
+    .await
+    .unwrap();
+    stack.model.set_script("bpmn-v1", answer_script("bpmn-v1"));
+    stack.engine.deploy_bpmn(
+        ProcessModel::refund_approval(None),
+        refund_bpmn(&agent_properties("openai/bpmn-v1", "refundDecision")),
+    );
+    let dir = ScratchDir::new("bpmn-proxy");
+    let worker_with = |headers: &str, id: &str| {
+        let path = dir.write(&format!("{id}.headers"), headers);
+        let mut opts = WorkerOptions::new(id, 1);
+        opts.env = vec![(
+            config::ENV_ENGINE_HEADERS_FILE.to_string(),
+            path.display().to_string(),
+        )];
+        stack.spawn_worker(opts, settings(Duration::from_secs(600)))
+    };
+
+    let refused = start(&stack, "o-1");
+    let worker = worker_with(
+        "X-Auth-Request-User: agent-worker\nX-Auth-Request-Groups: abada-worker\n",
+        "w1",
+    );
+    let failed = wait_incident(&stack, &refused).await;
+    let message = failed.error_message.unwrap_or_default();
+    assert!(
+        message.contains("403 ACCESS_DENIED") && message.contains("process:read"),
+        "{message}"
+    );
+    worker.stop().await;
+
+    let allowed = start(&stack, "o-2");
+    let worker = worker_with(
+        "X-Auth-Request-User: agent-worker\nX-Auth-Request-Permissions: worker:execute,process:read\n",
+        "w2",
+    );
+    let done = wait_completed(&stack, &allowed).await;
+    assert_eq!(done.variables["refundDecision"]["by"], json!("bpmn-v1"));
+    worker.stop().await;
+    stack.shutdown().await;
+}

@@ -13,7 +13,7 @@
 //!
 //! The caller is `X-User` (else `anonymous`, who sees nothing) with the groups of `X-Groups`
 //! (comma-separated), as in the engine's `disabled` security mode. These routes are not worker
-//! protocol: no authorizer, no faults. The two reads a worker makes for agents defined in the
+//! protocol: no faults, and the authorizer only on the two reads below. The two reads a worker makes for agents defined in the
 //! BPMN (an instance, a definition) are in the call log ([`Operation::ProcessInstanceRead`],
 //! [`Operation::ProcessDefinitionRead`]), so tests count them.
 
@@ -144,17 +144,26 @@ fn record_read(
     });
 }
 
-/// The engine's answer to an identity without `process:read`, when the emulator is told to
-/// give it ([`super::EngineEmulator::deny_process_reads`]).
+/// The engine's answer to a caller the secured mode refuses (the authorizer's
+/// [`super::Authorizer::authorize_process_read`]), or to every caller when the emulator is told
+/// to deny process reads ([`super::EngineEmulator::deny_process_reads`]).
 fn denied(shared: &Shared, headers: &HeaderMap, operation: Operation) -> Option<Response> {
-    if !shared.state().process_reads_denied() {
-        return None;
-    }
-    let e = ApiError::new(
-        StatusCode::FORBIDDEN,
-        wire::code::ACCESS_DENIED,
-        "Access Denied",
-    );
+    let e = if shared.state().process_reads_denied() {
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            wire::code::ACCESS_DENIED,
+            "Access Denied",
+        )
+    } else {
+        match shared
+            .authorizer
+            .as_ref()
+            .map(|a| a.authorize_process_read(headers))
+        {
+            Some(Err(rejection)) => super::http::auth_error(rejection),
+            _ => return None,
+        }
+    };
     record_read(shared, operation, headers, Some(&e));
     Some(error(shared, e, "/api/v1/processes"))
 }
