@@ -627,6 +627,25 @@ fn encode_path_segment(raw: &str) -> String {
     out
 }
 
+/// The longest id the process API's reads put in a path.
+const MAX_PATH_ID_BYTES: usize = 512;
+
+/// An id the engine sent (an instance's, a definition's) as one path segment, or an error: empty,
+/// `.` and `..` would make another path of the URL (a dot segment is resolved, even escaped), so
+/// they are refused, as is an id over [`MAX_PATH_ID_BYTES`].
+fn usable_id(op: &'static str, field: &str, id: &str) -> Result<String, EngineError> {
+    if id.is_empty() || id == "." || id == ".." || id.len() > MAX_PATH_ID_BYTES {
+        let shown: String = id.chars().take(64).collect();
+        return Err(EngineError::MalformedResponse {
+            op,
+            detail: format!(
+                "the engine's {field} {shown:?} cannot name a resource in a URL (empty, a dot segment or over {MAX_PATH_ID_BYTES} bytes)"
+            ),
+        });
+    }
+    Ok(encode_path_segment(id))
+}
+
 #[async_trait]
 impl Engine for HttpEngine {
     /// `GET {ENGINE_URL}`: any HTTP answer, whatever its status (the API root usually answers
@@ -903,16 +922,13 @@ impl Engine for HttpEngine {
         instance_id: &str,
     ) -> Result<ProcessInstance, EngineError> {
         let op = OP_PROCESS_INSTANCE;
+        let id = usable_id(op, "processInstanceId", instance_id)?;
         let answer = self
             .command(Call {
                 op,
                 method: Method::GET,
                 task_id: Some(&task.task_id),
-                path: format!(
-                    "{}/instances/{}",
-                    self.processes,
-                    encode_path_segment(instance_id)
-                ),
+                path: format!("{}/instances/{id}", self.processes),
                 body: Vec::new(),
                 idempotency_key: None,
                 traceparent: Self::trace(task),
@@ -933,12 +949,13 @@ impl Engine for HttpEngine {
         definition_id: &str,
     ) -> Result<ProcessDefinition, EngineError> {
         let op = OP_PROCESS_DEFINITION;
+        let id = usable_id(op, "processDefinitionId", definition_id)?;
         let answer = self
             .command(Call {
                 op,
                 method: Method::GET,
                 task_id: Some(&task.task_id),
-                path: format!("{}/{}", self.processes, encode_path_segment(definition_id)),
+                path: format!("{}/{id}", self.processes),
                 body: Vec::new(),
                 idempotency_key: None,
                 traceparent: Self::trace(task),
@@ -1008,6 +1025,29 @@ mod tests {
             e.to_string().contains("needs the worker:execute scope"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_process_id_never_makes_another_path() {
+        assert_eq!(usable_id("p", "f", "a/../b").unwrap(), "a%2F..%2Fb");
+        assert_eq!(usable_id("p", "f", "%2e%2e").unwrap(), "%252e%252e");
+        for bad in ["", ".", ".."] {
+            let e = usable_id("p", "processDefinitionId", bad).unwrap_err();
+            assert!(e.to_string().contains("dot segment"), "{e}");
+        }
+        assert!(usable_id("p", "f", &"x".repeat(MAX_PATH_ID_BYTES + 1)).is_err());
+        // What the URL parser makes of what is sent: still one segment under /v1/processes/.
+        for id in ["a/../b", "..%2f", "%2e%2e", "?x=1#y", "a b"] {
+            let url = reqwest::Url::parse(&format!(
+                "http://e/api/v1/processes/{}",
+                usable_id("p", "f", id).unwrap()
+            ))
+            .unwrap();
+            let segments: Vec<&str> = url.path_segments().unwrap().collect();
+            assert_eq!(segments.len(), 4, "{id:?} -> {url}");
+            assert_eq!(&segments[..3], ["api", "v1", "processes"]);
+            assert!(url.query().is_none() && url.fragment().is_none());
+        }
     }
 
     #[test]
