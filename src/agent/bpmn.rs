@@ -12,7 +12,7 @@
 //! and serves only the key's latest version. So a run journals the definition it started with
 //! (its raw definition, with the key and version, in the input step) and a resumed run keeps it;
 //! a task first reached after a redeployment uses the latest version. Parsed definitions are
-//! cached per (key, version) in a bounded map; which version is the latest is re-learned at most
+//! cached per (key, version, digest of the XML) in a bounded map; which version is the latest is re-learned at most
 //! every [`BpmnSettings::latest_for`] (one definition read per key in that window, concurrent
 //! tasks share it); an instance's key never changes and is cached in a bounded map too.
 //!
@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
 use super::definition::{self, AgentDefinition, AgentsFile, DefinitionError};
@@ -541,8 +542,9 @@ impl<K: std::hash::Hash + Eq + Clone, V> Bounded<K, V> {
     }
 }
 
-/// A process key and one of its versions.
-type VersionKey = (String, Option<i64>);
+/// A process key, one of its versions, and the SHA-256 of that version's XML: an engine that
+/// sends no version (or the same one for another XML) never gets another XML's agents.
+type VersionKey = (String, Option<i64>, [u8; 32]);
 
 /// What is known of a process key: its latest version's agents, and since when.
 #[derive(Clone)]
@@ -733,11 +735,16 @@ impl BpmnDefinitions {
                 .process_definition(key)
                 .await
                 .map_err(|e| refusal(e, format!("cannot read process definition {key:?}")))?;
+            let version_key: VersionKey = (
+                key.to_string(),
+                read.version,
+                Sha256::digest(read.bpmn_xml.as_bytes()).into(),
+            );
             let cached = self
                 .parsed
                 .lock()
                 .expect("bpmn parsed lock")
-                .get(&(key.to_string(), read.version))
+                .get(&version_key)
                 .cloned();
             let agents = match cached {
                 Some(agents) => agents,
@@ -752,7 +759,7 @@ impl BpmnDefinitions {
                     self.parsed
                         .lock()
                         .expect("bpmn parsed lock")
-                        .insert((key.to_string(), read.version), agents.clone());
+                        .insert(version_key, agents.clone());
                     agents
                 }
             };
