@@ -3,6 +3,7 @@
 //! ending in exactly one outcome of protocol.md B.5.
 //!
 //! - `approval`: which tool calls wait for a person's approval, and the decision variables;
+//! - `bpmn`: agent definitions written on the BPMN service task (`abada.agent.*` properties);
 //! - `definition`: agent definitions, the agents file, `${name}` templates;
 //! - `journal`: the journal's step shapes and the replay that resumes a run;
 //! - `limits`: what a model can make the worker do (tool calls, writes, turns, time, tokens);
@@ -15,6 +16,7 @@
 //! decided in one place, [`AgentRuntime::journal_home`].
 
 pub mod approval;
+pub mod bpmn;
 pub mod definition;
 pub mod journal;
 pub mod limits;
@@ -57,6 +59,8 @@ pub struct AgentSettings {
     pub technical_retry: Backoff,
     /// Between tries of a run-store call that failed transiently (an outage, a full pool).
     pub store_backoff: Backoff,
+    /// The caches of agents defined in the BPMN (how long a latest version is trusted).
+    pub bpmn: bpmn::BpmnSettings,
 }
 
 impl Default for AgentSettings {
@@ -69,6 +73,7 @@ impl Default for AgentSettings {
             technical_retry: Backoff::new(Duration::from_secs(10), Duration::from_secs(600))
                 .without_jitter(),
             store_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
+            bpmn: bpmn::BpmnSettings::default(),
         }
     }
 }
@@ -77,6 +82,8 @@ impl Default for AgentSettings {
 pub struct AgentRuntime {
     providers: ProviderRegistry,
     agents_file: Option<AgentsFile>,
+    /// Agents defined on the BPMN service task, read from the engine and cached.
+    bpmn: bpmn::BpmnDefinitions,
     /// The operator's tool servers (`ABADA_AGENT_TOOLS_FILE`), when set.
     tool_registry: Option<Arc<ToolRegistry>>,
     /// The tool servers' client: no redirects, no link-local or metadata address.
@@ -149,6 +156,7 @@ impl AgentRuntime {
         AgentRuntime {
             providers,
             agents_file,
+            bpmn: bpmn::BpmnDefinitions::new(settings.bpmn),
             tool_registry: None,
             tool_http,
             settings,

@@ -15,6 +15,23 @@ use crate::engine::{EngineError, Journal, JournalStep, Task, TraceParent};
 use crate::provider::ModelResponse;
 use crate::provider::tool_names::ToolNames;
 
+/// A process definition's BPMN XML as the engine serves it: each `camunda:topic` service task
+/// with `abada.agent.*` properties, by id, with its definition or the error naming what is wrong.
+pub fn bpmn_agents(xml: &str) -> Result<Vec<crate::agent::bpmn::BpmnAgent>, String> {
+    crate::agent::bpmn::agents_of_xml("fuzz", Some(1), xml)
+}
+
+/// A `GET /v1/processes/{id}` answer (JSON): the definition's id, version and XML size.
+pub fn engine_process_definition(body: &[u8]) -> Result<(String, Option<i64>, usize), String> {
+    crate::engine::wire::decode_process_definition(body)
+        .map(|d| (d.id, d.version, d.bpmn_xml.len()))
+}
+
+/// A `GET /v1/processes/instances/{id}` answer (JSON): the definition the instance runs.
+pub fn engine_process_instance(body: &[u8]) -> Result<String, String> {
+    crate::engine::wire::decode_process_instance(body).map(|i| i.process_definition_id)
+}
+
 /// A fetch-and-lock response body: the tasks read, and one problem per element skipped.
 pub fn engine_fetch_response(body: &[u8]) -> Result<(Vec<Task>, Vec<String>), String> {
     crate::engine::wire::decode_locked_tasks(body)

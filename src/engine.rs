@@ -114,6 +114,29 @@ pub struct ToolCredential {
     pub expires_at: Option<String>,
 }
 
+/// The operation names of the process API's two reads (metrics, spans, errors).
+pub const OP_PROCESS_INSTANCE: &str = "process-instance";
+pub const OP_PROCESS_DEFINITION: &str = "process-definition";
+
+/// A process instance, as far as the worker reads it (`GET /v1/processes/instances/{id}`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessInstance {
+    pub id: String,
+    /// The definition the instance runs: on Abada 0.11 the process key (`refundProcess`), not a
+    /// versioned id (protocol.md Part D, "Process definitions").
+    pub process_definition_id: String,
+}
+
+/// A deployed process definition (`GET /v1/processes/{id}`): the latest version of the key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessDefinition {
+    pub id: String,
+    /// The deployment's version of the key; `None` when the engine sent none.
+    pub version: Option<i64>,
+    /// The BPMN 2.0 XML as deployed, extension elements kept.
+    pub bpmn_xml: String,
+}
+
 /// What a cheap reachability probe of the engine found (see [`Engine::probe`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProbeOutcome {
@@ -150,6 +173,36 @@ pub trait Engine: Send + Sync + 'static {
         task: &TaskRef,
         server: &str,
     ) -> Result<ToolCredential, EngineError>;
+
+    /// `GET /v1/processes/instances/{id}` (needs `process:read`): which definition an instance
+    /// runs. The default is an engine without a process API (404).
+    async fn process_instance(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+    ) -> Result<ProcessInstance, EngineError> {
+        let _ = (task, instance_id);
+        Err(EngineError::NotFound {
+            op: OP_PROCESS_INSTANCE,
+            code: String::new(),
+            message: "this engine serves no process API".into(),
+        })
+    }
+
+    /// `GET /v1/processes/{id}` (needs `process:read`): the latest deployed version of a
+    /// definition, with its BPMN XML. `task` is the task the read is for (trace context only).
+    async fn process_definition(
+        &self,
+        task: &TaskRef,
+        definition_id: &str,
+    ) -> Result<ProcessDefinition, EngineError> {
+        let _ = (task, definition_id);
+        Err(EngineError::NotFound {
+            op: OP_PROCESS_DEFINITION,
+            code: String::new(),
+            message: "this engine serves no process API".into(),
+        })
+    }
 
     /// A cheap check that the engine answers at all, without fetching or locking anything.
     /// The poll loop probes once per poll interval while it backs off after the engine went

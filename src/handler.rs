@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::engine::{
     AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, Journal, JournalStep,
-    LeaseLostReason, Task, TaskRef, ToolCredential,
+    LeaseLostReason, ProcessDefinition, ProcessInstance, Task, TaskRef, ToolCredential,
 };
 use crate::lease::Lease;
 use crate::store::{ErrorClass, StoreError};
@@ -335,6 +335,24 @@ impl TaskContext {
     pub async fn tool_credential(&self, server: &str) -> Result<ToolCredential, TaskError> {
         self.fenced(self.engine.tool_credential(self.lease.task(), server))
             .await
+    }
+
+    /// Which definition a process instance runs (for an agent defined in the BPMN).
+    pub async fn process_instance(&self, instance_id: &str) -> Result<ProcessInstance, TaskError> {
+        self.fenced(self.engine.process_instance(self.lease.task(), instance_id))
+            .await
+    }
+
+    /// The latest deployed version of a process definition, with its XML.
+    pub async fn process_definition(
+        &self,
+        definition_id: &str,
+    ) -> Result<ProcessDefinition, TaskError> {
+        self.fenced(
+            self.engine
+                .process_definition(self.lease.task(), definition_id),
+        )
+        .await
     }
 }
 

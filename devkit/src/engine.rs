@@ -125,6 +125,13 @@ pub enum AuthRejection {
 /// completion bodies (`workerId` required, no legacy body).
 pub trait Authorizer: Send + Sync {
     fn authorize(&self, headers: &HeaderMap) -> Result<(), AuthRejection>;
+
+    /// Whether the caller may read the process API (`GET /api/v1/processes/...`), which the
+    /// engine guards with `process:read` rather than `worker:execute`. The default applies the
+    /// same rule as [`Authorizer::authorize`].
+    fn authorize_process_read(&self, headers: &HeaderMap) -> Result<(), AuthRejection> {
+        self.authorize(headers)
+    }
 }
 
 /// How to start the emulator.
@@ -386,7 +393,20 @@ impl EngineEmulator {
     /// Deploys a process model (replacing one with the same id), for [`EngineEmulator::start_process`]
     /// and `POST /api/v1/processes/start`.
     pub fn deploy(&self, model: ProcessModel) {
-        self.shared.state().deploy(model);
+        self.shared.state().deploy(model, None);
+    }
+
+    /// Deploys `model` with the BPMN XML the process API serves for it
+    /// (`GET /api/v1/processes/{id}`), as the next version of its key: what a worker reads for
+    /// agents defined in the BPMN. The emulator routes by `model`; it does not parse the XML.
+    pub fn deploy_bpmn(&self, model: ProcessModel, bpmn_xml: impl Into<String>) {
+        self.shared.state().deploy(model, Some(bpmn_xml.into()));
+    }
+
+    /// Makes the process API's reads (`GET /api/v1/processes/...`) answer 403 ACCESS_DENIED
+    /// (`denied`), as the engine answers an identity without `process:read`.
+    pub fn deny_process_reads(&self, denied: bool) {
+        self.shared.state().deny_process_reads(denied);
     }
 
     /// Starts an instance of a deployed process; `Err` with the engine's message.

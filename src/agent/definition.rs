@@ -55,14 +55,22 @@ pub struct AgentDefinition {
     /// `loopCounterVariable`: a variable counting the visits of the node, part of the run key,
     /// for a node the process re-enters for new work and not only with a decision.
     pub loop_counter_variable: Option<String>,
+    /// `outputSchema`: the JSON Schema the final answer should match, parsed and kept (a JSON
+    /// object or boolean). Answers are not validated against it here (structured output is
+    /// its own piece of work).
+    pub output_schema: Option<Value>,
+    /// Where a definition written on the BPMN service task came from, with the raw definition
+    /// the run journals so a resumed run keeps it (`agent::bpmn`); `None` for the task's own
+    /// `agent` and the agents file.
+    pub origin: Option<super::bpmn::BpmnOrigin>,
 }
 
 /// A definition that cannot be used: an error of the definition, not of the worker; the task
 /// becomes an incident an operator can fix and retry.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq)]
 pub enum DefinitionError {
     #[error(
-        "task {task_id} carries no agent definition and the agents file has none for activity {activity:?} or topic {topic:?}; add one to ABADA_AGENT_AGENTS_FILE or let the engine send it"
+        "task {task_id} carries no agent definition, its BPMN service task {activity:?} has no abada.agent.* properties, and the agents file has none for activity {activity:?} or topic {topic:?}; add abada.agent.* properties to the service task, or an entry to ABADA_AGENT_AGENTS_FILE"
     )]
     Missing {
         task_id: String,
@@ -128,6 +136,8 @@ struct AgentWire {
     approval_variables: Option<ApprovalVariablesWire>,
     #[serde(default, alias = "loop_counter_variable")]
     loop_counter_variable: Option<String>,
+    #[serde(default, alias = "output_schema")]
+    output_schema: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -301,6 +311,15 @@ impl AgentDefinition {
             }
             other => other,
         };
+        let output_schema = match wire.output_schema {
+            None => None,
+            Some(schema @ (Value::Object(_) | Value::Bool(_))) => Some(schema),
+            Some(_) => {
+                return Err(invalid(
+                    "outputSchema must be a JSON Schema: an object (or true/false)".into(),
+                ));
+            }
+        };
         Ok(AgentDefinition {
             name,
             models,
@@ -323,6 +342,8 @@ impl AgentDefinition {
             approval,
             approval_variables,
             loop_counter_variable,
+            output_schema,
+            origin: None,
         })
     }
 
@@ -386,6 +407,8 @@ const KNOWN_FIELDS: &[&str] = &[
     "approval_variables",
     "loopCounterVariable",
     "loop_counter_variable",
+    "outputSchema",
+    "output_schema",
 ];
 
 /// Replaces every `${name}` by the variable: strings as they are, other values as JSON. `$${`
@@ -568,11 +591,15 @@ impl AgentsFile {
         self.by_key.iter().map(|(k, d)| (k.as_str(), d))
     }
 
-    fn lookup(&self, task: &Task) -> Option<&AgentDefinition> {
-        task.activity_id
-            .as_deref()
-            .and_then(|a| self.by_key.get(a))
-            .or_else(|| self.by_key.get(&task.topic))
+    /// The entry keyed by the task's activity id: it overrides a definition in the BPMN.
+    pub fn for_activity(&self, task: &Task) -> Option<&AgentDefinition> {
+        task.activity_id.as_deref().and_then(|a| self.by_key.get(a))
+    }
+
+    /// The entry keyed by the task's topic: the default for every node of the topic that has
+    /// no definition of its own (agents file by activity, or BPMN).
+    pub fn for_topic(&self, task: &Task) -> Option<&AgentDefinition> {
+        self.by_key.get(&task.topic)
     }
 }
 
@@ -581,19 +608,32 @@ enum ParseError {
     Definition(DefinitionError),
 }
 
-/// The definition for a task: its own `agent`, else the agents file's.
+/// The definition for a task: its own `agent`, else the agents file's (by activity id, then by
+/// topic). Without a definition in the BPMN; `agent::bpmn` adds that source between the two.
 pub fn resolve(task: &Task, file: Option<&AgentsFile>) -> Result<AgentDefinition, DefinitionError> {
-    let fallback_name = task.activity_id.as_deref().unwrap_or(&task.topic);
-    if let Some(agent) = &task.agent {
-        return AgentDefinition::from_value(agent, fallback_name);
+    if let Some(def) = sent_by_engine(task) {
+        return def;
     }
-    file.and_then(|f| f.lookup(task))
+    file.and_then(|f| f.for_activity(task).or_else(|| f.for_topic(task)))
         .cloned()
-        .ok_or_else(|| DefinitionError::Missing {
-            task_id: task.id.clone(),
-            activity: task.activity_id.clone().unwrap_or_default(),
-            topic: task.topic.clone(),
-        })
+        .ok_or_else(|| missing(task))
+}
+
+/// The definition the engine sent with the task (`agent`, agent/1), parsed.
+pub fn sent_by_engine(task: &Task) -> Option<Result<AgentDefinition, DefinitionError>> {
+    let fallback_name = task.activity_id.as_deref().unwrap_or(&task.topic);
+    task.agent
+        .as_ref()
+        .map(|agent| AgentDefinition::from_value(agent, fallback_name))
+}
+
+/// No definition anywhere for the task.
+pub fn missing(task: &Task) -> DefinitionError {
+    DefinitionError::Missing {
+        task_id: task.id.clone(),
+        activity: task.activity_id.clone().unwrap_or_default(),
+        topic: task.topic.clone(),
+    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::approval::Decision;
+use super::definition::AgentDefinition;
 use super::limits::Spent;
 use crate::conversation::{AssistantMessage, Message, ToolCall, ToolResult, Usage};
 use crate::engine::JournalStep;
@@ -90,6 +91,15 @@ pub fn started_input_step(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     step.data["startedAtMs"] = json!(ms);
+    step
+}
+
+/// The input step with the definition the run starts with, when it was read from the BPMN: the
+/// engine serves only a process's latest version, so the journal is where a run finds its own.
+pub fn with_definition(mut step: JournalStep, def: &AgentDefinition) -> JournalStep {
+    if let Some(snapshot) = super::bpmn::journal_snapshot(def) {
+        step.data["definition"] = snapshot;
+    }
     step
 }
 
@@ -234,6 +244,9 @@ pub struct Replayed {
     pub started_at_ms: Option<u64>,
     /// The first pending call's approval, once it was put to a person.
     pub approval: Option<ApprovalState>,
+    /// The definition the run started with, when it was read from the BPMN
+    /// (`agent::bpmn::journal_snapshot`): a resumed run keeps it across redeployments.
+    pub definition: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -244,6 +257,8 @@ struct InputData {
     input: String,
     #[serde(default)]
     started_at_ms: Option<u64>,
+    #[serde(default)]
+    definition: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -312,6 +327,7 @@ impl Replayed {
                 });
                 self.input = Some((d.instructions, d.input));
                 self.started_at_ms = d.started_at_ms;
+                self.definition = d.definition;
             }
             (KIND_MODEL, STATE_FINISHED) => {
                 if self.input.is_none() {

@@ -13,7 +13,8 @@ use serde_json::{Map, Value, json};
 use tracing::{Instrument, Span};
 
 use super::approval::{self, ApprovalRules, NoWaitingPlace};
-use super::definition::{self, AgentDefinition};
+use super::bpmn::{self, ResolveError};
+use super::definition::AgentDefinition;
 use super::journal::{self, ApprovalState, PendingCall, Replayed};
 use super::limits::{self, LimitExceeded, Limits};
 use super::{AgentRuntime, JournalHome, RunStoreHome, run_key};
@@ -40,12 +41,14 @@ type StepFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = Step
 
 /// Runs one attempt of the task to its outcome, inside its `invoke_agent` span.
 pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Outcome {
-    let def = match definition::resolve(task, rt.agents_file.as_ref()) {
+    let def = match rt.bpmn.resolve(task, ctx, rt.agents_file.as_ref()).await {
         Ok(d) => d,
         Err(e) => {
             let span = spans::invoke_unknown_agent(&task.id, task.trace_parent.as_ref());
-            let outcome =
-                span.in_scope(|| incident("the agent definition cannot be used", e.to_string()));
+            let outcome = span.in_scope(|| match e {
+                ResolveError::Engine { what, source } => call_failed(rt, task, source, &what),
+                e => incident("the agent definition cannot be used", e.to_string()),
+            });
             spans::record_attempt_end(&span, outcome.end().as_str(), Some("definition"), 0, 0, 0);
             return outcome;
         }
@@ -53,14 +56,7 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
     // Which calls wait for a person: the definition's approval and that of each tool server it
     // uses in the operator's registry. Approval needs a place for the conversation to wait
     // across tasks (agent::approval): the run store, nothing else.
-    let approval = ApprovalRules {
-        definition: def.approval.clone(),
-        servers: rt
-            .tool_registry
-            .as_deref()
-            .map(|r| r.approval_policies(&def.tool_servers))
-            .unwrap_or_default(),
-    };
+    let approval = approval_rules(rt, &def);
     if approval.may_stop() && rt.store.is_none() {
         let refused = NoWaitingPlace {
             agent: def.name.clone(),
@@ -142,6 +138,19 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
         resumed_steps,
     );
     outcome
+}
+
+/// Which calls of `def` wait for a person: its own approval and that of each registry server it
+/// uses (the operator's floor, which no definition lowers).
+fn approval_rules(rt: &AgentRuntime, def: &AgentDefinition) -> ApprovalRules {
+    ApprovalRules {
+        definition: def.approval.clone(),
+        servers: rt
+            .tool_registry
+            .as_deref()
+            .map(|r| r.approval_policies(&def.tool_servers))
+            .unwrap_or_default(),
+    }
 }
 
 /// The `error.type` of an attempt span: none for an outcome that is no error of the attempt
@@ -359,6 +368,21 @@ impl<'a> Attempt<'a> {
                 "resuming the agent run from its journal"
             );
         }
+        // A run started on a BPMN definition keeps it: the engine serves only the latest
+        // version, and a redeployment must not change a running run's agent.
+        let (def, approval) = match &state.definition {
+            Some(snapshot) => {
+                let def = bpmn::from_journal_snapshot(snapshot).map_err(|e| {
+                    incident(
+                        "the run's journaled agent definition cannot be used",
+                        e.to_string(),
+                    )
+                })?;
+                let approval = approval_rules(rt, &def);
+                (def, approval)
+            }
+            None => (def, approval),
+        };
         // Which servers, at which URL, with which credential: the registry decides; the
         // definition only names them. Nothing is sent to a server that fails here.
         let servers = ToolRegistry::resolve(
@@ -430,13 +454,9 @@ impl<'a> Attempt<'a> {
                 .render(&self.task.variables)
                 .map_err(|e| incident("the agent definition cannot be used", e.to_string()))?;
             let seq = self.state.next_seq;
-            self.journal(journal::started_input_step(
-                seq,
-                &instructions,
-                &input,
-                self.started_at,
-            ))
-            .await?;
+            let step = journal::started_input_step(seq, &instructions, &input, self.started_at);
+            self.journal(journal::with_definition(step, &self.def))
+                .await?;
         }
         loop {
             self.boundary()?;
@@ -1102,6 +1122,7 @@ async fn claim_in_store(
     } else {
         journal::started_input_step(1, &instructions, &input, std::time::SystemTime::now())
     };
+    let first = journal::with_definition(first, def);
     // Another task holds a visit's run against this one for a lock duration after its latest
     // claim or write: as long as the engine lets a silent worker keep its task.
     let claimant = Claimant {

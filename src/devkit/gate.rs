@@ -18,7 +18,8 @@ use serde_json::{Map, Value};
 use crate::app::EngineWrapper;
 use crate::engine::{
     AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
-    JournalStep, ProbeOutcome, Task, TaskRef, ToolCredential,
+    JournalStep, OP_PROCESS_DEFINITION, OP_PROCESS_INSTANCE, ProbeOutcome, ProcessDefinition,
+    ProcessInstance, Task, TaskRef, ToolCredential,
 };
 
 /// One engine call as a gate sees it, with what a gate may decide on.
@@ -36,6 +37,12 @@ pub enum Op<'a> {
     },
     /// The reachability probe of the poll loop's backoff ([`Engine::probe`]).
     Probe,
+    /// A read of the process API for an agent defined in the BPMN: the instance
+    /// ([`Engine::process_instance`]) or the definition ([`Engine::process_definition`]).
+    ProcessRead {
+        op: &'static str,
+        id: &'a str,
+    },
 }
 
 impl Op<'_> {
@@ -51,6 +58,7 @@ impl Op<'_> {
             Op::JournalAppend(_) => "journal-append",
             Op::ToolCredentials { .. } => "tool-credentials",
             Op::Probe => "probe",
+            Op::ProcessRead { op, .. } => op,
         }
     }
 
@@ -147,6 +155,32 @@ impl<G: Gate + ?Sized> Engine for GatedEngine<G> {
             .before(Op::ToolCredentials { server }, Some(task))
             .await;
         self.inner.tool_credential(task, server).await
+    }
+
+    async fn process_instance(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+    ) -> Result<ProcessInstance, EngineError> {
+        let op = Op::ProcessRead {
+            op: OP_PROCESS_INSTANCE,
+            id: instance_id,
+        };
+        self.gate.before(op, Some(task)).await;
+        self.inner.process_instance(task, instance_id).await
+    }
+
+    async fn process_definition(
+        &self,
+        task: &TaskRef,
+        definition_id: &str,
+    ) -> Result<ProcessDefinition, EngineError> {
+        let op = Op::ProcessRead {
+            op: OP_PROCESS_DEFINITION,
+            id: definition_id,
+        };
+        self.gate.before(op, Some(task)).await;
+        self.inner.process_definition(task, definition_id).await
     }
 
     async fn probe(&self) -> ProbeOutcome {

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use reqwest::StatusCode;
 use reqwest::header::{HeaderMap, HeaderValue};
+use reqwest::{Method, StatusCode};
 use serde_json::{Map, Value};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
@@ -29,7 +29,8 @@ use super::headers::EngineHeaders;
 use super::wire::{self, PROTOCOL_HEADER, PROTOCOL_VERSION};
 use super::{
     AppendOutcome, BpmnErrorReport, Engine, FailureReport, FetchRequest, Journal, JournalStep,
-    ProbeOutcome, Task, TaskRef, ToolCredential, TraceParent,
+    OP_PROCESS_DEFINITION, OP_PROCESS_INSTANCE, ProbeOutcome, ProcessDefinition, ProcessInstance,
+    Task, TaskRef, ToolCredential, TraceParent,
 };
 use crate::auth::TokenProvider;
 use crate::backoff::Backoff;
@@ -77,6 +78,8 @@ impl EngineClientSettings {
 pub struct HttpEngine {
     http: reqwest::Client,
     base: String,
+    /// `{ENGINE_URL}/v1/processes`: the process API's reads (agents defined in the BPMN).
+    processes: String,
     /// The engine's host, for the spans of engine calls (`server.address`).
     host: String,
     worker_id: String,
@@ -91,6 +94,8 @@ pub struct HttpEngine {
 /// One HTTP exchange to make (possibly several times, with the same key).
 struct Call<'a> {
     op: &'static str,
+    /// POST for the worker protocol, GET for the process API's reads (no body then).
+    method: Method,
     task_id: Option<&'a str>,
     path: String,
     body: Vec<u8>,
@@ -112,6 +117,9 @@ enum Reading {
     Tasks,
     /// A journal, decoded as it arrives within `body::JOURNAL_MAX_BYTES`.
     Journal,
+    /// A process definition with its BPMN XML, whole within
+    /// `body::PROCESS_DEFINITION_MAX_BYTES`.
+    Definition,
 }
 
 struct Answer {
@@ -139,6 +147,7 @@ impl HttpEngine {
         HttpEngine {
             http,
             base: format!("{root}/v1/external-tasks"),
+            processes: format!("{root}/v1/processes"),
             host: reqwest::Url::parse(root)
                 .ok()
                 .and_then(|u| u.host_str().map(str::to_string))
@@ -253,12 +262,15 @@ impl HttpEngine {
         let started = Instant::now();
         let mut req = self
             .http
-            .post(&call.path)
+            .request(call.method.clone(), &call.path)
             .timeout(self.settings.request_timeout)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
             .header(reqwest::header::ACCEPT, "application/json")
-            .header(PROTOCOL_HEADER, PROTOCOL_VERSION)
-            .body(call.body.clone());
+            .header(PROTOCOL_HEADER, PROTOCOL_VERSION);
+        if call.method != Method::GET {
+            req = req
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(call.body.clone());
+        }
         if let Some(headers) = &self.headers {
             for (name, value) in headers.current().iter() {
                 req = req.header(name.clone(), value.clone());
@@ -337,6 +349,11 @@ impl HttpEngine {
             Reading::Buffered => {
                 let what = format!("the {} answer{subject}", call.op);
                 answer.body = body::read_capped(resp, body::ENGINE_ANSWER_MAX_BYTES, &what).await?;
+            }
+            Reading::Definition => {
+                let what = format!("the {} answer{subject}", call.op);
+                answer.body =
+                    body::read_capped(resp, body::PROCESS_DEFINITION_MAX_BYTES, &what).await?;
             }
             Reading::Tasks => {
                 let decoded = body::decode_streamed(
@@ -429,6 +446,7 @@ impl HttpEngine {
         tracing::error!(task_id = %task.id, attempt = ?task.attempt, seen_bytes = task.seen, limit_bytes = task.limit, "a fetched task is too large to take; reporting it as an incident");
         let call = Call {
             op: "failure",
+            method: Method::POST,
             task_id: Some(&task.id),
             path: self.task_path(&task.id, "failure"),
             body: Self::json(&wire::FailureBody {
@@ -541,6 +559,7 @@ pub(crate) fn classify_answer(
 ) -> EngineError {
     let call = Call {
         op,
+        method: Method::POST,
         task_id,
         path: String::new(),
         body: Vec::new(),
@@ -608,6 +627,25 @@ fn encode_path_segment(raw: &str) -> String {
     out
 }
 
+/// The longest id the process API's reads put in a path.
+const MAX_PATH_ID_BYTES: usize = 512;
+
+/// An id the engine sent (an instance's, a definition's) as one path segment, or an error: empty,
+/// `.` and `..` would make another path of the URL (a dot segment is resolved, even escaped), so
+/// they are refused, as is an id over [`MAX_PATH_ID_BYTES`].
+fn usable_id(op: &'static str, field: &str, id: &str) -> Result<String, EngineError> {
+    if id.is_empty() || id == "." || id == ".." || id.len() > MAX_PATH_ID_BYTES {
+        let shown: String = id.chars().take(64).collect();
+        return Err(EngineError::MalformedResponse {
+            op,
+            detail: format!(
+                "the engine's {field} {shown:?} cannot name a resource in a URL (empty, a dot segment or over {MAX_PATH_ID_BYTES} bytes)"
+            ),
+        });
+    }
+    Ok(encode_path_segment(id))
+}
+
 #[async_trait]
 impl Engine for HttpEngine {
     /// `GET {ENGINE_URL}`: any HTTP answer, whatever its status (the API root usually answers
@@ -632,6 +670,7 @@ impl Engine for HttpEngine {
         let op = "fetch-and-lock";
         let call = Call {
             op,
+            method: Method::POST,
             task_id: None,
             path: format!("{}/fetch-and-lock", self.base),
             body: Self::json(&wire::FetchAndLockBody {
@@ -693,6 +732,7 @@ impl Engine for HttpEngine {
     async fn heartbeat(&self, task: &TaskRef, lock_duration: Duration) -> Result<(), EngineError> {
         let call = Call {
             op: "heartbeat",
+            method: Method::POST,
             task_id: Some(&task.task_id),
             path: self.task_path(&task.task_id, "heartbeat"),
             body: Self::json(&wire::HeartbeatBody {
@@ -720,6 +760,7 @@ impl Engine for HttpEngine {
     ) -> Result<(), EngineError> {
         self.command(Call {
             op: "complete",
+            method: Method::POST,
             task_id: Some(&task.task_id),
             path: self.task_path(&task.task_id, "complete"),
             body: Self::json(&wire::CompleteBody {
@@ -738,6 +779,7 @@ impl Engine for HttpEngine {
     async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
         self.command(Call {
             op: "failure",
+            method: Method::POST,
             task_id: Some(&task.task_id),
             path: self.task_path(&task.task_id, "failure"),
             body: Self::json(&wire::FailureBody {
@@ -763,6 +805,7 @@ impl Engine for HttpEngine {
     ) -> Result<(), EngineError> {
         self.command(Call {
             op: "bpmn-error",
+            method: Method::POST,
             task_id: Some(&task.task_id),
             path: self.task_path(&task.task_id, "bpmn-error"),
             body: Self::json(&wire::BpmnErrorBody {
@@ -785,6 +828,7 @@ impl Engine for HttpEngine {
         let answer = self
             .command(Call {
                 op,
+                method: Method::POST,
                 task_id: Some(&task.task_id),
                 path: self.task_path(&task.task_id, "journal/read"),
                 body: Self::json(&wire::JournalReadBody {
@@ -830,6 +874,7 @@ impl Engine for HttpEngine {
         let answer = self
             .command(Call {
                 op: "journal-append",
+                method: Method::POST,
                 task_id: Some(&task.task_id),
                 path: format!(
                     "{}/{}/journal",
@@ -870,6 +915,61 @@ impl Engine for HttpEngine {
         })
     }
 
+    /// A read: retried like a command on transient errors (it changes nothing), no key.
+    async fn process_instance(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+    ) -> Result<ProcessInstance, EngineError> {
+        let op = OP_PROCESS_INSTANCE;
+        let id = usable_id(op, "processInstanceId", instance_id)?;
+        let answer = self
+            .command(Call {
+                op,
+                method: Method::GET,
+                task_id: Some(&task.task_id),
+                path: format!("{}/instances/{id}", self.processes),
+                body: Vec::new(),
+                idempotency_key: None,
+                traceparent: Self::trace(task),
+                read: Reading::Buffered,
+            })
+            .await?;
+        wire::decode_process_instance(&answer.body).map_err(|detail| {
+            EngineError::MalformedResponse {
+                op,
+                detail: format!("process instance {instance_id:?}: {detail}"),
+            }
+        })
+    }
+
+    async fn process_definition(
+        &self,
+        task: &TaskRef,
+        definition_id: &str,
+    ) -> Result<ProcessDefinition, EngineError> {
+        let op = OP_PROCESS_DEFINITION;
+        let id = usable_id(op, "processDefinitionId", definition_id)?;
+        let answer = self
+            .command(Call {
+                op,
+                method: Method::GET,
+                task_id: Some(&task.task_id),
+                path: format!("{}/{id}", self.processes),
+                body: Vec::new(),
+                idempotency_key: None,
+                traceparent: Self::trace(task),
+                read: Reading::Definition,
+            })
+            .await?;
+        wire::decode_process_definition(&answer.body).map_err(|detail| {
+            EngineError::MalformedResponse {
+                op,
+                detail: format!("process definition {definition_id:?}: {detail}"),
+            }
+        })
+    }
+
     async fn tool_credential(
         &self,
         task: &TaskRef,
@@ -879,6 +979,7 @@ impl Engine for HttpEngine {
         let answer = self
             .command(Call {
                 op,
+                method: Method::POST,
                 task_id: Some(&task.task_id),
                 path: self.task_path(&task.task_id, "tool-credentials"),
                 body: Self::json(&wire::ToolCredentialBody {
@@ -907,6 +1008,49 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_refused_process_read_names_the_scope_it_needs() {
+        let mut c = call();
+        c.op = OP_PROCESS_DEFINITION;
+        let e = classify(
+            &c,
+            &answer(403, r#"{"code":"ACCESS_DENIED","message":"Access denied"}"#),
+        );
+        assert!(matches!(e, EngineError::AccessDenied { .. }));
+        assert!(
+            e.to_string().contains("needs the process:read scope"),
+            "{e}"
+        );
+        let e = classify(&call(), &answer(403, r#"{"code":"ACCESS_DENIED"}"#));
+        assert!(
+            e.to_string().contains("needs the worker:execute scope"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_process_id_never_makes_another_path() {
+        assert_eq!(usable_id("p", "f", "a/../b").unwrap(), "a%2F..%2Fb");
+        assert_eq!(usable_id("p", "f", "%2e%2e").unwrap(), "%252e%252e");
+        for bad in ["", ".", ".."] {
+            let e = usable_id("p", "processDefinitionId", bad).unwrap_err();
+            assert!(e.to_string().contains("dot segment"), "{e}");
+        }
+        assert!(usable_id("p", "f", &"x".repeat(MAX_PATH_ID_BYTES + 1)).is_err());
+        // What the URL parser makes of what is sent: still one segment under /v1/processes/.
+        for id in ["a/../b", "..%2f", "%2e%2e", "?x=1#y", "a b"] {
+            let url = reqwest::Url::parse(&format!(
+                "http://e/api/v1/processes/{}",
+                usable_id("p", "f", id).unwrap()
+            ))
+            .unwrap();
+            let segments: Vec<&str> = url.path_segments().unwrap().collect();
+            assert_eq!(segments.len(), 4, "{id:?} -> {url}");
+            assert_eq!(&segments[..3], ["api", "v1", "processes"]);
+            assert!(url.query().is_none() && url.fragment().is_none());
+        }
+    }
+
+    #[test]
     fn task_ids_are_encoded_as_one_segment() {
         assert_eq!(encode_path_segment("c0a8-1"), "c0a8-1");
         assert_eq!(encode_path_segment("a/b c?"), "a%2Fb%20c%3F");
@@ -925,6 +1069,7 @@ mod tests {
     fn call() -> Call<'static> {
         Call {
             op: "complete",
+            method: Method::POST,
             task_id: Some("t1"),
             path: String::new(),
             body: Vec::new(),

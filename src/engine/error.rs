@@ -71,7 +71,8 @@ pub enum EngineError {
     )]
     Unauthenticated { op: &'static str, message: String },
     #[error(
-        "engine answered {op} with 403 ACCESS_DENIED: {message}; the worker's identity needs the worker:execute scope"
+        "engine answered {op} with 403 ACCESS_DENIED: {message}; the worker's identity needs the {} scope (OIDC), or that permission from the authenticating proxy",
+        required_scope(op)
     )]
     AccessDenied { op: &'static str, message: String },
     #[error("engine answered {op} with 400 INVALID_REQUEST: {message} (a worker bug)")]
@@ -124,6 +125,16 @@ pub enum EngineError {
         message: String,
         configuration: bool,
     },
+}
+
+/// The scope (or, behind a proxy, the permission) the engine asks of the worker for `op`: the
+/// external-task API needs `worker:execute`, the process API that serves BPMN definitions
+/// `process:read`.
+pub fn required_scope(op: &str) -> &'static str {
+    match op {
+        super::OP_PROCESS_INSTANCE | super::OP_PROCESS_DEFINITION => "process:read",
+        _ => "worker:execute",
+    }
 }
 
 impl EngineError {

@@ -465,6 +465,44 @@ pub(crate) fn decode_tool_credential(body: &[u8]) -> Option<super::ToolCredentia
     })
 }
 
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ProcessInstanceWire {
+    id: String,
+    process_definition_id: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ProcessDefinitionWire {
+    id: String,
+    #[serde(default)]
+    version: Option<i64>,
+    bpmn_xml: String,
+}
+
+/// Decodes `GET /v1/processes/instances/{id}`: only `id` and `processDefinitionId` are read.
+pub(crate) fn decode_process_instance(body: &[u8]) -> Result<super::ProcessInstance, String> {
+    let wire: ProcessInstanceWire = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    if wire.process_definition_id.trim().is_empty() {
+        return Err("processDefinitionId is blank".into());
+    }
+    Ok(super::ProcessInstance {
+        id: wire.id,
+        process_definition_id: wire.process_definition_id,
+    })
+}
+
+/// Decodes `GET /v1/processes/{id}`: `id`, `version` and `bpmnXml` are read.
+pub(crate) fn decode_process_definition(body: &[u8]) -> Result<super::ProcessDefinition, String> {
+    let wire: ProcessDefinitionWire = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    Ok(super::ProcessDefinition {
+        id: wire.id,
+        version: wire.version,
+        bpmn_xml: wire.bpmn_xml,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

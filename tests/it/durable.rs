@@ -57,6 +57,7 @@ enum Op {
     JournalAppend,
     Credential,
     Probe,
+    ProcessRead,
 }
 
 impl Op {
@@ -71,6 +72,7 @@ impl Op {
             gate::Op::JournalAppend(_) => Op::JournalAppend,
             gate::Op::ToolCredentials { .. } => Op::Credential,
             gate::Op::Probe => Op::Probe,
+            gate::Op::ProcessRead { .. } => Op::ProcessRead,
         }
     }
 }

@@ -861,3 +861,79 @@ proptest! {
         }
     }
 }
+
+/// An `abada.agent.*` property name: a key the worker reads, or any other text.
+fn arb_agent_property() -> impl Strategy<Value = String> {
+    prop_oneof![
+        prop::sample::select(vec![
+            "name",
+            "model",
+            "fallbackModels",
+            "instructions",
+            "renderInstructions",
+            "input",
+            "toolServers",
+            "maxTurns",
+            "tokenBudget",
+            "maxOutputTokens",
+            "resultVariable",
+            "approval",
+            "approvalVariables.status",
+            "loopCounterVariable",
+            "outputSchema",
+        ])
+        .prop_map(str::to_string),
+        "[a-zA-Z.]{0,12}",
+    ]
+}
+
+/// XML attribute text with the five entities escaped.
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+        .replace('\'', "&apos;")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    /// Any text as BPMN XML, and any answer of the process API, never panics.
+    #[test]
+    fn bpmn_xml_and_process_answers_of_any_text_never_panic(raw in bytes(), text in "\\PC{0,400}") {
+        let _ = decoders::bpmn_agents(&String::from_utf8_lossy(&raw));
+        let _ = decoders::bpmn_agents(&text);
+        let _ = decoders::engine_process_definition(&raw);
+        let _ = decoders::engine_process_instance(&raw);
+    }
+
+    /// A well-formed process whose agent task carries any properties with any values: the task
+    /// gets a definition, or an error naming the process and the task; never a panic.
+    #[test]
+    fn any_agent_properties_give_a_definition_or_an_error_naming_the_task(
+        properties in prop::collection::vec((arb_agent_property(), "\\PC{0,40}"), 0..8),
+    ) {
+        let props: String = properties
+            .iter()
+            .map(|(k, v)| format!(
+                "<camunda:property name=\"abada.agent.{}\" value=\"{}\"/>",
+                xml_escape(k),
+                xml_escape(v)
+            ))
+            .collect();
+        let xml = format!(
+            "<bpmn:definitions xmlns:bpmn=\"http://www.omg.org/spec/BPMN/20100524/MODEL\" xmlns:camunda=\"http://camunda.org/schema/1.0/bpmn\"><bpmn:process id=\"p\"><bpmn:serviceTask id=\"agentTask\" camunda:topic=\"abada:agent\"><bpmn:extensionElements><camunda:properties>{props}</camunda:properties></bpmn:extensionElements></bpmn:serviceTask></bpmn:process></bpmn:definitions>"
+        );
+        let agents = decoders::bpmn_agents(&xml).expect("well-formed XML parses");
+        prop_assert!(agents.len() <= 1);
+        if let Some((id, def)) = agents.first() {
+            prop_assert_eq!(id, "agentTask");
+            if let Err(e) = def {
+                prop_assert!(e.contains("\"agentTask\"") && e.contains("process \"fuzz\""), "{}", e);
+            }
+        } else {
+            prop_assert!(properties.is_empty());
+        }
+    }
+}

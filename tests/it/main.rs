@@ -2,6 +2,7 @@
 
 mod agent;
 mod approval;
+mod bpmn;
 mod checker;
 mod content_keys;
 mod core_http;

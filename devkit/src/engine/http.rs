@@ -564,7 +564,9 @@ fn parse_command(
             }
             Command::ToolCredentials(request)
         }
-        Operation::Unknown => return Err(ApiError::not_found_resource()),
+        Operation::ProcessInstanceRead | Operation::ProcessDefinitionRead | Operation::Unknown => {
+            return Err(ApiError::not_found_resource());
+        }
     })
 }
 
@@ -605,7 +607,7 @@ fn parse_complete(body: Value, secured: bool) -> Result<wire::CompleteRequest, A
     })
 }
 
-fn auth_error(rejection: AuthRejection) -> ApiError {
+pub(super) fn auth_error(rejection: AuthRejection) -> ApiError {
     match rejection {
         AuthRejection::Unauthenticated(m) => ApiError::new(
             StatusCode::UNAUTHORIZED,

@@ -309,6 +309,11 @@ impl Instance {
 #[derive(Default)]
 pub(crate) struct Processes {
     pub models: HashMap<String, ProcessModel>,
+    /// The latest deployment of each process key (the process API serves no older one).
+    pub deployments: HashMap<String, Deployment>,
+    /// The process API's reads answer 403 ACCESS_DENIED, as the engine does to an identity
+    /// without `process:read`.
+    pub reads_denied: bool,
     pub instances: BTreeMap<String, Instance>,
     pub user_tasks: BTreeMap<String, UserTask>,
     next_instance: u64,
@@ -322,7 +327,69 @@ pub(crate) struct Caller {
     pub groups: Vec<String>,
 }
 
+/// What the engine keeps of a deployment, as the process API serves it.
+#[derive(Debug, Clone)]
+pub(crate) struct Deployment {
+    pub version: i64,
+    pub bpmn_xml: String,
+    pub created_at_ms: i64,
+}
+
+/// A process definition, as `GET /api/v1/processes/{id}` answers it (the engine's
+/// `ProcessDefinitionDto`).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProcessDefinitionView {
+    pub id: String,
+    pub name: String,
+    pub documentation: Option<String>,
+    pub bpmn_xml: String,
+    pub deployment_id: String,
+    pub version: i64,
+    pub created_at: String,
+}
+
+/// The XML served for a model deployed without one: its service tasks with their topics.
+pub(crate) fn minimal_bpmn(model: &ProcessModel) -> String {
+    let escape = |s: &str| {
+        s.replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('"', "&quot;")
+    };
+    let mut tasks = String::new();
+    for node in &model.nodes {
+        if let NodeKind::ServiceTask { topic, .. } = &node.kind {
+            tasks.push_str(&format!(
+                "    <bpmn:serviceTask id=\"{}\" camunda:type=\"external\" camunda:topic=\"{}\"/>\n",
+                escape(&node.id),
+                escape(topic)
+            ));
+        }
+    }
+    format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<bpmn:definitions xmlns:bpmn=\"http://www.omg.org/spec/BPMN/20100524/MODEL\" xmlns:camunda=\"http://camunda.org/schema/1.0/bpmn\" id=\"defs\" targetNamespace=\"http://abada.example/devkit\">\n  <bpmn:process id=\"{}\" name=\"{}\" isExecutable=\"true\">\n{tasks}  </bpmn:process>\n</bpmn:definitions>\n",
+        escape(&model.id),
+        escape(&model.name)
+    )
+}
+
 impl Processes {
+    pub fn definition_view(&self, id: &str) -> Option<ProcessDefinitionView> {
+        let deployment = self.deployments.get(id)?;
+        let model = self.models.get(id)?;
+        Some(ProcessDefinitionView {
+            id: id.to_string(),
+            name: model.name.clone(),
+            documentation: None,
+            bpmn_xml: deployment.bpmn_xml.clone(),
+            deployment_id: format!("dep-{id}-{}", deployment.version),
+            version: deployment.version,
+            created_at: chrono::DateTime::from_timestamp_millis(deployment.created_at_ms)
+                .unwrap_or_default()
+                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        })
+    }
+
     /// A fresh id, never one a task created through the admin API already named.
     pub fn new_instance_id(&mut self) -> String {
         loop {

@@ -5,6 +5,7 @@
 //! | --- | --- | --- |
 //! | `POST /api/v1/processes/start?processId=` | the variables (optional) | 200 `{"processInstanceId"}`; 400 "Unknown process ID: X" |
 //! | `GET /api/v1/processes/instances/{id}` | | 200 [`ProcessInstanceView`]; 404 "Process instance not found: X" |
+//! | `GET /api/v1/processes/{id}` | | 200 [`ProcessDefinitionView`] (the latest version, its `bpmnXml`); 404 "Process definition not found: X" |
 //! | `GET /api/v1/tasks[?status=AVAILABLE\|CLAIMED\|COMPLETED]` | | 200 the caller's [`UserTaskView`]s |
 //! | `GET /api/v1/tasks/{id}` | | 200 one [`UserTaskView`]; 404 |
 //! | `POST /api/v1/tasks/claim?taskId=` | | 200 `{"status":"Claimed","taskId"}`; 400 "User bob is not eligible to claim task X" |
@@ -12,7 +13,9 @@
 //!
 //! The caller is `X-User` (else `anonymous`, who sees nothing) with the groups of `X-Groups`
 //! (comma-separated), as in the engine's `disabled` security mode. These routes are not worker
-//! protocol: no authorizer, no faults, no call log.
+//! protocol: no faults, and the authorizer only on the two reads below. The two reads a worker makes for agents defined in the
+//! BPMN (an instance, a definition) are in the call log ([`Operation::ProcessInstanceRead`],
+//! [`Operation::ProcessDefinitionRead`]), so tests count them.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,12 +30,14 @@ use serde_json::{Map, Value, json};
 
 use super::Shared;
 use super::process::{Caller, UserTaskStatus};
+use super::state::{CallRecord, Disposition, Operation};
 use super::wire::{self, ApiError};
 
 pub(crate) fn routes() -> Router<Arc<Shared>> {
     Router::new()
         .route("/api/v1/processes/start", post(start))
         .route("/api/v1/processes/instances/{id}", get(instance))
+        .route("/api/v1/processes/{id}", get(definition))
         .route("/api/v1/tasks", get(list))
         .route("/api/v1/tasks/claim", post(claim))
         .route("/api/v1/tasks/complete", post(complete))
@@ -106,18 +111,117 @@ async fn start(State(shared): State<Arc<Shared>>, params: Params, body: Bytes) -
     }
 }
 
-async fn instance(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
-    match shared.state().process_instance(&id) {
-        Some(view) => axum::Json(view).into_response(),
-        None => error(
-            &shared,
-            ApiError::new(
+/// Records a read of the process API in the call log.
+fn record_read(
+    shared: &Shared,
+    operation: Operation,
+    headers: &HeaderMap,
+    error: Option<&ApiError>,
+) {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    shared.record_call(CallRecord {
+        at: shared.clock.now(),
+        operation,
+        task_id: None,
+        worker_id: None,
+        attempt: None,
+        idempotency_key: header("idempotency-key"),
+        traceparent: header("traceparent"),
+        status: error.map_or(200, |e| e.status.as_u16()),
+        error_code: error.map(|e| e.code.to_string()),
+        disposition: if error.is_some() {
+            Disposition::Refused
+        } else {
+            Disposition::Executed
+        },
+        response_dropped: false,
+        task_ids: Vec::new(),
+    });
+}
+
+/// The engine's answer to a caller the secured mode refuses (the authorizer's
+/// [`super::Authorizer::authorize_process_read`]), or to every caller when the emulator is told
+/// to deny process reads ([`super::EngineEmulator::deny_process_reads`]).
+fn denied(shared: &Shared, headers: &HeaderMap, operation: Operation) -> Option<Response> {
+    let e = if shared.state().process_reads_denied() {
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            wire::code::ACCESS_DENIED,
+            "Access Denied",
+        )
+    } else {
+        match shared
+            .authorizer
+            .as_ref()
+            .map(|a| a.authorize_process_read(headers))
+        {
+            Some(Err(rejection)) => super::http::auth_error(rejection),
+            _ => return None,
+        }
+    };
+    record_read(shared, operation, headers, Some(&e));
+    Some(error(shared, e, "/api/v1/processes"))
+}
+
+async fn instance(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Some(denied) = denied(&shared, &headers, Operation::ProcessInstanceRead) {
+        return denied;
+    }
+    let found = shared.state().process_instance(&id);
+    match found {
+        Some(view) => {
+            record_read(&shared, Operation::ProcessInstanceRead, &headers, None);
+            axum::Json(view).into_response()
+        }
+        None => {
+            let e = ApiError::new(
                 StatusCode::NOT_FOUND,
                 wire::code::RESOURCE_NOT_FOUND,
                 format!("Process instance not found: {id}"),
-            ),
-            &format!("/api/v1/processes/instances/{id}"),
-        ),
+            );
+            record_read(&shared, Operation::ProcessInstanceRead, &headers, Some(&e));
+            error(&shared, e, &format!("/api/v1/processes/instances/{id}"))
+        }
+    }
+}
+
+async fn definition(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Some(denied) = denied(&shared, &headers, Operation::ProcessDefinitionRead) {
+        return denied;
+    }
+    let found = shared.state().process_definition(&id);
+    match found {
+        Some(view) => {
+            record_read(&shared, Operation::ProcessDefinitionRead, &headers, None);
+            axum::Json(view).into_response()
+        }
+        None => {
+            let e = ApiError::new(
+                StatusCode::NOT_FOUND,
+                wire::code::RESOURCE_NOT_FOUND,
+                format!("Process definition not found: {id}"),
+            );
+            record_read(
+                &shared,
+                Operation::ProcessDefinitionRead,
+                &headers,
+                Some(&e),
+            );
+            error(&shared, e, &format!("/api/v1/processes/{id}"))
+        }
     }
 }
 

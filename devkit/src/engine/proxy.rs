@@ -5,6 +5,9 @@
 //! need the group `abada-worker` in `X-Auth-Request-Groups` (also `/abada-worker`,
 //! `abada_worker`, any case; or `abada-admin`) or the permission `worker:execute` in
 //! `X-Auth-Request-Permissions` (comma lists), else 403 `ACCESS_DENIED`. A user alone is 403.
+//! The process API's reads (`GET /v1/processes/**`) need the permission `process:read` or one of
+//! the groups `abada-task-user`, `abada-process-controller`, `abada-operator`, `abada-deployer`,
+//! `abada-admin` (the engine's `SecurityConfig`): `abada-worker` alone does not grant them.
 
 use super::{AuthRejection, Authorizer, HeaderMap};
 
@@ -28,7 +31,50 @@ fn list<'a>(headers: &'a HeaderMap, name: &str) -> impl Iterator<Item = &'a str>
         .filter(|v| !v.is_empty())
 }
 
+impl ProxyAuthorizer {
+    /// The caller has one of `groups` or the permission `permission`; 401 without an identity.
+    fn allows(headers: &HeaderMap, groups: &[&str], permission: &str) -> Result<(), AuthRejection> {
+        if header(headers, "x-auth-request-user").is_none()
+            && header(headers, "x-auth-request-email").is_none()
+        {
+            return Err(AuthRejection::Unauthenticated(
+                "Trusted proxy identity headers are missing".into(),
+            ));
+        }
+        let group = list(headers, "x-auth-request-groups").any(|g| {
+            let g = g
+                .trim_start_matches('/')
+                .to_ascii_lowercase()
+                .replace('_', "-");
+            groups.contains(&g.as_str())
+        });
+        let permission = list(headers, "x-auth-request-permissions")
+            .any(|p| p.strip_prefix("SCOPE_").unwrap_or(p) == permission);
+        if group || permission {
+            Ok(())
+        } else {
+            Err(AuthRejection::AccessDenied(
+                "The authenticated identity does not have permission for this operation".into(),
+            ))
+        }
+    }
+}
+
 impl Authorizer for ProxyAuthorizer {
+    fn authorize_process_read(&self, headers: &HeaderMap) -> Result<(), AuthRejection> {
+        ProxyAuthorizer::allows(
+            headers,
+            &[
+                "abada-task-user",
+                "abada-process-controller",
+                "abada-operator",
+                "abada-deployer",
+                "abada-admin",
+            ],
+            "process:read",
+        )
+    }
+
     fn authorize(&self, headers: &HeaderMap) -> Result<(), AuthRejection> {
         if header(headers, "x-auth-request-user").is_none()
             && header(headers, "x-auth-request-email").is_none()
@@ -102,5 +148,35 @@ mod tests {
             ]))
             .is_err()
         );
+    }
+
+    #[test]
+    fn process_reads_need_process_read_not_the_worker_group() {
+        let a = ProxyAuthorizer;
+        let worker = [
+            ("x-auth-request-user", "w"),
+            ("x-auth-request-groups", "abada-worker"),
+        ];
+        assert!(a.authorize(&headers(&worker)).is_ok());
+        assert!(matches!(
+            a.authorize_process_read(&headers(&worker)),
+            Err(AuthRejection::AccessDenied(_))
+        ));
+        assert!(matches!(
+            a.authorize_process_read(&headers(&[])),
+            Err(AuthRejection::Unauthenticated(_))
+        ));
+        for ok in [
+            [
+                ("x-auth-request-user", "w"),
+                ("x-auth-request-permissions", "worker:execute, process:read"),
+            ],
+            [
+                ("x-auth-request-user", "w"),
+                ("x-auth-request-groups", "abada-worker,/abada_task_user"),
+            ],
+        ] {
+            assert!(a.authorize_process_read(&headers(&ok)).is_ok(), "{ok:?}");
+        }
     }
 }

@@ -52,6 +52,11 @@ pub enum Operation {
     JournalRead,
     JournalAppend,
     ToolCredentials,
+    /// `GET /api/v1/processes/instances/{id}` (the process API, read by a worker for agents
+    /// defined in the BPMN).
+    ProcessInstanceRead,
+    /// `GET /api/v1/processes/{id}`: a process definition with its BPMN XML.
+    ProcessDefinitionRead,
     /// A request to a path the API does not have.
     Unknown,
 }
@@ -68,7 +73,10 @@ impl Operation {
             Operation::Failure => "external-task.failure",
             Operation::JournalAppend => "external-task.journal",
             Operation::ToolCredentials => "external-task.tool-credentials",
-            Operation::JournalRead | Operation::Unknown => return None,
+            Operation::JournalRead
+            | Operation::ProcessInstanceRead
+            | Operation::ProcessDefinitionRead
+            | Operation::Unknown => return None,
         })
     }
 }
@@ -1005,8 +1013,39 @@ struct Advance {
 /// Process instances (see `process`): starting them, and moving their token when one of their
 /// tasks completes.
 impl EngineState {
-    pub fn deploy(&mut self, model: ProcessModel) {
+    /// Deploys `model` as the next version of its key, with `bpmn_xml` as the XML the process
+    /// API serves (else a minimal XML of its service tasks). Instances keep running on the
+    /// model they are routed by, as the engine's instances do; the process API shows only the
+    /// latest version.
+    pub fn deploy(&mut self, model: ProcessModel, bpmn_xml: Option<String>) {
+        let version = self
+            .processes
+            .deployments
+            .get(&model.id)
+            .map_or(1, |d| d.version + 1);
+        let bpmn_xml = bpmn_xml.unwrap_or_else(|| process::minimal_bpmn(&model));
+        self.processes.deployments.insert(
+            model.id.clone(),
+            process::Deployment {
+                version,
+                bpmn_xml,
+                created_at_ms: chrono::Utc::now().timestamp_millis(),
+            },
+        );
         self.processes.models.insert(model.id.clone(), model);
+    }
+
+    pub fn deny_process_reads(&mut self, denied: bool) {
+        self.processes.reads_denied = denied;
+    }
+
+    pub fn process_reads_denied(&self) -> bool {
+        self.processes.reads_denied
+    }
+
+    /// `GET /api/v1/processes/{id}`: the latest deployed version.
+    pub fn process_definition(&self, id: &str) -> Option<process::ProcessDefinitionView> {
+        self.processes.definition_view(id)
     }
 
     /// The engine's start: the instance's token runs to its first waiting node.
