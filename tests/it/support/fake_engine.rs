@@ -38,6 +38,9 @@ pub struct FakeState {
     /// `fetch_transient` is on, reachable otherwise. When not set, the trait default (cannot
     /// probe) applies.
     pub probe_supported: bool,
+    /// When set, a fetch answers at most this many tasks, whatever it asked for: the partial
+    /// answers of an engine whose concurrent fetches skip each other's locked rows.
+    pub answer_cap: Option<usize>,
 }
 
 #[derive(Clone, Default)]
@@ -116,7 +119,8 @@ impl Engine for FakeEngine {
             });
         }
         let mut out = Vec::new();
-        while out.len() < request.max_tasks as usize {
+        let most = (request.max_tasks as usize).min(s.answer_cap.unwrap_or(usize::MAX));
+        while out.len() < most {
             let Some(t) = s.open.pop_front() else { break };
             s.outstanding.insert(t.id.clone());
             out.push(t);
