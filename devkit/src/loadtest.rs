@@ -1311,8 +1311,13 @@ pub async fn run_floor_client(opts: FloorOptions) {
             });
         }
         drop(batch);
-        if (got as u32) < free {
-            tokio::time::sleep(opts.poll_interval).await;
+        // The worker's fetch policy: only an empty answer waits the poll interval, and a
+        // freed slot (also one freed while the fetch was out) ends that wait.
+        if got == 0 {
+            tokio::select! {
+                _ = tokio::time::sleep(opts.poll_interval) => {}
+                _ = freed.notified() => {}
+            }
         }
     }
 }
