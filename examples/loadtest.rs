@@ -6,9 +6,17 @@
 //!     --slots 50 --tasks 2000 --model-latency-ms 100 --floor --runs 5
 //! ```
 //!
+//! Partial fetch answers (issue 25): an engine answering at most 2 tasks per fetch, as
+//! concurrent fetches under `SKIP LOCKED` do; one worker of 8 slots, then two on one engine:
+//!
+//! ```text
+//! cargo run --release --example loadtest -- --scenario partial
+//! ```
+//!
 //! The same program is the floor client when started with `--floor-client` (the harness does
 //! that itself for `--floor`).
 
+use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -20,7 +28,10 @@ use abada_agent_worker::devkit::loadtest::{
 const USAGE: &str = "\
 usage: loadtest [FLAGS]
 
-  --scenario S          backlog (default) | pickup | idle | scaling
+  --scenario S          backlog (default) | pickup | idle | scaling | partial
+                        partial: a backlog on an engine answering at most --fetch-cap tasks per
+                        fetch, run with 1 worker, then 2 sharing the engine (or --workers N);
+                        its defaults: --slots 8 --tasks 160 --model-latency-ms 200 --fetch-cap 2
   --slots N             worker slots (MAX_TASKS), default 50
   --tasks N             tasks per run (backlog size, or tasks created one by one for pickup), default 1000
   --model-latency-ms N  scripted model latency per call, default 100
@@ -31,6 +42,8 @@ usage: loadtest [FLAGS]
   --poll-ms N           poll interval, default 1000
   --idle-secs N         idle scenario length, default 20
   --runs N              repeat each measurement N times and print medians, default 1
+  --fetch-cap N         the engine answers at most N tasks per fetch, default: as asked
+  --workers N           backlog: N worker processes share the engine (1..=4), default 1
   --floor               backlog: also run the floor client with the same knobs, in the same run
   --scaling-slots LIST  scaling: slot counts, default 1,4,16,50
   --scaling-tasks LIST  scaling: backlog sizes, default 100,1000,10000
@@ -38,6 +51,8 @@ usage: loadtest [FLAGS]
 
 struct Args {
     scenario: String,
+    /// `--workers`, when given.
+    workers: Option<u32>,
     opts: LoadOptions,
     runs: u32,
     floor: bool,
@@ -54,9 +69,25 @@ fn parse_list(v: &str) -> Result<Vec<u32>, String> {
 }
 
 fn parse_args(args: &[String]) -> Result<Args, String> {
+    // The partial scenario's own defaults, which flags may still change.
+    let partial = args
+        .windows(2)
+        .any(|w| w[0] == "--scenario" && w[1] == "partial");
+    let opts = if partial {
+        LoadOptions {
+            slots: 8,
+            tasks: 160,
+            model_latency: Duration::from_millis(200),
+            fetch_answer_cap: NonZeroU32::new(2),
+            ..LoadOptions::default()
+        }
+    } else {
+        LoadOptions::default()
+    };
     let mut a = Args {
         scenario: "backlog".into(),
-        opts: LoadOptions::default(),
+        workers: None,
+        opts,
         runs: 1,
         floor: false,
         idle: Duration::from_secs(20),
@@ -89,6 +120,13 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
             "--poll-ms" => a.opts.poll_interval = Duration::from_millis(num()?),
             "--idle-secs" => a.idle = Duration::from_secs(num()?),
             "--runs" => a.runs = (num()? as u32).max(1),
+            "--fetch-cap" => {
+                a.opts.fetch_answer_cap = Some(
+                    NonZeroU32::new(num()? as u32)
+                        .ok_or_else(|| format!("{flag} must be at least 1"))?,
+                )
+            }
+            "--workers" => a.workers = Some(num()? as u32),
             "--scaling-slots" => a.scaling_slots = parse_list(value)?,
             "--scaling-tasks" => a.scaling_tasks = parse_list(value)?,
             "--worker-bin" => a.worker_bin = Some(PathBuf::from(value)),
@@ -179,8 +217,31 @@ async fn run(a: Args) -> Result<(), loadtest::LoadError> {
         args: Vec::new(),
     };
     let mut opts = a.opts.clone();
+    if let Some(workers) = a.workers {
+        opts.workers = workers;
+    }
     println!("knobs: {opts:?}, runs {}", a.runs);
     match a.scenario.as_str() {
+        "partial" => {
+            opts.scenario = Scenario::Backlog;
+            for workers in a.workers.map_or(vec![1, 2], |w| vec![w]) {
+                let o = LoadOptions {
+                    workers,
+                    ..opts.clone()
+                };
+                let mut runs = Vec::new();
+                for i in 0..a.runs {
+                    let f = loadtest::run(&worker, &o).await?;
+                    println!("\n{workers} worker(s), run {}:\n{}", i + 1, f.table());
+                    runs.push(f);
+                }
+                println!(
+                    "\n{workers} worker(s), medians over {} runs:\n{}",
+                    a.runs,
+                    Figures::median(&runs).table()
+                );
+            }
+        }
         "backlog" => {
             opts.scenario = Scenario::Backlog;
             let mut runs = Vec::new();

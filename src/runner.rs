@@ -9,8 +9,11 @@
 //!   none is free: the worker never holds work it cannot start. Tasks an answer holds beyond
 //!   that are released at once, as at shutdown, rather than left locked until they expire.
 //! - Each task runs as its own spawned future owning its slot permit, in the loop's `JoinSet`
-//!   beside the lease it runs under. The loop learns of a task's end by joining it: with every
-//!   slot busy it waits for that join, so a freed slot is refilled after one round trip.
+//!   beside the lease it runs under. The loop learns of a task's end by joining it and tells
+//!   the policy, which fetches at once (unless backing off from a failed fetch): with every
+//!   slot busy, during the idle wait after an empty answer, or while a fetch was out. So a
+//!   freed slot is refilled after one round trip, and a partial answer (others fetching at
+//!   the same moment) is followed by a fetch for the rest at once.
 //! - The engine handing out a task that still runs here stops the older attempt (its lease is
 //!   superseded). A lease lost at any point stops its task at its next await; nothing is
 //!   reported for it.
@@ -270,11 +273,14 @@ impl RunningTasks {
         Some(())
     }
 
-    /// Forgets every task that has ended, without waiting.
-    fn reap(&mut self) {
+    /// Forgets every task that has ended, without waiting; returns how many.
+    fn reap(&mut self) -> usize {
+        let mut ended = 0;
         while let Some(joined) = self.set.try_join_next_with_id() {
             self.forget(joined);
+            ended += 1;
         }
+        ended
     }
 
     fn forget(&mut self, joined: Result<(tokio::task::Id, ()), tokio::task::JoinError>) {
@@ -421,11 +427,11 @@ impl Runner {
             let now = Instant::now();
             match policy.next(now) {
                 Action::WaitUntil(until) => {
-                    // Tasks ending meanwhile are joined, but an idle wait is not cut short by
-                    // them: the engine had no more work a moment ago.
+                    // A task ending meanwhile frees its slot: the policy fetches at once after
+                    // an empty answer, and keeps a backoff.
                     tokio::select! {
                         _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
-                        Some(()) = tasks.join_next() => {}
+                        Some(()) = tasks.join_next() => policy.task_ended(Instant::now()),
                         _ = shutdown.cancelled() => return,
                     }
                 }
@@ -443,7 +449,7 @@ impl Runner {
                     if free == 0 {
                         // A task's end frees its slot: refill it after one round trip.
                         tokio::select! {
-                            Some(()) = tasks.join_next() => {}
+                            Some(()) = tasks.join_next() => policy.task_ended(Instant::now()),
                             _ = shutdown.cancelled() => return,
                             _ = tokio::time::sleep(LIVENESS_TICK) => {}
                         }
@@ -480,7 +486,7 @@ impl Runner {
         match shared.engine.fetch_and_lock(&request).await {
             Ok(locked) => {
                 let got = locked.len();
-                if policy.fetched(Instant::now(), free, got) {
+                if policy.fetched(Instant::now(), got) {
                     tracing::info!("fetch-and-lock works again");
                 }
                 self.metrics.backoff_seconds.set(0.0);
@@ -496,7 +502,11 @@ impl Runner {
                     got,
                 });
                 // Attempts that ended are no longer running: only a live one is superseded.
-                tasks.reap();
+                // One that ended while the fetch was out freed a slot the engine may not have
+                // seen free yet: a task's end always brings a fetch.
+                if tasks.reap() > 0 {
+                    policy.task_ended(Instant::now());
+                }
                 let mut locked = locked;
                 let surplus = locked.split_off(locked.len().min(free as usize));
                 let mut batch = batch;

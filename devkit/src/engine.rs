@@ -27,6 +27,7 @@
 //! | `POST /admin/faults` | a [`Fault`] | 204 |
 //! | `DELETE /admin/faults` | | 204, every fault and the outage cleared |
 //! | `POST /admin/outage` | `{"enabled": true}` | 204 |
+//! | `POST /admin/fetch-answer-cap` | `{"maxTasks": 2}` (`null`: no cap) | 204: every fetch answers at most that many tasks, as concurrent fetches under `SKIP LOCKED` do |
 //! | `GET /admin/instances/{id}` | | `{"status": "RUNNING", "suspended": false}` ([`InstanceView`]), or 404 |
 //! | `POST /admin/instances/{id}` | `{"action": "suspend"}` (`resume`, `cancel`, `fail`) | 204, or 400 with the engine's message (cancelling an ended instance) |
 //! | `POST /admin/tool-credentials/verify` | `{"server": "orders", "token": ".."}` | `{"valid": true, "taskId": "t-000001", "attempt": 1}` or `{"valid": false}` |
@@ -48,6 +49,7 @@
 //! curl -s -XPOST localhost:5601/admin/faults -d '{"kind": "reject", "operation": "complete", "taskId": "t-000001", "count": 1, "message": "No matching condition and no default flow for gateway agentOutcome"}'
 //! curl -s -XPOST localhost:5601/admin/instances/p-000001 -d '{"action": "suspend"}'
 //! curl -s -XPOST localhost:5601/admin/outage -d '{"enabled": true}'
+//! curl -s -XPOST localhost:5601/admin/fetch-answer-cap -d '{"maxTasks": 2}'
 //! curl -s -XDELETE localhost:5601/admin/faults
 //! ```
 //!
@@ -476,6 +478,14 @@ impl EngineEmulator {
     /// Turns the outage on or off (see the module docs).
     pub fn set_outage(&self, enabled: bool) {
         self.shared.faults().outage = enabled;
+    }
+
+    /// Makes every fetch answer at most `cap` tasks, whatever it asks for (`None`: as many as
+    /// asked): the partial answers of the real engine when concurrent fetches skip each other's
+    /// locked rows (`FOR UPDATE SKIP LOCKED`). Fetches here run one at a time under the state's
+    /// lock, so concurrent fetches always get disjoint tasks; this cap makes them partial.
+    pub fn set_fetch_answer_cap(&self, cap: Option<std::num::NonZeroU32>) {
+        self.shared.state().set_answer_cap(cap);
     }
 
     /// For tool servers: `Some((task id, attempt))` when `token` was issued for `server`, has

@@ -11,6 +11,12 @@
 //!   free; pickup latency is creation to the task's first request (its journal read).
 //! - [`Scenario::Idle`]: no tasks; requests per second and RSS of an idle worker.
 //!
+//! Two knobs model a queue shared with other workers: [`LoadOptions::fetch_answer_cap`] makes
+//! the emulator answer at most that many tasks per fetch (the partial answers concurrent fetches
+//! get under `FOR UPDATE SKIP LOCKED`), and [`LoadOptions::workers`] runs a backlog with that
+//! many worker processes on the one engine, each with `slots` slots, reporting each worker's
+//! slot use (`worker_N_slot_utilisation`) and their spread around the mean.
+//!
 //! With [`LoadOptions::store`] set, the engine is the plain v1 engine (the emulator's 0.11 mode:
 //! no agent/1, no definition on tasks), the agent comes from an agents file and its tool server
 //! from a registry file, the worker keeps its journal in that PostgreSQL run store, and a backlog
@@ -80,7 +86,14 @@ pub struct LoadOptions {
     pub tool_latency: Duration,
     /// Runs the worker on a plain v1 engine with its journal in this run store.
     pub store: Option<StoreTarget>,
+    /// The most tasks the engine answers per fetch, whatever was asked (`None`: as asked).
+    pub fetch_answer_cap: Option<std::num::NonZeroU32>,
+    /// Worker processes sharing the engine (backlog only; 1 to [`MAX_WORKERS`]).
+    pub workers: u32,
 }
+
+/// The most worker processes one run starts.
+pub const MAX_WORKERS: u32 = 4;
 
 /// The run store a worker under load keeps its journal in.
 #[derive(Clone)]
@@ -114,6 +127,8 @@ impl Default for LoadOptions {
             payload_bytes: 200,
             tool_latency: Duration::ZERO,
             store: None,
+            fetch_answer_cap: None,
+            workers: 1,
         }
     }
 }
@@ -143,6 +158,11 @@ pub enum LoadError {
     },
     #[error("the worker's /metrics could not be read: {0}")]
     Metrics(String),
+    #[error(
+        "{workers} workers asked for: a run starts 1 to {MAX_WORKERS}, the worker binary only, \
+         on a backlog without a run store"
+    )]
+    Workers { workers: u32 },
 }
 
 /// One named figure of a run.
@@ -334,6 +354,7 @@ fn spawn_child(
     stack: &Stack,
     opts: &LoadOptions,
     files: Option<&StoreFiles>,
+    worker_id: &str,
 ) -> Result<ChildGuard, LoadError> {
     let n = RUN_COUNTER.fetch_add(1, Ordering::Relaxed);
     let log = std::env::temp_dir().join(format!("abada-loadtest-{}-{n}.log", std::process::id()));
@@ -348,7 +369,7 @@ fn spawn_child(
             cmd.env_clear()
                 .env("PATH", std::env::var("PATH").unwrap_or_default())
                 .env("ABADA_AGENT_ENGINE_URL", stack.engine.base_url())
-                .env("ABADA_AGENT_WORKER_ID", "bench-worker")
+                .env("ABADA_AGENT_WORKER_ID", worker_id)
                 .env("ABADA_AGENT_PROVIDERS", "openai")
                 .env(
                     "ABADA_AGENT_PROVIDER_OPENAI_BASE_URL",
@@ -419,15 +440,19 @@ pub fn percentile(values: &mut [f64], p: f64) -> f64 {
     values[rank.clamp(1, values.len()) - 1]
 }
 
-async fn wait_first_fetch(stack: &Stack, child: &mut ChildGuard) -> Result<(), LoadError> {
+/// Waits for the child's first fetch (`worker`: the one fetching with that worker id; `None`:
+/// anyone).
+async fn wait_first_fetch(
+    stack: &Stack,
+    child: &mut ChildGuard,
+    worker: Option<&str>,
+) -> Result<(), LoadError> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        if stack
-            .engine
-            .calls()
-            .iter()
-            .any(|c| c.operation == Operation::FetchAndLock)
-        {
+        if stack.engine.calls().iter().any(|c| {
+            c.operation == Operation::FetchAndLock
+                && worker.is_none_or(|w| c.worker_id.as_deref() == Some(w))
+        }) {
             return Ok(());
         }
         if let Ok(Some(status)) = child.child.try_wait() {
@@ -459,7 +484,18 @@ pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, Lo
     } else {
         super::engine::ProtocolLevel::AgentV1
     };
+    if opts.workers != 1
+        && (!(1..=MAX_WORKERS).contains(&opts.workers)
+            || opts.scenario != Scenario::Backlog
+            || opts.store.is_some()
+            || !matches!(which, ChildProgram::Worker(_)))
+    {
+        return Err(LoadError::Workers {
+            workers: opts.workers,
+        });
+    }
     let stack = Stack::start(protocol).await?;
+    stack.engine.set_fetch_answer_cap(opts.fetch_answer_cap);
     stack.model.set_script(BENCH_MODEL, bench_script(opts));
     stack.tools.set_latency(opts.tool_latency);
     // A plain engine issues no tool credential: the store run's tool server takes none, and the
@@ -481,7 +517,11 @@ pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, Lo
         Some(server) => Some(StoreFiles::write(&server.url(), opts)?),
         None => None,
     };
-    let result = run_on(which, opts, &stack, files.as_ref(), ticks).await;
+    let result = if opts.workers > 1 {
+        shared_backlog(which, opts, &stack, ticks).await
+    } else {
+        run_on(which, opts, &stack, files.as_ref(), ticks).await
+    };
     if let Some(server) = store_tools {
         server.shutdown().await;
     }
@@ -496,27 +536,10 @@ async fn run_on(
     files: Option<&StoreFiles>,
     ticks: f64,
 ) -> Result<Figures, LoadError> {
-    if !opts.engine_latency.is_zero() {
-        for operation in [
-            Operation::FetchAndLock,
-            Operation::Heartbeat,
-            Operation::ExtendLock,
-            Operation::Complete,
-            Operation::Failure,
-            Operation::BpmnError,
-            Operation::JournalRead,
-            Operation::JournalAppend,
-            Operation::ToolCredentials,
-        ] {
-            stack.engine.inject(Fault::Latency {
-                operation,
-                delay_ms: opts.engine_latency.as_millis() as u64,
-            });
-        }
-    }
+    inject_engine_latency(stack, opts);
     let started = Instant::now();
-    let mut child = spawn_child(which, stack, opts, files)?;
-    wait_first_fetch(stack, &mut child).await?;
+    let mut child = spawn_child(which, stack, opts, files, "bench-worker")?;
+    wait_first_fetch(stack, &mut child, None).await?;
     let to_first_fetch = started.elapsed();
     let pid = child.pid();
     let mut figures = Figures::default();
@@ -545,6 +568,28 @@ async fn run_on(
         eprintln!("child: {line}");
     }
     result.map(|()| figures)
+}
+
+/// Adds `opts.engine_latency` to every engine request.
+fn inject_engine_latency(stack: &Stack, opts: &LoadOptions) {
+    if !opts.engine_latency.is_zero() {
+        for operation in [
+            Operation::FetchAndLock,
+            Operation::Heartbeat,
+            Operation::ExtendLock,
+            Operation::Complete,
+            Operation::Failure,
+            Operation::BpmnError,
+            Operation::JournalRead,
+            Operation::JournalAppend,
+            Operation::ToolCredentials,
+        ] {
+            stack.engine.inject(Fault::Latency {
+                operation,
+                delay_ms: opts.engine_latency.as_millis() as u64,
+            });
+        }
+    }
 }
 
 /// The agents and registry files of a store run, deleted when dropped.
@@ -802,7 +847,7 @@ async fn pickup(
         let id = stack.engine.create_task(task_spec(&agent, i));
         created.push((id, ms(&stack.engine.now())));
     }
-    wait_all_done(stack, child, opts, &created).await?;
+    wait_all_done(stack, std::slice::from_mut(child), opts, &created).await?;
     let calls = stack.engine.calls();
     let mut first_call: HashMap<&str, i64> = HashMap::new();
     for c in &calls {
@@ -830,21 +875,23 @@ fn task_spec(agent: &Value, i: u32) -> TaskSpec {
     }
 }
 
-/// Waits until every created task is completed (or failed), sampling peak RSS on the way.
+/// Waits until every created task is completed (or failed), sampling the children's peak RSS
+/// (the largest of any one) on the way.
 async fn wait_all_done(
     stack: &Stack,
-    child: &mut ChildGuard,
+    children: &mut [ChildGuard],
     opts: &LoadOptions,
     created: &[(String, i64)],
 ) -> Result<f64, LoadError> {
-    let pid = child.pid();
     let expected_model_calls = u64::from(opts.tasks) * u64::from(opts.tool_calls + 1);
     let mut rss_max: f64 = 0.0;
     let mut last_progress = (Instant::now(), 0u64);
     loop {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        if let Some(rss) = status_mb(pid, "VmRSS") {
-            rss_max = rss_max.max(rss);
+        for child in children.iter() {
+            if let Some(rss) = status_mb(child.pid(), "VmRSS") {
+                rss_max = rss_max.max(rss);
+            }
         }
         let model_calls = stack.model.total_calls();
         if model_calls != last_progress.1 {
@@ -866,18 +913,20 @@ async fn wait_all_done(
                 return Ok(rss_max);
             }
         }
-        if let Ok(Some(status)) = child.child.try_wait() {
-            return Err(LoadError::Child(format!(
-                "exited with {status} during the run: {:?}",
-                child.problem_lines()
-            )));
+        for child in children.iter_mut() {
+            if let Ok(Some(status)) = child.child.try_wait() {
+                return Err(LoadError::Child(format!(
+                    "exited with {status} during the run: {:?}",
+                    child.problem_lines()
+                )));
+            }
         }
         let stall = opts.model_latency * 3 + opts.poll_interval * 3 + Duration::from_secs(30);
         if last_progress.0.elapsed() > stall {
+            let problems: Vec<String> = children.iter().flat_map(|c| c.problem_lines()).collect();
             return Err(LoadError::Child(format!(
-                "made no progress for {} s ({model_calls} of {expected_model_calls} model calls): {:?}",
+                "made no progress for {} s ({model_calls} of {expected_model_calls} model calls): {problems:?}",
                 stall.as_secs(),
-                child.problem_lines()
             )));
         }
     }
@@ -904,7 +953,7 @@ async fn backlog(
         .create_tasks((0..opts.tasks).map(|i| task_spec(&agent, i)));
     let created_at = ms(&stack.engine.now());
     let created: Vec<(String, i64)> = ids.into_iter().map(|id| (id, created_at)).collect();
-    let rss_max = wait_all_done(stack, child, opts, &created).await?;
+    let rss_max = wait_all_done(stack, std::slice::from_mut(child), opts, &created).await?;
     let cpu1 = cpu_seconds(pid, ticks).unwrap_or(f64::NAN);
     let wall = wall0.elapsed().as_secs_f64();
     let n = f64::from(opts.tasks);
@@ -930,6 +979,159 @@ async fn backlog(
     figures.put("fetches_per_task", "req", a.fetches as f64 / n);
     figures.put("rss_busy_max", "MB", rss_max);
     Ok(())
+}
+
+/// The figure names of each worker's slot use and task count in a shared run.
+const WORKER_SLOT_USE: [&str; MAX_WORKERS as usize] = [
+    "worker_1_slot_utilisation",
+    "worker_2_slot_utilisation",
+    "worker_3_slot_utilisation",
+    "worker_4_slot_utilisation",
+];
+const WORKER_TASKS: [&str; MAX_WORKERS as usize] = [
+    "worker_1_tasks",
+    "worker_2_tasks",
+    "worker_3_tasks",
+    "worker_4_tasks",
+];
+
+/// A backlog shared by `opts.workers` worker processes of `opts.slots` slots each on one
+/// engine: each child starts on the empty queue; once all have fetched, the whole backlog is
+/// created at once and the run ends when every task is completed. Throughput, CPU per task,
+/// slot use overall and per worker over the deep-backlog window, and the largest deviation of
+/// a worker's slot use from the mean.
+async fn shared_backlog(
+    which: &ChildProgram,
+    opts: &LoadOptions,
+    stack: &Stack,
+    ticks: f64,
+) -> Result<Figures, LoadError> {
+    inject_engine_latency(stack, opts);
+    let worker_ids: Vec<String> = (1..=opts.workers)
+        .map(|i| format!("bench-worker-{i}"))
+        .collect();
+    let mut children = Vec::new();
+    for id in &worker_ids {
+        let mut child = spawn_child(which, stack, opts, None, id)?;
+        wait_first_fetch(stack, &mut child, Some(id)).await?;
+        children.push(child);
+    }
+    let cpu = |children: &[ChildGuard]| -> f64 {
+        children
+            .iter()
+            .map(|c| cpu_seconds(c.pid(), ticks).unwrap_or(f64::NAN))
+            .sum()
+    };
+    let cpu0 = cpu(&children);
+    let agent = bench_agent(stack, opts);
+    let ids = stack
+        .engine
+        .create_tasks((0..opts.tasks).map(|i| task_spec(&agent, i)));
+    let created_at = ms(&stack.engine.now());
+    let created: Vec<(String, i64)> = ids.into_iter().map(|id| (id, created_at)).collect();
+    let result = wait_all_done(stack, &mut children, opts, &created).await;
+    let cpu1 = cpu(&children);
+    let mut problems = 0;
+    for child in &mut children {
+        let lines = child.problem_lines();
+        for line in lines.iter().take(3) {
+            eprintln!("child: {line}");
+        }
+        problems += lines.len();
+        child.stop(Duration::from_secs(10));
+    }
+    let rss_max = result?;
+    let n = f64::from(opts.tasks);
+    let calls = stack.engine.calls();
+    let a = analyse(&calls, opts);
+    let shares = slot_use_by_worker(&calls, opts.slots, &worker_ids);
+
+    let mut figures = Figures::default();
+    figures.put("tasks_per_s", "tasks/s", n / a.span_s);
+    figures.put("cpu_per_task", "ms", (cpu1 - cpu0) / n * 1000.0);
+    figures.put("slot_utilisation", "%", shares.overall * 100.0);
+    for (i, (u, tasks)) in shares.per_worker.iter().enumerate() {
+        figures.put(WORKER_SLOT_USE[i], "%", u * 100.0);
+        figures.put(WORKER_TASKS[i], "tasks", *tasks as f64);
+    }
+    let mean = shares.per_worker.iter().map(|w| w.0).sum::<f64>() / shares.per_worker.len() as f64;
+    let spread = shares
+        .per_worker
+        .iter()
+        .map(|w| (w.0 - mean).abs() / mean)
+        .fold(0.0, f64::max);
+    figures.put("slot_use_max_deviation_from_mean", "%", spread * 100.0);
+    figures.put("requests_per_task", "req", a.requests_per_task);
+    figures.put("fetches_per_task", "req", a.fetches as f64 / n);
+    figures.put("lease_expiries", "count", a.lease_expiries as f64);
+    figures.put("rss_busy_max", "MB", rss_max);
+    figures.put("child_warn_error_lines", "lines", problems as f64);
+    Ok(figures)
+}
+
+/// Slot use of a shared run over its deep-backlog window (first lock to the last lock).
+struct SlotShares {
+    /// All workers' slots together, over the whole window.
+    overall: f64,
+    /// Per worker, in the order given: its slot use from its own first lock to the end of the
+    /// window, and the tasks it completed.
+    per_worker: Vec<(f64, usize)>,
+}
+
+/// Each worker's slot use: the time its tasks held a slot (lock to complete, cut at the end of
+/// the window) over its part of the window times its `slots`.
+fn slot_use_by_worker(calls: &[CallRecord], slots: u32, workers: &[String]) -> SlotShares {
+    let executed = |c: &&CallRecord| c.disposition == Disposition::Executed;
+    // Task -> (worker, lock time) of its latest acquisition.
+    let mut locked: HashMap<&str, (&str, i64)> = HashMap::new();
+    for f in calls
+        .iter()
+        .filter(|c| c.operation == Operation::FetchAndLock)
+        .filter(executed)
+    {
+        let worker = f.worker_id.as_deref().unwrap_or_default();
+        for id in &f.task_ids {
+            locked.insert(id.as_str(), (worker, ms(&f.at)));
+        }
+    }
+    let first_lock = locked.values().map(|l| l.1).min().unwrap_or(0);
+    let last_lock = locked.values().map(|l| l.1).max().unwrap_or(0);
+    let window = (last_lock - first_lock) as f64;
+    let mut ended: HashMap<&str, i64> = HashMap::new();
+    for c in calls
+        .iter()
+        .filter(|c| c.operation == Operation::Complete)
+        .filter(executed)
+    {
+        if let Some(id) = c.task_id.as_deref() {
+            ended.insert(id, ms(&c.at));
+        }
+    }
+    // Per worker: busy slot time, tasks completed, its first lock.
+    let mut busy: HashMap<&str, (f64, usize, i64)> = HashMap::new();
+    for (id, (worker, from)) in &locked {
+        let to = ended.get(id).copied().unwrap_or(last_lock).min(last_lock);
+        let entry = busy.entry(worker).or_insert((0.0, 0, *from));
+        entry.0 += (to - from).max(0) as f64;
+        entry.1 += usize::from(ended.contains_key(id));
+        entry.2 = entry.2.min(*from);
+    }
+    let slots = f64::from(slots);
+    let per_worker: Vec<(f64, usize)> = workers
+        .iter()
+        .map(|w| match busy.get(w.as_str()) {
+            // From the worker's own first lock: workers started one after another, each
+            // waiting out its poll interval on the empty queue, do not join at the same
+            // instant, and that start is not what their sharing is about.
+            Some(&(b, tasks, first)) => (b / ((last_lock - first) as f64 * slots), tasks),
+            None => (0.0, 0),
+        })
+        .collect();
+    let total: f64 = busy.values().map(|b| b.0).sum();
+    SlotShares {
+        overall: total / (window * slots * workers.len() as f64),
+        per_worker,
+    }
 }
 
 /// What the call log of a backlog run says.
@@ -1109,8 +1311,13 @@ pub async fn run_floor_client(opts: FloorOptions) {
             });
         }
         drop(batch);
-        if (got as u32) < free {
-            tokio::time::sleep(opts.poll_interval).await;
+        // The worker's fetch policy: only an empty answer waits the poll interval, and a
+        // freed slot (also one freed while the fetch was out) ends that wait.
+        if got == 0 {
+            tokio::select! {
+                _ = tokio::time::sleep(opts.poll_interval) => {}
+                _ = freed.notified() => {}
+            }
         }
     }
 }
@@ -1205,7 +1412,52 @@ async fn floor_task(http: &reqwest::Client, base: &str, model_url: &str, task: &
 
 #[cfg(test)]
 mod tests {
-    use super::Histogram;
+    use super::{CallRecord, Disposition, Histogram, Operation, slot_use_by_worker};
+
+    fn call(at_ms: i64, operation: Operation, worker: &str, tasks: &[&str]) -> CallRecord {
+        CallRecord {
+            at: chrono::DateTime::from_timestamp_millis(at_ms).unwrap(),
+            operation,
+            task_id: (operation != Operation::FetchAndLock).then(|| tasks[0].to_string()),
+            worker_id: Some(worker.to_string()),
+            attempt: Some(1),
+            idempotency_key: None,
+            traceparent: None,
+            status: 200,
+            error_code: None,
+            disposition: Disposition::Executed,
+            response_dropped: false,
+            task_ids: if operation == Operation::FetchAndLock {
+                tasks.iter().map(|t| t.to_string()).collect()
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    #[test]
+    fn slot_use_is_counted_per_worker_over_the_deep_backlog_window() {
+        // Window 0..1000 ms, 2 slots each. w1 holds a slot the whole window and another for
+        // 500 ms (75 %). w2 joins at 500 ms and holds one slot from then on (50 % of its
+        // 500 ms); its last task still runs at the end of the window.
+        let calls = [
+            call(0, Operation::FetchAndLock, "w1", &["a", "b"]),
+            call(500, Operation::Complete, "w1", &["b"]),
+            call(500, Operation::FetchAndLock, "w2", &["c"]),
+            call(1000, Operation::FetchAndLock, "w2", &["d"]),
+            call(1200, Operation::Complete, "w1", &["a"]),
+            call(1300, Operation::Complete, "w2", &["c"]),
+        ];
+        let workers = ["w1".to_string(), "w2".to_string(), "w3".to_string()];
+        let shares = slot_use_by_worker(&calls, 2, &workers);
+        assert_eq!(shares.per_worker, vec![(0.75, 2), (0.5, 1), (0.0, 0)]);
+        // 2000 ms busy of 3 workers x 2 slots x 1000 ms.
+        assert!(
+            (shares.overall - 1.0 / 3.0).abs() < 1e-9,
+            "{}",
+            shares.overall
+        );
+    }
 
     const TEXT: &str = "\
 # HELP abada_agent_store_transaction_duration_seconds x

@@ -5,9 +5,22 @@
 //! (instants come in), and its randomness is injected, so every rule is unit-tested below.
 //!
 //! The rules (design.md, Level 1; README.md Operations):
-//! - A full batch (every free slot filled) fetches again at once.
-//! - An empty or partial fetch waits the poll interval, stretched at random by up to
-//!   `poll_jitter` (2 %) and never shortened: an idle worker asks at most once per interval.
+//! - Only an empty answer means "nothing to do": it waits the poll interval, stretched at random
+//!   by up to `poll_jitter` (2 %) and never shortened: an idle worker asks at most once per
+//!   interval.
+//! - Any other answer fetches again at once, for the slots still free (none free: once a task
+//!   ends). A full batch, of course; and a partial one too, because on a shared queue it means
+//!   others are fetching at the same moment (the engine's `FOR UPDATE SKIP LOCKED` skips the
+//!   rows their fetches hold), or the engine caps its answers, not that the queue is empty.
+//!   This cannot spin: every non-empty answer fills at least one free slot, so a run of
+//!   immediate fetches ends within the free slots, with the slots full (the next fetch waits
+//!   for a task's end) or an empty answer (the poll interval). No pause is needed, and a
+//!   pause would only leave slots idle while tasks wait.
+//! - A task that ends frees its slot and fetches at once, whatever the loop was waiting for:
+//!   also during the idle wait after an empty answer (its completion may well have made the
+//!   next task of its process, and the slot is free now). So an idle worker asks at most once
+//!   per poll interval plus once per task that ends. Not while backing off from a failed fetch:
+//!   the engine's trouble does not end because a task did; the backoff and the probes decide.
 //! - A failed fetch backs off by class; the streak counts consecutive failures and a success
 //!   resets it.
 //!   - The engine asked to slow down with Retry-After: that long, capped at the throttle
@@ -110,17 +123,29 @@ impl FetchPolicy {
         )
     }
 
-    /// A fetch that asked for `requested` tasks got `got`. Returns whether it ends a run of
+    /// A fetch got `got` tasks (of however many it asked for). Returns whether it ends a run of
     /// failures that was logged (say that fetching works again).
-    pub fn fetched(&mut self, now: Instant, requested: u32, got: usize) -> bool {
+    ///
+    /// Only an empty answer waits the poll interval; a full or partial one fetches again at once
+    /// (see the module docs for why a partial answer cannot make the loop spin).
+    pub fn fetched(&mut self, now: Instant, got: usize) -> bool {
         self.failures = 0;
         self.probe_at = None;
-        self.fetch_at = if got as u64 >= u64::from(requested) {
-            now
-        } else {
+        self.fetch_at = if got == 0 {
             now + backoff::stretched_with(self.poll_interval, self.poll_jitter, (self.random)())
+        } else {
+            now
         };
         self.last_warned.take().is_some()
+    }
+
+    /// A task ended at `now` and freed its slot: fetch at once, cutting short the idle wait
+    /// after an empty answer. A backoff after a failed fetch is kept (a task's end says nothing
+    /// about the engine's trouble); so are the probes.
+    pub fn task_ended(&mut self, now: Instant) {
+        if self.failures == 0 {
+            self.fetch_at = self.fetch_at.min(now);
+        }
     }
 
     /// A fetch failed with `error`.
@@ -238,21 +263,130 @@ mod tests {
     fn a_full_batch_fetches_again_at_once() {
         let (mut p, t0) = policy(0.5);
         let now = t0 + ms(3);
-        p.fetched(now, 4, 4);
+        p.fetched(now, 4);
         assert_eq!(p.next(now), Action::Fetch);
     }
 
     #[test]
-    fn an_empty_or_partial_fetch_waits_the_poll_interval_stretched_by_at_most_two_percent() {
+    fn an_empty_fetch_waits_the_poll_interval_stretched_by_at_most_two_percent() {
         for (random, wait) in [(0.0, ms(1000)), (0.5, ms(1010)), (1.0, ms(1020))] {
-            for got in [0, 3] {
+            let (mut p, t0) = policy(random);
+            p.fetched(t0, 0);
+            assert_eq!(p.next(t0), Action::WaitUntil(t0 + wait), "{random}");
+            assert_eq!(p.next(t0 + wait - ms(1)), Action::WaitUntil(t0 + wait));
+            assert_eq!(p.next(t0 + wait), Action::Fetch);
+        }
+    }
+
+    /// Issue 25: a partial answer is others fetching too, not an empty queue.
+    #[test]
+    fn a_partial_fetch_fetches_the_rest_at_once() {
+        for random in [0.0, 0.5, 1.0] {
+            // 2 of 8, 7 of 8, 1 of 2, 1 of 50: all fetch again at once.
+            for got in [1, 2, 7] {
                 let (mut p, t0) = policy(random);
-                p.fetched(t0, 4, got);
-                assert_eq!(p.next(t0), Action::WaitUntil(t0 + wait), "{random} {got}");
-                assert_eq!(p.next(t0 + wait - ms(1)), Action::WaitUntil(t0 + wait));
-                assert_eq!(p.next(t0 + wait), Action::Fetch);
+                let now = t0 + ms(3);
+                p.fetched(now, got);
+                assert_eq!(p.next(now), Action::Fetch, "{got}");
             }
         }
+    }
+
+    /// Drives the policy like the loop does, with `slots` slots and tasks that never end,
+    /// against an engine that holds `queue` tasks and answers at most `cap` per fetch. Returns
+    /// the fetches made (asked, got) before the policy first waits, and that wait.
+    fn fill(slots: u32, queue: usize, cap: usize) -> (Vec<(u32, usize)>, Action) {
+        let (mut p, t0) = policy(0.0);
+        let (mut free, mut left, mut fetches) = (slots, queue, Vec::new());
+        loop {
+            match p.next(t0) {
+                Action::Fetch if free > 0 => {
+                    let got = left.min(cap).min(free as usize);
+                    fetches.push((free, got));
+                    p.fetched(t0, got);
+                    free -= got as u32;
+                    left -= got;
+                }
+                // No free slot: the loop waits for a task's end, which never comes here.
+                Action::Fetch => return (fetches, Action::Fetch),
+                wait => return (fetches, wait),
+            }
+            assert!(fetches.len() <= 1000, "the policy spins: {fetches:?}");
+        }
+    }
+
+    #[test]
+    fn a_run_of_partial_answers_ends_within_the_free_slots() {
+        // The queue has work, the engine answers 2 at a time: 4 fetches fill 8 slots, then
+        // the loop waits for a task's end (no fetch with no free slot).
+        let (fetches, after) = fill(8, 160, 2);
+        assert_eq!(fetches, vec![(8, 2), (6, 2), (4, 2), (2, 2)]);
+        assert_eq!(
+            after,
+            Action::Fetch,
+            "waits for a free slot, not a poll interval"
+        );
+        // A queue that really has fewer tasks than slots: 2, then 1, then an empty answer,
+        // which waits the poll interval. No hot loop.
+        let (fetches, after) = fill(8, 3, 2);
+        assert_eq!(fetches, vec![(8, 2), (6, 1), (5, 0)]);
+        let t0 = Instant::now();
+        assert!(
+            matches!(after, Action::WaitUntil(at) if at >= t0 + ms(999)),
+            "{after:?}"
+        );
+        // Whatever the queue and the cap: at most one fetch per free slot, plus the empty one.
+        for slots in [1, 4, 8, 50] {
+            for queue in [0, 1, 3, 7, 100] {
+                for cap in [1, 2, 5, 50] {
+                    let (fetches, _) = fill(slots, queue, cap);
+                    assert!(
+                        fetches.len() as u32 <= slots + 1,
+                        "{slots} {queue} {cap}: {fetches:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_task_ending_during_the_idle_wait_fetches_at_once() {
+        let (mut p, t0) = policy(0.5);
+        p.fetched(t0, 0);
+        let ended = t0 + ms(300);
+        assert!(matches!(p.next(ended), Action::WaitUntil(_)));
+        p.task_ended(ended);
+        assert_eq!(p.next(ended), Action::Fetch);
+        // And that fetch, empty again, waits a whole interval from its own answer.
+        p.fetched(ended + ms(1), 0);
+        assert_eq!(
+            p.next(ended + ms(1)),
+            Action::WaitUntil(ended + ms(1) + ms(1010))
+        );
+    }
+
+    #[test]
+    fn a_task_ending_during_a_backoff_keeps_the_backoff_and_the_probes() {
+        for error in [down(), throttled(None), throttled(Some(ms(4000)))] {
+            let (mut p, t0) = policy(1.0);
+            let failed = p.fetch_failed(t0, &error);
+            let before = p.next(t0 + ms(10));
+            p.task_ended(t0 + ms(10));
+            assert_eq!(p.next(t0 + ms(10)), before, "{error}");
+            assert!(matches!(before, Action::WaitUntil(_)), "{error}");
+            // Due when the backoff ends (a transient error's probe is due then too).
+            assert!(
+                !matches!(p.next(t0 + failed.wait), Action::WaitUntil(_)),
+                "{error}"
+            );
+        }
+        // The probes go on as before: a transient error is probed after one poll interval.
+        let (mut p, t0) = policy(0.0);
+        p.fetch_failed(t0, &down());
+        p.fetch_failed(t0, &down());
+        p.task_ended(t0 + ms(5));
+        assert_eq!(p.next(t0 + ms(5)), Action::WaitUntil(t0 + SECOND));
+        assert_eq!(p.next(t0 + SECOND), Action::Probe);
     }
 
     #[test]
@@ -275,7 +409,7 @@ mod tests {
         for _ in 0..4 {
             p.fetch_failed(t0, &down());
         }
-        p.fetched(t0, 4, 0);
+        p.fetched(t0, 0);
         let failed = p.fetch_failed(t0, &down());
         assert_eq!(failed.failures, 1);
         assert_eq!(failed.wait, SECOND);
@@ -385,13 +519,13 @@ mod tests {
     #[test]
     fn a_repeated_error_is_logged_at_debug_and_recovery_is_said_once() {
         let (mut p, t0) = policy(0.0);
-        assert!(!p.fetched(t0, 4, 0), "nothing to recover from");
+        assert!(!p.fetched(t0, 0), "nothing to recover from");
         assert_eq!(p.fetch_failed(t0, &down()).log_at, LogLevel::Warn);
         assert_eq!(p.fetch_failed(t0, &down()).log_at, LogLevel::Debug);
         assert_eq!(p.fetch_failed(t0, &throttled(None)).log_at, LogLevel::Warn);
         assert_eq!(p.fetch_failed(t0, &down()).log_at, LogLevel::Warn);
-        assert!(p.fetched(t0, 4, 0), "works again");
-        assert!(!p.fetched(t0, 4, 0), "said once");
+        assert!(p.fetched(t0, 0), "works again");
+        assert!(!p.fetched(t0, 0), "said once");
         assert_eq!(
             p.fetch_failed(t0, &down()).log_at,
             LogLevel::Warn,
@@ -422,7 +556,7 @@ mod tests {
                     fetches.push((now - t0, ok));
                     now += LATENCY;
                     if ok {
-                        p.fetched(now, 4, 0);
+                        p.fetched(now, 0);
                     } else {
                         p.fetch_failed(now, &down());
                     }

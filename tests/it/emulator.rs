@@ -1917,3 +1917,37 @@ async fn unknown_processes_instances_and_user_tasks_are_refused_like_the_engine(
     assert_eq!(done.status, 200);
     assert!(h.fetch("w1", 10).await.is_empty());
 }
+
+/// Issue 25: the emulator answers partially, as concurrent fetches do on the real engine
+/// (`FOR UPDATE SKIP LOCKED`), when told so over the admin API; a bad cap is refused.
+#[tokio::test]
+async fn a_fetch_answer_cap_set_over_the_admin_api_makes_answers_partial() {
+    let h = harness().await;
+    h.emu.create_tasks((0..5).map(|_| agent_task()));
+    let set = |body: Value| {
+        h.http
+            .post(format!("{}/admin/fetch-answer-cap", h.emu.root_url()))
+            .json(&body)
+            .send()
+    };
+    for bad in [
+        json!({"maxTasks": 0}),
+        json!({"maxTasks": -1}),
+        json!({"cap": 2}),
+    ] {
+        assert_eq!(set(bad.clone()).await.unwrap().status(), 400, "{bad}");
+    }
+    assert_eq!(set(json!({"maxTasks": 2})).await.unwrap().status(), 204);
+    let a = h.fetch("w1", 8).await;
+    let b = h.fetch("w2", 8).await;
+    assert_eq!(
+        (ids(&a), ids(&b)),
+        (
+            vec!["t-000001".to_string(), "t-000002".to_string()],
+            vec!["t-000003".to_string(), "t-000004".to_string()]
+        )
+    );
+    assert_eq!(set(json!({"maxTasks": null})).await.unwrap().status(), 204);
+    h.emu.create_tasks((0..3).map(|_| agent_task()));
+    assert_eq!(h.fetch("w1", 8).await.len(), 4, "no cap any more");
+}

@@ -51,6 +51,47 @@ async fn backlog_run_of_the_real_binary_yields_every_figure() {
     assert_eq!(f.get("child_warn_error_lines"), Some(0.0));
 }
 
+/// Issue 25's scenario, tiny: two worker processes share one engine that answers at most 2
+/// tasks per fetch; every task is done once, and each worker's slot use is reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_on_a_partially_answering_engine_report_their_slot_use() {
+    let worker = ChildProgram::Worker(PathBuf::from(BIN));
+    let opts = LoadOptions {
+        tasks: 12,
+        fetch_answer_cap: std::num::NonZeroU32::new(2),
+        workers: 2,
+        ..tiny(Scenario::Backlog)
+    };
+    let f = loadtest::run(&worker, &opts)
+        .await
+        .expect("the harness runs");
+    assert_eq!(
+        f.get("worker_1_tasks").unwrap() + f.get("worker_2_tasks").unwrap(),
+        12.0
+    );
+    for name in [
+        "slot_utilisation",
+        "worker_1_slot_utilisation",
+        "worker_2_slot_utilisation",
+        "slot_use_max_deviation_from_mean",
+    ] {
+        let v = f
+            .get(name)
+            .unwrap_or_else(|| panic!("figure {name} missing"));
+        assert!(v.is_finite() && v >= 0.0, "{name} = {v}");
+    }
+    assert_eq!(f.get("lease_expiries"), Some(0.0));
+    assert_eq!(f.get("child_warn_error_lines"), Some(0.0));
+    // More workers than the harness starts, or a floor client sharing: refused, not run.
+    for (which, workers) in [(worker.clone(), 5), (worker.clone(), 0)] {
+        let bad = LoadOptions {
+            workers,
+            ..opts.clone()
+        };
+        assert!(loadtest::run(&which, &bad).await.is_err(), "{workers}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_calls_idle_and_pickup_scenarios_run() {
     let worker = ChildProgram::Worker(PathBuf::from(BIN));

@@ -197,10 +197,96 @@ async fn a_freed_slot_is_refilled_right_after_the_report() {
     }
 }
 
-/// A task that ends while the loop waits out an idle poll interval is joined, but does not cut
-/// the wait short: the engine had no more work a moment ago, and slots were free anyway.
+fn fetch_times(engine: &FakeEngine, since: Instant) -> Vec<Duration> {
+    engine
+        .calls()
+        .iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .map(|c| c.at - since)
+        .collect()
+}
+
+/// Issue 25: an engine whose concurrent fetches skip each other's locked rows answers 2 of the
+/// 8 tasks asked for. That is others fetching too, not an empty queue: the rest is fetched at
+/// once, so 8 slots are busy, not 2 per poll interval.
 #[tokio::test(start_paused = true)]
-async fn a_task_ending_during_an_idle_wait_does_not_cut_it_short() {
+async fn a_partial_batch_is_followed_by_a_fetch_for_the_rest_before_any_poll_interval() {
+    let engine = FakeEngine::with_tasks(40);
+    engine.state.lock().unwrap().answer_cap = Some(2);
+    let handler = SleepHandler::new(Duration::from_millis(200));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 8;
+    // A poll interval far longer than the run: any wait for it would show.
+    s.poll_interval = Duration::from_secs(3600);
+    let started = Instant::now();
+    let mut r = start(&engine, handler.clone(), s);
+    // Every partial answer is followed by a fetch for the slots still free, at once.
+    let mut answers = Vec::new();
+    while answers.len() < 4 {
+        if let RunnerEvent::Fetched { requested, got } = next_event(&mut r.events).await {
+            answers.push((requested, got, Instant::now()));
+        }
+    }
+    assert_eq!(
+        answers.iter().map(|a| (a.0, a.1)).collect::<Vec<_>>(),
+        vec![(8, 2), (6, 2), (4, 2), (2, 2)],
+        "asked for the rest after each partial answer"
+    );
+    let filled = answers[3].2 - started;
+    // The fake engine takes 1 ms of virtual time per fetch: 4 fetches, no wait between them.
+    assert!(
+        filled <= Duration::from_millis(5),
+        "8 slots filled after {filled:?}"
+    );
+    wait_until(|| completed(&engine) == 40, Duration::from_secs(600)).await;
+    let took = started.elapsed();
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    assert_eq!(handler.most.load(Ordering::SeqCst), 8, "every slot in use");
+    // 40 tasks of 200 ms on 8 slots: 5 rounds, about 1 s; never an hour's poll interval.
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    for f in engine.calls().iter().filter(|c| c.op == "fetch-and-lock") {
+        assert_eq!(
+            f.max_tasks as usize,
+            8 - f.outstanding,
+            "asks for the free slots"
+        );
+    }
+}
+
+/// A queue that really holds fewer tasks than free slots is not a hot loop: 2, then 1, then an
+/// empty answer, which waits the poll interval.
+#[tokio::test(start_paused = true)]
+async fn a_short_queue_ends_in_an_empty_answer_that_waits_the_poll_interval() {
+    let engine = FakeEngine::with_tasks(3);
+    engine.state.lock().unwrap().answer_cap = Some(2);
+    let handler = SleepHandler::new(Duration::from_secs(100));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 8;
+    s.poll_interval = Duration::from_secs(10);
+    let started = Instant::now();
+    let mut r = start(&engine, handler, s);
+    let mut answers = Vec::new();
+    while answers.len() < 4 {
+        if let RunnerEvent::Fetched { requested, got } = next_event(&mut r.events).await {
+            answers.push((requested, got));
+        }
+    }
+    let fetches = fetch_times(&engine, started);
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    assert_eq!(answers, vec![(8, 2), (6, 1), (5, 0), (5, 0)]);
+    assert!(fetches[2] < Duration::from_millis(5), "{fetches:?}");
+    assert!(
+        fetches[3] >= fetches[2] + Duration::from_secs(10),
+        "the empty answer waited the poll interval: {fetches:?}"
+    );
+}
+
+/// A task that ends while the loop waits out the poll interval after an empty answer frees its
+/// slot and fetches at once: its completion may have made the next task of its process.
+#[tokio::test(start_paused = true)]
+async fn a_task_ending_during_the_idle_wait_triggers_a_fetch() {
     let engine = FakeEngine::with_tasks(1);
     let handler = SleepHandler::new(Duration::from_secs(3));
     let mut s = settings(Duration::from_secs(120));
@@ -209,18 +295,116 @@ async fn a_task_ending_during_an_idle_wait_does_not_cut_it_short() {
     let started = Instant::now();
     let r = start(&engine, handler, s);
     wait_until(|| completed(&engine) == 1, Duration::from_secs(5)).await;
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
     r.shutdown.cancel();
     r.join.await.unwrap();
-    let fetches: Vec<Duration> = engine
+    let fetches = fetch_times(&engine, started);
+    // 1 of 2 at 0, the rest at once (empty: the idle wait starts), then the task's end at 3 s.
+    assert_eq!(fetches.len(), 3, "{fetches:?}");
+    assert!(fetches[1] < Duration::from_millis(5), "{fetches:?}");
+    let ended = engine
         .calls()
         .iter()
-        .filter(|c| c.op == "fetch-and-lock")
+        .find(|c| c.op == "complete")
         .map(|c| c.at - started)
+        .unwrap();
+    assert!(
+        fetches[2] >= ended && fetches[2] <= ended + Duration::from_millis(5),
+        "fetched {:?} after the task's end, in a 10 s idle wait",
+        fetches[2] - ended
+    );
+}
+
+/// A task's end does not cut short the backoff after a failed fetch: the engine's trouble has
+/// not ended because a task did.
+#[tokio::test(start_paused = true)]
+async fn a_task_ending_during_an_error_backoff_does_not_cut_it_short() {
+    let engine = FakeEngine::with_tasks(1);
+    /// Takes the engine down as it starts, then works for 500 ms.
+    struct TakesTheEngineDown(FakeEngine);
+    #[async_trait]
+    impl TaskHandler for TakesTheEngineDown {
+        async fn handle(&self, _task: Arc<Task>, _ctx: TaskContext) -> Outcome {
+            self.0.state.lock().unwrap().fetch_transient = true;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            Outcome::Complete {
+                variables: Map::new(),
+            }
+        }
+    }
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 2;
+    s.poll_interval = Duration::from_secs(10);
+    let started = Instant::now();
+    let r = start(&engine, Arc::new(TakesTheEngineDown(engine.clone())), s);
+    wait_until(|| completed(&engine) == 1, Duration::from_secs(5)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let fetches = fetch_times(&engine, started);
+    // 1 of 2 at 0; the rest at once fails: 1 s backoff (no jitter here), then 2 s. The task's
+    // end at 0.5 s brings no fetch.
+    assert!(fetches.len() >= 3, "{fetches:?}");
+    assert!(fetches[1] < Duration::from_millis(5), "{fetches:?}");
+    assert!(
+        fetches[2] >= fetches[1] + Duration::from_secs(1),
+        "the backoff was served in full: {fetches:?}"
+    );
+}
+
+/// Workers sharing one engine whose answers are partial both fill their slots and share the
+/// work evenly.
+#[tokio::test(start_paused = true)]
+async fn two_workers_on_one_partial_engine_fill_their_slots_and_share_the_work() {
+    let engine = FakeEngine::with_tasks(160);
+    engine.state.lock().unwrap().answer_cap = Some(2);
+    let handlers = [
+        SleepHandler::new(Duration::from_millis(200)),
+        SleepHandler::new(Duration::from_millis(200)),
+    ];
+    let runs: Vec<Running> = handlers
+        .iter()
+        .map(|h| {
+            let mut s = settings(Duration::from_secs(120));
+            s.max_tasks = 8;
+            start(&engine, h.clone(), s)
+        })
         .collect();
-    // A partial fetch at 0, then the next after the 10 s interval, none at the 3 s end.
-    assert_eq!(fetches.len(), 2, "{fetches:?}");
-    assert!(fetches[1] >= Duration::from_secs(10), "{fetches:?}");
+    let counts = [Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0))];
+    let mut stops = Vec::new();
+    for (r, n) in runs.into_iter().zip(counts.iter().cloned()) {
+        let Running {
+            shutdown,
+            join,
+            mut events,
+        } = r;
+        stops.push((shutdown, join));
+        tokio::spawn(async move {
+            while let Some(e) = events.recv().await {
+                if matches!(e, RunnerEvent::TaskEnded { .. }) {
+                    n.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        });
+    }
+    wait_until(|| completed(&engine) == 160, Duration::from_secs(600)).await;
+    for h in &handlers {
+        assert_eq!(
+            h.most.load(Ordering::SeqCst),
+            8,
+            "every slot of each worker in use"
+        );
+    }
+    let done: Vec<usize> = counts.iter().map(|n| n.load(Ordering::SeqCst)).collect();
+    assert_eq!(done.iter().sum::<usize>(), 160);
+    for n in &done {
+        // Within 10 % of the even share of 80.
+        assert!((72..=88).contains(n), "uneven: {done:?}");
+    }
+    for (shutdown, join) in stops {
+        shutdown.cancel();
+        join.await.unwrap();
+    }
 }
 
 #[tokio::test(start_paused = true)]

@@ -28,6 +28,7 @@ pub(crate) fn routes() -> Router<Arc<Shared>> {
         .route("/admin/clock/advance", post(advance))
         .route("/admin/faults", post(add_fault).delete(clear_faults))
         .route("/admin/outage", post(outage))
+        .route("/admin/fetch-answer-cap", post(fetch_answer_cap))
         .route("/admin/tool-credentials/verify", post(verify_credential))
         .route(
             "/admin/instances/{id}",
@@ -169,6 +170,23 @@ async fn outage(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
         );
     };
     shared.faults().outage = enabled;
+    StatusCode::NO_CONTENT.into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct AnswerCapBody {
+    max_tasks: Option<std::num::NonZeroU32>,
+}
+
+async fn fetch_answer_cap(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let Ok(AnswerCapBody { max_tasks }) = serde_json::from_slice(&body) else {
+        return admin_error(
+            StatusCode::BAD_REQUEST,
+            "body must be {\"maxTasks\": n} with n >= 1, or {\"maxTasks\": null} for no cap",
+        );
+    };
+    shared.state().set_answer_cap(max_tasks);
     StatusCode::NO_CONTENT.into_response()
 }
 

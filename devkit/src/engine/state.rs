@@ -313,6 +313,12 @@ pub(crate) struct EngineState {
     /// a model or created running when a task first names it) and the user tasks (`process`).
     processes: Processes,
     calls: VecDeque<CallRecord>,
+    /// The most tasks one fetch answers, whatever it asks for; `None`: as many as asked. The
+    /// partial answers a worker meets on the real engine when fetches of several workers run at
+    /// the same moment and `FOR UPDATE SKIP LOCKED` skips the rows the others hold. Here every
+    /// fetch runs alone under the state's lock (so concurrent fetches always get disjoint
+    /// tasks), and this cap is how a test or a benchmark makes the answers partial.
+    answer_cap: Option<usize>,
 }
 
 /// The task id format: sortable, e.g. `t-000017`.
@@ -344,7 +350,13 @@ impl EngineState {
             credentials: HashMap::new(),
             processes: Processes::default(),
             calls: VecDeque::new(),
+            answer_cap: None,
         }
+    }
+
+    /// Caps every fetch answer at `cap` tasks (`None`: no cap), see [`EngineState::answer_cap`].
+    pub fn set_answer_cap(&mut self, cap: Option<std::num::NonZeroU32>) {
+        self.answer_cap = cap.map(|c| c.get() as usize);
     }
 
     // ---- indexes -------------------------------------------------------------------------
@@ -663,7 +675,7 @@ impl EngineState {
         if !(1..=MAX_TASKS).contains(&max_tasks) {
             return Err(ApiError::rejected("maxTasks must be between 1 and 50"));
         }
-        let max_tasks = max_tasks as usize;
+        let max_tasks = (max_tasks as usize).min(self.answer_cap.unwrap_or(usize::MAX));
 
         self.promote_expired(now);
         let mut locked = Vec::new();
@@ -1271,5 +1283,47 @@ mod tests {
             .map(|t| t["id"].as_str().unwrap().to_string())
             .collect();
         assert_eq!(ids, ["t-000001", "t-000003", "t-000002"]);
+    }
+
+    fn fetch(state: &mut EngineState, worker: &str, max_tasks: i64) -> Vec<String> {
+        let fetch = Command::FetchAndLock(wire::FetchAndLockRequest {
+            worker_id: Some(worker.into()),
+            topics: Some(vec![AGENT_TOPIC.into()]),
+            lock_duration: Some(60_000),
+            max_tasks: Some(max_tasks),
+        });
+        let (reply, _) = state
+            .run(Operation::FetchAndLock, None, None, &fetch, 0)
+            .unwrap();
+        reply
+            .body
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["id"].as_str().unwrap().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn a_capped_engine_answers_partially_and_each_fetch_gets_its_own_tasks() {
+        let mut state = EngineState::new(ProtocolLevel::AgentV1, 60_000, 10);
+        for _ in 0..5 {
+            state.create_task(TaskSpec::default());
+        }
+        state.set_answer_cap(std::num::NonZeroU32::new(2));
+        assert_eq!(fetch(&mut state, "a", 8), ["t-000001", "t-000002"]);
+        assert_eq!(fetch(&mut state, "b", 8), ["t-000003", "t-000004"]);
+        assert_eq!(
+            fetch(&mut state, "a", 1),
+            ["t-000005"],
+            "below the cap: as asked"
+        );
+        assert!(fetch(&mut state, "b", 8).is_empty());
+        state.set_answer_cap(None);
+        for _ in 0..5 {
+            state.create_task(TaskSpec::default());
+        }
+        assert_eq!(fetch(&mut state, "a", 8).len(), 5, "uncapped again");
     }
 }

@@ -42,6 +42,9 @@ pub struct FakeState {
     pub surplus: usize,
     /// A stalled engine: `failure` answers only after an hour.
     pub stall_failures: bool,
+    /// When set, a fetch answers at most this many tasks, whatever it asked for: the partial
+    /// answers of an engine whose concurrent fetches skip each other's locked rows.
+    pub answer_cap: Option<usize>,
 }
 
 #[derive(Clone, Default)]
@@ -120,7 +123,8 @@ impl Engine for FakeEngine {
             });
         }
         let mut out = Vec::new();
-        while out.len() < request.max_tasks as usize + s.surplus {
+        let most = (request.max_tasks as usize + s.surplus).min(s.answer_cap.unwrap_or(usize::MAX));
+        while out.len() < most {
             let Some(t) = s.open.pop_front() else { break };
             s.outstanding.insert(t.id.clone());
             out.push(t);
