@@ -467,8 +467,10 @@ async fn complete_user_task(
                 format!("no task of {instance} for {user}"),
             )
         })?;
+    // What the worked example's form does: copy the request's requestId and callId.
+    let request = &task["variables"]["agentApprovalRequest"];
     let decision = json!({"agentApproval": {
-        "callId": task["variables"]["agentApprovalRequest"]["callId"],
+        "requestId": request["requestId"], "callId": request["callId"],
         "approved": approved, "comment": comment, "decidedBy": user}});
     let response = http
         .post(format!(
