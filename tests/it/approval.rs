@@ -1163,3 +1163,154 @@ async fn an_approved_request_whose_call_changed_performs_nothing() {
     stack.shutdown().await;
     db.drop().await;
 }
+
+/// A run that waited across the upgrade: its request was journaled by a worker before requestIds
+/// (simulated by removing them from the journaled step). Nothing could bind a decision to it, so
+/// the task carrying a decision puts the call to a person again under a new requestId, performing
+/// nothing; a decision naming that one performs the call once.
+#[tokio::test]
+async fn a_request_journaled_without_a_request_id_is_asked_again_under_a_new_one() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let (instance, worker, waiting) = stopped_for_approval(&stack, &db, "o-legacy").await;
+    let old = waiting.variables["agentApprovalRequest"].clone();
+    let changed = db
+        .sql()
+        .await
+        .execute(
+            "UPDATE abada_agent_steps SET body = body - 'requestId' - 'callDigest'
+              WHERE kind = 'approval' AND state = 'requested'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(changed, 1);
+    decide(&stack, &instance, "dana", true, "fine").await;
+    let again = asked_again(&stack, &instance, 2).await;
+    assert_eq!(refunds_sent(&stack, "o-legacy"), Vec::<Value>::new());
+    let new = &again.variables["agentApprovalRequest"];
+    assert_eq!(new["callId"], old["callId"]);
+    assert!(
+        new["requestId"].is_string() && new["requestId"] != old["requestId"],
+        "a new request: {new}"
+    );
+    decide(&stack, &instance, "dana", true, "fine").await;
+    wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    assert_eq!(refunds_sent(&stack, "o-legacy"), vec![json!(1500)]);
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// A worker whose first completion waits until released, and whose heartbeats never reach the
+/// engine: frozen while sending the stop's completion.
+struct HoldFirstCompletion {
+    sent: std::sync::atomic::AtomicBool,
+    release: tokio::sync::Semaphore,
+}
+
+#[async_trait]
+impl gate::Gate for HoldFirstCompletion {
+    async fn before(&self, op: gate::Op<'_>, _task: Option<&TaskRef>) {
+        match op {
+            gate::Op::Heartbeat => std::future::pending::<()>().await,
+            gate::Op::Complete if !self.sent.swap(true, std::sync::atomic::Ordering::SeqCst) => {
+                let _ = self.release.acquire().await;
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The stop's completion is lost (the worker froze sending it): the engine gives the same task
+/// to another worker, which completes it with the SAME request (the requestId journaled in the
+/// store, not a new one) and the pending marker naming it; no model call is made again.
+#[tokio::test]
+async fn a_redelivered_stop_asks_with_the_same_request_id() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let instance = start_refund(&stack, "o-redeliver");
+    let lock = Duration::from_secs(60);
+    let held = Arc::new(HoldFirstCompletion {
+        sent: Default::default(),
+        release: tokio::sync::Semaphore::new(0),
+    });
+    let w1 = stack.spawn_worker_with(
+        WorkerOptions {
+            slots: 1,
+            ..store_worker("w1", &db, lock)
+        },
+        Stack::fast_agent_settings(),
+        GatedEngine::wrapper(held.clone()),
+    );
+    eventually(
+        Duration::from_secs(30),
+        "w1 to send the stop's completion",
+        async || held.sent.load(std::sync::atomic::Ordering::SeqCst),
+    )
+    .await;
+    let journaled: String = db
+        .sql()
+        .await
+        .query_one(
+            "SELECT body->>'requestId' FROM abada_agent_steps WHERE kind = 'approval' AND state = 'requested'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    stack.engine.advance(lock + Duration::from_secs(1));
+    let w2 = stack.spawn_worker(
+        store_worker("w2", &db, Duration::from_secs(10)),
+        Stack::fast_agent_settings(),
+    );
+    let waiting = wait_for_approval(&stack, &instance).await;
+    let tasks: Vec<_> = stack
+        .engine
+        .tasks()
+        .into_iter()
+        .filter(|t| t.process_instance_id == instance)
+        .collect();
+    assert_eq!(tasks.len(), 1, "one agent task, delivered twice");
+    assert!(
+        tasks[0].counters.acquisitions >= 2,
+        "{:?}",
+        tasks[0].counters
+    );
+    assert_eq!(
+        waiting.variables["agentApprovalRequest"]["requestId"],
+        journaled.as_str()
+    );
+    assert_eq!(
+        waiting.variables["agentApproval"],
+        json!({"status": "pending", "requestId": journaled})
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM abada_agent_steps WHERE kind = 'approval'")
+            .await,
+        1,
+        "asked again, not requested again"
+    );
+    assert_eq!(stack.model.total_calls(), 2, "no model call made again");
+    decide(&stack, &instance, "dana", true, "fine").await;
+    wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
+    stop(w2).await;
+    // w1's completion arrives at last, for a task long completed: it changes nothing.
+    held.release.add_permits(1);
+    stop(w1).await;
+    let done = stack.engine.process_instance(&instance).unwrap();
+    assert_eq!(done.status, InstanceStatus::Completed);
+    assert_eq!(done.variables["agentStatus"], "done");
+    stack.shutdown().await;
+    db.drop().await;
+}
