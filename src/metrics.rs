@@ -100,7 +100,10 @@ pub struct ToolLabels {
 /// What happened to a tool call that needs a person's approval.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ApprovalLabel {
-    /// `requested` (the task stopped to ask), `approved` or `refused` (a decision journaled).
+    /// `requested` (the task stopped to ask), `requested_again` (a task carried no decision: the
+    /// same request asked again), `approved` or `refused` (a decision journaled), `unusable` (a
+    /// decision on another request, a consumed one, another call or other content: an incident,
+    /// nothing performed).
     pub event: &'static str,
 }
 
@@ -464,7 +467,8 @@ impl Metrics {
         }
     }
 
-    /// Counts an approval event: `requested`, `approved` or `refused`.
+    /// Counts an approval event: `requested`, `requested_again`, `approved`, `refused` or
+    /// `unusable`.
     pub fn count_approval(&self, event: &'static str) {
         self.approvals.get_or_create(&ApprovalLabel { event }).inc();
     }

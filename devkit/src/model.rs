@@ -114,6 +114,10 @@ pub struct Script {
     pub usage: Option<Usage>,
     /// Leave `usage` out of OpenAI-format answers (as some compatible servers do).
     pub omit_usage: bool,
+    /// Number tool calls from 0 in every answer (`call_0`, `call_1`, ... as several
+    /// OpenAI-compatible servers do), so two answers reuse the same call ids; by default an id
+    /// also names its turn (`call_{turn}_{i}`).
+    pub call_ids_per_answer: bool,
 }
 
 impl Script {
@@ -123,7 +127,14 @@ impl Script {
             latency: Duration::ZERO,
             usage: None,
             omit_usage: false,
+            call_ids_per_answer: false,
         }
+    }
+
+    /// Numbers tool calls from 0 in every answer: `call_0` again and again.
+    pub fn with_call_ids_per_answer(mut self) -> Self {
+        self.call_ids_per_answer = true;
+        self
     }
 
     /// Answers in the OpenAI format without `usage` (Anthropic's format requires it).
@@ -765,7 +776,11 @@ fn answer_body(
         .enumerate()
         .map(|(i, c)| {
             (
-                format!("{}_{}", conv.assistant_turns, i),
+                if script.call_ids_per_answer {
+                    i.to_string()
+                } else {
+                    format!("{}_{}", conv.assistant_turns, i)
+                },
                 offered_name(&conv, &c.tool),
                 render_value(&c.arguments, &conv, call_index),
             )

@@ -3,16 +3,27 @@
 //! need approval ([`ApprovalPolicy`], whose [`ToolRule`]s may bound a numeric argument;
 //! [`ApprovalRules`], the definition's policy plus each tool server's from the operator's
 //! registry), the process variables that carry the question and the answer
-//! ([`ApprovalVariables`]), the request the worker completes with ([`approval_request`]), the
-//! decision it resumes with ([`read_decision`]), and the tool result a refusal becomes
-//! ([`refusal_result`]).
+//! ([`ApprovalVariables`]), the request the worker completes with ([`PendingRequest`],
+//! [`approval_request`], [`pending_marker`]), the decision it resumes with ([`read_decision`]),
+//! and the tool result a refusal becomes ([`refusal_result`]).
 //!
 //! The flow around it: when the model asks for a call that needs approval and no decision
-//! exists, the worker performs nothing, journals the pending call and completes the task with
-//! `agentStatus = "approval-required"` and the request; the process routes it to a user task; the
+//! exists, the worker performs nothing, journals the pending call with a new request (a random
+//! 128-bit `requestId` and the call's digest) and completes the task with
+//! `agentStatus = "approval-required"`, the request, and a pending marker in the decision
+//! variable (a decision preset there is gone). The process routes it to a user task; the
 //! person's decision comes back on a new task of the same node, whose run is found by its run
-//! key (`run_key`). Approved: the call is performed like any keyed write. Refused: the model
-//! reads a tool result saying who refused and why.
+//! key (`run_key`). A decision counts only when it names the request waiting now (issue 23):
+//! its `requestId` (never one consumed before), its `callId`, and, when it carries one, its
+//! digest; the call performed must still have the journaled digest. Approved: the call is
+//! performed like any keyed write. Refused: the model reads a tool result saying who refused
+//! and why. No decision at all: the same request is asked again; any other decision is an
+//! incident naming why, nothing performed.
+//!
+//! What the worker cannot know is who decided: `decidedBy` is whatever the process wrote, as
+//! trustworthy as the process's own variable writes (whoever may complete the user task, run a
+//! script or service task, or PATCH the instance's variables). The `requestId` proves only that
+//! the decision was written after the request, for that request, once.
 
 use std::cmp::Ordering;
 
@@ -290,9 +301,11 @@ pub struct ApprovalVariables {
     /// `"approval-required"` or `"done"`; the gateway routes on it. Always written, because the
     /// engine keeps a stale value from the last completion.
     pub status: String,
-    /// The question for the person: `{callId, server, tool, arguments, summary, runKey}`.
+    /// The question for the person: `{requestId, callId, server, tool, arguments, callDigest,
+    /// summary, runKey}`.
     pub request: String,
-    /// The person's answer: `{callId, approved, comment, decidedBy}`.
+    /// The person's answer: `{requestId, callId, approved, comment, decidedBy}` (the worker
+    /// writes a pending marker `{status: "pending", requestId}` here when it stops).
     pub decision: String,
 }
 
@@ -321,42 +334,134 @@ pub struct NoWaitingPlace {
     pub agent: String,
 }
 
+/// A call put to a person, as journaled in its `approval/requested` step: the request the
+/// decision must answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PendingRequest {
+    pub call_id: String,
+    /// The task that stopped for it.
+    pub task_id: String,
+    /// [`new_request_id`]: what binds a decision to this request and no other. None only in a
+    /// request journaled by a worker before requestIds, which is put to a person again.
+    pub request_id: Option<String>,
+    /// [`call_digest`] of the call put to the person: the call performed must have it.
+    pub call_digest: Option<String>,
+}
+
+impl PendingRequest {
+    /// A new request for `call`, stopped for by task `task_id`, under a fresh requestId.
+    pub fn new(call: &ToolCall, task_id: &str) -> Self {
+        PendingRequest {
+            call_id: call.call_id.clone(),
+            task_id: task_id.to_string(),
+            request_id: Some(new_request_id()),
+            call_digest: Some(call_digest(call)),
+        }
+    }
+
+    /// Whether `call` is exactly the call that was put to the person (same server, tool and
+    /// arguments, by digest). A request without a digest (journaled before digests) holds no
+    /// content to compare: only its call id is.
+    pub fn is_for(&self, call: &ToolCall) -> bool {
+        self.call_id == call.call_id
+            && self
+                .call_digest
+                .as_ref()
+                .is_none_or(|d| *d == call_digest(call))
+    }
+}
+
+/// A request's id: 128 bits from the thread's CSPRNG (ChaCha, seeded from the OS), in hex. It is
+/// in the request variable for the user task to copy into the decision; nobody can write a
+/// decision for a request before it exists, and each answers one request once.
+pub fn new_request_id() -> String {
+    let bytes: [u8; 16] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `sha256:` and the hex SHA-256 of the call's canonical content (server, tool, arguments; object
+/// keys sorted at every level, compact): what binds a decision to one exact call.
+pub fn call_digest(call: &ToolCall) -> String {
+    use sha2::{Digest, Sha256};
+    let content = super::journal::canonical(
+        &json!({"server": call.server, "tool": call.tool, "arguments": call.arguments}),
+    );
+    let digest = Sha256::digest(content.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex}")
+}
+
 /// The value of the request variable: what a person needs to decide. `summary` is the model's
-/// own text of the turn that asked for the call.
-pub fn approval_request(call: &ToolCall, summary: Option<&str>, run_key: &str) -> Value {
+/// own text of the turn that asked for the call; `requestId` must be copied into the decision.
+pub fn approval_request(
+    call: &ToolCall,
+    request: &PendingRequest,
+    summary: Option<&str>,
+    run_key: &str,
+) -> Value {
     json!({
+        "requestId": request.request_id,
         "callId": call.call_id,
         "server": call.server,
         "tool": call.tool,
         "arguments": call.arguments,
+        "callDigest": request.call_digest,
         "summary": summary.unwrap_or_default(),
         "runKey": run_key,
     })
 }
 
-/// A person's decision on one pending call (also its journal step's data).
+/// `status` of the [`pending_marker`].
+pub const PENDING: &str = "pending";
+
+/// What the worker writes into the decision variable when it stops: whatever the variable held
+/// before (a decision preset at the process's start, left over from an earlier request, written
+/// by a script) is gone before anyone could use it, and the marker itself decides nothing.
+pub fn pending_marker(request: &PendingRequest) -> Value {
+    json!({"status": PENDING, "requestId": request.request_id})
+}
+
+/// A person's decision on one pending call (also its journal step's data: the journaled
+/// `requestId` is consumed).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Decision {
+    /// Empty only in a decision journaled by a worker before requestIds.
+    #[serde(default)]
+    pub request_id: String,
     pub call_id: String,
     pub approved: bool,
     #[serde(default)]
     pub comment: Option<String>,
+    /// As the process wrote it: the worker cannot verify who decided.
     pub decided_by: String,
 }
 
-/// A decision that cannot be used: the task becomes an incident naming the variable, so an
-/// operator can fix the variable and retry.
+/// A decision that performs nothing. [`DecisionError::asks_again`] says which stop again with
+/// the same request (nobody decided); every other is an incident naming why, the request still
+/// open, for an operator to look at (a form that does not copy `requestId`, or a forgery).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DecisionError {
     #[error(
-        "call {call_id} waits for approval, but the process variable {variable:?} is missing; the user task must set {variable} = {{callId, approved, comment, decidedBy}}"
+        "call {call_id} waits for approval, but the process variable {variable:?} holds no decision (it is missing, or still the worker's pending marker); the request is put to a person again"
     )]
-    Missing { variable: String, call_id: String },
+    Undecided { variable: String, call_id: String },
     #[error(
-        "the process variable {variable:?} is malformed: {reason}; expected {{\"callId\": string, \"approved\": true|false, \"comment\": string or null, \"decidedBy\": string}}"
+        "the process variable {variable:?} is malformed: {reason}; expected {{\"requestId\": the request's requestId, \"callId\": string, \"approved\": true|false, \"comment\": string or null, \"decidedBy\": string}}; nothing was performed"
     )]
     Malformed { variable: String, reason: String },
+    #[error(
+        "the process variable {variable:?} decides call {call_id:?} without a requestId: it answers no request (preset, forged, or written by a form that does not copy agentApprovalRequest.requestId); nothing was performed. The decision must carry the requestId of the request it answers"
+    )]
+    NoRequestId { variable: String, call_id: String },
+    #[error(
+        "the process variable {variable:?} names a request already decided and acted on (a replayed or left-over decision); nothing was performed. Decide the request waiting now, copying its requestId"
+    )]
+    Consumed { variable: String },
+    #[error(
+        "the process variable {variable:?} names another request than the one waiting (stale or forged); nothing was performed. Decide the request waiting now, copying its requestId"
+    )]
+    OtherRequest { variable: String },
     #[error(
         "the process variable {variable:?} decides call {found:?}, but the call waiting for approval is {expected:?}; nothing was performed"
     )]
@@ -365,30 +470,50 @@ pub enum DecisionError {
         expected: String,
         found: String,
     },
+    #[error(
+        "the process variable {variable:?} carries a callDigest that is not the waiting call's: the decision was taken on other arguments; nothing was performed"
+    )]
+    OtherContent { variable: String },
 }
 
-/// The decision on `pending_call_id` in `variables[name]`, validated.
+impl DecisionError {
+    /// Nobody decided: the worker stops again with the same request (same requestId), and the
+    /// process returns to the user task. Every other error is an incident.
+    pub fn asks_again(&self) -> bool {
+        matches!(self, DecisionError::Undecided { .. })
+    }
+}
+
+/// The decision on `pending` in `variables[name]`, validated: it must name the request's
+/// `requestId` (never one in `consumed`), its `callId`, and, when it carries a `callDigest`, the
+/// request's.
 pub fn read_decision(
     variables: &Map<String, Value>,
     name: &str,
-    pending_call_id: &str,
+    pending: &PendingRequest,
+    consumed: &[String],
 ) -> Result<Decision, DecisionError> {
     let malformed = |reason: String| DecisionError::Malformed {
         variable: name.to_string(),
         reason,
     };
+    let undecided = || DecisionError::Undecided {
+        variable: name.to_string(),
+        call_id: pending.call_id.clone(),
+    };
     let value = match variables.get(name) {
-        None | Some(Value::Null) => {
-            return Err(DecisionError::Missing {
-                variable: name.to_string(),
-                call_id: pending_call_id.to_string(),
-            });
-        }
+        None | Some(Value::Null) => return Err(undecided()),
         Some(v) => v,
     };
     let object = value
         .as_object()
         .ok_or_else(|| malformed(format!("it is {}, not an object", kind(value))))?;
+    // The worker's own marker (whatever requestId it names) decides nothing.
+    if object.get("status").and_then(Value::as_str) == Some(PENDING)
+        && !object.contains_key("approved")
+    {
+        return Err(undecided());
+    }
     let text = |field: &str, max: usize, required: bool| -> Result<Option<String>, DecisionError> {
         match object.get(field) {
             None | Some(Value::Null) if !required => Ok(None),
@@ -420,14 +545,40 @@ pub fn read_decision(
     };
     let comment = text("comment", MAX_COMMENT_CHARS, false)?;
     let decided_by = text("decidedBy", MAX_NAME_CHARS, true)?.unwrap_or_default();
-    if call_id != pending_call_id {
+    let request_id = match text("requestId", MAX_NAME_CHARS, false)? {
+        Some(id) if !id.trim().is_empty() => id,
+        _ => {
+            return Err(DecisionError::NoRequestId {
+                variable: name.to_string(),
+                call_id,
+            });
+        }
+    };
+    let digest = text("callDigest", MAX_NAME_CHARS, false)?;
+    if consumed.contains(&request_id) {
+        return Err(DecisionError::Consumed {
+            variable: name.to_string(),
+        });
+    }
+    if pending.request_id.as_deref() != Some(request_id.as_str()) {
+        return Err(DecisionError::OtherRequest {
+            variable: name.to_string(),
+        });
+    }
+    if call_id != pending.call_id {
         return Err(DecisionError::OtherCall {
             variable: name.to_string(),
-            expected: pending_call_id.to_string(),
+            expected: pending.call_id.clone(),
             found: call_id,
         });
     }
+    if digest.is_some_and(|d| pending.call_digest.as_deref() != Some(d.as_str())) {
+        return Err(DecisionError::OtherContent {
+            variable: name.to_string(),
+        });
+    }
     Ok(Decision {
+        request_id,
         call_id,
         approved,
         comment: comment.filter(|c| !c.trim().is_empty()),
@@ -739,86 +890,242 @@ mod tests {
         );
     }
 
+    fn refund_call(amount: u64) -> ToolCall {
+        ToolCall {
+            call_id: "call_0".into(),
+            server: "orders".into(),
+            tool: "issue_refund".into(),
+            arguments: json!({"orderId": "o-1", "amountCents": amount}),
+        }
+    }
+
+    /// A request for `refund_call(42)` with a fixed requestId.
+    fn waiting() -> PendingRequest {
+        PendingRequest {
+            request_id: Some("r-waiting".into()),
+            ..PendingRequest::new(&refund_call(42), "t-1")
+        }
+    }
+
+    fn decision_of(request_id: &str, call_id: &str) -> Value {
+        json!({"requestId": request_id, "callId": call_id, "approved": true, "comment": "ok", "decidedBy": "alice"})
+    }
+
+    fn read(value: Value, consumed: &[&str]) -> Result<Decision, DecisionError> {
+        let consumed: Vec<String> = consumed.iter().map(|c| c.to_string()).collect();
+        read_decision(
+            &vars(json!({"agentApproval": value})),
+            "agentApproval",
+            &waiting(),
+            &consumed,
+        )
+    }
+
     #[test]
     fn a_valid_decision_is_read() {
-        let v = vars(
-            json!({"agentApproval": {"callId": "call_1", "approved": false, "comment": "over the limit", "decidedBy": "alice"}}),
-        );
+        let v = json!({"requestId": "r-waiting", "callId": "call_0", "approved": false, "comment": "over the limit", "decidedBy": "alice"});
         assert_eq!(
-            read_decision(&v, "agentApproval", "call_1"),
+            read(v, &["r-old"]),
             Ok(Decision {
-                call_id: "call_1".into(),
+                request_id: "r-waiting".into(),
+                call_id: "call_0".into(),
                 approved: false,
                 comment: Some("over the limit".into()),
                 decided_by: "alice".into(),
             })
         );
-        let v = vars(
-            json!({"ok": {"callId": "c", "approved": true, "comment": null, "decidedBy": "bob"}}),
-        );
-        let d = read_decision(&v, "ok", "c").unwrap();
+        let v = json!({"requestId": "r-waiting", "callId": "call_0", "approved": true, "comment": null, "decidedBy": "bob",
+                       "callDigest": call_digest(&refund_call(42))});
+        let d = read(v, &[]).unwrap();
         assert!(d.approved && d.comment.is_none());
     }
 
     #[test]
-    fn missing_malformed_and_foreign_decisions_name_the_variable() {
-        let missing = read_decision(&Map::new(), "agentApproval", "call_1").unwrap_err();
-        assert!(matches!(missing, DecisionError::Missing { .. }));
-        assert!(missing.to_string().contains("\"agentApproval\""));
-        let null = read_decision(&vars(json!({"agentApproval": null})), "agentApproval", "c");
-        assert!(matches!(null, Err(DecisionError::Missing { .. })));
+    fn request_ids_are_128_random_bits_and_digests_bind_the_exact_call() {
+        let ids: std::collections::HashSet<String> = (0..1000).map(|_| new_request_id()).collect();
+        assert_eq!(ids.len(), 1000);
+        for id in &ids {
+            assert_eq!(id.len(), 32, "16 bytes in hex: {id}");
+            assert!(id.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+        }
+        let a = PendingRequest::new(&refund_call(42), "t-1");
+        let b = PendingRequest::new(&refund_call(42), "t-1");
+        assert_ne!(a.request_id, b.request_id, "a new request, a new id");
+        assert_eq!(a.call_digest, b.call_digest);
+        let digest = call_digest(&refund_call(42));
+        assert!(
+            digest.starts_with("sha256:") && digest.len() == 7 + 64,
+            "{digest}"
+        );
+        // The spelling of the arguments does not matter, their content does.
+        let mut reordered = refund_call(42);
+        reordered.arguments =
+            serde_json::from_str(r#"{"amountCents": 42, "orderId": "o-1"}"#).unwrap();
+        assert_eq!(call_digest(&reordered), digest);
+        assert!(a.is_for(&reordered));
+        let mut other_server = refund_call(42);
+        other_server.server = "billing".into();
+        let mut other_tool = refund_call(42);
+        other_tool.tool = "issue_credit".into();
+        let mut other_id = refund_call(42);
+        other_id.call_id = "call_1".into();
+        for other in [refund_call(999_999), other_server, other_tool, other_id] {
+            assert!(!a.is_for(&other), "{other:?}");
+        }
+    }
 
+    #[test]
+    fn only_a_decision_naming_the_waiting_request_counts() {
+        // Nobody decided: asked again.
+        for undecided in [
+            Value::Null,
+            json!({"status": "pending", "requestId": "r-waiting"}),
+            json!({"status": "pending", "requestId": "r-other"}),
+            json!({"status": "pending"}),
+        ] {
+            let e = read(undecided.clone(), &[]).unwrap_err();
+            assert!(e.asks_again(), "{undecided}: {e}");
+            assert!(e.to_string().contains("\"agentApproval\""), "{e}");
+        }
+        let missing = read_decision(&Map::new(), "agentApproval", &waiting(), &[]).unwrap_err();
+        assert!(missing.asks_again());
+        // Preset or forged with the right (predictable) callId, but no requestId.
+        let mut forged = decision_of("x", "call_0");
+        forged.as_object_mut().unwrap().remove("requestId");
+        let e = read(forged, &[]).unwrap_err();
+        assert!(matches!(e, DecisionError::NoRequestId { .. }), "{e}");
+        assert!(!e.asks_again());
+        assert!(e.to_string().contains("nothing was performed"), "{e}");
+        for blank in ["", " "] {
+            let e = read(decision_of(blank, "call_0"), &[]).unwrap_err();
+            assert!(matches!(e, DecisionError::NoRequestId { .. }), "{e}");
+        }
+        // Left over from an earlier request of the run, or replayed: consumed.
+        let e = read(decision_of("r-old", "call_0"), &["r-old"]).unwrap_err();
+        assert_eq!(
+            e,
+            DecisionError::Consumed {
+                variable: "agentApproval".into()
+            }
+        );
+        // Stale or forged: another id.
+        let e = read(decision_of("r-guess", "call_0"), &["r-old"]).unwrap_err();
+        assert!(matches!(e, DecisionError::OtherRequest { .. }), "{e}");
+        // The right request but another call.
+        let e = read(decision_of("r-waiting", "call_9"), &[]).unwrap_err();
+        assert!(matches!(e, DecisionError::OtherCall { .. }), "{e}");
+        // The right request, taken on other arguments (the digest of a refund of 999999).
+        let mut other = decision_of("r-waiting", "call_0");
+        other["callDigest"] = json!(call_digest(&refund_call(999_999)));
+        let e = read(other, &[]).unwrap_err();
+        assert_eq!(
+            e,
+            DecisionError::OtherContent {
+                variable: "agentApproval".into()
+            }
+        );
+        for e in [
+            DecisionError::NoRequestId {
+                variable: "v".into(),
+                call_id: "c".into(),
+            },
+            DecisionError::Consumed {
+                variable: "v".into(),
+            },
+            DecisionError::OtherRequest {
+                variable: "v".into(),
+            },
+            DecisionError::OtherContent {
+                variable: "v".into(),
+            },
+        ] {
+            assert!(!e.asks_again());
+            let text = e.to_string();
+            assert!(
+                !text.contains("r-waiting"),
+                "the waiting id is not echoed: {text}"
+            );
+        }
+        // A request journaled before requestIds matches no decision at all.
+        let legacy = PendingRequest {
+            request_id: None,
+            ..waiting()
+        };
+        let e = read_decision(
+            &vars(json!({"d": decision_of("r-waiting", "call_0")})),
+            "d",
+            &legacy,
+            &[],
+        )
+        .unwrap_err();
+        assert!(matches!(e, DecisionError::OtherRequest { .. }), "{e}");
+    }
+
+    #[test]
+    fn malformed_decisions_name_the_variable() {
         let cases = [
             (json!("yes"), "it is a string"),
             (
-                json!({"approved": true, "decidedBy": "a"}),
+                json!({"requestId": "r-waiting", "approved": true, "decidedBy": "a"}),
                 "callId is missing",
             ),
             (
-                json!({"callId": "c", "decidedBy": "a"}),
+                json!({"requestId": "r-waiting", "callId": "c", "decidedBy": "a"}),
                 "approved is missing",
             ),
             (
-                json!({"callId": "c", "approved": "true", "decidedBy": "a"}),
+                json!({"status": "pending", "requestId": "r-waiting", "approved": null, "callId": "c", "decidedBy": "a"}),
+                "approved is missing",
+            ),
+            (
+                json!({"requestId": "r-waiting", "callId": "c", "approved": "true", "decidedBy": "a"}),
                 "approved is a string",
             ),
             (
-                json!({"callId": "c", "approved": true}),
+                json!({"requestId": "r-waiting", "callId": "c", "approved": true}),
                 "decidedBy is missing",
             ),
             (
-                json!({"callId": "c", "approved": true, "decidedBy": " "}),
+                json!({"requestId": "r-waiting", "callId": "c", "approved": true, "decidedBy": " "}),
                 "decidedBy is a string",
             ),
             (
-                json!({"callId": "c", "approved": true, "decidedBy": "a", "comment": 7}),
+                json!({"requestId": "r-waiting", "callId": "c", "approved": true, "decidedBy": "a", "comment": 7}),
                 "comment is a number",
             ),
             (
-                json!({"callId": "c", "approved": true, "decidedBy": "a", "comment": "x".repeat(5000)}),
+                json!({"requestId": 7, "callId": "c", "approved": true, "decidedBy": "a"}),
+                "requestId is a number",
+            ),
+            (
+                json!({"requestId": "x".repeat(300), "callId": "c", "approved": true, "decidedBy": "a"}),
+                "requestId is longer than 256",
+            ),
+            (
+                json!({"requestId": "r-waiting", "callId": "c", "approved": true, "decidedBy": "a", "comment": "x".repeat(5000)}),
                 "comment is longer than 4096",
             ),
         ];
         for (value, reason) in cases {
-            let e = read_decision(&vars(json!({"d": value})), "d", "c").unwrap_err();
+            let e = read_decision(&vars(json!({"d": value})), "d", &waiting(), &[]).unwrap_err();
             assert!(matches!(e, DecisionError::Malformed { .. }), "{e}");
             let text = e.to_string();
             assert!(text.contains("\"d\"") && text.contains(reason), "{text}");
             assert!(!text.contains("xxxxxxxx"), "the value is never echoed");
         }
-
         let other = read_decision(
-            &vars(json!({"d": {"callId": "call_0", "approved": true, "decidedBy": "a"}})),
+            &vars(json!({"d": {"requestId": "r-waiting", "callId": "call_7", "approved": true, "decidedBy": "a"}})),
             "d",
-            "call_1",
+            &waiting(),
+            &[],
         )
         .unwrap_err();
         assert_eq!(
             other,
             DecisionError::OtherCall {
                 variable: "d".into(),
-                expected: "call_1".into(),
-                found: "call_0".into()
+                expected: "call_0".into(),
+                found: "call_7".into()
             }
         );
     }
@@ -831,19 +1138,31 @@ mod tests {
             tool: "refund".into(),
             arguments: json!({"orderId": "o-77", "amount": 900}),
         };
+        let request = PendingRequest {
+            request_id: Some("0123456789abcdef0123456789abcdef".into()),
+            ..PendingRequest::new(&call, "t-1")
+        };
+        let digest = call_digest(&call);
         assert_eq!(
             approval_request(
                 &call,
+                &request,
                 Some("Refunding 900 EUR needs approval."),
                 "pi-1/refundAgent"
             ),
-            json!({"callId": "call_1", "server": "orders", "tool": "refund",
-                   "arguments": {"orderId": "o-77", "amount": 900},
+            json!({"requestId": "0123456789abcdef0123456789abcdef",
+                   "callId": "call_1", "server": "orders", "tool": "refund",
+                   "arguments": {"orderId": "o-77", "amount": 900}, "callDigest": digest,
                    "summary": "Refunding 900 EUR needs approval.", "runKey": "pi-1/refundAgent"})
+        );
+        assert_eq!(
+            pending_marker(&request),
+            json!({"status": "pending", "requestId": "0123456789abcdef0123456789abcdef"})
         );
         let refused = refusal_result(
             &call,
             &Decision {
+                request_id: "r".into(),
                 call_id: "call_1".into(),
                 approved: false,
                 comment: Some("order older than 90 days".into()),

@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::approval::Decision;
+use super::approval::{Decision, PendingRequest};
 use super::definition::AgentDefinition;
 use super::limits::Spent;
 use crate::conversation::{AssistantMessage, Message, ToolCall, ToolResult, Usage};
@@ -49,7 +49,7 @@ pub fn content_key(task_id: &str, server: &str, tool: &str, arguments: &Value, n
 }
 
 /// Compact JSON with object keys sorted at every level, whatever order the map kept.
-fn canonical(value: &Value) -> String {
+pub(crate) fn canonical(value: &Value) -> String {
     match value {
         Value::Object(map) => {
             let mut keys: Vec<&String> = map.keys().collect();
@@ -159,21 +159,28 @@ pub fn tool_finished_step(
     }
 }
 
-/// The call `call` waits for a person's decision; `task_id` is the task that stopped for it (a
-/// redelivery of that same task only repeats the request, any other task must carry the
+/// The call waits for a person's decision under `request` (its random `requestId` and the
+/// digest binding server, tool and arguments); `request.task_id` is the task that stopped for it
+/// (a redelivery of that same task only repeats the request, any other task must carry the
 /// decision).
-pub fn approval_requested_step(seq: u64, call: &ToolCall, task_id: &str) -> JournalStep {
+pub fn approval_requested_step(seq: u64, request: &PendingRequest) -> JournalStep {
     JournalStep {
         seq,
         kind: KIND_APPROVAL.into(),
         state: STATE_REQUESTED.into(),
         key: None,
-        data: json!({"callId": call.call_id, "taskId": task_id}),
+        data: json!({
+            "callId": request.call_id,
+            "taskId": request.task_id,
+            "requestId": request.request_id,
+            "callDigest": request.call_digest,
+        }),
     }
 }
 
 /// A person's decision on the waiting call, journaled before it is acted on, so a crash between
-/// the decision and the write performs the write (keyed) or the refusal on the next attempt.
+/// the decision and the write performs the write (keyed) or the refusal on the next attempt. Its
+/// `requestId` is consumed: no later decision naming it performs anything.
 pub fn approval_decided_step(seq: u64, decision: &Decision) -> JournalStep {
     JournalStep {
         seq,
@@ -187,19 +194,21 @@ pub fn approval_decided_step(seq: u64, decision: &Decision) -> JournalStep {
 /// Where the first pending call stands with a person.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ApprovalState {
-    /// Put to a person by task `task_id`; no decision yet.
-    Requested {
-        call_id: String,
-        task_id: String,
+    /// Put to a person; no decision yet. A request journaled by a worker before requestIds
+    /// (issue 23) has none: it is put to a person again under a new one.
+    Requested(PendingRequest),
+    /// Decided on `request`.
+    Decided {
+        request: PendingRequest,
+        decision: Decision,
     },
-    Decided(Decision),
 }
 
 impl ApprovalState {
     pub fn call_id(&self) -> &str {
         match self {
-            ApprovalState::Requested { call_id, .. } => call_id,
-            ApprovalState::Decided(d) => &d.call_id,
+            ApprovalState::Requested(r) => &r.call_id,
+            ApprovalState::Decided { request, .. } => &request.call_id,
         }
     }
 }
@@ -247,6 +256,9 @@ pub struct Replayed {
     /// The definition the run started with, when it was read from the BPMN
     /// (`agent::bpmn::journal_snapshot`): a resumed run keeps it across redeployments.
     pub definition: Option<Value>,
+    /// The `requestId` of every decision journaled in this run, in order: each answered its
+    /// request once, and a decision naming one again performs nothing.
+    pub consumed_requests: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -398,6 +410,11 @@ impl Replayed {
             }
             (KIND_APPROVAL, state @ (STATE_REQUESTED | STATE_DECIDED)) => {
                 let next = self.approval_step(state, &step.data).map_err(err)?;
+                if let ApprovalState::Decided { decision, .. } = &next
+                    && !decision.request_id.is_empty()
+                {
+                    self.consumed_requests.push(decision.request_id.clone());
+                }
                 self.approval = Some(next);
             }
             (kind, state) => {
@@ -424,21 +441,42 @@ impl Replayed {
                 first.call.call_id
             ));
         }
+        // A request without a requestId (journaled by an older worker) is superseded by one
+        // with it: the decision must answer a request nobody could have guessed.
+        let may_request = match &self.approval {
+            None => true,
+            Some(ApprovalState::Requested(r)) => r.request_id.is_none(),
+            Some(ApprovalState::Decided { .. }) => false,
+        };
         match (state, &self.approval) {
-            (STATE_REQUESTED, None) => {
-                let task_id = data
-                    .get("taskId")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default();
-                Ok(ApprovalState::Requested {
+            (STATE_REQUESTED, _) if may_request => {
+                let text = |field: &str| {
+                    data.get(field)
+                        .and_then(Value::as_str)
+                        .filter(|s| !s.is_empty())
+                        .map(str::to_string)
+                };
+                Ok(ApprovalState::Requested(PendingRequest {
                     call_id: call_id.to_string(),
-                    task_id: task_id.to_string(),
-                })
+                    task_id: text("taskId").unwrap_or_default(),
+                    request_id: text("requestId"),
+                    call_digest: text("callDigest"),
+                }))
             }
-            (STATE_DECIDED, Some(ApprovalState::Requested { .. })) => {
-                serde_json::from_value(data.clone())
-                    .map(ApprovalState::Decided)
-                    .map_err(|e| format!("approval decision data: {e}"))
+            (STATE_DECIDED, Some(ApprovalState::Requested(request))) => {
+                let decision: Decision = serde_json::from_value(data.clone())
+                    .map_err(|e| format!("approval decision data: {e}"))?;
+                if let Some(asked) = &request.request_id
+                    && *asked != decision.request_id
+                {
+                    return Err(format!(
+                        "the decision on call {call_id} answers another request than the one journaled"
+                    ));
+                }
+                Ok(ApprovalState::Decided {
+                    request: request.clone(),
+                    decision,
+                })
             }
             (state, _) => Err(format!(
                 "an approval step {state} out of order for call {call_id}"
@@ -617,6 +655,7 @@ mod tests {
     #[test]
     fn approval_steps_replay_in_order_and_out_of_order_ones_are_refused() {
         let refund = call("c2", "issue_refund");
+        let request = PendingRequest::new(&refund, "t-1");
         let steps = vec![
             input_step(1, "sys", "o-1"),
             model_step(
@@ -626,17 +665,19 @@ mod tests {
                 Usage::default(),
                 "tool_use",
             ),
-            approval_requested_step(3, &refund, "t-1"),
+            approval_requested_step(3, &request),
         ];
-        let r = Replayed::from_steps(&steps).unwrap();
+        let v = serde_json::to_value(&steps[2]).unwrap();
+        assert_eq!(v["data"]["requestId"], json!(request.request_id));
         assert_eq!(
-            r.approval,
-            Some(ApprovalState::Requested {
-                call_id: "c2".into(),
-                task_id: "t-1".into()
-            })
+            v["data"]["callDigest"],
+            json!(crate::agent::approval::call_digest(&refund))
         );
+        let r = Replayed::from_steps(&steps).unwrap();
+        assert_eq!(r.approval, Some(ApprovalState::Requested(request.clone())));
+        assert!(r.consumed_requests.is_empty());
         let decision = Decision {
+            request_id: request.request_id.clone().unwrap(),
             call_id: "c2".into(),
             approved: false,
             comment: Some("no".into()),
@@ -644,26 +685,93 @@ mod tests {
         };
         let mut decided = steps.clone();
         decided.push(approval_decided_step(4, &decision));
+        let v = serde_json::to_value(&decided[3]).unwrap();
+        assert_eq!(
+            v["data"]["requestId"],
+            json!(request.request_id),
+            "the consumption is journaled"
+        );
         let r = Replayed::from_steps(&decided).unwrap();
-        assert_eq!(r.approval, Some(ApprovalState::Decided(decision.clone())));
+        assert_eq!(
+            r.approval,
+            Some(ApprovalState::Decided {
+                request: request.clone(),
+                decision: decision.clone()
+            })
+        );
+        assert_eq!(r.consumed_requests, vec![decision.request_id.clone()]);
         assert_eq!(r.pending.len(), 1, "the call still waits for its result");
-        // Its result ends the approval; a decision without a request, or twice, is refused.
+        // Its result ends the approval, not the consumption; a decision without a request, or
+        // twice, is refused.
         decided.push(tool_finished_step(5, None, &refund, &ok_result("refused")));
         let r = Replayed::from_steps(&decided).unwrap();
         assert_eq!((r.approval, r.pending.len()), (None, 0));
+        assert_eq!(r.consumed_requests, vec![decision.request_id.clone()]);
         let mut early = steps[..2].to_vec();
         early.push(approval_decided_step(3, &decision));
         assert!(Replayed::from_steps(&early).is_err());
         let mut twice = steps.clone();
-        twice.push(approval_requested_step(4, &refund, "t-1"));
+        twice.push(approval_requested_step(4, &request));
         assert!(Replayed::from_steps(&twice).is_err());
         let mut other = steps[..2].to_vec();
         other.push(approval_requested_step(
             3,
-            &call("c9", "issue_refund"),
-            "t-1",
+            &PendingRequest::new(&call("c9", "issue_refund"), "t-1"),
         ));
         assert!(Replayed::from_steps(&other).is_err());
+        // A decided step answering another request than the journaled one is refused.
+        let mut foreign = steps.clone();
+        foreign.push(approval_decided_step(
+            4,
+            &Decision {
+                request_id: "another".into(),
+                ..decision.clone()
+            },
+        ));
+        let e = Replayed::from_steps(&foreign).unwrap_err();
+        assert!(e.reason.contains("another request"), "{e}");
+    }
+
+    /// A run waiting at the upgrade: its request (journaled by a worker before requestIds) has
+    /// no id and no digest; a new request with them supersedes it, and only that one can be
+    /// decided.
+    #[test]
+    fn a_request_without_a_request_id_is_superseded_by_one_with_it() {
+        let refund = call("c2", "issue_refund");
+        let mut legacy = approval_requested_step(3, &PendingRequest::new(&refund, "t-1"));
+        legacy.data = json!({"callId": "c2", "taskId": "t-1"});
+        let steps = vec![
+            input_step(1, "sys", "o-1"),
+            model_step(
+                2,
+                "p/m",
+                &answer(vec![refund.clone()], None),
+                Usage::default(),
+                "tool_use",
+            ),
+            legacy,
+        ];
+        let r = Replayed::from_steps(&steps).unwrap();
+        assert!(
+            matches!(&r.approval, Some(ApprovalState::Requested(p)) if p.request_id.is_none() && p.call_digest.is_none())
+        );
+        let fresh = PendingRequest::new(&refund, "t-2");
+        let mut again = steps.clone();
+        again.push(approval_requested_step(4, &fresh));
+        let r = Replayed::from_steps(&again).unwrap();
+        assert_eq!(r.approval, Some(ApprovalState::Requested(fresh.clone())));
+        // A decision journaled by an older worker (no requestId) still replays.
+        let mut old_decision = steps.clone();
+        old_decision.push(JournalStep {
+            seq: 4,
+            kind: KIND_APPROVAL.into(),
+            state: STATE_DECIDED.into(),
+            key: None,
+            data: json!({"callId": "c2", "approved": true, "decidedBy": "dana"}),
+        });
+        let r = Replayed::from_steps(&old_decision).unwrap();
+        assert!(matches!(r.approval, Some(ApprovalState::Decided { .. })));
+        assert!(r.consumed_requests.is_empty());
     }
 
     #[test]

@@ -576,12 +576,16 @@ impl<'a> Attempt<'a> {
     }
 
     /// Whether the first pending call may run now. A call that needs a person's approval
-    /// (`agent::approval`) and has no decision is journaled as requested and the task completes
-    /// asking for it; a redelivery of that same task asks again (no model call, nothing
-    /// performed); any other task of the run must carry the decision, which is journaled before
-    /// it is acted on. Approved: `true`, and the call runs as a keyed write. Refused: the model
-    /// reads who refused it and why (`false`: nothing performed). A call already started (its
-    /// key journaled) was approved before and only finishes.
+    /// (`agent::approval`) and has no decision is journaled as requested (a new `requestId`
+    /// and the call's digest) and the task completes asking for it; a redelivery of that same
+    /// task asks again (no model call, nothing performed); any other task of the run must carry
+    /// the decision on that request, which is journaled (its `requestId` consumed) before it is
+    /// acted on. No decision at all: the same request is asked again. A decision on another
+    /// request, a consumed one, another call or other content, or a call that is no longer the
+    /// one put to the person: an incident, nothing performed. Approved: `true`, and the call
+    /// runs as a keyed write, its digest checked once more. Refused: the model reads who refused
+    /// it and why (`false`: nothing performed). A call already started (its key journaled) was
+    /// approved before and only finishes.
     async fn approval_gate(&mut self, next: &PendingCall) -> Step<bool> {
         if next.started_key.is_some()
             || !self.approval.may_stop()
@@ -604,11 +608,13 @@ impl<'a> Attempt<'a> {
             }
         }
         match self.state.approval.clone() {
-            Some(ApprovalState::Decided(d)) if d.approved => {
+            Some(ApprovalState::Decided { request, decision }) if decision.approved => {
+                // Checked again before performing: the call sent is the one put to the person.
+                self.same_call_as_requested(call, &request)?;
                 tracing::info!(call_id = %call.call_id, "the call was approved; performing it");
                 Ok(true)
             }
-            Some(ApprovalState::Decided(d)) => {
+            Some(ApprovalState::Decided { decision, .. }) => {
                 tracing::info!(call_id = %call.call_id, "the call was refused; the model is told");
                 // The refused call still has its `execute_tool` span: the model asked for it.
                 let span = spans::execute_tool(&spans::ToolSpan {
@@ -617,23 +623,44 @@ impl<'a> Attempt<'a> {
                     call_id: &call.call_id,
                 });
                 let finished = self
-                    .finish_tool(&span, call, None, approval::refusal_result(call, &d))
+                    .finish_tool(&span, call, None, approval::refusal_result(call, &decision))
                     .instrument(span.clone())
                     .await;
                 spans::record_tool_end(&span, Some("refused"), finished.is_err());
                 finished?;
                 Ok(false)
             }
-            Some(ApprovalState::Requested { task_id, .. }) if task_id == self.task.id => {
-                Err(self.stop_for_approval(call))
+            // Journaled by a worker before requestIds: nothing could bind a decision to it, so
+            // it is put to a person again under a new request.
+            Some(ApprovalState::Requested(request)) if request.request_id.is_none() => {
+                Err(self.request_approval(call).await?)
             }
-            Some(ApprovalState::Requested { .. }) => {
-                let decision = approval::read_decision(
+            Some(ApprovalState::Requested(request)) if request.task_id == self.task.id => {
+                Err(self.stop_for_approval(call, &request))
+            }
+            Some(ApprovalState::Requested(request)) => {
+                self.same_call_as_requested(call, &request)?;
+                let read = approval::read_decision(
                     &self.task.variables,
                     &self.def.approval_variables.decision,
-                    &call.call_id,
-                )
-                .map_err(|e| incident("the approval decision cannot be used", e.to_string()))?;
+                    &request,
+                    &self.state.consumed_requests,
+                );
+                let decision = match read {
+                    Ok(d) => d,
+                    Err(e) if e.asks_again() => {
+                        tracing::info!(call_id = %call.call_id, "{e}");
+                        self.rt.metrics.count_approval("requested_again");
+                        return Err(self.stop_for_approval(call, &request));
+                    }
+                    Err(e) => {
+                        self.rt.metrics.count_approval("unusable");
+                        return Err(incident(
+                            "the approval decision cannot be used",
+                            e.to_string(),
+                        ));
+                    }
+                };
                 let seq = self.state.next_seq;
                 self.journal(journal::approval_decided_step(seq, &decision))
                     .await?;
@@ -644,19 +671,46 @@ impl<'a> Attempt<'a> {
                 });
                 Ok(false)
             }
-            None => {
-                let seq = self.state.next_seq;
-                self.journal(journal::approval_requested_step(seq, call, &self.task.id))
-                    .await?;
-                self.rt.metrics.count_approval("requested");
-                Err(self.stop_for_approval(call))
-            }
+            None => Err(self.request_approval(call).await?),
         }
     }
 
-    /// Completes the task asking a person about `call`: the status and the request variables,
-    /// `summary` the model's own text of the turn that asked for it.
-    fn stop_for_approval(&mut self, call: &crate::conversation::ToolCall) -> Outcome {
+    /// Puts `call` to a person under a new request (a fresh requestId and the call's digest),
+    /// journaled before the task completes asking for it.
+    async fn request_approval(&mut self, call: &ToolCall) -> Step<Outcome> {
+        let request = approval::PendingRequest::new(call, &self.task.id);
+        let seq = self.state.next_seq;
+        self.journal(journal::approval_requested_step(seq, &request))
+            .await?;
+        self.rt.metrics.count_approval("requested");
+        Ok(self.stop_for_approval(call, &request))
+    }
+
+    /// The call waiting is exactly the one put to the person (server, tool and arguments, by
+    /// the digest journaled with the request); anything else performs nothing: an incident.
+    fn same_call_as_requested(&self, call: &ToolCall, request: &approval::PendingRequest) -> Step {
+        if request.is_for(call) {
+            return Ok(());
+        }
+        self.rt.metrics.count_approval("unusable");
+        Err(incident(
+            "the approval decision cannot be used",
+            format!(
+                "the call {} waiting in the run store is not the call put to the person (its server, tool or arguments differ from the digest journaled with the request); nothing was performed",
+                call.call_id
+            ),
+        ))
+    }
+
+    /// Completes the task asking a person about `call` under `request`: the status and the
+    /// request variables, `summary` the model's own text of the turn that asked for it, and the
+    /// decision variable overwritten with a pending marker (a decision preset or left over is
+    /// gone before anyone could use it).
+    fn stop_for_approval(
+        &mut self,
+        call: &ToolCall,
+        request: &approval::PendingRequest,
+    ) -> Outcome {
         self.waiting_for_approval = true;
         let summary = self.state.messages.iter().rev().find_map(|m| match m {
             crate::conversation::Message::Assistant(a) => Some(a.text.clone().unwrap_or_default()),
@@ -676,8 +730,9 @@ impl<'a> Attempt<'a> {
         );
         variables.insert(
             names.request.clone(),
-            approval::approval_request(call, summary.as_deref(), &run_key),
+            approval::approval_request(call, request, summary.as_deref(), &run_key),
         );
+        variables.insert(names.decision.clone(), approval::pending_marker(request));
         Outcome::Complete { variables }
     }
 
@@ -933,7 +988,8 @@ impl<'a> Attempt<'a> {
         // claims: nothing but the journal stands between the decision and sending it again.
         let approved = matches!(
             &self.state.approval,
-            Some(ApprovalState::Decided(d)) if d.approved && d.call_id == call.call_id
+            Some(ApprovalState::Decided { decision, .. })
+                if decision.approved && decision.call_id == call.call_id
         );
         let read_only =
             spec.is_some_and(|s| !s.is_write()) && !approved && pending.started_key.is_none();

@@ -6,6 +6,9 @@
 //! gateway goes straight to the end); one over it is approved by a named person in the user task
 //! "Approve refund" and applied once, with no model call before the stop paid again; one over it
 //! is refused, and the model explains the refusal to the customer; that write is never performed.
+//! A fourth is "decided" by someone who copies the public `callId` but not the request's
+//! `requestId` (a forged decision, issue 23): the task becomes an incident and nothing is
+//! performed.
 
 use std::time::Duration;
 
@@ -130,6 +133,11 @@ async fn scenario(
         "the customer was already refunded for this order",
     )
     .await?;
+    let fourth = Refund {
+        order: "o-2003",
+        amount_cents: 30_000,
+    };
+    let forged = forged_path(stack, &mut tl, &mut crew, &fourth).await?;
     let workers = crew.stop().await;
 
     let mut checks = Vec::new();
@@ -192,6 +200,20 @@ async fn scenario(
             && a.request["runKey"] == format!("process/{}/refundAgent", a.instance).as_str(),
         format!("request {}", a.request),
     ));
+    let request_id = a.request["requestId"].as_str().unwrap_or_default();
+    checks.push(Check::new(
+        "approved: the request carried a fresh requestId (128 bits) and the call's digest; the decision named that requestId",
+        request_id.len() == 32
+            && request_id.bytes().all(|b| b.is_ascii_hexdigit())
+            && a.request["callDigest"]
+                .as_str()
+                .is_some_and(|d| d.starts_with("sha256:"))
+            && a.done.variables["agentApproval"]["requestId"] == request_id,
+        format!(
+            "requestId {request_id}, decision names {}",
+            a.done.variables["agentApproval"]["requestId"]
+        ),
+    ));
     let a_writes = writes(&a.order);
     checks.push(Check::new(
         "approved: the write was performed exactly once, keyed",
@@ -236,6 +258,22 @@ async fn scenario(
             r.done.variables["agentStatus"]
         ),
     ));
+    // Forged.
+    let f = &forged;
+    let f_writes = writes(&f.order);
+    let f_message = f.incident.error_message.clone().unwrap_or_default();
+    checks.push(Check::new(
+        "forged: a decision with the right callId but no requestId performed nothing (an incident saying why)",
+        f_writes.is_empty()
+            && f.incident.retries == Some(0)
+            && f_message.contains("without a requestId")
+            && f_message.contains("nothing was performed"),
+        format!(
+            "issue_refund calls for {}: {}; incident: {f_message}",
+            f.order,
+            f_writes.len()
+        ),
+    ));
     let counters = stack.tools.counters().await;
     checks.push(Check::new(
         "the tool server applied two refunds in all (under the threshold, approved)",
@@ -252,6 +290,8 @@ async fn scenario(
                      "writes": a_writes.len(), "result": a.done.variables["refundDecision"]},
         "refused": {"instance": r.instance, "request": r.request, "modelCalls": r_calls,
                     "writes": r_writes.len(), "result": r.done.variables["refundDecision"]},
+        "forged": {"instance": f.instance, "request": f.request, "writes": f_writes.len(),
+                   "incident": f_message},
         "store": store.redacted(),
         "writesApplied": counters.writes_applied,
     });
@@ -371,6 +411,52 @@ async fn at_once_path(
     })
 }
 
+/// Waits until `instance` waits in the user task, telling the request the agent stopped with.
+async fn wait_for_user_task(
+    stack: &Stack,
+    tl: &mut Timeline,
+    crew: &mut Crew,
+    instance: &str,
+) -> Result<ProcessInstanceView, DemoError> {
+    let id = instance.to_string();
+    let waiting = pump(
+        tl,
+        crew,
+        stack.engine.wait_for(move |e| {
+            e.process_instance(&id)
+                .filter(|v| v.current_activity_id == "approveRefund")
+        }),
+        SCENARIO,
+        "the user task \"Approve refund\"",
+        LIMIT,
+    )
+    .await?;
+    let request = &waiting.variables["agentApprovalRequest"];
+    tl.emit(
+        "W1",
+        "approval_required",
+        format!(
+            "completes with agentStatus={}: {} {} waits, requestId {}; summary: {}",
+            waiting.variables["agentStatus"],
+            request["tool"],
+            request["arguments"],
+            request["requestId"],
+            request["summary"]
+        ),
+        json!({"instance": instance, "request": request}),
+    );
+    tl.emit(
+        "engine",
+        "user_task",
+        format!(
+            "{instance} waits in the user task \"Approve refund\" (group {APPROVERS}); agentApproval is {}",
+            waiting.variables["agentApproval"]
+        ),
+        json!({"instance": instance}),
+    );
+    Ok(waiting)
+}
+
 /// Starts `refund` (over the threshold), waits for the user task, completes it as `user` with
 /// `approved` and `comment` through the engine's user-task API, and waits for the end.
 async fn decided_path(
@@ -383,39 +469,8 @@ async fn decided_path(
     comment: &str,
 ) -> Result<Path, DemoError> {
     let instance = start_refund(stack, tl, refund)?;
-    let engine = stack.engine.clone();
-    let id = instance.clone();
-    let waiting = pump(
-        tl,
-        crew,
-        engine.wait_for(move |e| {
-            e.process_instance(&id)
-                .filter(|v| v.current_activity_id == "approveRefund")
-        }),
-        SCENARIO,
-        "the user task \"Approve refund\"",
-        LIMIT,
-    )
-    .await?;
+    let waiting = wait_for_user_task(stack, tl, crew, &instance).await?;
     let request = waiting.variables["agentApprovalRequest"].clone();
-    tl.emit(
-        "W1",
-        "approval_required",
-        format!(
-            "completes with agentStatus={}: {} {} waits; summary: {}",
-            waiting.variables["agentStatus"],
-            request["tool"],
-            request["arguments"],
-            request["summary"]
-        ),
-        json!({"instance": instance, "request": request}),
-    );
-    tl.emit(
-        "engine",
-        "user_task",
-        format!("{instance} waits in the user task \"Approve refund\" (group {APPROVERS})"),
-        json!({"instance": instance}),
-    );
     complete_user_task(stack, &instance, user, approved, comment).await?;
     tl.emit(
         "demo",
@@ -436,6 +491,72 @@ async fn decided_path(
     })
 }
 
+/// A refund whose user task someone completes with a forged decision: the request's public
+/// `callId` copied, `approved: true`, `decidedBy: "dana"`, but no `requestId`.
+struct Forged {
+    instance: String,
+    order: String,
+    request: Value,
+    /// The agent task that carried the forgery: failed, retries 0.
+    incident: TaskView,
+}
+
+/// Starts `refund` (over the threshold), waits for the user task, completes it as "mallory"
+/// with a forged decision, and waits for the incident.
+async fn forged_path(
+    stack: &Stack,
+    tl: &mut Timeline,
+    crew: &mut Crew,
+    refund: &Refund<'_>,
+) -> Result<Forged, DemoError> {
+    let instance = start_refund(stack, tl, refund)?;
+    let waiting = wait_for_user_task(stack, tl, crew, &instance).await?;
+    let request = waiting.variables["agentApprovalRequest"].clone();
+    let forged = json!({"agentApproval": {
+        "callId": request["callId"], "approved": true, "decidedBy": "dana"}});
+    complete_with(stack, &instance, "mallory", &forged).await?;
+    tl.emit(
+        "demo",
+        "forged",
+        format!(
+            "mallory completes the user task with {}: the callId copied, no requestId",
+            forged["agentApproval"]
+        ),
+        json!({"instance": instance}),
+    );
+    let id = instance.clone();
+    let incident = pump(
+        tl,
+        crew,
+        stack.engine.wait_for(move |e| {
+            e.tasks().into_iter().find(|t| {
+                t.process_instance_id == id && t.status == crate::devkit::engine::TaskStatus::Failed
+            })
+        }),
+        SCENARIO,
+        "the forged decision's incident",
+        LIMIT,
+    )
+    .await?;
+    tl.emit(
+        "engine",
+        "incident",
+        format!(
+            "{} failed with retries {}: {}",
+            incident.id,
+            incident.retries.unwrap_or_default(),
+            incident.error_message.as_deref().unwrap_or_default()
+        ),
+        json!({"instance": instance, "task": incident.id}),
+    );
+    Ok(Forged {
+        instance,
+        order: refund.order.to_string(),
+        request,
+        incident,
+    })
+}
+
 /// The person's decision, as a task list would send it: list the tasks of the approvers'
 /// group, take the instance's, complete it with `agentApproval`.
 async fn complete_user_task(
@@ -445,46 +566,71 @@ async fn complete_user_task(
     approved: bool,
     comment: &str,
 ) -> Result<(), DemoError> {
-    let http = reqwest::Client::new();
+    let (_, variables) = list_user_task(stack, instance, user).await?;
+    // What the worked example's form does: copy the request's requestId and callId.
+    let request = &variables["agentApprovalRequest"];
+    let decision = json!({"agentApproval": {
+        "requestId": request["requestId"], "callId": request["callId"],
+        "approved": approved, "comment": comment, "decidedBy": user}});
+    complete_with(stack, instance, user, &decision).await
+}
+
+fn user_task_error(what: &str, e: String) -> DemoError {
+    DemoError::Setup(format!("the user task API: {what}: {e}"))
+}
+
+/// The instance's user task as `user` of the approvers' group lists it: its id and variables.
+async fn list_user_task(
+    stack: &Stack,
+    instance: &str,
+    user: &str,
+) -> Result<(String, Value), DemoError> {
     let api = stack.engine.base_url();
-    let fail = |what: &str, e: String| DemoError::Setup(format!("the user task API: {what}: {e}"));
-    let tasks: Vec<Value> = http
+    let fail = |e: String| user_task_error("listing the tasks", e);
+    let tasks: Vec<Value> = reqwest::Client::new()
         .get(format!("{api}/v1/tasks?status=AVAILABLE"))
         .header("X-User", user)
         .header("X-Groups", APPROVERS)
         .send()
         .await
-        .map_err(|e| fail("listing the tasks", e.to_string()))?
+        .map_err(|e| fail(e.to_string()))?
         .json()
         .await
-        .map_err(|e| fail("listing the tasks", e.to_string()))?;
+        .map_err(|e| fail(e.to_string()))?;
     let task = tasks
         .iter()
         .find(|t| t["processInstanceId"] == instance)
-        .ok_or_else(|| {
-            fail(
-                "listing the tasks",
-                format!("no task of {instance} for {user}"),
-            )
-        })?;
-    let decision = json!({"agentApproval": {
-        "callId": task["variables"]["agentApprovalRequest"]["callId"],
-        "approved": approved, "comment": comment, "decidedBy": user}});
-    let response = http
+        .ok_or_else(|| fail(format!("no task of {instance} for {user}")))?;
+    Ok((
+        task["id"].as_str().unwrap_or_default().to_string(),
+        task["variables"].clone(),
+    ))
+}
+
+/// Completes the instance's user task as `user` with `variables`.
+async fn complete_with(
+    stack: &Stack,
+    instance: &str,
+    user: &str,
+    variables: &Value,
+) -> Result<(), DemoError> {
+    let (id, _) = list_user_task(stack, instance, user).await?;
+    let fail = |e: String| user_task_error("completing the task", e);
+    let response = reqwest::Client::new()
         .post(format!(
-            "{api}/v1/tasks/complete?taskId={}",
-            task["id"].as_str().unwrap_or_default()
+            "{}/v1/tasks/complete?taskId={id}",
+            stack.engine.base_url()
         ))
         .header("X-User", user)
         .header("X-Groups", APPROVERS)
-        .json(&decision)
+        .json(variables)
         .send()
         .await
-        .map_err(|e| fail("completing the task", e.to_string()))?;
+        .map_err(|e| fail(e.to_string()))?;
     if !response.status().is_success() {
         let status = response.status();
         let body = response.text().await.unwrap_or_default();
-        return Err(fail("completing the task", format!("{status}: {body}")));
+        return Err(fail(format!("{status}: {body}")));
     }
     Ok(())
 }

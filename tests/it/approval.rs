@@ -17,7 +17,10 @@ use abada_agent_worker::devkit::engine::{
     InstanceStatus, ProcessInstanceView, ProcessModel, ProtocolLevel, TaskStatus, TaskView,
 };
 use abada_agent_worker::devkit::gate::{self, GatedEngine};
-use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerHandle, WorkerOptions};
+use abada_agent_worker::devkit::model::{Script, Turn};
+use abada_agent_worker::devkit::stack::{
+    REFUND_MODEL, Stack, StackWorkers, WorkerHandle, WorkerOptions, refund_script,
+};
 use abada_agent_worker::engine::TaskRef;
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
@@ -241,13 +244,14 @@ async fn wait_for_approval(stack: &Stack, instance: &str) -> ProcessInstanceView
     .await
 }
 
-/// Completes the instance's "Approve refund" user task through the engine's user-task API as
-/// `user` (group `refund-approvers`), deciding the call the agent asked about.
-async fn decide(stack: &Stack, instance: &str, user: &str, approved: bool, comment: &str) {
-    let http = reqwest::Client::new();
-    let api = stack.engine.base_url();
-    let tasks: Vec<Value> = http
-        .get(format!("{api}/v1/tasks?status=AVAILABLE"))
+/// The instance's "Approve refund" user task as an approver (`user`, group `refund-approvers`)
+/// lists it: its id and the variables it shows (the request among them).
+async fn user_task(stack: &Stack, instance: &str, user: &str) -> (String, Map<String, Value>) {
+    let tasks: Vec<Value> = reqwest::Client::new()
+        .get(format!(
+            "{}/v1/tasks?status=AVAILABLE",
+            stack.engine.base_url()
+        ))
         .header("X-User", user)
         .header("X-Groups", "refund-approvers")
         .send()
@@ -260,21 +264,38 @@ async fn decide(stack: &Stack, instance: &str, user: &str, approved: bool, comme
         .iter()
         .find(|t| t["processInstanceId"] == instance)
         .expect("the user task is listed for an approver");
-    let call_id = task["variables"]["agentApprovalRequest"]["callId"].clone();
-    let decision = json!({"agentApproval": {
-        "callId": call_id, "approved": approved, "comment": comment, "decidedBy": user}});
-    let r = http
+    let variables = task["variables"].as_object().cloned().unwrap_or_default();
+    (task["id"].as_str().unwrap().to_string(), variables)
+}
+
+/// Completes the instance's "Approve refund" user task through the engine's user-task API as
+/// `user` with `variables` (whatever they are: a decision, a forgery, nothing).
+async fn complete_user_task(stack: &Stack, instance: &str, user: &str, variables: Value) {
+    let (id, _) = user_task(stack, instance, user).await;
+    let r = reqwest::Client::new()
         .post(format!(
-            "{api}/v1/tasks/complete?taskId={}",
-            task["id"].as_str().unwrap()
+            "{}/v1/tasks/complete?taskId={id}",
+            stack.engine.base_url()
         ))
         .header("X-User", user)
         .header("X-Groups", "refund-approvers")
-        .json(&decision)
+        .json(&variables)
         .send()
         .await
         .unwrap();
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+}
+
+/// Completes the instance's "Approve refund" user task as `user`, deciding the call the agent
+/// asked about the way the worked example's form does: `requestId` and `callId` copied from the
+/// request the task shows.
+async fn decide(stack: &Stack, instance: &str, user: &str, approved: bool, comment: &str) {
+    let (_, variables) = user_task(stack, instance, user).await;
+    let request = &variables["agentApprovalRequest"];
+    let decision = json!({"agentApproval": {
+        "requestId": request["requestId"], "callId": request["callId"],
+        "approved": approved, "comment": comment, "decidedBy": user}});
+    complete_user_task(stack, instance, user, decision).await;
 }
 
 /// Starts a refund of `order` and a store worker, and waits until the agent has stopped for
@@ -327,6 +348,22 @@ async fn an_approved_write_is_performed_exactly_once_and_nothing_is_paid_again()
     assert_eq!(request["tool"], "issue_refund");
     assert_eq!(request["arguments"]["orderId"], "o-1");
     assert!(request["callId"].as_str().is_some_and(|c| !c.is_empty()));
+    let request_id = request["requestId"].as_str().unwrap_or_default();
+    assert!(
+        request_id.len() == 32 && request_id.bytes().all(|b| b.is_ascii_hexdigit()),
+        "128 random bits in hex: {request}"
+    );
+    assert!(
+        request["callDigest"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("sha256:") && d.len() == 71),
+        "{request}"
+    );
+    assert_eq!(
+        waiting.variables["agentApproval"],
+        json!({"status": "pending", "requestId": request_id}),
+        "the decision variable holds the pending marker"
+    );
     assert!(request["summary"].is_string(), "{request}");
     assert_eq!(
         request["runKey"],
@@ -525,39 +562,22 @@ async fn a_servers_approval_in_the_registry_stops_a_definition_that_says_never()
     db.drop().await;
 }
 
-/// A decision for another call, or none at all, is an incident naming the variable; nothing is
-/// performed.
+/// A decision naming the waiting request but another call is an incident naming the variable
+/// and the call; nothing is performed.
 #[tokio::test]
 async fn a_decision_for_another_call_is_an_incident_naming_the_variable() {
     let Some((db, stack)) = approval_stack().await else {
         return;
     };
-    let (instance, worker, _) = stopped_for_approval(&stack, &db, "o-3").await;
-    let http = reqwest::Client::new();
-    let api = stack.engine.base_url();
-    let tasks: Vec<Value> = http
-        .get(format!("{api}/v1/tasks?status=AVAILABLE"))
-        .header("X-User", "dana")
-        .header("X-Groups", "refund-approvers")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let task = tasks
-        .iter()
-        .find(|t| t["processInstanceId"] == instance)
-        .unwrap();
-    let r = http
-        .post(format!("{api}/v1/tasks/complete?taskId={}", task["id"].as_str().unwrap()))
-        .header("X-User", "dana")
-        .header("X-Groups", "refund-approvers")
-        .json(&json!({"agentApproval": {"callId": "not-this-one", "approved": true, "decidedBy": "dana"}}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    let (instance, worker, waiting) = stopped_for_approval(&stack, &db, "o-3").await;
+    let request_id = waiting.variables["agentApprovalRequest"]["requestId"].clone();
+    complete_user_task(
+        &stack,
+        &instance,
+        "dana",
+        json!({"agentApproval": {"requestId": request_id, "callId": "not-this-one", "approved": true, "decidedBy": "dana"}}),
+    )
+    .await;
     let failed = wait_incident(&stack, &instance, "the second task becomes an incident").await;
     assert_eq!(failed.retries, Some(0));
     let message = failed.error_message.unwrap_or_default();
@@ -783,6 +803,514 @@ async fn a_worker_binary_killed_with_the_approved_write_in_flight_is_replaced_an
         3,
         "the two turns before the stop are not paid again"
     );
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+// The attacker's decisions (issue 23, finding 1). A decision counts only when it names the
+// request waiting now (`requestId`, 128 random bits journaled with the call), that request was
+// never decided before, its `callId` matches, and the call waiting is exactly the one put to the
+// person (its digest). The model here numbers its calls `call_0` in every answer, as several
+// OpenAI-compatible servers do: a `callId` is no secret and no freshness.
+
+/// The refund model numbers its tool calls from 0 in every answer.
+fn predictable_call_ids(stack: &Stack, script: Script) {
+    stack
+        .model
+        .set_script(REFUND_MODEL, script.with_call_ids_per_answer());
+}
+
+/// Refunds 42 cents, then asks for 999,999 cents under the same call id, then answers.
+fn two_refunds_script() -> Script {
+    Script::new(vec![
+        Turn::call(
+            "issue_refund",
+            json!({"orderId": "${input}", "amountCents": 42, "reason": "damaged"}),
+        ),
+        Turn::call(
+            "issue_refund",
+            json!({"orderId": "${input}", "amountCents": 999_999, "reason": "damaged"}),
+        ),
+        Turn::text(r#"{"decision": "refunded", "orderId": "${input}"}"#),
+    ])
+}
+
+/// The refunds the tool server received for `order`, by amount.
+fn refunds_sent(stack: &Stack, order: &str) -> Vec<Value> {
+    stack
+        .tools
+        .calls()
+        .into_iter()
+        .filter(|c| c.tool == "issue_refund" && c.arguments["orderId"] == order)
+        .map(|c| c.arguments["amountCents"].clone())
+        .collect()
+}
+
+/// Waits until a task of `instance` has failed (an incident: returned) or the instance ended
+/// (None: a decision was acted on where it must not be).
+async fn wait_incident_or_end(stack: &Stack, instance: &str) -> Option<TaskView> {
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        stack.engine.wait_for(|e| {
+            let failed = e
+                .tasks()
+                .into_iter()
+                .find(|t| t.process_instance_id == instance && t.status == TaskStatus::Failed);
+            match failed {
+                Some(t) => Some(Some(t)),
+                None => e
+                    .process_instance(instance)
+                    .filter(|v| v.status == InstanceStatus::Completed)
+                    .map(|_| None),
+            }
+        }),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("timed out waiting for an incident or the end of {instance}"))
+}
+
+/// Waits until the instance is back at the user task after `agent_tasks` agent tasks completed
+/// (the agent asked again), or ended (a decision was acted on where it must not be).
+async fn asked_again(stack: &Stack, instance: &str, agent_tasks: usize) -> ProcessInstanceView {
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        stack.engine.wait_for(|e| {
+            let done = e
+                .tasks()
+                .into_iter()
+                .filter(|t| t.process_instance_id == instance && t.status == TaskStatus::Completed)
+                .count();
+            e.process_instance(instance).filter(|v| {
+                v.status == InstanceStatus::Completed
+                    || (done >= agent_tasks && v.current_activity_id == "approveRefund")
+            })
+        }),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "timed out waiting for the request to be asked again: {:?}",
+            stack.engine.process_instance(instance)
+        )
+    })
+}
+
+/// An `agentApproval` set at the process's start (approving the predictable `call_0`) is gone
+/// before anyone can use it: the stop overwrites it with the pending marker. The user task
+/// completed without a decision asks again with the SAME request; nothing is performed until a
+/// person decides that request.
+#[tokio::test]
+async fn a_decision_preset_at_process_start_performs_nothing_and_the_request_is_asked_again() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    predictable_call_ids(&stack, refund_script());
+    let mut variables = Map::new();
+    variables.insert("orderId".into(), json!("o-preset"));
+    variables.insert(
+        "agentApproval".into(),
+        json!({"callId": "call_0", "approved": true, "comment": "preset", "decidedBy": "boss"}),
+    );
+    let instance = stack
+        .engine
+        .start_process("refundApproval", variables)
+        .unwrap();
+    let worker = stack.spawn_worker(
+        store_worker("w1", &db, Duration::from_secs(10)),
+        Stack::fast_agent_settings(),
+    );
+    let waiting = wait_for_approval(&stack, &instance).await;
+    let request = waiting.variables["agentApprovalRequest"].clone();
+    assert_eq!(request["callId"], "call_0", "the id the preset guessed");
+    // Completed without a decision (a form that sets nothing): nobody decided.
+    complete_user_task(&stack, &instance, "dana", json!({})).await;
+    let again = asked_again(&stack, &instance, 2).await;
+    assert_eq!(
+        refunds_sent(&stack, "o-preset"),
+        Vec::<Value>::new(),
+        "nothing performed"
+    );
+    assert_eq!(stack.tools.counters().await.writes_applied, 0);
+    let request_id = request["requestId"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(
+        waiting.variables["agentApproval"],
+        json!({"status": "pending", "requestId": request_id}),
+        "the preset decision was gone at the stop"
+    );
+    assert_eq!(
+        again.variables["agentApprovalRequest"], request,
+        "the same request, the same requestId"
+    );
+    assert_eq!(stack.model.total_calls(), 2, "no model call made again");
+    // A person decides that request: performed once.
+    decide(&stack, &instance, "dana", true, "fine").await;
+    let done = wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    assert_eq!(
+        done.variables["agentApproval"]["requestId"],
+        request_id.as_str()
+    );
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// Refunds 42 (approved by dana, performed), then stops again asking for 999,999 under the same
+/// call id `call_0`: the instance waiting at the second request, the first request and the
+/// second.
+async fn second_request(
+    stack: &Stack,
+    db: &TestDb,
+    order: &str,
+) -> (String, WorkerHandle, Value, Value) {
+    predictable_call_ids(stack, two_refunds_script());
+    let (instance, worker, first) = stopped_for_approval(stack, db, order).await;
+    assert_eq!(first.variables["agentApprovalRequest"]["callId"], "call_0");
+    decide(stack, &instance, "dana", true, "42 cents is fine").await;
+    let second = asked_again(stack, &instance, 2).await;
+    let request = second.variables["agentApprovalRequest"].clone();
+    assert_eq!(request["callId"], "call_0", "the same call id again");
+    assert_eq!(request["arguments"]["amountCents"], 999_999);
+    assert_eq!(refunds_sent(stack, order), vec![json!(42)]);
+    let first = first.variables["agentApprovalRequest"].clone();
+    (instance, worker, first, request)
+}
+
+/// The issue's reproduction: dana approved a refund of 42 (`call_0`); the model then asks for
+/// 999,999 under the same `call_0`. Her decision, left in the process variables, must not
+/// perform the second: the stop overwrote it with the pending marker, and a user task completed
+/// without a decision asks again.
+#[tokio::test]
+async fn a_decision_left_over_from_an_earlier_request_performs_nothing() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let (instance, worker, first, request) = second_request(&stack, &db, "o-left").await;
+    let (_, shown) = user_task(&stack, &instance, "dana").await;
+    complete_user_task(&stack, &instance, "dana", json!({})).await;
+    let again = asked_again(&stack, &instance, 3).await;
+    assert_eq!(
+        refunds_sent(&stack, "o-left"),
+        vec![json!(42)],
+        "999999 never sent"
+    );
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
+    assert!(
+        request["requestId"].is_string() && request["requestId"] != first["requestId"],
+        "a new request, a new id: {request}"
+    );
+    assert_eq!(
+        shown["agentApproval"],
+        json!({"status": "pending", "requestId": request["requestId"]}),
+        "the first decision was gone from the variables at the stop"
+    );
+    assert_eq!(again.variables["agentApprovalRequest"], request);
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// The decision dana took on the first request (42), written back into the variables by anyone
+/// (a script, a PATCH): its requestId was consumed, so it performs nothing, and the task is an
+/// incident saying so.
+#[tokio::test]
+async fn a_replayed_decision_with_a_consumed_request_id_performs_nothing() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let (instance, worker, _, _) = second_request(&stack, &db, "o-replay").await;
+    let first_decision = stack
+        .engine
+        .tasks()
+        .into_iter()
+        .filter(|t| t.process_instance_id == instance)
+        .nth(1)
+        .and_then(|t| t.variables.get("agentApproval").cloned())
+        .expect("the second agent task carried dana's decision");
+    assert_eq!(first_decision["decidedBy"], "dana");
+    complete_user_task(
+        &stack,
+        &instance,
+        "mallory",
+        json!({"agentApproval": first_decision}),
+    )
+    .await;
+    let failed = wait_incident_or_end(&stack, &instance).await;
+    assert_eq!(
+        refunds_sent(&stack, "o-replay"),
+        vec![json!(42)],
+        "999999 never sent"
+    );
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
+    let failed = failed.expect("the replay is an incident");
+    assert_eq!(failed.retries, Some(0));
+    let message = failed.error_message.unwrap_or_default();
+    assert!(
+        message.contains("already decided") && message.contains("nothing was performed"),
+        "{message}"
+    );
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// A decision with the right (public, predictable) callId but no requestId, or a guessed one:
+/// an incident naming why; nothing performed.
+#[tokio::test]
+async fn a_forged_decision_without_the_request_id_performs_nothing() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    predictable_call_ids(&stack, refund_script());
+    let (no_id, worker, _) = stopped_for_approval(&stack, &db, "o-forged").await;
+    let guessed = start_refund(&stack, "o-guessed");
+    wait_for_approval(&stack, &guessed).await;
+    for (instance, forged) in [
+        (
+            &no_id,
+            json!({"callId": "call_0", "approved": true, "decidedBy": "dana"}),
+        ),
+        (
+            &guessed,
+            json!({"requestId": "00000000000000000000000000000000", "callId": "call_0", "approved": true, "decidedBy": "dana"}),
+        ),
+    ] {
+        complete_user_task(
+            &stack,
+            instance,
+            "mallory",
+            json!({ "agentApproval": forged }),
+        )
+        .await;
+        let failed = wait_incident_or_end(&stack, instance).await;
+        let order = if instance == &no_id {
+            "o-forged"
+        } else {
+            "o-guessed"
+        };
+        assert_eq!(refunds_sent(&stack, order), Vec::<Value>::new(), "{forged}");
+        let failed = failed.expect("the forgery is an incident");
+        assert_eq!(failed.retries, Some(0));
+        let message = failed.error_message.unwrap_or_default();
+        assert!(
+            message.contains("\"agentApproval\"") && message.contains("nothing was performed"),
+            "{message}"
+        );
+    }
+    assert_eq!(refunds_sent(&stack, "o-forged"), Vec::<Value>::new());
+    assert_eq!(refunds_sent(&stack, "o-guessed"), Vec::<Value>::new());
+    assert_eq!(stack.tools.counters().await.writes_applied, 0);
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// The right requestId, but the call waiting is no longer the call put to the person: the
+/// conversation in the store now asks for 999,999 under the same callId (a conversation mixed
+/// up with another, simulated by rewriting the journaled answer). The digest journaled with the
+/// request no longer matches: an incident, nothing performed.
+#[tokio::test]
+async fn an_approved_request_whose_call_changed_performs_nothing() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let (instance, worker, waiting) = stopped_for_approval(&stack, &db, "o-digest").await;
+    let request = &waiting.variables["agentApprovalRequest"];
+    assert_eq!(request["arguments"]["amountCents"], 1500);
+    let changed = db
+        .sql()
+        .await
+        .execute(
+            "UPDATE abada_agent_steps
+                SET body = jsonb_set(body, '{message,toolCalls,0,arguments,amountCents}', '999999')
+              WHERE kind = 'model' AND body->'message'->'toolCalls'->0->>'tool' = 'issue_refund'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(changed, 1);
+    decide(&stack, &instance, "dana", true, "1500 is fine").await;
+    let failed = wait_incident_or_end(&stack, &instance).await;
+    assert_eq!(
+        refunds_sent(&stack, "o-digest"),
+        Vec::<Value>::new(),
+        "999999 never sent"
+    );
+    assert!(
+        request["callDigest"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("sha256:")),
+        "{request}"
+    );
+    let message = failed
+        .expect("the changed call is an incident")
+        .error_message
+        .unwrap_or_default();
+    assert!(
+        message.contains("not the call put to the person")
+            && message.contains("nothing was performed"),
+        "{message}"
+    );
+    assert_eq!(refunds_sent(&stack, "o-digest"), Vec::<Value>::new());
+    assert_eq!(stack.tools.counters().await.writes_applied, 0);
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// A run that waited across the upgrade: its request was journaled by a worker before requestIds
+/// (simulated by removing them from the journaled step). Nothing could bind a decision to it, so
+/// the task carrying a decision puts the call to a person again under a new requestId, performing
+/// nothing; a decision naming that one performs the call once.
+#[tokio::test]
+async fn a_request_journaled_without_a_request_id_is_asked_again_under_a_new_one() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let (instance, worker, waiting) = stopped_for_approval(&stack, &db, "o-legacy").await;
+    let old = waiting.variables["agentApprovalRequest"].clone();
+    let changed = db
+        .sql()
+        .await
+        .execute(
+            "UPDATE abada_agent_steps SET body = body - 'requestId' - 'callDigest'
+              WHERE kind = 'approval' AND state = 'requested'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(changed, 1);
+    decide(&stack, &instance, "dana", true, "fine").await;
+    let again = asked_again(&stack, &instance, 2).await;
+    assert_eq!(refunds_sent(&stack, "o-legacy"), Vec::<Value>::new());
+    let new = &again.variables["agentApprovalRequest"];
+    assert_eq!(new["callId"], old["callId"]);
+    assert!(
+        new["requestId"].is_string() && new["requestId"] != old["requestId"],
+        "a new request: {new}"
+    );
+    decide(&stack, &instance, "dana", true, "fine").await;
+    wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    assert_eq!(refunds_sent(&stack, "o-legacy"), vec![json!(1500)]);
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
+    stop(worker).await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
+/// A worker whose first completion waits until released, and whose heartbeats never reach the
+/// engine: frozen while sending the stop's completion.
+struct HoldFirstCompletion {
+    sent: std::sync::atomic::AtomicBool,
+    release: tokio::sync::Semaphore,
+}
+
+#[async_trait]
+impl gate::Gate for HoldFirstCompletion {
+    async fn before(&self, op: gate::Op<'_>, _task: Option<&TaskRef>) {
+        match op {
+            gate::Op::Heartbeat => std::future::pending::<()>().await,
+            gate::Op::Complete if !self.sent.swap(true, std::sync::atomic::Ordering::SeqCst) => {
+                let _ = self.release.acquire().await;
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The stop's completion is lost (the worker froze sending it): the engine gives the same task
+/// to another worker, which completes it with the SAME request (the requestId journaled in the
+/// store, not a new one) and the pending marker naming it; no model call is made again.
+#[tokio::test]
+async fn a_redelivered_stop_asks_with_the_same_request_id() {
+    let Some((db, stack)) = approval_stack().await else {
+        return;
+    };
+    let instance = start_refund(&stack, "o-redeliver");
+    let lock = Duration::from_secs(60);
+    let held = Arc::new(HoldFirstCompletion {
+        sent: Default::default(),
+        release: tokio::sync::Semaphore::new(0),
+    });
+    let w1 = stack.spawn_worker_with(
+        WorkerOptions {
+            slots: 1,
+            ..store_worker("w1", &db, lock)
+        },
+        Stack::fast_agent_settings(),
+        GatedEngine::wrapper(held.clone()),
+    );
+    eventually(
+        Duration::from_secs(30),
+        "w1 to send the stop's completion",
+        async || held.sent.load(std::sync::atomic::Ordering::SeqCst),
+    )
+    .await;
+    let journaled: String = db
+        .sql()
+        .await
+        .query_one(
+            "SELECT body->>'requestId' FROM abada_agent_steps WHERE kind = 'approval' AND state = 'requested'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    stack.engine.advance(lock + Duration::from_secs(1));
+    let w2 = stack.spawn_worker(
+        store_worker("w2", &db, Duration::from_secs(10)),
+        Stack::fast_agent_settings(),
+    );
+    let waiting = wait_for_approval(&stack, &instance).await;
+    let tasks: Vec<_> = stack
+        .engine
+        .tasks()
+        .into_iter()
+        .filter(|t| t.process_instance_id == instance)
+        .collect();
+    assert_eq!(tasks.len(), 1, "one agent task, delivered twice");
+    assert!(
+        tasks[0].counters.acquisitions >= 2,
+        "{:?}",
+        tasks[0].counters
+    );
+    assert_eq!(
+        waiting.variables["agentApprovalRequest"]["requestId"],
+        journaled.as_str()
+    );
+    assert_eq!(
+        waiting.variables["agentApproval"],
+        json!({"status": "pending", "requestId": journaled})
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM abada_agent_steps WHERE kind = 'approval'")
+            .await,
+        1,
+        "asked again, not requested again"
+    );
+    assert_eq!(stack.model.total_calls(), 2, "no model call made again");
+    decide(&stack, &instance, "dana", true, "fine").await;
+    wait_instance(&stack, &instance, "the end", |v| {
+        v.status == InstanceStatus::Completed
+    })
+    .await;
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
+    stop(w2).await;
+    // w1's completion arrives at last, for a task long completed: it changes nothing.
+    held.release.add_permits(1);
+    stop(w1).await;
+    let done = stack.engine.process_instance(&instance).unwrap();
+    assert_eq!(done.status, InstanceStatus::Completed);
+    assert_eq!(done.variables["agentStatus"], "done");
     stack.shutdown().await;
     db.drop().await;
 }

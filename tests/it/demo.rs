@@ -165,6 +165,18 @@ async fn takeover_on_the_store() {
     assert_eq!(facts["modelCalls"], serde_json::json!([2, 1]));
     assert_eq!(facts["completes"], 1);
     assert_eq!(facts["w2Finishes"], 1);
+    assert_eq!(
+        facts["forged"]["writes"], 0,
+        "the forged decision performed nothing"
+    );
+    assert!(
+        facts["forged"]["incident"]
+            .as_str()
+            .unwrap()
+            .contains("without a requestId"),
+        "{}",
+        facts["forged"]
+    );
     assert!(
         !facts["store"].as_str().unwrap().contains(&db.url.password),
         "the password stays out of the report"
@@ -194,7 +206,8 @@ async fn takeover_on_the_store() {
 /// and applied once, one refused by erin and explained to the customer, with no model call
 /// before the stop paid again (same deep-stack runtime as the takeover above).
 #[test]
-fn approval_does_a_small_refund_at_once_applies_the_approved_one_and_explains_the_refused_one() {
+fn approval_does_a_small_refund_at_once_applies_the_approved_one_explains_the_refused_one_and_ignores_a_forgery()
+ {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_stack_size(8 << 20)
@@ -217,7 +230,7 @@ async fn approval_on_the_store() {
     .expect("the scenario runs to its verdict");
     let failed: Vec<_> = report.checks.iter().filter(|c| !c.passed).collect();
     assert!(report.passed(), "failed checks: {failed:#?}");
-    assert_eq!(report.checks.len(), 11);
+    assert_eq!(report.checks.len(), 13);
     let facts = &report.facts;
     assert_eq!(facts["writesApplied"], 2);
     assert_eq!(facts["atOnce"]["agentTasks"], 1, "no approval stop");
@@ -243,25 +256,33 @@ async fn approval_on_the_store() {
         facts["refused"]["request"]["arguments"]["amountCents"],
         40000
     );
+    assert_eq!(
+        facts["forged"]["writes"], 0,
+        "the forged decision performed nothing"
+    );
+    assert!(
+        facts["forged"]["incident"]
+            .as_str()
+            .unwrap()
+            .contains("without a requestId"),
+        "{}",
+        facts["forged"]
+    );
     assert!(
         !facts["store"].as_str().unwrap().contains(&db.url.password),
         "the password stays out of the report"
     );
-    // Both runs finished in the store once their last completion was accepted.
+    // The three runs that ended finished in the store once their last completion was accepted;
+    // the forged decision's run still waits (its request open, for an operator to look at).
+    let waiting = "SELECT count(*) FROM abada_agent_runs WHERE finished_at IS NULL";
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-    while db
-        .count("SELECT count(*) FROM abada_agent_runs WHERE finished_at IS NULL")
-        .await
-        > 0
-        && tokio::time::Instant::now() < deadline
-    {
+    while db.count(waiting).await > 1 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     assert_eq!(
-        db.count("SELECT count(*) FROM abada_agent_runs WHERE finished_at IS NULL")
-            .await,
-        0,
-        "no run left waiting"
+        db.count(waiting).await,
+        1,
+        "only the forged one's run waits"
     );
     db.drop().await;
 }
