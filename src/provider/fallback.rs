@@ -90,6 +90,8 @@ pub struct CallAttempt {
     pub usage: Option<Usage>,
     /// How long the call took.
     pub duration: Duration,
+    /// This call's outcome opened the model's circuit: unavailable for every task now.
+    pub circuit_opened: bool,
 }
 
 /// Why no model answered.
@@ -229,8 +231,15 @@ pub async fn call_models(
                 Err(e) => spans::record_chat_error(&span, e.outcome()),
             }
             drop(span);
+            let duration = started.elapsed();
+            let now = tokio::time::Instant::now();
+            let signal = match &result {
+                Ok(_) => Signal::Answered,
+                Err(e) => Signal::of(e),
+            };
+            let change = circuits.record(model, requester, signal, now, policy.unavailable_default);
             observe(&CallAttempt {
-                duration: started.elapsed(),
+                duration,
                 model: model.clone(),
                 provider_name: provider_name.to_string(),
                 fallback_index,
@@ -239,13 +248,9 @@ pub async fn call_models(
                     Err(e) => e.outcome(),
                 },
                 usage: result.as_ref().ok().and_then(|r| r.usage),
+                circuit_opened: matches!(change, Change::Opened { .. }),
             });
-            let now = tokio::time::Instant::now();
-            let signal = match &result {
-                Ok(_) => Signal::Answered,
-                Err(e) => Signal::of(e),
-            };
-            match circuits.record(model, requester, signal, now, policy.unavailable_default) {
+            match change {
                 Change::Opened { until } => {
                     tracing::warn!(model = %model, open_for_ms = duration_ms(until - now), "the model is unavailable for every task: its circuit opens");
                 }

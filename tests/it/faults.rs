@@ -699,6 +699,19 @@ async fn a_model_failing_every_task_defers_them_with_their_retries_until_it_is_b
             view.retries
         );
     }
+    let opened = w
+        .metrics
+        .encode()
+        .lines()
+        .find(|l| {
+            l.starts_with("abada_agent_model_circuit_opened_total{")
+                && l.contains("model=\"out500\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert!(
+        opened >= Some(1.0),
+        "the circuit's opening is counted: {opened:?}"
+    );
     s.model.clear_faults("out500");
     let views = wait_completed(&s, &ids).await;
     assert!(views.iter().all(|v| v.retries >= Some(2)), "{views:?}");
