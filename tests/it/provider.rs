@@ -1509,6 +1509,39 @@ async fn fallback_through_real_adapters_skips_a_rate_limited_model() {
     devkit.shutdown().await;
 }
 
+/// A hostile (or broken) provider's Retry-After is outside input: 11 days would hide the
+/// deferred task from every worker for that long. The circuit holds a model open for at most
+/// 10 minutes, and the deferral asks the engine to wait no longer.
+#[tokio::test]
+async fn a_hostile_retry_after_defers_for_at_most_ten_minutes() {
+    let devkit = ScriptedModel::start().await.unwrap();
+    devkit.set_script("slow", Script::new(vec![Turn::text("never")]));
+    devkit.inject_fault(
+        "slow",
+        Fault::RateLimited {
+            retry_after: Some(Duration::from_secs(1_000_000)),
+        },
+        FaultTimes::Always,
+    );
+    let registry = ProviderRegistry::new(
+        vec![settings(
+            ProviderKind::OpenAi,
+            devkit.base_url_openai(),
+            None,
+        )],
+        reqwest::Client::new(),
+    );
+    let models = [ModelRef::parse("openai/slow").unwrap()];
+    match call_with_fallback(&registry, &models, &request(), &policy()).await {
+        Err(ModelCallError::AllUnavailable { retry_after, .. }) => {
+            assert!(retry_after <= Duration::from_secs(600), "{retry_after:?}");
+            assert!(retry_after > Duration::from_secs(590), "{retry_after:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    devkit.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_resumed_conversation_continues_at_its_turn_and_tasks_stay_apart() {
     let devkit = ScriptedModel::start().await.unwrap();
