@@ -973,4 +973,33 @@ mod tests {
         );
         assert_eq!(render("${input}", &plain, 1), "o-2");
     }
+
+    #[test]
+    fn a_request_fault_hits_only_the_requests_that_hold_its_text_and_comes_first() {
+        let mut shared = Shared::default();
+        shared
+            .request_faults
+            .push(("m".into(), "poison-0".into(), Fault::ServerError, Some(2)));
+        shared
+            .faults
+            .insert("m".into(), vec![(Fault::Overloaded, None)]);
+        let poison = br#"{"model": "m", "messages": [{"role": "user", "content": "poison-0"}]}"#;
+        let healthy = br#"{"model": "m", "messages": [{"role": "user", "content": "healthy-0"}]}"#;
+        assert_eq!(take_request_fault(&mut shared, "m", healthy), None);
+        assert_eq!(take_request_fault(&mut shared, "other", poison), None);
+        assert_eq!(
+            take_request_fault(&mut shared, "m", poison),
+            Some(Fault::ServerError)
+        );
+        assert_eq!(
+            take_request_fault(&mut shared, "m", poison),
+            Some(Fault::ServerError)
+        );
+        assert_eq!(
+            take_request_fault(&mut shared, "m", poison),
+            None,
+            "used up"
+        );
+        assert_eq!(take_fault(&mut shared, "m"), Some(Fault::Overloaded));
+    }
 }
