@@ -100,6 +100,9 @@ pub struct AgentRuntime {
     /// Runs that ended in an outcome that commits them once the engine accepts it, by lease:
     /// [`TaskHandler::ended`] finishes them in the store.
     finishing: Mutex<HashMap<LeaseId, (RunStore, Fence, RunEnd)>>,
+    /// Deferrals of one run in the run store before it ends as an incident
+    /// (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`).
+    max_deferrals_per_run: u32,
 }
 
 /// The run store as the agent runtime uses it.
@@ -165,7 +168,14 @@ impl AgentRuntime {
             capabilities: EngineCapabilities::default(),
             store: None,
             finishing: Mutex::new(HashMap::new()),
+            max_deferrals_per_run: crate::config::DEFAULT_MAX_DEFERRALS_PER_RUN,
         }
+    }
+
+    /// The runtime with at most `max` deferrals per run in the run store.
+    pub fn with_max_deferrals_per_run(mut self, max: u32) -> Self {
+        self.max_deferrals_per_run = max;
+        self
     }
 
     /// Keeps the journals of tasks without `attempt` in `store`, claimed as `worker_id`; a
@@ -272,7 +282,8 @@ impl AgentRuntime {
             agent_settings,
             metrics,
             config.ceilings,
-        );
+        )
+        .with_max_deferrals_per_run(config.max_deferrals_per_run);
         Ok(match tool_registry {
             Some(registry) => runtime.with_tool_registry(registry),
             None => runtime,

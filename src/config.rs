@@ -53,6 +53,10 @@ pub const ENV_MAX_KEYED_WRITES_PER_TASK: &str = "ABADA_AGENT_MAX_KEYED_WRITES_PE
 pub const ENV_MAX_TURNS: &str = "ABADA_AGENT_MAX_TURNS";
 pub const ENV_MAX_TASK_DURATION_MS: &str = "ABADA_AGENT_MAX_TASK_DURATION_MS";
 pub const ENV_ALLOW_INSECURE_HTTP: &str = "ABADA_AGENT_ALLOW_INSECURE_HTTP";
+pub const ENV_MAX_DEFERRALS_PER_RUN: &str = "ABADA_AGENT_MAX_DEFERRALS_PER_RUN";
+
+/// Deferrals of one run in the run store before it ends as an incident.
+pub const DEFAULT_MAX_DEFERRALS_PER_RUN: u32 = 20;
 
 /// Where variables come from.
 pub trait EnvSource {
@@ -193,6 +197,9 @@ pub struct Config {
     pub ceilings: Ceilings,
     /// Credentials may travel over http:// to hosts that are not loopback (`crate::channel`).
     pub allow_insecure_http: bool,
+    /// How often one run in the run store may be deferred (every model unavailable) before it
+    /// ends as an incident naming the count (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`).
+    pub max_deferrals_per_run: u32,
 }
 
 impl Config {
@@ -309,6 +316,13 @@ impl Config {
             }
         };
         let ceilings = parse_ceilings(&get)?;
+        let max_deferrals_per_run = parse_range(
+            &get,
+            ENV_MAX_DEFERRALS_PER_RUN,
+            u64::from(DEFAULT_MAX_DEFERRALS_PER_RUN),
+            0,
+            10_000,
+        )? as u32;
         let allow_insecure_http = parse_bool(&get, ENV_ALLOW_INSECURE_HTTP)?;
         Ok(Config {
             engine_url,
@@ -331,6 +345,7 @@ impl Config {
             engine_headers,
             ceilings,
             allow_insecure_http,
+            max_deferrals_per_run,
         })
         .and_then(|mut config| {
             if let Some(oidc) = &mut config.oidc {
@@ -911,6 +926,24 @@ mod tests {
         assert!(c.oidc.is_none());
         assert!(c.providers.is_empty());
         assert!(!c.worker_id.is_empty());
+    }
+
+    #[test]
+    fn the_deferral_cap_per_run_is_parsed_with_its_range() {
+        let c = Config::from_env(&env(&base())).unwrap();
+        assert_eq!(c.max_deferrals_per_run, DEFAULT_MAX_DEFERRALS_PER_RUN);
+        let mut pairs = base();
+        pairs.push((ENV_MAX_DEFERRALS_PER_RUN, " 0 "));
+        let c = Config::from_env(&env(&pairs)).unwrap();
+        assert_eq!(c.max_deferrals_per_run, 0);
+        assert_eq!(
+            err(&[(ENV_MAX_DEFERRALS_PER_RUN, "10001")]).to_string(),
+            "ABADA_AGENT_MAX_DEFERRALS_PER_RUN: 10001 is out of range: allowed 0..=10000"
+        );
+        assert_eq!(
+            err(&[(ENV_MAX_DEFERRALS_PER_RUN, "-1")]).to_string(),
+            "ABADA_AGENT_MAX_DEFERRALS_PER_RUN: \"-1\" is not a whole number: allowed 0..=10000"
+        );
     }
 
     #[test]

@@ -219,15 +219,28 @@ impl Outcome {
 
 /// The task's own `retries`, for failures that must not consume one (3 when the engine sent null).
 pub fn retries_unchanged(task: &Task) -> i32 {
-    task.retries.unwrap_or(DEFAULT_RETRIES).max(0)
+    task_retries(task)
 }
 
 /// `retries - 1`, for a technical failure (protocol.md B.5: 3 when the engine sent null).
 pub fn retries_consumed(task: &Task) -> i32 {
-    (task.retries.unwrap_or(DEFAULT_RETRIES) - 1).max(0)
+    task_retries(task).saturating_sub(1).max(0)
 }
 
 pub const DEFAULT_RETRIES: i32 = 3;
+
+/// The most retries a failure reports. The engine's `retries` is outside input: a negative
+/// value (`i32::MIN` once wrapped to endless retries) counts as none left, and a huge one is
+/// brought down to this, so no arithmetic on it can overflow and no task retries without end.
+pub const MAX_RETRIES: i32 = 100;
+
+/// The task's `retries` as the worker counts with it: [`DEFAULT_RETRIES`] when the engine sent
+/// none, else clamped to `0..=MAX_RETRIES` before any arithmetic.
+pub fn task_retries(task: &Task) -> i32 {
+    task.retries
+        .unwrap_or(DEFAULT_RETRIES)
+        .clamp(0, MAX_RETRIES)
+}
 
 /// Runs one task. Implementations must return promptly once `ctx.lease().is_lost()` or
 /// `ctx.stop_requested()`; the runner also drops them at their next await when the lease is lost.
@@ -420,6 +433,57 @@ mod tests {
             .collect();
         let ours: Vec<&str> = TaskEnd::ALL.iter().map(|e| e.as_str()).collect();
         assert_eq!(documented, ours);
+    }
+
+    fn task_with_retries(retries: Option<i32>) -> Task {
+        Task {
+            id: "t-1".into(),
+            topic: "abada:agent".into(),
+            variables: Map::new(),
+            process_instance_id: None,
+            activity_id: None,
+            retries,
+            lock_expiration_time: None,
+            trace_parent: None,
+            attempt: None,
+            agent: None,
+        }
+    }
+
+    /// Issue 23 (9): `retries` is the engine's, so outside input; `i32::MIN - 1` wrapped to
+    /// `i32::MAX` (endless retries) in a release build and panicked in a debug one.
+    #[test]
+    fn retries_from_the_engine_are_clamped_before_any_arithmetic() {
+        let cases = [
+            (None, 3, 2),
+            (Some(3), 3, 2),
+            (Some(1), 1, 0),
+            (Some(0), 0, 0),
+            (Some(-1), 0, 0),
+            (Some(i32::MIN), 0, 0),
+            (Some(i32::MIN + 1), 0, 0),
+            (Some(MAX_RETRIES), MAX_RETRIES, MAX_RETRIES - 1),
+            (Some(MAX_RETRIES + 1), MAX_RETRIES, MAX_RETRIES - 1),
+            (Some(i32::MAX), MAX_RETRIES, MAX_RETRIES - 1),
+        ];
+        for (retries, unchanged, consumed) in cases {
+            let task = task_with_retries(retries);
+            assert_eq!(retries_unchanged(&task), unchanged, "{retries:?}");
+            assert_eq!(retries_consumed(&task), consumed, "{retries:?}");
+            assert_eq!(
+                Outcome::released(&task, "stop"),
+                Outcome::Failure {
+                    kind: FailureKind::Released,
+                    report: FailureReport {
+                        error_message: "stop".into(),
+                        error_details: String::new(),
+                        retries: unchanged,
+                        retry_timeout: Duration::ZERO,
+                    },
+                },
+                "{retries:?}"
+            );
+        }
     }
 
     #[test]

@@ -163,6 +163,8 @@ pub struct Metrics {
     pub model_call_duration: Family<ModelLabels, Histogram, fn() -> Histogram>,
     pub model_tokens: Family<ModelTokenLabels, Counter>,
     pub model_fallback_calls: Family<ModelRefLabels, Counter>,
+    /// A model's circuit opened: unavailable for every task of the worker (issue 23).
+    pub model_circuit_opened: Family<ModelRefLabels, Counter>,
     pub tool_calls: Family<ToolLabels, Counter>,
     /// Approval stops and decisions; a label per event only: agents and tools are on the
     /// journal and the logs, and the stops of one agent are few.
@@ -210,6 +212,7 @@ impl Metrics {
             ),
             model_tokens: Family::default(),
             model_fallback_calls: Family::default(),
+            model_circuit_opened: Family::default(),
             tool_calls: Family::default(),
             approvals: Family::default(),
             backoff_seconds: Gauge::default(),
@@ -304,6 +307,11 @@ impl Metrics {
             "abada_agent_model_fallback_calls",
             "Model calls to one of an agent's fallbackModels (its model failed first), by provider and model",
             m.model_fallback_calls.clone(),
+        );
+        registry.register(
+            "abada_agent_model_circuit_opened",
+            "Times a model was found unavailable for every task (its circuit opened: 429, 503, 529, unreachable, or failures of distinct tasks in a row), by provider and model",
+            m.model_circuit_opened.clone(),
         );
         registry.register(
             "abada_agent_tool_calls",
@@ -437,6 +445,14 @@ impl Metrics {
         self.model_call_duration
             .get_or_create(&labels)
             .observe(took);
+        if a.circuit_opened {
+            self.model_circuit_opened
+                .get_or_create(&ModelRefLabels {
+                    provider: provider.clone(),
+                    model: model.clone(),
+                })
+                .inc();
+        }
         if a.fallback_index > 0 {
             self.model_fallback_calls
                 .get_or_create(&ModelRefLabels {
@@ -495,6 +511,7 @@ mod tests {
                 output_tokens: 5,
             }),
             duration: Duration::from_millis(20),
+            circuit_opened: true,
         }
     }
 
@@ -515,6 +532,7 @@ mod tests {
             "abada_agent_model_calls_total{",
             "abada_agent_model_call_duration_seconds_count{",
             "abada_agent_model_fallback_calls_total{",
+            "abada_agent_model_circuit_opened_total{",
             "abada_agent_model_tokens_total{",
             "gen_ai_client_token_usage_count{",
             "gen_ai_client_operation_duration_seconds_count{",

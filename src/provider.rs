@@ -14,6 +14,7 @@ use crate::conversation::{AssistantMessage, Message, ToolSpec, Usage};
 use crate::secret::SecretSource;
 
 pub mod anthropic;
+pub mod circuit;
 pub mod fallback;
 mod http;
 pub mod openai;
@@ -187,8 +188,13 @@ pub enum ProviderError {
         provider: String,
         model: String,
         message: String,
+        /// The connection could not be made: the provider is unreachable for every request,
+        /// not failing this one ([`circuit::Signal::Unreachable`]).
+        connect: bool,
     },
-    /// The conversation does not fit the model's context window; another model may take it.
+    /// The conversation does not fit the model's context window (OpenAI
+    /// `context_length_exceeded`, Anthropic "prompt is too long", llama.cpp "Context size has
+    /// been exceeded" even as a 500): another model may take it; never retried or deferred.
     #[error("model {provider}/{model} refused the request as too long for its context: {message}")]
     ContextTooLong {
         provider: String,
@@ -272,10 +278,12 @@ pub fn parse_retry_after(
     Some(when.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
-/// Every configured provider, by name.
+/// Every configured provider, by name, and the circuit of every model they serve (shared by
+/// every clone: one per worker).
 #[derive(Clone, Default)]
 pub struct ProviderRegistry {
     providers: HashMap<String, Arc<dyn ModelProvider>>,
+    circuits: Arc<circuit::ModelCircuits>,
 }
 
 impl std::fmt::Debug for ProviderRegistry {
@@ -308,6 +316,17 @@ impl ProviderRegistry {
     /// Adds or replaces a provider (tests and the devkit plug fakes in here).
     pub fn insert(&mut self, name: impl Into<String>, provider: Arc<dyn ModelProvider>) {
         self.providers.insert(name.into(), provider);
+    }
+
+    /// The registry with its models' circuits under `policy` (tests shorten it).
+    pub fn with_circuit_policy(mut self, policy: circuit::CircuitPolicy) -> Self {
+        self.circuits = Arc::new(circuit::ModelCircuits::new(policy));
+        self
+    }
+
+    /// Whether each model is unavailable for everyone now (every task of the worker feeds it).
+    pub fn circuits(&self) -> &circuit::ModelCircuits {
+        &self.circuits
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<dyn ModelProvider>> {

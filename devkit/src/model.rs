@@ -174,6 +174,12 @@ pub enum Fault {
     TruncatedBody,
     /// Waits this long (longer than the client timeout) before answering normally.
     Hang(Duration),
+    /// The conversation does not fit the context, as the vendor of the wire format says it:
+    /// OpenAI 400 `context_length_exceeded`, Anthropic 400 "prompt is too long".
+    ContextExceeded,
+    /// llama.cpp's older answer to a conversation past its context: a 500 `server_error`
+    /// "Context size has been exceeded." (in either wire format's envelope).
+    LlamaCppContextExceeded,
 }
 
 /// How often a fault applies.
@@ -197,6 +203,8 @@ pub struct RecordedRequest {
 struct Shared {
     scripts: HashMap<String, Script>,
     faults: HashMap<String, Vec<(Fault, Option<u32>)>>,
+    /// Faults of one request: (model, text the request body must contain, fault, remaining).
+    request_faults: Vec<(String, String, Fault, Option<u32>)>,
     calls: HashMap<(String, WireFormat), u64>,
     requests: Vec<RecordedRequest>,
 }
@@ -293,6 +301,28 @@ impl ScriptedModel {
             .push((fault, remaining));
     }
 
+    /// Adds a fault for the requests of `model` whose body contains `needle` (a task's own
+    /// input, say): one poison request fails while the model answers every other. Checked
+    /// before the model's own faults.
+    pub fn inject_request_fault(
+        &self,
+        model: impl Into<String>,
+        needle: impl Into<String>,
+        fault: Fault,
+        times: FaultTimes,
+    ) {
+        let remaining = match times {
+            FaultTimes::Next(n) => Some(n),
+            FaultTimes::Always => None,
+        };
+        lock(&self.inner.shared).request_faults.push((
+            model.into(),
+            needle.into(),
+            fault,
+            remaining,
+        ));
+    }
+
     /// Calls of `model` are counted and recorded as they come, but answered only once
     /// [`ScriptedModel::release`] is called: a worker frozen inside its model call for exactly
     /// as long as a test needs, whatever the machine's load.
@@ -309,8 +339,11 @@ impl ScriptedModel {
         });
     }
 
+    /// Removes the faults of `model`, its requests' faults included.
     pub fn clear_faults(&self, model: &str) {
-        lock(&self.inner.shared).faults.remove(model);
+        let mut shared = lock(&self.inner.shared);
+        shared.faults.remove(model);
+        shared.request_faults.retain(|(m, ..)| m != model);
     }
 
     /// Calls received for `model`, in both formats, faulted ones included.
@@ -414,7 +447,8 @@ async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: 
                 })
                 .collect(),
         });
-        let fault = take_fault(&mut shared, &model);
+        let fault = take_request_fault(&mut shared, &model, &raw)
+            .or_else(|| take_fault(&mut shared, &model));
         let script = shared
             .scripts
             .get(&model)
@@ -450,6 +484,23 @@ async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: 
         return not_found(format, &model);
     };
     answer(format, &model, &script, &body, call_index)
+}
+
+fn take_request_fault(shared: &mut Shared, model: &str, raw: &[u8]) -> Option<Fault> {
+    let body = String::from_utf8_lossy(raw);
+    let index = shared
+        .request_faults
+        .iter()
+        .position(|(m, needle, ..)| m == model && body.contains(needle.as_str()))?;
+    let (_, _, fault, remaining) = &mut shared.request_faults[index];
+    let fault = fault.clone();
+    if let Some(n) = remaining {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            shared.request_faults.remove(index);
+        }
+    }
+    Some(fault)
 }
 
 fn take_fault(shared: &mut Shared, model: &str) -> Option<Fault> {
@@ -591,6 +642,27 @@ fn fault_response(
             )
                 .into_response()
         }
+        Fault::ContextExceeded if anthropic => error(
+            format,
+            400,
+            "invalid_request_error",
+            "prompt is too long: 208310 tokens > 200000 maximum",
+        ),
+        Fault::ContextExceeded => json_response(
+            400,
+            &error_body(
+                format,
+                "invalid_request_error",
+                Some("context_length_exceeded"),
+                &format!(
+                    "This model's maximum context length is 128000 tokens. However, your messages resulted in 131542 tokens ({model})."
+                ),
+            ),
+        ),
+        Fault::LlamaCppContextExceeded => json_response(
+            500,
+            &json!({"error": {"code": 500, "message": "Context size has been exceeded.", "type": "server_error"}}),
+        ),
         Fault::Hang(_) => error(format, 500, "api_error", "unreachable fault"),
     }
 }
@@ -900,5 +972,34 @@ mod tests {
             json!("${input.amountCents}")
         );
         assert_eq!(render("${input}", &plain, 1), "o-2");
+    }
+
+    #[test]
+    fn a_request_fault_hits_only_the_requests_that_hold_its_text_and_comes_first() {
+        let mut shared = Shared::default();
+        shared
+            .request_faults
+            .push(("m".into(), "poison-0".into(), Fault::ServerError, Some(2)));
+        shared
+            .faults
+            .insert("m".into(), vec![(Fault::Overloaded, None)]);
+        let poison = br#"{"model": "m", "messages": [{"role": "user", "content": "poison-0"}]}"#;
+        let healthy = br#"{"model": "m", "messages": [{"role": "user", "content": "healthy-0"}]}"#;
+        assert_eq!(take_request_fault(&mut shared, "m", healthy), None);
+        assert_eq!(take_request_fault(&mut shared, "other", poison), None);
+        assert_eq!(
+            take_request_fault(&mut shared, "m", poison),
+            Some(Fault::ServerError)
+        );
+        assert_eq!(
+            take_request_fault(&mut shared, "m", poison),
+            Some(Fault::ServerError)
+        );
+        assert_eq!(
+            take_request_fault(&mut shared, "m", poison),
+            None,
+            "used up"
+        );
+        assert_eq!(take_fault(&mut shared, "m"), Some(Fault::Overloaded));
     }
 }

@@ -25,6 +25,11 @@ pub const STATE_FINISHED: &str = "finished";
 pub const KIND_APPROVAL: &str = "approval";
 pub const STATE_REQUESTED: &str = "requested";
 pub const STATE_DECIDED: &str = "decided";
+/// A run-store-only kind (issue 23): the run was deferred (every model unavailable for
+/// everyone), counted so a run is deferred at most `ABADA_AGENT_MAX_DEFERRALS_PER_RUN` times.
+/// Never written to the engine's journal, whose kinds protocol.md B.2 fixes.
+pub const KIND_DEFERRAL: &str = "deferral";
+pub const STATE_RECORDED: &str = "recorded";
 
 /// The idempotency key of a keyed write: `abada:{taskId}:{seq of its started step}`, stable
 /// across attempts.
@@ -191,6 +196,21 @@ pub fn approval_decided_step(seq: u64, decision: &Decision) -> JournalStep {
     }
 }
 
+/// The run is deferred now, for the `deferral`-th time: every model was unavailable for
+/// everyone (`retryAfterMs` is what the engine was asked to wait).
+pub fn deferral_step(seq: u64, deferral: u32, retry_after: std::time::Duration) -> JournalStep {
+    JournalStep {
+        seq,
+        kind: KIND_DEFERRAL.into(),
+        state: STATE_RECORDED.into(),
+        key: None,
+        data: json!({
+            "deferral": deferral,
+            "retryAfterMs": u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX),
+        }),
+    }
+}
+
 /// Where the first pending call stands with a person.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ApprovalState {
@@ -259,6 +279,8 @@ pub struct Replayed {
     /// The `requestId` of every decision journaled in this run, in order: each answered its
     /// request once, and a decision naming one again performs nothing.
     pub consumed_requests: Vec<String>,
+    /// How many times the run was deferred (`deferral` steps; run store only).
+    pub deferrals: u32,
 }
 
 #[derive(Deserialize)]
@@ -416,6 +438,12 @@ impl Replayed {
                     self.consumed_requests.push(decision.request_id.clone());
                 }
                 self.approval = Some(next);
+            }
+            (KIND_DEFERRAL, STATE_RECORDED) => {
+                if self.input.is_none() {
+                    return Err(err("a deferral before the input step".into()));
+                }
+                self.deferrals = self.deferrals.saturating_add(1);
             }
             (kind, state) => {
                 return Err(err(format!("unknown step kind/state {kind}/{state}")));
@@ -650,6 +678,36 @@ mod tests {
         assert_eq!(r.usage.total(), 240);
         assert!(r.pending.is_empty());
         assert_eq!(r.final_answer.as_deref(), Some("{\"ok\":true}"));
+    }
+
+    #[test]
+    fn deferral_steps_are_counted_across_the_run_and_change_nothing_else() {
+        let d = deferral_step(2, 1, std::time::Duration::from_millis(1500));
+        assert_eq!(
+            (d.kind.as_str(), d.state.as_str()),
+            ("deferral", "recorded")
+        );
+        assert_eq!(d.data, json!({"deferral": 1, "retryAfterMs": 1500}));
+        let steps = vec![
+            input_step(1, "s", "i"),
+            deferral_step(2, 1, std::time::Duration::from_secs(1)),
+            deferral_step(3, 2, std::time::Duration::from_secs(1)),
+            model_step(
+                4,
+                "q/n",
+                &answer(vec![], Some("done")),
+                Usage::default(),
+                "stop",
+            ),
+        ];
+        let r = Replayed::from_steps(&steps).unwrap();
+        assert_eq!(r.deferrals, 2);
+        assert_eq!(r.turns, 1);
+        assert_eq!(r.next_seq, 5);
+        assert_eq!(r.final_answer.as_deref(), Some("done"));
+        // Before the input step, a deferral is a journal that broke the contract.
+        let err = Replayed::from_steps(&[deferral_step(1, 1, Default::default())]).unwrap_err();
+        assert!(err.reason.contains("before the input step"), "{err}");
     }
 
     #[test]

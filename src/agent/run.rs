@@ -27,7 +27,7 @@ use crate::handler::{
 use crate::metrics::ToolLabels;
 use crate::metrics::labels::DeclaredNames;
 use crate::provider::ModelRequest;
-use crate::provider::fallback::{CallAttempt, ModelCallError, call_with_fallback_observed};
+use crate::provider::fallback::{CallAttempt, ModelCallError, call_models};
 use crate::secret::Secret;
 use crate::store::{
     ClaimRefusal, Claimant, ErrorClass, Fence, RunEnd, RunKey, RunStore, StoreError,
@@ -835,17 +835,21 @@ impl<'a> Attempt<'a> {
             }
         };
         let result = tokio::select! {
-            r = call_with_fallback_observed(
+            r = call_models(
                 &self.rt.providers,
                 &self.def.models,
                 &request,
                 &self.rt.settings.model_retry,
+                &self.task.id,
                 &mut observe,
             ) => r,
             _ = self.ctx.stopped() => return Err(self.released()),
         };
         self.unanswered_model_calls += unanswered;
-        let (model, response) = result.map_err(|e| self.model_error(e))?;
+        let (model, response) = match result {
+            Ok(answered) => answered,
+            Err(e) => return Err(self.model_error(e).await),
+        };
         // Nothing of an answer over a limit is journaled or performed.
         let writes = self.keyed_writes_in(&response.message.tool_calls);
         self.limits
@@ -893,10 +897,30 @@ impl<'a> Attempt<'a> {
         u32::try_from(n).unwrap_or(u32::MAX)
     }
 
-    fn model_error(&self, e: ModelCallError) -> Outcome {
+    /// How a model call that got no answer ends the attempt. A deferral (retries kept) only
+    /// while every model of the chain is unavailable for everyone; with the run store, at most
+    /// `ABADA_AGENT_MAX_DEFERRALS_PER_RUN` times per run, each journaled before it is reported.
+    async fn model_error(&mut self, e: ModelCallError) -> Outcome {
         match e {
             ModelCallError::AllUnavailable { retry_after, .. } => {
-                tracing::warn!(error = %e, retry_after_ms = retry_after.as_millis() as u64, "every model is unavailable; deferring the attempt without consuming a retry");
+                if self.journal == JournalHome::Store {
+                    let deferral = self.state.deferrals.saturating_add(1);
+                    let max = self.rt.max_deferrals_per_run;
+                    if deferral > max {
+                        return incident(
+                            "the run was deferred too often",
+                            format!(
+                                "the run was deferred {} times because every model was unavailable, the most ABADA_AGENT_MAX_DEFERRALS_PER_RUN allows ({max}); the last time: {e}. Check the models' availability, then retry the incident",
+                                self.state.deferrals
+                            ),
+                        );
+                    }
+                    let step = journal::deferral_step(self.state.next_seq, deferral, retry_after);
+                    if let Err(outcome) = self.journal(step).await {
+                        return outcome;
+                    }
+                }
+                tracing::warn!(error = %e, retry_after_ms = retry_after.as_millis() as u64, deferrals = self.state.deferrals, "every model is unavailable for every task; deferring the attempt without consuming a retry");
                 Outcome::Failure {
                     kind: FailureKind::Deferred,
                     report: FailureReport {
@@ -919,9 +943,11 @@ impl<'a> Attempt<'a> {
             {
                 incident("the model's answer is too large", e.to_string())
             }
-            ModelCallError::Task { .. } | ModelCallError::ContextTooLong { .. } => {
-                incident("the model refused the request", e.to_string())
-            }
+            ModelCallError::ContextTooLong { .. } => incident(
+                "the conversation is too long for the model's context window",
+                e.to_string(),
+            ),
+            ModelCallError::Task { .. } => incident("the model refused the request", e.to_string()),
         }
     }
 

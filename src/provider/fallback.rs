@@ -1,23 +1,32 @@
 //! THE retry loop for model calls: the agent's model, then its `fallbackModels`, with a
 //! bounded backoff on transient failures (protocol.md Part C). No adapter retries beneath it.
+//! Every call feeds the model's circuit ([`super::circuit`]), shared by the tasks of the
+//! worker; a model whose circuit is open is not called.
 //!
 //! | failure | what happens |
 //! | --- | --- |
-//! | `Unavailable` (429, 503, 529, overloaded) | next model at once; its Retry-After is kept |
-//! | `Transient`, `Malformed` | same model again after a backoff, `transient_retries` times, then next model |
+//! | `Unavailable` (429, 503, 529, overloaded) | next model at once; the circuit opens for its Retry-After |
+//! | `Transient`, `Malformed` | same model again after a backoff, `transient_retries` times (unless its circuit opened meanwhile), then next model |
 //! | `ContextTooLong`, `Setup` | next model |
 //! | `Rejected` | stop: a hard error of the task |
 //!
-//! When no model answered: any technical failure (malformed answers after retries, an unreadable
-//! key) makes [`ModelCallError::Technical`]; else any unavailable model (including one still
-//! failing transiently after its retries) makes [`ModelCallError::AllUnavailable`] with the earliest Retry-After (a
-//! deferral may find it free); else every model found the conversation too long.
+//! When no model answered, in this order (issue 23, finding 6: a deferral is for an outage,
+//! never for one request):
+//! 1. a technical failure (malformed answers after retries, an unreadable key):
+//!    [`ModelCallError::Technical`];
+//! 2. a model said the conversation is too long for it: [`ModelCallError::ContextTooLong`],
+//!    an end with that reason, never a deferral;
+//! 3. every model of the chain is unavailable for everyone (its circuit is open):
+//!    [`ModelCallError::AllUnavailable`], until the earliest circuit may close;
+//! 4. else a model failed this request while it serves others (or no other task has shown
+//!    otherwise yet): [`ModelCallError::Technical`], the task's own failure (a retry consumed).
 
 use std::time::Duration;
 
 use rand::Rng;
 use tracing::Instrument;
 
+use super::circuit::{Change, Signal};
 use super::{ModelRef, ModelRequest, ModelResponse, ProviderError, ProviderRegistry};
 use crate::conversation::Usage;
 use crate::telemetry::spans;
@@ -81,6 +90,8 @@ pub struct CallAttempt {
     pub usage: Option<Usage>,
     /// How long the call took.
     pub duration: Duration,
+    /// This call's outcome opened the model's circuit: unavailable for every task now.
+    pub circuit_opened: bool,
 }
 
 /// Why no model answered.
@@ -103,18 +114,20 @@ pub enum ModelCallError {
         #[source]
         source: Box<ProviderError>,
     },
-    /// Every model was rate-limited or overloaded (or too small for the context): defer the
-    /// task for `retry_after`, without consuming an attempt.
+    /// Every model of the chain is unavailable for everyone (its circuit is open): defer the
+    /// task for `retry_after` (until the earliest circuit may close), without consuming a retry.
     #[error("every model is unavailable now; try again in {retry_after:?} (last: {last})")]
     AllUnavailable {
         retry_after: Duration,
         last: Box<ProviderError>,
     },
-    /// Models failed technically (transient or malformed after retries, unreadable key).
+    /// Models failed technically (transient or malformed after retries, unreadable key) while
+    /// not every one is unavailable for everyone: the task's failure, a retry consumed.
     #[error("no model answered after retries: {last}")]
     Technical { last: Box<ProviderError> },
-    /// Every model said the conversation is longer than its context window.
-    #[error("the conversation is too long for every model: {last}")]
+    /// A model said the conversation is longer than its context window, and no other answered:
+    /// the task ends with that reason (retrying or deferring the same conversation cannot help).
+    #[error("the conversation is too long for the model's context: {last}")]
     ContextTooLong { last: Box<ProviderError> },
 }
 
@@ -129,12 +142,27 @@ pub async fn call_with_fallback(
     call_with_fallback_observed(registry, models, request, policy, &mut |_| {}).await
 }
 
-/// [`call_with_fallback`], reporting every single call to `observe` as it ends.
+/// [`call_with_fallback`], reporting every single call to `observe` as it ends. The calls are
+/// made for one anonymous requester (see [`call_models`]).
 pub async fn call_with_fallback_observed(
     registry: &ProviderRegistry,
     models: &[ModelRef],
     request: &ModelRequest,
     policy: &RetryPolicy,
+    observe: &mut (dyn FnMut(&CallAttempt) + Send),
+) -> Result<(ModelRef, ModelResponse), ModelCallError> {
+    call_models(registry, models, request, policy, "", observe).await
+}
+
+/// [`call_with_fallback_observed`] for `requester` (the task the calls are made for): the
+/// circuit counts failed calls by distinct requester, so one request that fails every time
+/// never makes its model unavailable for the others.
+pub async fn call_models(
+    registry: &ProviderRegistry,
+    models: &[ModelRef],
+    request: &ModelRequest,
+    policy: &RetryPolicy,
+    requester: &str,
     observe: &mut (dyn FnMut(&CallAttempt) + Send),
 ) -> Result<(ModelRef, ModelResponse), ModelCallError> {
     if models.is_empty() {
@@ -152,12 +180,24 @@ pub async fn call_with_fallback_observed(
             }
         }
     }
+    let circuits = registry.circuits();
     let mut req = request.clone();
-    let mut earliest_retry_after: Option<Duration> = None;
-    let mut unavailable = 0usize;
     let mut technical = 0usize;
+    let mut too_long = 0usize;
     let mut last: Option<ProviderError> = None;
     for (fallback_index, (model, provider)) in models.iter().zip(providers).enumerate() {
+        let now = tokio::time::Instant::now();
+        if let Some(until) = circuits.open_until(model, now) {
+            tracing::debug!(model = %model, open_for_ms = duration_ms(until - now), "the model is unavailable for every task now (its circuit is open): not called");
+            last.get_or_insert_with(|| ProviderError::Unavailable {
+                provider: model.provider.clone(),
+                model: model.model.clone(),
+                status: None,
+                message: "unavailable for every task of this worker (its circuit is open)".into(),
+                retry_after: Some(until - now),
+            });
+            continue;
+        }
         req.model = model.model.clone();
         let mut retries = 0u32;
         let provider_name = provider.semconv_name().unwrap_or(&model.provider);
@@ -191,8 +231,15 @@ pub async fn call_with_fallback_observed(
                 Err(e) => spans::record_chat_error(&span, e.outcome()),
             }
             drop(span);
+            let duration = started.elapsed();
+            let now = tokio::time::Instant::now();
+            let signal = match &result {
+                Ok(_) => Signal::Answered,
+                Err(e) => Signal::of(e),
+            };
+            let change = circuits.record(model, requester, signal, now, policy.unavailable_default);
             observe(&CallAttempt {
-                duration: started.elapsed(),
+                duration,
                 model: model.clone(),
                 provider_name: provider_name.to_string(),
                 fallback_index,
@@ -201,32 +248,37 @@ pub async fn call_with_fallback_observed(
                     Err(e) => e.outcome(),
                 },
                 usage: result.as_ref().ok().and_then(|r| r.usage),
+                circuit_opened: matches!(change, Change::Opened { .. }),
             });
+            match change {
+                Change::Opened { until } => {
+                    tracing::warn!(model = %model, open_for_ms = duration_ms(until - now), "the model is unavailable for every task: its circuit opens");
+                }
+                Change::Closed => {
+                    tracing::info!(model = %model, "the model answers again: its circuit closes")
+                }
+                Change::None => {}
+            }
             let error = match result {
                 Ok(response) => return Ok((model.clone(), response)),
                 Err(e) => e,
             };
+            let open = circuits.open_until(model, now).is_some();
             match &error {
-                ProviderError::Unavailable { retry_after, .. } => {
-                    unavailable += 1;
-                    if let Some(ra) = retry_after {
-                        earliest_retry_after =
-                            Some(earliest_retry_after.map_or(*ra, |e| e.min(*ra)));
-                    }
-                }
+                ProviderError::Unavailable { .. } => {}
                 ProviderError::Transient { .. } | ProviderError::Malformed { .. }
-                    if retries < policy.transient_retries =>
+                    if retries < policy.transient_retries && !open =>
                 {
                     tracing::warn!(model = %model, error = %error, retry = retries + 1, "model call failed, retrying");
                     tokio::time::sleep(policy.backoff(retries)).await;
                     retries += 1;
                     continue;
                 }
-                // Issue 3: a model still failing transiently after its retries is unavailable
-                // now (a deferral may find it back), not a technical error of the task.
-                ProviderError::Transient { .. } => unavailable += 1,
+                // Issue 23 (6): a model still failing after its retries is this request's
+                // failure unless its circuit says it is down for everyone (decided below).
+                ProviderError::Transient { .. } => {}
                 ProviderError::Malformed { .. } | ProviderError::Setup { .. } => technical += 1,
-                ProviderError::ContextTooLong { .. } => {}
+                ProviderError::ContextTooLong { .. } => too_long += 1,
                 ProviderError::Rejected { .. } | ProviderError::TooLarge { .. } => {
                     return Err(ModelCallError::Task {
                         model: model.clone(),
@@ -239,17 +291,31 @@ pub async fn call_with_fallback_observed(
             break;
         }
     }
-    let last = Box::new(last.expect("at least one model was tried and failed"));
-    Err(if technical > 0 {
-        ModelCallError::Technical { last }
-    } else if unavailable > 0 {
-        ModelCallError::AllUnavailable {
-            retry_after: earliest_retry_after.unwrap_or(policy.unavailable_default),
+    let last = Box::new(last.expect("at least one model was tried or skipped"));
+    if technical > 0 {
+        return Err(ModelCallError::Technical { last });
+    }
+    if too_long > 0 {
+        return Err(ModelCallError::ContextTooLong { last });
+    }
+    // A deferral only while every model of the chain is unavailable for everyone.
+    let now = tokio::time::Instant::now();
+    let reopens = models
+        .iter()
+        .map(|m| circuits.open_until(m, now))
+        .collect::<Option<Vec<_>>>()
+        .and_then(|untils| untils.into_iter().min());
+    Err(match reopens {
+        Some(until) => ModelCallError::AllUnavailable {
+            retry_after: until - now,
             last,
-        }
-    } else {
-        ModelCallError::ContextTooLong { last }
+        },
+        None => ModelCallError::Technical { last },
     })
+}
+
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

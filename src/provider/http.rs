@@ -126,6 +126,7 @@ impl HttpCore {
             provider: self.settings.name.clone(),
             model: model.to_string(),
             message: format!("{what} {url}: {}", describe(&e)),
+            connect: e.is_connect(),
         };
         let response = self
             .http
@@ -209,23 +210,26 @@ impl HttpCore {
                 retry_after: parse_retry_after(headers, SystemTime::now()),
             };
         }
+        // Issue 23 (6): llama.cpp answers a conversation longer than its context with a 500
+        // ("Context size has been exceeded."), newer versions with `exceed_context_size_error`.
+        // It is the request's fault, not the server's: retrying or deferring it cannot help.
+        if status == 413
+            || (status == 400
+                && context_overflow_4xx(error_type.as_deref(), code.as_deref(), &lower))
+            || (status >= 500 && context_overflow_5xx(error_type.as_deref(), &lower))
+        {
+            return ProviderError::ContextTooLong {
+                provider,
+                model,
+                message,
+            };
+        }
         if status == 408 || status >= 500 {
             return ProviderError::Transient {
                 provider,
                 model,
                 message: format!("HTTP {status}: {message}"),
-            };
-        }
-        let context_too_long = code.as_deref() == Some("context_length_exceeded")
-            || lower.contains("prompt is too long")
-            || lower.contains("context length")
-            || lower.contains("context window")
-            || lower.contains("context_length_exceeded");
-        if status == 413 || (status == 400 && context_too_long) {
-            return ProviderError::ContextTooLong {
-                provider,
-                model,
-                message,
+                connect: false,
             };
         }
         if (400..500).contains(&status) {
@@ -242,6 +246,29 @@ impl HttpCore {
             message: format!("unexpected HTTP {status}: {message}"),
         }
     }
+}
+
+/// A 400 that says the conversation does not fit the model's context: OpenAI's
+/// `context_length_exceeded` code, Anthropic's "prompt is too long", llama.cpp's
+/// `exceed_context_size_error` ("... exceeds the available context size ..."), and the wording
+/// of OpenAI-compatible servers that send no code ("maximum context length", "context window").
+fn context_overflow_4xx(error_type: Option<&str>, code: Option<&str>, lower: &str) -> bool {
+    code == Some("context_length_exceeded")
+        || error_type == Some("exceed_context_size_error")
+        || lower.contains("prompt is too long")
+        || lower.contains("context length")
+        || lower.contains("context window")
+        || lower.contains("context_length_exceeded")
+        || lower.contains("exceeds the available context size")
+}
+
+/// A 5xx that is in truth a context overflow, named exactly: llama.cpp's older
+/// "Context size has been exceeded." (a 500 `server_error`) and its `exceed_context_size_error`
+/// type. Nothing vaguer: any other 5xx stays a failure worth retrying.
+fn context_overflow_5xx(error_type: Option<&str>, lower: &str) -> bool {
+    error_type == Some("exceed_context_size_error")
+        || lower.contains("context size has been exceeded")
+        || lower.contains("exceeds the available context size")
 }
 
 /// `error.type`, `error.code` and `error.message` of an OpenAI (`{"error": {..}}`) or Anthropic

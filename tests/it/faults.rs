@@ -269,10 +269,12 @@ async fn responses_dropped_after_the_command_committed_are_replayed_not_redone()
         "slowish",
         refund_script().with_latency(Duration::from_millis(500)),
     );
-    // A model that always fails: its task ends in a technical failure, whose answer is dropped.
+    // A model that fails the first attempt's call and its two retries: that task ends in a
+    // technical failure (its own: the model serves it alone), whose answer is dropped. Only that
+    // attempt: a failure consumes a retry now (issue 23), and three would be an incident.
     s.model.set_script("broken", refund_script());
     s.model
-        .inject_fault("broken", ModelFault::ServerError, FaultTimes::Always);
+        .inject_fault("broken", ModelFault::ServerError, FaultTimes::Next(3));
     let ids = refund_tasks(&s, "drop", 3, "openai/slowish", &[]);
     let failing = refund_tasks(&s, "dropf", 1, "openai/broken", &[]);
     let w = worker(&s, "w-drop", 4, LOCK, settings());
@@ -307,8 +309,9 @@ async fn responses_dropped_after_the_command_committed_are_replayed_not_redone()
     assert_eq!(count(Disposition::Replayed), 1, "{first:?}");
     assert_eq!(
         view.retries,
-        Some(3),
-        "every model unavailable: deferred, retries kept"
+        Some(2),
+        "one task's model failing while others are served: its own failure, one retry consumed \
+         (issue 23: never a deferral)"
     );
     let dropped: HashSet<Operation> = s
         .engine
@@ -608,6 +611,165 @@ async fn provider_429_and_529_fall_back_and_every_model_unavailable_defers() {
     s.model.clear_faults("down1");
     wait_completed(&s, &down).await;
     finish(&s, vec![w], Expect::default(), "provider 429/529/503").await;
+}
+
+/// The deferrals a worker reported, by task.
+fn deferrals(recorder: &Recorder, task: &str) -> usize {
+    recorder
+        .events()
+        .iter()
+        .filter(|e| {
+            matches!(e, RunnerEvent::TaskEnded { task_id, outcome: TaskEnd::Deferred, .. }
+                if task_id == task)
+        })
+        .count()
+}
+
+/// Issue 23 (6), the attacker's test: one request that the model answers with a 500 every
+/// time (llama.cpp did, for a conversation past its context), beside tasks the same model
+/// answers. It consumes its retries and ends in an incident, never deferred; the others complete.
+/// On the old worker it was deferred "without consuming a retry" again and again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_request_beside_healthy_ones_consumes_its_retries_and_is_never_deferred() {
+    let s = stack().await;
+    s.model.set_script("shared", refund_script());
+    s.model.inject_request_fault(
+        "shared",
+        "poison-0",
+        ModelFault::ServerError,
+        FaultTimes::Always,
+    );
+    let healthy = refund_tasks(&s, "healthy", 4, "openai/shared", &[]);
+    let poison = refund_tasks(&s, "poison", 1, "openai/shared", &[]);
+    let (w, recorder) = worker(&s, "w-poison", 4, LOCK, settings());
+    wait_completed(&s, &healthy).await;
+    let failed = wait_tasks(&s, &poison, "the poison task's incident", |t| {
+        t.status == TaskStatus::Failed
+    })
+    .await;
+    assert_eq!(failed[0].retries, Some(0));
+    assert_eq!(
+        failed[0].counters.failures, 3,
+        "3, 2, 1, then the incident: one retry consumed per attempt"
+    );
+    assert!(
+        failed[0]
+            .error_message
+            .as_deref()
+            .is_some_and(|m| m.contains("HTTP 500")),
+        "{:?}",
+        failed[0].error_message
+    );
+    assert_eq!(deferrals(&recorder, &poison[0]), 0, "never deferred");
+    for id in &healthy {
+        assert_eq!(deferrals(&recorder, id), 0, "{id}");
+    }
+    finish(&s, vec![(w, recorder)], Expect::default(), "poison request").await;
+}
+
+/// The other side of issue 23 (6): a model that fails every task (an outage answering 500)
+/// is down for everyone once distinct tasks failed in a row: the tasks are deferred with their
+/// retries kept (at most the first ones, before the circuit knew, consumed one), and all
+/// complete once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_failing_every_task_defers_them_with_their_retries_until_it_is_back() {
+    let s = stack().await;
+    s.model.set_script("out500", refund_script());
+    s.model
+        .inject_fault("out500", ModelFault::ServerError, FaultTimes::Always);
+    let ids = refund_tasks(&s, "out", 4, "openai/out500", &[]);
+    let (w, recorder) = worker(&s, "w-out500", 4, LOCK, settings());
+    within(
+        "two deferrals of every task",
+        recorder.wait_until(|ev| {
+            ids.iter().all(|id| {
+                ev.iter()
+                    .filter(|e| matches!(e, RunnerEvent::TaskEnded { task_id, outcome: TaskEnd::Deferred, .. } if task_id == id))
+                    .count()
+                    >= 2
+            })
+        }),
+    )
+    .await;
+    for view in ids.iter().filter_map(|id| s.engine.task(id)) {
+        assert!(
+            view.retries >= Some(2),
+            "task {}: at most one retry consumed before the circuit opened ({:?})",
+            view.id,
+            view.retries
+        );
+    }
+    let opened = w
+        .metrics
+        .encode()
+        .lines()
+        .find(|l| {
+            l.starts_with("abada_agent_model_circuit_opened_total{")
+                && l.contains("model=\"out500\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert!(
+        opened >= Some(1.0),
+        "the circuit's opening is counted: {opened:?}"
+    );
+    s.model.clear_faults("out500");
+    let views = wait_completed(&s, &ids).await;
+    assert!(views.iter().all(|v| v.retries >= Some(2)), "{views:?}");
+    finish(
+        &s,
+        vec![(w, recorder)],
+        Expect::default(),
+        "model down for everyone",
+    )
+    .await;
+}
+
+/// Issue 23 (6): a conversation past the model's context, in each wire format's own words
+/// (llama.cpp's is a 500), ends the task at once as an incident that says so: not retried,
+/// not deferred.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_context_overflow_in_every_wire_format_is_an_incident_without_retry_or_deferral() {
+    let s = stack().await;
+    let cases = [
+        ("ctxo", "openai/ctxo", ModelFault::ContextExceeded),
+        ("ctxa", "anthropic/ctxa", ModelFault::ContextExceeded),
+        ("ctxl", "openai/ctxl", ModelFault::LlamaCppContextExceeded),
+        (
+            "ctxla",
+            "anthropic/ctxla",
+            ModelFault::LlamaCppContextExceeded,
+        ),
+    ];
+    let mut ids = Vec::new();
+    for (name, model, fault) in &cases {
+        s.model.set_script(*name, refund_script());
+        s.model
+            .inject_fault(*name, fault.clone(), FaultTimes::Always);
+        ids.extend(refund_tasks(&s, name, 1, model, &[]));
+    }
+    let (w, recorder) = worker(&s, "w-ctx", 4, LOCK, settings());
+    let views = wait_tasks(&s, &ids, "the incidents", |t| {
+        t.status == TaskStatus::Failed
+    })
+    .await;
+    for ((name, ..), view) in cases.iter().zip(&views) {
+        assert_eq!(view.retries, Some(0), "{name}: an incident");
+        assert_eq!(view.counters.failures, 1, "{name}: reported once");
+        assert_eq!(s.model.calls(name), 1, "{name}: never retried");
+        assert_eq!(deferrals(&recorder, &view.id), 0, "{name}: never deferred");
+        let message = view.error_message.as_deref().unwrap_or_default();
+        assert!(
+            message.contains("too long for the model's context"),
+            "{name}: {message}"
+        );
+    }
+    finish(
+        &s,
+        vec![(w, recorder)],
+        Expect::default(),
+        "context overflow",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

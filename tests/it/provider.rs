@@ -14,7 +14,8 @@ use abada_agent_worker::devkit::model::{
     Fault, FaultTimes, Script, ScriptedModel, Turn, WireFormat,
 };
 use abada_agent_worker::provider::fallback::{
-    CallAttempt, ModelCallError, RetryPolicy, call_with_fallback, call_with_fallback_observed,
+    CallAttempt, ModelCallError, RetryPolicy, call_models, call_with_fallback,
+    call_with_fallback_observed,
 };
 use abada_agent_worker::provider::{
     ModelProvider, ModelRef, ModelRequest, ModelResponse, ProviderError, ProviderKind,
@@ -538,6 +539,33 @@ async fn errors_are_classified_for_the_retry_loop() {
             "openai/error_400_invalid_request.json",
             "rejected",
         ),
+        // Issue 23 (6): llama.cpp's context overflow, as a 500 (older servers) and as
+        // `exceed_context_size_error` (newer ones, also seen behind a 500-answering proxy).
+        case(
+            OpenAi,
+            500,
+            "openai/error_500_llamacpp_context_size.json",
+            "context_too_long",
+        ),
+        case(
+            OpenAi,
+            400,
+            "openai/error_400_llamacpp_exceed_context_size.json",
+            "context_too_long",
+        ),
+        case(
+            OpenAi,
+            500,
+            "openai/error_400_llamacpp_exceed_context_size.json",
+            "context_too_long",
+        ),
+        // A vaguer 5xx that mentions the context is not taken for an overflow.
+        Case {
+            body:
+                r#"{"error": {"message": "context window cache failed", "type": "server_error"}}"#
+                    .into(),
+            ..case(OpenAi, 500, "openai/error_500_server.json", "transient")
+        },
         case(OpenAi, 401, "openai/error_401_invalid_key.json", "rejected"),
         Case {
             headers: vec![("retry-after", "30".into())],
@@ -836,6 +864,7 @@ fn transient() -> ProviderError {
         provider: "f".into(),
         model: "m".into(),
         message: "HTTP 500".into(),
+        connect: false,
     }
 }
 
@@ -952,8 +981,10 @@ async fn transient_failures_are_retried_with_backoff_on_the_same_model() {
     assert_eq!(start.elapsed(), Duration::from_secs(3));
 }
 
+/// Issue 23 (6): a model still failing one request after its retries is not down for
+/// everyone (one requester's failures never open its circuit): the task's own failure.
 #[tokio::test(start_paused = true)]
-async fn exhausted_transient_retries_move_on_and_count_as_unavailable() {
+async fn exhausted_transient_retries_move_on_and_are_the_tasks_failure() {
     let a = Fake::new(vec![]);
     let b = Fake::new(vec![Err(unavailable(Some(5)))]);
     let (r, models) = two(&a, &b);
@@ -962,12 +993,10 @@ async fn exhausted_transient_retries_move_on_and_count_as_unavailable() {
         .unwrap_err();
     assert_eq!(a.calls(), 3);
     assert_eq!(b.calls(), 1);
-    match err {
-        ModelCallError::AllUnavailable { retry_after, .. } => {
-            assert_eq!(retry_after, Duration::from_secs(5))
-        }
-        other => panic!("expected a deferral, got {other}"),
-    }
+    assert!(
+        matches!(err, ModelCallError::Technical { .. }),
+        "expected the task's failure, got {err}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -1003,7 +1032,7 @@ async fn all_unavailable_defers_by_the_earliest_retry_after() {
     }
 
     let a = Fake::new(vec![Err(unavailable(None))]);
-    let b = Fake::new(vec![Err(too_long())]);
+    let b = Fake::new(vec![Err(unavailable(None))]);
     let (r, models) = two(&a, &b);
     let err = call_with_fallback(&r, &models, &request(), &policy())
         .await
@@ -1014,6 +1043,23 @@ async fn all_unavailable_defers_by_the_earliest_retry_after() {
         }
         other => panic!("{other}"),
     }
+}
+
+/// Issue 23 (6): a model too small for the conversation beside a busy one is no outage: the
+/// task ends for its context, never a deferral.
+#[tokio::test(start_paused = true)]
+async fn context_too_long_beside_a_busy_model_ends_for_the_context_not_in_a_deferral() {
+    let a = Fake::new(vec![Err(unavailable(None))]);
+    let b = Fake::new(vec![Err(too_long())]);
+    let (r, models) = two(&a, &b);
+    let err = call_with_fallback(&r, &models, &request(), &policy())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ModelCallError::ContextTooLong { .. }),
+        "{err}"
+    );
+    assert_eq!(b.calls(), 1, "not retried");
 }
 
 #[tokio::test(start_paused = true)]
@@ -1036,6 +1082,203 @@ async fn context_too_long_falls_back_and_ends_as_its_own_error() {
         matches!(err, ModelCallError::ContextTooLong { .. }),
         "{err}"
     );
+}
+
+/// A model that fails every request whose conversation holds "poison" (HTTP 500, as llama.cpp
+/// or a gateway does for one bad request), and answers every other; or fails them all.
+struct Selective {
+    fail_all: Mutex<bool>,
+    calls: Mutex<Vec<String>>,
+}
+
+impl Selective {
+    fn new() -> Arc<Self> {
+        Arc::new(Selective {
+            fail_all: Mutex::new(false),
+            calls: Mutex::new(Vec::new()),
+        })
+    }
+    fn set_down(&self, down: bool) {
+        *self.fail_all.lock().unwrap() = down;
+    }
+    fn calls(&self) -> usize {
+        self.calls.lock().unwrap().len()
+    }
+}
+
+#[async_trait]
+impl ModelProvider for Selective {
+    async fn complete(&self, req: &ModelRequest) -> Result<ModelResponse, ProviderError> {
+        let text = match req.messages.first() {
+            Some(Message::User { text }) => text.clone(),
+            _ => String::new(),
+        };
+        self.calls.lock().unwrap().push(text.clone());
+        if *self.fail_all.lock().unwrap() || text.contains("poison") {
+            return Err(transient());
+        }
+        answer("fine")
+    }
+}
+
+fn request_of(text: &str) -> ModelRequest {
+    ModelRequest {
+        model: "ignored".into(),
+        messages: vec![Message::User { text: text.into() }],
+        ..ModelRequest::default()
+    }
+}
+
+async fn call_as(
+    r: &ProviderRegistry,
+    models: &[ModelRef],
+    requester: &str,
+    text: &str,
+) -> Result<(ModelRef, ModelResponse), ModelCallError> {
+    call_models(
+        r,
+        models,
+        &request_of(text),
+        &policy(),
+        requester,
+        &mut |_| {},
+    )
+    .await
+}
+
+/// Issue 23 (6), the attacker's case: one request that fails with a 500 every time, beside
+/// tasks the same model answers, is retried within its attempt and then is that task's failure,
+/// again and again: never a deferral, and the model stays available to the others.
+#[tokio::test(start_paused = true)]
+async fn a_poison_request_beside_healthy_ones_is_the_tasks_failure_never_a_deferral() {
+    let m = Selective::new();
+    let mut r = ProviderRegistry::default();
+    r.insert("a", m.clone());
+    let models = vec![ModelRef::parse("a/one").unwrap()];
+    for round in 0..10 {
+        let err = call_as(&r, &models, "poison-task", "poison")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ModelCallError::Technical { .. }),
+            "round {round}: {err}"
+        );
+        for healthy in ["h1", "h2"] {
+            call_as(&r, &models, healthy, "hello").await.unwrap();
+        }
+    }
+    // Even with nobody answered between, one requester alone never opens the circuit.
+    for _ in 0..5 {
+        let err = call_as(&r, &models, "poison-task", "poison")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ModelCallError::Technical { .. }), "{err}");
+    }
+    assert_eq!(
+        r.circuits()
+            .open_until(&models[0], tokio::time::Instant::now()),
+        None
+    );
+    assert_eq!(m.calls(), 10 * (3 + 2) + 5 * 3);
+}
+
+/// While a model fails every task (an outage that answers 500), distinct tasks failing in a row
+/// open its circuit: from then on every task is deferred for the open period, without a call,
+/// until the period is over and an answer closes it.
+#[tokio::test(start_paused = true)]
+async fn a_model_failing_every_task_opens_its_circuit_and_defers_them_all() {
+    let m = Selective::new();
+    m.set_down(true);
+    let mut r = ProviderRegistry::default();
+    r.insert("a", m.clone());
+    let models = vec![ModelRef::parse("a/one").unwrap()];
+    for t in ["t1", "t2"] {
+        let err = call_as(&r, &models, t, "hello").await.unwrap_err();
+        assert!(
+            matches!(err, ModelCallError::Technical { .. }),
+            "{t}: {err}"
+        );
+    }
+    // The third distinct task's failure opens it: that task is deferred, retries kept.
+    let err = call_as(&r, &models, "t3", "hello").await.unwrap_err();
+    match err {
+        ModelCallError::AllUnavailable { retry_after, .. } => {
+            assert_eq!(retry_after, Duration::from_secs(60))
+        }
+        other => panic!("expected a deferral, got {other}"),
+    }
+    let calls = m.calls();
+    tokio::time::advance(Duration::from_secs(20)).await;
+    let err = call_as(&r, &models, "t4", "hello").await.unwrap_err();
+    match err {
+        ModelCallError::AllUnavailable { retry_after, .. } => {
+            assert_eq!(
+                retry_after,
+                Duration::from_secs(40),
+                "until the circuit may close"
+            )
+        }
+        other => panic!("expected a deferral, got {other}"),
+    }
+    assert_eq!(m.calls(), calls, "an open model is not called");
+    // The model is back: past the open period, the next call goes through and closes it.
+    m.set_down(false);
+    tokio::time::advance(Duration::from_secs(41)).await;
+    call_as(&r, &models, "t1", "hello").await.unwrap();
+    assert_eq!(r.circuits().tracked(), 0);
+}
+
+/// A busy answer (429 with Retry-After) from one task holds the model off for every task until
+/// then: the next task goes to the fallback without calling it, and is deferred when the
+/// fallback is busy too.
+#[tokio::test(start_paused = true)]
+async fn a_busy_model_is_skipped_by_every_task_until_its_retry_after() {
+    let a = Fake::new(vec![Err(unavailable(Some(30)))]);
+    let b = Fake::new(vec![answer("from b"), Err(unavailable(Some(10)))]);
+    let (r, models) = two(&a, &b);
+    let (used, _) = call_models(&r, &models, &request(), &policy(), "t1", &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(used, models[1]);
+    tokio::time::advance(Duration::from_secs(5)).await;
+    let err = call_models(&r, &models, &request(), &policy(), "t2", &mut |_| {})
+        .await
+        .unwrap_err();
+    assert_eq!(a.calls(), 1, "the busy model was not called again");
+    assert_eq!(b.calls(), 2);
+    match err {
+        ModelCallError::AllUnavailable { retry_after, .. } => {
+            assert_eq!(retry_after, Duration::from_secs(10))
+        }
+        other => panic!("expected a deferral, got {other}"),
+    }
+}
+
+/// On the wire: a provider that refuses connections is unreachable for everyone, so even a
+/// single task is deferred (retries kept), and the model is not called again while it is open.
+#[tokio::test]
+async fn an_unreachable_provider_defers_at_once_on_the_wire() {
+    let (_held, addr) = crate::support::net::refusing_address();
+    let mut s = settings(ProviderKind::OpenAi, format!("http://{addr}/v1"), None);
+    s.request_timeout = Duration::from_secs(5);
+    let r = ProviderRegistry::new(vec![s], reqwest::Client::new());
+    let models = vec![ModelRef::parse("openai/m").unwrap()];
+    let fast = RetryPolicy {
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(10),
+        ..policy()
+    };
+    let mut outcomes = Vec::new();
+    let err = call_models(&r, &models, &request(), &fast, "t1", &mut |c| {
+        outcomes.push(c.outcome)
+    })
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, ModelCallError::AllUnavailable { .. }),
+        "{err}"
+    );
+    assert_eq!(outcomes, vec!["transient"], "not retried once unreachable");
 }
 
 #[tokio::test(start_paused = true)]
@@ -1250,10 +1493,49 @@ async fn fallback_through_real_adapters_skips_a_rate_limited_model() {
     assert_eq!(devkit.calls_in_format("busy", WireFormat::OpenAi), 1);
     assert_eq!(devkit.calls_in_format("spare", WireFormat::Anthropic), 1);
 
+    // Its circuit holds it off for the Retry-After: a task that has only it is deferred until
+    // then, without another call.
     let only_busy = [models[0].clone()];
     match call_with_fallback(&registry, &only_busy, &request(), &policy()).await {
         Err(ModelCallError::AllUnavailable { retry_after, .. }) => {
-            assert_eq!(retry_after, Duration::from_secs(9))
+            assert!(
+                retry_after <= Duration::from_secs(9) && retry_after > Duration::from_secs(8),
+                "{retry_after:?}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(devkit.calls_in_format("busy", WireFormat::OpenAi), 1);
+    devkit.shutdown().await;
+}
+
+/// A hostile (or broken) provider's Retry-After is outside input: 11 days would hide the
+/// deferred task from every worker for that long. The circuit holds a model open for at most
+/// 10 minutes, and the deferral asks the engine to wait no longer.
+#[tokio::test]
+async fn a_hostile_retry_after_defers_for_at_most_ten_minutes() {
+    let devkit = ScriptedModel::start().await.unwrap();
+    devkit.set_script("slow", Script::new(vec![Turn::text("never")]));
+    devkit.inject_fault(
+        "slow",
+        Fault::RateLimited {
+            retry_after: Some(Duration::from_secs(1_000_000)),
+        },
+        FaultTimes::Always,
+    );
+    let registry = ProviderRegistry::new(
+        vec![settings(
+            ProviderKind::OpenAi,
+            devkit.base_url_openai(),
+            None,
+        )],
+        reqwest::Client::new(),
+    );
+    let models = [ModelRef::parse("openai/slow").unwrap()];
+    match call_with_fallback(&registry, &models, &request(), &policy()).await {
+        Err(ModelCallError::AllUnavailable { retry_after, .. }) => {
+            assert!(retry_after <= Duration::from_secs(600), "{retry_after:?}");
+            assert!(retry_after > Duration::from_secs(590), "{retry_after:?}");
         }
         other => panic!("{other:?}"),
     }

@@ -778,3 +778,53 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
     stack.shutdown().await;
     db.drop().await;
 }
+
+/// Issue 23 (6): with the run store, a run is deferred at most
+/// `ABADA_AGENT_MAX_DEFERRALS_PER_RUN` times, each journaled (a `deferral/recorded` step, so
+/// the count survives every worker); past that it ends as an incident naming the count, even
+/// while the model stays down for everyone. Without the cap it would be deferred for ever.
+#[tokio::test]
+async fn a_run_deferred_past_the_cap_ends_as_an_incident_naming_the_count() {
+    use abada_agent_worker::devkit::model::{Fault, FaultTimes};
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let url = db.url.render();
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    stack.model.set_script("down", one_turn(Duration::ZERO));
+    stack
+        .model
+        .inject_fault("down", Fault::ServiceUnavailable, FaultTimes::Always);
+    let id = stack
+        .engine
+        .create_task(spec(stack.refund_agent("openai/down", &[]), "o-down"));
+    let mut o = opts("w-defer", &url, "openai/down", Duration::from_secs(30));
+    o.env.push((
+        config::ENV_MAX_DEFERRALS_PER_RUN.to_string(),
+        "2".to_string(),
+    ));
+    let w = stack.spawn_worker(o, Stack::fast_agent_settings());
+    let views = wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(60)).await;
+    let view = &views[0];
+    assert_eq!(view.status, TaskStatus::Failed, "{view:?}");
+    assert_eq!(view.retries, Some(0), "an incident");
+    assert_eq!(
+        view.counters.failures, 3,
+        "two deferrals, then the incident"
+    );
+    let message = view.error_message.as_deref().unwrap_or_default();
+    assert!(
+        message.contains("deferred 2 times")
+            && message.contains("ABADA_AGENT_MAX_DEFERRALS_PER_RUN"),
+        "{message}"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM abada_agent_steps WHERE kind = 'deferral'")
+            .await,
+        2,
+        "each deferral journaled"
+    );
+    w.stop().await;
+    stack.shutdown().await;
+    db.drop().await;
+}
