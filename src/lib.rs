@@ -31,6 +31,7 @@ pub mod redact;
 pub mod runner;
 pub mod secret;
 pub mod store;
+pub mod task_end;
 pub mod telemetry;
 pub mod tls;
 pub mod tools;

@@ -30,6 +30,7 @@ mod migrate;
 mod outage;
 mod pool;
 mod runs;
+mod settings;
 mod tls;
 mod url;
 
@@ -44,9 +45,9 @@ pub use handle::{StoreHandle, connect_backoff};
 pub use runs::{
     Claim, Claimant, Fence, MAX_BODY_DEPTH, MAX_JOURNAL_BYTES, MAX_RUN_KEY_BYTES, RunEnd, RunKey,
 };
+pub use settings::StoreConfig;
 pub use url::{SslMode, StoreUrl, UrlError, UrlPart};
 
-use crate::config::StoreConfig;
 use crate::engine::{AppendOutcome, JournalStep};
 use crate::metrics::Metrics;
 use pool::{Connector, Operation, Pool};

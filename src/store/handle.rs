@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use super::StoreConfig;
 use super::{RunStore, StoreError};
 use crate::backoff::Backoff;
-use crate::config::StoreConfig;
 use crate::metrics::Metrics;
 
 /// Cheap to clone; every clone sees the same store once it is connected.

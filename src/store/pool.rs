@@ -14,12 +14,12 @@ use deadpool::managed::{self, Object, RecycleError, RecycleResult};
 use tokio::time::Instant;
 use tokio_postgres::Client;
 
+use super::StoreConfig;
 use super::error::{ErrorClass, StoreError, classify};
 use super::outage::OutageLog;
 use super::runs::Statements;
 use super::tls::StoreTls;
 use super::url::StoreUrl;
-use crate::config::StoreConfig;
 use crate::metrics::Metrics;
 use crate::secret::SecretSource;
 
