@@ -517,6 +517,22 @@ impl Replayed {
 mod tests {
     use super::*;
 
+    #[test]
+    fn content_keys_are_told_from_journal_keys_by_the_span_recorder() {
+        let args = json!({"orderId": "o-1", "amountCents": 1500});
+        for task in ["t1", "a:b", "x:h:0"] {
+            let key = content_key(task, "orders", "refund", &args, 2);
+            assert!(crate::telemetry::spans::is_content_key(&key), "{key}");
+            assert!(!crate::telemetry::spans::is_content_key(&write_key(
+                task, 5
+            )));
+        }
+        assert!(!crate::telemetry::spans::is_content_key("abada:t1:h:abc:1"));
+        assert!(!crate::telemetry::spans::is_content_key(
+            "abada:t1:h:00112233445566778899aabbccddeeff:"
+        ));
+    }
+
     fn call(id: &str, tool: &str) -> ToolCall {
         ToolCall {
             call_id: id.into(),

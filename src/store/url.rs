@@ -523,6 +523,18 @@ impl<'a> Split<'a> {
                     remedy: "write names and addresses plainly; only a socket directory is percent-encoded (%2Fvar%2Frun%2Fpostgresql)",
                 });
             }
+            // Brackets hold an IPv6 address and nothing else: tokio-postgres takes `[a]` as the
+            // name `a`, a URL reader refuses it.
+            if let Some(bracketed) = chunk.strip_prefix('[') {
+                let inside = bracketed.split_once(']').map(|(inside, _)| inside);
+                if inside.is_none_or(|a| a.parse::<std::net::Ipv6Addr>().is_err()) {
+                    return Err(UrlError::Character {
+                        part: UrlPart::Hosts,
+                        what: "brackets around something that is not an IPv6 address",
+                        remedy: "write an IPv6 address in brackets ([::1]) and a name or IPv4 address without them",
+                    });
+                }
+            }
             // Rust reads `+5432` as a number, URL readers do not.
             let port = match chunk.strip_prefix('[') {
                 Some(bracketed) => bracketed
