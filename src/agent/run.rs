@@ -1406,8 +1406,7 @@ fn call_failed(rt: &AgentRuntime, task: &Task, e: TaskError, what: &str) -> Outc
 
 /// A technical failure: one retry consumed, an exponential `retryTimeout` by attempt.
 fn technical(rt: &AgentRuntime, task: &Task, details: String) -> Outcome {
-    let attempt = task.attempt.unwrap_or(1).saturating_sub(1);
-    let retry_timeout = rt.settings.technical_retry.delay(attempt);
+    let retry_timeout = rt.settings.technical_retry.delay(earlier_failures(task));
     tracing::warn!(details = %details, retry_in_ms = retry_timeout.as_millis() as u64, "technical failure: one retry consumed");
     Outcome::Failure {
         kind: FailureKind::Technical,
@@ -1420,9 +1419,47 @@ fn technical(rt: &AgentRuntime, task: &Task, details: String) -> Outcome {
     }
 }
 
+/// How many technical failures came before this one, for the backoff: an agent/1 task counts
+/// its attempts; a plain v1 task only the retries it has left, which each technical failure
+/// lowers by one from [`crate::handler::DEFAULT_RETRIES`] (the engine's own starting value may
+/// differ: the backoff then starts at its first step, never past its cap).
+fn earlier_failures(task: &Task) -> u32 {
+    match task.attempt {
+        Some(attempt) => attempt.saturating_sub(1),
+        None => u32::try_from(crate::handler::DEFAULT_RETRIES - crate::handler::task_retries(task))
+            .unwrap_or(0),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A plain v1 task backs off longer as its retries run down, like an agent/1 task as its
+    /// attempts grow (issue 23: a request that fails on its own consumes a retry with backoff).
+    #[test]
+    fn technical_failures_back_off_by_attempt_or_by_the_retries_used() {
+        let task = |attempt: Option<u32>, retries: Option<i32>| Task {
+            id: "t-1".into(),
+            topic: "abada:agent".into(),
+            variables: Default::default(),
+            process_instance_id: None,
+            activity_id: None,
+            retries,
+            lock_expiration_time: None,
+            trace_parent: None,
+            attempt,
+            agent: None,
+        };
+        assert_eq!(earlier_failures(&task(Some(1), Some(3))), 0);
+        assert_eq!(earlier_failures(&task(Some(4), Some(3))), 3);
+        assert_eq!(earlier_failures(&task(None, None)), 0);
+        assert_eq!(earlier_failures(&task(None, Some(3))), 0);
+        assert_eq!(earlier_failures(&task(None, Some(1))), 2);
+        assert_eq!(earlier_failures(&task(None, Some(0))), 3);
+        assert_eq!(earlier_failures(&task(None, Some(50))), 0);
+        assert_eq!(earlier_failures(&task(None, Some(i32::MIN))), 3);
+    }
 
     /// A refused claim ends the task as an incident (no retry) that says why and what to do.
     #[test]
