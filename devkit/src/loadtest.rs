@@ -1123,15 +1123,22 @@ fn slot_use_by_worker(calls: &[CallRecord], slots: u32, workers: &[String]) -> S
             // From the worker's own first lock: workers started one after another, each
             // waiting out its poll interval on the empty queue, do not join at the same
             // instant, and that start is not what their sharing is about.
-            Some(&(b, tasks, first)) => (b / ((last_lock - first) as f64 * slots), tasks),
+            // A worker whose first lock is the run's last has an empty window: no measured use
+            // (not 0/0), as in a small run where one worker took the whole queue first.
+            Some(&(b, tasks, first)) => (share(b, (last_lock - first) as f64 * slots), tasks),
             None => (0.0, 0),
         })
         .collect();
     let total: f64 = busy.values().map(|b| b.0).sum();
     SlotShares {
-        overall: total / (window * slots * workers.len() as f64),
+        overall: share(total, window * slots * workers.len() as f64),
         per_worker,
     }
+}
+
+/// `busy` over `capacity`, 0 when there was no capacity to use (an empty window).
+fn share(busy: f64, capacity: f64) -> f64 {
+    if capacity > 0.0 { busy / capacity } else { 0.0 }
 }
 
 /// What the call log of a backlog run says.
