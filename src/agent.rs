@@ -17,6 +17,7 @@
 
 pub mod approval;
 pub mod bpmn;
+mod canonical;
 pub mod definition;
 pub mod journal;
 pub mod limits;

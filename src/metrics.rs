@@ -417,7 +417,7 @@ impl Metrics {
         &self,
         names: &labels::DeclaredNames,
         agent: &str,
-        a: &crate::provider::fallback::CallAttempt,
+        a: &crate::provider::CallAttempt,
     ) {
         let (provider, model) = names.model(&a.model);
         // The conventions' provider name: `openai`, `anthropic`, or a configured provider's
@@ -500,8 +500,8 @@ impl Metrics {
 mod tests {
     use super::*;
 
-    fn attempt(model: &str, fallback_index: usize) -> crate::provider::fallback::CallAttempt {
-        crate::provider::fallback::CallAttempt {
+    fn attempt(model: &str, fallback_index: usize) -> crate::provider::CallAttempt {
+        crate::provider::CallAttempt {
             model: crate::provider::ModelRef::parse(model).unwrap(),
             provider_name: "openai".into(),
             fallback_index,

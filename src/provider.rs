@@ -341,6 +341,25 @@ impl ProviderRegistry {
     }
 }
 
+/// One call to one model, for metrics (calls by provider, model and outcome).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallAttempt {
+    pub model: ModelRef,
+    /// The provider as the OpenTelemetry GenAI conventions name it (`openai`, `anthropic`, or
+    /// the configured name of another).
+    pub provider_name: String,
+    /// 0 for the agent's model, 1.. for its `fallbackModels`.
+    pub fallback_index: usize,
+    /// `ok`, or [`ProviderError::outcome`] of the failure.
+    pub outcome: &'static str,
+    /// Tokens of a successful call, as the provider reported them.
+    pub usage: Option<Usage>,
+    /// How long the call took.
+    pub duration: Duration,
+    /// This call's outcome opened the model's circuit: unavailable for every task now.
+    pub circuit_opened: bool,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

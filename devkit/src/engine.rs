@@ -91,13 +91,13 @@ use tokio_util::sync::CancellationToken;
 pub use axum::http::HeaderMap;
 pub use faults::{BadBody, Fault};
 pub use process::{
-    ConditionalFlow, NodeKind, ProcessInstanceView, ProcessModel, ProcessNode, UserTaskStatus,
-    UserTaskView,
+    ConditionalFlow, InstanceStatus, NodeKind, ProcessInstanceView, ProcessModel, ProcessNode,
+    UserTaskStatus, UserTaskView,
 };
 pub use proxy::ProxyAuthorizer;
 pub use state::{
-    AGENT_TOPIC, CallRecord, Disposition, InstanceAction, InstanceStatus, InstanceView, Operation,
-    TaskCounters, TaskSpec, TaskStatus, TaskView,
+    AGENT_TOPIC, CallRecord, Disposition, InstanceAction, InstanceView, Operation, TaskCounters,
+    TaskSpec, TaskStatus, TaskView,
 };
 
 /// How much of Part B the emulated engine speaks.
@@ -120,6 +120,22 @@ pub enum AuthRejection {
     Unauthenticated(String),
     /// 403 `ACCESS_DENIED` with this message.
     AccessDenied(String),
+}
+
+/// The engine's answer to a request its authorizer refused: 401 or 403 with the engine's codes.
+pub(crate) fn auth_error(rejection: AuthRejection) -> wire::ApiError {
+    match rejection {
+        AuthRejection::Unauthenticated(m) => wire::ApiError::new(
+            axum::http::StatusCode::UNAUTHORIZED,
+            wire::code::AUTHENTICATION_REQUIRED,
+            m,
+        ),
+        AuthRejection::AccessDenied(m) => wire::ApiError::new(
+            axum::http::StatusCode::FORBIDDEN,
+            wire::code::ACCESS_DENIED,
+            m,
+        ),
+    }
 }
 
 /// Decides whether an `/api` request may proceed (the engine's secured modes). Not applied to

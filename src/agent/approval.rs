@@ -383,7 +383,7 @@ pub fn new_request_id() -> String {
 /// keys sorted at every level, compact): what binds a decision to one exact call.
 pub fn call_digest(call: &ToolCall) -> String {
     use sha2::{Digest, Sha256};
-    let content = super::journal::canonical(
+    let content = super::canonical::canonical(
         &json!({"server": call.server, "tool": call.tool, "arguments": call.arguments}),
     );
     let digest = Sha256::digest(content.as_bytes());

@@ -91,19 +91,7 @@ enum Kind {
     Json,
 }
 
-/// Where a definition written in the BPMN came from, and the raw definition a run journals so
-/// that a resumed run keeps the definition it started with.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BpmnOrigin {
-    /// The process key (`processDefinitionId`).
-    pub process: String,
-    pub version: Option<i64>,
-    /// The service task's id (the task's `activityId`).
-    pub activity: String,
-    /// The definition as the agents file would hold it (what [`AgentDefinition::from_value`]
-    /// parsed).
-    pub raw: Value,
-}
+pub use super::definition::BpmnOrigin;
 
 /// A BPMN definition that cannot be read, or a service task whose agent cannot be used: an
 /// error of the process model, not of the worker; the task becomes an incident.

@@ -62,7 +62,7 @@ pub struct AgentDefinition {
     /// Where a definition written on the BPMN service task came from, with the raw definition
     /// the run journals so a resumed run keeps it (`agent::bpmn`); `None` for the task's own
     /// `agent` and the agents file.
-    pub origin: Option<super::bpmn::BpmnOrigin>,
+    pub origin: Option<BpmnOrigin>,
 }
 
 /// A definition that cannot be used: an error of the definition, not of the worker; the task
@@ -634,6 +634,20 @@ pub fn missing(task: &Task) -> DefinitionError {
         activity: task.activity_id.clone().unwrap_or_default(),
         topic: task.topic.clone(),
     }
+}
+
+/// Where a definition written in the BPMN came from, and the raw definition a run journals so
+/// that a resumed run keeps the definition it started with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BpmnOrigin {
+    /// The process key (`processDefinitionId`).
+    pub process: String,
+    pub version: Option<i64>,
+    /// The service task's id (the task's `activityId`).
+    pub activity: String,
+    /// The definition as the agents file would hold it (what [`AgentDefinition::from_value`]
+    /// parsed).
+    pub raw: Value,
 }
 
 #[cfg(test)]

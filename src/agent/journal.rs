@@ -53,25 +53,7 @@ pub fn content_key(task_id: &str, server: &str, tool: &str, arguments: &Value, n
     format!("abada:{task_id}:h:{hash}:{n}")
 }
 
-/// Compact JSON with object keys sorted at every level, whatever order the map kept.
-pub(crate) fn canonical(value: &Value) -> String {
-    match value {
-        Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort();
-            let fields: Vec<String> = keys
-                .into_iter()
-                .map(|k| format!("{}:{}", Value::String(k.clone()), canonical(&map[k])))
-                .collect();
-            format!("{{{}}}", fields.join(","))
-        }
-        Value::Array(items) => {
-            let items: Vec<String> = items.iter().map(canonical).collect();
-            format!("[{}]", items.join(","))
-        }
-        other => other.to_string(),
-    }
-}
+pub(crate) use super::canonical::canonical;
 
 pub fn input_step(seq: u64, instructions: &str, input: &str) -> JournalStep {
     JournalStep {

@@ -26,8 +26,9 @@ use crate::handler::{
 };
 use crate::metrics::ToolLabels;
 use crate::metrics::labels::DeclaredNames;
+use crate::provider::CallAttempt;
 use crate::provider::ModelRequest;
-use crate::provider::fallback::{CallAttempt, ModelCallError, call_models};
+use crate::provider::fallback::{ModelCallError, call_models};
 use crate::secret::Secret;
 use crate::store::{
     ClaimRefusal, Claimant, ErrorClass, Fence, RunEnd, RunKey, RunStore, StoreError,

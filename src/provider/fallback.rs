@@ -27,8 +27,7 @@ use rand::Rng;
 use tracing::Instrument;
 
 use super::circuit::{Change, Signal};
-use super::{ModelRef, ModelRequest, ModelResponse, ProviderError, ProviderRegistry};
-use crate::conversation::Usage;
+use super::{CallAttempt, ModelRef, ModelRequest, ModelResponse, ProviderError, ProviderRegistry};
 use crate::telemetry::spans;
 
 /// How hard to retry one model.
@@ -73,25 +72,6 @@ impl RetryPolicy {
         let r: f64 = rand::rng().random();
         full.mul_f64(1.0 - jitter * r)
     }
-}
-
-/// One call to one model, for metrics (calls by provider, model and outcome).
-#[derive(Clone, Debug, PartialEq)]
-pub struct CallAttempt {
-    pub model: ModelRef,
-    /// The provider as the OpenTelemetry GenAI conventions name it (`openai`, `anthropic`, or
-    /// the configured name of another).
-    pub provider_name: String,
-    /// 0 for the agent's model, 1.. for its `fallbackModels`.
-    pub fallback_index: usize,
-    /// `ok`, or [`ProviderError::outcome`] of the failure.
-    pub outcome: &'static str,
-    /// Tokens of a successful call, as the provider reported them.
-    pub usage: Option<Usage>,
-    /// How long the call took.
-    pub duration: Duration,
-    /// This call's outcome opened the model's circuit: unavailable for every task now.
-    pub circuit_opened: bool,
 }
 
 /// Why no model answered.

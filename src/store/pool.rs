@@ -17,7 +17,7 @@ use tokio_postgres::Client;
 use super::StoreConfig;
 use super::error::{ErrorClass, StoreError, classify};
 use super::outage::OutageLog;
-use super::runs::Statements;
+use super::runs::{PgConn, Statements};
 use super::tls::StoreTls;
 use super::url::StoreUrl;
 use crate::metrics::Metrics;
@@ -54,12 +54,6 @@ pub(super) struct Connector {
     transaction_timeout: Duration,
     /// The redacted URL of the latest parse, for messages about the store as a whole.
     store: RwLock<Arc<str>>,
-}
-
-/// A pooled connection with the store's statements prepared on it.
-pub(super) struct PgConn {
-    pub client: Client,
-    pub statements: Statements,
 }
 
 impl Connector {

@@ -11,7 +11,6 @@ use tokio_postgres::{Client, Row, Statement};
 
 use super::admission::{Admission, Asking, InputDigest, Phase, Seen, admit};
 use super::error::{FenceReason, StoreError, classify};
-use super::pool::PgConn;
 use crate::engine::{AppendOutcome, JournalStep};
 
 /// The most a run's journal may hold, counted as the bytes of its step bodies: the same bound
@@ -377,6 +376,12 @@ const SWEEP_ABANDONED: &str = "
            AND updated_at <= now() - $1::bigint * interval '1 millisecond'
          ORDER BY updated_at LIMIT $2::bigint
            FOR UPDATE SKIP LOCKED)";
+
+/// A pooled connection with the store's statements prepared on it.
+pub(super) struct PgConn {
+    pub client: Client,
+    pub statements: Statements,
+}
 
 /// The store's statements, prepared on each connection when it opens.
 pub(super) struct Statements {

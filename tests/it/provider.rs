@@ -14,11 +14,10 @@ use abada_agent_worker::devkit::model::{
     Fault, FaultTimes, Script, ScriptedModel, Turn, WireFormat,
 };
 use abada_agent_worker::provider::fallback::{
-    CallAttempt, ModelCallError, RetryPolicy, call_models, call_with_fallback,
-    call_with_fallback_observed,
+    ModelCallError, RetryPolicy, call_models, call_with_fallback, call_with_fallback_observed,
 };
 use abada_agent_worker::provider::{
-    ModelProvider, ModelRef, ModelRequest, ModelResponse, ProviderError, ProviderKind,
+    CallAttempt, ModelProvider, ModelRef, ModelRequest, ModelResponse, ProviderError, ProviderKind,
     ProviderRegistry, ProviderSettings,
 };
 use abada_agent_worker::secret::SecretSource;

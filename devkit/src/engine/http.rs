@@ -29,7 +29,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::faults::EarlyAnswer;
 use super::state::{CallRecord, Disposition, EngineState, Operation, Reply};
 use super::wire::{self, ApiError, Command, PROTOCOL_HEADER};
-use super::{AuthRejection, ProtocolLevel, Shared};
+use super::{ProtocolLevel, Shared};
 
 // ---- listener with a kill switch ------------------------------------------------------------
 
@@ -440,7 +440,7 @@ async fn pipeline(call: &ApiCall, op: Operation, parsed_body: Option<Value>) -> 
     if let Some(authorizer) = &shared.authorizer
         && let Err(rejection) = authorizer.authorize(&call.headers)
     {
-        return refused(auth_error(rejection), Disposition::Refused);
+        return refused(super::auth_error(rejection), Disposition::Refused);
     }
 
     let delay = shared.faults().latency(op);
@@ -607,19 +607,6 @@ fn parse_complete(body: Value, secured: bool) -> Result<wire::CompleteRequest, A
     })
 }
 
-pub(super) fn auth_error(rejection: AuthRejection) -> ApiError {
-    match rejection {
-        AuthRejection::Unauthenticated(m) => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            wire::code::AUTHENTICATION_REQUIRED,
-            m,
-        ),
-        AuthRejection::AccessDenied(m) => {
-            ApiError::new(StatusCode::FORBIDDEN, wire::code::ACCESS_DENIED, m)
-        }
-    }
-}
-
 /// 404 `RESOURCE_NOT_FOUND` (after the authorizer, for `/api`); `/api` misses are logged as
 /// [`Operation::Unknown`].
 async fn not_found(State(shared): State<Arc<Shared>>, req: Request) -> Response {
@@ -645,7 +632,7 @@ async fn not_found(State(shared): State<Arc<Shared>>, req: Request) -> Response 
         .as_ref()
         .map(|a| a.authorize(req.headers()))
     {
-        Some(Err(rejection)) => auth_error(rejection),
+        Some(Err(rejection)) => super::auth_error(rejection),
         _ => ApiError::not_found_resource(),
     };
     shared.record_call(CallRecord {

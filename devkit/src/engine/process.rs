@@ -23,10 +23,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-
-use super::state::InstanceStatus;
 
 /// A process the emulator can start.
 #[derive(Debug, Clone, PartialEq)]
@@ -514,6 +512,33 @@ impl Processes {
             ));
         }
         Ok((task.instance.clone(), task.activity_id.clone()))
+    }
+}
+
+/// The lifecycle of a process instance as its external tasks see it (the engine's
+/// `ProcessStatus`). Suspension is a separate flag ([`InstanceView::suspended`]), as in the
+/// engine, where a suspended instance that a `bpmn-error` fails shows `FAILED` and suspended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum InstanceStatus {
+    Running,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl InstanceStatus {
+    pub(super) fn terminal(self) -> bool {
+        self != InstanceStatus::Running
+    }
+
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            InstanceStatus::Running => "RUNNING",
+            InstanceStatus::Completed => "COMPLETED",
+            InstanceStatus::Failed => "FAILED",
+            InstanceStatus::Cancelled => "CANCELLED",
+        }
     }
 }
 

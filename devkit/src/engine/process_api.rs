@@ -160,7 +160,7 @@ fn denied(shared: &Shared, headers: &HeaderMap, operation: Operation) -> Option<
             .as_ref()
             .map(|a| a.authorize_process_read(headers))
         {
-            Some(Err(rejection)) => super::http::auth_error(rejection),
+            Some(Err(rejection)) => super::auth_error(rejection),
             _ => return None,
         }
     };

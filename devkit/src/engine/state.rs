@@ -29,7 +29,7 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::ProtocolLevel;
-use super::process::{self, Caller, ProcessModel, Processes, Wait};
+use super::process::{self, Caller, InstanceStatus, ProcessModel, Processes, Wait};
 use super::wire::{self, ApiError, Command};
 
 /// Idempotency records live this long, as in the engine.
@@ -91,33 +91,6 @@ pub enum TaskStatus {
     /// An incident: `failure` with `retries: 0`.
     Failed,
     BpmnError,
-}
-
-/// The lifecycle of a process instance as its external tasks see it (the engine's
-/// `ProcessStatus`). Suspension is a separate flag ([`InstanceView::suspended`]), as in the
-/// engine, where a suspended instance that a `bpmn-error` fails shows `FAILED` and suspended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-pub enum InstanceStatus {
-    Running,
-    Completed,
-    Failed,
-    Cancelled,
-}
-
-impl InstanceStatus {
-    fn terminal(self) -> bool {
-        self != InstanceStatus::Running
-    }
-
-    fn as_str(self) -> &'static str {
-        match self {
-            InstanceStatus::Running => "RUNNING",
-            InstanceStatus::Completed => "COMPLETED",
-            InstanceStatus::Failed => "FAILED",
-            InstanceStatus::Cancelled => "CANCELLED",
-        }
-    }
 }
 
 /// A process instance, for the admin API. Instances exist as soon as a task names them; the
