@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use abada_agent_worker::engine::{AppendOutcome, JournalStep};
 use abada_agent_worker::store::{
-    ClaimRefusal, Claimant, ErrorClass, FenceReason, InputDigest, RunEnd, RunKey, StoreError,
+    ClaimRefusal, Claimant, ErrorClass, Fence, FenceReason, InputDigest, RunEnd, RunKey, RunStore,
+    StoreError,
 };
 use serde_json::json;
 
@@ -31,6 +32,21 @@ fn task(worker: &'static str, task: &'static str) -> Claimant<'static> {
         task_id: task,
         hold: Duration::from_secs(30),
     }
+}
+
+/// The fence of a claim of the visit's run that must succeed: task `task_id` on `worker`,
+/// offering the input step of `text`.
+async fn first_claim(
+    store: &RunStore,
+    worker: &'static str,
+    task_id: &'static str,
+    text: &str,
+) -> Fence {
+    store
+        .claim(&visit(), &task(worker, task_id), Some(&input(text)))
+        .await
+        .unwrap()
+        .fence
 }
 
 fn input(text: &str) -> JournalStep {
@@ -142,11 +158,7 @@ async fn a_frozen_holder_is_fenced_from_a_run_recreated_after_finishing_deleted_
 
     // t-1's run: the frozen holder's copy of the fence is taken right after its claim; the
     // worker's other copy (its redelivery, say) answers and finishes, which deletes the run.
-    let mut holder = store
-        .claim(&visit(), &task("w-a", "t-1"), Some(&input("refund o-1")))
-        .await
-        .unwrap()
-        .fence;
+    let mut holder = first_claim(&store, "w-a", "t-1", "refund o-1").await;
     let frozen = holder.clone();
     assert!(frozen.attempt() >= FIRST_ATTEMPT);
     store
@@ -245,11 +257,7 @@ async fn a_second_live_token_at_the_node_is_refused_and_the_holder_goes_on() {
         return;
     };
     let (store, metrics) = connect(&config(&db.url)).await;
-    let mut first = store
-        .claim(&visit(), &task("w-a", "t-1"), Some(&input("refund o-1")))
-        .await
-        .unwrap()
-        .fence;
+    let mut first = first_claim(&store, "w-a", "t-1", "refund o-1").await;
     store.append(&mut first, &asks_refund(2)).await.unwrap();
     let before = run_row(&db).await;
 
@@ -378,11 +386,7 @@ async fn an_answered_visit_is_never_replayed_into_the_next_task() {
         return;
     };
     let (store, _) = connect(&config(&db.url)).await;
-    let mut first = store
-        .claim(&visit(), &task("w-a", "t-1"), Some(&input("refund o-1")))
-        .await
-        .unwrap()
-        .fence;
+    let mut first = first_claim(&store, "w-a", "t-1", "refund o-1").await;
     store
         .append(&mut first, &answer(2, "refunded o-1"))
         .await
@@ -428,11 +432,7 @@ async fn a_waiting_visit_resumes_only_for_the_same_input_and_names_both_digests(
         return;
     };
     let (store, _) = connect(&config(&db.url)).await;
-    let mut first = store
-        .claim(&visit(), &task("w-a", "t-1"), Some(&input("refund o-1")))
-        .await
-        .unwrap()
-        .fence;
+    let mut first = first_claim(&store, "w-a", "t-1", "refund o-1").await;
     store.append(&mut first, &asks_refund(2)).await.unwrap();
     store
         .append(&mut first, &approval_requested(3, "t-1"))
@@ -591,11 +591,7 @@ async fn a_claim_that_waited_for_another_decides_on_the_run_as_it_was_left() {
         return;
     };
     let (store, _) = connect(&config(&db.url)).await;
-    let mut first = store
-        .claim(&visit(), &task("w-a", "t-1"), Some(&input("refund o-1")))
-        .await
-        .unwrap()
-        .fence;
+    let mut first = first_claim(&store, "w-a", "t-1", "refund o-1").await;
     store.append(&mut first, &asks_refund(2)).await.unwrap();
     store
         .append(&mut first, &approval_requested(3, "t-1"))
