@@ -8,24 +8,34 @@
 //! - `journal`: the journal's step shapes and the replay that resumes a run;
 //! - `limits`: what a model can make the worker do (tool calls, writes, turns, time, tokens);
 //! - `run`: the conversation loop of one attempt;
+//! - `run_journal`: the journal of one attempt wherever it lives (engine, run store, nowhere):
+//!   open, append, keys of keyed writes, and the commit of the run's end;
+//! - `tool_call`: one tool call of an attempt (keyed, journaled, retried) and its sessions;
+//! - `approval_gate`: the stop for a person's decision and the resume with it;
+//! - `attempt`: one attempt's state, grouped by concern, that the parts above add methods to;
+//! - `scope`: what every part of an attempt reads, and the outcomes an attempt ends with;
 //! - `run_key`: the key of a run that waits for approval across the tasks of one node visit.
 //!
 //! Shared by all tasks: the provider registry (keys cached), the HTTP clients, what the engine is
 //! known to offer ([`EngineCapabilities`]). Private to each task: its conversation, its MCP
 //! sessions and their credentials, its journal state and budget. Where a task's journal lives is
-//! decided in one place, [`AgentRuntime::journal_home`].
+//! decided in one place, `run_journal::Journal::open`.
 
 pub mod approval;
+mod approval_gate;
+mod attempt;
 pub mod bpmn;
 mod canonical;
 pub mod definition;
 pub mod journal;
 pub mod limits;
 mod run;
+mod run_journal;
 pub mod run_key;
+mod scope;
+mod tool_call;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -33,13 +43,12 @@ use async_trait::async_trait;
 use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::engine::Task;
-use crate::engine::capabilities::{EngineCapabilities, JournalSupport, NoJournalEvidence};
-use crate::handler::{Outcome, TaskContext, TaskEnd, TaskHandler};
-use crate::lease::{Lease, LeaseId};
+use crate::engine::capabilities::EngineCapabilities;
+use crate::handler::{Outcome, TaskContext, TaskHandler};
 use crate::metrics::Metrics;
 use crate::provider::fallback::RetryPolicy;
 use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
-use crate::store::{Fence, RunEnd, RunStore};
+use crate::store::RunStore;
 use crate::tools::registry::{
     ServerResolutionError, ToolRegistry, ToolsFile, ToolsFileError, UnregisteredPolicy,
 };
@@ -99,16 +108,10 @@ pub struct AgentRuntime {
     capabilities: EngineCapabilities,
     /// The run store, home of the journals the engine does not keep (`ABADA_AGENT_STORE_URL`).
     store: Option<RunStoreHome>,
-    /// Runs that ended in an outcome that commits them once the engine accepts it, by lease:
-    /// [`TaskHandler::ended`] finishes them in the store.
-    finishing: Mutex<HashMap<LeaseId, FinishingRun>>,
     /// Deferrals of one run in the run store before it ends as an incident
     /// (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`).
     max_deferrals_per_run: u32,
 }
-
-/// A run to finish in the store once the engine accepts its end.
-type FinishingRun = (Arc<dyn RunStore>, Fence, RunEnd);
 
 /// The run store as the agent runtime uses it.
 struct RunStoreHome {
@@ -119,18 +122,6 @@ struct RunStoreHome {
     /// How long a task waits for a store that fails transiently before it is given back:
     /// the lock duration, as for an engine outage.
     patience: Duration,
-}
-
-/// Where a task's journal lives (protocol.md Part B and D).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum JournalHome {
-    /// The engine's journal endpoints: an agent/1 task on an engine that has them.
-    Engine,
-    /// The run store: a task without `attempt` (an engine without agent/1, Part D) when
-    /// `ABADA_AGENT_STORE_URL` is set. The store's claim gives the fencing token.
-    Store,
-    /// Nowhere: the agent runs without durability and starts over on its next attempt.
-    Nowhere,
 }
 
 /// Why the agent runtime cannot start.
@@ -173,7 +164,6 @@ impl AgentRuntime {
             ceilings,
             capabilities: EngineCapabilities::default(),
             store: None,
-            finishing: Mutex::new(HashMap::new()),
             max_deferrals_per_run: crate::config::DEFAULT_MAX_DEFERRALS_PER_RUN,
         }
     }
@@ -312,54 +302,11 @@ impl AgentRuntime {
             None => runtime,
         })
     }
-
-    /// Where `task`'s journal lives: the one place that choice is made. A run that may wait for
-    /// a person's approval (`waits_across_tasks`) outlives its task, so it lives in the run store
-    /// under its process run key (`run_key`); [`run`] refuses such a definition before this
-    /// when no store is configured. Otherwise a task without `attempt` is not an agent/1 task
-    /// (protocol.md Part B), and shows the engine speaks plain v1: its journal is in the run
-    /// store when one is configured, else nowhere. An agent/1 task journals to the engine
-    /// (authoritative there: its attempt is the engine's fencing token) unless the engine is
-    /// known to have no journal.
-    pub fn journal_home(&self, task: &Task, waits_across_tasks: bool) -> JournalHome {
-        if waits_across_tasks && self.store.is_some() {
-            return JournalHome::Store;
-        }
-        if task.attempt.is_none() {
-            if self.store.is_some() {
-                return JournalHome::Store;
-            }
-            self.capabilities
-                .journal_missing(NoJournalEvidence::PlainTask);
-            return JournalHome::Nowhere;
-        }
-        match self.capabilities.journal() {
-            JournalSupport::Unknown | JournalSupport::Present => JournalHome::Engine,
-            JournalSupport::Absent => JournalHome::Nowhere,
-        }
-    }
 }
 
 #[async_trait]
 impl TaskHandler for AgentRuntime {
     async fn handle(&self, task: Arc<Task>, ctx: TaskContext) -> Outcome {
         run::run(self, &task, &ctx).await
-    }
-
-    /// A run whose completion (or BPMN error) the engine accepted is finished in the store: it
-    /// will not be resumed. Any other end keeps it for the next attempt.
-    async fn ended(&self, _task: &Task, lease: &Lease, end: TaskEnd) {
-        let finishing = self
-            .finishing
-            .lock()
-            .expect("finishing lock poisoned")
-            .remove(&lease.id());
-        let Some((store, fence, run_end)) = finishing else {
-            return;
-        };
-        if !matches!(end, TaskEnd::Completed | TaskEnd::BpmnError) {
-            return;
-        }
-        run::finish_in_store(self, store.as_ref(), &fence, run_end).await;
     }
 }
