@@ -41,20 +41,21 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::backoff::Backoff;
-use crate::config::Config;
 use crate::engine::Task;
 use crate::engine::capabilities::EngineCapabilities;
 use crate::handler::{Outcome, TaskContext, TaskHandler};
 use crate::metrics::Metrics;
+use crate::provider::ProviderRegistry;
 use crate::provider::fallback::RetryPolicy;
-use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
 use crate::store::RunStore;
-use crate::tools::registry::{
-    ServerResolutionError, ToolRegistry, ToolsFile, ToolsFileError, UnregisteredPolicy,
-};
+use crate::tools::registry::ToolRegistry;
 use crate::tools::{McpConnector, ToolConnector, ToolSessionOptions};
 use definition::AgentsFile;
 use limits::Ceilings;
+
+/// Deferrals of one run in the run store before it ends as an incident
+/// (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`'s default).
+pub const DEFAULT_MAX_DEFERRALS_PER_RUN: u32 = 20;
 
 /// Knobs of the agent runtime (defaults suit production; tests shorten them).
 #[derive(Clone, Debug)]
@@ -124,26 +125,6 @@ struct RunStoreHome {
     patience: Duration,
 }
 
-/// Why the agent runtime cannot start.
-#[derive(Debug, thiserror::Error)]
-pub enum AgentSetupError {
-    #[error(transparent)]
-    AgentsFile(#[from] definition::AgentsFileError),
-    #[error("ABADA_AGENT_PROVIDER_{name}_KIND: {reason}")]
-    Provider { name: String, reason: String },
-    #[error("cannot build the HTTP client for models and tools: {0}")]
-    Http(String),
-    #[error(transparent)]
-    ToolsFile(#[from] ToolsFileError),
-    #[error("the agents file {path}, agent {agent:?}: {source}")]
-    ToolServer {
-        path: std::path::PathBuf,
-        agent: String,
-        #[source]
-        source: Box<ServerResolutionError>,
-    },
-}
-
 impl AgentRuntime {
     pub fn new(
         providers: ProviderRegistry,
@@ -164,7 +145,7 @@ impl AgentRuntime {
             ceilings,
             capabilities: EngineCapabilities::default(),
             store: None,
-            max_deferrals_per_run: crate::config::DEFAULT_MAX_DEFERRALS_PER_RUN,
+            max_deferrals_per_run: DEFAULT_MAX_DEFERRALS_PER_RUN,
         }
     }
 
@@ -206,101 +187,6 @@ impl AgentRuntime {
     pub fn with_tool_registry(mut self, registry: Arc<ToolRegistry>) -> Self {
         self.tool_registry = Some(registry);
         self
-    }
-
-    /// The runtime a [`Config`] describes (its providers and agents file), with `agent_settings`.
-    pub fn from_config(
-        config: &Config,
-        http: reqwest::Client,
-        agent_settings: AgentSettings,
-        metrics: Arc<Metrics>,
-    ) -> Result<Self, AgentSetupError> {
-        let mut settings = Vec::new();
-        for p in &config.providers {
-            let kind = ProviderKind::parse(&p.kind).map_err(|e| AgentSetupError::Provider {
-                name: p.name.to_ascii_uppercase(),
-                reason: e.to_string(),
-            })?;
-            settings.push(ProviderSettings {
-                name: p.name.clone(),
-                kind,
-                base_url: p
-                    .base_url
-                    .clone()
-                    .unwrap_or_else(|| kind.default_base_url().to_string()),
-                api_key: p.api_key.clone(),
-                max_concurrency: p.max_concurrency,
-                request_timeout: p.request_timeout,
-            });
-        }
-        let agents_file = config
-            .agents_file
-            .as_deref()
-            .map(AgentsFile::load)
-            .transpose()?;
-        if let Some(f) = &agents_file {
-            tracing::info!(agents = f.len(), "agents file loaded");
-        }
-        let tls = || {
-            crate::tls::http_client_builder(config.ca_file.as_deref())
-                .map_err(|e| AgentSetupError::Http(e.to_string()))
-        };
-        let tool_registry = match &config.tools_file {
-            None => None,
-            Some(path) => {
-                let file = ToolsFile::load(path)?;
-                file.check_channels(path, config.allow_insecure_http)?;
-                let mut registry = ToolRegistry::start(file, tls()?)
-                    .map_err(|e| AgentSetupError::Http(e.to_string()))?;
-                if config.tools_unregistered == UnregisteredPolicy::Allow {
-                    // Each session to an unregistered server gets a client of its own, pinned
-                    // to the addresses checked: with the same trust roots as every client.
-                    let certs = config
-                        .ca_file
-                        .as_deref()
-                        .map(crate::tls::load_ca_bundle)
-                        .transpose()
-                        .map_err(|e| AgentSetupError::Http(e.to_string()))?;
-                    let clients = Arc::new(move || match &certs {
-                        Some(certs) => reqwest::Client::builder().tls_certs_merge(certs.clone()),
-                        None => reqwest::Client::builder(),
-                    });
-                    registry = registry.allow_unregistered(clients, None);
-                }
-                tracing::info!(servers = registry.len(), "tool-server registry loaded");
-                Some(Arc::new(registry))
-            }
-        };
-        // A local definition naming a server the registry lacks, or at another URL, is the
-        // operator's own mistake: said at start-up, not at the first task.
-        if let (Some(file), Some(path)) = (&agents_file, &config.agents_file) {
-            for (key, def) in file.definitions() {
-                ToolRegistry::resolve(tool_registry.as_deref(), &def.tool_servers, true).map_err(
-                    |source| AgentSetupError::ToolServer {
-                        path: path.clone(),
-                        agent: key.to_string(),
-                        source: Box::new(source),
-                    },
-                )?;
-            }
-        }
-        let tool_http =
-            crate::tools::http_client(tls()?).map_err(|e| AgentSetupError::Http(e.to_string()))?;
-        let mut agent_settings = agent_settings;
-        agent_settings.tool_sessions.allow_insecure_http = config.allow_insecure_http;
-        let runtime = AgentRuntime::new(
-            ProviderRegistry::new(settings, http),
-            agents_file,
-            tool_http,
-            agent_settings,
-            metrics,
-            config.ceilings,
-        )
-        .with_max_deferrals_per_run(config.max_deferrals_per_run);
-        Ok(match tool_registry {
-            Some(registry) => runtime.with_tool_registry(registry),
-            None => runtime,
-        })
     }
 }
 

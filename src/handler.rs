@@ -199,7 +199,7 @@ pub trait AfterReport: Send {
 /// The slot a task's [`AfterReport`] waits in: one per task, shared by the clones of its
 /// context and read by the runner after the report.
 #[derive(Clone, Default)]
-pub struct AfterReportSlot(Arc<std::sync::Mutex<Option<Box<dyn AfterReport>>>>);
+pub(crate) struct AfterReportSlot(Arc<std::sync::Mutex<Option<Box<dyn AfterReport>>>>);
 
 impl AfterReportSlot {
     fn set(&self, hook: Box<dyn AfterReport>) {
@@ -207,7 +207,7 @@ impl AfterReportSlot {
     }
 
     /// Runs what the task left, if anything (the runner, once the task's end is reported).
-    pub async fn run(&self, end: TaskEnd) {
+    pub(crate) async fn run(&self, end: TaskEnd) {
         let hook = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(hook) = hook {
             hook.reported(end).await;
@@ -248,7 +248,7 @@ impl TaskContext {
     }
 
     /// The slot the runner reads after the report (every clone of this context shares it).
-    pub fn after_report_slot(&self) -> &AfterReportSlot {
+    pub(crate) fn after_report_slot(&self) -> &AfterReportSlot {
         &self.after_report
     }
 
@@ -392,6 +392,26 @@ impl<E> TaskError<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a task leaves for after the report runs once, with the end the runner reported,
+    /// and never again (a second report of the same context finds nothing).
+    #[tokio::test(start_paused = true)]
+    async fn what_a_task_leaves_for_after_the_report_runs_once_with_the_end() {
+        struct Record(Arc<std::sync::Mutex<Vec<TaskEnd>>>);
+        #[async_trait]
+        impl AfterReport for Record {
+            async fn reported(self: Box<Self>, end: TaskEnd) {
+                self.0.lock().unwrap().push(end);
+            }
+        }
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let slot = AfterReportSlot::default();
+        let clone = slot.clone();
+        clone.set(Box::new(Record(seen.clone())));
+        slot.run(TaskEnd::Completed).await;
+        slot.run(TaskEnd::LeaseLost).await;
+        assert_eq!(*seen.lock().unwrap(), vec![TaskEnd::Completed]);
+    }
 
     /// The spellings are a public contract: README.md lists them for dashboards and alerts.
     #[test]

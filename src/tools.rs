@@ -17,6 +17,7 @@
 
 pub mod address;
 pub mod alias;
+pub mod approval_policy;
 pub mod registry;
 mod session;
 mod transport;

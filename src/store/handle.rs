@@ -149,3 +149,44 @@ impl RunStore for StoreHandle {
         self.get()?.finish(fence, end).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::ErrorClass;
+
+    /// A store still connecting answers every call of the runtime as an outage (transient:
+    /// waited out within the lease), never as a refusal or a fence.
+    #[tokio::test(start_paused = true)]
+    async fn a_store_still_connecting_is_an_outage_to_the_runtime() {
+        let handle = StoreHandle {
+            state: Arc::new(RwLock::new(State::Connecting(None))),
+        };
+        let store: Arc<dyn RunStore> = Arc::new(handle);
+        let key = RunKey::for_task("t-1").unwrap();
+        let claimant = Claimant {
+            worker_id: "w-1",
+            task_id: "t-1",
+            hold: Duration::from_secs(30),
+        };
+        let e = store.claim(&key, &claimant, None).await.unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Transient, "{e}");
+        let mut fence = Fence::issue(key, 1, 1, 1, 0);
+        let step = crate::engine::JournalStep {
+            seq: 1,
+            kind: "input".into(),
+            state: "finished".into(),
+            key: None,
+            data: serde_json::json!({"input": "x"}),
+        };
+        let e = store.append(&mut fence, &step).await.unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Transient, "{e}");
+        assert_eq!(
+            fence.next_seq(),
+            1,
+            "a failed append does not advance the fence"
+        );
+        let e = store.finish(&fence, RunEnd::Completed).await.unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Transient, "{e}");
+    }
+}
