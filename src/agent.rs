@@ -8,44 +8,54 @@
 //! - `journal`: the journal's step shapes and the replay that resumes a run;
 //! - `limits`: what a model can make the worker do (tool calls, writes, turns, time, tokens);
 //! - `run`: the conversation loop of one attempt;
+//! - `run_journal`: the journal of one attempt wherever it lives (engine, run store, nowhere):
+//!   open, append, keys of keyed writes, and the commit of the run's end;
+//! - `tool_call`: one tool call of an attempt (keyed, journaled, retried) and its sessions;
+//! - `approval_gate`: the stop for a person's decision and the resume with it;
+//! - `attempt`: one attempt's state, grouped by concern, that the parts above add methods to;
+//! - `scope`: what every part of an attempt reads, and the outcomes an attempt ends with;
 //! - `run_key`: the key of a run that waits for approval across the tasks of one node visit.
 //!
 //! Shared by all tasks: the provider registry (keys cached), the HTTP clients, what the engine is
 //! known to offer ([`EngineCapabilities`]). Private to each task: its conversation, its MCP
 //! sessions and their credentials, its journal state and budget. Where a task's journal lives is
-//! decided in one place, [`AgentRuntime::journal_home`].
+//! decided in one place, `run_journal::Journal::open`.
 
 pub mod approval;
+mod approval_gate;
+mod attempt;
 pub mod bpmn;
 mod canonical;
 pub mod definition;
 pub mod journal;
 pub mod limits;
 mod run;
+mod run_journal;
 pub mod run_key;
+mod scope;
+mod tool_call;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 
 use crate::backoff::Backoff;
-use crate::config::Config;
 use crate::engine::Task;
-use crate::engine::capabilities::{EngineCapabilities, JournalSupport, NoJournalEvidence};
-use crate::handler::{Outcome, TaskContext, TaskEnd, TaskHandler};
-use crate::lease::{Lease, LeaseId};
+use crate::engine::capabilities::EngineCapabilities;
+use crate::handler::{Outcome, TaskContext, TaskHandler};
 use crate::metrics::Metrics;
+use crate::provider::ProviderRegistry;
 use crate::provider::fallback::RetryPolicy;
-use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
-use crate::store::{Fence, RunEnd, RunStore, StoreHandle};
-use crate::tools::ToolSessionOptions;
-use crate::tools::registry::{
-    ServerResolutionError, ToolRegistry, ToolsFile, ToolsFileError, UnregisteredPolicy,
-};
+use crate::store::RunStore;
+use crate::tools::registry::ToolRegistry;
+use crate::tools::{McpConnector, ToolConnector, ToolSessionOptions};
 use definition::AgentsFile;
 use limits::Ceilings;
+
+/// Deferrals of one run in the run store before it ends as an incident
+/// (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`'s default).
+pub const DEFAULT_MAX_DEFERRALS_PER_RUN: u32 = 20;
 
 /// Knobs of the agent runtime (defaults suit production; tests shorten them).
 #[derive(Clone, Debug)]
@@ -87,8 +97,9 @@ pub struct AgentRuntime {
     bpmn: bpmn::BpmnDefinitions,
     /// The operator's tool servers (`ABADA_AGENT_TOOLS_FILE`), when set.
     tool_registry: Option<Arc<ToolRegistry>>,
-    /// The tool servers' client: no redirects, no link-local or metadata address.
-    tool_http: reqwest::Client,
+    /// Opens each task's tool sessions: in production MCP over the tool servers' client (no
+    /// redirects, no link-local or metadata address).
+    tools: Arc<dyn ToolConnector>,
     settings: AgentSettings,
     metrics: Arc<Metrics>,
     /// What no definition gets more of.
@@ -98,9 +109,6 @@ pub struct AgentRuntime {
     capabilities: EngineCapabilities,
     /// The run store, home of the journals the engine does not keep (`ABADA_AGENT_STORE_URL`).
     store: Option<RunStoreHome>,
-    /// Runs that ended in an outcome that commits them once the engine accepts it, by lease:
-    /// [`TaskHandler::ended`] finishes them in the store.
-    finishing: Mutex<HashMap<LeaseId, (RunStore, Fence, RunEnd)>>,
     /// Deferrals of one run in the run store before it ends as an incident
     /// (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`).
     max_deferrals_per_run: u32,
@@ -108,44 +116,13 @@ pub struct AgentRuntime {
 
 /// The run store as the agent runtime uses it.
 struct RunStoreHome {
-    handle: StoreHandle,
+    /// The store itself: in production the worker's [`crate::store::StoreHandle`].
+    store: Arc<dyn RunStore>,
     /// Recorded as the owner of each run this worker claims.
     worker_id: String,
     /// How long a task waits for a store that fails transiently before it is given back:
     /// the lock duration, as for an engine outage.
     patience: Duration,
-}
-
-/// Where a task's journal lives (protocol.md Part B and D).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum JournalHome {
-    /// The engine's journal endpoints: an agent/1 task on an engine that has them.
-    Engine,
-    /// The run store: a task without `attempt` (an engine without agent/1, Part D) when
-    /// `ABADA_AGENT_STORE_URL` is set. The store's claim gives the fencing token.
-    Store,
-    /// Nowhere: the agent runs without durability and starts over on its next attempt.
-    Nowhere,
-}
-
-/// Why the agent runtime cannot start.
-#[derive(Debug, thiserror::Error)]
-pub enum AgentSetupError {
-    #[error(transparent)]
-    AgentsFile(#[from] definition::AgentsFileError),
-    #[error("ABADA_AGENT_PROVIDER_{name}_KIND: {reason}")]
-    Provider { name: String, reason: String },
-    #[error("cannot build the HTTP client for models and tools: {0}")]
-    Http(String),
-    #[error(transparent)]
-    ToolsFile(#[from] ToolsFileError),
-    #[error("the agents file {path}, agent {agent:?}: {source}")]
-    ToolServer {
-        path: std::path::PathBuf,
-        agent: String,
-        #[source]
-        source: Box<ServerResolutionError>,
-    },
 }
 
 impl AgentRuntime {
@@ -162,14 +139,13 @@ impl AgentRuntime {
             agents_file,
             bpmn: bpmn::BpmnDefinitions::new(settings.bpmn),
             tool_registry: None,
-            tool_http,
+            tools: Arc::new(McpConnector::new(tool_http, settings.tool_sessions.clone())),
             settings,
             metrics,
             ceilings,
             capabilities: EngineCapabilities::default(),
             store: None,
-            finishing: Mutex::new(HashMap::new()),
-            max_deferrals_per_run: crate::config::DEFAULT_MAX_DEFERRALS_PER_RUN,
+            max_deferrals_per_run: DEFAULT_MAX_DEFERRALS_PER_RUN,
         }
     }
 
@@ -181,12 +157,29 @@ impl AgentRuntime {
 
     /// Keeps the journals of tasks without `attempt` in `store`, claimed as `worker_id`; a
     /// task waits up to `patience` for a store that fails transiently.
-    pub fn with_store(mut self, store: StoreHandle, worker_id: &str, patience: Duration) -> Self {
+    pub fn with_store(
+        mut self,
+        store: Arc<dyn RunStore>,
+        worker_id: &str,
+        patience: Duration,
+    ) -> Self {
         self.store = Some(RunStoreHome {
-            handle: store,
+            store,
             worker_id: worker_id.to_string(),
             patience,
         });
+        self
+    }
+
+    /// The runtime with `providers` instead of the ones it was built with (stand-ins).
+    pub fn with_providers(mut self, providers: ProviderRegistry) -> Self {
+        self.providers = providers;
+        self
+    }
+
+    /// The runtime with its tool sessions opened by `tools` instead of MCP (a stand-in).
+    pub fn with_tool_connector(mut self, tools: Arc<dyn ToolConnector>) -> Self {
+        self.tools = tools;
         self
     }
 
@@ -195,149 +188,11 @@ impl AgentRuntime {
         self.tool_registry = Some(registry);
         self
     }
-
-    /// The runtime a [`Config`] describes (its providers and agents file), with `agent_settings`.
-    pub fn from_config(
-        config: &Config,
-        http: reqwest::Client,
-        agent_settings: AgentSettings,
-        metrics: Arc<Metrics>,
-    ) -> Result<Self, AgentSetupError> {
-        let mut settings = Vec::new();
-        for p in &config.providers {
-            let kind = ProviderKind::parse(&p.kind).map_err(|e| AgentSetupError::Provider {
-                name: p.name.to_ascii_uppercase(),
-                reason: e.to_string(),
-            })?;
-            settings.push(ProviderSettings {
-                name: p.name.clone(),
-                kind,
-                base_url: p
-                    .base_url
-                    .clone()
-                    .unwrap_or_else(|| kind.default_base_url().to_string()),
-                api_key: p.api_key.clone(),
-                max_concurrency: p.max_concurrency,
-                request_timeout: p.request_timeout,
-            });
-        }
-        let agents_file = config
-            .agents_file
-            .as_deref()
-            .map(AgentsFile::load)
-            .transpose()?;
-        if let Some(f) = &agents_file {
-            tracing::info!(agents = f.len(), "agents file loaded");
-        }
-        let tls = || {
-            crate::tls::http_client_builder(config.ca_file.as_deref())
-                .map_err(|e| AgentSetupError::Http(e.to_string()))
-        };
-        let tool_registry = match &config.tools_file {
-            None => None,
-            Some(path) => {
-                let file = ToolsFile::load(path)?;
-                file.check_channels(path, config.allow_insecure_http)?;
-                let mut registry = ToolRegistry::start(file, tls()?)
-                    .map_err(|e| AgentSetupError::Http(e.to_string()))?;
-                if config.tools_unregistered == UnregisteredPolicy::Allow {
-                    // Each session to an unregistered server gets a client of its own, pinned
-                    // to the addresses checked: with the same trust roots as every client.
-                    let certs = config
-                        .ca_file
-                        .as_deref()
-                        .map(crate::tls::load_ca_bundle)
-                        .transpose()
-                        .map_err(|e| AgentSetupError::Http(e.to_string()))?;
-                    let clients = Arc::new(move || match &certs {
-                        Some(certs) => reqwest::Client::builder().tls_certs_merge(certs.clone()),
-                        None => reqwest::Client::builder(),
-                    });
-                    registry = registry.allow_unregistered(clients, None);
-                }
-                tracing::info!(servers = registry.len(), "tool-server registry loaded");
-                Some(Arc::new(registry))
-            }
-        };
-        // A local definition naming a server the registry lacks, or at another URL, is the
-        // operator's own mistake: said at start-up, not at the first task.
-        if let (Some(file), Some(path)) = (&agents_file, &config.agents_file) {
-            for (key, def) in file.definitions() {
-                ToolRegistry::resolve(tool_registry.as_deref(), &def.tool_servers, true).map_err(
-                    |source| AgentSetupError::ToolServer {
-                        path: path.clone(),
-                        agent: key.to_string(),
-                        source: Box::new(source),
-                    },
-                )?;
-            }
-        }
-        let tool_http =
-            crate::tools::http_client(tls()?).map_err(|e| AgentSetupError::Http(e.to_string()))?;
-        let mut agent_settings = agent_settings;
-        agent_settings.tool_sessions.allow_insecure_http = config.allow_insecure_http;
-        let runtime = AgentRuntime::new(
-            ProviderRegistry::new(settings, http),
-            agents_file,
-            tool_http,
-            agent_settings,
-            metrics,
-            config.ceilings,
-        )
-        .with_max_deferrals_per_run(config.max_deferrals_per_run);
-        Ok(match tool_registry {
-            Some(registry) => runtime.with_tool_registry(registry),
-            None => runtime,
-        })
-    }
-
-    /// Where `task`'s journal lives: the one place that choice is made. A run that may wait for
-    /// a person's approval (`waits_across_tasks`) outlives its task, so it lives in the run store
-    /// under its process run key (`run_key`); [`run`] refuses such a definition before this
-    /// when no store is configured. Otherwise a task without `attempt` is not an agent/1 task
-    /// (protocol.md Part B), and shows the engine speaks plain v1: its journal is in the run
-    /// store when one is configured, else nowhere. An agent/1 task journals to the engine
-    /// (authoritative there: its attempt is the engine's fencing token) unless the engine is
-    /// known to have no journal.
-    pub fn journal_home(&self, task: &Task, waits_across_tasks: bool) -> JournalHome {
-        if waits_across_tasks && self.store.is_some() {
-            return JournalHome::Store;
-        }
-        if task.attempt.is_none() {
-            if self.store.is_some() {
-                return JournalHome::Store;
-            }
-            self.capabilities
-                .journal_missing(NoJournalEvidence::PlainTask);
-            return JournalHome::Nowhere;
-        }
-        match self.capabilities.journal() {
-            JournalSupport::Unknown | JournalSupport::Present => JournalHome::Engine,
-            JournalSupport::Absent => JournalHome::Nowhere,
-        }
-    }
 }
 
 #[async_trait]
 impl TaskHandler for AgentRuntime {
     async fn handle(&self, task: Arc<Task>, ctx: TaskContext) -> Outcome {
         run::run(self, &task, &ctx).await
-    }
-
-    /// A run whose completion (or BPMN error) the engine accepted is finished in the store: it
-    /// will not be resumed. Any other end keeps it for the next attempt.
-    async fn ended(&self, _task: &Task, lease: &Lease, end: TaskEnd) {
-        let finishing = self
-            .finishing
-            .lock()
-            .expect("finishing lock poisoned")
-            .remove(&lease.id());
-        let Some((store, fence, run_end)) = finishing else {
-            return;
-        };
-        if !matches!(end, TaskEnd::Completed | TaskEnd::BpmnError) {
-            return;
-        }
-        run::finish_in_store(self, &store, &fence, run_end).await;
     }
 }

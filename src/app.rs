@@ -13,6 +13,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::agent::definition::AgentsFile;
 use crate::agent::{AgentRuntime, AgentSettings};
 use crate::auth::{OidcTokenProvider, TokenProvider};
 use crate::backoff::Backoff;
@@ -21,8 +22,13 @@ use crate::engine::Engine;
 use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::handler::TaskHandler;
 use crate::metrics::Metrics;
+use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
 use crate::runner::{Runner, RunnerEvent, RunnerSettings};
-use crate::store::{StoreHandle, connect_backoff};
+use crate::store::{RunStore, StoreHandle, connect_backoff};
+use crate::tools::ToolConnector;
+use crate::tools::registry::{
+    ServerResolutionError, ToolRegistry, ToolsFile, ToolsFileError, UnregisteredPolicy,
+};
 
 /// Why the worker could not start.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +58,14 @@ pub struct Seams {
     pub tuning: Tuning,
     /// Receives the runner's events (the tests, the demo's timeline).
     pub events: Option<mpsc::UnboundedSender<RunnerEvent>>,
+    /// The agent runtime's model providers. `None`: the ones `ABADA_AGENT_PROVIDER_*` configure.
+    pub providers: Option<ProviderRegistry>,
+    /// Opens each task's tool sessions. `None`: MCP over HTTP to the servers the definitions
+    /// and the registry name.
+    pub tools: Option<Arc<dyn ToolConnector>>,
+    /// The run store. `None`: the PostgreSQL store of `ABADA_AGENT_STORE_URL`, if set; a store
+    /// given here replaces it (nothing is connected, `/readyz` does not report it).
+    pub store: Option<Arc<dyn RunStore>>,
 }
 
 /// Timing no variable sets. The defaults are production's; a test that injects faults shortens
@@ -147,6 +161,122 @@ fn token_provider(config: &Config) -> Result<Option<Arc<dyn TokenProvider>>, Sta
     Ok(Some(Arc::new(provider)))
 }
 
+/// Why the agent runtime cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentSetupError {
+    #[error(transparent)]
+    AgentsFile(#[from] crate::agent::definition::AgentsFileError),
+    #[error("ABADA_AGENT_PROVIDER_{name}_KIND: {reason}")]
+    Provider { name: String, reason: String },
+    #[error("cannot build the HTTP client for models and tools: {0}")]
+    Http(String),
+    #[error(transparent)]
+    ToolsFile(#[from] ToolsFileError),
+    #[error("the agents file {path}, agent {agent:?}: {source}")]
+    ToolServer {
+        path: std::path::PathBuf,
+        agent: String,
+        #[source]
+        source: Box<ServerResolutionError>,
+    },
+}
+
+/// The agent runtime a [`Config`] describes (its providers, agents file and tool registry),
+/// with `agent_settings`. Everything an operator's mistake can break here fails at start-up.
+pub fn agent_runtime(
+    config: &Config,
+    http: reqwest::Client,
+    agent_settings: AgentSettings,
+    metrics: Arc<Metrics>,
+) -> Result<AgentRuntime, AgentSetupError> {
+    let mut settings = Vec::new();
+    for p in &config.providers {
+        let kind = ProviderKind::parse(&p.kind).map_err(|e| AgentSetupError::Provider {
+            name: p.name.to_ascii_uppercase(),
+            reason: e.to_string(),
+        })?;
+        settings.push(ProviderSettings {
+            name: p.name.clone(),
+            kind,
+            base_url: p
+                .base_url
+                .clone()
+                .unwrap_or_else(|| kind.default_base_url().to_string()),
+            api_key: p.api_key.clone(),
+            max_concurrency: p.max_concurrency,
+            request_timeout: p.request_timeout,
+        });
+    }
+    let agents_file = config
+        .agents_file
+        .as_deref()
+        .map(AgentsFile::load)
+        .transpose()?;
+    if let Some(f) = &agents_file {
+        tracing::info!(agents = f.len(), "agents file loaded");
+    }
+    let tls = || {
+        crate::tls::http_client_builder(config.ca_file.as_deref())
+            .map_err(|e| AgentSetupError::Http(e.to_string()))
+    };
+    let tool_registry = match &config.tools_file {
+        None => None,
+        Some(path) => {
+            let file = ToolsFile::load(path)?;
+            file.check_channels(path, config.allow_insecure_http)?;
+            let mut registry = ToolRegistry::start(file, tls()?)
+                .map_err(|e| AgentSetupError::Http(e.to_string()))?;
+            if config.tools_unregistered == UnregisteredPolicy::Allow {
+                // Each session to an unregistered server gets a client of its own, pinned
+                // to the addresses checked: with the same trust roots as every client.
+                let certs = config
+                    .ca_file
+                    .as_deref()
+                    .map(crate::tls::load_ca_bundle)
+                    .transpose()
+                    .map_err(|e| AgentSetupError::Http(e.to_string()))?;
+                let clients = Arc::new(move || match &certs {
+                    Some(certs) => reqwest::Client::builder().tls_certs_merge(certs.clone()),
+                    None => reqwest::Client::builder(),
+                });
+                registry = registry.allow_unregistered(clients, None);
+            }
+            tracing::info!(servers = registry.len(), "tool-server registry loaded");
+            Some(Arc::new(registry))
+        }
+    };
+    // A local definition naming a server the registry lacks, or at another URL, is the
+    // operator's own mistake: said at start-up, not at the first task.
+    if let (Some(file), Some(path)) = (&agents_file, &config.agents_file) {
+        for (key, def) in file.definitions() {
+            ToolRegistry::resolve(tool_registry.as_deref(), &def.tool_servers, true).map_err(
+                |source| AgentSetupError::ToolServer {
+                    path: path.clone(),
+                    agent: key.to_string(),
+                    source: Box::new(source),
+                },
+            )?;
+        }
+    }
+    let tool_http =
+        crate::tools::http_client(tls()?).map_err(|e| AgentSetupError::Http(e.to_string()))?;
+    let mut agent_settings = agent_settings;
+    agent_settings.tool_sessions.allow_insecure_http = config.allow_insecure_http;
+    let runtime = AgentRuntime::new(
+        ProviderRegistry::new(settings, http),
+        agents_file,
+        tool_http,
+        agent_settings,
+        metrics,
+        config.ceilings,
+    )
+    .with_max_deferrals_per_run(config.max_deferrals_per_run);
+    Ok(match tool_registry {
+        Some(registry) => runtime.with_tool_registry(registry),
+        None => runtime,
+    })
+}
+
 /// A worker that is wired but not yet running.
 pub struct Worker {
     pub runner: Runner,
@@ -172,7 +302,9 @@ impl Worker {
     pub fn build(config: &Config, seams: Seams) -> Result<Worker, StartError> {
         let metrics = Arc::new(Metrics::new());
         let store_stop = CancellationToken::new();
-        let store = config.store.clone().map(|store| {
+        let stand_in_store = seams.store;
+        let configured_store = config.store.clone().filter(|_| stand_in_store.is_none());
+        let store = configured_store.map(|store| {
             StoreHandle::connect_in_background(
                 store,
                 metrics.clone(),
@@ -199,17 +331,29 @@ impl Worker {
         let handler: Arc<dyn TaskHandler> = match seams.handler {
             Some(handler) => handler,
             None => {
-                let mut runtime = AgentRuntime::from_config(
+                let mut runtime = agent_runtime(
                     config,
                     outbound_http_client(config)?,
                     seams.agent,
                     metrics.clone(),
                 )
                 .map_err(|e| StartError::Setup(e.to_string()))?;
-                if let Some(store) = &store {
+                if let Some(providers) = seams.providers {
+                    runtime = runtime.with_providers(providers);
+                }
+                if let Some(tools) = seams.tools {
+                    runtime = runtime.with_tool_connector(tools);
+                }
+                let run_store = match stand_in_store {
+                    Some(store) => Some(store),
+                    None => store
+                        .clone()
+                        .map(|handle| Arc::new(handle) as Arc<dyn RunStore>),
+                };
+                if let Some(run_store) = run_store {
                     // A store outage is waited out for a lock duration, as an engine outage is.
                     runtime =
-                        runtime.with_store(store.clone(), &config.worker_id, config.lock_duration);
+                        runtime.with_store(run_store, &config.worker_id, config.lock_duration);
                 }
                 Arc::new(runtime)
             }

@@ -44,7 +44,7 @@ pub fn check(url: &str, what: &str, allow_insecure: bool) -> Result<Channel, Ins
 /// A loopback address literal, or the name `localhost` itself. Names under it (`a.localhost`)
 /// are not: a resolver may send them to DNS, which can answer any address. The tools' resolver
 /// also refuses `localhost` when it resolves to an address that is not loopback
-/// ([`crate::tools::address::GuardedResolver`]).
+/// (the tools' guarded resolver).
 fn is_loopback(url: &reqwest::Url) -> bool {
     let Some(host) = url.host_str() else {
         return false;
@@ -52,7 +52,7 @@ fn is_loopback(url: &reqwest::Url) -> bool {
     let host = host.trim_start_matches('[').trim_end_matches(']');
     match host.parse::<std::net::IpAddr>() {
         Ok(ip) => is_loopback_ip(ip),
-        Err(_) => crate::tools::address::is_localhost(host),
+        Err(_) => is_localhost(host),
     }
 }
 
@@ -61,6 +61,12 @@ fn is_loopback(url: &reqwest::Url) -> bool {
 /// every secret's channel uses (here and the run store's `sslmode` rules).
 pub(crate) fn is_loopback_ip(ip: std::net::IpAddr) -> bool {
     ip.to_canonical().is_loopback()
+}
+
+/// True for the name `localhost` (any case, with or without the root's trailing dot); not for
+/// names under it (`a.localhost`), which a resolver may send to DNS like any other.
+pub(crate) fn is_localhost(host: &str) -> bool {
+    host.trim_end_matches('.').eq_ignore_ascii_case("localhost")
 }
 
 #[cfg(test)]

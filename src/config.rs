@@ -5,7 +5,6 @@
 //! allowed range; `main` prints it on one line and exits 2 before touching the network. Secret
 //! values are never echoed.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -55,34 +54,9 @@ pub const ENV_MAX_TASK_DURATION_MS: &str = "ABADA_AGENT_MAX_TASK_DURATION_MS";
 pub const ENV_ALLOW_INSECURE_HTTP: &str = "ABADA_AGENT_ALLOW_INSECURE_HTTP";
 pub const ENV_MAX_DEFERRALS_PER_RUN: &str = "ABADA_AGENT_MAX_DEFERRALS_PER_RUN";
 
-/// Deferrals of one run in the run store before it ends as an incident.
-pub const DEFAULT_MAX_DEFERRALS_PER_RUN: u32 = 20;
+pub use crate::agent::DEFAULT_MAX_DEFERRALS_PER_RUN;
 
-/// Where variables come from.
-pub trait EnvSource {
-    fn get(&self, key: &str) -> Option<String>;
-}
-
-/// The process environment.
-pub struct ProcessEnv;
-
-impl EnvSource for ProcessEnv {
-    fn get(&self, key: &str) -> Option<String> {
-        std::env::var(key).ok()
-    }
-}
-
-impl EnvSource for HashMap<String, String> {
-    fn get(&self, key: &str) -> Option<String> {
-        HashMap::get(self, key).cloned()
-    }
-}
-
-impl EnvSource for HashMap<&str, &str> {
-    fn get(&self, key: &str) -> Option<String> {
-        HashMap::get(self, key).map(|v| v.to_string())
-    }
-}
+pub use crate::env::{EnvSource, ProcessEnv};
 
 /// A configuration problem: which variable, what is wrong, what is allowed.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -101,11 +75,7 @@ impl ConfigError {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogFormat {
-    Json,
-    Pretty,
-}
+pub use crate::telemetry::LogFormat;
 
 /// One model provider as configured by `ABADA_AGENT_PROVIDER_<NAME>_*`.
 #[derive(Clone, Debug)]
@@ -789,6 +759,7 @@ fn parse_providers(env: &dyn EnvSource) -> Result<Vec<ProviderConfig>, ConfigErr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
     fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs

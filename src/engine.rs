@@ -7,7 +7,6 @@ pub mod capabilities;
 pub mod client;
 pub mod error;
 pub mod headers;
-pub mod trace;
 pub mod wire;
 
 use std::time::Duration;
@@ -15,8 +14,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde_json::{Map, Value};
 
+/// W3C trace context lives with the telemetry (`telemetry::trace`); the engine carries it.
+pub use crate::telemetry::trace::{self, TraceParent};
 pub use error::{EngineError, LeaseLostReason};
-pub use trace::TraceParent;
 
 /// A task the engine locked for this worker, mapped from the wire at the edge.
 #[derive(Clone, Debug)]

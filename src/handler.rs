@@ -186,11 +186,33 @@ pub fn task_retries(task: &Task) -> i32 {
 #[async_trait]
 pub trait TaskHandler: Send + Sync + 'static {
     async fn handle(&self, task: Arc<Task>, ctx: TaskContext) -> Outcome;
+}
 
-    /// Told once the runner has reported how the task ended (or found it could not), after
-    /// every `handle` of `lease`, even one dropped midway: the place to record an end that is
-    /// now committed (the run store finishes the task's run on `Completed`).
-    async fn ended(&self, _task: &Task, _lease: &Lease, _end: TaskEnd) {}
+/// What a task leaves to do once the runner has reported how it ended (or found it could not):
+/// record an end that is now committed (the run store finishes the task's run on `Completed`).
+/// Given to [`TaskContext::after_report`]; run once, after `handle`, even one dropped midway.
+#[async_trait]
+pub trait AfterReport: Send {
+    async fn reported(self: Box<Self>, end: TaskEnd);
+}
+
+/// The slot a task's [`AfterReport`] waits in: one per task, shared by the clones of its
+/// context and read by the runner after the report.
+#[derive(Clone, Default)]
+pub(crate) struct AfterReportSlot(Arc<std::sync::Mutex<Option<Box<dyn AfterReport>>>>);
+
+impl AfterReportSlot {
+    fn set(&self, hook: Box<dyn AfterReport>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(hook);
+    }
+
+    /// Runs what the task left, if anything (the runner, once the task's end is reported).
+    pub(crate) async fn run(&self, end: TaskEnd) {
+        let hook = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(hook) = hook {
+            hook.reported(end).await;
+        }
+    }
 }
 
 /// What a running task may use: its lease, the stop signal, and engine calls about itself that
@@ -204,6 +226,8 @@ pub struct TaskContext {
     /// MCP sessions when the task was dropped (aborted at shutdown or on a lost lease). The
     /// runner waits for it; a session's credential may not outlive the lease.
     cleanup: TaskTracker,
+    /// What to do once the task's end is reported (see [`AfterReport`]).
+    after_report: AfterReportSlot,
 }
 
 impl TaskContext {
@@ -213,7 +237,19 @@ impl TaskContext {
             lease,
             stop,
             cleanup: TaskTracker::new(),
+            after_report: AfterReportSlot::default(),
         }
+    }
+
+    /// Leaves `hook` to run once the runner has reported the task's end (replacing any left
+    /// before by this task).
+    pub fn after_report(&self, hook: Box<dyn AfterReport>) {
+        self.after_report.set(hook);
+    }
+
+    /// The slot the runner reads after the report (every clone of this context shares it).
+    pub(crate) fn after_report_slot(&self) -> &AfterReportSlot {
+        &self.after_report
     }
 
     /// The task's cleanup tracker (see the field): every clone of this context shares it.
@@ -356,6 +392,26 @@ impl<E> TaskError<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a task leaves for after the report runs once, with the end the runner reported,
+    /// and never again (a second report of the same context finds nothing).
+    #[tokio::test(start_paused = true)]
+    async fn what_a_task_leaves_for_after_the_report_runs_once_with_the_end() {
+        struct Record(Arc<std::sync::Mutex<Vec<TaskEnd>>>);
+        #[async_trait]
+        impl AfterReport for Record {
+            async fn reported(self: Box<Self>, end: TaskEnd) {
+                self.0.lock().unwrap().push(end);
+            }
+        }
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let slot = AfterReportSlot::default();
+        let clone = slot.clone();
+        clone.set(Box::new(Record(seen.clone())));
+        slot.run(TaskEnd::Completed).await;
+        slot.run(TaskEnd::LeaseLost).await;
+        assert_eq!(*seen.lock().unwrap(), vec![TaskEnd::Completed]);
+    }
 
     /// The spellings are a public contract: README.md lists them for dashboards and alerts.
     #[test]

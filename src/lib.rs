@@ -21,6 +21,7 @@ pub mod demo;
 #[cfg(feature = "devkit")]
 pub mod devkit;
 pub mod engine;
+pub mod env;
 pub mod errors;
 pub mod handler;
 pub mod heartbeat;

@@ -664,6 +664,7 @@ async fn run_task(
         tracing::info!(topic = %task.topic, retries = ?task.retries, "task started");
         let ctx = TaskContext::new(shared.engine.clone(), lease.clone(), shared.stop.clone());
         let cleanup = ctx.cleanup().clone();
+        let after_report = ctx.after_report_slot().clone();
         let handler = shared.handler.clone();
         let mut handle = tokio::spawn(
             {
@@ -717,7 +718,7 @@ async fn run_task(
         // look lost. The report is short next to the lease (at least 2/3 of it is left here).
         shared.heartbeat.release(lease.id());
         let end = report(&shared, &task, &lease, outcome).await;
-        shared.handler.ended(&task, &lease, end).await;
+        after_report.run(end).await;
         if end == TaskEnd::LeaseLost {
             let reason = lease.lost_reason().unwrap_or(LeaseLostReason::NotOwned);
             shared

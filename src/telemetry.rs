@@ -20,6 +20,7 @@
 pub mod cap;
 pub mod otel;
 pub mod spans;
+pub mod trace;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -34,8 +35,14 @@ use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 
-use crate::config::LogFormat;
 use cap::CappedValue;
+
+/// How log lines are written (`ABADA_AGENT_LOG_FORMAT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Json,
+    Pretty,
+}
 
 /// Where JSON lines go: stdout, or a buffer in tests.
 pub type SharedWriter = Arc<Mutex<dyn Write + Send>>;

@@ -26,7 +26,7 @@ use opentelemetry_otlp::WithHttpConfig;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracerProvider, Tracer};
 
-use crate::config::EnvSource;
+use crate::env::EnvSource;
 
 /// The `service.name` when neither `OTEL_SERVICE_NAME` nor `OTEL_RESOURCE_ATTRIBUTES` names one.
 pub const DEFAULT_SERVICE_NAME: &str = "abada-agent-worker";

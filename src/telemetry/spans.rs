@@ -21,7 +21,7 @@ use tracing::field::Empty;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::conversation::{AssistantMessage, Message, Usage};
-use crate::engine::TraceParent;
+use crate::telemetry::trace::TraceParent;
 
 /// The `tracing` target of every exported span.
 pub const SPAN_TARGET: &str = "abada_agent_worker::otel";

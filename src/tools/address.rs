@@ -16,6 +16,8 @@ use std::sync::Arc;
 
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 
+use crate::channel::is_localhost;
+
 /// Host names of instance-metadata services (lower case, no trailing dot). Most resolve to a
 /// link-local address, refused by address too; Equinix Metal's resolves to a public one.
 const METADATA_NAMES: &[&str] = &[
@@ -116,12 +118,6 @@ pub(crate) fn embedded_ipv4(v6: Ipv6Addr) -> Vec<Ipv4Addr> {
 fn is_metadata_name(host: &str) -> bool {
     let host = host.trim_end_matches('.').to_ascii_lowercase();
     METADATA_NAMES.contains(&host.as_str())
-}
-
-/// True for the name `localhost` (any case, with or without the root's trailing dot); not for
-/// names under it (`a.localhost`), which a resolver may send to DNS like any other.
-pub(crate) fn is_localhost(host: &str) -> bool {
-    host.trim_end_matches('.').eq_ignore_ascii_case("localhost")
 }
 
 /// Refuses a URL whose host is a forbidden address literal or metadata name. Names that merely

@@ -13,7 +13,7 @@
 //! ```
 //!
 //! `approval` is the operator's word on which calls of this server wait for a person
-//! ([`crate::agent::approval`], the same grammar as a definition's `approval`): it applies to
+//! ([`approval_policy`](super::approval_policy), the same grammar as a definition's `approval`): it applies to
 //! every agent whose definition uses the server, on top of the definition's own, so a definition
 //! (possibly sent by the engine) can add approvals but never remove this one.
 //!
@@ -41,10 +41,10 @@ use serde::Deserialize;
 use super::address::{self, ForbiddenAddress};
 use super::alias::{AliasGuard, ClientBuilderFactory, Endpoint, normalized_path};
 use super::{CredentialError, CredentialSource, ToolServerRef, UnregisteredServers};
-use crate::agent::approval::ApprovalPolicy;
 use crate::auth::token::{self, GrantedToken, TokenError, TokenHandle, TokenSource};
 use crate::auth::{ClientAuth, ClientCredentials, GrantError, IssuerHttpClient};
 use crate::secret::{Secret, SecretSource};
+use crate::tools::approval_policy::ApprovalPolicy;
 
 /// Bound on one token grant for a tool server.
 const GRANT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -669,7 +669,7 @@ pub struct ResolvedServers {
 
 impl ResolvedServers {
     /// The servers the registry does not list, for
-    /// [`ToolSessions::with_unregistered`](super::ToolSessions::with_unregistered): their
+    /// [`McpSessions::with_unregistered`](super::McpSessions::with_unregistered): their
     /// sessions open only through the registry's address guard. `None` without a registry.
     pub fn unregistered(&self) -> Option<UnregisteredServers> {
         self.unregistered.clone()
