@@ -31,3 +31,4 @@ mod store_tls;
 mod store_visits;
 mod support;
 mod tools;
+mod window;
