@@ -13,6 +13,7 @@ mod faults;
 mod fuzz_props;
 mod hostile;
 mod hostile_model;
+mod interop_llm;
 mod loadtest_smoke;
 mod mcp_interop;
 mod oidc;
