@@ -357,6 +357,38 @@ mod tests {
     }
 
     #[test]
+    fn a_resumed_attempt_rebuilds_the_same_elided_request_from_the_journal() {
+        use super::super::journal::{self, Replayed};
+        use crate::conversation::Usage;
+        // The journal of a run that read four documents, as an attempt writes it.
+        let live = conversation(4, 3000);
+        let mut steps = vec![journal::input_step(1, "You read documents.", "the input")];
+        for m in &live[1..] {
+            let seq = steps.len() as u64 + 1;
+            steps.push(match m {
+                Message::Assistant(a) => {
+                    journal::model_step(seq, "local/m", a, Usage::default(), "tool_calls")
+                }
+                Message::ToolResult { call, result } => {
+                    journal::tool_finished_step(seq, None, call, result)
+                }
+                Message::User { .. } => unreachable!("one input"),
+            });
+        }
+        let replayed = Replayed::from_steps(&steps).unwrap();
+        assert_eq!(
+            replayed.messages, live,
+            "the journal keeps every result whole"
+        );
+        let mut resumed = request(replayed.messages);
+        let mut original = request(live);
+        let a = fit(&mut original, "local/m", 3000, 300).unwrap();
+        let b = fit(&mut resumed, "local/m", 3000, 300).unwrap();
+        assert!(a.elided >= 2, "{a:?}");
+        assert_eq!((a, original), (b, resumed));
+    }
+
+    #[test]
     fn results_smaller_than_their_stub_are_left_and_hostile_sizes_saturate() {
         let mut req = request(conversation(4, 10));
         let e = fit(&mut req, "m", 256, 200).unwrap_err();
