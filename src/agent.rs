@@ -34,6 +34,7 @@ mod run_journal;
 pub mod run_key;
 mod scope;
 mod tool_call;
+mod window;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -262,8 +262,14 @@ pub fn agent_runtime(
         crate::tools::http_client(tls()?).map_err(|e| AgentSetupError::Http(e.to_string()))?;
     let mut agent_settings = agent_settings;
     agent_settings.tool_sessions.allow_insecure_http = config.allow_insecure_http;
+    let mut providers = ProviderRegistry::new(settings, http);
+    for p in &config.providers {
+        if let Some(tokens) = p.context_window {
+            providers = providers.with_context_window(p.name.clone(), tokens);
+        }
+    }
     let runtime = AgentRuntime::new(
-        ProviderRegistry::new(settings, http),
+        providers,
         agents_file,
         tool_http,
         agent_settings,

@@ -88,6 +88,9 @@ pub struct ProviderConfig {
     pub api_key: Option<Arc<SecretSource>>,
     pub max_concurrency: Option<usize>,
     pub request_timeout: Duration,
+    /// `_CONTEXT_WINDOW`: the context window of every model of this provider, in tokens (None:
+    /// the known window of a common model, else unknown).
+    pub context_window: Option<u64>,
 }
 
 pub use crate::store::StoreConfig;
@@ -744,6 +747,17 @@ fn parse_providers(env: &dyn EnvSource) -> Result<Vec<ProviderConfig>, ConfigErr
             100,
             3_600_000,
         )?);
+        let context_window = get("CONTEXT_WINDOW")
+            .map(|_| {
+                parse_range(
+                    &|k| env.get(k),
+                    &var("CONTEXT_WINDOW"),
+                    0,
+                    crate::provider::context::MIN_CONTEXT_WINDOW,
+                    crate::provider::context::MAX_CONTEXT_WINDOW,
+                )
+            })
+            .transpose()?;
         providers.push(ProviderConfig {
             name,
             kind,
@@ -751,6 +765,7 @@ fn parse_providers(env: &dyn EnvSource) -> Result<Vec<ProviderConfig>, ConfigErr
             api_key,
             max_concurrency,
             request_timeout,
+            context_window,
         });
     }
     Ok(providers)
@@ -909,6 +924,27 @@ mod tests {
         assert_eq!(err(&[(ENV_HTTP_ADDR, "nope")]).var, ENV_HTTP_ADDR);
         let e = Config::from_env(&env(&[(ENV_ENGINE_URL, "ftp://x")])).unwrap_err();
         assert_eq!(e.var, ENV_ENGINE_URL);
+    }
+
+    #[test]
+    fn a_providers_context_window_is_a_token_count_in_range() {
+        let c = Config::from_env(&env(&[
+            (ENV_ENGINE_URL, "https://e/api"),
+            (ENV_PROVIDERS, "openai,local"),
+            ("ABADA_AGENT_PROVIDER_LOCAL_KIND", "openai"),
+            ("ABADA_AGENT_PROVIDER_LOCAL_CONTEXT_WINDOW", " 4096 "),
+        ]))
+        .unwrap();
+        assert_eq!(c.providers[0].context_window, None);
+        assert_eq!(c.providers[1].context_window, Some(4096));
+        for bad in ["100", "4k", "-1", "99999999999"] {
+            let e = err(&[
+                (ENV_PROVIDERS, "openai"),
+                ("ABADA_AGENT_PROVIDER_OPENAI_CONTEXT_WINDOW", bad),
+            ]);
+            assert_eq!(e.var, "ABADA_AGENT_PROVIDER_OPENAI_CONTEXT_WINDOW", "{bad}");
+            assert!(e.to_string().contains("allowed 256..=10000000"), "{e}");
+        }
     }
 
     #[test]

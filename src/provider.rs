@@ -15,6 +15,7 @@ use crate::secret::SecretSource;
 
 pub mod anthropic;
 pub mod circuit;
+pub mod context;
 pub mod fallback;
 mod http;
 pub mod openai;
@@ -284,6 +285,7 @@ pub fn parse_retry_after(
 pub struct ProviderRegistry {
     providers: HashMap<String, Arc<dyn ModelProvider>>,
     circuits: Arc<circuit::ModelCircuits>,
+    windows: context::ContextWindows,
 }
 
 impl std::fmt::Debug for ProviderRegistry {
@@ -322,6 +324,18 @@ impl ProviderRegistry {
     pub fn with_circuit_policy(mut self, policy: circuit::CircuitPolicy) -> Self {
         self.circuits = Arc::new(circuit::ModelCircuits::new(policy));
         self
+    }
+
+    /// The registry with every model of provider `name` given a context window of `tokens`
+    /// (`ABADA_AGENT_PROVIDER_<NAME>_CONTEXT_WINDOW`).
+    pub fn with_context_window(mut self, name: impl Into<String>, tokens: u64) -> Self {
+        self.windows.configure(name, tokens);
+        self
+    }
+
+    /// The context window of each model, configured or known.
+    pub fn context_windows(&self) -> &context::ContextWindows {
+        &self.windows
     }
 
     /// Whether each model is unavailable for everyone now (every task of the worker feeds it).

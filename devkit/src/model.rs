@@ -118,6 +118,10 @@ pub struct Script {
     /// OpenAI-compatible servers do), so two answers reuse the same call ids; by default an id
     /// also names its turn (`call_{turn}_{i}`).
     pub call_ids_per_answer: bool,
+    /// The model's context window, in the devkit's tokens ([`prompt_tokens`]): a request whose
+    /// prompt and output cap exceed it is refused in the wire format's own words (OpenAI's rule:
+    /// `max_completion_tokens` counts against the window). None: any length.
+    pub context_window: Option<u64>,
 }
 
 impl Script {
@@ -128,7 +132,14 @@ impl Script {
             usage: None,
             omit_usage: false,
             call_ids_per_answer: false,
+            context_window: None,
         }
+    }
+
+    /// Refuses a request whose [`prompt_tokens`] and output cap exceed `tokens`.
+    pub fn with_context_window(mut self, tokens: u64) -> Self {
+        self.context_window = Some(tokens);
+        self
     }
 
     /// Numbers tool calls from 0 in every answer: `call_0` again and again.
@@ -197,6 +208,49 @@ pub struct RecordedRequest {
     pub body: Value,
     /// Request headers; `authorization` and `x-api-key` values are masked.
     pub headers: Vec<(String, String)>,
+    /// The prompt's length in the devkit's tokens ([`prompt_tokens`]).
+    pub prompt_tokens: u64,
+}
+
+/// Bytes per token of the devkit's stand-in tokenizer: the usual average of BPE tokenizers over
+/// English text and JSON.
+pub const DEVKIT_BYTES_PER_TOKEN: u64 = 4;
+/// What the devkit's stand-in chat template adds around each message and each tool.
+pub const DEVKIT_TOKENS_PER_ITEM: u64 = 4;
+
+/// A request's prompt in the devkit's tokens, as a server counts the text its template renders
+/// rather than the JSON: every string and number of the system prompt, the messages and the
+/// tools at [`DEVKIT_BYTES_PER_TOKEN`], plus [`DEVKIT_TOKENS_PER_ITEM`] per message and tool.
+pub fn prompt_tokens(body: &Value) -> u64 {
+    fn text_bytes(v: &Value) -> u64 {
+        match v {
+            Value::String(s) => s.len() as u64,
+            Value::Number(n) => n.to_string().len() as u64,
+            Value::Array(items) => items.iter().map(text_bytes).sum(),
+            Value::Object(map) => map.values().map(text_bytes).sum(),
+            Value::Bool(_) | Value::Null => 0,
+        }
+    }
+    let count = |key: &str| {
+        body.get(key)
+            .and_then(Value::as_array)
+            .map_or(0, |a| a.len() as u64)
+    };
+    let bytes: u64 = ["system", "messages", "tools"]
+        .iter()
+        .filter_map(|k| body.get(*k))
+        .map(text_bytes)
+        .sum();
+    bytes.div_ceil(DEVKIT_BYTES_PER_TOKEN)
+        + (count("messages") + count("tools")) * DEVKIT_TOKENS_PER_ITEM
+}
+
+/// The output cap a request asks for, in either wire format.
+fn output_cap(body: &Value) -> u64 {
+    ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|k| body.get(*k).and_then(Value::as_u64))
+        .unwrap_or(0)
 }
 
 #[derive(Default)]
@@ -434,6 +488,7 @@ async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: 
         shared.requests.push(RecordedRequest {
             format,
             model: model.clone(),
+            prompt_tokens: prompt_tokens(&body),
             body: body.clone(),
             headers: headers
                 .iter()
@@ -483,6 +538,13 @@ async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: 
     let Some(script) = script else {
         return not_found(format, &model);
     };
+    if let Some(window) = script.context_window {
+        let prompt = prompt_tokens(&body);
+        let cap = output_cap(&body);
+        if prompt + cap > window {
+            return context_exceeded(format, &model, window, prompt, cap);
+        }
+    }
     answer(format, &model, &script, &body, call_index)
 }
 
@@ -664,6 +726,40 @@ fn fault_response(
             &json!({"error": {"code": 500, "message": "Context size has been exceeded.", "type": "server_error"}}),
         ),
         Fault::Hang(_) => error(format, 500, "api_error", "unreachable fault"),
+    }
+}
+
+/// A request past the script's window, refused as the wire format's vendor words it, with the
+/// sizes.
+fn context_exceeded(
+    format: WireFormat,
+    model: &str,
+    window: u64,
+    prompt: u64,
+    cap: u64,
+) -> Response {
+    match format {
+        WireFormat::Anthropic => error(
+            format,
+            400,
+            "invalid_request_error",
+            &format!(
+                "prompt is too long: {} tokens > {window} maximum",
+                prompt + cap
+            ),
+        ),
+        WireFormat::OpenAi => json_response(
+            400,
+            &error_body(
+                format,
+                "invalid_request_error",
+                Some("context_length_exceeded"),
+                &format!(
+                    "This model's maximum context length is {window} tokens. However, you requested {} tokens ({prompt} in the messages, {cap} in the completion) ({model}).",
+                    prompt + cap
+                ),
+            ),
+        ),
     }
 }
 

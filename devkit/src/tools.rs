@@ -550,12 +550,47 @@ fn tool_list() -> Vec<Tool> {
                 .idempotent(false),
         ),
         Tool::new(
+            "read_document",
+            "Reads a document: its text, as long as asked (bytes, at most 256 KiB).",
+            schema(json!({
+                "type": "object",
+                "properties": {
+                    "documentId": {"type": "string"},
+                    "bytes": {"type": "integer", "minimum": 0, "maximum": READ_DOCUMENT_MAX_BYTES}
+                },
+                "required": ["documentId", "bytes"]
+            })),
+        )
+        .annotate(ToolAnnotations::new().read_only(true)),
+        Tool::new(
             "echo",
             "Returns its arguments.",
             schema(json!({"type": "object", "additionalProperties": true})),
         )
         .annotate(ToolAnnotations::new().read_only(true)),
     ]
+}
+
+/// The longest document `read_document` returns.
+pub const READ_DOCUMENT_MAX_BYTES: u64 = 256 * 1024;
+
+/// `read_document`: `bytes` bytes of deterministic text naming the document, so a conversation
+/// can be made as long as a test needs.
+fn read_document(arguments: &JsonObject) -> CallToolResult {
+    let (Some(id), Some(bytes)) = (
+        arguments.get("documentId").and_then(Value::as_str),
+        arguments.get("bytes").and_then(Value::as_u64),
+    ) else {
+        return CallToolResult::error(vec![ContentBlock::text(
+            "documentId (a string) and bytes (an integer) are required",
+        )]);
+    };
+    let Ok(bytes) = usize::try_from(bytes.min(READ_DOCUMENT_MAX_BYTES)) else {
+        return CallToolResult::error(vec![ContentBlock::text("bytes is too large")]);
+    };
+    let line = format!("Document {id}: the quick brown fox jumps over the lazy dog. ");
+    let text: String = line.chars().cycle().take(bytes).collect();
+    CallToolResult::success(vec![ContentBlock::text(text)])
 }
 
 /// Deterministic order details from an order id.
@@ -735,6 +770,7 @@ impl ServerHandler for OrderTools {
                 result
             }
             "echo" => json_result(Value::Object(arguments)),
+            "read_document" => read_document(&arguments),
             other => {
                 return Err(ErrorData::invalid_params(
                     format!("unknown tool {other}"),

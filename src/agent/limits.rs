@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use crate::conversation::{AssistantMessage, Message, Usage};
+use crate::conversation::{AssistantMessage, Message, ToolSpec, Usage};
 use crate::provider::ModelRequest;
 
 /// The default of `maxToolCallsPerAnswer`.
@@ -229,21 +229,31 @@ pub fn estimate_request_tokens(req: &ModelRequest) -> u64 {
     let mut messages: u64 = 1;
     for m in &req.messages {
         messages += 1;
-        bytes = bytes.saturating_add(match m {
-            Message::User { text } => text.len(),
-            Message::Assistant(a) => assistant_bytes(a),
-            Message::ToolResult { call, result } => call
-                .call_id
-                .len()
-                .saturating_add(result.to_model_text().len()),
-        });
+        bytes = bytes.saturating_add(message_bytes(m));
     }
     for t in &req.tools {
-        bytes = bytes
-            .saturating_add(t.server.len() + t.tool.len() + t.description.len())
-            .saturating_add(t.input_schema.to_string().len());
+        bytes = bytes.saturating_add(tool_bytes(t));
     }
     tokens_of_bytes(bytes).saturating_add(messages.saturating_mul(TOKENS_PER_MESSAGE))
+}
+
+/// The bytes of one message a model reads: its text, a call's id, tool and arguments, a
+/// result's text. Shared by the budget's estimate and the context window's.
+pub(crate) fn message_bytes(m: &Message) -> usize {
+    match m {
+        Message::User { text } => text.len(),
+        Message::Assistant(a) => assistant_bytes(a),
+        Message::ToolResult { call, result } => call
+            .call_id
+            .len()
+            .saturating_add(result.to_model_text().len()),
+    }
+}
+
+/// The bytes of one tool offered to the model: its names, description and argument schema.
+pub(crate) fn tool_bytes(t: &ToolSpec) -> usize {
+    (t.server.len() + t.tool.len() + t.description.len())
+        .saturating_add(t.input_schema.to_string().len())
 }
 
 /// An estimate of the output tokens of an answer (when the provider reported none).

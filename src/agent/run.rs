@@ -340,6 +340,15 @@ impl<'a> Attempt<'a> {
             max_output_tokens: None,
             traceparent: self.trace.traceparent.clone(),
         };
+        // [window] issue 26: the request fits the smallest context window of the chain (older
+        // tool results elided, derived from the journal), or the task ends naming the sizes.
+        super::window::fit_to_chain(
+            &mut request,
+            self.scope.rt.providers.context_windows(),
+            &self.def.models,
+            self.limits.max_output_tokens,
+        )
+        .map_err(|e| incident(super::window::INCIDENT, e.to_string()))?;
         // The budget is checked against the request about to go out, not only what was spent:
         // one call must not overshoot it by a context window.
         let estimated_input = limits::estimate_request_tokens(&request);
@@ -450,10 +459,9 @@ impl<'a> Attempt<'a> {
             {
                 incident("the model's answer is too large", e.to_string())
             }
-            ModelCallError::ContextTooLong { .. } => incident(
-                "the conversation is too long for the model's context window",
-                e.to_string(),
-            ),
+            ModelCallError::ContextTooLong { .. } => {
+                incident(super::window::INCIDENT, e.to_string())
+            }
             ModelCallError::Task { .. } => incident("the model refused the request", e.to_string()),
         }
     }

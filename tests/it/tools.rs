@@ -111,7 +111,7 @@ async fn lists_tools_with_read_only_annotations() {
         .iter()
         .map(|t| (t.tool.as_str(), t.read_only))
         .collect();
-    assert_eq!(by_name.len(), 3, "{tools:?}");
+    assert_eq!(by_name.len(), 4, "{tools:?}");
     assert!(by_name["lookup_order"]);
     assert!(by_name["echo"]);
     assert!(!by_name["issue_refund"]);
@@ -193,7 +193,7 @@ async fn a_credential_goes_only_to_its_own_server() {
     let billing = server("billing").await;
     let mut sessions = sessions_for(&[&orders, &billing], Arc::new(TestCredentials::default()));
     let tools = sessions.tools().await.unwrap();
-    assert_eq!(tools.len(), 6);
+    assert_eq!(tools.len(), 8);
     sessions
         .call("orders", "echo", args(json!({"to": "orders"})), None)
         .await
