@@ -219,6 +219,43 @@ async fn engine_5xx_on_every_operation_are_retried_with_the_same_key() {
         "no task needed a second attempt"
     );
     assert!(injected(&s, Operation::Complete) >= 2, "the fault was met");
+    // The same key: each command refused with an injected 5xx is sent again, by the same
+    // worker about the same task and attempt, under the very Idempotency-Key it first carried.
+    let calls = s.engine.calls();
+    let mut compared = 0;
+    // (A fetch refused with a 5xx locked nothing: the poll loop's next fetch is a new request.)
+    for op in [Operation::JournalAppend, Operation::Complete] {
+        for (i, first) in calls
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.operation == op && c.disposition == Disposition::Injected)
+        {
+            let key = first
+                .idempotency_key
+                .as_deref()
+                .unwrap_or_else(|| panic!("{op:?} sent without an Idempotency-Key"));
+            let again = calls[i + 1..]
+                .iter()
+                .find(|c| {
+                    c.operation == op
+                        && c.worker_id == first.worker_id
+                        && c.task_id == first.task_id
+                        && c.attempt == first.attempt
+                })
+                .unwrap_or_else(|| panic!("{op:?} refused with a 5xx was never sent again"));
+            assert_eq!(
+                again.idempotency_key.as_deref(),
+                Some(key),
+                "{op:?} about {:?} re-sent under another key",
+                first.task_id
+            );
+            compared += 1;
+        }
+    }
+    assert!(
+        compared >= 4,
+        "two refusals each of two commands: {compared}"
+    );
     finish(&s, vec![w], Expect::default(), "engine 5xx").await;
 }
 
