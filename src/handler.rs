@@ -293,6 +293,11 @@ impl TaskContext {
                     .unwrap_or(LeaseLostReason::Superseded),
             )
         };
+        // The clock first: a process paused past the local expiry runs this before the
+        // scheduler's timer can mark the lease lost.
+        if self.lease.expired_locally() {
+            self.lease.mark_lost(LeaseLostReason::LocalExpiry);
+        }
         if self.lease.is_lost() {
             return Err(lost());
         }

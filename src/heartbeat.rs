@@ -205,6 +205,9 @@ impl Actor {
             failures: 0,
             timer: due,
         };
+        entry
+            .lease
+            .set_valid_until(entry.expiry_deadline(&self.settings));
         self.timers.insert((due, id));
         self.entries.insert(id, entry);
     }
@@ -286,6 +289,9 @@ impl Actor {
                 if sent_at > entry.last_ok {
                     entry.last_ok = sent_at;
                 }
+                entry
+                    .lease
+                    .set_valid_until(entry.expiry_deadline(&self.settings));
                 // Next point on the acquisition grid that is still ahead.
                 let now = Instant::now();
                 loop {

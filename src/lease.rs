@@ -7,8 +7,9 @@
 //! [`Lease::mark_lost`]; from then on the task makes no further call about the task.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::{LeaseLostReason, TaskRef};
@@ -32,6 +33,10 @@ pub struct Lease {
     task: Arc<TaskRef>,
     lost: CancellationToken,
     reason: Arc<OnceLock<LeaseLostReason>>,
+    /// The local expiry the heartbeat scheduler last computed (None until it registers the
+    /// lease). Read by the task before each call, so that a process paused past it (SIGSTOP, a
+    /// stalled VM) makes no call on waking even if the scheduler has not run yet.
+    valid_until: Arc<Mutex<Option<Instant>>>,
 }
 
 impl Lease {
@@ -41,7 +46,24 @@ impl Lease {
             task: Arc::new(task),
             lost: CancellationToken::new(),
             reason: Arc::new(OnceLock::new()),
+            valid_until: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// Records the lease's local expiry (the heartbeat scheduler's, on registration and on each
+    /// accepted extension).
+    pub(crate) fn set_valid_until(&self, at: Instant) {
+        // A plain value: a panic elsewhere cannot leave it half-written.
+        *self.valid_until.lock().unwrap_or_else(|p| p.into_inner()) = Some(at);
+    }
+
+    /// True once the worker's own clock is past the lease's local expiry, whether or not the
+    /// scheduler has noticed yet.
+    pub fn expired_locally(&self) -> bool {
+        self.valid_until
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|at| Instant::now() >= at)
     }
 
     pub fn id(&self) -> LeaseId {

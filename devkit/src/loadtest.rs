@@ -1432,6 +1432,7 @@ mod tests {
             traceparent: None,
             status: 200,
             error_code: None,
+            error_message: None,
             disposition: Disposition::Executed,
             response_dropped: false,
             task_ids: if operation == Operation::FetchAndLock {

@@ -163,6 +163,8 @@ struct Faults {
     down: AtomicBool,
     error_results: AtomicBool,
     latency: Mutex<Duration>,
+    /// Per tool: the call takes effect at once and its answer comes this much later.
+    answer_latency: Mutex<HashMap<String, Duration>>,
     /// Delay before a DELETE (a session close) is looked at: its credential is checked, and
     /// the session dropped, only after it.
     close_latency: Mutex<Duration>,
@@ -315,6 +317,23 @@ impl ToolServer {
     /// Delay before answering every `tools/call`.
     pub fn set_latency(&self, latency: Duration) {
         Faults::set(&self.shared.faults.latency, latency);
+    }
+
+    /// A slow `tool`: each call of it takes effect at once (a refund is applied) and its answer
+    /// comes `latency` later, so a client that gives up first has a write applied whose answer it
+    /// never saw. `Duration::ZERO` makes it prompt again.
+    pub fn set_answer_latency(&self, tool: &str, latency: Duration) {
+        let mut per_tool = self
+            .shared
+            .faults
+            .answer_latency
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if latency.is_zero() {
+            per_tool.remove(tool);
+        } else {
+            per_tool.insert(tool.to_string(), latency);
+        }
     }
 
     /// Delay before every DELETE (session close) is checked and served: a close still in
@@ -786,6 +805,17 @@ impl ServerHandler for OrderTools {
             .unwrap_or_else(|p| p.into_inner());
         if let Some(bytes) = oversized {
             result.content.push(ContentBlock::text("x".repeat(bytes)));
+        }
+        let answer_latency = self
+            .shared
+            .faults
+            .answer_latency
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(request.name.as_ref())
+            .copied();
+        if let Some(latency) = answer_latency {
+            tokio::time::sleep(latency).await;
         }
         Ok(result.into())
     }

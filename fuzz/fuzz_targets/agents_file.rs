@@ -1,11 +1,8 @@
 //! The text of a local agents file (TOML).
+//! The property lives in `fuzz/props.rs`, shared with the replay under `cargo test`.
 #![no_main]
 
-use abada_agent_worker::decoders;
-use libfuzzer_sys::fuzz_target;
+#[path = "../props.rs"]
+mod props;
 
-fuzz_target!(|data: &[u8]| {
-    if let Ok(text) = std::str::from_utf8(data) {
-        let _ = decoders::agents_file(text);
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| props::agents_file(data));

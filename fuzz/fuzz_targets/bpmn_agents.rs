@@ -1,14 +1,10 @@
 //! BPMN XML as the engine serves it (issue 26): any text, through the depth scan, the XML parser
 //! (no DTD, node limit) and the `abada.agent.*` property mapping into the one definition parser.
 //! None may panic or overflow the stack.
+//! The property lives in `fuzz/props.rs`, shared with the replay under `cargo test`.
 #![no_main]
 
-use abada_agent_worker::decoders;
-use libfuzzer_sys::fuzz_target;
+#[path = "../props.rs"]
+mod props;
 
-fuzz_target!(|data: &[u8]| {
-    let Ok(xml) = std::str::from_utf8(data) else {
-        return;
-    };
-    let _ = decoders::bpmn_agents(xml);
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| props::bpmn_agents(data));

@@ -1,17 +1,8 @@
 //! A fetch-and-lock response body from the engine: any bytes decode or fail, never panic.
+//! The property lives in `fuzz/props.rs`, shared with the replay under `cargo test`.
 #![no_main]
 
-use abada_agent_worker::decoders;
-use libfuzzer_sys::fuzz_target;
+#[path = "../props.rs"]
+mod props;
 
-fuzz_target!(|data: &[u8]| {
-    if let Ok((tasks, _rejected)) = decoders::engine_fetch_response(data) {
-        for task in tasks {
-            assert!(
-                !task.id.trim().is_empty(),
-                "a task with a blank id was accepted"
-            );
-            let _ = task.task_ref();
-        }
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| props::engine_fetch_response(data));

@@ -1,15 +1,8 @@
 //! An MCP tool result as a tool server sent it, then capped to a size from the first two bytes.
+//! The property lives in `fuzz/props.rs`, shared with the replay under `cargo test`.
 #![no_main]
 
-use abada_agent_worker::decoders;
-use libfuzzer_sys::fuzz_target;
+#[path = "../props.rs"]
+mod props;
 
-fuzz_target!(|data: &[u8]| {
-    if data.len() < 2 {
-        return;
-    }
-    let cap = u16::from_be_bytes([data[0], data[1]]) as usize;
-    if let Ok(result) = decoders::tool_result(&data[2..]) {
-        let _ = decoders::cap_tool_result(result, cap);
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| props::tool_result(data));

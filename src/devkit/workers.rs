@@ -34,6 +34,9 @@ pub struct WorkerOptions {
     pub shutdown_grace: Duration,
     /// More `ABADA_AGENT_*` variables, set last (e.g. the run store's URL, an agents file).
     pub env: Vec<(String, String)>,
+    /// The engine client's and the poll loop's backoffs: [`fast_tuning`] unless a test needs
+    /// another (e.g. a command backoff cap above the `Retry-After` it checks).
+    pub tuning: Tuning,
 }
 
 impl WorkerOptions {
@@ -45,6 +48,7 @@ impl WorkerOptions {
             poll_interval: Duration::from_millis(200),
             shutdown_grace: Duration::from_secs(5),
             env: Vec::new(),
+            tuning: fast_tuning(),
         }
     }
 }
@@ -225,7 +229,7 @@ fn spawn(
         Seams {
             engine,
             agent,
-            tuning: fast_tuning(),
+            tuning: opts.tuning,
             ..Seams::default()
         },
     )

@@ -1388,6 +1388,13 @@ async fn crash_test_the_real_binary_under_sigkill_and_sigstop() {
         "stale writes accepted: {:?}",
         audit.accepted
     );
+    // A holder re-sends its complete only under the same key (the engine replays it and runs
+    // nothing), so no complete of a completed task is executed again, even as a no-op; one from
+    // another holder is in `accepted` above.
+    assert_eq!(
+        audit.noop_completes, 0,
+        "completes executed on completed tasks by their completer"
+    );
     assert!(
         kills >= 2 && freezes >= 2,
         "the chaos ran: {kills} kills, {freezes} freezes"

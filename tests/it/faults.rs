@@ -219,6 +219,43 @@ async fn engine_5xx_on_every_operation_are_retried_with_the_same_key() {
         "no task needed a second attempt"
     );
     assert!(injected(&s, Operation::Complete) >= 2, "the fault was met");
+    // The same key: each command refused with an injected 5xx is sent again, by the same
+    // worker about the same task and attempt, under the very Idempotency-Key it first carried.
+    let calls = s.engine.calls();
+    let mut compared = 0;
+    // (A fetch refused with a 5xx locked nothing: the poll loop's next fetch is a new request.)
+    for op in [Operation::JournalAppend, Operation::Complete] {
+        for (i, first) in calls
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.operation == op && c.disposition == Disposition::Injected)
+        {
+            let key = first
+                .idempotency_key
+                .as_deref()
+                .unwrap_or_else(|| panic!("{op:?} sent without an Idempotency-Key"));
+            let again = calls[i + 1..]
+                .iter()
+                .find(|c| {
+                    c.operation == op
+                        && c.worker_id == first.worker_id
+                        && c.task_id == first.task_id
+                        && c.attempt == first.attempt
+                })
+                .unwrap_or_else(|| panic!("{op:?} refused with a 5xx was never sent again"));
+            assert_eq!(
+                again.idempotency_key.as_deref(),
+                Some(key),
+                "{op:?} about {:?} re-sent under another key",
+                first.task_id
+            );
+            compared += 1;
+        }
+    }
+    assert!(
+        compared >= 4,
+        "two refusals each of two commands: {compared}"
+    );
     finish(&s, vec![w], Expect::default(), "engine 5xx").await;
 }
 
@@ -349,7 +386,14 @@ async fn throttling_429_with_retry_after_is_honoured() {
         retry_after_secs: None,
     });
     let ids = refund_tasks(&s, "thr", 3, "openai/refund", &[]);
-    let w = worker(&s, "w-thr", 4, LOCK, settings());
+    // A command backoff cap (5 s) above the Retry-After: the client waits min(Retry-After, cap).
+    let mut opts = WorkerOptions::new("w-thr", 4);
+    opts.lock_duration = LOCK;
+    opts.poll_interval = Duration::from_millis(100);
+    opts.tuning.command_backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(5));
+    let mut handle = s.spawn_worker(opts, settings());
+    let recorder = Recorder::attach(&s.engine, &mut handle, 4);
+    let w = (handle, recorder);
     wait_completed(&s, &ids).await;
     let throttled =
         w.1.events()
@@ -358,6 +402,29 @@ async fn throttling_429_with_retry_after_is_honoured() {
             .count();
     assert_eq!(throttled, 2, "two throttled fetches, then work");
     assert_eq!(injected(&s, Operation::Complete), 1);
+    // The throttled complete is sent again no sooner than its Retry-After (1 s), timed on the
+    // emulator's clock between the 429 and the next complete of the same task (both stamped on
+    // arrival), and well under the cap (5 s): the wait is the header's.
+    let calls = s.engine.calls();
+    let throttled = calls
+        .iter()
+        .find(|c| c.operation == Operation::Complete && c.disposition == Disposition::Injected)
+        .expect("a throttled complete");
+    let next = calls
+        .iter()
+        .filter(|c| {
+            c.operation == Operation::Complete
+                && c.task_id == throttled.task_id
+                && c.at > throttled.at
+        })
+        .map(|c| c.at)
+        .min()
+        .expect("the complete was sent again");
+    let waited = (next - throttled.at).to_std().unwrap_or_default();
+    assert!(
+        waited >= Duration::from_secs(1) && waited < Duration::from_secs(3),
+        "complete re-sent {waited:?} after a 429 with Retry-After: 1"
+    );
     finish(&s, vec![w], Expect::default(), "429 with Retry-After").await;
 }
 
@@ -571,6 +638,81 @@ async fn an_engine_outage_keeps_leases_while_it_can_fences_when_it_cannot_and_re
         );
     }
     finish(&s, vec![w], Expect::lease_loss([id]), "engine outage").await;
+}
+
+/// A heartbeat refused as the engine refuses one whose lease another worker took over
+/// (`WORKER_LOCK_NOT_OWNED`): the task ends `lease_lost` and nothing about that attempt is
+/// reported, while the tasks beside it complete; once the refusals stop and the lease runs out,
+/// the task runs again and completes. The invariant checker holds the rest: no ending call
+/// after the refusal (invariant 5, which no longer exempts a refusal whose attempt commits an
+/// ending afterwards), one outcome per task, no keyed write re-sent without the interruption.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_heartbeat_ends_its_task_lease_lost_and_nothing_reports_it() {
+    let s = stack().await;
+    // Three model turns of 1 s each: a heartbeat (every third of the 5 s lease) comes while the
+    // first or second is in flight.
+    s.model.set_script(
+        "slowish",
+        refund_script().with_latency(Duration::from_millis(1000)),
+    );
+    let ids = refund_tasks(&s, "hbr", 3, "openai/slowish", &[]);
+    let refused = ids[0].clone();
+    s.engine.inject(Fault::RefuseHeartbeats {
+        task_id: refused.clone(),
+    });
+    let w = worker(&s, "w-hbr", 4, LOCK, settings());
+    within("the refused task to end lease_lost", async {
+        w.1.wait_until(|events| {
+            events.iter().any(|e| {
+                matches!(e, RunnerEvent::TaskEnded { task_id, outcome: TaskEnd::LeaseLost, .. }
+                    if *task_id == refused)
+            })
+        })
+        .await
+    })
+    .await;
+    let refusal = s
+        .engine
+        .calls()
+        .into_iter()
+        .find(|c| {
+            c.task_id.as_deref() == Some(refused.as_str())
+                && c.operation == Operation::Heartbeat
+                && c.disposition == Disposition::Injected
+        })
+        .expect("the heartbeat was refused");
+    assert_eq!(refusal.error_code.as_deref(), Some("WORKER_LOCK_NOT_OWNED"));
+    s.engine.clear_faults();
+    let views = wait_completed(&s, &ids).await;
+    for v in &views {
+        assert_eq!(v.counters.completes, 1, "task {}", v.id);
+    }
+    assert_eq!(
+        views[0].attempt, 2,
+        "the refused attempt reported nothing; the next one completed"
+    );
+    for c in
+        s.engine.calls().iter().filter(|c| {
+            c.task_id.as_deref() == Some(refused.as_str()) && c.attempt == refusal.attempt
+        })
+    {
+        assert!(
+            c.at <= refusal.at
+                || !matches!(
+                    c.operation,
+                    Operation::Complete | Operation::Failure | Operation::BpmnError
+                ),
+            "the refused attempt reported {:?} after the refusal",
+            c.operation
+        );
+    }
+    finish(
+        &s,
+        vec![w],
+        Expect::lease_loss([refused]),
+        "refused heartbeats",
+    )
+    .await;
 }
 
 // ---- provider faults -------------------------------------------------------------------------
@@ -886,6 +1028,7 @@ async fn a_tool_server_down_or_slow_past_its_timeout_fails_technically_then_resu
     let mut agent = settings();
     agent.tool_sessions.call_timeout = Duration::from_millis(500);
     agent.technical_retry = Backoff::new(retry, retry).without_jitter();
+    let tries = agent.tool_attempts;
     let w = worker(&s, "w-tools", 4, LOCK, agent);
     let views = wait_tasks(&s, &down, "technical failures", |t| {
         t.counters.failures >= 1
@@ -899,18 +1042,63 @@ async fn a_tool_server_down_or_slow_past_its_timeout_fails_technically_then_resu
     s.engine.advance(retry + Duration::from_secs(1));
     wait_completed(&s, &down).await;
 
-    // Slow past the call timeout (500 ms): the keyed write may land late; its re-send with the
-    // same key must not apply it again.
-    s.tools.set_latency(Duration::from_millis(1500));
+    // The keyed write slow past the call timeout (500 ms): `issue_refund` is applied at once but
+    // answered 1.5 s later, after the worker gave up on it (the lookup before it stays prompt,
+    // so the write is what times out). The attempt re-sends it under its key `tool_attempts`
+    // times in all, then fails technically; the resume sends it once more under the same key,
+    // and the server answers every re-send from storage without applying it again.
+    let before = s.tools.counters().await;
+    let sent_before = s.tools.calls().len();
+    s.tools
+        .set_answer_latency("issue_refund", Duration::from_millis(1500));
     let slow = refund_tasks(&s, "tslow", 2, "openai/refund", &[]);
-    wait_tasks(&s, &slow, "timeouts to fail the tasks", |t| {
+    wait_tasks(&s, &slow, "keyed-write timeouts to fail the tasks", |t| {
         t.counters.failures >= 1
     })
     .await;
-    s.tools.set_latency(Duration::ZERO);
+    s.tools.set_answer_latency("issue_refund", Duration::ZERO);
     s.engine.advance(retry + Duration::from_secs(1));
     wait_completed(&s, &slow).await;
-    finish(&s, vec![w], Expect::default(), "tool server down / slow").await;
+    let after = s.tools.counters().await;
+    let calls = s.tools.calls();
+    for id in &slow {
+        let keys: Vec<Option<String>> = calls[sent_before..]
+            .iter()
+            .filter(|c| {
+                c.tool == "issue_refund"
+                    && c.idempotency_key
+                        .as_deref()
+                        .is_some_and(|k| k.starts_with(&format!("abada:{id}:")))
+            })
+            .map(|c| c.idempotency_key.clone())
+            .collect();
+        assert_eq!(
+            keys.len() as u32,
+            tries + 1,
+            "task {id}: {tries} slow sends, one after the resume: {keys:?}"
+        );
+        assert!(
+            keys.iter().all(|k| *k == keys[0]),
+            "task {id}: re-sent under the same key: {keys:?}"
+        );
+    }
+    assert_eq!(
+        after.writes_applied - before.writes_applied,
+        2,
+        "each slow task's refund applied once"
+    );
+    assert_eq!(
+        after.duplicates - before.duplicates,
+        u64::from(2 * tries),
+        "each re-send answered from storage"
+    );
+    finish(
+        &s,
+        vec![w],
+        Expect::default().tool_tries(tries),
+        "tool server down / slow",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

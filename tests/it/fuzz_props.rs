@@ -282,8 +282,23 @@ proptest! {
             "usage": {"prompt_tokens": 3, "completion_tokens": 4}}).to_string();
         let r = decoders::openai_response(body.as_bytes(), &tools()).unwrap();
         prop_assert_eq!(r.message.tool_calls.len(), 1);
-        let args = &r.message.tool_calls[0].arguments;
-        prop_assert!(args.is_object() || args.is_string() || serde_json::from_str::<Value>(&arguments).is_ok());
+        let call = &r.message.tool_calls[0];
+        prop_assert_eq!(call.call_id.as_str(), "c1");
+        // The output pinned: no arguments (blank text) as an empty object, valid JSON object arguments as
+        // that object, anything else as the raw text; an offered tool's wire name mapped back to its server and tool, any other
+        // name kept raw with no server; the usage as sent.
+        match serde_json::from_str::<Value>(&arguments) {
+            _ if arguments.trim().is_empty() => prop_assert_eq!(&call.arguments, &json!({})),
+            Ok(Value::Object(object)) => prop_assert_eq!(&call.arguments, &Value::Object(object)),
+            _ => prop_assert_eq!(&call.arguments, &Value::String(arguments.clone())),
+        }
+        if name == "orders__lookup_order" {
+            prop_assert_eq!((call.server.as_str(), call.tool.as_str()), ("orders", "lookup_order"));
+        } else {
+            prop_assert_eq!((call.server.as_str(), call.tool.as_str()), ("", name));
+        }
+        let usage = r.usage.expect("usage as sent");
+        prop_assert_eq!((usage.input_tokens, usage.output_tokens), (3, 4));
     }
 
     #[test]
@@ -316,6 +331,20 @@ proptest! {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    /// The output pinned: a well-formed result decodes to exactly its blocks and error flag.
+    #[test]
+    fn a_well_formed_tool_result_decodes_to_its_blocks_and_flag(
+        texts in prop::collection::vec(".{0,40}", 0..5),
+        is_error in any::<bool>(),
+    ) {
+        let blocks: Vec<Value> = texts.iter().map(|t| json!({"type": "text", "text": t})).collect();
+        let body = json!({"content": blocks, "isError": is_error}).to_string();
+        let result = decoders::tool_result(body.as_bytes()).unwrap();
+        prop_assert_eq!(result.content, blocks);
+        prop_assert_eq!(result.is_error, is_error);
+        prop_assert_eq!(result.structured_content, None);
+    }
 
     #[test]
     fn tool_results_of_any_bytes_or_json_never_panic(raw in bytes(), value in arb_json(), cap in 0usize..4096) {

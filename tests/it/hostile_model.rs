@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use abada_agent_worker::agent::AgentSettings;
-use abada_agent_worker::devkit::engine::{TaskSpec, TaskStatus, TaskView};
+use abada_agent_worker::devkit::engine::{Disposition, Operation, TaskSpec, TaskStatus, TaskView};
 use abada_agent_worker::devkit::model::{Script, ScriptedCall, Turn};
 use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
 use serde_json::{Map, Value, json};
@@ -44,6 +44,10 @@ fn settings() -> AgentSettings {
 
 /// Leases long enough that no heartbeat is ever late enough to lose one.
 const LOCK: Duration = Duration::from_secs(10);
+
+/// How long the `slow` model takes to answer: far past the 700 ms deadline of the task that
+/// uses it, so a task ended at its deadline is told from one ended by the model's answer.
+const SLOW_MODEL: Duration = Duration::from_secs(5);
 
 fn refund(order: &str) -> Value {
     json!({"orderId": order, "amountCents": 100, "reason": "hostile"})
@@ -136,8 +140,7 @@ async fn a_hostile_model_ends_every_task_in_a_named_bounded_outcome() {
     );
     m.set_script(
         "slow",
-        endless("lookup_order", json!({"orderId": "${input}"}))
-            .with_latency(Duration::from_millis(1500)),
+        endless("lookup_order", json!({"orderId": "${input}"})).with_latency(SLOW_MODEL),
     );
     m.set_script("capped", abada_agent_worker::devkit::stack::refund_script());
 
@@ -265,9 +268,31 @@ async fn a_hostile_model_ends_every_task_in_a_named_bounded_outcome() {
         "saturated, not wrapped"
     );
 
-    // Slower than the deadline: maxDurationMs ends it while the model call is in flight.
+    // Slower than the deadline: maxDurationMs ends it while the model call is in flight. Timed
+    // on the emulator's clock from the fetch that handed the task out to its failure report:
+    // not before the 700 ms, and before the model's first answer (SLOW_MODEL) could come.
     let msg = incident_message(view(&slow));
     assert!(msg.contains("maxDurationMs = 700"), "{msg}");
+    let calls = s.engine.calls();
+    let fetched = calls
+        .iter()
+        .find(|c| c.operation == Operation::FetchAndLock && c.task_ids.contains(&slow))
+        .expect("the slow task was fetched")
+        .at;
+    let failed = calls
+        .iter()
+        .find(|c| {
+            c.operation == Operation::Failure
+                && c.task_id.as_deref() == Some(slow.as_str())
+                && c.disposition == Disposition::Executed
+        })
+        .expect("the slow task's failure")
+        .at;
+    let ran = (failed - fetched).to_std().unwrap_or_default();
+    assert!(
+        ran >= Duration::from_millis(700) && ran < SLOW_MODEL,
+        "the task with maxDurationMs = 700 ended {ran:?} after it was fetched (its model answers after {SLOW_MODEL:?})"
+    );
 
     // The output cap is maxOutputTokens, not the budget (40000).
     assert_eq!(view(&capped).status, TaskStatus::Completed);

@@ -11,6 +11,7 @@ mod durable;
 mod emulator;
 mod faults;
 mod fuzz_props;
+mod fuzz_replay;
 mod hostile;
 mod hostile_model;
 mod interop_llm;

@@ -898,3 +898,61 @@ async fn an_outage_sees_at_most_twelve_fetches_and_fetching_resumes_within_one_p
     shutdown.cancel();
     join.await.unwrap();
 }
+
+/// A worker process paused past its lease (SIGSTOP, a stalled VM) wakes with the heartbeat
+/// scheduler's expiry timer and the task's next call both ready. The task must not win that
+/// race: the call checks the worker's own clock against the lease's local expiry, not only the
+/// latch the scheduler sets. Here the runtime's one thread is blocked past the lease (nothing
+/// else can run, as in a stopped process), then the task reports at once: before issue 24 the
+/// `complete` reached the engine; now nothing does, and the lease is lost as LOCAL_EXPIRY. The
+/// crash test found this (a stale holder's `complete` of a task completed by the next holder).
+#[tokio::test(flavor = "current_thread")]
+async fn a_task_woken_past_its_local_expiry_makes_no_call_even_before_the_scheduler_runs() {
+    use abada_agent_worker::engine::LeaseLostReason;
+    use abada_agent_worker::handler::TaskError;
+    use abada_agent_worker::heartbeat::{self, HeartbeatSettings};
+    use abada_agent_worker::lease::Lease;
+
+    let engine = FakeEngine::default();
+    let lock = Duration::from_millis(300);
+    let scheduler = heartbeat::spawn(
+        Arc::new(engine.clone()),
+        HeartbeatSettings::new(lock),
+        Arc::new(Metrics::new()),
+        None,
+    );
+    let lease = Lease::new(task("t-frozen").task_ref());
+    scheduler.register(lease.clone(), Instant::now());
+    // Let the scheduler take the registration (it records the local expiry).
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(!lease.expired_locally() && !lease.is_lost());
+
+    // Frozen: the thread itself sleeps past the lease, so no task of this runtime runs.
+    std::thread::sleep(lock + Duration::from_millis(100));
+    let ctx = TaskContext::new(
+        Arc::new(engine.clone()),
+        lease.clone(),
+        CancellationToken::new(),
+    );
+    let result = ctx.fenced(engine.complete(lease.task(), &Map::new())).await;
+    assert!(
+        matches!(
+            result,
+            Err(TaskError::LeaseLost(LeaseLostReason::LocalExpiry))
+        ),
+        "{result:?}"
+    );
+    let calls: Vec<&'static str> = engine
+        .state
+        .lock()
+        .unwrap()
+        .calls
+        .iter()
+        .map(|c| c.op)
+        .collect();
+    assert!(
+        !calls.contains(&"complete"),
+        "a complete after local expiry: {calls:?}"
+    );
+    assert_eq!(lease.lost_reason(), Some(LeaseLostReason::LocalExpiry));
+}

@@ -521,6 +521,12 @@ async fn chaos_on_a_plain_engine_with_the_run_store() {
         "stale writes accepted by the engine: {:?}",
         audit.accepted
     );
+    // A holder re-sends its complete only under the same key (replayed, nothing run): no
+    // complete of a completed task executes again, even as a no-op.
+    assert_eq!(
+        audit.noop_completes, 0,
+        "completes executed on completed tasks by their completer"
+    );
     assert!(
         chaos.kills >= 2 && chaos.freezes >= 2,
         "the chaos ran: {} kills, {} freezes",
@@ -528,6 +534,18 @@ async fn chaos_on_a_plain_engine_with_the_run_store() {
         chaos.freezes
     );
     assert!(interrupted_tasks > 0, "the chaos interrupted tasks");
+    // Every freeze past the lease of a worker holding runs loses those leases. Which signal
+    // wins is a race: on waking, the worker's own clock (LOCAL_EXPIRY) usually stops its tasks
+    // before any of them reaches the store (one run: 54 LOCAL_EXPIRY, 0 RUN_STORE_FENCED), so
+    // the store's refusal is not inevitable here; `store_runs::a_frozen_worker_is_refused_by_
+    // the_store_and_goes_silent` freezes a worker inside a model call, where only the store can
+    // stop it, and requires RUN_STORE_FENCED.
+    let lost: usize = said.lost_by_reason.values().sum();
+    assert!(
+        lost >= 1,
+        "no lease lost after {} freezes past the lease: {said}",
+        chaos.freezes
+    );
     drop(sql);
     orders.shutdown().await;
     stack.shutdown().await;

@@ -272,6 +272,7 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
         traceparent: header_str(&call.headers, "traceparent").map(str::to_string),
         status: 0,
         error_code: None,
+        error_message: None,
         disposition: Disposition::Injected,
         response_dropped: false,
         task_ids: Vec::new(),
@@ -334,6 +335,7 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
         Err(error) => {
             record.status = error.status.as_u16();
             record.error_code = Some(error.code.to_string());
+            record.error_message = Some(error.message.clone());
             error_response(&shared, error, path, &call.headers)
         }
     };
@@ -645,6 +647,7 @@ async fn not_found(State(shared): State<Arc<Shared>>, req: Request) -> Response 
         traceparent: header_str(req.headers(), "traceparent").map(str::to_string),
         status: error.status.as_u16(),
         error_code: Some(error.code.to_string()),
+        error_message: Some(error.message.clone()),
         disposition: Disposition::Refused,
         response_dropped: false,
         task_ids: Vec::new(),

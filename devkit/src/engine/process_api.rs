@@ -134,6 +134,7 @@ fn record_read(
         traceparent: header("traceparent"),
         status: error.map_or(200, |e| e.status.as_u16()),
         error_code: error.map(|e| e.code.to_string()),
+        error_message: error.map(|e| e.message.clone()),
         disposition: if error.is_some() {
             Disposition::Refused
         } else {

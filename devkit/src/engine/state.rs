@@ -207,6 +207,9 @@ pub struct CallRecord {
     pub traceparent: Option<String>,
     pub status: u16,
     pub error_code: Option<String>,
+    /// The error body's `message` (e.g. which `ENGINE_COMMAND_REJECTED` it was).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_message: Option<String>,
     pub disposition: Disposition,
     /// The connection was closed instead of sending the response (fault or outage).
     pub response_dropped: bool,

@@ -211,7 +211,9 @@ pub fn refund_keys_per_task(calls: &[ToolCallRecord]) -> (HashMap<String, HashSe
 pub struct StaleAudit {
     /// Executed writes whose attempt or worker was not the task's holder at that point.
     pub accepted: Vec<String>,
-    /// `complete` on an already completed task: 200 and nothing done (protocol.md A.2).
+    /// `complete` on an already completed task by the holder that completed it (a re-send whose
+    /// first answer was lost): 200 and nothing done (protocol.md A.2). The same call from any
+    /// other holder is in `accepted`: the engine did nothing, but a stale holder reported.
     pub noop_completes: usize,
     /// Refusals by (operation, code).
     pub refusals: HashMap<String, usize>,
@@ -231,9 +233,11 @@ impl StaleAudit {
 /// an executed complete, failure or bpmn-error ends the holding. Every other executed write
 /// about a task (heartbeat, journal append, tool credential, complete, failure, bpmn-error) must
 /// then carry exactly the holder's worker id and, when `attempts` is set (agent/1), its attempt;
-/// one that does not is a write accepted from a stale holder. A plain v1 engine knows no
-/// attempt: there only the worker id is checked (the run store fences the rest). Replays
-/// (`Replayed`) wrote nothing and are skipped.
+/// one that does not is a write accepted from a stale holder. A `complete` on a task already
+/// completed is a no-op only when it comes from the holder that completed it; from anyone else
+/// it is a stale holder's report. A plain v1 engine knows no attempt: there only the worker id
+/// is checked (the run store fences the rest). Replays (`Replayed`) wrote nothing and are
+/// skipped.
 ///
 /// The log is ordered by when each request finished, not by when it took the emulator's lock;
 /// two requests finishing within the same microsecond could swap. A swap could only show up
@@ -241,7 +245,8 @@ impl StaleAudit {
 pub fn audit_stale_writes(calls: &[CallRecord], attempts: bool) -> StaleAudit {
     let mut audit = StaleAudit::default();
     let mut holder: HashMap<String, (u32, Option<String>)> = HashMap::new();
-    let mut completed: HashSet<String> = HashSet::new();
+    // The holder (worker id, attempt) whose complete ended each completed task.
+    let mut completed: HashMap<String, (Option<String>, Option<i64>)> = HashMap::new();
     for c in calls {
         if c.disposition == Disposition::Refused {
             *audit
@@ -278,8 +283,17 @@ pub fn audit_stale_writes(calls: &[CallRecord], attempts: bool) -> StaleAudit {
         let Some(task) = c.task_id.clone().filter(|_| writes) else {
             continue;
         };
-        if c.operation == Operation::Complete && completed.contains(&task) {
-            audit.noop_completes += 1;
+        if c.operation == Operation::Complete
+            && let Some((worker, attempt)) = completed.get(&task)
+        {
+            if c.worker_id == *worker && (!attempts || c.attempt == *attempt) {
+                audit.noop_completes += 1;
+            } else {
+                audit.accepted.push(format!(
+                    "Complete on {task} by {:?} attempt {:?} after {worker:?} attempt {attempt:?} completed it",
+                    c.worker_id, c.attempt
+                ));
+            }
             continue;
         }
         let (attempt, worker) = holder.get(&task).cloned().unwrap_or((0, None));
@@ -300,7 +314,7 @@ pub fn audit_stale_writes(calls: &[CallRecord], attempts: bool) -> StaleAudit {
                 h.1 = None;
             }
             if c.operation == Operation::Complete {
-                completed.insert(task);
+                completed.insert(task, (c.worker_id.clone(), c.attempt));
             }
         }
     }

@@ -4,14 +4,17 @@
 //! clock, slot gauge samples, and for the real binary its output and peak memory), and checks:
 //!
 //! 1. no task completed twice (one executed `complete` per task at most);
-//! 2. no keyed write applied twice (no unkeyed write; applied writes at most the distinct keys;
-//!    each order refunded under one key at most);
+//! 2. keyed writes re-sent only after an interruption: counted at the tool server, a key is
+//!    sent once, plus once per interruption its journal shows (the `tool/started` step of the
+//!    key appended by one attempt and its `finished` step by a later one, or never); a journaled
+//!    task sends no key its journal does not hold; no unkeyed write; each order refunded under one
+//!    key at most;
 //! 3. no leaked slot: the in-use gauge stayed within 0..=MAX_TASKS and is back to 0, and every
 //!    started task ended;
 //! 4. no lease of a healthy task expired (every new attempt follows an ending call of the one
 //!    before, and nothing ended `lease_lost`, except for tasks the scenario names);
 //! 5. no call about a task after its lease was lost (after its `lease_lost` end, and no ending
-//!    call after a lease-lost refusal);
+//!    call after a lease-lost refusal, unless the attempt's own committed ending came first);
 //! 6. every task ended in exactly one outcome of protocol.md B.5, or is still leased live;
 //! 7. nothing panicked (no handler panic turned into a failure, no "panicked" in the output);
 //! 8. memory stayed bounded (the real binary's VmHWM under a bound).
@@ -20,14 +23,15 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use abada_agent_worker::devkit::engine::{
-    CallRecord, Disposition, EngineEmulator, Operation, TaskStatus,
+    CallRecord, Disposition, EngineEmulator, Operation, TaskStatus, TaskView,
 };
 use abada_agent_worker::devkit::stack::WorkerHandle;
-use abada_agent_worker::devkit::tools::ToolServer;
+use abada_agent_worker::devkit::tools::{CallRecord as ToolCallRecord, ToolServer};
 use abada_agent_worker::handler::TaskEnd;
 use abada_agent_worker::metrics::Metrics;
 use abada_agent_worker::runner::{RunnerEvent, WorkerStatus};
 use chrono::{DateTime, Utc};
+use serde_json::Value;
 use tokio::sync::mpsc;
 
 /// A runner event with the emulator's time at which it was seen.
@@ -152,17 +156,49 @@ impl Drop for Recorder {
     }
 }
 
-/// Tasks the scenario expects to lose a lease (its fault targets their lease on purpose).
+/// What one tool server received during a scenario.
+#[derive(Clone, Debug, Default)]
+pub struct ToolObservation {
+    pub server: String,
+    /// Every `tools/call` the server received, in order.
+    pub calls: Vec<ToolCallRecord>,
+    /// Refunds the server applied without an idempotency key.
+    pub writes_unkeyed: u64,
+}
+
+impl ToolObservation {
+    pub async fn of(server: &ToolServer) -> Self {
+        ToolObservation {
+            server: server.name().to_string(),
+            calls: server.calls(),
+            writes_unkeyed: server.counters().await.writes_unkeyed,
+        }
+    }
+}
+
+/// What the scenario's faults make legitimate.
 #[derive(Clone, Debug, Default)]
 pub struct Expect {
+    /// Tasks the scenario expects to lose a lease (its fault targets their lease on purpose).
     pub lease_loss: HashSet<String>,
+    /// Sends of one keyed write an attempt may make: the worker's `tool_attempts` where the
+    /// scenario makes a tool server fail transiently (a timeout: the answer is lost, so the
+    /// write is re-sent under its key), else 1 (0 counts as 1): without a fault, no re-send.
+    pub tool_tries: u32,
 }
 
 impl Expect {
     pub fn lease_loss(ids: impl IntoIterator<Item = impl Into<String>>) -> Self {
         Expect {
             lease_loss: ids.into_iter().map(Into::into).collect(),
+            ..Expect::default()
         }
+    }
+
+    /// Allows `tries` sends of a keyed write per attempt (see [`Expect::tool_tries`]).
+    pub fn tool_tries(mut self, tries: u32) -> Self {
+        self.tool_tries = tries;
+        self
     }
 }
 
@@ -203,7 +239,7 @@ impl Report {
 /// The names of the invariants, in the order of the module docs (for the docs' table).
 pub const INVARIANTS: [&str; 8] = [
     "no task completed twice",
-    "no keyed write applied twice",
+    "keyed writes re-sent only after an interruption",
     "no leaked slot",
     "no lease of a healthy task expired",
     "no call about a task after its lease was lost",
@@ -212,6 +248,10 @@ pub const INVARIANTS: [&str; 8] = [
     "memory bounded",
 ];
 
+/// A refusal that tells the worker the task is no longer its own (protocol.md A.2). An
+/// `ENGINE_COMMAND_REJECTED` is one only when its message says the task is not locked or not
+/// found; another (a suspended instance, a gateway with no way out) refuses the command, not the
+/// lease, and the worker reports that outcome once as an incident.
 fn is_lease_lost_refusal(c: &CallRecord) -> bool {
     matches!(
         (c.status, c.error_code.as_deref()),
@@ -219,7 +259,11 @@ fn is_lease_lost_refusal(c: &CallRecord) -> bool {
             | (409, Some("WORKER_LOCK_EXPIRED"))
             | (409, Some("STALE_ATTEMPT"))
             | (409, Some("JOURNAL_CONFLICT"))
-    ) || (c.status == 400 && c.error_code.as_deref() == Some("ENGINE_COMMAND_REJECTED"))
+    ) || (c.status == 400
+        && c.error_code.as_deref() == Some("ENGINE_COMMAND_REJECTED")
+        && c.error_message.as_deref().is_some_and(|m| {
+            m.starts_with("External task is not locked") || m.starts_with("External task not found")
+        }))
 }
 
 /// A lease-lost refusal the attempt's own ending can cause: a heartbeat, append or second ending
@@ -241,6 +285,86 @@ fn committed(c: &CallRecord) -> bool {
     matches!(c.disposition, Disposition::Executed)
 }
 
+/// The attempt that appended each step of `task`'s journal (`None` where the call log cannot
+/// say, e.g. when it was capped): the emulator pushes a step exactly when it answers an append
+/// 201, and logs each call under the state lock that ran it, so the executed 201 appends of the
+/// task, in log order, are its journal's steps in order.
+fn journal_appenders(calls: &[CallRecord], task: &str, steps: usize) -> Vec<Option<i64>> {
+    let mut appenders: Vec<Option<i64>> = calls
+        .iter()
+        .filter(|c| {
+            c.operation == Operation::JournalAppend
+                && c.task_id.as_deref() == Some(task)
+                && committed(c)
+                && c.status == 201
+        })
+        .map(|c| c.attempt)
+        .collect();
+    appenders.resize(steps, None);
+    appenders
+}
+
+/// How many attempts may have sent keyed write `key` of task `t`: one, plus one per interruption
+/// between the key's `tool/started` step and its `finished` step (the attempts after the one
+/// that journaled the start, up to the one that journaled the finish, or the task's current
+/// attempt). `Err` when a journaled task sent a key its journal lacks. A task without a journal
+/// (content keys) may re-send on every re-delivery.
+fn attempts_sending(
+    calls: &[CallRecord],
+    t: &TaskView,
+    key: &str,
+) -> Result<(u64, String), String> {
+    let step_of = |state: &str| {
+        t.journal.iter().position(|s| {
+            s.get("kind").and_then(Value::as_str) == Some("tool")
+                && s.get("state").and_then(Value::as_str) == Some(state)
+                && s.get("key").and_then(Value::as_str) == Some(key)
+        })
+    };
+    let current = i64::from(t.attempt);
+    let Some(started) = step_of("started") else {
+        if t.journal.is_empty() {
+            let redeliveries = (current - 1).max(0) as u64;
+            return Ok((
+                1 + redeliveries,
+                format!("no journal, {redeliveries} re-deliveries"),
+            ));
+        }
+        return Err(format!(
+            "task {}: key {key} sent, but its journal ({} steps) holds no tool/started step with it",
+            t.id,
+            t.journal.len()
+        ));
+    };
+    let appenders = journal_appenders(calls, &t.id, t.journal.len());
+    let finished = step_of("finished");
+    let from = appenders[started];
+    let to = match finished {
+        Some(i) => appenders[i],
+        None => Some(current),
+    };
+    let (Some(from), Some(to)) = (from, to) else {
+        // The log cannot say which attempts wrote the steps: every re-delivery may re-send.
+        let redeliveries = (current - 1).max(0) as u64;
+        return Ok((
+            1 + redeliveries,
+            format!("appenders unknown, {redeliveries} re-deliveries"),
+        ));
+    };
+    let interruptions = (to - from).max(0) as u64;
+    Ok((
+        1 + interruptions,
+        format!(
+            "tool/started in attempt {from}, {} in attempt {to}: {interruptions} interruption(s)",
+            if finished.is_some() {
+                "finished"
+            } else {
+                "not finished, now"
+            }
+        ),
+    ))
+}
+
 /// Checks every invariant of the module docs. `tools` may be empty when no tool server ran.
 pub async fn check_invariants(
     engine: &EngineEmulator,
@@ -248,9 +372,31 @@ pub async fn check_invariants(
     workers: &[WorkerObservation],
     expect: &Expect,
 ) -> Report {
-    let calls = engine.calls();
-    let tasks = engine.tasks();
-    let now = engine.now();
+    let mut observed = Vec::with_capacity(tools.len());
+    for server in tools {
+        observed.push(ToolObservation::of(server).await);
+    }
+    check_observed(
+        &engine.calls(),
+        &engine.tasks(),
+        engine.now(),
+        &observed,
+        workers,
+        expect,
+    )
+}
+
+/// [`check_invariants`] on what was observed: the engine's call log, its task views and its
+/// clock, what the tool servers received and what the workers showed. The hand-played
+/// violations of `tests/it/checker.rs` come in here.
+pub fn check_observed(
+    calls: &[CallRecord],
+    tasks: &[TaskView],
+    now: DateTime<Utc>,
+    tools: &[ToolObservation],
+    workers: &[WorkerObservation],
+    expect: &Expect,
+) -> Report {
     let mut checks = Vec::new();
 
     // 1. No task completed twice.
@@ -269,7 +415,7 @@ pub async fn check_invariants(
             v.push(format!("task {id}: complete executed {n} times"));
         }
     }
-    for t in &tasks {
+    for t in tasks {
         if t.counters.completes > 1 {
             v.push(format!(
                 "task {}: {} completes counted",
@@ -282,37 +428,51 @@ pub async fn check_invariants(
         violations: v,
     });
 
-    // 2. No keyed write applied twice.
+    // 2. Keyed writes re-sent only after an interruption.
     let mut v = Vec::new();
     for server in tools {
-        let counters = server.counters().await;
-        if counters.writes_unkeyed > 0 {
+        if server.writes_unkeyed > 0 {
             v.push(format!(
                 "{}: {} writes without an idempotency key",
-                server.name(),
-                counters.writes_unkeyed
+                server.server, server.writes_unkeyed
             ));
         }
-        let mut keys: HashSet<String> = HashSet::new();
+        let mut sends: BTreeMap<&str, u64> = BTreeMap::new();
         let mut keys_per_order: BTreeMap<String, HashSet<String>> = BTreeMap::new();
-        for call in server.calls().iter().filter(|c| c.tool == "issue_refund") {
-            if let Some(key) = &call.idempotency_key {
-                keys.insert(key.clone());
-                if let Some(order) = call.arguments.get("orderId").and_then(|o| o.as_str()) {
-                    keys_per_order
-                        .entry(order.to_string())
-                        .or_default()
-                        .insert(key.clone());
-                }
+        for call in &server.calls {
+            let Some(key) = &call.idempotency_key else {
+                continue;
+            };
+            *sends.entry(key.as_str()).or_default() += 1;
+            if call.tool == "issue_refund"
+                && let Some(order) = call.arguments.get("orderId").and_then(|o| o.as_str())
+            {
+                keys_per_order
+                    .entry(order.to_string())
+                    .or_default()
+                    .insert(key.clone());
             }
         }
-        if counters.writes_applied > keys.len() as u64 {
-            v.push(format!(
-                "{}: {} writes applied under {} distinct keys",
-                server.name(),
-                counters.writes_applied,
-                keys.len()
-            ));
+        for (key, n) in sends {
+            // Keys are `abada:{taskId}:...` (src/agent/journal.rs).
+            let task_id = key.split(':').nth(1).unwrap_or_default();
+            let Some(t) = tasks.iter().find(|t| t.id == task_id) else {
+                v.push(format!(
+                    "{}: key {key} sent {n} time(s) names no task the engine knows",
+                    server.server
+                ));
+                continue;
+            };
+            let tries = u64::from(expect.tool_tries.max(1));
+            match attempts_sending(calls, t, key) {
+                Err(why) => v.push(format!("{}: {why}", server.server)),
+                Ok((attempts, why)) if n > attempts * tries => v.push(format!(
+                    "{}: task {task_id}: key {key} sent {n} times, {} allowed ({why}; {tries} per attempt)",
+                    server.server,
+                    attempts * tries
+                )),
+                Ok(_) => {}
+            }
         }
         for (order, keys) in keys_per_order {
             if keys.len() > 1 {
@@ -444,14 +604,15 @@ pub async fn check_invariants(
         }
     }
     // A refusal caused by the attempt's own ending call (a heartbeat that finds the task
-    // completed) is no loss: such refusals are skipped when the attempt has a committed ending.
-    // The call log stamps a request when it arrives, before injected latency, so arrival order
-    // is not decision order. A JOURNAL_CONFLICT is never such a refusal (see
-    // `may_follow_own_ending`): the exemption does not cover it.
-    for refusal in calls.iter().filter(|c| {
+    // completed) is no loss: such a refusal is skipped when a committed ending of the same task
+    // and attempt comes before it in the log. The log is written under the state lock that ran
+    // each command, so its order is decision order (arrival stamps are not: injected latency
+    // comes between). An ending that commits after the refusal never exempts it, whatever it
+    // is. A JOURNAL_CONFLICT is never such a refusal (see `may_follow_own_ending`).
+    for (index, refusal) in calls.iter().enumerate().filter(|(index, c)| {
         is_lease_lost_refusal(c)
             && !(may_follow_own_ending(c)
-                && calls.iter().any(|e| {
+                && calls[..*index].iter().any(|e| {
                     is_ending(e.operation)
                         && committed(e)
                         && e.task_id == c.task_id
@@ -459,8 +620,9 @@ pub async fn check_invariants(
                 }))
     }) {
         // A replay of a command already sent (same key) executes nothing; it may have been in
-        // flight when the refusal came.
-        for c in calls.iter().filter(|c| {
+        // flight when the refusal came. An ending that arrived before the refusal was sent
+        // before the worker could know of it.
+        for c in calls[index + 1..].iter().filter(|c| {
             is_ending(c.operation)
                 && c.disposition != Disposition::Replayed
                 && c.task_id == refusal.task_id
@@ -500,7 +662,7 @@ pub async fn check_invariants(
             ));
         }
     }
-    for t in &tasks {
+    for t in tasks {
         let fine = match t.status {
             TaskStatus::Completed | TaskStatus::Failed | TaskStatus::BpmnError => true,
             // Deferred, failed with retries left, or released: back to the engine, reported.
@@ -554,7 +716,7 @@ pub async fn check_invariants(
 
     // 7. Nothing panicked.
     let mut v = Vec::new();
-    for t in &tasks {
+    for t in tasks {
         for text in [&t.error_message, &t.error_details].into_iter().flatten() {
             if text.contains("panicked") {
                 v.push(format!("task {}: {text}", t.id));
