@@ -526,17 +526,12 @@ async fn run_once(
         all.iter().map(|s| (s.end - s.start) as f64).sum::<f64>() / all.len().max(1) as f64;
     f.insert("task_handling_mean_ms", mean_duration / 1000.0);
 
-    let requests = |op: &str| -> f64 {
+    // Per operation, over every status: the count and the sum of the request histogram.
+    let per_op = |op: &str, part: &str| -> f64 {
+        let name = format!("abada_agent_engine_request_duration_seconds_{part}");
         last_texts
             .iter()
-            .map(|t| {
-                Histogram::parse(
-                    t,
-                    "abada_agent_engine_request_duration_seconds",
-                    &format!("operation=\"{op}\""),
-                )
-                .count
-            })
+            .map(|t| sum_of(t, &name, &format!("operation=\"{op}\"")))
             .sum()
     };
     let mut engine_requests = 0.0;
@@ -546,20 +541,10 @@ async fn run_once(
         ("heartbeat", "heartbeats_per_task", "heartbeat_mean_ms"),
         ("failure", "failures_per_task", "failure_mean_ms"),
     ] {
-        let n = requests(op);
+        let n = per_op(op, "count");
         engine_requests += n;
         f.insert(key, n / tasks);
-        let sum: f64 = last_texts
-            .iter()
-            .map(|t| {
-                Histogram::parse(
-                    t,
-                    "abada_agent_engine_request_duration_seconds",
-                    &format!("operation=\"{op}\""),
-                )
-                .sum
-            })
-            .sum();
+        let sum = per_op(op, "sum");
         f.insert(ms_key, if n > 0.0 { 1000.0 * sum / n } else { f64::NAN });
     }
     // Every engine request, whatever its operation (and status), counted once.
