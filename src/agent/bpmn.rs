@@ -448,6 +448,21 @@ pub fn from_journal_snapshot(snapshot: &Value) -> Result<AgentDefinition, BpmnEr
     from_raw(process, version, activity, raw)
 }
 
+/// The definition a run-store claim renders its input with after the store refused the input
+/// it offered (`journaled`: the definition journaled with the run's input step): the run's own,
+/// when the claimant rendered from another one (the process was redeployed since the run
+/// began, and a resumed run keeps its definition). `None` when the claimant offered that very
+/// definition: its input then differs because the variables did, and the refusal stands.
+pub fn journaled_definition_to_render(
+    journaled: &Value,
+    offered: &AgentDefinition,
+) -> Option<Result<AgentDefinition, BpmnError>> {
+    if journal_snapshot(offered).as_ref() == Some(journaled) {
+        return None;
+    }
+    Some(from_journal_snapshot(journaled))
+}
+
 /// The knobs of the BPMN definitions' caches.
 #[derive(Clone, Copy, Debug)]
 pub struct BpmnSettings {
@@ -944,6 +959,41 @@ status = "refundStatus"
         let snapshot = journal_snapshot(&def).unwrap();
         assert_eq!(snapshot["version"], 3);
         assert_eq!(from_journal_snapshot(&snapshot).unwrap(), def);
+    }
+
+    /// A refused store claim renders again from the run's journaled definition only when the
+    /// claimant offered another one; the same definition means the variables differ, and a
+    /// journaled definition that no longer parses is an error, never a silent fallback.
+    #[test]
+    fn a_refused_claim_renders_from_the_journaled_definition_only_when_it_differs() {
+        let v1 = agent(&bpmn(
+            &[
+                prop("model", "p/m"),
+                prop("instructions", "v1"),
+                prop("input", "hi"),
+            ]
+            .concat(),
+        ))
+        .unwrap();
+        let v2 = agent(&bpmn(
+            &[
+                prop("model", "p/m"),
+                prop("instructions", "v2"),
+                prop("input", "hi"),
+            ]
+            .concat(),
+        ))
+        .unwrap();
+        let journaled = journal_snapshot(&v1).unwrap();
+        assert!(journaled_definition_to_render(&journaled, &v1).is_none());
+        assert_eq!(
+            journaled_definition_to_render(&journaled, &v2).map(Result::unwrap),
+            Some(v1)
+        );
+        let mut broken = journaled.clone();
+        broken["definition"]["maxTurns"] = json!("many");
+        let e = journaled_definition_to_render(&broken, &v2);
+        assert!(matches!(e, Some(Err(_))), "{e:?}");
     }
 
     #[test]

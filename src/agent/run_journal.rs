@@ -323,18 +323,24 @@ async fn claim(
         RunKey::for_task(&task.id)
     }
     .map_err(|e| incident("the task cannot be kept in the run store", e.to_string()))?;
-    let (instructions, input) = def
-        .render(&task.variables)
-        .map_err(|e| incident("the agent definition cannot be used", e.to_string()))?;
-    // Stamped with the run's start, so the wall-clock limit (maxDurationMs) counts from the
-    // task's first start on every attempt, as with the engine's journal. Not for a visit's run:
-    // the wait for a person's decision is no agent time, so its limit counts per task.
-    let first = if waits_for_approval {
-        journal::input_step(1, &instructions, &input)
-    } else {
-        journal::started_input_step(1, &instructions, &input, std::time::SystemTime::now())
+    let first_step = |def: &AgentDefinition| -> Step<JournalStep> {
+        let (instructions, input) = def
+            .render(&task.variables)
+            .map_err(|e| incident("the agent definition cannot be used", e.to_string()))?;
+        // Stamped with the run's start, so the wall-clock limit (maxDurationMs) counts from the
+        // task's first start on every attempt, as with the engine's journal. Not for a visit's
+        // run: the wait for a person's decision is no agent time, so its limit counts per task.
+        let first = if waits_for_approval {
+            journal::input_step(1, &instructions, &input)
+        } else {
+            journal::started_input_step(1, &instructions, &input, std::time::SystemTime::now())
+        };
+        Ok(journal::with_definition(first, def))
     };
-    let first = journal::with_definition(first, def);
+    let mut first = first_step(def)?;
+    // Set once the input is rendered from the run's journaled definition instead of the one
+    // offered (a redeployment since the run began).
+    let mut rendered_from_journal = false;
     // Another task holds a visit's run against this one for a lock duration after its latest
     // claim or write: as long as the engine lets a silent worker keep its task.
     let claimant = Claimant {
@@ -367,6 +373,26 @@ async fn claim(
                 return Ok((run, claim.steps));
             }
             Err(TaskError::Engine(e @ StoreError::Refused { .. })) => {
+                // A resumed run renders its input from the definition it journaled, not from a
+                // redeployment since (`bpmn::journaled_definition_to_render`); once.
+                if let StoreError::Refused { reason, .. } = &e
+                    && let ClaimRefusal::InputDiffers {
+                        journaled_definition: Some(journaled),
+                        ..
+                    } = reason.as_ref()
+                    && !rendered_from_journal
+                    && let Some(own) = super::bpmn::journaled_definition_to_render(journaled, def)
+                {
+                    let own = own.map_err(|e| {
+                        incident(
+                            "the run's journaled agent definition cannot be used",
+                            e.to_string(),
+                        )
+                    })?;
+                    first = first_step(&own)?;
+                    rendered_from_journal = true;
+                    continue;
+                }
                 return Err(refused_claim(&e));
             }
             Err(e) => {
@@ -430,7 +456,7 @@ fn refused_claim(e: &StoreError) -> Outcome {
     let StoreError::Refused { reason, .. } = e else {
         return incident("the run store refused the claim", e.to_string());
     };
-    match reason {
+    match reason.as_ref() {
         ClaimRefusal::InputDiffers { .. } => incident(
             "the task's input differs from the conversation kept under its run key",
             format!(
@@ -541,6 +567,7 @@ mod tests {
                 ClaimRefusal::InputDiffers {
                     journaled: Some(digest("i", "o-1")),
                     offered: digest("i", "o-2"),
+                    journaled_definition: None,
                 },
                 ["input differs", "sha256:", "loopCounterVariable"],
             ),
@@ -549,7 +576,7 @@ mod tests {
             let e = StoreError::Refused {
                 run_key: "process/pi-1/refundAgent".into(),
                 task_id: "t-2".into(),
-                reason,
+                reason: Box::new(reason),
             };
             let Outcome::Failure { kind, report } = refused_claim(&e) else {
                 panic!("not a failure")

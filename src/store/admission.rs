@@ -83,6 +83,12 @@ pub enum ClaimRefusal {
         /// `None`: the run's journal holds no input step.
         journaled: Option<InputDigest>,
         offered: InputDigest,
+        /// The agent definition journaled with the run's input step (a BPMN-defined run's
+        /// snapshot, [`crate::agent::bpmn::journal_snapshot`]); `None` for a definition of the
+        /// agents file or of the task. A claimant that rendered its input from another
+        /// definition (the process was redeployed since the run began) renders it again from
+        /// this one and claims again.
+        journaled_definition: Option<Value>,
     },
     /// Another task holds the visit's run and claimed or wrote it within the hold.
     HeldByAnotherTask { holder: String, hold_ms: u64 },
@@ -91,7 +97,9 @@ pub enum ClaimRefusal {
 impl std::fmt::Display for ClaimRefusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ClaimRefusal::InputDiffers { journaled, offered } => {
+            ClaimRefusal::InputDiffers {
+                journaled, offered, ..
+            } => {
                 let journaled = journaled.map_or("no input step".to_string(), |d| d.to_string());
                 write!(
                     f,
@@ -138,6 +146,8 @@ pub struct Seen {
     pub held: bool,
     /// The digest of the journaled input step; `None` when seq 1 is no input step.
     pub journaled_input: Option<InputDigest>,
+    /// The JSON text of the journaled input step's `definition`, when it has one.
+    pub journaled_definition: Option<String>,
     /// From the last step; `Working` when there is none.
     pub phase: Phase,
 }
@@ -191,6 +201,11 @@ pub fn admit(asking: &Asking<'_>, seen: Option<&Seen>) -> Admission {
             Admission::Refuse(ClaimRefusal::InputDiffers {
                 journaled: seen.journaled_input,
                 offered,
+                // Text the store produced from a `jsonb` value: always valid JSON.
+                journaled_definition: seen
+                    .journaled_definition
+                    .as_deref()
+                    .and_then(|text| serde_json::from_str(text).ok()),
             })
         }
         _ => Admission::Resume,
@@ -221,6 +236,7 @@ mod tests {
             holder: Some(holder.into()),
             held,
             journaled_input: Some(digest(input)),
+            journaled_definition: None,
             phase,
         }
     }
@@ -324,6 +340,32 @@ mod tests {
             ..asking(false, "t-1", "x")
         };
         assert_eq!(admit(&blind, Some(&own)), Admission::Resume);
+    }
+
+    /// A refusal carries the run's journaled definition, so a claimant that rendered its input
+    /// from a redeployed definition can render it again from the run's own.
+    #[test]
+    fn an_input_refusal_carries_the_journaled_definition() {
+        let snapshot = json!({"source": "bpmn", "process": "refund", "version": 1});
+        let bpmn = Seen {
+            journaled_definition: Some(snapshot.to_string()),
+            ..seen("t-1", true, Phase::Working, "refund o-1")
+        };
+        match admit(&asking(false, "t-1", "refund o-2"), Some(&bpmn)) {
+            Admission::Refuse(ClaimRefusal::InputDiffers {
+                journaled_definition,
+                ..
+            }) => assert_eq!(journaled_definition, Some(snapshot)),
+            other => panic!("not an input refusal: {other:?}"),
+        }
+        let file = seen("t-1", true, Phase::Working, "refund o-1");
+        assert!(matches!(
+            admit(&asking(false, "t-1", "refund o-2"), Some(&file)),
+            Admission::Refuse(ClaimRefusal::InputDiffers {
+                journaled_definition: None,
+                ..
+            })
+        ));
     }
 
     #[test]

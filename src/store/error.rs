@@ -85,7 +85,9 @@ pub enum StoreError {
     Refused {
         run_key: String,
         task_id: String,
-        reason: ClaimRefusal,
+        /// Boxed: a refusal carries the run's journaled definition, and every store result
+        /// would otherwise carry its size.
+        reason: Box<ClaimRefusal>,
     },
     #[error("run {run_key}: step {seq} conflicts with the journal: {reason}")]
     Conflict {
@@ -264,10 +266,10 @@ mod tests {
                 StoreError::Refused {
                     run_key: "process/p/a".into(),
                     task_id: "t-2".into(),
-                    reason: ClaimRefusal::HeldByAnotherTask {
+                    reason: Box::new(ClaimRefusal::HeldByAnotherTask {
                         holder: "t-1".into(),
                         hold_ms: 5,
-                    },
+                    }),
                 },
                 ErrorClass::Refused,
             ),

@@ -323,12 +323,14 @@ const LOCK_RUN: &str = "
 /// its snapshot is taken after the lock, and every change of a run's steps takes that lock, so
 /// it sees the journal as it stands (a join in `LOCK_RUN` would read the steps as they were
 /// before a concurrent claim it waited for). The first step's texts give the journaled input's
-/// digest; the last step's kind, state and number of tool calls the conversation's phase.
+/// digest (and its journaled BPMN definition, for a refusal to carry); the last step's kind,
+/// state and number of tool calls the conversation's phase.
 const JOURNAL_ENDS: &str = "
     SELECT f.kind, f.body->>'instructions', f.body->>'input',
            l.kind, l.state,
            CASE WHEN jsonb_typeof(l.body->'message'->'toolCalls') = 'array'
-                THEN jsonb_array_length(l.body->'message'->'toolCalls') ELSE 0 END
+                THEN jsonb_array_length(l.body->'message'->'toolCalls') ELSE 0 END,
+           (f.body->'definition')::text
       FROM (SELECT 1) AS one
       LEFT JOIN abada_agent_steps f ON f.run_key = $1::text AND f.seq = 1
       LEFT JOIN abada_agent_steps l ON l.run_key = $1::text AND l.seq = $2::bigint - 1";
@@ -520,6 +522,7 @@ fn seen_of(run: &Row, ends: &Row) -> Seen {
         holder: run.get(1),
         held: run.get(2),
         journaled_input,
+        journaled_definition: ends.get(6),
         phase,
     }
 }
@@ -576,7 +579,7 @@ pub(super) async fn claim(
                 return Err(StoreError::Refused {
                     run_key: key.to_string(),
                     task_id: claimant.task_id.to_string(),
-                    reason,
+                    reason: Box::new(reason),
                 });
             }
             (Admission::Begin, false) => &statements.create_run,

@@ -252,6 +252,93 @@ async fn a_redeployment_leaves_a_running_run_alone_and_reaches_new_tasks() {
     stack.shutdown().await;
 }
 
+/// The same with the run store on a plain v1 engine, where the claim checks the task's rendered
+/// input against the journaled one: a run begun on version 1 resumes on version 1 after a
+/// redeployment that changed the instructions (its input is rendered from its journaled
+/// definition, so it matches), instead of becoming an incident for an input that differs.
+#[tokio::test]
+async fn a_run_resumed_from_the_store_after_a_redeployment_keeps_its_definition() {
+    let Some(db) = crate::store::TestDb::create().await else {
+        return;
+    };
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    stack.model.set_script("bpmn-v1", answer_script("bpmn-v1"));
+    stack.model.set_script("bpmn-v2", answer_script("bpmn-v2"));
+    stack.engine.deploy_bpmn(
+        ProcessModel::refund_approval(None),
+        refund_bpmn(&agent_properties("openai/bpmn-v1", "v1Result")),
+    );
+    stack
+        .model
+        .inject_fault("bpmn-v1", Fault::ServiceUnavailable, FaultTimes::Always);
+    let running = start(&stack, "o-1");
+    let mut opts = WorkerOptions::new("w1", 2);
+    opts.env = vec![(config::ENV_STORE_URL.to_string(), db.url.render())];
+    let worker = stack.spawn_worker(opts, settings(Duration::ZERO));
+    crate::support::wait::eventually(
+        Duration::from_secs(30),
+        "the run journals its input on version 1 in the store, and calls version 1's model",
+        async || {
+            // The worker creates the tables as it starts: none yet is no step yet.
+            let journaled: i64 = db
+                .sql()
+                .await
+                .query_one(
+                    "SELECT count(*) FROM abada_agent_steps
+                      WHERE seq = 1 AND body->'definition'->>'version' = '1'",
+                    &[],
+                )
+                .await
+                .map_or(0, |row| row.get(0));
+            journaled == 1 && stack.model.calls("bpmn-v1") >= 1
+        },
+    )
+    .await;
+
+    // Version 2 renders other instructions: an input rendered from it differs from the run's.
+    let mut v2 = agent_properties("openai/bpmn-v2", "v2Result");
+    v2.retain(|(k, _)| *k != "instructions");
+    v2.push((
+        "instructions",
+        "Version 2: decide refunds, answer with JSON.",
+    ));
+    stack
+        .engine
+        .deploy_bpmn(ProcessModel::refund_approval(None), refund_bpmn(&v2));
+    let before = reads(&stack, Operation::ProcessDefinitionRead);
+    crate::support::wait::eventually(
+        Duration::from_secs(30),
+        "the worker reads the redeployed definition",
+        async || reads(&stack, Operation::ProcessDefinitionRead) > before,
+    )
+    .await;
+    stack.model.clear_faults("bpmn-v1");
+    let done = wait_completed(&stack, &running).await;
+    assert_eq!(done.variables["v1Result"]["by"], json!("bpmn-v1"));
+    assert!(
+        !done.variables.contains_key("v2Result"),
+        "{:?}",
+        done.variables
+    );
+    assert_eq!(stack.model.calls("bpmn-v2"), 0, "the resumed run kept v1");
+    let requests = stack.model.requests();
+    let last = requests.last().expect("a model request");
+    assert!(
+        last.body.to_string().contains("You decide refunds")
+            && !last.body.to_string().contains("Version 2"),
+        "the resumed run sent version 1's instructions: {}",
+        last.body
+    );
+
+    // A task first reached after the redeployment runs version 2, through the store too.
+    let fresh = start(&stack, "o-2");
+    let done = wait_completed(&stack, &fresh).await;
+    assert_eq!(done.variables["v2Result"]["by"], json!("bpmn-v2"));
+    worker.stop().await;
+    stack.shutdown().await;
+    db.drop().await;
+}
+
 /// The operator's agents-file entry for the same activity wins over the BPMN's properties.
 #[tokio::test]
 async fn an_agents_file_entry_for_the_activity_overrides_the_bpmn() {

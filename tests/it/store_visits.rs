@@ -268,8 +268,9 @@ async fn a_second_live_token_at_the_node_is_refused_and_the_holder_goes_on() {
             .unwrap_err();
         assert_eq!(e.class(), ErrorClass::Refused, "{e:?}");
         assert!(
-            matches!(&e, StoreError::Refused { task_id, reason: ClaimRefusal::HeldByAnotherTask { holder, .. }, .. }
-                if task_id == "t-2" && holder == "t-1"),
+            matches!(&e, StoreError::Refused { task_id, reason, .. }
+                if task_id == "t-2"
+                    && matches!(reason.as_ref(), ClaimRefusal::HeldByAnotherTask { holder, .. } if holder == "t-1")),
             "{e:?}"
         );
         assert_eq!(
@@ -648,8 +649,8 @@ async fn a_claim_that_waited_for_another_decides_on_the_run_as_it_was_left() {
     tx.commit().await.unwrap();
     let e = waiting.await.unwrap().unwrap_err();
     assert!(
-        matches!(&e, StoreError::Refused { reason: ClaimRefusal::HeldByAnotherTask { holder, .. }, .. }
-            if holder == "t-9"),
+        matches!(&e, StoreError::Refused { reason, .. }
+            if matches!(reason.as_ref(), ClaimRefusal::HeldByAnotherTask { holder, .. } if holder == "t-9")),
         "{e:?}"
     );
     assert_eq!(run_row(&db).await.2.as_deref(), Some("t-9"));
