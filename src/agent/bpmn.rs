@@ -72,6 +72,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("approvalVariables.decision", Kind::Text),
     ("loopCounterVariable", Kind::Text),
     ("outputSchema", Kind::Json),
+    ("outputRepairTurns", Kind::Integer),
 ];
 
 #[derive(Clone, Copy, Debug)]
@@ -895,7 +896,7 @@ status = "refundStatus"
         without_origin.origin = None;
         assert_eq!(&without_origin, from_file);
         assert_eq!(
-            from_bpmn.output_schema,
+            from_bpmn.output_schema.as_ref().map(|s| s.value().clone()),
             Some(json!({"type": "object", "required": ["decision"]}))
         );
         let origin = from_bpmn.origin.as_ref().unwrap();

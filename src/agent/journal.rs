@@ -263,6 +263,9 @@ pub struct Replayed {
     pub consumed_requests: Vec<String>,
     /// How many times the run was deferred (`deferral` steps; run store only).
     pub deferrals: u32,
+    /// Final answers sent back to the model as off-schema or cut (`outputRepair` on their
+    /// model steps): the repair turns spent (`agent::output`).
+    pub output_repairs: u32,
 }
 
 #[derive(Deserialize)]
@@ -357,6 +360,12 @@ impl Replayed {
                 }
                 let d: ModelData = serde_json::from_value(step.data.clone())
                     .map_err(|e| err(format!("model data: {e}")))?;
+                // A final answer the worker rejected (off-schema, cut) is no final answer: the
+                // model read what was wrong next, as the user's word.
+                let repair = super::output::journaled_repair(&step.data).map_err(err)?;
+                if repair.is_some() && !d.message.tool_calls.is_empty() {
+                    return Err(err("an output repair on an answer with tool calls".into()));
+                }
                 self.turns = self.turns.saturating_add(1);
                 self.usage += d.usage;
                 let calls = u32::try_from(d.message.tool_calls.len()).unwrap_or(u32::MAX);
@@ -370,12 +379,18 @@ impl Replayed {
                         started_key: None,
                     })
                     .collect();
-                self.final_answer = if d.message.tool_calls.is_empty() {
+                self.final_answer = if d.message.tool_calls.is_empty() && repair.is_none() {
                     Some(d.message.text.clone().unwrap_or_default())
                 } else {
                     None
                 };
                 self.messages.push(Message::Assistant(d.message));
+                if let Some(repair) = repair {
+                    self.output_repairs = self.output_repairs.saturating_add(1);
+                    self.messages.push(Message::User {
+                        text: repair.message,
+                    });
+                }
             }
             (KIND_TOOL, state @ (STATE_STARTED | STATE_FINISHED)) => {
                 let d: ToolData = serde_json::from_value(step.data.clone())

@@ -17,6 +17,7 @@ use super::bpmn::{self, ResolveError};
 use super::definition::AgentDefinition;
 use super::journal::{self, ApprovalState, PendingCall, Replayed};
 use super::limits::{self, LimitExceeded, Limits};
+use super::output;
 use super::{AgentRuntime, JournalHome, RunStoreHome, run_key};
 use crate::conversation::{ToolCall, ToolResult, ToolSpec, Usage};
 use crate::engine::capabilities::NoJournalEvidence;
@@ -555,8 +556,19 @@ impl<'a> Attempt<'a> {
     }
 
     fn complete(&self, answer: &str) -> Outcome {
+        // [output] The stored result is the validated value (a final answer journaled before
+        // schemas were enforced is judged here too).
+        let value = match output::judge(self.def.output_schema.as_ref(), answer, "", None) {
+            Ok(v) => v,
+            Err(r) => {
+                return incident(
+                    "the agent's final answer cannot be stored",
+                    r.incident_details(&self.def.name, self.state.output_repairs),
+                );
+            }
+        };
         let mut variables = Map::new();
-        variables.insert(self.def.result_variable.clone(), parse_answer(answer));
+        variables.insert(self.def.result_variable.clone(), value);
         if self.approval.may_stop() {
             // Always written: the engine keeps the last value, and the gateway routes on it.
             variables.insert(
@@ -816,6 +828,12 @@ impl<'a> Attempt<'a> {
             tools,
             max_output_tokens: None,
             traceparent: self.traceparent.clone(),
+            // [output] structured output: the schema, native or instructed per wire format.
+            output: self
+                .def
+                .output_schema
+                .as_ref()
+                .map(|s| s.format(&self.def.name)),
         };
         // The budget is checked against the request about to go out, not only what was spent:
         // one call must not overshoot it by a context window.
@@ -878,7 +896,45 @@ impl<'a> Attempt<'a> {
         if estimated {
             step.data["usageEstimated"] = json!(true);
         }
-        self.journal(step).await
+        // [output] A final answer off the schema, or cut by the output limit, is journaled with
+        // the repair message the model reads next (a resumed run replays it), never stored.
+        let verdict = output::verdict(
+            self.def.output_schema.as_ref(),
+            &response.message,
+            &response.stop_reason,
+            Some(cap),
+            self.state.output_repairs,
+            self.def.output_repair_turns,
+        );
+        if let Some(rejection) = verdict.rejection() {
+            step.data[output::JOURNAL_FIELD] = output::journal_record(rejection);
+        }
+        self.journal(step).await?;
+        self.output_verdict(verdict)
+    }
+
+    /// [output] Counts a rejected final answer; the incident once no repair turn is left.
+    fn output_verdict(&self, verdict: output::Verdict) -> Step {
+        let agent = crate::metrics::labels::capped(&self.def.name);
+        match verdict {
+            output::Verdict::Accepted => Ok(()),
+            output::Verdict::Repair(r) => {
+                tracing::info!(agent = %self.def.name, reason = r.reason.as_str(), location = r.location.as_deref().unwrap_or(""), "the final answer was rejected; the model gets a repair turn");
+                self.rt
+                    .metrics
+                    .count_output_rejection(&agent, r.reason.as_str(), true);
+                Ok(())
+            }
+            output::Verdict::Exhausted(r) => {
+                self.rt
+                    .metrics
+                    .count_output_rejection(&agent, r.reason.as_str(), false);
+                Err(incident(
+                    "the agent's final answer cannot be stored",
+                    r.incident_details(&self.def.name, self.def.output_repair_turns),
+                ))
+            }
+        }
     }
 
     /// How many of `calls` would be keyed writes: calls of a listed tool that is a write
@@ -1360,22 +1416,6 @@ fn last_journaled_trace(steps: &[JournalStep]) -> Option<TraceParent> {
     })
 }
 
-/// The final answer as a process variable: parsed JSON when it is JSON (also inside a
-/// Markdown code fence tagged `json`), else the text.
-fn parse_answer(text: &str) -> Value {
-    let trimmed = text.trim();
-    let unfenced = trimmed
-        .strip_prefix("```json")
-        .or_else(|| trimmed.strip_prefix("```"))
-        .and_then(|rest| rest.strip_suffix("```"))
-        .map(str::trim)
-        .unwrap_or(trimmed);
-    match serde_json::from_str::<Value>(unfenced) {
-        Ok(v) if !unfenced.is_empty() => v,
-        _ => Value::String(text.to_string()),
-    }
-}
-
 /// A limit ends the task as an incident naming the limit and its value.
 fn limit_reached(def: &AgentDefinition, e: LimitExceeded) -> Outcome {
     tracing::warn!(agent = %def.name, limit = e.name(), "an agent limit was reached");
@@ -1501,17 +1541,5 @@ mod tests {
             }
             assert!(report.error_details.contains("task t-2"), "{report:?}");
         }
-    }
-
-    #[test]
-    fn answers_that_are_json_become_json() {
-        assert_eq!(
-            parse_answer("{\"approved\": true}"),
-            json!({"approved": true})
-        );
-        assert_eq!(parse_answer("```json\n{\"a\": 1}\n```"), json!({"a": 1}));
-        assert_eq!(parse_answer("  [1, 2] "), json!([1, 2]));
-        assert_eq!(parse_answer("Refund approved."), json!("Refund approved."));
-        assert_eq!(parse_answer(""), json!(""));
     }
 }
