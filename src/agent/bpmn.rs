@@ -863,6 +863,7 @@ mod tests {
                 "outputSchema",
                 "{&quot;type&quot;:&quot;object&quot;,&quot;required&quot;:[&quot;decision&quot;]}",
             ),
+            prop("outputRepairTurns", "2"),
         ]
         .concat());
         let from_bpmn = agent(&xml).unwrap();
@@ -886,6 +887,7 @@ resultVariable = "refundDecision"
 approval = ["issue_refund"]
 loopCounterVariable = "round"
 outputSchema = { type = "object", required = ["decision"] }
+outputRepairTurns = 2
 [agents.refundAgent.approvalVariables]
 status = "refundStatus"
 "#,
@@ -899,6 +901,7 @@ status = "refundStatus"
             from_bpmn.output_schema.as_ref().map(|s| s.value().clone()),
             Some(json!({"type": "object", "required": ["decision"]}))
         );
+        assert_eq!(from_bpmn.output_repair_turns, 2);
         let origin = from_bpmn.origin.as_ref().unwrap();
         assert_eq!(
             (

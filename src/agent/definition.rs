@@ -918,6 +918,58 @@ mod tests {
     }
 
     #[test]
+    fn output_schemas_compile_once_and_bad_ones_name_the_property() {
+        let def = AgentDefinition::from_value(
+            &json!({"model": "p/m", "input": "x",
+                "outputSchema": {"type": "object", "required": ["decision"]}}),
+            "a",
+        )
+        .unwrap();
+        assert!(def.output_schema.is_some());
+        assert_eq!(def.output_repair_turns, output::DEFAULT_REPAIR_TURNS);
+        let none =
+            AgentDefinition::from_value(&json!({"model": "p/m", "input": "x"}), "a").unwrap();
+        assert_eq!(none.output_schema, None);
+        let zero = AgentDefinition::from_value(
+            &json!({"model": "p/m", "input": "x", "outputRepairTurns": 0}),
+            "a",
+        )
+        .unwrap();
+        assert_eq!(zero.output_repair_turns, 0);
+        let err = |extra: Value| {
+            let mut v = json!({"model": "p/m", "input": "x"});
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            AgentDefinition::from_value(&v, "a")
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(json!({"outputSchema": {"type": "nothing"}}));
+        assert!(
+            e.contains("\"a\"") && e.contains("outputSchema does not compile"),
+            "{e}"
+        );
+        let e = err(json!({"outputSchema": {"$ref": "https://example.com/s.json"}}));
+        assert!(e.contains("nothing is fetched"), "{e}");
+        let e = err(json!({"outputRepairTurns": 6}));
+        assert!(e.contains("outputRepairTurns must be 0..=5"), "{e}");
+        // The agents file spells the schema as a table.
+        let file = AgentsFile::parse_str(
+            "[agents.a]\nmodel = \"p/m\"\ninput = \"x\"\noutputRepairTurns = 2\n[agents.a.outputSchema]\ntype = \"object\"\nrequired = [\"decision\"]\n",
+        )
+        .unwrap();
+        assert_eq!(file.by_key["a"].output_repair_turns, 2);
+        assert_eq!(
+            file.by_key["a"]
+                .output_schema
+                .as_ref()
+                .map(|s| s.value().clone()),
+            Some(json!({"type": "object", "required": ["decision"]}))
+        );
+    }
+
+    #[test]
     fn tool_servers_are_registry_names_or_name_and_url() {
         let def = AgentDefinition::from_value(
             &json!({"model": "p/m", "input": "x",

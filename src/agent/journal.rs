@@ -846,6 +846,67 @@ mod tests {
     }
 
     #[test]
+    fn a_rejected_final_answer_replays_as_a_repair_turn_not_a_final_answer() {
+        use crate::agent::output::{self, RejectReason, Rejection};
+        let rejection = Rejection {
+            reason: RejectReason::Schema,
+            location: Some("instance /decision, schema /properties/decision/enum".into()),
+            detail: "at /decision: \"maybe\" is not one of [\"refund\"]".into(),
+        };
+        let mut rejected = model_step(
+            2,
+            "p/m",
+            &answer(vec![], Some("{\"decision\": \"maybe\"}")),
+            Usage::default(),
+            "stop",
+        );
+        rejected.data[output::JOURNAL_FIELD] = output::journal_record(&rejection);
+        let steps = vec![input_step(1, "sys", "o-1"), rejected.clone()];
+        let r = Replayed::from_steps(&steps).unwrap();
+        assert_eq!(r.final_answer, None, "a rejected answer is never final");
+        assert_eq!(r.output_repairs, 1);
+        assert_eq!(r.turns, 1);
+        assert_eq!(
+            r.messages.last(),
+            Some(&Message::User {
+                text: rejection.repair_message()
+            })
+        );
+        let mut done = steps.clone();
+        done.push(model_step(
+            3,
+            "p/m",
+            &answer(vec![], Some("{\"decision\": \"refund\"}")),
+            Usage::default(),
+            "stop",
+        ));
+        let r = Replayed::from_steps(&done).unwrap();
+        assert_eq!(
+            r.final_answer.as_deref(),
+            Some("{\"decision\": \"refund\"}")
+        );
+        assert_eq!(r.output_repairs, 1);
+        // A repair on an answer with tool calls, or without its message, breaks the contract;
+        // the state is unchanged on the refusal.
+        let mut with_calls = rejected.clone();
+        with_calls.data["message"]["toolCalls"] = json!([call("c1", "lookup")]);
+        let mut state = Replayed::from_steps(&steps[..1]).unwrap();
+        let before = state.clone();
+        assert!(
+            state
+                .apply(&with_calls)
+                .unwrap_err()
+                .reason
+                .contains("tool calls")
+        );
+        assert_eq!(state, before);
+        let mut no_message = rejected;
+        no_message.data[output::JOURNAL_FIELD] = json!({"reason": "schema"});
+        assert!(state.apply(&no_message).is_err());
+        assert_eq!(state, before);
+    }
+
+    #[test]
     fn broken_journals_are_refused_with_the_step() {
         let bad = |steps: Vec<JournalStep>| Replayed::from_steps(&steps).unwrap_err();
         assert_eq!(bad(vec![input_step(2, "s", "i")]).seq, 2);
