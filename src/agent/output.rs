@@ -29,9 +29,9 @@ pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
 pub const MAX_SCHEMA_DEPTH: usize = 32;
 /// The most subschemas a schema may have with every `$ref` inlined: what bounds the work of one
 /// validation (a few `$ref`s to a `$ref`-heavy definition multiply otherwise).
-pub const MAX_EXPANDED_NODES: usize = 2_000;
+pub const MAX_EXPANDED_NODES: usize = 500;
 /// The largest final answer validated against a schema; a longer one is told to be shorter.
-pub const MAX_ANSWER_BYTES: usize = 128 * 1024;
+pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
 /// The compiled size of one `pattern` regex, and its lazy DFA's cache.
 const MAX_PATTERN_BYTES: usize = 256 * 1024;
 /// How many validation errors a repair message or an incident lists, and how many characters of
@@ -836,7 +836,7 @@ mod tests {
             .map(|_| format!("\"{}\"", "h-".repeat(500)))
             .collect();
         let answer = format!("[{}]", items.join(","));
-        assert!(answer.len() < MAX_ANSWER_BYTES * 5);
+        assert!(answer.len() < MAX_ANSWER_BYTES * 10);
         let r = judge(Some(&s), &answer, "stop", None).unwrap_err();
         if answer.len() > MAX_ANSWER_BYTES {
             assert_eq!(r.reason, RejectReason::TooLarge);
@@ -989,6 +989,37 @@ mod tests {
             OutputSchema::compile(&json!({"type": "string", "pattern": "(?=a)a"})).unwrap_err(),
             SchemaError::Invalid { .. }
         ));
+    }
+
+    /// The figure in the report: the slowest schema the bounds allow against the largest answer
+    /// (`cargo test --release --lib output::tests::figure -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn figure_worst_case_validation_time() {
+        let branches: Vec<Value> = (0..(MAX_EXPANDED_NODES / 11 - 3))
+            .map(|i| json!({"type": "string", "minLength": i}))
+            .collect();
+        let refs: Vec<Value> = (0..10).map(|_| json!({"$ref": "#/$defs/d"})).collect();
+        let schema = json!({
+            "type": "array",
+            "items": {"allOf": refs},
+            "$defs": {"d": {"anyOf": branches}}
+        });
+        let s = OutputSchema::compile(&schema).unwrap();
+        let answer = format!("[{}]", vec!["1"; MAX_ANSWER_BYTES / 2 - 1].join(","));
+        assert!(answer.len() <= MAX_ANSWER_BYTES);
+        for round in 0..3 {
+            let started = std::time::Instant::now();
+            let r = judge(Some(&s), &answer, "stop", None);
+            println!(
+                "round {round}: {} bytes, {} items against {} subschemas: {:?} ({})",
+                answer.len(),
+                MAX_ANSWER_BYTES / 2 - 1,
+                MAX_EXPANDED_NODES,
+                started.elapsed(),
+                r.is_ok()
+            );
+        }
     }
 
     #[test]

@@ -364,7 +364,7 @@ async fn a_resumed_run_sends_the_journaled_repair_turn_again() {
 #[tokio::test]
 async fn hostile_answers_and_schemas_stay_bounded() {
     let s = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
-    // A huge answer (a 140 KB JSON string), then non-JSON: both rejected, the second an incident.
+    // A huge answer (a 140 KB JSON string, over the 64 KiB cap), then non-JSON: both rejected, the second an incident.
     let huge = format!("\"{}\"", "h-".repeat(70_000));
     s.model.set_script(
         "huge",
@@ -401,7 +401,7 @@ async fn hostile_answers_and_schemas_stay_bounded() {
     assert!(repair["message"].as_str().unwrap().len() < 512, "{repair}");
     let msg = incident(&views[1]);
     assert!(
-        msg.contains("outputSchema has more than 2000 subschemas"),
+        msg.contains("outputSchema has more than 500 subschemas"),
         "{msg}"
     );
     let msg = incident(&views[2]);
