@@ -7,6 +7,8 @@
 //! - `definition`: agent definitions, the agents file, `${name}` templates;
 //! - `journal`: the journal's step shapes and the replay that resumes a run;
 //! - `limits`: what a model can make the worker do (tool calls, writes, turns, time, tokens);
+//! - `output`: structured output: the compiled `outputSchema`, the verdict on a final answer,
+//!   its repair turns;
 //! - `run`: the conversation loop of one attempt;
 //! - `run_journal`: the journal of one attempt wherever it lives (engine, run store, nowhere):
 //!   open, append, keys of keyed writes, and the commit of the run's end;
@@ -29,6 +31,7 @@ mod canonical;
 pub mod definition;
 pub mod journal;
 pub mod limits;
+pub mod output;
 mod run;
 mod run_journal;
 pub mod run_key;

@@ -148,6 +148,14 @@ pub fn agent_definition(value: &Value) -> Result<AgentDefinition, String> {
     AgentDefinition::from_value(value, "fuzz").map_err(|e| e.to_string())
 }
 
+/// An `outputSchema` (from a definition, outside input), compiled under its bounds, and a model's
+/// final answer judged against it: the value stored, or why not.
+pub fn output_answer(schema: &Value, answer: &str, stop_reason: &str) -> Result<Value, String> {
+    let schema = crate::agent::output::OutputSchema::compile(schema).map_err(|e| e.to_string())?;
+    crate::agent::output::judge(Some(&schema), answer, stop_reason, Some(100))
+        .map_err(|r| r.repair_message())
+}
+
 /// A `${name}` template rendered with process variables.
 pub fn render_template(template: &str, variables: &Map<String, Value>) -> Result<String, String> {
     definition::render_template(template, variables)

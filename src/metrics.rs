@@ -38,6 +38,14 @@ pub struct ReasonLabel {
     pub reason: &'static str,
 }
 
+/// Structured output (`agent::output`): the agent's name (capped, as for its tokens) and why a
+/// final answer was rejected (`truncated`, `not_json`, `too_large`, `schema`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutputLabels {
+    pub agent: String,
+    pub reason: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EngineRequestLabels {
     pub operation: &'static str,
@@ -169,6 +177,10 @@ pub struct Metrics {
     /// Approval stops and decisions; a label per event only: agents and tools are on the
     /// journal and the logs, and the stops of one agent are few.
     pub approvals: Family<ApprovalLabel, Counter>,
+    /// Final answers sent back to the model for a repair turn (off-schema, cut).
+    pub output_repairs: Family<OutputLabels, Counter>,
+    /// Final answers still rejected with no repair turn left: the task became an incident.
+    pub output_failures: Family<OutputLabels, Counter>,
     pub backoff_seconds: Gauge<f64, AtomicU64>,
     pub store_transaction_duration: Family<StoreOperationLabel, Histogram, fn() -> Histogram>,
     pub store_pool_wait: Histogram,
@@ -215,6 +227,8 @@ impl Metrics {
             model_circuit_opened: Family::default(),
             tool_calls: Family::default(),
             approvals: Family::default(),
+            output_repairs: Family::default(),
+            output_failures: Family::default(),
             backoff_seconds: Gauge::default(),
             store_transaction_duration: Family::new_with_constructor(
                 store_histogram as fn() -> Histogram,
@@ -322,6 +336,16 @@ impl Metrics {
             "abada_agent_approvals",
             "Tool calls put to a person (requested) and the decisions acted on (approved, refused)",
             m.approvals.clone(),
+        );
+        registry.register(
+            "abada_agent_output_repairs",
+            "Final answers sent back to the model for a repair turn, by agent and reason (schema, not_json, too_large, truncated)",
+            m.output_repairs.clone(),
+        );
+        registry.register(
+            "abada_agent_output_failures",
+            "Final answers still rejected after the repair turns (the task became an incident), by agent and reason",
+            m.output_failures.clone(),
         );
         registry.register(
             "abada_agent_backoff_seconds",
@@ -487,6 +511,22 @@ impl Metrics {
     /// `unusable`.
     pub fn count_approval(&self, event: &'static str) {
         self.approvals.get_or_create(&ApprovalLabel { event }).inc();
+    }
+
+    /// A rejected final answer of agent `agent` (already capped): a repair turn, or, with
+    /// `repaired` false, the incident.
+    pub fn count_output_rejection(&self, agent: &str, reason: &'static str, repaired: bool) {
+        let family = if repaired {
+            &self.output_repairs
+        } else {
+            &self.output_failures
+        };
+        family
+            .get_or_create(&OutputLabels {
+                agent: agent.to_string(),
+                reason,
+            })
+            .inc();
     }
 
     pub fn observe_engine_request(&self, operation: &'static str, status: String, took: Duration) {

@@ -130,6 +130,34 @@ pub struct ModelRequest {
     pub max_output_tokens: Option<u32>,
     /// W3C trace context of the task, sent as the `traceparent` header.
     pub traceparent: Option<String>,
+    /// The JSON Schema the final answer must match (`outputSchema`), when the agent has one.
+    pub output: Option<OutputFormat>,
+}
+
+/// Structured output asked of a model (`agent::output`): each adapter sends it natively where
+/// its wire format can, and otherwise adds `instruction` to the system prompt.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutputFormat {
+    /// A name for the format (`a-zA-Z0-9_-`, at most 64 characters).
+    pub name: String,
+    pub schema: serde_json::Value,
+    /// The schema qualifies for OpenAI's strict mode (every object closed, every property
+    /// required, supported keywords only): the provider then guarantees it.
+    pub strict: bool,
+    /// The system-prompt paragraph that asks for the schema.
+    pub instruction: String,
+}
+
+impl ModelRequest {
+    /// The system prompt with `output`'s instruction appended, for a wire format that does not
+    /// enforce the schema itself.
+    pub fn system_with_output_instruction(&self) -> String {
+        match &self.output {
+            None => self.system.clone(),
+            Some(o) if self.system.is_empty() => o.instruction.clone(),
+            Some(o) => format!("{}\n\n{}", self.system, o.instruction),
+        }
+    }
 }
 
 /// What a model answered.

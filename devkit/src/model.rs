@@ -56,6 +56,10 @@ pub enum Turn {
     /// read as a JSON object, as a model reads structured input), `${last_tool_result}` and
     /// `${call_index}` (this model's call count including this call, from 1).
     Text(String),
+    /// A final answer cut by the output limit: the text as a template like [`Turn::Text`]'s,
+    /// answered with OpenAI's `finish_reason: "length"` or Anthropic's `stop_reason:
+    /// "max_tokens"`.
+    Cut(String),
 }
 
 impl Turn {
@@ -937,7 +941,9 @@ fn answer_body(
         Turn::Text(t) => (Some(t.as_str()), &[][..]),
         Turn::ToolCalls(calls) => (None, calls.as_slice()),
         Turn::Say(t, calls) => (Some(t.as_str()), calls.as_slice()),
+        Turn::Cut(t) => (Some(t.as_str()), &[][..]),
     };
+    let cut = matches!(turn, Turn::Cut(_));
     let text = text.map(|t| render(t, &conv, call_index));
     let calls: Vec<_> = calls
         .iter()
@@ -984,7 +990,7 @@ fn answer_body(
                     "index": 0,
                     "message": message,
                     "logprobs": null,
-                    "finish_reason": if calls.is_empty() { "stop" } else { "tool_calls" },
+                    "finish_reason": if cut { "length" } else if calls.is_empty() { "stop" } else { "tool_calls" },
                 }],
                 "usage": {
                     "prompt_tokens": usage.input_tokens,
@@ -1013,7 +1019,7 @@ fn answer_body(
                 "role": "assistant",
                 "model": model,
                 "content": content,
-                "stop_reason": if calls.is_empty() { "end_turn" } else { "tool_use" },
+                "stop_reason": if cut { "max_tokens" } else if calls.is_empty() { "end_turn" } else { "tool_use" },
                 "stop_sequence": null,
                 "usage": {
                     "input_tokens": usage.input_tokens,

@@ -72,6 +72,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("approvalVariables.decision", Kind::Text),
     ("loopCounterVariable", Kind::Text),
     ("outputSchema", Kind::Json),
+    ("outputRepairTurns", Kind::Integer),
 ];
 
 #[derive(Clone, Copy, Debug)]
@@ -877,6 +878,7 @@ mod tests {
                 "outputSchema",
                 "{&quot;type&quot;:&quot;object&quot;,&quot;required&quot;:[&quot;decision&quot;]}",
             ),
+            prop("outputRepairTurns", "2"),
         ]
         .concat());
         let from_bpmn = agent(&xml).unwrap();
@@ -900,6 +902,7 @@ resultVariable = "refundDecision"
 approval = ["issue_refund"]
 loopCounterVariable = "round"
 outputSchema = { type = "object", required = ["decision"] }
+outputRepairTurns = 2
 [agents.refundAgent.approvalVariables]
 status = "refundStatus"
 "#,
@@ -910,9 +913,10 @@ status = "refundStatus"
         without_origin.origin = None;
         assert_eq!(&without_origin, from_file);
         assert_eq!(
-            from_bpmn.output_schema,
+            from_bpmn.output_schema.as_ref().map(|s| s.value().clone()),
             Some(json!({"type": "object", "required": ["decision"]}))
         );
+        assert_eq!(from_bpmn.output_repair_turns, 2);
         let origin = from_bpmn.origin.as_ref().unwrap();
         assert_eq!(
             (

@@ -15,6 +15,7 @@ use serde_json::{Map, Value};
 
 use super::approval::{ApprovalPolicy, ApprovalVariables};
 use super::limits::{self, Requested};
+use super::output::{self, OutputSchema};
 use crate::engine::Task;
 use crate::provider::ModelRef;
 use crate::tools::registry::NamedServer;
@@ -55,10 +56,14 @@ pub struct AgentDefinition {
     /// `loopCounterVariable`: a variable counting the visits of the node, part of the run key,
     /// for a node the process re-enters for new work and not only with a decision.
     pub loop_counter_variable: Option<String>,
-    /// `outputSchema`: the JSON Schema the final answer should match, parsed and kept (a JSON
-    /// object or boolean). Answers are not validated against it here (structured output is
-    /// its own piece of work).
-    pub output_schema: Option<Value>,
+    /// `outputSchema`: the JSON Schema every final answer must match, compiled once here under
+    /// the bounds of [`output`](super::output) (a schema that does not compile makes the
+    /// definition invalid).
+    pub output_schema: Option<OutputSchema>,
+    /// `outputRepairTurns`: how many times an off-schema or cut final answer is sent back to
+    /// the model with what is wrong, before it is an incident (default 1, at most
+    /// [`output::MAX_REPAIR_TURNS`]).
+    pub output_repair_turns: u32,
     /// Where a definition written on the BPMN service task came from, with the raw definition
     /// the run journals so a resumed run keeps it (`agent::bpmn`); `None` for the task's own
     /// `agent` and the agents file.
@@ -138,6 +143,8 @@ struct AgentWire {
     loop_counter_variable: Option<String>,
     #[serde(default, alias = "output_schema")]
     output_schema: Option<Value>,
+    #[serde(default, alias = "output_repair_turns")]
+    output_repair_turns: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -313,13 +320,24 @@ impl AgentDefinition {
         };
         let output_schema = match wire.output_schema {
             None => None,
-            Some(schema @ (Value::Object(_) | Value::Bool(_))) => Some(schema),
+            Some(schema @ (Value::Object(_) | Value::Bool(_))) => {
+                Some(OutputSchema::compile(&schema).map_err(|e| invalid(e.to_string()))?)
+            }
             Some(_) => {
                 return Err(invalid(
                     "outputSchema must be a JSON Schema: an object (or true/false)".into(),
                 ));
             }
         };
+        let output_repair_turns = wire
+            .output_repair_turns
+            .unwrap_or(output::DEFAULT_REPAIR_TURNS);
+        if output_repair_turns > output::MAX_REPAIR_TURNS {
+            return Err(invalid(format!(
+                "outputRepairTurns must be 0..={} (it is {output_repair_turns}): each repair is one more model call",
+                output::MAX_REPAIR_TURNS
+            )));
+        }
         Ok(AgentDefinition {
             name,
             models,
@@ -343,6 +361,7 @@ impl AgentDefinition {
             approval_variables,
             loop_counter_variable,
             output_schema,
+            output_repair_turns,
             origin: None,
         })
     }
@@ -409,6 +428,8 @@ const KNOWN_FIELDS: &[&str] = &[
     "loop_counter_variable",
     "outputSchema",
     "output_schema",
+    "outputRepairTurns",
+    "output_repair_turns",
 ];
 
 /// Replaces every `${name}` by the variable: strings as they are, other values as JSON. `$${`
@@ -894,6 +915,58 @@ mod tests {
             AgentDefinition::from_value(&json!({"model": "p/m", "input": "${nope}"}), "a").unwrap();
         let e = def.render(&Map::new()).unwrap_err();
         assert!(e.to_string().contains("no variable \"nope\""));
+    }
+
+    #[test]
+    fn output_schemas_compile_once_and_bad_ones_name_the_property() {
+        let def = AgentDefinition::from_value(
+            &json!({"model": "p/m", "input": "x",
+                "outputSchema": {"type": "object", "required": ["decision"]}}),
+            "a",
+        )
+        .unwrap();
+        assert!(def.output_schema.is_some());
+        assert_eq!(def.output_repair_turns, output::DEFAULT_REPAIR_TURNS);
+        let none =
+            AgentDefinition::from_value(&json!({"model": "p/m", "input": "x"}), "a").unwrap();
+        assert_eq!(none.output_schema, None);
+        let zero = AgentDefinition::from_value(
+            &json!({"model": "p/m", "input": "x", "outputRepairTurns": 0}),
+            "a",
+        )
+        .unwrap();
+        assert_eq!(zero.output_repair_turns, 0);
+        let err = |extra: Value| {
+            let mut v = json!({"model": "p/m", "input": "x"});
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            AgentDefinition::from_value(&v, "a")
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(json!({"outputSchema": {"type": "nothing"}}));
+        assert!(
+            e.contains("\"a\"") && e.contains("outputSchema does not compile"),
+            "{e}"
+        );
+        let e = err(json!({"outputSchema": {"$ref": "https://example.com/s.json"}}));
+        assert!(e.contains("nothing is fetched"), "{e}");
+        let e = err(json!({"outputRepairTurns": 6}));
+        assert!(e.contains("outputRepairTurns must be 0..=5"), "{e}");
+        // The agents file spells the schema as a table.
+        let file = AgentsFile::parse_str(
+            "[agents.a]\nmodel = \"p/m\"\ninput = \"x\"\noutputRepairTurns = 2\n[agents.a.outputSchema]\ntype = \"object\"\nrequired = [\"decision\"]\n",
+        )
+        .unwrap();
+        assert_eq!(file.by_key["a"].output_repair_turns, 2);
+        assert_eq!(
+            file.by_key["a"]
+                .output_schema
+                .as_ref()
+                .map(|s| s.value().clone()),
+            Some(json!({"type": "object", "required": ["decision"]}))
+        );
     }
 
     #[test]

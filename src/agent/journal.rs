@@ -263,6 +263,9 @@ pub struct Replayed {
     pub consumed_requests: Vec<String>,
     /// How many times the run was deferred (`deferral` steps; run store only).
     pub deferrals: u32,
+    /// Final answers sent back to the model as off-schema or cut (`outputRepair` on their
+    /// model steps): the repair turns spent (`agent::output`).
+    pub output_repairs: u32,
 }
 
 #[derive(Deserialize)]
@@ -357,6 +360,12 @@ impl Replayed {
                 }
                 let d: ModelData = serde_json::from_value(step.data.clone())
                     .map_err(|e| err(format!("model data: {e}")))?;
+                // A final answer the worker rejected (off-schema, cut) is no final answer: the
+                // model read what was wrong next, as the user's word.
+                let repair = super::output::journaled_repair(&step.data).map_err(err)?;
+                if repair.is_some() && !d.message.tool_calls.is_empty() {
+                    return Err(err("an output repair on an answer with tool calls".into()));
+                }
                 self.turns = self.turns.saturating_add(1);
                 self.usage += d.usage;
                 let calls = u32::try_from(d.message.tool_calls.len()).unwrap_or(u32::MAX);
@@ -370,12 +379,18 @@ impl Replayed {
                         started_key: None,
                     })
                     .collect();
-                self.final_answer = if d.message.tool_calls.is_empty() {
+                self.final_answer = if d.message.tool_calls.is_empty() && repair.is_none() {
                     Some(d.message.text.clone().unwrap_or_default())
                 } else {
                     None
                 };
                 self.messages.push(Message::Assistant(d.message));
+                if let Some(repair) = repair {
+                    self.output_repairs = self.output_repairs.saturating_add(1);
+                    self.messages.push(Message::User {
+                        text: repair.message,
+                    });
+                }
             }
             (KIND_TOOL, state @ (STATE_STARTED | STATE_FINISHED)) => {
                 let d: ToolData = serde_json::from_value(step.data.clone())
@@ -828,6 +843,67 @@ mod tests {
         let r = Replayed::from_steps(&old_decision).unwrap();
         assert!(matches!(r.approval, Some(ApprovalState::Decided { .. })));
         assert!(r.consumed_requests.is_empty());
+    }
+
+    #[test]
+    fn a_rejected_final_answer_replays_as_a_repair_turn_not_a_final_answer() {
+        use crate::agent::output::{self, RejectReason, Rejection};
+        let rejection = Rejection {
+            reason: RejectReason::Schema,
+            location: Some("instance /decision, schema /properties/decision/enum".into()),
+            detail: "at /decision: \"maybe\" is not one of [\"refund\"]".into(),
+        };
+        let mut rejected = model_step(
+            2,
+            "p/m",
+            &answer(vec![], Some("{\"decision\": \"maybe\"}")),
+            Usage::default(),
+            "stop",
+        );
+        rejected.data[output::JOURNAL_FIELD] = output::journal_record(&rejection);
+        let steps = vec![input_step(1, "sys", "o-1"), rejected.clone()];
+        let r = Replayed::from_steps(&steps).unwrap();
+        assert_eq!(r.final_answer, None, "a rejected answer is never final");
+        assert_eq!(r.output_repairs, 1);
+        assert_eq!(r.turns, 1);
+        assert_eq!(
+            r.messages.last(),
+            Some(&Message::User {
+                text: rejection.repair_message()
+            })
+        );
+        let mut done = steps.clone();
+        done.push(model_step(
+            3,
+            "p/m",
+            &answer(vec![], Some("{\"decision\": \"refund\"}")),
+            Usage::default(),
+            "stop",
+        ));
+        let r = Replayed::from_steps(&done).unwrap();
+        assert_eq!(
+            r.final_answer.as_deref(),
+            Some("{\"decision\": \"refund\"}")
+        );
+        assert_eq!(r.output_repairs, 1);
+        // A repair on an answer with tool calls, or without its message, breaks the contract;
+        // the state is unchanged on the refusal.
+        let mut with_calls = rejected.clone();
+        with_calls.data["message"]["toolCalls"] = json!([call("c1", "lookup")]);
+        let mut state = Replayed::from_steps(&steps[..1]).unwrap();
+        let before = state.clone();
+        assert!(
+            state
+                .apply(&with_calls)
+                .unwrap_err()
+                .reason
+                .contains("tool calls")
+        );
+        assert_eq!(state, before);
+        let mut no_message = rejected;
+        no_message.data[output::JOURNAL_FIELD] = json!({"reason": "schema"});
+        assert!(state.apply(&no_message).is_err());
+        assert_eq!(state, before);
     }
 
     #[test]

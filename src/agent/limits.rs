@@ -234,6 +234,12 @@ pub fn estimate_request_tokens(req: &ModelRequest) -> u64 {
     for t in &req.tools {
         bytes = bytes.saturating_add(tool_bytes(t));
     }
+    // The output schema travels as `response_format`, in the system prompt, or both.
+    if let Some(o) = &req.output {
+        bytes = bytes
+            .saturating_add(o.instruction.len())
+            .saturating_add(o.schema.to_string().len());
+    }
     tokens_of_bytes(bytes).saturating_add(messages.saturating_mul(TOKENS_PER_MESSAGE))
 }
 
@@ -385,6 +391,14 @@ mod tests {
             text: "y".repeat(4000),
         });
         assert!(estimate_request_tokens(&req) >= small + 1000);
+        let before = estimate_request_tokens(&req);
+        req.output = Some(crate::provider::OutputFormat {
+            name: "a".into(),
+            schema: serde_json::json!({"description": "z".repeat(4000)}),
+            strict: false,
+            instruction: "w".repeat(4000),
+        });
+        assert!(estimate_request_tokens(&req) >= before + 2000);
         assert_eq!(estimate_answer_tokens(&AssistantMessage::default()), 1);
     }
 }

@@ -22,6 +22,7 @@ use super::bpmn::{self, ResolveError};
 use super::definition::AgentDefinition;
 use super::journal::{self, PendingCall};
 use super::limits::{self, LimitExceeded, Limits};
+use super::output;
 use super::run_journal::{JOURNALED_TRACE, Journal, Opened};
 use super::scope::{Scope, Step, incident, limit_reached};
 use super::tool_call::LeaseCredentials;
@@ -298,8 +299,19 @@ impl<'a> Attempt<'a> {
     }
 
     fn complete(&self, answer: &str) -> Outcome {
+        // [output] The stored result is the validated value (a final answer journaled before
+        // schemas were enforced is judged here too).
+        let value = match output::judge(self.def.output_schema.as_ref(), answer, "", None) {
+            Ok(v) => v,
+            Err(r) => {
+                return incident(
+                    "the agent's final answer cannot be stored",
+                    r.incident_details(&self.def.name, self.state.output_repairs),
+                );
+            }
+        };
         let mut variables = Map::new();
-        variables.insert(self.def.result_variable.clone(), parse_answer(answer));
+        variables.insert(self.def.result_variable.clone(), value);
         if self.approval.may_stop() {
             // Always written: the engine keeps the last value, and the gateway routes on it.
             variables.insert(
@@ -339,6 +351,12 @@ impl<'a> Attempt<'a> {
             tools,
             max_output_tokens: None,
             traceparent: self.trace.traceparent.clone(),
+            // [output] structured output: the schema, native or instructed per wire format.
+            output: self
+                .def
+                .output_schema
+                .as_ref()
+                .map(|s| s.format(&self.def.name)),
         };
         // [window] issue 26: the request fits the smallest context window of the chain (older
         // tool results elided, derived from the journal), or the task ends naming the sizes.
@@ -410,7 +428,47 @@ impl<'a> Attempt<'a> {
         if estimated {
             step.data["usageEstimated"] = json!(true);
         }
-        self.record(step).await
+        // [output] A final answer off the schema, or cut by the output limit, is journaled with
+        // the repair message the model reads next (a resumed run replays it), never stored.
+        let verdict = output::verdict(
+            self.def.output_schema.as_ref(),
+            &response.message,
+            &response.stop_reason,
+            Some(cap),
+            self.state.output_repairs,
+            self.def.output_repair_turns,
+        );
+        if let Some(rejection) = verdict.rejection() {
+            step.data[output::JOURNAL_FIELD] = output::journal_record(rejection);
+        }
+        self.record(step).await?;
+        self.output_verdict(verdict)
+    }
+
+    /// [output] Counts a rejected final answer; the incident once no repair turn is left.
+    fn output_verdict(&self, verdict: output::Verdict) -> Step {
+        let agent = crate::metrics::labels::capped(&self.def.name);
+        match verdict {
+            output::Verdict::Accepted => Ok(()),
+            output::Verdict::Repair(r) => {
+                tracing::info!(agent = %self.def.name, reason = r.reason.as_str(), location = r.location.as_deref().unwrap_or(""), "the final answer was rejected; the model gets a repair turn");
+                self.scope
+                    .rt
+                    .metrics
+                    .count_output_rejection(&agent, r.reason.as_str(), true);
+                Ok(())
+            }
+            output::Verdict::Exhausted(r) => {
+                self.scope
+                    .rt
+                    .metrics
+                    .count_output_rejection(&agent, r.reason.as_str(), false);
+                Err(incident(
+                    "the agent's final answer cannot be stored",
+                    r.incident_details(&self.def.name, self.def.output_repair_turns),
+                ))
+            }
+        }
     }
 
     /// How a model call that got no answer ends the attempt. A deferral (retries kept) only
@@ -464,38 +522,5 @@ impl<'a> Attempt<'a> {
             }
             ModelCallError::Task { .. } => incident("the model refused the request", e.to_string()),
         }
-    }
-}
-
-/// The final answer as a process variable: parsed JSON when it is JSON (also inside a
-/// Markdown code fence tagged `json`), else the text.
-fn parse_answer(text: &str) -> Value {
-    let trimmed = text.trim();
-    let unfenced = trimmed
-        .strip_prefix("```json")
-        .or_else(|| trimmed.strip_prefix("```"))
-        .and_then(|rest| rest.strip_suffix("```"))
-        .map(str::trim)
-        .unwrap_or(trimmed);
-    match serde_json::from_str::<Value>(unfenced) {
-        Ok(v) if !unfenced.is_empty() => v,
-        _ => Value::String(text.to_string()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn answers_that_are_json_become_json() {
-        assert_eq!(
-            parse_answer("{\"approved\": true}"),
-            json!({"approved": true})
-        );
-        assert_eq!(parse_answer("```json\n{\"a\": 1}\n```"), json!({"a": 1}));
-        assert_eq!(parse_answer("  [1, 2] "), json!([1, 2]));
-        assert_eq!(parse_answer("Refund approved."), json!("Refund approved."));
-        assert_eq!(parse_answer(""), json!(""));
     }
 }

@@ -101,8 +101,11 @@ pub fn request_body(req: &ModelRequest, names: &ToolNames) -> Value {
         "max_tokens": req.max_output_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
         "messages": messages,
     });
-    if !req.system.is_empty() {
-        body["system"] = Value::String(req.system.clone());
+    // Messages (2023-06-01, no beta) has no structured output: the schema is asked for in the
+    // system prompt, and `agent::output` validates the answer.
+    let system = req.system_with_output_instruction();
+    if !system.is_empty() {
+        body["system"] = Value::String(system);
     }
     if !req.tools.is_empty() {
         let tools: Vec<Value> = req

@@ -31,8 +31,14 @@ impl OpenAiProvider {
 /// The request body for `req`, with tools named by `names`.
 pub fn request_body(req: &ModelRequest, names: &ToolNames) -> Value {
     let mut messages = Vec::with_capacity(req.messages.len() + 1);
-    if !req.system.is_empty() {
-        messages.push(json!({"role": "system", "content": req.system}));
+    // Structured output (`agent::output`): a strict schema is enforced by the provider; any
+    // other is sent too, and also asked for in the system prompt.
+    let system = match &req.output {
+        Some(o) if o.strict => req.system.clone(),
+        _ => req.system_with_output_instruction(),
+    };
+    if !system.is_empty() {
+        messages.push(json!({"role": "system", "content": system}));
     }
     for m in &req.messages {
         match m {
@@ -89,6 +95,12 @@ pub fn request_body(req: &ModelRequest, names: &ToolNames) -> Value {
     }
     if let Some(cap) = req.max_output_tokens {
         body["max_completion_tokens"] = json!(cap);
+    }
+    if let Some(o) = &req.output {
+        body["response_format"] = json!({
+            "type": "json_schema",
+            "json_schema": {"name": o.name, "schema": o.schema, "strict": o.strict},
+        });
     }
     body
 }

@@ -583,6 +583,19 @@ proptest! {
         }
     }
 
+    /// Schemas built of JSON Schema keywords (refs, combinators, patterns included) and answers
+    /// of any JSON: compiling and judging never panic, and an accepted answer is the JSON
+    /// value of the text.
+    #[test]
+    fn output_schemas_and_answers_never_panic(schema in arb_schema(), answer in arb_json_exact(), text in ".{0,40}") {
+        let raw = answer.to_string();
+        if let Ok(value) = decoders::output_answer(&schema, &raw, "stop") {
+            prop_assert_eq!(value, answer);
+        }
+        let _ = decoders::output_answer(&schema, &text, "end_turn");
+        prop_assert!(decoders::output_answer(&schema, &raw, "length").is_err());
+    }
+
     #[test]
     fn agents_files_of_any_toml_like_text_never_panic(
         lines in prop::collection::vec(prop_oneof![
@@ -891,6 +904,46 @@ proptest! {
     }
 }
 
+/// A JSON Schema of keywords the validator knows, nested, with references into `$defs`.
+fn arb_schema() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(json!(true)),
+        Just(json!(false)),
+        prop::sample::select(vec![
+            "string", "integer", "number", "object", "array", "boolean", "null", "nothing"
+        ])
+        .prop_map(|t| json!({"type": t})),
+        prop::sample::select(vec![
+            "#",
+            "#/$defs/a",
+            "#/$defs/b",
+            "#/nope",
+            "http://x/s.json",
+            "#anchor"
+        ])
+        .prop_map(|r| json!({"$ref": r})),
+        prop::sample::select(vec!["^a+$", "(a+)+$", "(?=a)", "[", "\\d{2,}"])
+            .prop_map(|p| json!({"type": "string", "pattern": p})),
+        arb_json().prop_map(|v| json!({"enum": [v]})),
+        (0i64..5).prop_map(|n| json!({"minItems": n, "maxLength": n, "minimum": n})),
+    ];
+    leaf.prop_recursive(4, 40, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 1..4).prop_map(|v| json!({"allOf": v})),
+            prop::collection::vec(inner.clone(), 1..4).prop_map(|v| json!({"anyOf": v})),
+            prop::collection::vec(inner.clone(), 1..4).prop_map(|v| json!({"oneOf": v})),
+            inner
+                .clone()
+                .prop_map(|s| json!({"type": "array", "items": s})),
+            inner.clone().prop_map(|s| json!({"not": s})),
+            (inner.clone(), inner.clone()).prop_map(|(a, b)| json!({
+                "type": "object", "properties": {"a": a}, "required": ["a"],
+                "additionalProperties": false, "$defs": {"a": b, "b": {"type": "string"}}
+            })),
+        ]
+    })
+}
+
 /// An `abada.agent.*` property name: a key the worker reads, or any other text.
 fn arb_agent_property() -> impl Strategy<Value = String> {
     prop_oneof![
@@ -910,6 +963,7 @@ fn arb_agent_property() -> impl Strategy<Value = String> {
             "approvalVariables.status",
             "loopCounterVariable",
             "outputSchema",
+            "outputRepairTurns",
         ])
         .prop_map(str::to_string),
         "[a-zA-Z.]{0,12}",

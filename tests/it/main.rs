@@ -20,6 +20,7 @@ mod mcp_interop;
 mod oidc;
 mod operations;
 mod otel;
+mod output;
 mod provider;
 mod proxy_headers;
 mod refusals;

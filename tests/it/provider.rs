@@ -223,6 +223,7 @@ fn refund_request(model: &str, id1: &str, id2: &str) -> ModelRequest {
         tools: tools(),
         max_output_tokens: Some(1024),
         traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+        output: None,
     }
 }
 
@@ -1329,6 +1330,7 @@ async fn round_trip(kind: ProviderKind) {
         tools: tools(),
         max_output_tokens: None,
         traceparent: None,
+        output: None,
     };
     let first = p.complete(&req).await.unwrap();
     assert_eq!(

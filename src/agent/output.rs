@@ -1,0 +1,1039 @@
+//! Structured output (issue 26, part 3): an agent's `outputSchema`, compiled once per
+//! definition under bounds, the native structured-output request it allows, and the verdict on
+//! every final answer: accepted (the validated JSON value is what the task stores), or rejected
+//! with the bounded repair message the model reads next (`outputRepairTurns`), or, past those,
+//! an incident naming the schema path.
+//!
+//! A final answer cut by the output limit (OpenAI `finish_reason: "length"`, Anthropic
+//! `stop_reason: "max_tokens"`) is never accepted, schema or not.
+//!
+//! A schema is a program its author hands the worker: it is bounded before it is compiled (its
+//! size, its depth, only references inside the document, no recursion, and its size with every
+//! `$ref` inlined), its `pattern`s run on the linear-time `regex` engine with size limits, and
+//! nothing is fetched (no network or file resolution of `$ref`). So validating one answer costs
+//! at most the answer's size times [`MAX_EXPANDED_NODES`].
+
+use std::sync::Arc;
+
+use serde_json::{Map, Value, json};
+
+use crate::provider::OutputFormat;
+
+/// How many repair turns a definition gets when it sets none.
+pub const DEFAULT_REPAIR_TURNS: u32 = 1;
+/// The most `outputRepairTurns` may ask: every repair is one more paid model call.
+pub const MAX_REPAIR_TURNS: u32 = 5;
+/// The largest `outputSchema`, as compact JSON.
+pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
+/// The deepest nesting of a schema document (objects and arrays).
+pub const MAX_SCHEMA_DEPTH: usize = 32;
+/// The most subschemas a schema may have with every `$ref` inlined: what bounds the work of one
+/// validation (a few `$ref`s to a `$ref`-heavy definition multiply otherwise).
+pub const MAX_EXPANDED_NODES: usize = 500;
+/// The largest final answer validated against a schema; a longer one is told to be shorter.
+pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
+/// The compiled size of one `pattern` regex, and its lazy DFA's cache.
+const MAX_PATTERN_BYTES: usize = 256 * 1024;
+/// How many validation errors a repair message or an incident lists, and how many characters of
+/// each (an error quotes the answer, which the model may have made huge).
+const MAX_REPORTED_ERRORS: usize = 3;
+const MAX_ERROR_CHARS: usize = 300;
+
+/// Why an `outputSchema` cannot be used; the definition is invalid.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SchemaError {
+    #[error("outputSchema is {bytes} bytes, over the {limit}-byte cap; simplify it")]
+    TooLarge { bytes: usize, limit: usize },
+    #[error("outputSchema nests deeper than {limit} levels at {pointer}; flatten it")]
+    TooDeep { pointer: String, limit: usize },
+    #[error(
+        "outputSchema has {what} at {pointer}; only references inside the schema (\"#\" or \"#/$defs/...\") are supported, nothing is fetched"
+    )]
+    Reference { pointer: String, what: String },
+    #[error(
+        "outputSchema is recursive: {pointer} refers back to {target}; an output schema must not refer to itself"
+    )]
+    Recursive { pointer: String, target: String },
+    #[error(
+        "outputSchema has more than {limit} subschemas with its $refs inlined; use fewer references to large definitions"
+    )]
+    Expansion { limit: usize },
+    #[error("outputSchema does not compile as a JSON Schema: {reason}")]
+    Invalid { reason: String },
+}
+
+/// A compiled `outputSchema`: compiled once per definition, shared by every task that uses it.
+#[derive(Clone)]
+pub struct OutputSchema {
+    schema: Arc<Value>,
+    validator: Arc<jsonschema::Validator>,
+    /// `Ok` when OpenAI's strict structured output accepts the schema as it is; else why not.
+    strict: Result<(), String>,
+}
+
+impl std::fmt::Debug for OutputSchema {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutputSchema")
+            .field("schema", &self.schema)
+            .field("strict", &self.strict)
+            .finish()
+    }
+}
+
+/// Two compiled schemas are the same when their documents are.
+impl PartialEq for OutputSchema {
+    fn eq(&self, other: &Self) -> bool {
+        self.schema == other.schema
+    }
+}
+
+impl OutputSchema {
+    /// Bounds and compiles `schema` (a JSON object or boolean).
+    pub fn compile(schema: &Value) -> Result<Self, SchemaError> {
+        check_bounds(schema)?;
+        let validator = jsonschema::options()
+            .offline()
+            .with_pattern_options(
+                jsonschema::PatternOptions::regex()
+                    .size_limit(MAX_PATTERN_BYTES)
+                    .dfa_size_limit(MAX_PATTERN_BYTES),
+            )
+            .build(schema)
+            .map_err(|e| SchemaError::Invalid {
+                reason: cut(&e.to_string(), MAX_ERROR_CHARS),
+            })?;
+        Ok(OutputSchema {
+            schema: Arc::new(schema.clone()),
+            validator: Arc::new(validator),
+            strict: strict_eligible(schema),
+        })
+    }
+
+    /// The schema document.
+    pub fn value(&self) -> &Value {
+        &self.schema
+    }
+
+    /// Whether OpenAI's strict mode accepts the schema; `Err` says why not.
+    pub fn strict(&self) -> Result<(), &str> {
+        self.strict.as_ref().map(|_| ()).map_err(String::as_str)
+    }
+
+    /// What a model request carries for this schema, for agent `agent`.
+    pub fn format(&self, agent: &str) -> OutputFormat {
+        OutputFormat {
+            name: format_name(agent),
+            schema: (*self.schema).clone(),
+            strict: self.strict.is_ok(),
+            instruction: instruction(&self.schema),
+        }
+    }
+}
+
+/// OpenAI's `json_schema.name`: `a-zA-Z0-9_-`, at most 64 characters.
+fn format_name(agent: &str) -> String {
+    let name: String = agent
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect();
+    if name.is_empty() {
+        "agent_output".into()
+    } else {
+        name
+    }
+}
+
+/// The system-prompt paragraph that asks for the schema where no provider enforces it.
+pub fn instruction(schema: &Value) -> String {
+    format!(
+        "Your final answer must be one JSON value, with no other text and no Markdown fence, that matches this JSON Schema:\n{schema}"
+    )
+}
+
+/// Why a final answer is not stored: a closed set (the metric's `reason` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RejectReason {
+    /// Cut by the output limit.
+    Truncated,
+    /// Not JSON at all.
+    NotJson,
+    /// Over [`MAX_ANSWER_BYTES`].
+    TooLarge,
+    /// JSON that does not match the schema.
+    Schema,
+}
+
+impl RejectReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::Truncated => "truncated",
+            RejectReason::NotJson => "not_json",
+            RejectReason::TooLarge => "too_large",
+            RejectReason::Schema => "schema",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        [
+            RejectReason::Truncated,
+            RejectReason::NotJson,
+            RejectReason::TooLarge,
+            RejectReason::Schema,
+        ]
+        .into_iter()
+        .find(|r| r.as_str() == s)
+    }
+}
+
+/// A final answer that is not stored: why, where in the answer and the schema (for an
+/// incident), and the message that tells the model (bounded).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejection {
+    pub reason: RejectReason,
+    /// The first error's place: `instance /decision, schema /properties/decision/enum`.
+    pub location: Option<String>,
+    /// What is wrong, for the model and the incident (at most a few bounded errors).
+    pub detail: String,
+}
+
+impl Rejection {
+    /// The user message of the repair turn.
+    pub fn repair_message(&self) -> String {
+        match self.reason {
+            RejectReason::Truncated => format!(
+                "Your answer was cut off at the output limit ({}). Answer again, shorter: give only the final answer, in full, and nothing else.",
+                self.detail
+            ),
+            RejectReason::TooLarge => format!(
+                "Your answer is too long ({}). Answer again, shorter: give only the final answer.",
+                self.detail
+            ),
+            RejectReason::NotJson => format!(
+                "Your final answer is not valid JSON ({}). Answer again with only the JSON value the output schema asks for, with no other text.",
+                self.detail
+            ),
+            RejectReason::Schema => format!(
+                "Your final answer does not match the output schema: {}. Answer again with only a JSON value that matches the schema.",
+                self.detail
+            ),
+        }
+    }
+
+    /// The incident's details once no repair turn is left.
+    pub fn incident_details(&self, agent: &str, repairs: u32) -> String {
+        let place = self
+            .location
+            .as_deref()
+            .map(|l| format!(" at {l}"))
+            .unwrap_or_default();
+        let after = match repairs {
+            0 => "with no repair turn allowed (outputRepairTurns = 0)".to_string(),
+            n => format!("after {n} repair turn(s) (outputRepairTurns)"),
+        };
+        match self.reason {
+            RejectReason::Truncated => format!(
+                "agent {agent:?}: the final answer was cut by the output limit {after}: {}; raise maxOutputTokens or ask for a shorter answer in the instructions; the cut answer was not stored",
+                self.detail
+            ),
+            RejectReason::TooLarge => format!(
+                "agent {agent:?}: the final answer is over the {MAX_ANSWER_BYTES}-byte cap of a validated answer {after}: {}",
+                self.detail
+            ),
+            RejectReason::NotJson => format!(
+                "agent {agent:?}: the final answer is not JSON {after}: {}; the outputSchema asks for JSON",
+                self.detail
+            ),
+            RejectReason::Schema => format!(
+                "agent {agent:?}: the final answer does not match its outputSchema{place} {after}: {}",
+                self.detail
+            ),
+        }
+    }
+}
+
+/// Whether an answer's stop reason says the output limit cut it (OpenAI `length`, Anthropic
+/// `max_tokens`).
+pub fn was_cut(stop_reason: &str) -> bool {
+    matches!(stop_reason, "length" | "max_tokens")
+}
+
+/// The verdict on a final answer: the value to store, or why not. Without a schema, a JSON
+/// answer is stored as JSON and any other as its text; with one, only a JSON value that
+/// matches it. A cut answer is never stored.
+pub fn judge(
+    schema: Option<&OutputSchema>,
+    text: &str,
+    stop_reason: &str,
+    output_cap: Option<u32>,
+) -> Result<Value, Rejection> {
+    if was_cut(stop_reason) {
+        return Err(Rejection {
+            reason: RejectReason::Truncated,
+            location: None,
+            detail: match output_cap {
+                Some(cap) => format!("{cap} tokens"),
+                None => "the model's own limit".into(),
+            },
+        });
+    }
+    let Some(schema) = schema else {
+        return Ok(parse_answer(text));
+    };
+    if text.len() > MAX_ANSWER_BYTES {
+        return Err(Rejection {
+            reason: RejectReason::TooLarge,
+            location: None,
+            detail: format!("{} bytes, over {MAX_ANSWER_BYTES}", text.len()),
+        });
+    }
+    let value = match serde_json::from_str::<Value>(unfenced(text)) {
+        Ok(v) => v,
+        Err(e) => {
+            return Err(Rejection {
+                reason: RejectReason::NotJson,
+                location: None,
+                detail: cut(&e.to_string(), MAX_ERROR_CHARS),
+            });
+        }
+    };
+    let mut errors = schema.validator.iter_errors(&value).peekable();
+    let Some(first) = errors.peek() else {
+        drop(errors);
+        return Ok(value);
+    };
+    let location = Some(format!(
+        "instance {}, schema {}",
+        pointer_or_root(first.instance_path().as_str()),
+        pointer_or_root(first.schema_path().as_str())
+    ));
+    let listed: Vec<String> = errors
+        .take(MAX_REPORTED_ERRORS)
+        .map(|e| {
+            format!(
+                "at {}: {}",
+                pointer_or_root(e.instance_path().as_str()),
+                cut(&e.to_string(), MAX_ERROR_CHARS)
+            )
+        })
+        .collect();
+    Err(Rejection {
+        reason: RejectReason::Schema,
+        location,
+        detail: listed.join("; "),
+    })
+}
+
+/// What becomes of a model answer (`run::Attempt::call_model`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Verdict {
+    /// Tool calls, or a final answer to store.
+    Accepted,
+    /// A rejected final answer with a repair turn left: journaled with its repair message, and
+    /// the model is asked again.
+    Repair(Rejection),
+    /// A rejected final answer with no repair turn left: journaled with its repair message (a
+    /// retry of the incident resumes there), then the incident.
+    Exhausted(Rejection),
+}
+
+impl Verdict {
+    pub fn rejection(&self) -> Option<&Rejection> {
+        match self {
+            Verdict::Accepted => None,
+            Verdict::Repair(r) | Verdict::Exhausted(r) => Some(r),
+        }
+    }
+}
+
+/// The verdict on one answer: only a final one (no tool calls) is judged; `repairs_spent` are
+/// the repair turns the run already used, of `allowed`.
+pub fn verdict(
+    schema: Option<&OutputSchema>,
+    message: &crate::conversation::AssistantMessage,
+    stop_reason: &str,
+    output_cap: Option<u32>,
+    repairs_spent: u32,
+    allowed: u32,
+) -> Verdict {
+    if !message.tool_calls.is_empty() {
+        return Verdict::Accepted;
+    }
+    let text = message.text.as_deref().unwrap_or_default();
+    match judge(schema, text, stop_reason, output_cap) {
+        Ok(_) => Verdict::Accepted,
+        Err(r) if repairs_spent < allowed => Verdict::Repair(r),
+        Err(r) => Verdict::Exhausted(r),
+    }
+}
+
+fn pointer_or_root(p: &str) -> &str {
+    if p.is_empty() { "/" } else { p }
+}
+
+/// The answer's text without a Markdown code fence around it.
+fn unfenced(text: &str) -> &str {
+    let trimmed = text.trim();
+    trimmed
+        .strip_prefix("```json")
+        .or_else(|| trimmed.strip_prefix("```"))
+        .and_then(|rest| rest.strip_suffix("```"))
+        .map(str::trim)
+        .unwrap_or(trimmed)
+}
+
+/// The final answer as a process variable when no schema asks for more: parsed JSON when it is
+/// JSON (also inside a Markdown code fence), else the text.
+pub fn parse_answer(text: &str) -> Value {
+    let unfenced = unfenced(text);
+    match serde_json::from_str::<Value>(unfenced) {
+        Ok(v) if !unfenced.is_empty() => v,
+        _ => Value::String(text.to_string()),
+    }
+}
+
+/// `text` cut to `max` characters, saying so.
+fn cut(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        None => text.to_string(),
+        Some((at, _)) => format!("{}… (cut)", &text[..at]),
+    }
+}
+
+/// The journal's record of a rejected final answer, on its model step (`data.outputRepair`):
+/// a field the engine keeps and ignores (protocol.md B.2), so the step keeps its kind and a
+/// resumed run replays the repair turn exactly.
+pub const JOURNAL_FIELD: &str = "outputRepair";
+
+pub fn journal_record(rejection: &Rejection) -> Value {
+    json!({
+        "reason": rejection.reason.as_str(),
+        "message": rejection.repair_message(),
+    })
+}
+
+/// A repair turn read back from a model step: its reason and the message the model read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JournaledRepair {
+    pub reason: Option<RejectReason>,
+    pub message: String,
+}
+
+/// The repair recorded on a model step's data, if any.
+pub fn journaled_repair(data: &Value) -> Result<Option<JournaledRepair>, String> {
+    let Some(record) = data.get(JOURNAL_FIELD) else {
+        return Ok(None);
+    };
+    let message = record
+        .get("message")
+        .and_then(Value::as_str)
+        .ok_or_else(|| format!("{JOURNAL_FIELD} has no message"))?;
+    Ok(Some(JournaledRepair {
+        reason: record
+            .get("reason")
+            .and_then(Value::as_str)
+            .and_then(RejectReason::parse),
+        message: message.to_string(),
+    }))
+}
+
+// ---- bounds -------------------------------------------------------------------------------
+
+/// Keywords whose value is one subschema.
+const ONE_SCHEMA: &[&str] = &[
+    "additionalProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "additionalItems",
+    "contentSchema",
+];
+/// Keywords whose value is a list of subschemas.
+const LIST_OF_SCHEMAS: &[&str] = &["allOf", "anyOf", "oneOf", "prefixItems"];
+/// Keywords whose value maps names to subschemas.
+const MAP_OF_SCHEMAS: &[&str] = &[
+    "properties",
+    "patternProperties",
+    "$defs",
+    "definitions",
+    "dependentSchemas",
+];
+
+/// The subschemas of `schema`, with their JSON pointer segments.
+fn subschemas(schema: &Map<String, Value>) -> Vec<(String, &Value)> {
+    let mut out = Vec::new();
+    for (key, value) in schema {
+        let k = escape(key);
+        if ONE_SCHEMA.contains(&key.as_str()) {
+            out.push((k, value));
+        } else if LIST_OF_SCHEMAS.contains(&key.as_str()) {
+            if let Value::Array(items) = value {
+                out.extend(
+                    items
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| (format!("{k}/{i}"), v)),
+                );
+            }
+        } else if MAP_OF_SCHEMAS.contains(&key.as_str()) {
+            if let Value::Object(map) = value {
+                out.extend(map.iter().map(|(n, v)| (format!("{k}/{}", escape(n)), v)));
+            }
+        } else if key == "items" {
+            match value {
+                Value::Array(items) => out.extend(
+                    items
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| (format!("{k}/{i}"), v)),
+                ),
+                v => out.push((k, v)),
+            }
+        }
+    }
+    out
+}
+
+/// A JSON pointer segment.
+fn escape(segment: &str) -> String {
+    segment.replace('~', "~0").replace('/', "~1")
+}
+
+fn check_bounds(schema: &Value) -> Result<(), SchemaError> {
+    let depth = document_depth(schema, 0);
+    if depth > MAX_SCHEMA_DEPTH {
+        return Err(SchemaError::TooDeep {
+            pointer: "(the document)".into(),
+            limit: MAX_SCHEMA_DEPTH,
+        });
+    }
+    let bytes = serde_json::to_vec(schema).map_or(usize::MAX, |b| b.len());
+    if bytes > MAX_SCHEMA_BYTES {
+        return Err(SchemaError::TooLarge {
+            bytes,
+            limit: MAX_SCHEMA_BYTES,
+        });
+    }
+    let mut budget = MAX_EXPANDED_NODES;
+    let mut stack = Vec::new();
+    expand(schema, schema, "", &mut stack, &mut budget)
+}
+
+/// How deep `v` nests, stopping one past the cap (a TOML agents file has no depth limit of its
+/// own, so this walk must not follow a hostile document to the bottom).
+fn document_depth(v: &Value, depth: usize) -> usize {
+    if depth > MAX_SCHEMA_DEPTH {
+        return depth;
+    }
+    let children: Box<dyn Iterator<Item = &Value>> = match v {
+        Value::Array(a) => Box::new(a.iter()),
+        Value::Object(o) => Box::new(o.values()),
+        _ => return depth,
+    };
+    children
+        .map(|c| document_depth(c, depth + 1))
+        .max()
+        .unwrap_or(depth)
+}
+
+/// Walks `node` (at `pointer`) with every `$ref` inlined, spending one of `budget` per
+/// subschema; `stack` holds where the `$ref`s being inlined are (a reference to a node that
+/// contains one of them, or `pointer`, is recursion).
+fn expand(
+    root: &Value,
+    node: &Value,
+    pointer: &str,
+    stack: &mut Vec<String>,
+    budget: &mut usize,
+) -> Result<(), SchemaError> {
+    *budget = budget.checked_sub(1).ok_or(SchemaError::Expansion {
+        limit: MAX_EXPANDED_NODES,
+    })?;
+    let Value::Object(schema) = node else {
+        return Ok(());
+    };
+    let at = || pointer_or_root(pointer).to_string();
+    for keyword in ["$dynamicRef", "$recursiveRef"] {
+        if schema.contains_key(keyword) {
+            return Err(SchemaError::Reference {
+                pointer: at(),
+                what: keyword.into(),
+            });
+        }
+    }
+    if !pointer.is_empty() && schema.contains_key("$id") {
+        return Err(SchemaError::Reference {
+            pointer: at(),
+            what: "a nested $id".into(),
+        });
+    }
+    if let Some(reference) = schema.get("$ref") {
+        let target = local_target(reference).ok_or_else(|| SchemaError::Reference {
+            pointer: at(),
+            what: format!("$ref {}", cut(&reference.to_string(), 80)),
+        })?;
+        // Recursion: the target contains a node on the way here (this `$ref`, or one of the
+        // `$ref`s being inlined).
+        let inside = |p: &str| p == target || p.starts_with(&format!("{target}/"));
+        if inside(pointer) || stack.iter().any(|site| inside(site)) {
+            return Err(SchemaError::Recursive {
+                pointer: at(),
+                target: pointer_or_root(&target).to_string(),
+            });
+        }
+        let resolved = root
+            .pointer(&target)
+            .ok_or_else(|| SchemaError::Reference {
+                pointer: at(),
+                what: format!("$ref {target:?}, which points nowhere"),
+            })?;
+        stack.push(pointer.to_string());
+        let r = expand(root, resolved, &target, stack, budget);
+        stack.pop();
+        r?;
+    }
+    for (segment, child) in subschemas(schema) {
+        // `$defs` are walked where they are used, not where they are defined.
+        if segment.starts_with("$defs/") || segment.starts_with("definitions/") {
+            continue;
+        }
+        expand(root, child, &format!("{pointer}/{segment}"), stack, budget)?;
+    }
+    Ok(())
+}
+
+/// The JSON pointer of a `$ref` inside the document (`#` or `#/...`), unescaped of nothing
+/// percent-encoded; `None` for any other reference.
+fn local_target(reference: &Value) -> Option<String> {
+    let r = reference.as_str()?;
+    let fragment = r.strip_prefix('#')?;
+    if fragment.contains('%') || !(fragment.is_empty() || fragment.starts_with('/')) {
+        return None;
+    }
+    Some(fragment.to_string())
+}
+
+// ---- strict eligibility -------------------------------------------------------------------
+
+/// The keywords OpenAI's strict structured output supports (its Structured Outputs guide:
+/// types, `enum`, `anyOf`, `$ref`/`$defs`, string `pattern`/`format`, number and array bounds,
+/// descriptions); anything else makes the request non-strict.
+const STRICT_KEYWORDS: &[&str] = &[
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "enum",
+    "anyOf",
+    "$ref",
+    "$defs",
+    "definitions",
+    "description",
+    "title",
+    "pattern",
+    "format",
+    "multipleOf",
+    "maximum",
+    "exclusiveMaximum",
+    "minimum",
+    "exclusiveMinimum",
+    "minItems",
+    "maxItems",
+];
+/// OpenAI's bounds on a strict schema.
+const STRICT_MAX_OBJECT_DEPTH: usize = 10;
+const STRICT_MAX_PROPERTIES: usize = 5_000;
+const STRICT_MAX_ENUM_VALUES: usize = 1_000;
+
+/// `Ok` when OpenAI's strict mode accepts `schema` as it is: an object at the root, every
+/// object closed (`additionalProperties: false`) with every property required, and only the
+/// supported keywords; else the first reason it is not.
+pub fn strict_eligible(schema: &Value) -> Result<(), String> {
+    let Value::Object(root) = schema else {
+        return Err("the schema is a boolean, not an object schema".into());
+    };
+    if root.get("type") != Some(&json!("object")) {
+        return Err("the root is not {\"type\": \"object\"}".into());
+    }
+    let mut properties = 0;
+    strict_node(schema, "", 0, &mut properties)
+}
+
+fn strict_node(
+    node: &Value,
+    pointer: &str,
+    object_depth: usize,
+    properties: &mut usize,
+) -> Result<(), String> {
+    let Value::Object(schema) = node else {
+        return Err(format!("{}: a boolean schema", pointer_or_root(pointer)));
+    };
+    let at = pointer_or_root(pointer);
+    if let Some(k) = schema
+        .keys()
+        .find(|k| !STRICT_KEYWORDS.contains(&k.as_str()))
+    {
+        return Err(format!(
+            "{at}: keyword {k:?} is not supported in strict mode"
+        ));
+    }
+    let is_object = match schema.get("type") {
+        Some(Value::String(t)) => t == "object",
+        Some(Value::Array(ts)) => ts.iter().any(|t| t == "object"),
+        _ => schema.contains_key("properties"),
+    };
+    let mut object_depth = object_depth;
+    if is_object {
+        object_depth += 1;
+        if object_depth > STRICT_MAX_OBJECT_DEPTH {
+            return Err(format!(
+                "{at}: objects nest deeper than {STRICT_MAX_OBJECT_DEPTH}"
+            ));
+        }
+        if schema.get("additionalProperties") != Some(&Value::Bool(false)) {
+            return Err(format!("{at}: additionalProperties is not false"));
+        }
+        let names: Vec<&String> = schema
+            .get("properties")
+            .and_then(Value::as_object)
+            .map(|p| p.keys().collect())
+            .unwrap_or_default();
+        *properties += names.len();
+        if *properties > STRICT_MAX_PROPERTIES {
+            return Err(format!("more than {STRICT_MAX_PROPERTIES} properties"));
+        }
+        let required: Vec<&str> = schema
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        if let Some(missing) = names.iter().find(|n| !required.contains(&n.as_str())) {
+            return Err(format!("{at}: property {missing:?} is not required"));
+        }
+    }
+    if schema
+        .get("enum")
+        .and_then(Value::as_array)
+        .is_some_and(|e| e.len() > STRICT_MAX_ENUM_VALUES)
+    {
+        return Err(format!(
+            "{at}: an enum of more than {STRICT_MAX_ENUM_VALUES} values"
+        ));
+    }
+    for (segment, child) in subschemas(schema) {
+        // `additionalProperties: false`, checked above, is the one boolean schema allowed.
+        if segment == "additionalProperties" {
+            continue;
+        }
+        strict_node(
+            child,
+            &format!("{pointer}/{segment}"),
+            object_depth,
+            properties,
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routing() -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "decision": {"type": "string", "enum": ["refund", "reject", "escalate"]},
+                "amountCents": {"type": "integer", "minimum": 0}
+            },
+            "required": ["decision", "amountCents"],
+            "additionalProperties": false
+        })
+    }
+
+    #[test]
+    fn without_a_schema_answers_that_are_json_become_json() {
+        assert_eq!(
+            parse_answer("{\"approved\": true}"),
+            json!({"approved": true})
+        );
+        assert_eq!(parse_answer("```json\n{\"a\": 1}\n```"), json!({"a": 1}));
+        assert_eq!(parse_answer("  [1, 2] "), json!([1, 2]));
+        assert_eq!(parse_answer("Refund approved."), json!("Refund approved."));
+        assert_eq!(parse_answer(""), json!(""));
+    }
+
+    #[test]
+    fn a_matching_answer_is_the_validated_value_not_a_string() {
+        let s = OutputSchema::compile(&routing()).unwrap();
+        let v = judge(
+            Some(&s),
+            "```json\n{\"decision\": \"refund\", \"amountCents\": 1500}\n```",
+            "stop",
+            Some(100),
+        )
+        .unwrap();
+        assert_eq!(v, json!({"decision": "refund", "amountCents": 1500}));
+    }
+
+    #[test]
+    fn an_off_schema_answer_names_the_instance_and_schema_path() {
+        let s = OutputSchema::compile(&routing()).unwrap();
+        let r = judge(
+            Some(&s),
+            r#"{"decision": "maybe", "amountCents": 1}"#,
+            "stop",
+            None,
+        )
+        .unwrap_err();
+        assert_eq!(r.reason, RejectReason::Schema);
+        assert_eq!(
+            r.location.as_deref(),
+            Some("instance /decision, schema /properties/decision/enum")
+        );
+        assert!(r.repair_message().contains("at /decision"), "{r:?}");
+        let incident = r.incident_details("refund-agent", 1);
+        assert!(
+            incident.contains("at instance /decision, schema /properties/decision/enum")
+                && incident.contains("after 1 repair turn"),
+            "{incident}"
+        );
+        let r = judge(Some(&s), "I think we should refund.", "end_turn", None).unwrap_err();
+        assert_eq!(r.reason, RejectReason::NotJson);
+    }
+
+    #[test]
+    fn a_cut_answer_is_never_accepted_with_or_without_a_schema() {
+        for stop in ["length", "max_tokens"] {
+            let r = judge(None, "{\"decision\": \"ref", stop, Some(64)).unwrap_err();
+            assert_eq!(r.reason, RejectReason::Truncated);
+            assert!(r.repair_message().contains("64 tokens"), "{r:?}");
+            assert!(r.repair_message().contains("shorter"));
+            // Even a cut answer that happens to be valid JSON.
+            assert!(judge(None, "{}", stop, None).is_err());
+        }
+        assert_eq!(judge(None, "plain", "stop", None), Ok(json!("plain")));
+    }
+
+    #[test]
+    fn repair_messages_and_incidents_are_bounded_for_a_huge_answer() {
+        let s =
+            OutputSchema::compile(&json!({"type": "array", "items": {"type": "integer"}})).unwrap();
+        // Many errors, each quoting a long string: at most a few, each cut.
+        let items: Vec<String> = (0..500)
+            .map(|_| format!("\"{}\"", "h-".repeat(500)))
+            .collect();
+        let answer = format!("[{}]", items.join(","));
+        assert!(answer.len() < MAX_ANSWER_BYTES * 10);
+        let r = judge(Some(&s), &answer, "stop", None).unwrap_err();
+        if answer.len() > MAX_ANSWER_BYTES {
+            assert_eq!(r.reason, RejectReason::TooLarge);
+        }
+        let small: Vec<String> = (0..50)
+            .map(|_| format!("\"{}\"", "h-".repeat(500)))
+            .collect();
+        let r = judge(Some(&s), &format!("[{}]", small.join(",")), "stop", None).unwrap_err();
+        assert_eq!(r.reason, RejectReason::Schema);
+        assert!(
+            r.repair_message().len() < 2 * 1024,
+            "{}",
+            r.repair_message().len()
+        );
+        assert!(r.detail.matches("at /").count() <= MAX_REPORTED_ERRORS);
+        let huge = "x".repeat(MAX_ANSWER_BYTES + 1);
+        let r = judge(Some(&s), &huge, "stop", None).unwrap_err();
+        assert_eq!(r.reason, RejectReason::TooLarge);
+        assert!(r.repair_message().len() < 300);
+    }
+
+    #[test]
+    fn strict_only_when_every_object_is_closed_and_fully_required() {
+        assert_eq!(strict_eligible(&routing()), Ok(()));
+        let mut open = routing();
+        open.as_object_mut().unwrap().remove("additionalProperties");
+        assert!(
+            strict_eligible(&open)
+                .unwrap_err()
+                .contains("additionalProperties")
+        );
+        let mut optional = routing();
+        optional["required"] = json!(["decision"]);
+        assert!(
+            strict_eligible(&optional)
+                .unwrap_err()
+                .contains("\"amountCents\" is not required")
+        );
+        let mut unsupported = routing();
+        unsupported["properties"]["decision"]["minLength"] = json!(1);
+        assert!(
+            strict_eligible(&unsupported)
+                .unwrap_err()
+                .contains("minLength")
+        );
+        let nested_open = json!({
+            "type": "object", "additionalProperties": false, "required": ["a"],
+            "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}}
+        });
+        assert!(
+            strict_eligible(&nested_open)
+                .unwrap_err()
+                .starts_with("/properties/a")
+        );
+        assert!(strict_eligible(&json!({"type": "array"})).is_err());
+        assert!(strict_eligible(&json!(true)).is_err());
+        let with_defs = json!({
+            "type": "object", "additionalProperties": false, "required": ["d"],
+            "properties": {"d": {"$ref": "#/$defs/decision"}},
+            "$defs": {"decision": {"type": "string", "enum": ["a", "b"]}}
+        });
+        assert_eq!(strict_eligible(&with_defs), Ok(()));
+        let s = OutputSchema::compile(&with_defs).unwrap();
+        assert!(s.format("refund agent/v2").strict);
+        assert_eq!(s.format("refund agent/v2").name, "refund_agent_v2");
+        assert!(!OutputSchema::compile(&open).unwrap().format("a").strict);
+    }
+
+    #[test]
+    fn schema_bombs_and_remote_references_are_refused_before_compiling() {
+        // Exponential $ref fan-out: each level refers twice to the next.
+        let mut defs = Map::new();
+        for i in 0..30 {
+            defs.insert(
+                format!("l{i}"),
+                json!({"allOf": [{"$ref": format!("#/$defs/l{}", i + 1)}, {"$ref": format!("#/$defs/l{}", i + 1)}]}),
+            );
+        }
+        defs.insert("l30".into(), json!({"type": "integer"}));
+        let bomb = json!({"$ref": "#/$defs/l0", "$defs": defs});
+        assert_eq!(
+            OutputSchema::compile(&bomb).unwrap_err(),
+            SchemaError::Expansion {
+                limit: MAX_EXPANDED_NODES
+            }
+        );
+        // Deep nesting.
+        let mut deep = json!({"type": "string"});
+        for _ in 0..200 {
+            deep = json!({"items": deep});
+        }
+        assert!(matches!(
+            OutputSchema::compile(&deep).unwrap_err(),
+            SchemaError::TooDeep { .. }
+        ));
+        // Recursion, direct and through $defs.
+        let direct = json!({"type": "object", "properties": {"child": {"$ref": "#"}}});
+        assert!(matches!(
+            OutputSchema::compile(&direct).unwrap_err(),
+            SchemaError::Recursive { .. }
+        ));
+        let cycle = json!({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"items": {"$ref": "#/$defs/a"}}}});
+        assert!(matches!(
+            OutputSchema::compile(&cycle).unwrap_err(),
+            SchemaError::Recursive { .. }
+        ));
+        // Nothing is fetched.
+        for reference in [
+            "https://example.com/schema.json",
+            "file:///etc/passwd",
+            "other.json#/x",
+            "#anchor",
+        ] {
+            let e = OutputSchema::compile(&json!({"$ref": reference})).unwrap_err();
+            assert!(
+                matches!(e, SchemaError::Reference { .. }),
+                "{reference}: {e}"
+            );
+        }
+        assert!(matches!(
+            OutputSchema::compile(&json!({"$ref": "#/$defs/nope"})).unwrap_err(),
+            SchemaError::Reference { .. }
+        ));
+        // Too large.
+        let big = json!({"enum": vec!["x".repeat(100); 1000]});
+        assert!(matches!(
+            OutputSchema::compile(&big).unwrap_err(),
+            SchemaError::TooLarge { .. }
+        ));
+        // Not a schema.
+        assert!(matches!(
+            OutputSchema::compile(&json!({"type": "nothing"})).unwrap_err(),
+            SchemaError::Invalid { .. }
+        ));
+        // A property named like a keyword is a property, not a reference.
+        let named = json!({"type": "object", "properties": {"$ref": {"type": "string"}}});
+        assert!(OutputSchema::compile(&named).is_ok());
+    }
+
+    #[test]
+    fn patterns_run_on_a_linear_engine() {
+        // Catastrophic backtracking on a backtracking engine; linear on `regex`.
+        let s = OutputSchema::compile(&json!({"type": "string", "pattern": "^(a+)+$"})).unwrap();
+        let evil = format!("\"{}b\"", "a".repeat(50_000));
+        let started = std::time::Instant::now();
+        assert!(judge(Some(&s), &evil, "stop", None).is_err());
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        // A look-around only a backtracking engine supports is a schema that does not compile.
+        assert!(matches!(
+            OutputSchema::compile(&json!({"type": "string", "pattern": "(?=a)a"})).unwrap_err(),
+            SchemaError::Invalid { .. }
+        ));
+    }
+
+    /// The figure in the report: the slowest schema the bounds allow against the largest answer
+    /// (`cargo test --release --lib output::tests::figure -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn figure_worst_case_validation_time() {
+        let branches: Vec<Value> = (0..(MAX_EXPANDED_NODES / 11 - 3))
+            .map(|i| json!({"type": "string", "minLength": i}))
+            .collect();
+        let refs: Vec<Value> = (0..10).map(|_| json!({"$ref": "#/$defs/d"})).collect();
+        let schema = json!({
+            "type": "array",
+            "items": {"allOf": refs},
+            "$defs": {"d": {"anyOf": branches}}
+        });
+        let s = OutputSchema::compile(&schema).unwrap();
+        let answer = format!("[{}]", vec!["1"; MAX_ANSWER_BYTES / 2 - 1].join(","));
+        assert!(answer.len() <= MAX_ANSWER_BYTES);
+        for round in 0..3 {
+            let started = std::time::Instant::now();
+            let r = judge(Some(&s), &answer, "stop", None);
+            println!(
+                "round {round}: {} bytes, {} items against {} subschemas: {:?} ({})",
+                answer.len(),
+                MAX_ANSWER_BYTES / 2 - 1,
+                MAX_EXPANDED_NODES,
+                started.elapsed(),
+                r.is_ok()
+            );
+        }
+    }
+
+    #[test]
+    fn repairs_round_trip_through_the_journal_record() {
+        let r = Rejection {
+            reason: RejectReason::Truncated,
+            location: None,
+            detail: "10 tokens".into(),
+        };
+        let data = json!({ JOURNAL_FIELD: journal_record(&r) });
+        let back = journaled_repair(&data).unwrap().unwrap();
+        assert_eq!(back.reason, Some(RejectReason::Truncated));
+        assert_eq!(back.message, r.repair_message());
+        assert_eq!(journaled_repair(&json!({})), Ok(None));
+        assert!(journaled_repair(&json!({ JOURNAL_FIELD: {} })).is_err());
+    }
+}
