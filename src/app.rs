@@ -100,7 +100,7 @@ impl Default for Tuning {
 }
 
 /// The runner settings a config and its tuning imply.
-pub fn runner_settings(config: &Config, tuning: &Tuning) -> RunnerSettings {
+pub(crate) fn runner_settings(config: &Config, tuning: &Tuning) -> RunnerSettings {
     let mut s = RunnerSettings::new(config.worker_id.clone(), config.lock_duration);
     s.topics = config.topics.clone();
     s.max_tasks = config.max_tasks;
@@ -129,7 +129,7 @@ fn client_builder(config: &Config) -> Result<reqwest::ClientBuilder, StartError>
 }
 
 /// The shared HTTP client for the engine (one connection pool).
-pub fn engine_http_client(config: &Config) -> Result<reqwest::Client, StartError> {
+pub(crate) fn engine_http_client(config: &Config) -> Result<reqwest::Client, StartError> {
     client_builder(config)?
         .connect_timeout(Duration::from_secs(5))
         .pool_idle_timeout(Duration::from_secs(60))
@@ -141,7 +141,7 @@ pub fn engine_http_client(config: &Config) -> Result<reqwest::Client, StartError
 }
 
 /// The shared HTTP client for model providers and tool servers.
-pub fn outbound_http_client(config: &Config) -> Result<reqwest::Client, StartError> {
+pub(crate) fn outbound_http_client(config: &Config) -> Result<reqwest::Client, StartError> {
     client_builder(config)?
         .connect_timeout(Duration::from_secs(10))
         .pool_idle_timeout(Duration::from_secs(90))
@@ -183,7 +183,7 @@ pub enum AgentSetupError {
 
 /// The agent runtime a [`Config`] describes (its providers, agents file and tool registry),
 /// with `agent_settings`. Everything an operator's mistake can break here fails at start-up.
-pub fn agent_runtime(
+pub(crate) fn agent_runtime(
     config: &Config,
     http: reqwest::Client,
     agent_settings: AgentSettings,

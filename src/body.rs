@@ -67,7 +67,7 @@ pub struct TooLarge {
 }
 
 /// The unit of most limits.
-pub const BYTES: &str = "bytes";
+pub(crate) const BYTES: &str = "bytes";
 /// The unit of the journal's step limit ([`JOURNAL_MAX_STEPS`]).
 pub const STEPS: &str = "steps";
 

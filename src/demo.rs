@@ -127,7 +127,7 @@ impl std::fmt::Debug for DemoStore {
 }
 
 /// The variable `--store` reads the run store's URL from (the worker's own).
-pub const STORE_URL_VAR: &str = crate::config::ENV_STORE_URL;
+pub(crate) const STORE_URL_VAR: &str = crate::config::ENV_STORE_URL;
 
 /// What is wrong with a command line.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -158,7 +158,7 @@ pub enum ArgsError {
     ApprovalWithoutUrl,
 }
 
-pub const DEMO_USAGE: &str = "\
+pub(crate) const DEMO_USAGE: &str = "\
 usage: abada-agent-worker demo [--scenario load|takeover|rate-limit|approval] [--store] [--json]
 
   --scenario   load (default): 20 refund tasks, two workers of 4 slots
@@ -193,7 +193,7 @@ fn flag_value<'a>(
 
 /// Parses the arguments after `demo`. `color` says whether stdout is a terminal; `store_url` is
 /// `ABADA_AGENT_STORE_URL`, used with `--store` only.
-pub fn parse_demo_args(
+pub(crate) fn parse_demo_args(
     args: &[String],
     color: bool,
     store_url: Option<String>,

@@ -171,7 +171,7 @@ pub const DEFAULT_RETRIES: i32 = 3;
 /// The most retries a failure reports. The engine's `retries` is outside input: a negative
 /// value (`i32::MIN` once wrapped to endless retries) counts as none left, and a huge one is
 /// brought down to this, so no arithmetic on it can overflow and no task retries without end.
-pub const MAX_RETRIES: i32 = 100;
+pub(crate) const MAX_RETRIES: i32 = 100;
 
 /// The task's `retries` as the worker counts with it: [`DEFAULT_RETRIES`] when the engine sent
 /// none, else clamped to `0..=MAX_RETRIES` before any arithmetic.

@@ -50,7 +50,7 @@ impl HeartbeatSettings {
 
     /// How long before `last_ok + L` the worker already treats the lease as lost: clock drift
     /// between worker and engine, and time for the task to stop.
-    pub fn safety_margin(&self) -> Duration {
+    pub(crate) fn safety_margin(&self) -> Duration {
         self.lock_duration / 10
     }
 }

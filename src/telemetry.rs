@@ -95,7 +95,7 @@ pub fn init(format: LogFormat, worker_id: &str, tracer: Option<opentelemetry_sdk
 }
 
 /// The `pretty` format's layer writing to `writer`, every field capped ([`cap::CappedFields`]).
-pub fn pretty_layer<S, W>(writer: W, ansi: bool) -> impl Layer<S>
+pub(crate) fn pretty_layer<S, W>(writer: W, ansi: bool) -> impl Layer<S>
 where
     S: Subscriber + for<'a> LookupSpan<'a>,
     W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
@@ -108,7 +108,7 @@ where
 }
 
 /// Libraries held at a level (their target, and the most they log) unless `RUST_LOG` names them.
-pub const HELD_TARGETS: &[(&str, LevelFilter)] = &[
+pub(crate) const HELD_TARGETS: &[(&str, LevelFilter)] = &[
     // A tool server's `instructions` and notifications, at INFO: a hostile server's megabytes.
     ("rmcp", LevelFilter::WARN),
     // Statement parameters at DEBUG (`tokio_postgres::query`): prompts, arguments, results.
@@ -119,7 +119,7 @@ pub const HELD_TARGETS: &[(&str, LevelFilter)] = &[
 /// [`HELD_TARGETS`] held at its level unless a directive of `rust_log` names that target. A
 /// bare `RUST_LOG=debug` thus leaves rmcp at `warn` and tokio-postgres at `info`;
 /// `RUST_LOG=debug,rmcp=debug` lowers rmcp, `tokio_postgres::query=debug` that module only.
-pub fn log_filter(rust_log: Option<&str>) -> EnvFilter {
+pub(crate) fn log_filter(rust_log: Option<&str>) -> EnvFilter {
     let spec = rust_log.map(str::trim).filter(|s| !s.is_empty());
     let mut filter = spec
         .and_then(|s| EnvFilter::try_new(s).ok())

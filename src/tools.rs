@@ -39,7 +39,7 @@ pub(crate) use session::{cap_result, decode_tool_result, decode_tool_spec};
 /// The `_meta` key carrying the idempotency key of a keyed write (protocol.md B.2).
 pub const IDEMPOTENCY_KEY_META: &str = "io.abada/idempotency-key";
 /// The `_meta` key carrying the task's W3C trace context.
-pub const TRACEPARENT_META: &str = "traceparent";
+pub(crate) const TRACEPARENT_META: &str = "traceparent";
 
 /// One tool server an agent may use, as the agent definition names it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -222,12 +222,12 @@ pub enum ToolProtocol {
 
 /// How long rmcp (3.11, `SESSION_CLEANUP_TIMEOUT` in its streamable HTTP client) lets the
 /// DELETE of a closing session run; the worker waits longer than that for a close.
-pub const RMCP_SESSION_DELETE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const RMCP_SESSION_DELETE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Default cap on a tool result kept for the model: 64 KiB.
-pub const DEFAULT_MAX_RESULT_BYTES: usize = 64 * 1024;
+pub(crate) const DEFAULT_MAX_RESULT_BYTES: usize = 64 * 1024;
 /// Default cap on one response read from a tool server (`body::TOOL_RESPONSE_MAX_BYTES`).
-pub const DEFAULT_MAX_RESPONSE_BYTES: usize = crate::body::TOOL_RESPONSE_MAX_BYTES;
+pub(crate) const DEFAULT_MAX_RESPONSE_BYTES: usize = crate::body::TOOL_RESPONSE_MAX_BYTES;
 
 impl Default for ToolSessionOptions {
     fn default() -> Self {

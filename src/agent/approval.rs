@@ -30,9 +30,9 @@ use serde_json::{Map, Value, json};
 use crate::conversation::{ToolCall, ToolResult, ToolSpec};
 
 /// The definition's default variable names.
-pub const DEFAULT_STATUS_VARIABLE: &str = "agentStatus";
-pub const DEFAULT_REQUEST_VARIABLE: &str = "agentApprovalRequest";
-pub const DEFAULT_DECISION_VARIABLE: &str = "agentApproval";
+pub(crate) const DEFAULT_STATUS_VARIABLE: &str = "agentStatus";
+pub(crate) const DEFAULT_REQUEST_VARIABLE: &str = "agentApprovalRequest";
+pub(crate) const DEFAULT_DECISION_VARIABLE: &str = "agentApproval";
 /// `agentStatus` of a task that stops for a person's decision.
 pub const STATUS_APPROVAL_REQUIRED: &str = "approval-required";
 /// `agentStatus` of a task that ended with a final answer.
@@ -158,7 +158,7 @@ impl PendingRequest {
 /// A request's id: 128 bits from the thread's CSPRNG (ChaCha, seeded from the OS), in hex. It is
 /// in the request variable for the user task to copy into the decision; nobody can write a
 /// decision for a request before it exists, and each answers one request once.
-pub fn new_request_id() -> String {
+pub(crate) fn new_request_id() -> String {
     let bytes: [u8; 16] = rand::random();
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -196,7 +196,7 @@ pub fn approval_request(
 }
 
 /// `status` of the [`pending_marker`].
-pub const PENDING: &str = "pending";
+pub(crate) const PENDING: &str = "pending";
 
 /// What the worker writes into the decision variable when it stops: whatever the variable held
 /// before (a decision preset at the process's start, left over from an earlier request, written

@@ -33,17 +33,17 @@ use crate::engine::{EngineError, Task};
 use crate::handler::{TaskContext, TaskError};
 
 /// The prefix of every property that defines an agent.
-pub const PROPERTY_PREFIX: &str = "abada.agent.";
+pub(crate) const PROPERTY_PREFIX: &str = "abada.agent.";
 /// The largest BPMN XML parsed (the engine answer's own cap is a little above).
-pub const MAX_XML_BYTES: usize = crate::body::PROCESS_DEFINITION_MAX_BYTES;
+pub(crate) const MAX_XML_BYTES: usize = crate::body::PROCESS_DEFINITION_MAX_BYTES;
 /// The most XML nodes (elements, attributes' text, comments) parsed in one definition.
-pub const MAX_XML_NODES: u32 = 200_000;
+pub(crate) const MAX_XML_NODES: u32 = 200_000;
 /// The deepest element nesting parsed: a BPMN model nests a few levels (sub-processes add
 /// some); the XML parser's stack use grows with depth, so a deeper document is refused first.
-pub const MAX_XML_DEPTH: usize = 256;
+pub(crate) const MAX_XML_DEPTH: usize = 256;
 /// The largest raw definition of one service task, as journaled: its instructions and input
 /// are prompts, not data.
-pub const MAX_DEFINITION_BYTES: usize = 256 * 1024;
+pub(crate) const MAX_DEFINITION_BYTES: usize = 256 * 1024;
 
 const BPMN_MODEL_NS: &str = "http://www.omg.org/spec/BPMN/20100524/MODEL";
 const CAMUNDA_NS: &str = "http://camunda.org/schema/1.0/bpmn";

@@ -20,11 +20,11 @@ use crate::engine::Task;
 use crate::provider::ModelRef;
 use crate::tools::registry::NamedServer;
 
-pub const DEFAULT_MAX_TURNS: u32 = 20;
-pub const DEFAULT_RESULT_VARIABLE: &str = "agentResult";
+pub(crate) const DEFAULT_MAX_TURNS: u32 = 20;
+pub(crate) const DEFAULT_RESULT_VARIABLE: &str = "agentResult";
 /// The largest rendered `instructions` or `input`, in bytes: a model context holds only so much,
 /// and a variable of tens of MiB must not be copied into every request.
-pub const MAX_RENDERED_BYTES: usize = 128 * 1024;
+pub(crate) const MAX_RENDERED_BYTES: usize = 128 * 1024;
 
 /// A validated agent definition.
 #[derive(Clone, Debug, PartialEq)]

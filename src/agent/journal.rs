@@ -17,19 +17,19 @@ use crate::engine::JournalStep;
 
 pub const KIND_INPUT: &str = "input";
 pub const KIND_MODEL: &str = "model";
-pub const KIND_TOOL: &str = "tool";
-pub const STATE_STARTED: &str = "started";
-pub const STATE_FINISHED: &str = "finished";
+pub(crate) const KIND_TOOL: &str = "tool";
+pub(crate) const STATE_STARTED: &str = "started";
+pub(crate) const STATE_FINISHED: &str = "finished";
 /// A run-store-only kind (issue 14): a call put to a person (`requested`) and their answer
 /// (`decided`). Never written to the engine's journal, whose kinds protocol.md B.2 fixes.
 pub const KIND_APPROVAL: &str = "approval";
 pub const STATE_REQUESTED: &str = "requested";
-pub const STATE_DECIDED: &str = "decided";
+pub(crate) const STATE_DECIDED: &str = "decided";
 /// A run-store-only kind (issue 23): the run was deferred (every model unavailable for
 /// everyone), counted so a run is deferred at most `ABADA_AGENT_MAX_DEFERRALS_PER_RUN` times.
 /// Never written to the engine's journal, whose kinds protocol.md B.2 fixes.
-pub const KIND_DEFERRAL: &str = "deferral";
-pub const STATE_RECORDED: &str = "recorded";
+pub(crate) const KIND_DEFERRAL: &str = "deferral";
+pub(crate) const STATE_RECORDED: &str = "recorded";
 
 /// The idempotency key of a keyed write: `abada:{taskId}:{seq of its started step}`, stable
 /// across attempts.

@@ -14,20 +14,20 @@ use crate::conversation::{AssistantMessage, Message, ToolSpec, Usage};
 use crate::provider::ModelRequest;
 
 /// The default of `maxToolCallsPerAnswer`.
-pub const DEFAULT_TOOL_CALLS_PER_ANSWER: u32 = 16;
+pub(crate) const DEFAULT_TOOL_CALLS_PER_ANSWER: u32 = 16;
 /// The default of `maxToolCalls` (per task).
-pub const DEFAULT_TOOL_CALLS_PER_TASK: u32 = 100;
+pub(crate) const DEFAULT_TOOL_CALLS_PER_TASK: u32 = 100;
 /// The default of `maxKeyedWrites` (per task).
-pub const DEFAULT_KEYED_WRITES_PER_TASK: u32 = 20;
+pub(crate) const DEFAULT_KEYED_WRITES_PER_TASK: u32 = 20;
 /// The hard maximum of `maxTurns`, whatever the definition or the operator says.
 pub const MAX_TURNS_CEILING: u32 = 200;
 /// The default of `maxOutputTokens`: the output cap of one model call.
 pub const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 4096;
 /// The default ceiling of `maxDurationMs` (one hour).
-pub const DEFAULT_MAX_TASK_DURATION: Duration = Duration::from_secs(3600);
+pub(crate) const DEFAULT_MAX_TASK_DURATION: Duration = Duration::from_secs(3600);
 /// Bytes per token of the request estimate: the usual rule of thumb for English text and JSON
 /// with BPE tokenizers (OpenAI, Anthropic); an estimate, never a count.
-pub const BYTES_PER_TOKEN: u64 = 4;
+pub(crate) const BYTES_PER_TOKEN: u64 = 4;
 /// Tokens every message costs besides its text (role, separators), as the providers document.
 const TOKENS_PER_MESSAGE: u64 = 4;
 

@@ -39,7 +39,7 @@ impl DevEngineArgs {
 }
 
 /// What `dev-engine` prints once the emulator listens.
-pub fn cheat_sheet(root: &str) -> String {
+pub(crate) fn cheat_sheet(root: &str) -> String {
     format!(
         "\
 engine emulator (protocol v1 + agent/1) listening

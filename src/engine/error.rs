@@ -130,7 +130,7 @@ pub enum EngineError {
 /// The scope (or, behind a proxy, the permission) the engine asks of the worker for `op`: the
 /// external-task API needs `worker:execute`, the process API that serves BPMN definitions
 /// `process:read`.
-pub fn required_scope(op: &str) -> &'static str {
+pub(crate) fn required_scope(op: &str) -> &'static str {
     match op {
         super::OP_PROCESS_INSTANCE | super::OP_PROCESS_DEFINITION => "process:read",
         _ => "worker:execute",

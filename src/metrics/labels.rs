@@ -13,7 +13,7 @@ use crate::conversation::ToolSpec;
 use crate::provider::ModelRef;
 
 /// The label value of every name nobody declared.
-pub const OTHER: &str = "other";
+pub(crate) const OTHER: &str = "other";
 /// The longest label value, in bytes; longer declared names are cut at a character boundary.
 pub const MAX_LABEL_LEN: usize = 64;
 
@@ -54,7 +54,7 @@ impl DeclaredNames {
     }
 
     /// A tool server declared elsewhere (the worker's tool registry).
-    pub fn declare_server(&mut self, server: &str) {
+    pub(crate) fn declare_server(&mut self, server: &str) {
         self.servers.insert(server.to_string());
     }
 

@@ -15,9 +15,9 @@ use super::{ModelProvider, ModelRequest, ModelResponse, ProviderError, ProviderS
 use crate::conversation::{AssistantMessage, Message, Usage};
 
 /// The API version this adapter speaks.
-pub const ANTHROPIC_VERSION: &str = "2023-06-01";
+pub(crate) const ANTHROPIC_VERSION: &str = "2023-06-01";
 /// `max_tokens` is required by the API; this is sent when the agent sets no cap.
-pub const DEFAULT_MAX_TOKENS: u32 = 4096;
+pub(crate) const DEFAULT_MAX_TOKENS: u32 = 4096;
 
 /// A provider speaking Anthropic Messages.
 pub struct AnthropicProvider {

@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 use crate::conversation::{ToolCall, ToolSpec};
 
 /// Longest function name providers accept.
-pub const MAX_NAME_LEN: usize = 64;
+pub(crate) const MAX_NAME_LEN: usize = 64;
 const HASH_HEX_LEN: usize = 8;
 
 /// The mapping between MCP tools and the function names offered to a model in one request.

@@ -29,7 +29,7 @@ use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracer
 use crate::env::EnvSource;
 
 /// The `service.name` when neither `OTEL_SERVICE_NAME` nor `OTEL_RESOURCE_ATTRIBUTES` names one.
-pub const DEFAULT_SERVICE_NAME: &str = "abada-agent-worker";
+pub(crate) const DEFAULT_SERVICE_NAME: &str = "abada-agent-worker";
 
 /// The largest collector answer read (an `ExportTraceServiceResponse` is a few bytes; a partial
 /// success message a few hundred).
