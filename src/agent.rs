@@ -37,8 +37,9 @@ use crate::engine::capabilities::{EngineCapabilities, JournalSupport, NoJournalE
 use crate::handler::{Outcome, TaskContext, TaskEnd, TaskHandler};
 use crate::lease::{Lease, LeaseId};
 use crate::metrics::Metrics;
+use crate::provider::capacity::Capacity;
 use crate::provider::fallback::RetryPolicy;
-use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
+use crate::provider::{ModelRef, ProviderKind, ProviderRegistry, ProviderSettings};
 use crate::store::{Fence, RunEnd, RunStore, StoreHandle};
 use crate::tools::ToolSessionOptions;
 use crate::tools::registry::{
@@ -104,6 +105,8 @@ pub struct AgentRuntime {
     /// Deferrals of one run in the run store before it ends as an incident
     /// (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`).
     max_deferrals_per_run: u32,
+    /// The models of the agents file's definitions: a task of any of them may be claimed.
+    admission_models: Vec<ModelRef>,
 }
 
 /// The run store as the agent runtime uses it.
@@ -157,7 +160,16 @@ impl AgentRuntime {
         metrics: Arc<Metrics>,
         ceilings: Ceilings,
     ) -> Self {
+        let mut admission_models: Vec<ModelRef> = Vec::new();
+        for (_, def) in agents_file.iter().flat_map(|f| f.definitions()) {
+            for m in &def.models {
+                if !admission_models.contains(m) {
+                    admission_models.push(m.clone());
+                }
+            }
+        }
         AgentRuntime {
+            admission_models,
             providers,
             agents_file,
             bpmn: bpmn::BpmnDefinitions::new(settings.bpmn),
@@ -276,6 +288,7 @@ impl AgentRuntime {
             crate::tools::http_client(tls()?).map_err(|e| AgentSetupError::Http(e.to_string()))?;
         let mut agent_settings = agent_settings;
         agent_settings.tool_sessions.allow_insecure_http = config.allow_insecure_http;
+        agent_settings.model_retry.capacity_wait_max = config.model_wait_max;
         let runtime = AgentRuntime::new(
             ProviderRegistry::new(settings, http),
             agents_file,
@@ -339,5 +352,23 @@ impl TaskHandler for AgentRuntime {
             return;
         }
         run::finish_in_store(self, &store, &fence, run_end).await;
+    }
+
+    /// What the models of the agents can start now: the agents file's models and every model
+    /// a task of this worker has called (an agent sent by the engine or in the BPMN names its
+    /// own), summed; no bound while one of them states no limit.
+    fn admission(&self, now: tokio::time::Instant) -> Capacity {
+        let capacities = self.providers.capacities();
+        let mut models = capacities.tracked_models();
+        for m in &self.admission_models {
+            if !models.contains(m) {
+                models.push(m.clone());
+            }
+        }
+        capacities.admission(&models, now)
+    }
+
+    fn claimed(&self, n: u32, now: tokio::time::Instant) {
+        self.providers.capacities().claimed(n, now);
     }
 }

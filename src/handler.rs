@@ -22,6 +22,7 @@ use crate::engine::{
     LeaseLostReason, ProcessDefinition, ProcessInstance, Task, TaskRef, ToolCredential,
 };
 use crate::lease::Lease;
+use crate::provider::capacity::Capacity;
 use crate::store::{ErrorClass, StoreError};
 
 /// Why a task ends in `failure`, which decides its `retries` and `retryTimeout`
@@ -191,6 +192,17 @@ pub trait TaskHandler: Send + Sync + 'static {
     /// every `handle` of `lease`, even one dropped midway: the place to record an end that is
     /// now committed (the run store finishes the task's run on `Completed`).
     async fn ended(&self, _task: &Task, _lease: &Lease, _end: TaskEnd) {}
+
+    /// How many tasks could start their work at `now`, the free slots aside: for the agent
+    /// runtime, the calls its models' providers allow now (issue 25; `provider::capacity`).
+    /// The runner claims no more. No bound by default.
+    fn admission(&self, _now: tokio::time::Instant) -> Capacity {
+        Capacity::Unbounded
+    }
+
+    /// The runner claimed `n` tasks at `now`: they count against [`TaskHandler::admission`]
+    /// until their work starts.
+    fn claimed(&self, _n: u32, _now: tokio::time::Instant) {}
 }
 
 /// What a running task may use: its lease, the stop signal, and engine calls about itself that
