@@ -194,6 +194,15 @@ pub struct RateLimit {
     pub burst: u32,
 }
 
+/// What a model's rate limit saw ([`ScriptedModel::rate_limit_use`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RateLimitUse {
+    pub admitted: u64,
+    pub refused: u64,
+    /// 0..=1.
+    pub share_used: f64,
+}
+
 /// The state of one model's rate limit.
 #[derive(Clone, Copy, Debug)]
 struct LimitState {
@@ -204,6 +213,9 @@ struct LimitState {
     refused: u64,
     /// Requests let through.
     admitted: u64,
+    /// When the first request came, and the last one let through.
+    first: Option<tokio::time::Instant>,
+    last_admitted: Option<tokio::time::Instant>,
 }
 
 /// The tokens budget stated beside the requests one: large, never the binding limit here.
@@ -223,9 +235,11 @@ impl LimitState {
         let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
         self.level = (self.level + elapsed * rate).min(burst);
         self.at = now;
+        self.first.get_or_insert(now);
         let retry_after = if self.level >= 1.0 {
             self.level -= 1.0;
             self.admitted += 1;
+            self.last_admitted = Some(now);
             None
         } else {
             self.refused += 1;
@@ -471,16 +485,29 @@ impl ScriptedModel {
                 at: tokio::time::Instant::now(),
                 refused: 0,
                 admitted: 0,
+                first: None,
+                last_admitted: None,
             },
         );
     }
 
-    /// Requests of `model` its rate limit let through, and those it answered 429.
-    pub fn rate_limit_counts(&self, model: &str) -> (u64, u64) {
-        lock(&self.inner.shared)
-            .limits
-            .get(model)
-            .map_or((0, 0), |l| (l.admitted, l.refused))
+    /// What the rate limit of `model` saw: the requests it let through and those it answered
+    /// 429, and the share of the limit used between the first request and the last one let
+    /// through (the calls let through over the most the limit allowed in that time: the full
+    /// bucket, then its refill).
+    pub fn rate_limit_use(&self, model: &str) -> Option<RateLimitUse> {
+        let shared = lock(&self.inner.shared);
+        let l = shared.limits.get(model)?;
+        let span = match (l.first, l.last_admitted) {
+            (Some(first), Some(last)) => last.saturating_duration_since(first).as_secs_f64(),
+            _ => 0.0,
+        };
+        let allowed = f64::from(l.limit.burst.max(1)) + l.limit.per_second * span;
+        Some(RateLimitUse {
+            admitted: l.admitted,
+            refused: l.refused,
+            share_used: l.admitted as f64 / allowed,
+        })
     }
 
     /// Removes the faults of `model`, its requests' faults included.

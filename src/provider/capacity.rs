@@ -84,6 +84,9 @@ pub struct RateLimits {
     pub retry_after: Option<Duration>,
 }
 
+/// How often a call waiting for the first answer of a model looks again.
+const PROBE_POLL: Duration = Duration::from_millis(20);
+
 /// The largest count believed (a `remaining` of 10^30 is a hostile or broken provider).
 const MAX_COUNT: u64 = 1 << 40;
 
@@ -260,6 +263,10 @@ struct ModelState {
     held_until: Option<Instant>,
     /// 429s in a row without a `Retry-After`.
     throttles: u32,
+    /// A call of this model has ended (answered or not) since it was tracked: until then its
+    /// first call goes alone, so a worker does not open on a provider with a burst of calls
+    /// its limit refuses before the first answer tells it the limit.
+    known: bool,
     /// Call starts not yet in the freshest figure, oldest first.
     starts: VecDeque<Instant>,
     last_used: Option<Instant>,
@@ -274,6 +281,9 @@ impl ModelState {
             .max();
         if let Some(until) = held {
             return Capacity::Until(until);
+        }
+        if !self.known && !self.starts.is_empty() {
+            return Capacity::Until(now + PROBE_POLL);
         }
         let Some(bucket) = &self.requests else {
             return Capacity::Unbounded;
@@ -395,6 +405,7 @@ impl ModelCapacities {
         let Some(s) = self.entry(&mut state, model, now) else {
             return;
         };
+        s.known = true;
         // The provider counts a request, and states its figure, when the request arrives: the
         // figure holds as of the send (a provider that answers it later is only seen as
         // fuller than it was a moment ago, and the starts since are counted either way).
@@ -430,6 +441,7 @@ impl ModelCapacities {
         let Some(s) = self.entry(&mut state, model, now) else {
             return now;
         };
+        s.known = true;
         let wait = match retry_after {
             Some(d) => {
                 s.throttles = 0;
@@ -449,11 +461,23 @@ impl ModelCapacities {
         until
     }
 
-    /// `model` answered: a run of 429s without `Retry-After` is over.
-    pub fn answered(&self, model: &ModelRef) {
+    /// A call of `model` ended, `answered` or not: its first call is over (see `known`), and
+    /// an answer ends a run of 429s without `Retry-After`.
+    pub fn ended(&self, model: &ModelRef, answered: bool) {
         if let Some(s) = self.lock().models.get_mut(model) {
-            s.throttles = 0;
+            s.known = true;
+            if answered {
+                s.throttles = 0;
+            }
         }
+    }
+
+    /// Whether `model`'s first call is still out, the others waiting for what it tells.
+    pub fn probing(&self, model: &ModelRef) -> bool {
+        self.lock()
+            .models
+            .get(model)
+            .is_some_and(|s| !s.known && !s.starts.is_empty())
     }
 
     /// The runner claimed `n` tasks at `now`: they count against the capacity until their first
@@ -718,6 +742,16 @@ mod tests {
         let c = ModelCapacities::new(CapacityPolicy::default());
         let m = model("a");
         assert_eq!(c.capacity(&m, Instant::now()), Capacity::Unbounded);
+        // Its first call goes alone: the others wait for what its answer tells.
+        assert_eq!(c.try_start(&m, Instant::now()), Ok(()));
+        assert!(c.probing(&m));
+        assert_eq!(
+            c.try_start(&m, Instant::now()),
+            Err(Instant::now() + PROBE_POLL)
+        );
+        // An answer that states nothing: no bound.
+        c.ended(&m, true);
+        assert!(!c.probing(&m));
         for _ in 0..100 {
             assert_eq!(c.try_start(&m, Instant::now()), Ok(()));
         }
@@ -793,7 +827,7 @@ mod tests {
         let t1 = t0 + Duration::from_secs(1);
         assert_eq!(c.try_start(&m, t1), Ok(()));
         assert_eq!(c.throttled(&m, None, t1), t1 + Duration::from_secs(2));
-        c.answered(&m);
+        c.ended(&m, true);
         let t2 = t1 + Duration::from_secs(2);
         assert_eq!(c.throttled(&m, None, t2), t2 + Duration::from_secs(1));
         // A Retry-After is taken as said, bounded.

@@ -208,11 +208,13 @@ pub async fn call_models(
         let provider_name = provider.semconv_name().unwrap_or(&model.provider);
         loop {
             // A later model of the chain that can take the call now is not made to wait.
-            let later_ready = models[fallback_index + 1..].iter().any(|m| {
-                let now = tokio::time::Instant::now();
-                circuits.open_until(m, now).is_none()
-                    && !matches!(capacities.capacity(m, now), Capacity::Until(_))
-            });
+            // (Not while the model's first call is out: the wait is for its answer, short.)
+            let later_ready = !capacities.probing(model)
+                && models[fallback_index + 1..].iter().any(|m| {
+                    let now = tokio::time::Instant::now();
+                    circuits.open_until(m, now).is_none()
+                        && !matches!(capacities.capacity(m, now), Capacity::Until(_))
+                });
             let wait_left_here = if later_ready {
                 Duration::ZERO
             } else {
@@ -272,11 +274,9 @@ pub async fn call_models(
             let now = tokio::time::Instant::now();
             // A 429 is the rate limit speaking: the model is held for what it asked, and this
             // call waits for it when that fits, without opening the circuit for every task.
+            capacities.ended(model, result.is_ok());
             let wait_again = match &result {
-                Ok(_) => {
-                    capacities.answered(model);
-                    false
-                }
+                Ok(_) => false,
                 Err(ProviderError::Unavailable {
                     status: Some(429),
                     retry_after,
