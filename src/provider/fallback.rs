@@ -188,6 +188,9 @@ pub async fn call_models(
     let mut req = request.clone();
     let mut technical = 0usize;
     let mut too_long = 0usize;
+    // Models found unavailable for everyone on this call (circuit open, held by their rate
+    // limit, busy): when that is all of them, a deferral, even if a hold ended meanwhile.
+    let mut unavailable = 0usize;
     let mut last: Option<ProviderError> = None;
     for (fallback_index, (model, provider)) in models.iter().zip(providers).enumerate() {
         let now = tokio::time::Instant::now();
@@ -200,6 +203,7 @@ pub async fn call_models(
                 message: "unavailable for every task of this worker (its circuit is open)".into(),
                 retry_after: Some(until - now),
             });
+            unavailable += 1;
             continue;
         }
         req.model = model.model.clone();
@@ -238,6 +242,7 @@ pub async fn call_models(
                         ),
                         retry_after: Some(until - now),
                     });
+                    unavailable += 1;
                     break;
                 }
             };
@@ -331,7 +336,7 @@ pub async fn call_models(
             }
             let open = circuits.open_until(model, now).is_some();
             match &error {
-                ProviderError::Unavailable { .. } => {}
+                ProviderError::Unavailable { .. } => unavailable += 1,
                 ProviderError::Transient { .. } | ProviderError::Malformed { .. }
                     if retries < policy.transient_retries && !open =>
                 {
@@ -367,7 +372,7 @@ pub async fn call_models(
     // A deferral only while every model of the chain is unavailable for everyone: its circuit
     // open, or its rate limit allowing no call now.
     let now = tokio::time::Instant::now();
-    let reopens = models
+    let held: Vec<Option<tokio::time::Instant>> = models
         .iter()
         .map(|m| {
             circuits
@@ -377,11 +382,25 @@ pub async fn call_models(
                     Capacity::Unbounded | Capacity::Now(_) => None,
                 })
         })
+        .collect();
+    let reopens = held
+        .iter()
+        .copied()
         .collect::<Option<Vec<_>>>()
         .and_then(|untils| untils.into_iter().min());
+    // The earliest of the holds still in force, for a chain whose other holds ended meanwhile.
+    let still_held = held.iter().flatten().min().copied();
     Err(match reopens {
         Some(until) => ModelCallError::AllUnavailable {
             retry_after: until - now,
+            last,
+        },
+        // Every model was unavailable for everyone when tried, and a hold ended while this
+        // call waited for another: still an outage, not this request's failure.
+        None if unavailable >= models.len() => ModelCallError::AllUnavailable {
+            retry_after: still_held
+                .map_or(circuits.policy().min_open, |until| until - now)
+                .max(circuits.policy().min_open),
             last,
         },
         None => ModelCallError::Technical { last },
