@@ -13,6 +13,15 @@
 //! cargo run --release --example loadtest -- --scenario partial
 //! ```
 //!
+//! A provider rate limit (issue 25): the scripted model allows 2 requests/s (a bucket of 2),
+//! states it on every answer (`x-ratelimit-*`) and answers 429 with `retry-after-ms` beyond;
+//! one worker of 8 slots, 30 one-call tasks; prints the share of the limit used, 429s, tasks
+//! deferred and claims given back:
+//!
+//! ```text
+//! cargo run --release --example loadtest -- --scenario ratelimit --rps 2 --tasks 30 --slots 8
+//! ```
+//!
 //! The same program is the floor client when started with `--floor-client` (the harness does
 //! that itself for `--floor`).
 
@@ -24,14 +33,20 @@ use std::time::Duration;
 use abada_agent_worker::devkit::loadtest::{
     self, ChildProgram, Figures, FloorOptions, LoadOptions, Scenario,
 };
+use abada_agent_worker::devkit::model::RateLimit;
 
 const USAGE: &str = "\
 usage: loadtest [FLAGS]
 
-  --scenario S          backlog (default) | pickup | idle | scaling | partial
+  --scenario S          backlog (default) | pickup | idle | scaling | partial | ratelimit
                         partial: a backlog on an engine answering at most --fetch-cap tasks per
                         fetch, run with 1 worker, then 2 sharing the engine (or --workers N);
                         its defaults: --slots 8 --tasks 160 --model-latency-ms 200 --fetch-cap 2
+                        ratelimit: a backlog against a model allowing --rps requests/s (a bucket
+                        of --burst), stated in x-ratelimit-* headers, 429 beyond; its defaults:
+                        --slots 8 --tasks 30 --model-latency-ms 100 --rps 2
+  --rps N               ratelimit: requests per second the model allows, default 2
+  --burst N             ratelimit: the bucket's size, default --rps rounded up
   --slots N             worker slots (MAX_TASKS), default 50
   --tasks N             tasks per run (backlog size, or tasks created one by one for pickup), default 1000
   --model-latency-ms N  scripted model latency per call, default 100
@@ -73,7 +88,21 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
     let partial = args
         .windows(2)
         .any(|w| w[0] == "--scenario" && w[1] == "partial");
-    let opts = if partial {
+    let ratelimit = args
+        .windows(2)
+        .any(|w| w[0] == "--scenario" && w[1] == "ratelimit");
+    let opts = if ratelimit {
+        LoadOptions {
+            slots: 8,
+            tasks: 30,
+            model_latency: Duration::from_millis(100),
+            rate_limit: Some(RateLimit {
+                per_second: 2.0,
+                burst: 2,
+            }),
+            ..LoadOptions::default()
+        }
+    } else if partial {
         LoadOptions {
             slots: 8,
             tasks: 160,
@@ -127,6 +156,26 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
                 )
             }
             "--workers" => a.workers = Some(num()? as u32),
+            "--rps" | "--burst" => {
+                let limit = a.opts.rate_limit.get_or_insert(RateLimit {
+                    per_second: 2.0,
+                    burst: 2,
+                });
+                let v: f64 = value
+                    .parse()
+                    .map_err(|e| format!("{flag} {value:?}: {e}"))?;
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(format!("{flag} must be above 0"));
+                }
+                if flag == "--rps" {
+                    limit.per_second = v;
+                    if !args.iter().any(|x| x == "--burst") {
+                        limit.burst = v.ceil() as u32;
+                    }
+                } else {
+                    limit.burst = v.ceil() as u32;
+                }
+            }
             "--scaling-slots" => a.scaling_slots = parse_list(value)?,
             "--scaling-tasks" => a.scaling_tasks = parse_list(value)?,
             "--worker-bin" => a.worker_bin = Some(PathBuf::from(value)),
@@ -274,6 +323,20 @@ async fn run(a: Args) -> Result<(), loadtest::LoadError> {
                         value: w / c,
                     });
                 }
+                println!("\nrun {}:\n{}", i + 1, f.table());
+                runs.push(f);
+            }
+            println!(
+                "\nmedians over {} runs:\n{}",
+                a.runs,
+                Figures::median(&runs).table()
+            );
+        }
+        "ratelimit" => {
+            opts.scenario = Scenario::Backlog;
+            let mut runs = Vec::new();
+            for i in 0..a.runs {
+                let f = loadtest::run(&worker, &opts).await?;
                 println!("\nrun {}:\n{}", i + 1, f.table());
                 runs.push(f);
             }

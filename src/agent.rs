@@ -49,8 +49,9 @@ use crate::engine::Task;
 use crate::engine::capabilities::EngineCapabilities;
 use crate::handler::{Outcome, TaskContext, TaskHandler};
 use crate::metrics::Metrics;
-use crate::provider::ProviderRegistry;
+use crate::provider::capacity::Capacity;
 use crate::provider::fallback::RetryPolicy;
+use crate::provider::{ModelRef, ProviderRegistry};
 use crate::store::RunStore;
 use crate::tools::registry::ToolRegistry;
 use crate::tools::{McpConnector, ToolConnector, ToolSessionOptions};
@@ -116,6 +117,8 @@ pub struct AgentRuntime {
     /// Deferrals of one run in the run store before it ends as an incident
     /// (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`).
     max_deferrals_per_run: u32,
+    /// The models of the agents file's definitions: a task of any of them may be claimed.
+    admission_models: Vec<ModelRef>,
 }
 
 /// The run store as the agent runtime uses it.
@@ -138,7 +141,16 @@ impl AgentRuntime {
         metrics: Arc<Metrics>,
         ceilings: Ceilings,
     ) -> Self {
+        let mut admission_models: Vec<ModelRef> = Vec::new();
+        for (_, def) in agents_file.iter().flat_map(|f| f.definitions()) {
+            for m in &def.models {
+                if !admission_models.contains(m) {
+                    admission_models.push(m.clone());
+                }
+            }
+        }
         AgentRuntime {
+            admission_models,
             providers,
             agents_file,
             bpmn: bpmn::BpmnDefinitions::new(settings.bpmn),
@@ -198,5 +210,23 @@ impl AgentRuntime {
 impl TaskHandler for AgentRuntime {
     async fn handle(&self, task: Arc<Task>, ctx: TaskContext) -> Outcome {
         run::run(self, &task, &ctx).await
+    }
+
+    /// What the models of the agents can start now: the agents file's models and every model
+    /// a task of this worker has called (an agent sent by the engine or in the BPMN names its
+    /// own), summed; no bound while one of them states no limit.
+    fn admission(&self, now: tokio::time::Instant) -> Capacity {
+        let capacities = self.providers.capacities();
+        let mut models = capacities.tracked_models();
+        for m in &self.admission_models {
+            if !models.contains(m) {
+                models.push(m.clone());
+            }
+        }
+        capacities.admission(&models, now)
+    }
+
+    fn claimed(&self, n: u32, now: tokio::time::Instant) {
+        self.providers.capacities().claimed(n, now);
     }
 }

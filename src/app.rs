@@ -262,6 +262,7 @@ pub(crate) fn agent_runtime(
         crate::tools::http_client(tls()?).map_err(|e| AgentSetupError::Http(e.to_string()))?;
     let mut agent_settings = agent_settings;
     agent_settings.tool_sessions.allow_insecure_http = config.allow_insecure_http;
+    agent_settings.model_retry.capacity_wait_max = config.model_wait_max;
     let mut providers = ProviderRegistry::new(settings, http);
     for p in &config.providers {
         if let Some(tokens) = p.context_window {

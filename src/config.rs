@@ -53,6 +53,7 @@ pub const ENV_MAX_TURNS: &str = "ABADA_AGENT_MAX_TURNS";
 pub const ENV_MAX_TASK_DURATION_MS: &str = "ABADA_AGENT_MAX_TASK_DURATION_MS";
 pub const ENV_ALLOW_INSECURE_HTTP: &str = "ABADA_AGENT_ALLOW_INSECURE_HTTP";
 pub const ENV_MAX_DEFERRALS_PER_RUN: &str = "ABADA_AGENT_MAX_DEFERRALS_PER_RUN";
+pub const ENV_MODEL_WAIT_MAX_MS: &str = "ABADA_AGENT_MODEL_WAIT_MAX_MS";
 
 pub use crate::agent::DEFAULT_MAX_DEFERRALS_PER_RUN;
 
@@ -129,6 +130,9 @@ pub struct Config {
     /// How often one run in the run store may be deferred (every model unavailable) before it
     /// ends as an incident naming the count (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`).
     pub max_deferrals_per_run: u32,
+    /// How long one model call may wait for its model's capacity (the provider's stated rate
+    /// limit) before the model counts as unavailable (`ABADA_AGENT_MODEL_WAIT_MAX_MS`).
+    pub model_wait_max: Duration,
 }
 
 impl Config {
@@ -252,6 +256,13 @@ impl Config {
             0,
             10_000,
         )? as u32;
+        let model_wait_max = ms(parse_range(
+            &get,
+            ENV_MODEL_WAIT_MAX_MS,
+            crate::provider::fallback::DEFAULT_CAPACITY_WAIT_MAX.as_millis() as u64,
+            0,
+            3_600_000,
+        )?);
         let allow_insecure_http = parse_bool(&get, ENV_ALLOW_INSECURE_HTTP)?;
         Ok(Config {
             engine_url,
@@ -275,6 +286,7 @@ impl Config {
             ceilings,
             allow_insecure_http,
             max_deferrals_per_run,
+            model_wait_max,
         })
         .and_then(|mut config| {
             if let Some(oidc) = &mut config.oidc {

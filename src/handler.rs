@@ -22,6 +22,7 @@ use crate::engine::{
     LeaseLostReason, ProcessDefinition, ProcessInstance, Task, TaskRef, ToolCredential,
 };
 use crate::lease::Lease;
+use crate::provider::capacity::Capacity;
 use crate::store::{ErrorClass, StoreError};
 
 /// Why a task ends in `failure`, which decides its `retries` and `retryTimeout`
@@ -186,6 +187,17 @@ pub fn task_retries(task: &Task) -> i32 {
 #[async_trait]
 pub trait TaskHandler: Send + Sync + 'static {
     async fn handle(&self, task: Arc<Task>, ctx: TaskContext) -> Outcome;
+
+    /// How many tasks could start their work at `now`, the free slots aside: for the agent
+    /// runtime, the calls its models' providers allow now (issue 25; `provider::capacity`).
+    /// The runner claims no more. No bound by default.
+    fn admission(&self, _now: tokio::time::Instant) -> Capacity {
+        Capacity::Unbounded
+    }
+
+    /// The runner claimed `n` tasks at `now`: they count against [`TaskHandler::admission`]
+    /// until their work starts.
+    fn claimed(&self, _n: u32, _now: tokio::time::Instant) {}
 }
 
 /// What a task leaves to do once the runner has reported how it ended (or found it could not):

@@ -173,6 +173,11 @@ pub struct Metrics {
     pub model_fallback_calls: Family<ModelRefLabels, Counter>,
     /// A model's circuit opened: unavailable for every task of the worker (issue 23).
     pub model_circuit_opened: Family<ModelRefLabels, Counter>,
+    /// Calls a model may start now by its provider's stated rate limit, as of its last call
+    /// (issue 25); a model whose provider states none has no series.
+    pub model_capacity: Family<ModelRefLabels, Gauge>,
+    /// How long each model call waited for its model's capacity before it went out.
+    pub model_capacity_wait: Family<ModelRefLabels, Histogram, fn() -> Histogram>,
     pub tool_calls: Family<ToolLabels, Counter>,
     /// Approval stops and decisions; a label per event only: agents and tools are on the
     /// journal and the logs, and the stops of one agent are few.
@@ -225,6 +230,10 @@ impl Metrics {
             model_tokens: Family::default(),
             model_fallback_calls: Family::default(),
             model_circuit_opened: Family::default(),
+            model_capacity: Family::default(),
+            model_capacity_wait: Family::new_with_constructor(
+                latency_histogram as fn() -> Histogram,
+            ),
             tool_calls: Family::default(),
             approvals: Family::default(),
             output_repairs: Family::default(),
@@ -326,6 +335,16 @@ impl Metrics {
             "abada_agent_model_circuit_opened",
             "Times a model was found unavailable for every task (its circuit opened: 429, 503, 529, unreachable, or failures of distinct tasks in a row), by provider and model",
             m.model_circuit_opened.clone(),
+        );
+        registry.register(
+            "abada_agent_model_capacity",
+            "Calls a model may start now by its provider's stated rate limit (x-ratelimit-*, anthropic-ratelimit-*, Retry-After, 429s), as of its last call, by provider and model",
+            m.model_capacity.clone(),
+        );
+        registry.register(
+            "abada_agent_model_capacity_wait_seconds",
+            "Time a model call waited for its model's capacity (the provider's rate limit) before it went out, by provider and model",
+            m.model_capacity_wait.clone(),
         );
         registry.register(
             "abada_agent_tool_calls",
@@ -469,6 +488,18 @@ impl Metrics {
         self.model_call_duration
             .get_or_create(&labels)
             .observe(took);
+        let model_ref = ModelRefLabels {
+            provider: provider.clone(),
+            model: model.clone(),
+        };
+        self.model_capacity_wait
+            .get_or_create(&model_ref)
+            .observe(a.capacity_wait.as_secs_f64());
+        if let Some(n) = a.capacity {
+            self.model_capacity
+                .get_or_create(&model_ref)
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
         if a.circuit_opened {
             self.model_circuit_opened
                 .get_or_create(&ModelRefLabels {
@@ -552,6 +583,8 @@ mod tests {
             }),
             duration: Duration::from_millis(20),
             circuit_opened: true,
+            capacity_wait: Duration::from_millis(250),
+            capacity: Some(3),
         }
     }
 

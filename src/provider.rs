@@ -14,6 +14,7 @@ use crate::conversation::{AssistantMessage, Message, ToolSpec, Usage};
 use crate::secret::SecretSource;
 
 pub mod anthropic;
+pub mod capacity;
 pub mod circuit;
 pub mod context;
 pub mod fallback;
@@ -314,6 +315,8 @@ pub struct ProviderRegistry {
     providers: HashMap<String, Arc<dyn ModelProvider>>,
     circuits: Arc<circuit::ModelCircuits>,
     windows: context::ContextWindows,
+    /// What each model may start now, as its provider says (fed by the adapters' answers).
+    capacities: Arc<capacity::ModelCapacities>,
 }
 
 impl std::fmt::Debug for ProviderRegistry {
@@ -332,11 +335,14 @@ impl ProviderRegistry {
         let mut registry = ProviderRegistry::default();
         for s in settings {
             let name = s.name.clone();
+            let capacities = registry.capacities.clone();
             let provider: Arc<dyn ModelProvider> = match s.kind {
-                ProviderKind::OpenAi => Arc::new(openai::OpenAiProvider::new(s, http.clone())),
-                ProviderKind::Anthropic => {
-                    Arc::new(anthropic::AnthropicProvider::new(s, http.clone()))
-                }
+                ProviderKind::OpenAi => Arc::new(
+                    openai::OpenAiProvider::new(s, http.clone()).with_capacities(capacities),
+                ),
+                ProviderKind::Anthropic => Arc::new(
+                    anthropic::AnthropicProvider::new(s, http.clone()).with_capacities(capacities),
+                ),
             };
             registry.providers.insert(name, provider);
         }
@@ -371,6 +377,11 @@ impl ProviderRegistry {
         &self.circuits
     }
 
+    /// What each model may start now (every task of the worker and the runner's admission).
+    pub fn capacities(&self) -> &Arc<capacity::ModelCapacities> {
+        &self.capacities
+    }
+
     pub fn get(&self, name: &str) -> Option<Arc<dyn ModelProvider>> {
         self.providers.get(name).cloned()
     }
@@ -400,6 +411,11 @@ pub struct CallAttempt {
     pub duration: Duration,
     /// This call's outcome opened the model's circuit: unavailable for every task now.
     pub circuit_opened: bool,
+    /// How long the call waited for its model's capacity (the provider's rate limit) first.
+    pub capacity_wait: Duration,
+    /// Calls the model may start just after this one by its provider's stated rate limit;
+    /// `None` when it states none.
+    pub capacity: Option<u64>,
 }
 
 #[cfg(test)]

@@ -6,7 +6,9 @@
 //! The loop here does what it decides, and owns everything else:
 //!
 //! - A semaphore of `MAX_TASKS` slots. Each fetch asks for exactly the free slots, and none when
-//!   none is free: the worker never holds work it cannot start. Tasks an answer holds beyond
+//!   none is free: the worker never holds work it cannot start. Nor more than the handler's
+//!   admission allows (its models' provider capacity, issue 25): none allowed, no fetch until
+//!   the capacity returns or a task ends. Tasks an answer holds beyond
 //!   that are released at once, as at shutdown, rather than left locked until they expire.
 //! - Each task runs as its own spawned future owning its slot permit, in the loop's `JoinSet`
 //!   beside the lease it runs under. The loop learns of a task's end by joining it and tells
@@ -48,7 +50,7 @@ use crate::handler::{
 use crate::heartbeat::{self, HeartbeatEvent, HeartbeatHandle, HeartbeatSettings};
 use crate::lease::Lease;
 use crate::metrics::{Metrics, OutcomeLabel, ReasonLabel, ResultLabel};
-use policy::{Action, FetchPolicy, LogLevel};
+use policy::{Action, Admit, FetchPolicy, LogLevel};
 
 /// How the runner behaves (from [`crate::config::Config`]).
 #[derive(Clone, Debug)]
@@ -455,7 +457,18 @@ impl Runner {
                         }
                         continue;
                     }
-                    self.fetch(shared, tasks, &mut policy, free).await;
+                    // Issue 25: no more tasks than the models behind them can start now.
+                    let now = Instant::now();
+                    match policy::admit(free, shared.handler.admission(now), now) {
+                        Admit::Fetch(n) => self.fetch(shared, tasks, &mut policy, n).await,
+                        Admit::WaitUntil(until) => {
+                            tokio::select! {
+                                _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
+                                Some(()) = tasks.join_next() => policy.task_ended(Instant::now()),
+                                _ = shutdown.cancelled() => return,
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -509,6 +522,9 @@ impl Runner {
                 }
                 let mut locked = locked;
                 let surplus = locked.split_off(locked.len().min(free as usize));
+                if !locked.is_empty() {
+                    shared.handler.claimed(locked.len() as u32, Instant::now());
+                }
                 let mut batch = batch;
                 for task in locked {
                     let permit = batch

@@ -90,6 +90,8 @@ pub struct LoadOptions {
     pub fetch_answer_cap: Option<std::num::NonZeroU32>,
     /// Worker processes sharing the engine (backlog only; 1 to [`MAX_WORKERS`]).
     pub workers: u32,
+    /// The model's provider rate limit (issue 25): stated on every answer, 429 beyond.
+    pub rate_limit: Option<super::model::RateLimit>,
 }
 
 /// The most worker processes one run starts.
@@ -129,6 +131,7 @@ impl Default for LoadOptions {
             store: None,
             fetch_answer_cap: None,
             workers: 1,
+            rate_limit: None,
         }
     }
 }
@@ -497,6 +500,9 @@ pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, Lo
     let stack = Stack::start(protocol).await?;
     stack.engine.set_fetch_answer_cap(opts.fetch_answer_cap);
     stack.model.set_script(BENCH_MODEL, bench_script(opts));
+    if let Some(limit) = opts.rate_limit {
+        stack.model.set_rate_limit(BENCH_MODEL, limit);
+    }
     stack.tools.set_latency(opts.tool_latency);
     // A plain engine issues no tool credential: the store run's tool server takes none, and the
     // worker finds it in its registry.
@@ -556,6 +562,9 @@ async fn run_on(
     if result.is_ok() && opts.store.is_some() {
         result = store_figures(&child, opts, &mut figures).await;
     }
+    if result.is_ok() && opts.rate_limit.is_some() {
+        rate_limit_figures(stack, &mut figures);
+    }
     figures.put(
         "rss_peak",
         "MB",
@@ -568,6 +577,44 @@ async fn run_on(
         eprintln!("child: {line}");
     }
     result.map(|()| figures)
+}
+
+/// Issue 25: how well the worker used the provider's rate limit. The share of the limit used
+/// (the calls let through over the most the limit allowed from the first call to the last),
+/// 429s as a share of the model requests, tasks deferred (a `failure` reported for a task,
+/// which the engine records), and claims given back (tasks locked by a fetch beyond the one
+/// lock that completed them).
+fn rate_limit_figures(stack: &Stack, figures: &mut Figures) {
+    if let Some(u) = stack.model.rate_limit_use(BENCH_MODEL) {
+        let requests = (u.admitted + u.refused) as f64;
+        figures.put("limit_share_used", "%", u.share_used * 100.0);
+        figures.put("model_requests", "req", requests);
+        figures.put("model_429", "req", u.refused as f64);
+        figures.put(
+            "model_429_share",
+            "% of requests",
+            if requests > 0.0 {
+                u.refused as f64 / requests * 100.0
+            } else {
+                0.0
+            },
+        );
+    }
+    let tasks = stack.engine.tasks();
+    let deferred = tasks.iter().filter(|t| t.counters.failures > 0).count();
+    let failures: u32 = tasks.iter().map(|t| t.counters.failures).sum();
+    let claims: u32 = tasks.iter().map(|t| t.counters.acquisitions).sum();
+    let completed = tasks
+        .iter()
+        .filter(|t| t.status == TaskStatus::Completed)
+        .count() as u32;
+    figures.put("tasks_deferred", "tasks", deferred as f64);
+    figures.put("deferrals", "failures", f64::from(failures));
+    figures.put(
+        "claims_given_back",
+        "claims",
+        f64::from(claims.saturating_sub(completed)),
+    );
 }
 
 /// Adds `opts.engine_latency` to every engine request.

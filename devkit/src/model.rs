@@ -197,6 +197,139 @@ pub enum Fault {
     LlamaCppContextExceeded,
 }
 
+/// A provider's rate limit, as OpenAI and Anthropic run theirs: a token bucket of `burst`
+/// requests refilled evenly at `per_second`. Every answer states it (OpenAI
+/// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`, the reset as a Go duration;
+/// Anthropic `anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`, the reset as an
+/// RFC 3339 instant); a request beyond it is answered 429 with `retry-after-ms` and
+/// `retry-after` (whole seconds, rounded up). A request counts when it arrives.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RateLimit {
+    pub per_second: f64,
+    pub burst: u32,
+}
+
+/// What a model's rate limit saw ([`ScriptedModel::rate_limit_use`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RateLimitUse {
+    pub admitted: u64,
+    pub refused: u64,
+    /// 0..=1.
+    pub share_used: f64,
+}
+
+/// The state of one model's rate limit.
+#[derive(Clone, Copy, Debug)]
+struct LimitState {
+    limit: RateLimit,
+    level: f64,
+    at: tokio::time::Instant,
+    /// Requests answered 429 by the limit.
+    refused: u64,
+    /// Requests let through.
+    admitted: u64,
+    /// When the first request came, and the last one let through.
+    first: Option<tokio::time::Instant>,
+    last_admitted: Option<tokio::time::Instant>,
+}
+
+/// The tokens budget stated beside the requests one: large, never the binding limit here.
+const STATED_TOKENS_LIMIT: u64 = 1_000_000;
+
+/// What the rate limit decided for one request: the headers to state, and whether it is over.
+struct LimitVerdict {
+    headers: Vec<(&'static str, String)>,
+    /// Over the limit: answer 429, retry after this.
+    retry_after: Option<Duration>,
+}
+
+impl LimitState {
+    fn take(&mut self, format: WireFormat, now: tokio::time::Instant) -> LimitVerdict {
+        let rate = self.limit.per_second.max(1e-6);
+        let burst = f64::from(self.limit.burst.max(1));
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.level = (self.level + elapsed * rate).min(burst);
+        self.at = now;
+        self.first.get_or_insert(now);
+        let retry_after = if self.level >= 1.0 {
+            self.level -= 1.0;
+            self.admitted += 1;
+            self.last_admitted = Some(now);
+            None
+        } else {
+            self.refused += 1;
+            Some(ceil_ms((1.0 - self.level) / rate))
+        };
+        let remaining = self.level.floor() as u64;
+        let to_full = ceil_ms(((burst - self.level) / rate).max(0.0));
+        let limit = self.limit.burst.max(1);
+        let headers = match format {
+            WireFormat::OpenAi => vec![
+                ("x-ratelimit-limit-requests", limit.to_string()),
+                ("x-ratelimit-remaining-requests", remaining.to_string()),
+                ("x-ratelimit-reset-requests", go_duration(to_full)),
+                ("x-ratelimit-limit-tokens", STATED_TOKENS_LIMIT.to_string()),
+                (
+                    "x-ratelimit-remaining-tokens",
+                    STATED_TOKENS_LIMIT.to_string(),
+                ),
+                ("x-ratelimit-reset-tokens", "0s".to_string()),
+            ],
+            WireFormat::Anthropic => {
+                let full_at = chrono::Utc::now()
+                    + chrono::Duration::from_std(to_full).unwrap_or(chrono::Duration::zero());
+                let stamp = full_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+                let now_stamp =
+                    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+                vec![
+                    ("anthropic-ratelimit-requests-limit", limit.to_string()),
+                    (
+                        "anthropic-ratelimit-requests-remaining",
+                        remaining.to_string(),
+                    ),
+                    ("anthropic-ratelimit-requests-reset", stamp),
+                    (
+                        "anthropic-ratelimit-tokens-limit",
+                        STATED_TOKENS_LIMIT.to_string(),
+                    ),
+                    (
+                        "anthropic-ratelimit-tokens-remaining",
+                        STATED_TOKENS_LIMIT.to_string(),
+                    ),
+                    ("anthropic-ratelimit-tokens-reset", now_stamp),
+                ]
+            }
+        };
+        LimitVerdict {
+            headers,
+            retry_after,
+        }
+    }
+}
+
+/// `secs` rounded up to the millisecond: a client that waits what it is told is not early.
+fn ceil_ms(secs: f64) -> Duration {
+    Duration::from_millis((secs * 1000.0).ceil().clamp(0.0, 1e12) as u64)
+}
+
+/// A duration as Go prints it, as OpenAI sends its resets: `1s`, `6m0s`, `20ms`, `1.5s`.
+pub fn go_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let secs = d.as_secs_f64();
+    let minutes = (secs / 60.0).floor() as u64;
+    let rest = secs - (minutes * 60) as f64;
+    let rest = format!("{rest:.3}");
+    let rest = rest.trim_end_matches('0').trim_end_matches('.');
+    if minutes == 0 {
+        format!("{rest}s")
+    } else {
+        format!("{minutes}m{rest}s")
+    }
+}
+
 /// How often a fault applies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FaultTimes {
@@ -265,6 +398,8 @@ struct Shared {
     request_faults: Vec<(String, String, Fault, Option<u32>)>,
     calls: HashMap<(String, WireFormat), u64>,
     requests: Vec<RecordedRequest>,
+    /// Rate limits by model.
+    limits: HashMap<String, LimitState>,
 }
 
 struct Inner {
@@ -397,6 +532,42 @@ impl ScriptedModel {
         });
     }
 
+    /// Puts `model` under `limit` (its bucket full now): every answer states it, a request
+    /// beyond it is answered 429 with `retry-after-ms`.
+    pub fn set_rate_limit(&self, model: impl Into<String>, limit: RateLimit) {
+        lock(&self.inner.shared).limits.insert(
+            model.into(),
+            LimitState {
+                limit,
+                level: f64::from(limit.burst.max(1)),
+                at: tokio::time::Instant::now(),
+                refused: 0,
+                admitted: 0,
+                first: None,
+                last_admitted: None,
+            },
+        );
+    }
+
+    /// What the rate limit of `model` saw: the requests it let through and those it answered
+    /// 429, and the share of the limit used between the first request and the last one let
+    /// through (the calls let through over the most the limit allowed in that time: the full
+    /// bucket, then its refill).
+    pub fn rate_limit_use(&self, model: &str) -> Option<RateLimitUse> {
+        let shared = lock(&self.inner.shared);
+        let l = shared.limits.get(model)?;
+        let span = match (l.first, l.last_admitted) {
+            (Some(first), Some(last)) => last.saturating_duration_since(first).as_secs_f64(),
+            _ => 0.0,
+        };
+        let allowed = f64::from(l.limit.burst.max(1)) + l.limit.per_second * span;
+        Some(RateLimitUse {
+            admitted: l.admitted,
+            refused: l.refused,
+            share_used: l.admitted as f64 / allowed,
+        })
+    }
+
     /// Removes the faults of `model`, its requests' faults included.
     pub fn clear_faults(&self, model: &str) {
         let mut shared = lock(&self.inner.shared);
@@ -479,7 +650,7 @@ async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: 
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_string();
-    let (call_index, fault, script) = {
+    let (call_index, fault, script, limit_headers) = {
         let mut shared = lock(&inner.shared);
         let count = shared.calls.entry((model.clone(), format)).or_default();
         *count += 1;
@@ -506,6 +677,29 @@ async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: 
                 })
                 .collect(),
         });
+        let verdict = shared
+            .limits
+            .get_mut(&model)
+            .map(|l| l.take(format, tokio::time::Instant::now()));
+        if let Some(LimitVerdict {
+            headers,
+            retry_after: Some(retry_after),
+        }) = verdict
+        {
+            drop(shared);
+            let mut response = fault_response(
+                format,
+                &model,
+                &Fault::RateLimited {
+                    retry_after: Some(retry_after),
+                },
+                None,
+                &body,
+            );
+            with_headers(&mut response, &headers);
+            return response;
+        }
+        let limit_headers = verdict.map(|v| v.headers);
         let fault = take_request_fault(&mut shared, &model, &raw)
             .or_else(|| take_fault(&mut shared, &model));
         let script = shared
@@ -513,7 +707,7 @@ async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: 
             .get(&model)
             .or_else(|| shared.scripts.get(DEFAULT_SCRIPT))
             .cloned();
-        (call_index, fault, script)
+        (call_index, fault, script, limit_headers)
     };
     let mut held = inner.held.subscribe();
     let released = tokio::select! {
@@ -549,7 +743,19 @@ async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: 
             return context_exceeded(format, &model, window, prompt, cap);
         }
     }
-    answer(format, &model, &script, &body, call_index)
+    let mut response = answer(format, &model, &script, &body, call_index);
+    if let Some(headers) = &limit_headers {
+        with_headers(&mut response, headers);
+    }
+    response
+}
+
+fn with_headers(response: &mut Response, headers: &[(&'static str, String)]) {
+    for (name, value) in headers {
+        if let Ok(v) = axum::http::HeaderValue::from_str(value) {
+            response.headers_mut().insert(*name, v);
+        }
+    }
 }
 
 fn take_request_fault(shared: &mut Shared, model: &str, raw: &[u8]) -> Option<Fault> {

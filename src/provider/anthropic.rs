@@ -30,6 +30,15 @@ impl AnthropicProvider {
             core: HttpCore::new(settings, http),
         }
     }
+
+    /// The adapter reporting every answer's rate-limit headers to `capacities`.
+    pub fn with_capacities(
+        mut self,
+        capacities: std::sync::Arc<super::capacity::ModelCapacities>,
+    ) -> Self {
+        self.core = self.core.with_capacities(capacities);
+        self
+    }
 }
 
 fn push(messages: &mut Vec<Value>, role: &str, blocks: Vec<Value>) {

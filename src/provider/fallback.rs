@@ -3,9 +3,15 @@
 //! Every call feeds the model's circuit ([`super::circuit`]), shared by the tasks of the
 //! worker; a model whose circuit is open is not called.
 //!
+//! Before each call the model's capacity is taken ([`super::capacity::ModelCapacities`]): a call
+//! the provider's stated rate limit would refuse waits here until it may start, up to
+//! [`RetryPolicy::capacity_wait_max`] in all, instead of being sent to a 429; a model whose
+//! capacity comes back only later is skipped like an open circuit (issue 25).
+//!
 //! | failure | what happens |
 //! | --- | --- |
-//! | `Unavailable` (429, 503, 529, overloaded) | next model at once; the circuit opens for its Retry-After |
+//! | a 429 whose wait fits the capacity wait | the same model again once its capacity allows ([`super::capacity`]); the circuit is not touched |
+//! | `Unavailable` (other 429s, 503, 529, overloaded) | next model at once; the circuit opens for its Retry-After |
 //! | `Transient`, `Malformed` | same model again after a backoff, `transient_retries` times (unless its circuit opened meanwhile), then next model |
 //! | `ContextTooLong`, `Setup` | next model |
 //! | `Rejected` | stop: a hard error of the task |
@@ -26,6 +32,7 @@ use std::time::Duration;
 use rand::Rng;
 use tracing::Instrument;
 
+use super::capacity::{Capacity, ModelCapacities};
 use super::circuit::{Change, Signal};
 use super::{CallAttempt, ModelRef, ModelRequest, ModelResponse, ProviderError, ProviderRegistry};
 use crate::telemetry::spans;
@@ -43,7 +50,21 @@ pub struct RetryPolicy {
     pub jitter: f64,
     /// The deferral when every model was unavailable and none said for how long.
     pub unavailable_default: Duration,
+    /// How long one model call may wait for its model's capacity (the provider's rate limit,
+    /// [`super::capacity`]) in all, before the model counts as unavailable
+    /// (`ABADA_AGENT_PROVIDER_WAIT_MAX`). The task's lease is kept by heartbeats meanwhile.
+    pub capacity_wait_max: Duration,
 }
+
+/// The default of [`RetryPolicy::capacity_wait_max`].
+pub const DEFAULT_CAPACITY_WAIT_MAX: Duration = Duration::from_secs(60);
+
+/// 429s of one model waited out within one call, at most: the next one counts as the model
+/// being unavailable (its circuit opens, as before issue 25). A rate limit tracked from the
+/// provider's headers rarely answers 429 at all; a provider answering nothing else is in an
+/// outage, and its task is deferred rather than held. Nor can a provider asking for no wait at
+/// all make a task spin on it.
+const RATE_LIMITED_RETRIES: u32 = 2;
 
 impl Default for RetryPolicy {
     fn default() -> Self {
@@ -53,6 +74,7 @@ impl Default for RetryPolicy {
             max_backoff: Duration::from_secs(16),
             jitter: 0.5,
             unavailable_default: Duration::from_secs(30),
+            capacity_wait_max: DEFAULT_CAPACITY_WAIT_MAX,
         }
     }
 }
@@ -161,9 +183,14 @@ pub async fn call_models(
         }
     }
     let circuits = registry.circuits();
+    let capacities = registry.capacities();
+    let mut wait_left = policy.capacity_wait_max;
     let mut req = request.clone();
     let mut technical = 0usize;
     let mut too_long = 0usize;
+    // Models found unavailable for everyone on this call (circuit open, held by their rate
+    // limit, busy): when that is all of them, a deferral, even if a hold ended meanwhile.
+    let mut unavailable = 0usize;
     let mut last: Option<ProviderError> = None;
     for (fallback_index, (model, provider)) in models.iter().zip(providers).enumerate() {
         let now = tokio::time::Instant::now();
@@ -176,12 +203,49 @@ pub async fn call_models(
                 message: "unavailable for every task of this worker (its circuit is open)".into(),
                 retry_after: Some(until - now),
             });
+            unavailable += 1;
             continue;
         }
         req.model = model.model.clone();
         let mut retries = 0u32;
+        let mut rate_limited = 0u32;
         let provider_name = provider.semconv_name().unwrap_or(&model.provider);
         loop {
+            // A later model of the chain that can take the call now is not made to wait.
+            // (Not while the model's first call is out: the wait is for its answer, short.)
+            let later_ready = !capacities.probing(model)
+                && models[fallback_index + 1..].iter().any(|m| {
+                    let now = tokio::time::Instant::now();
+                    circuits.open_until(m, now).is_none()
+                        && !matches!(capacities.capacity(m, now), Capacity::Until(_))
+                });
+            let wait_left_here = if later_ready {
+                Duration::ZERO
+            } else {
+                wait_left
+            };
+            let mut left = wait_left_here;
+            let waited = wait_for_capacity(capacities, model, &mut left).await;
+            wait_left = wait_left.saturating_sub(wait_left_here - left);
+            let waited = match waited {
+                Ok(waited) => waited,
+                Err(until) => {
+                    let now = tokio::time::Instant::now();
+                    tracing::debug!(model = %model, free_in_ms = duration_ms(until - now), "the model's rate limit allows no call within the capacity wait: not called");
+                    last = Some(ProviderError::Unavailable {
+                        provider: model.provider.clone(),
+                        model: model.model.clone(),
+                        status: None,
+                        message: format!(
+                            "its rate limit allows no call for {} ms (a call waits at most ABADA_AGENT_MODEL_WAIT_MAX_MS in all, and not while a later model of the chain can take it)",
+                            duration_ms(until - now)
+                        ),
+                        retry_after: Some(until - now),
+                    });
+                    unavailable += 1;
+                    break;
+                }
+            };
             let span = spans::chat(&spans::ChatSpan {
                 provider: provider_name,
                 configured_provider: &model.provider,
@@ -213,8 +277,25 @@ pub async fn call_models(
             drop(span);
             let duration = started.elapsed();
             let now = tokio::time::Instant::now();
+            // A 429 is the rate limit speaking: the model is held for what it asked, and this
+            // call waits for it when that fits, without opening the circuit for every task.
+            capacities.ended(model, result.is_ok());
+            let wait_again = match &result {
+                Ok(_) => false,
+                Err(ProviderError::Unavailable {
+                    status: Some(429),
+                    retry_after,
+                    ..
+                }) => {
+                    let until = capacities.throttled(model, *retry_after, now);
+                    rate_limited += 1;
+                    rate_limited <= RATE_LIMITED_RETRIES && until - now <= wait_left
+                }
+                Err(_) => false,
+            };
             let signal = match &result {
                 Ok(_) => Signal::Answered,
+                Err(_) if wait_again => Signal::Neutral,
                 Err(e) => Signal::of(e),
             };
             let change = circuits.record(model, requester, signal, now, policy.unavailable_default);
@@ -229,6 +310,12 @@ pub async fn call_models(
                 },
                 usage: result.as_ref().ok().and_then(|r| r.usage),
                 circuit_opened: matches!(change, Change::Opened { .. }),
+                capacity_wait: waited,
+                capacity: match capacities.capacity(model, now) {
+                    Capacity::Unbounded => None,
+                    Capacity::Now(n) => Some(u64::from(n)),
+                    Capacity::Until(_) => Some(0),
+                },
             });
             match change {
                 Change::Opened { until } => {
@@ -243,9 +330,13 @@ pub async fn call_models(
                 Ok(response) => return Ok((model.clone(), response)),
                 Err(e) => e,
             };
+            if wait_again {
+                tracing::debug!(model = %model, error = %error, "rate-limited: waiting for the model's capacity");
+                continue;
+            }
             let open = circuits.open_until(model, now).is_some();
             match &error {
-                ProviderError::Unavailable { .. } => {}
+                ProviderError::Unavailable { .. } => unavailable += 1,
                 ProviderError::Transient { .. } | ProviderError::Malformed { .. }
                     if retries < policy.transient_retries && !open =>
                 {
@@ -278,20 +369,67 @@ pub async fn call_models(
     if too_long > 0 {
         return Err(ModelCallError::ContextTooLong { last });
     }
-    // A deferral only while every model of the chain is unavailable for everyone.
+    // A deferral only while every model of the chain is unavailable for everyone: its circuit
+    // open, or its rate limit allowing no call now.
     let now = tokio::time::Instant::now();
-    let reopens = models
+    let held: Vec<Option<tokio::time::Instant>> = models
         .iter()
-        .map(|m| circuits.open_until(m, now))
+        .map(|m| {
+            circuits
+                .open_until(m, now)
+                .or(match capacities.capacity(m, now) {
+                    Capacity::Until(at) => Some(at),
+                    Capacity::Unbounded | Capacity::Now(_) => None,
+                })
+        })
+        .collect();
+    let reopens = held
+        .iter()
+        .copied()
         .collect::<Option<Vec<_>>>()
         .and_then(|untils| untils.into_iter().min());
+    // The earliest of the holds still in force, for a chain whose other holds ended meanwhile.
+    let still_held = held.iter().flatten().min().copied();
     Err(match reopens {
         Some(until) => ModelCallError::AllUnavailable {
             retry_after: until - now,
             last,
         },
+        // Every model was unavailable for everyone when tried, and a hold ended while this
+        // call waited for another: still an outage, not this request's failure.
+        None if unavailable >= models.len() => ModelCallError::AllUnavailable {
+            retry_after: still_held
+                .map_or(circuits.policy().min_open, |until| until - now)
+                .max(circuits.policy().min_open),
+            last,
+        },
         None => ModelCallError::Technical { last },
     })
+}
+
+/// Takes one call of `model`'s capacity, waiting for it while `wait_left` allows (and
+/// deducting the wait). Returns how long it waited, or, when the capacity comes back only
+/// later than that, when it does.
+async fn wait_for_capacity(
+    capacities: &ModelCapacities,
+    model: &ModelRef,
+    wait_left: &mut Duration,
+) -> Result<Duration, tokio::time::Instant> {
+    let mut waited = Duration::ZERO;
+    loop {
+        let now = tokio::time::Instant::now();
+        match capacities.try_start(model, now) {
+            Ok(()) => return Ok(waited),
+            Err(until) if until - now <= *wait_left => {
+                // At least a millisecond: a capacity due "now" cannot make this spin.
+                let wait = (until - now).max(Duration::from_millis(1));
+                tokio::time::sleep(wait).await;
+                *wait_left = wait_left.saturating_sub(wait);
+                waited += wait;
+            }
+            Err(until) => return Err(until),
+        }
+    }
 }
 
 fn duration_ms(d: Duration) -> u64 {

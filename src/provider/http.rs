@@ -8,7 +8,8 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
-use super::{ProviderError, ProviderSettings, parse_retry_after};
+use super::capacity::{ModelCapacities, RateLimits};
+use super::{ModelRef, ProviderError, ProviderSettings, parse_retry_after};
 use crate::secret::Secret;
 
 /// Longest provider error text kept in an error message.
@@ -19,6 +20,8 @@ pub(crate) struct HttpCore {
     http: reqwest::Client,
     /// Present when `max_concurrency` is set.
     permits: Option<Arc<Semaphore>>,
+    /// Told what every answer's rate-limit headers say (the registry's, shared by all tasks).
+    capacities: Option<Arc<ModelCapacities>>,
 }
 
 impl HttpCore {
@@ -30,7 +33,29 @@ impl HttpCore {
             settings,
             http,
             permits,
+            capacities: None,
         }
+    }
+
+    pub(crate) fn with_capacities(mut self, capacities: Arc<ModelCapacities>) -> Self {
+        self.capacities = Some(capacities);
+        self
+    }
+
+    /// Tells the capacities what an answer's headers say about `model`'s limits.
+    fn observe_limits(&self, model: &str, sent: tokio::time::Instant, headers: &HeaderMap) {
+        let Some(capacities) = &self.capacities else {
+            return;
+        };
+        let limits = RateLimits::parse(headers, SystemTime::now(), capacities.policy().max_wait);
+        if limits.is_empty() {
+            return;
+        }
+        let model = ModelRef {
+            provider: self.settings.name.clone(),
+            model: model.to_string(),
+        };
+        capacities.observe(&model, sent, tokio::time::Instant::now(), &limits);
     }
 
     pub(crate) fn url(&self, path: &str) -> String {
@@ -128,6 +153,7 @@ impl HttpCore {
             message: format!("{what} {url}: {}", describe(&e)),
             connect: e.is_connect(),
         };
+        let sent = tokio::time::Instant::now();
         let response = self
             .http
             .post(&url)
@@ -140,8 +166,9 @@ impl HttpCore {
             .await
             .map_err(|e| transient("request to", e))?;
         let status = response.status();
-        let response_headers = response.headers().clone();
+        self.observe_limits(model, sent, response.headers());
         if !status.is_success() {
+            let response_headers = response.headers().clone();
             let bytes = crate::body::read_prefix(response, crate::body::ERROR_BODY_MAX_BYTES).await;
             return Err(self.classify(model, status.as_u16(), &response_headers, &bytes, key));
         }

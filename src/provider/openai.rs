@@ -26,6 +26,15 @@ impl OpenAiProvider {
             core: HttpCore::new(settings, http),
         }
     }
+
+    /// The adapter reporting every answer's rate-limit headers to `capacities`.
+    pub fn with_capacities(
+        mut self,
+        capacities: std::sync::Arc<super::capacity::ModelCapacities>,
+    ) -> Self {
+        self.core = self.core.with_capacities(capacities);
+        self
+    }
 }
 
 /// The request body for `req`, with tools named by `names`.

@@ -35,6 +35,11 @@
 //!   poll interval of the engine's return. An engine that cannot be probed is waited out.
 //! - An error is logged at warn the first time, at debug while it repeats word for word; the
 //!   first success after a warning says so.
+//! - Admission (issue 25, in the spirit of Temporal's slot suppliers): a fetch asks for the free
+//!   slots, but no more than the task handler says can start now (the capacity its models'
+//!   providers state, less the tasks claimed that have not called yet). None can: no fetch, a
+//!   wait until the capacity returns (or a task ends). A task claimed that cannot start would
+//!   only wait for the provider or be deferred, a failure the engine records.
 
 use std::time::Duration;
 
@@ -43,6 +48,7 @@ use tokio::time::Instant;
 use super::RunnerSettings;
 use crate::backoff::{self, Backoff};
 use crate::engine::{EngineError, ProbeOutcome};
+use crate::provider::capacity::Capacity;
 
 /// A source of uniform random numbers in `0.0..1.0` (jitter); tests pass a constant.
 pub type Random = Box<dyn FnMut() -> f64 + Send>;
@@ -76,6 +82,31 @@ pub struct FetchFailed {
     pub failures: u32,
     pub log_at: LogLevel,
 }
+
+/// What a fetch may ask for, by admission.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admit {
+    /// Ask for this many tasks (at least 1).
+    Fetch(u32),
+    /// No task could start before this instant: do not fetch until then (or a task's end).
+    WaitUntil(Instant),
+}
+
+/// Admission: with `free` slots (at least 1) and the handler's `capacity` at `now`, how many
+/// tasks a fetch asks for (see the module docs).
+pub fn admit(free: u32, capacity: Capacity, now: Instant) -> Admit {
+    match capacity {
+        Capacity::Unbounded => Admit::Fetch(free),
+        Capacity::Now(n) if n > 0 => Admit::Fetch(free.min(n)),
+        // A capacity due now (or `Now(0)`, which the handler should not say) is checked again
+        // a moment later rather than fetched for: no claim above what can start.
+        Capacity::Now(_) => Admit::WaitUntil(now + ADMISSION_RECHECK),
+        Capacity::Until(at) => Admit::WaitUntil(at.max(now + ADMISSION_RECHECK)),
+    }
+}
+
+/// The shortest wait for capacity: a capacity said to return "now" cannot make the loop spin.
+const ADMISSION_RECHECK: Duration = Duration::from_millis(1);
 
 /// The fetch policy of one poll loop (see the module docs).
 pub struct FetchPolicy {
@@ -250,6 +281,38 @@ mod tests {
             op: "fetch-and-lock",
             status: 429,
             retry_after,
+        }
+    }
+
+    /// Issue 25: admission never asks for more tasks than the models can start, nor more than
+    /// the free slots, and waits for capacity rather than fetching for none.
+    #[test]
+    fn admission_asks_for_the_free_slots_within_the_capacity() {
+        let now = Instant::now();
+        assert_eq!(admit(8, Capacity::Unbounded, now), Admit::Fetch(8));
+        assert_eq!(admit(8, Capacity::Now(3), now), Admit::Fetch(3));
+        assert_eq!(admit(2, Capacity::Now(30), now), Admit::Fetch(2));
+        let later = now + ms(400);
+        assert_eq!(
+            admit(8, Capacity::Until(later), now),
+            Admit::WaitUntil(later)
+        );
+        // Never a wait in the past or of zero: no spin.
+        assert_eq!(
+            admit(8, Capacity::Until(now), now),
+            Admit::WaitUntil(now + ADMISSION_RECHECK)
+        );
+        assert_eq!(
+            admit(8, Capacity::Now(0), now),
+            Admit::WaitUntil(now + ADMISSION_RECHECK)
+        );
+        for free in 1..=50 {
+            for cap in 1..=50 {
+                let Admit::Fetch(n) = admit(free, Capacity::Now(cap), now) else {
+                    panic!("{free} {cap}");
+                };
+                assert!(n >= 1 && n <= free && n <= cap, "{free} {cap} -> {n}");
+            }
         }
     }
 

@@ -242,6 +242,42 @@ mod outcomes {
         w.stop().await;
     }
 
+    /// Issue 25: a provider allowing 2 requests/s and saying so in `x-ratelimit-*` headers,
+    /// 429 beyond: the worker uses its limit without claiming tasks that cannot start, nor
+    /// sending calls the limit refuses, nor deferring a task (a failure the engine records).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rate_limited_provider_is_used_to_its_limit_without_deferrals() {
+        use abada_agent_worker::devkit::model::RateLimit;
+        let s = stack().await;
+        s.model
+            .set_script("limited", super::super::agent::refund_like());
+        s.model.set_rate_limit(
+            "limited",
+            RateLimit {
+                per_second: 4.0,
+                burst: 2,
+            },
+        );
+        let agent = s.refund_agent("openai/limited", &[]);
+        let ids = s
+            .engine
+            .create_tasks((0..12).map(|i| spec(agent.clone(), &format!("o-{i}"))));
+        let w = s.spawn_worker(WorkerOptions::new("w", 8), Stack::fast_agent_settings());
+        let done = wait_all_ended(&s, &ids, Duration::from_secs(60)).await;
+        assert!(done.iter().all(|v| v.status == TaskStatus::Completed));
+        let deferred: u32 = done.iter().map(|v| v.counters.failures).sum();
+        assert_eq!(deferred, 0, "no task deferred");
+        let claims: u32 = done.iter().map(|v| v.counters.acquisitions).sum();
+        assert_eq!(claims, 12, "no claim given back");
+        let used = s.model.rate_limit_use("limited").unwrap();
+        let calls_per_task = s.model.calls("limited") as f64 / 12.0;
+        assert!(
+            used.refused as f64 <= 0.1 * (used.admitted + used.refused) as f64,
+            "429s under 10 % of requests: {used:?} ({calls_per_task} calls per task)"
+        );
+        w.stop().await;
+    }
+
     #[tokio::test]
     async fn a_rate_limited_primary_falls_back_and_every_model_unavailable_defers() {
         let s = stack().await;

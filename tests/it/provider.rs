@@ -900,6 +900,9 @@ fn policy() -> RetryPolicy {
         max_backoff: Duration::from_secs(10),
         jitter: 0.0,
         unavailable_default: Duration::from_secs(60),
+        // The circuit's rules as they stand without waiting for capacity (issue 23); the
+        // wait is tested on its own below (issue 25).
+        capacity_wait_max: Duration::ZERO,
     }
 }
 
@@ -1626,4 +1629,114 @@ async fn lenient_with_compatible_servers_that_send_object_arguments_and_no_ids()
     assert_eq!(r.message.text, None);
     // The server sent no usage: none is made up here (the agent estimates it).
     assert_eq!(r.usage, None);
+}
+
+/// Issue 25: a 429 whose Retry-After fits the capacity wait is waited out inside the task and
+/// the call made again, instead of a deferral; and other tasks see the model held, not open.
+#[tokio::test(start_paused = true)]
+async fn a_rate_limited_call_waits_for_its_retry_after_instead_of_deferring() {
+    let a = Fake::new(vec![Err(unavailable(Some(2))), answer("after the wait")]);
+    let mut r = ProviderRegistry::default();
+    r.insert("a", a.clone());
+    let models = vec![ModelRef::parse("a/one").unwrap()];
+    let waiting = RetryPolicy {
+        capacity_wait_max: Duration::from_secs(60),
+        ..policy()
+    };
+    let start = tokio::time::Instant::now();
+    let mut log: Vec<CallAttempt> = Vec::new();
+    let (used, resp) = call_models(&r, &models, &request(), &waiting, "t1", &mut |c| {
+        log.push(c.clone())
+    })
+    .await
+    .expect("answered after the wait, not deferred");
+    assert_eq!(used, models[0]);
+    assert_eq!(resp.message.text.as_deref(), Some("after the wait"));
+    assert_eq!(start.elapsed(), Duration::from_secs(2));
+    assert_eq!(a.calls(), 2);
+    assert_eq!(log[1].capacity_wait, Duration::from_secs(2));
+    assert!(
+        !log.iter().any(|c| c.circuit_opened),
+        "a rate limit is no outage: the circuit stays closed"
+    );
+    assert_eq!(
+        r.circuits()
+            .open_until(&models[0], tokio::time::Instant::now()),
+        None
+    );
+    // A provider answering nothing but 429s is an outage after all: deferred, bounded.
+    let b = Fake::new((0..10).map(|_| Err(unavailable(Some(1)))).collect());
+    let mut r = ProviderRegistry::default();
+    r.insert("a", b.clone());
+    let start = tokio::time::Instant::now();
+    let err = call_models(&r, &models, &request(), &waiting, "t2", &mut |_| {})
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ModelCallError::AllUnavailable { .. }),
+        "{err}"
+    );
+    assert_eq!(b.calls(), 3, "two 429s waited out, the third defers");
+    assert!(start.elapsed() <= Duration::from_secs(2));
+}
+
+/// Issue 25: a call the provider's stated limit would refuse waits inside the task until the
+/// limit allows it, and is sent only then; beyond the wait bound the model counts as
+/// unavailable (a deferral while every model is), never a call sent to a certain 429.
+#[tokio::test(start_paused = true)]
+async fn a_call_beyond_the_stated_limit_waits_and_is_sent_only_when_allowed() {
+    use abada_agent_worker::provider::capacity::{Budget, RateLimits};
+    let a = Fake::new(vec![answer("in time")]);
+    let mut r = ProviderRegistry::default();
+    r.insert("a", a.clone());
+    let model = ModelRef::parse("a/one").unwrap();
+    let models = vec![model.clone()];
+    // The provider said: 0 of 2 left, full again in 1 s (one call regained every 500 ms).
+    let now = tokio::time::Instant::now();
+    let stated = RateLimits {
+        requests: Budget {
+            limit: Some(2),
+            remaining: Some(0),
+            reset: Some(Duration::from_secs(1)),
+        },
+        ..RateLimits::default()
+    };
+    r.capacities().observe(&model, now, now, &stated);
+    let waiting = RetryPolicy {
+        capacity_wait_max: Duration::from_secs(60),
+        ..policy()
+    };
+    let mut waits = Vec::new();
+    call_models(&r, &models, &request(), &waiting, "t1", &mut |c| {
+        waits.push(c.capacity_wait)
+    })
+    .await
+    .unwrap();
+    assert_eq!(waits, vec![Duration::from_millis(500)]);
+    assert_eq!(now.elapsed(), Duration::from_millis(500));
+    // Held for longer than the call may wait: not sent at all.
+    let b = Fake::new(vec![answer("never")]);
+    let mut r = ProviderRegistry::default();
+    r.insert("a", b.clone());
+    let now = tokio::time::Instant::now();
+    let long = RateLimits {
+        retry_after: Some(Duration::from_secs(120)),
+        ..RateLimits::default()
+    };
+    r.capacities().observe(&model, now, now, &long);
+    let err = call_models(&r, &models, &request(), &waiting, "t1", &mut |_| {})
+        .await
+        .unwrap_err();
+    match err {
+        ModelCallError::AllUnavailable { retry_after, .. } => {
+            assert_eq!(retry_after, Duration::from_secs(120))
+        }
+        other => panic!("{other}"),
+    }
+    assert_eq!(b.calls(), 0, "no call sent to a certain 429");
+    assert_eq!(
+        now.elapsed(),
+        Duration::ZERO,
+        "no wait that cannot end in time"
+    );
 }
