@@ -257,6 +257,11 @@ impl TaskContext {
                     .unwrap_or(LeaseLostReason::Superseded),
             )
         };
+        // SIM-BUG (feature `sim-bugs`, selected at run time): the fence removed.
+        #[cfg(feature = "sim-bugs")]
+        if crate::sim_bugs::active(crate::sim_bugs::Bug::FenceRemoved) {
+            return call.await.map_err(|e| TaskError::Engine(e));
+        }
         if self.lease.is_lost() {
             return Err(lost());
         }
