@@ -30,7 +30,7 @@ use abada_agent_worker::devkit::loadtest::{
 };
 use abada_agent_worker::metrics::Metrics;
 use abada_agent_worker::secret::SecretSource;
-use abada_agent_worker::store::{Claimant, RunEnd, RunKey, RunStore};
+use abada_agent_worker::store::{Claimant, PgRunStore, RunEnd, RunKey};
 
 const SEED_USAGE: &str = "\
 usage: store_bench seed [FLAGS]
@@ -249,7 +249,7 @@ async fn direct(tasks: usize, concurrency: usize, url: String) {
     let mut config = StoreConfig::new(Arc::new(SecretSource::value(url)));
     config.pool_size = concurrency;
     let metrics = Arc::new(Metrics::new());
-    let store = RunStore::connect(&config, metrics.clone())
+    let store = PgRunStore::connect(&config, metrics.clone())
         .await
         .expect("the store connects");
     let run = uuid::Uuid::new_v4().simple().to_string();

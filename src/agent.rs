@@ -39,11 +39,11 @@ use crate::lease::{Lease, LeaseId};
 use crate::metrics::Metrics;
 use crate::provider::fallback::RetryPolicy;
 use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
-use crate::store::{Fence, RunEnd, RunStore, StoreHandle};
-use crate::tools::ToolSessionOptions;
+use crate::store::{Fence, RunEnd, RunStore};
 use crate::tools::registry::{
     ServerResolutionError, ToolRegistry, ToolsFile, ToolsFileError, UnregisteredPolicy,
 };
+use crate::tools::{McpConnector, ToolConnector, ToolSessionOptions};
 use definition::AgentsFile;
 use limits::Ceilings;
 
@@ -87,8 +87,9 @@ pub struct AgentRuntime {
     bpmn: bpmn::BpmnDefinitions,
     /// The operator's tool servers (`ABADA_AGENT_TOOLS_FILE`), when set.
     tool_registry: Option<Arc<ToolRegistry>>,
-    /// The tool servers' client: no redirects, no link-local or metadata address.
-    tool_http: reqwest::Client,
+    /// Opens each task's tool sessions: in production MCP over the tool servers' client (no
+    /// redirects, no link-local or metadata address).
+    tools: Arc<dyn ToolConnector>,
     settings: AgentSettings,
     metrics: Arc<Metrics>,
     /// What no definition gets more of.
@@ -100,15 +101,19 @@ pub struct AgentRuntime {
     store: Option<RunStoreHome>,
     /// Runs that ended in an outcome that commits them once the engine accepts it, by lease:
     /// [`TaskHandler::ended`] finishes them in the store.
-    finishing: Mutex<HashMap<LeaseId, (RunStore, Fence, RunEnd)>>,
+    finishing: Mutex<HashMap<LeaseId, FinishingRun>>,
     /// Deferrals of one run in the run store before it ends as an incident
     /// (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`).
     max_deferrals_per_run: u32,
 }
 
+/// A run to finish in the store once the engine accepts its end.
+type FinishingRun = (Arc<dyn RunStore>, Fence, RunEnd);
+
 /// The run store as the agent runtime uses it.
 struct RunStoreHome {
-    handle: StoreHandle,
+    /// The store itself: in production the worker's [`crate::store::StoreHandle`].
+    store: Arc<dyn RunStore>,
     /// Recorded as the owner of each run this worker claims.
     worker_id: String,
     /// How long a task waits for a store that fails transiently before it is given back:
@@ -162,7 +167,7 @@ impl AgentRuntime {
             agents_file,
             bpmn: bpmn::BpmnDefinitions::new(settings.bpmn),
             tool_registry: None,
-            tool_http,
+            tools: Arc::new(McpConnector::new(tool_http, settings.tool_sessions.clone())),
             settings,
             metrics,
             ceilings,
@@ -181,12 +186,29 @@ impl AgentRuntime {
 
     /// Keeps the journals of tasks without `attempt` in `store`, claimed as `worker_id`; a
     /// task waits up to `patience` for a store that fails transiently.
-    pub fn with_store(mut self, store: StoreHandle, worker_id: &str, patience: Duration) -> Self {
+    pub fn with_store(
+        mut self,
+        store: Arc<dyn RunStore>,
+        worker_id: &str,
+        patience: Duration,
+    ) -> Self {
         self.store = Some(RunStoreHome {
-            handle: store,
+            store,
             worker_id: worker_id.to_string(),
             patience,
         });
+        self
+    }
+
+    /// The runtime with `providers` instead of the ones it was built with (stand-ins).
+    pub fn with_providers(mut self, providers: ProviderRegistry) -> Self {
+        self.providers = providers;
+        self
+    }
+
+    /// The runtime with its tool sessions opened by `tools` instead of MCP (a stand-in).
+    pub fn with_tool_connector(mut self, tools: Arc<dyn ToolConnector>) -> Self {
+        self.tools = tools;
         self
     }
 
@@ -338,6 +360,6 @@ impl TaskHandler for AgentRuntime {
         if !matches!(end, TaskEnd::Completed | TaskEnd::BpmnError) {
             return;
         }
-        run::finish_in_store(self, &store, &fence, run_end).await;
+        run::finish_in_store(self, store.as_ref(), &fence, run_end).await;
     }
 }

@@ -21,8 +21,10 @@ use crate::engine::Engine;
 use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::handler::TaskHandler;
 use crate::metrics::Metrics;
+use crate::provider::ProviderRegistry;
 use crate::runner::{Runner, RunnerEvent, RunnerSettings};
-use crate::store::{StoreHandle, connect_backoff};
+use crate::store::{RunStore, StoreHandle, connect_backoff};
+use crate::tools::ToolConnector;
 
 /// Why the worker could not start.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +54,14 @@ pub struct Seams {
     pub tuning: Tuning,
     /// Receives the runner's events (the tests, the demo's timeline).
     pub events: Option<mpsc::UnboundedSender<RunnerEvent>>,
+    /// The agent runtime's model providers. `None`: the ones `ABADA_AGENT_PROVIDER_*` configure.
+    pub providers: Option<ProviderRegistry>,
+    /// Opens each task's tool sessions. `None`: MCP over HTTP to the servers the definitions
+    /// and the registry name.
+    pub tools: Option<Arc<dyn ToolConnector>>,
+    /// The run store. `None`: the PostgreSQL store of `ABADA_AGENT_STORE_URL`, if set; a store
+    /// given here replaces it (nothing is connected, `/readyz` does not report it).
+    pub store: Option<Arc<dyn RunStore>>,
 }
 
 /// Timing no variable sets. The defaults are production's; a test that injects faults shortens
@@ -172,7 +182,9 @@ impl Worker {
     pub fn build(config: &Config, seams: Seams) -> Result<Worker, StartError> {
         let metrics = Arc::new(Metrics::new());
         let store_stop = CancellationToken::new();
-        let store = config.store.clone().map(|store| {
+        let stand_in_store = seams.store;
+        let configured_store = config.store.clone().filter(|_| stand_in_store.is_none());
+        let store = configured_store.map(|store| {
             StoreHandle::connect_in_background(
                 store,
                 metrics.clone(),
@@ -206,10 +218,22 @@ impl Worker {
                     metrics.clone(),
                 )
                 .map_err(|e| StartError::Setup(e.to_string()))?;
-                if let Some(store) = &store {
+                if let Some(providers) = seams.providers {
+                    runtime = runtime.with_providers(providers);
+                }
+                if let Some(tools) = seams.tools {
+                    runtime = runtime.with_tool_connector(tools);
+                }
+                let run_store = match stand_in_store {
+                    Some(store) => Some(store),
+                    None => store
+                        .clone()
+                        .map(|handle| Arc::new(handle) as Arc<dyn RunStore>),
+                };
+                if let Some(run_store) = run_store {
                     // A store outage is waited out for a lock duration, as an engine outage is.
                     runtime =
-                        runtime.with_store(store.clone(), &config.worker_id, config.lock_duration);
+                        runtime.with_store(run_store, &config.worker_id, config.lock_duration);
                 }
                 Arc::new(runtime)
             }

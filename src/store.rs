@@ -2,19 +2,25 @@
 //! (protocol.md Part D; design.md "The run store"; the seed's short transactions, optimistic
 //! claims and bounded pools).
 //!
-//! A run row per run holds the attempt number, the fencing token: every [`RunStore::claim`]
+//! A run row per run holds the attempt number, the fencing token: every [`PgRunStore::claim`]
 //! takes a new one from a database sequence that outlives the rows, in one short transaction, so
 //! a run deleted and created again never hands out a token an earlier holder had. Who may claim
 //! a run (another task of a process visit, or only its holder) is the admission rule's
-//! (`admission`). Every [`RunStore::append`] is a compare-and-set on
+//! (`admission`). Every [`PgRunStore::append`] is a compare-and-set on
 //! the run row (attempt and version, exactly one row or none) plus the step insert, in one
 //! statement; none means another attempt owns the run ([`StoreError::Fenced`]), and the caller
 //! goes silent as after `STALE_ATTEMPT`. A one-turn task costs three transactions: the claim
-//! (which writes the input step), the model step's append, and [`RunStore::finish`].
+//! (which writes the input step), the model step's append, and [`PgRunStore::finish`].
 //!
 //! No transaction or connection outlives a call: there is no public handle to either. The pool
 //! is bounded (`ABADA_AGENT_STORE_POOL_SIZE`), and waiting for it is bounded too
 //! (`ABADA_AGENT_STORE_ACQUIRE_TIMEOUT_MS`), as is every transaction.
+//!
+//! [`RunStore`] is the seam: the operations the agent runtime asks of a run store (claim, fenced
+//! append, finish). [`PgRunStore`] is the PostgreSQL implementation, and [`StoreHandle`] (the
+//! store as a worker holds it, connecting in the background) implements it by delegating; a
+//! stand-in (the simulator's in-memory store) implements it with the same rules: the admission
+//! rule (`admission`), the step checks ([`check_step`]) and the fence ([`Fence::issue`]).
 //!
 //! Submodules: `handle` (the store as a worker holds it: connected in the background, swept,
 //! reported to `/readyz`), `url` (the one reading of the URL, the TLS rules, the redacted form),
@@ -39,11 +45,12 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-pub use admission::{ClaimRefusal, InputDigest};
+pub use admission::{Admission, Asking, ClaimRefusal, InputDigest, Phase, Seen, admit};
 pub use error::{ErrorClass, FenceReason, StoreError};
 pub use handle::{StoreHandle, connect_backoff};
 pub use runs::{
     Claim, Claimant, Fence, MAX_BODY_DEPTH, MAX_JOURNAL_BYTES, MAX_RUN_KEY_BYTES, RunEnd, RunKey,
+    StepBody, check_step,
 };
 pub use settings::StoreConfig;
 pub use url::{SslMode, StoreUrl, UrlError, UrlPart};
@@ -73,9 +80,63 @@ pub struct SweepReport {
     pub batches: u32,
 }
 
-/// The run store: cheap to clone (one pool behind an `Arc`).
+/// What the agent runtime asks of a run store: the seam between the runtime and PostgreSQL.
+///
+/// Every implementation keeps the same promises ([`PgRunStore`]'s docs say them in full):
+/// - a claim hands out a fencing token ([`Fence::attempt`]) no claim of any run had before, and
+///   admits or refuses the claimant by the admission rule;
+/// - an append is a compare-and-set on the fence: a stale fence is [`StoreError::Fenced`],
+///   nothing written; a retried append of the very step written is
+///   [`AppendOutcome::AlreadyPresent`]; the fence advances on success only;
+/// - a finish is idempotent for the fence's attempt, and fenced like an append.
+#[async_trait::async_trait]
+pub trait RunStore: Send + Sync {
+    /// Claims the run for a new attempt (see [`PgRunStore::claim`]).
+    async fn claim(
+        &self,
+        run_key: &RunKey,
+        claimant: &Claimant<'_>,
+        first_step: Option<&JournalStep>,
+    ) -> Result<Claim, StoreError>;
+
+    /// Appends one step, fenced (see [`PgRunStore::append`]).
+    async fn append(
+        &self,
+        fence: &mut Fence,
+        step: &JournalStep,
+    ) -> Result<AppendOutcome, StoreError>;
+
+    /// Records that the run ended (see [`PgRunStore::finish`]).
+    async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError>;
+}
+
+#[async_trait::async_trait]
+impl RunStore for PgRunStore {
+    async fn claim(
+        &self,
+        run_key: &RunKey,
+        claimant: &Claimant<'_>,
+        first_step: Option<&JournalStep>,
+    ) -> Result<Claim, StoreError> {
+        PgRunStore::claim(self, run_key, claimant, first_step).await
+    }
+
+    async fn append(
+        &self,
+        fence: &mut Fence,
+        step: &JournalStep,
+    ) -> Result<AppendOutcome, StoreError> {
+        PgRunStore::append(self, fence, step).await
+    }
+
+    async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError> {
+        PgRunStore::finish(self, fence, end).await
+    }
+}
+
+/// The PostgreSQL run store: cheap to clone (one pool behind an `Arc`).
 #[derive(Clone)]
-pub struct RunStore {
+pub struct PgRunStore {
     inner: Arc<Inner>,
 }
 
@@ -89,23 +150,23 @@ struct Inner {
     migrations_applied: Vec<&'static str>,
 }
 
-impl std::fmt::Debug for RunStore {
+impl std::fmt::Debug for PgRunStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RunStore")
+        f.debug_struct("PgRunStore")
             .field("store", &self.inner.pool.store())
             .field("server", &self.inner.server)
             .finish_non_exhaustive()
     }
 }
 
-impl RunStore {
+impl PgRunStore {
     /// Connects, applies the migrations this worker carries under the advisory lock, and checks
     /// that the store's statements prepare. An unreachable store is [`ErrorClass::Transient`] (try again
     /// later); a refusal (password, database, TLS) is [`ErrorClass::Misconfigured`].
     pub async fn connect(
         config: &StoreConfig,
         metrics: Arc<Metrics>,
-    ) -> Result<RunStore, StoreError> {
+    ) -> Result<PgRunStore, StoreError> {
         let connector = Connector::new(config)?;
         let pool = Pool::new(connector, config, metrics.clone());
         // The migrations run on a connection of their own: they wait for other replicas' lock
@@ -158,7 +219,7 @@ impl RunStore {
             migrations_applied = migrations_applied.len(),
             "run store ready"
         );
-        Ok(RunStore {
+        Ok(PgRunStore {
             inner: Arc::new(Inner {
                 pool,
                 metrics,
@@ -311,7 +372,7 @@ impl RunStore {
         Ok(report)
     }
 
-    /// Runs [`RunStore::sweep`] every [`RunStore::sweep_interval`] (stretched by up to 10 %,
+    /// Runs [`PgRunStore::sweep`] every [`PgRunStore::sweep_interval`] (stretched by up to 10 %,
     /// so replicas spread out) until `stop` is cancelled. A failed pass is retried at the next
     /// tick; the outage log has said what failed.
     pub fn spawn_sweeper(&self, stop: CancellationToken) -> tokio::task::JoinHandle<()> {

@@ -1,10 +1,15 @@
 //! Per-task MCP tool sessions (protocol.md B.2, B.3 and Part C).
 //!
-//! A task builds one [`ToolSessions`] over the tool servers its agent names. A server's session is
+//! The seam: [`ToolConnector`] opens a task's [`ToolSessions`] (list the tools, call one, close
+//! them all); the agent runtime knows nothing else of tool servers. [`McpConnector`] and
+//! [`McpSessions`] are the rmcp implementation; a stand-in (the simulator's tool servers)
+//! implements the same two traits without a socket.
+//!
+//! A task builds one [`McpSessions`] over the tool servers its agent names. A server's session is
 //! opened on first use with a credential asked for at that moment (B.3), sent as
 //! `Authorization: Bearer`; every call carries the task's trace context and, for keyed writes, the
 //! idempotency key in `params._meta`. Every session is closed when the task ends: by
-//! [`ToolSessions::close`], or, if the value is dropped without it (panic, cancellation), by a
+//! [`McpSessions::close`], or, if the value is dropped without it (panic, cancellation), by a
 //! closing task spawned from `Drop` on the current runtime.
 //!
 //! Calls take `&mut self`, so calls within one task are sequential by construction, which keeps the
@@ -262,6 +267,96 @@ pub fn pinned_http_client(
     http_client(builder.resolve_to_addrs(host, addresses))
 }
 
+/// What the agent runtime asks of a task's tool servers. Calls take `&mut self`: the calls of
+/// one task are sequential, which keeps the journal's order strict (B.2).
+#[async_trait]
+pub trait ToolSessions: Send + Sync {
+    /// Every tool of every server of the task (see [`McpSessions::tools`]).
+    async fn tools(&mut self) -> Result<Vec<ToolSpec>, ToolError>;
+
+    /// Calls one tool, sending `idempotency_key` with a keyed write (see [`McpSessions::call`]).
+    async fn call(
+        &mut self,
+        server: &str,
+        tool: &str,
+        arguments: serde_json::Map<String, Value>,
+        idempotency_key: Option<&str>,
+    ) -> Result<ToolResult, ToolError>;
+
+    /// Closes every open session; nothing is called after it.
+    async fn close(&mut self);
+}
+
+/// What a task's tool sessions are opened with: the servers the registry resolved for it, the
+/// credentials of its lease, its trace context, and the tracker that outlives it.
+pub struct TaskTools {
+    pub servers: Vec<ToolServerRef>,
+    pub credentials: Arc<dyn CredentialSource>,
+    pub traceparent: Option<String>,
+    /// The task's cleanup tracker ([`TaskContext::cleanup`](crate::handler::TaskContext::cleanup)):
+    /// the runner waits for it before it gives the lease back.
+    pub cleanup: TaskTracker,
+    /// Servers the registry does not list (`ABADA_AGENT_TOOLS_UNREGISTERED=allow`).
+    pub unregistered: Option<UnregisteredServers>,
+}
+
+/// Opens the tool sessions of each task: the seam the agent runtime holds.
+pub trait ToolConnector: Send + Sync {
+    /// The sessions of one task; nothing is opened until they are used.
+    fn sessions(&self, task: TaskTools) -> Box<dyn ToolSessions>;
+}
+
+/// The production [`ToolConnector`]: MCP over streamable HTTP (rmcp), on the tool servers'
+/// client ([`http_client`]: no redirects, guarded resolver).
+pub struct McpConnector {
+    http: reqwest::Client,
+    options: ToolSessionOptions,
+}
+
+impl McpConnector {
+    pub fn new(http: reqwest::Client, options: ToolSessionOptions) -> Self {
+        McpConnector { http, options }
+    }
+}
+
+impl ToolConnector for McpConnector {
+    fn sessions(&self, task: TaskTools) -> Box<dyn ToolSessions> {
+        Box::new(
+            McpSessions::new(
+                self.http.clone(),
+                task.servers,
+                task.credentials,
+                task.traceparent,
+                self.options.clone(),
+            )
+            .with_cleanup(task.cleanup)
+            .with_unregistered(task.unregistered),
+        )
+    }
+}
+
+#[async_trait]
+impl ToolSessions for McpSessions {
+    async fn tools(&mut self) -> Result<Vec<ToolSpec>, ToolError> {
+        McpSessions::tools(self).await
+    }
+
+    async fn call(
+        &mut self,
+        server: &str,
+        tool: &str,
+        arguments: serde_json::Map<String, Value>,
+        idempotency_key: Option<&str>,
+    ) -> Result<ToolResult, ToolError> {
+        McpSessions::call(self, server, tool, arguments, idempotency_key).await
+    }
+
+    async fn close(&mut self) {
+        let sessions: Vec<Session> = self.open.drain().map(|(_, s)| s).collect();
+        self.close_tracked(sessions).await;
+    }
+}
+
 /// The servers of a task that the registry does not list, and the guard their sessions open
 /// through (`ABADA_AGENT_TOOLS_UNREGISTERED=allow`).
 #[derive(Clone)]
@@ -271,7 +366,7 @@ pub struct UnregisteredServers {
 }
 
 /// The MCP sessions of one task: at most one per tool server, opened on first use.
-pub struct ToolSessions {
+pub struct McpSessions {
     http: reqwest::Client,
     servers: Vec<ToolServerRef>,
     credentials: Arc<dyn CredentialSource>,
@@ -279,7 +374,7 @@ pub struct ToolSessions {
     options: ToolSessionOptions,
     /// Open sessions by server name.
     open: HashMap<String, Session>,
-    /// Tracks the closes (and the openings) that outlive a dropped `ToolSessions`, so the
+    /// Tracks the closes (and the openings) that outlive a dropped `McpSessions`, so the
     /// runner can wait for them before it gives the lease back: the credential a session
     /// was opened with may be refused once the lease is gone, and the close with it.
     cleanup: TaskTracker,
@@ -288,7 +383,7 @@ pub struct ToolSessions {
     unregistered: Option<UnregisteredServers>,
 }
 
-impl ToolSessions {
+impl McpSessions {
     /// Sessions for one task. Nothing is opened until [`tools`](Self::tools) or
     /// [`call`](Self::call) needs a server.
     pub fn new(
@@ -298,7 +393,7 @@ impl ToolSessions {
         traceparent: Option<String>,
         options: ToolSessionOptions,
     ) -> Self {
-        ToolSessions {
+        McpSessions {
             http,
             servers,
             credentials,
@@ -412,8 +507,7 @@ impl ToolSessions {
 
     /// Closes every open session (HTTP DELETE of the session for stateful servers).
     pub async fn close(mut self) {
-        let sessions: Vec<Session> = self.open.drain().map(|(_, s)| s).collect();
-        self.close_tracked(sessions).await;
+        ToolSessions::close(&mut self).await;
     }
 
     /// Closes the session with `server`, if one is open, and forgets it.
@@ -530,7 +624,7 @@ impl ToolSessions {
     }
 }
 
-impl ToolSessions {
+impl McpSessions {
     /// Asks the credential source for a credential other than `refused`.
     async fn rejected(
         &self,
@@ -576,7 +670,7 @@ fn credential_error(e: CredentialError, url: &str) -> ToolError {
     }
 }
 
-impl Drop for ToolSessions {
+impl Drop for McpSessions {
     fn drop(&mut self) {
         let sessions: Vec<Session> = self.open.drain().map(|(_, s)| s).collect();
         // Nobody awaits these closes; the runner waits for the tracker.
@@ -592,7 +686,7 @@ mod tests {
 
     /// The agent spawns each task: the session set and its futures must be `Send`.
     #[allow(dead_code, clippy::diverging_sub_expression)]
-    fn futures_are_send(mut sessions: ToolSessions) {
+    fn futures_are_send(mut sessions: McpSessions) {
         assert_send(&sessions.tools());
         assert_send(&sessions.call("s", "t", serde_json::Map::new(), None));
         assert_send(&sessions.close());

@@ -35,7 +35,7 @@ use crate::store::{
 };
 use crate::telemetry::spans;
 use crate::tools::registry::ToolRegistry;
-use crate::tools::{CredentialError, CredentialSource, ToolError, ToolSessions};
+use crate::tools::{CredentialError, CredentialSource, TaskTools, ToolError, ToolSessions};
 
 type Step<T = ()> = Result<T, Outcome>;
 type StepFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = Step<T>> + Send + 'a>>;
@@ -170,7 +170,7 @@ fn attempt_error_type(outcome: &Outcome) -> Option<&'static str> {
 
 /// A task's run in the run store, as this attempt holds it.
 struct StoreRun {
-    store: RunStore,
+    store: Arc<dyn RunStore>,
     /// Advanced by every append; what proves to the store that this attempt still owns the run.
     fence: Fence,
     /// This attempt's claim began the run's journal (a new run, or a visit's finished run
@@ -182,7 +182,7 @@ struct StoreRun {
 /// sweeper (`ABADA_AGENT_STORE_ABANDONED_AFTER`); the task itself is done either way.
 pub(super) async fn finish_in_store(
     rt: &AgentRuntime,
-    store: &RunStore,
+    store: &dyn RunStore,
     fence: &Fence,
     end: RunEnd,
 ) {
@@ -271,7 +271,7 @@ struct Attempt<'a> {
     journal: JournalHome,
     /// The run in the store, when the journal is there.
     store_run: Option<StoreRun>,
-    tools: ToolSessions,
+    tools: Box<dyn ToolSessions>,
     specs: Option<Vec<ToolSpec>>,
     /// The model and tool names this task may label metrics with.
     names: DeclaredNames,
@@ -414,15 +414,13 @@ impl<'a> Attempt<'a> {
             def.tool_servers.iter().map(|s| s.name.as_str()),
         );
         let traceparent = task.trace_parent.as_ref().map(|t| t.child_header());
-        let tools = ToolSessions::new(
-            rt.tool_http.clone(),
-            servers.servers,
-            Arc::new(credentials),
-            traceparent.clone(),
-            rt.settings.tool_sessions.clone(),
-        )
-        .with_cleanup(ctx.cleanup().clone())
-        .with_unregistered(unregistered);
+        let tools = rt.tools.sessions(TaskTools {
+            servers: servers.servers,
+            credentials: Arc::new(credentials),
+            traceparent: traceparent.clone(),
+            cleanup: ctx.cleanup().clone(),
+            unregistered,
+        });
         Ok(Attempt {
             rt,
             task,
@@ -1218,9 +1216,8 @@ async fn claim_in_store(
     loop {
         let claimed = ctx
             .fenced(async {
-                let store = home.handle.get()?;
-                let claim = store.claim(&run_key, &claimant, Some(&first)).await?;
-                Ok((store, claim))
+                let claim = home.store.claim(&run_key, &claimant, Some(&first)).await?;
+                Ok((home.store.clone(), claim))
             })
             .await;
         match claimed {

@@ -108,7 +108,7 @@ impl std::fmt::Display for ClaimRefusal {
 
 /// Where the run's conversation stands, from its last step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Phase {
+pub enum Phase {
     /// The holder stopped for a person's decision: the next task of the visit carries it.
     AwaitsDecision,
     /// The final answer is journaled: the conversation is over.
@@ -119,7 +119,7 @@ pub(super) enum Phase {
 
 impl Phase {
     /// `tool_calls`: the number of tool calls of a model step (0 when it has none).
-    pub(super) fn of_last_step(kind: &str, state: &str, tool_calls: i64) -> Phase {
+    pub fn of_last_step(kind: &str, state: &str, tool_calls: i64) -> Phase {
         match (kind, state) {
             (KIND_APPROVAL, STATE_REQUESTED) => Phase::AwaitsDecision,
             (KIND_MODEL, _) if tool_calls == 0 => Phase::Answered,
@@ -130,31 +130,31 @@ impl Phase {
 
 /// The run as the claim found it, its row locked.
 #[derive(Clone, Debug)]
-pub(super) struct Seen {
-    pub(super) running: bool,
+pub struct Seen {
+    pub running: bool,
     /// The task of the latest claim; `None` for runs claimed before migration 0002.
-    pub(super) holder: Option<String>,
+    pub holder: Option<String>,
     /// The holder claimed or wrote within the hold.
-    pub(super) held: bool,
+    pub held: bool,
     /// The digest of the journaled input step; `None` when seq 1 is no input step.
-    pub(super) journaled_input: Option<InputDigest>,
+    pub journaled_input: Option<InputDigest>,
     /// From the last step; `Working` when there is none.
-    pub(super) phase: Phase,
+    pub phase: Phase,
 }
 
 /// Who claims, as the rule sees it.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Asking<'a> {
-    pub(super) per_visit: bool,
-    pub(super) task_id: &'a str,
+pub struct Asking<'a> {
+    pub per_visit: bool,
+    pub task_id: &'a str,
     /// From the input step the claim offers; `None` when it offers none.
-    pub(super) input: Option<InputDigest>,
-    pub(super) hold_ms: u64,
+    pub input: Option<InputDigest>,
+    pub hold_ms: u64,
 }
 
 /// What the claim does.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) enum Admission {
+pub enum Admission {
     /// A fresh journal (the row created, or its steps deleted), a new attempt.
     Begin,
     /// The journal so far, a new attempt.
@@ -163,7 +163,7 @@ pub(super) enum Admission {
 }
 
 /// The rule of the module header.
-pub(super) fn admit(asking: &Asking<'_>, seen: Option<&Seen>) -> Admission {
+pub fn admit(asking: &Asking<'_>, seen: Option<&Seen>) -> Admission {
     let Some(seen) = seen else {
         return Admission::Begin;
     };

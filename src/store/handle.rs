@@ -8,8 +8,9 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::StoreConfig;
-use super::{RunStore, StoreError};
+use super::{Claim, Claimant, Fence, PgRunStore, RunEnd, RunKey, RunStore, StoreError};
 use crate::backoff::Backoff;
+use crate::engine::{AppendOutcome, JournalStep};
 use crate::metrics::Metrics;
 
 /// Cheap to clone; every clone sees the same store once it is connected.
@@ -21,7 +22,7 @@ pub struct StoreHandle {
 enum State {
     /// Not connected yet; the latest failure, if any.
     Connecting(Option<StoreError>),
-    Ready(RunStore),
+    Ready(PgRunStore),
 }
 
 impl std::fmt::Debug for StoreHandle {
@@ -52,7 +53,7 @@ impl StoreHandle {
             let store = loop {
                 let connected = tokio::select! {
                     _ = stop.cancelled() => return,
-                    r = RunStore::connect(&config, metrics.clone()) => r,
+                    r = PgRunStore::connect(&config, metrics.clone()) => r,
                 };
                 match connected {
                     Ok(store) => break store,
@@ -81,7 +82,7 @@ impl StoreHandle {
     }
 
     /// A handle on a store already connected (tests, benchmarks).
-    pub fn ready(store: RunStore) -> StoreHandle {
+    pub fn ready(store: PgRunStore) -> StoreHandle {
         StoreHandle {
             state: Arc::new(RwLock::new(State::Ready(store))),
         }
@@ -89,7 +90,7 @@ impl StoreHandle {
 
     /// The store, or a transient error while it is not connected yet (the caller waits within
     /// its lease, as for any outage).
-    pub fn get(&self) -> Result<RunStore, StoreError> {
+    pub fn get(&self) -> Result<PgRunStore, StoreError> {
         match &*self.state.read().expect("store handle lock poisoned") {
             State::Ready(store) => Ok(store.clone()),
             State::Connecting(latest) => Err(StoreError::Unavailable {
@@ -121,4 +122,30 @@ impl StoreHandle {
 /// The connector's default backoff: quick first retries, then one try every 30 s.
 pub fn connect_backoff() -> Backoff {
     Backoff::new(Duration::from_millis(500), Duration::from_secs(30))
+}
+
+/// The store as the agent runtime holds it: each call goes to the connected store, or fails as
+/// an outage (transient) while the worker is still connecting.
+#[async_trait::async_trait]
+impl RunStore for StoreHandle {
+    async fn claim(
+        &self,
+        run_key: &RunKey,
+        claimant: &Claimant<'_>,
+        first_step: Option<&JournalStep>,
+    ) -> Result<Claim, StoreError> {
+        self.get()?.claim(run_key, claimant, first_step).await
+    }
+
+    async fn append(
+        &self,
+        fence: &mut Fence,
+        step: &JournalStep,
+    ) -> Result<AppendOutcome, StoreError> {
+        self.get()?.append(fence, step).await
+    }
+
+    async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError> {
+        self.get()?.finish(fence, end).await
+    }
 }

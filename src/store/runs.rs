@@ -69,6 +69,11 @@ impl RunKey {
     pub fn as_str(&self) -> &str {
         &self.key
     }
+
+    /// A process visit's key ([`RunKey::for_visit`]), for the admission rule.
+    pub fn is_per_visit(&self) -> bool {
+        self.per_visit
+    }
 }
 
 impl std::fmt::Display for RunKey {
@@ -90,6 +95,36 @@ pub struct Fence {
 }
 
 impl Fence {
+    /// The fence a store's claim hands out: its run, the attempt it took (never handed out
+    /// before), the run's version and next `seq`, and the bytes its journal holds. For a store
+    /// implementation (a stand-in of [`RunStore`](super::RunStore)); the runtime never makes one.
+    pub fn issue(
+        run_key: RunKey,
+        attempt: u64,
+        version: i64,
+        next_seq: u64,
+        journal_bytes: u64,
+    ) -> Fence {
+        Fence {
+            run_key,
+            attempt,
+            version,
+            next_seq,
+            journal_bytes,
+        }
+    }
+
+    /// Advances the fence past a step the store accepted ([`check_step`]'s body): for a store
+    /// implementation, on its own answer only.
+    pub fn advance_past(&mut self, body: &StepBody) {
+        self.advance(body);
+    }
+
+    /// The error a store answers a stale fence with.
+    pub fn refusal(&self, reason: FenceReason) -> StoreError {
+        self.fenced(reason)
+    }
+
     pub fn run_key(&self) -> &RunKey {
         &self.run_key
     }
@@ -123,7 +158,7 @@ impl Fence {
     fn advance(&mut self, body: &StepBody) {
         self.version += 1;
         self.next_seq += 1;
-        self.journal_bytes += body.len();
+        self.journal_bytes += body.bytes();
     }
 
     fn fenced(&self, reason: FenceReason) -> StoreError {
@@ -181,7 +216,7 @@ impl RunEnd {
 /// hold) replaced by U+FFFD. The same conversion is applied before any comparison, so a retried
 /// append of such a step still recognises itself.
 #[derive(Clone, Debug)]
-pub(super) struct StepBody {
+pub struct StepBody {
     text: String,
 }
 
@@ -205,7 +240,8 @@ impl StepBody {
         Ok(StepBody { text })
     }
 
-    pub(super) fn len(&self) -> u64 {
+    /// Its size, as counted against [`MAX_JOURNAL_BYTES`].
+    pub fn bytes(&self) -> u64 {
         self.text.len() as u64
     }
 
@@ -245,7 +281,7 @@ fn replace_nul(value: &mut Value) {
 
 /// Checks what the store cannot hold before any connection is used: the step's `seq`, NUL
 /// characters in its texts, and the journal's bound given the `journal_bytes` it holds already.
-pub(super) fn check_step(
+pub fn check_step(
     run_key: &RunKey,
     journal_bytes: u64,
     step: &JournalStep,
@@ -264,11 +300,11 @@ pub(super) fn check_step(
         )));
     }
     let body = StepBody::of(step)?;
-    if journal_bytes.saturating_add(body.len()) > MAX_JOURNAL_BYTES {
+    if journal_bytes.saturating_add(body.bytes()) > MAX_JOURNAL_BYTES {
         return Err(StoreError::Invalid(format!(
             "run {run_key}: step {} ({} bytes) would take the journal past {MAX_JOURNAL_BYTES} bytes",
             step.seq,
-            body.len()
+            body.bytes()
         )));
     }
     Ok(body)
@@ -637,7 +673,7 @@ fn append_params<'a>(
         attempt: fence.attempt_sql(),
         version: fence.version,
         seq: step.seq as i64,
-        len: body.len() as i64,
+        len: body.bytes() as i64,
         kind: &step.kind,
         state: &step.state,
         key: step.key.as_deref(),
@@ -948,7 +984,7 @@ mod tests {
         assert_eq!(
             check_step(&f.run_key, 0, &step(2, json!({"a": 1})))
                 .unwrap()
-                .len(),
+                .bytes(),
             7
         );
     }

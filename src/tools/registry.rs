@@ -669,7 +669,7 @@ pub struct ResolvedServers {
 
 impl ResolvedServers {
     /// The servers the registry does not list, for
-    /// [`ToolSessions::with_unregistered`](super::ToolSessions::with_unregistered): their
+    /// [`McpSessions::with_unregistered`](super::McpSessions::with_unregistered): their
     /// sessions open only through the registry's address guard. `None` without a registry.
     pub fn unregistered(&self) -> Option<UnregisteredServers> {
         self.unregistered.clone()

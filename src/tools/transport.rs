@@ -38,7 +38,7 @@ const SSE_EVENT_TOO_LARGE: &str = "SSE event exceeded the maximum size";
 
 /// The tools' reqwest client for one session's transport (clones share the watch).
 ///
-/// A session's requests are sequential (`ToolSessions` takes `&mut self` for every call), so an
+/// A session's requests are sequential (`McpSessions` takes `&mut self` for every call), so an
 /// oversized event seen on a POST's response stream belongs to the request that failed next.
 #[derive(Clone, Debug)]
 pub(crate) struct McpHttp {

@@ -35,7 +35,7 @@ use abada_agent_worker::metrics::Metrics;
 use abada_agent_worker::runner::RunnerEvent;
 use abada_agent_worker::secret::Secret;
 use abada_agent_worker::tools::{
-    CredentialError, CredentialSource, ToolServerRef, ToolSessionOptions, ToolSessions,
+    CredentialError, CredentialSource, McpSessions, ToolServerRef, ToolSessionOptions,
 };
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
@@ -414,7 +414,7 @@ async fn a_started_write_without_result_is_resent_with_its_original_key() {
         steps.push(tool_started_step(5, &key, &refund("o-1")));
         append_all(&earlier, &task.task_ref(), &steps).await;
         if earlier_applied_it {
-            let mut sessions = ToolSessions::new(
+            let mut sessions = McpSessions::new(
                 reqwest::Client::new(),
                 vec![ToolServerRef {
                     name: ORDERS_SERVER.into(),

@@ -1,4 +1,4 @@
-//! Interop: ToolSessions (rmcp client) against MCP servers nobody here wrote: the official
+//! Interop: McpSessions (rmcp client) against MCP servers nobody here wrote: the official
 //! reference server `@modelcontextprotocol/server-everything` (Node) and a server built with the
 //! Python `mcp` SDK (tests/interop/python_server.py).
 //!
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use abada_agent_worker::secret::Secret;
 use abada_agent_worker::tools::{
-    CredentialError, CredentialSource, ToolServerRef, ToolSessionOptions, ToolSessions,
+    CredentialError, CredentialSource, McpSessions, ToolServerRef, ToolSessionOptions,
 };
 use async_trait::async_trait;
 use serde_json::{Value, json};
@@ -65,8 +65,8 @@ async fn spawn_announcing(command: &mut Command, what: &str) -> (Child, u16) {
     (child, port)
 }
 
-fn sessions(name: &str, port: u16) -> ToolSessions {
-    ToolSessions::new(
+fn sessions(name: &str, port: u16) -> McpSessions {
+    McpSessions::new(
         reqwest::Client::new(),
         vec![ToolServerRef {
             name: name.into(),

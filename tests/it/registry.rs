@@ -23,7 +23,7 @@ use abada_agent_worker::tools::registry::{
     NamedServer, ServerResolutionError, ToolRegistry, ToolsFile,
 };
 use abada_agent_worker::tools::{
-    CredentialError, CredentialSource, ToolError, ToolServerRef, ToolSessionOptions, ToolSessions,
+    CredentialError, CredentialSource, McpSessions, ToolError, ToolServerRef, ToolSessionOptions,
 };
 use async_trait::async_trait;
 use serde_json::json;
@@ -81,10 +81,10 @@ fn named(names: &[&str]) -> Vec<NamedServer> {
 }
 
 /// One task's sessions over `names`, resolved against `registry`, on the tools' own client.
-fn task_sessions(registry: &ToolRegistry, names: &[&str]) -> ToolSessions {
+fn task_sessions(registry: &ToolRegistry, names: &[&str]) -> McpSessions {
     let resolved = ToolRegistry::resolve(Some(registry), &named(names), false).unwrap();
     let credentials = resolved.credentials(Arc::new(NoEngine));
-    ToolSessions::new(
+    McpSessions::new(
         abada_agent_worker::tools::http_client(reqwest::Client::builder()).unwrap(),
         resolved.servers,
         Arc::new(credentials),
@@ -97,7 +97,7 @@ fn task_sessions(registry: &ToolRegistry, names: &[&str]) -> ToolSessions {
     )
 }
 
-async fn lookup(sessions: &mut ToolSessions, server: &str) -> Result<(), ToolError> {
+async fn lookup(sessions: &mut McpSessions, server: &str) -> Result<(), ToolError> {
     sessions
         .call(
             server,
@@ -254,7 +254,7 @@ async fn a_name_resolving_to_a_metadata_address_is_refused_at_connect_time() {
         .dns_resolver(GuardedResolver::over(Arc::new(dns)))
         .build()
         .unwrap();
-    let mut sessions = ToolSessions::new(
+    let mut sessions = McpSessions::new(
         client,
         vec![ToolServerRef {
             name: "orders".into(),
@@ -324,7 +324,7 @@ fn allowing(registry: ToolRegistry, dns: Option<Arc<dyn reqwest::dns::Resolve>>)
 fn named_sessions(
     registry: &ToolRegistry,
     servers: &[(&str, &str)],
-) -> Result<ToolSessions, ServerResolutionError> {
+) -> Result<McpSessions, ServerResolutionError> {
     named_sessions_resolving(registry, servers, None)
 }
 
@@ -333,7 +333,7 @@ fn named_sessions_resolving(
     registry: &ToolRegistry,
     servers: &[(&str, &str)],
     dns: Option<Arc<dyn reqwest::dns::Resolve>>,
-) -> Result<ToolSessions, ServerResolutionError> {
+) -> Result<McpSessions, ServerResolutionError> {
     // A connection to the test's unroutable address fails at this bound at the latest.
     let open_timeout = Duration::from_secs(if dns.is_some() { 2 } else { 10 });
     let named: Vec<NamedServer> = servers
@@ -357,7 +357,7 @@ fn named_sessions_resolving(
             .unwrap(),
         None => abada_agent_worker::tools::http_client(reqwest::Client::builder()).unwrap(),
     };
-    Ok(ToolSessions::new(
+    Ok(McpSessions::new(
         http,
         resolved.servers,
         Arc::new(credentials),

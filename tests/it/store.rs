@@ -18,7 +18,7 @@ use abada_agent_worker::engine::{AppendOutcome, JournalStep};
 use abada_agent_worker::metrics::{Metrics, ReasonLabel, StoreErrorLabels};
 use abada_agent_worker::secret::SecretSource;
 use abada_agent_worker::store::{
-    Claimant, ErrorClass, FenceReason, RunEnd, RunKey, RunStore, StoreError, SweepReport,
+    Claimant, ErrorClass, FenceReason, PgRunStore, RunEnd, RunKey, StoreError, SweepReport,
 };
 use serde_json::json;
 use tokio::time::Instant;
@@ -213,11 +213,11 @@ pub(crate) fn config(url: &PgUrl) -> StoreConfig {
     config
 }
 
-pub(crate) async fn connect(config: &StoreConfig) -> (RunStore, Arc<Metrics>) {
+pub(crate) async fn connect(config: &StoreConfig) -> (PgRunStore, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::new());
     let store = within(
         "the store to connect",
-        RunStore::connect(config, metrics.clone()),
+        PgRunStore::connect(config, metrics.clone()),
     )
     .await
     .expect("the test store connects");
@@ -267,7 +267,7 @@ fn key(name: &str) -> RunKey {
 }
 
 /// Claims a fresh run `name` with its input step, for worker "w", and returns its fence.
-async fn started(store: &RunStore, name: impl AsRef<str>) -> abada_agent_worker::store::Fence {
+async fn started(store: &PgRunStore, name: impl AsRef<str>) -> abada_agent_worker::store::Fence {
     store
         .claim(&key(name.as_ref()), &by("w"), Some(&input("hi")))
         .await
@@ -410,11 +410,11 @@ async fn twenty_replicas_starting_at_once_migrate_once() {
     config.transaction_timeout = Duration::from_secs(60);
     let starts = (0..20).map(|_| {
         let config = config.clone();
-        tokio::spawn(async move { RunStore::connect(&config, Arc::new(Metrics::new())).await })
+        tokio::spawn(async move { PgRunStore::connect(&config, Arc::new(Metrics::new())).await })
     });
     // The guard is longer than the connect timeout above, so a slow start fails as the
     // store's own error, not as this guard.
-    let stores: Vec<RunStore> = within_for(
+    let stores: Vec<PgRunStore> = within_for(
         Duration::from_secs(90),
         "20 stores to connect",
         futures::future::join_all(starts),
@@ -999,7 +999,7 @@ async fn a_transaction_stuck_on_a_lock_gives_up_after_the_transaction_timeout() 
     let metrics = Arc::new(Metrics::new());
     let warm_up = key("warm-up");
     let store = until_ok("the store to connect", || {
-        RunStore::connect(&cfg, metrics.clone())
+        PgRunStore::connect(&cfg, metrics.clone())
     })
     .await;
     let w = by("w");
@@ -1263,7 +1263,7 @@ async fn the_password_appears_in_no_error_log_line_or_debug_print() {
     // A wrong password: refused, and said so.
     let mut bad = db.url.clone();
     bad.password = wrong.clone();
-    let e = RunStore::connect(&config(&bad), Arc::new(Metrics::new()))
+    let e = PgRunStore::connect(&config(&bad), Arc::new(Metrics::new()))
         .await
         .unwrap_err();
     assert_eq!(e.class(), ErrorClass::Misconfigured, "{e:?}");
@@ -1276,7 +1276,7 @@ async fn the_password_appears_in_no_error_log_line_or_debug_print() {
     // An unreachable server.
     let proxy = TcpProxy::start(db.url.addr()).await;
     proxy.set(Mode::Down);
-    let e = RunStore::connect(
+    let e = PgRunStore::connect(
         &config(&db.url.clone().at(proxy.addr)),
         Arc::new(Metrics::new()),
     )
@@ -1407,7 +1407,7 @@ async fn every_sslmode_does_what_the_readme_says() {
     let attempt = |url: PgUrl, mode: &str, ca_file: Option<&std::path::Path>| {
         let mut cfg = config(&url.with("sslmode", mode));
         cfg.ca_file = ca_file.map(|p| p.to_path_buf());
-        async move { RunStore::connect(&cfg, Arc::new(Metrics::new())).await }
+        async move { PgRunStore::connect(&cfg, Arc::new(Metrics::new())).await }
     };
 
     let plain = attempt(by_ip.clone(), "disable", None).await.unwrap();
@@ -1479,7 +1479,7 @@ async fn a_remote_store_is_verify_full_with_channel_binding_by_default() {
 
     let store = within(
         "the store to connect by name",
-        RunStore::connect(&cfg, Arc::new(Metrics::new())),
+        PgRunStore::connect(&cfg, Arc::new(Metrics::new())),
     )
     .await
     .unwrap();
@@ -1498,13 +1498,13 @@ async fn a_remote_store_is_verify_full_with_channel_binding_by_default() {
 
     let mut untrusted = cfg.clone();
     untrusted.ca_file = None;
-    let e = RunStore::connect(&untrusted, Arc::new(Metrics::new()))
+    let e = PgRunStore::connect(&untrusted, Arc::new(Metrics::new()))
         .await
         .unwrap_err();
     assert_eq!(e.class(), ErrorClass::Misconfigured, "{e:?}");
 
     let mut require = config(&by_name.clone().with("sslmode", "require"));
-    let e = RunStore::connect(&require, Arc::new(Metrics::new()))
+    let e = PgRunStore::connect(&require, Arc::new(Metrics::new()))
         .await
         .unwrap_err();
     assert_eq!(e.class(), ErrorClass::Misconfigured, "{e:?}");
@@ -1516,7 +1516,7 @@ async fn a_remote_store_is_verify_full_with_channel_binding_by_default() {
     require.allow_insecure = true;
     let logs = Logs::default();
     let capture = logs.capture();
-    let store = RunStore::connect(&require, Arc::new(Metrics::new()))
+    let store = PgRunStore::connect(&require, Arc::new(Metrics::new()))
         .await
         .unwrap();
     drop(capture);

@@ -17,7 +17,7 @@ use std::time::Duration;
 use abada_agent_worker::config::StoreConfig;
 use abada_agent_worker::metrics::Metrics;
 use abada_agent_worker::secret::SecretSource;
-use abada_agent_worker::store::{ErrorClass, RunStore, StoreError};
+use abada_agent_worker::store::{ErrorClass, PgRunStore, StoreError};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_rustls::rustls;
 
@@ -274,7 +274,7 @@ fn store_config(
 }
 
 async fn connect(config: &StoreConfig) -> StoreError {
-    match RunStore::connect(config, Arc::new(Metrics::new())).await {
+    match PgRunStore::connect(config, Arc::new(Metrics::new())).await {
         Ok(_) => panic!("the fake server cannot be a store"),
         Err(e) => e,
     }

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use abada_agent_worker::engine::{AppendOutcome, JournalStep};
 use abada_agent_worker::store::{
-    ClaimRefusal, Claimant, ErrorClass, Fence, FenceReason, InputDigest, RunEnd, RunKey, RunStore,
-    StoreError,
+    ClaimRefusal, Claimant, ErrorClass, Fence, FenceReason, InputDigest, PgRunStore, RunEnd,
+    RunKey, StoreError,
 };
 use serde_json::json;
 
@@ -37,7 +37,7 @@ fn task(worker: &'static str, task: &'static str) -> Claimant<'static> {
 /// The fence of a claim of the visit's run that must succeed: task `task_id` on `worker`,
 /// offering the input step of `text`.
 async fn first_claim(
-    store: &RunStore,
+    store: &PgRunStore,
     worker: &'static str,
     task_id: &'static str,
     text: &str,

@@ -1,4 +1,4 @@
-//! ToolSessions (src/tools.rs) against the devkit MCP tool server (devkit/src/tools.rs).
+//! McpSessions (src/tools.rs) against the devkit MCP tool server (devkit/src/tools.rs).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,8 +10,8 @@ use abada_agent_worker::devkit::tools::{
 };
 use abada_agent_worker::secret::Secret;
 use abada_agent_worker::tools::{
-    CredentialError, CredentialSource, ToolError, ToolProtocol, ToolServerRef, ToolSessionOptions,
-    ToolSessions,
+    CredentialError, CredentialSource, McpSessions, ToolError, ToolProtocol, ToolServerRef,
+    ToolSessionOptions,
 };
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
@@ -69,7 +69,7 @@ fn options() -> ToolSessionOptions {
     }
 }
 
-fn sessions_for(servers: &[&ToolServer], credentials: Arc<dyn CredentialSource>) -> ToolSessions {
+fn sessions_for(servers: &[&ToolServer], credentials: Arc<dyn CredentialSource>) -> McpSessions {
     sessions_with(servers, credentials, Some(TRACEPARENT), options())
 }
 
@@ -78,8 +78,8 @@ fn sessions_with(
     credentials: Arc<dyn CredentialSource>,
     traceparent: Option<&str>,
     options: ToolSessionOptions,
-) -> ToolSessions {
-    ToolSessions::new(
+) -> McpSessions {
+    McpSessions::new(
         reqwest::Client::new(),
         servers
             .iter()
