@@ -12,15 +12,22 @@ pub enum Bug {
     FenceRemoved,
     /// The heartbeat actor keeps extending a lease past its local expiry.
     HeartbeatAfterExpiry,
+    /// A keyed write journaled `tool/started` is re-sent on resume without its key.
+    KeyedWriteWithoutKey,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 2] = [Bug::FenceRemoved, Bug::HeartbeatAfterExpiry];
+    pub const ALL: [Bug; 3] = [
+        Bug::FenceRemoved,
+        Bug::HeartbeatAfterExpiry,
+        Bug::KeyedWriteWithoutKey,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Bug::FenceRemoved => "fence-removed",
             Bug::HeartbeatAfterExpiry => "heartbeat-after-expiry",
+            Bug::KeyedWriteWithoutKey => "keyed-write-without-key",
         }
     }
 
@@ -37,6 +44,7 @@ pub fn select(bug: Option<Bug>) {
         None => 0,
         Some(Bug::FenceRemoved) => 1,
         Some(Bug::HeartbeatAfterExpiry) => 2,
+        Some(Bug::KeyedWriteWithoutKey) => 3,
     };
     SELECTED.store(code, Ordering::SeqCst);
 }
@@ -46,6 +54,6 @@ pub fn active(bug: Bug) -> bool {
     let code = SELECTED.load(Ordering::SeqCst);
     matches!(
         (code, bug),
-        (1, Bug::FenceRemoved) | (2, Bug::HeartbeatAfterExpiry)
+        (1, Bug::FenceRemoved) | (2, Bug::HeartbeatAfterExpiry) | (3, Bug::KeyedWriteWithoutKey)
     )
 }

@@ -70,6 +70,7 @@ fn agent_definition() -> serde_json::Value {
         "model": format!("{}/m1", worker::PROVIDER),
         "instructions": "Play the script your input names.",
         "input": "${simInput}",
+        "toolServers": [{"name": crate::devkit::world::tools::SERVER, "url": crate::devkit::world::tools::URL}],
         "maxTurns": 8,
         "resultVariable": "simResult"
     })
@@ -109,7 +110,7 @@ async fn simulate(options: &SimOptions) -> SeedReport {
                 tokio::time::sleep_until(start + Duration::from_millis(t.at)).await;
                 let script = ModelScript {
                     task: t.key.clone(),
-                    turns: t.turns,
+                    steps: t.steps.clone(),
                     hostile: t.hostile,
                 };
                 let mut variables = Map::new();

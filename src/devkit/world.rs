@@ -9,6 +9,7 @@
 pub mod engine;
 pub mod faults;
 pub mod model;
+pub mod tools;
 pub mod trace;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,6 +24,7 @@ use abada_devkit::engine::{EngineCore, ProtocolLevel};
 pub use engine::WorldEngine;
 pub use faults::{FaultPlan, Faults};
 pub use model::{ModelScript, WorldModel};
+pub use tools::WorldTools;
 pub use trace::{Event, Trace};
 
 /// The engine's wall clock at the world's start (2026-01-01T00:00:00Z): fixed, so traces and
@@ -36,6 +38,7 @@ pub struct World {
     faults: Mutex<Faults>,
     rng: Mutex<StdRng>,
     trace: Mutex<Trace>,
+    ledger: Mutex<tools::Ledger>,
     origin: Instant,
     /// The lock duration every worker of the world asks for, and the local safety margin it
     /// keeps (for the check that no call is made after a local expiry).
@@ -59,6 +62,7 @@ impl World {
             faults: Mutex::new(Faults::new(options.faults)),
             rng: Mutex::new(StdRng::seed_from_u64(options.seed ^ 0x5eed_f00d)),
             trace: Mutex::new(Trace::default()),
+            ledger: Mutex::new(tools::Ledger::default()),
             origin: Instant::now(),
             lock_duration: options.lock_duration,
             safety_margin: options.lock_duration / 10,
@@ -90,6 +94,28 @@ impl World {
 
     pub fn trace(&self) -> MutexGuard<'_, Trace> {
         self.trace.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn ledger(&self) -> MutexGuard<'_, tools::Ledger> {
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Holds a call of `worker` while it is frozen; forever once it is killed (a dead process
+    /// sends nothing).
+    pub async fn hold(&self, worker: &str) {
+        loop {
+            if self.faults().killed.contains(worker) {
+                std::future::pending::<()>().await;
+            }
+            let now = self.elapsed_ms();
+            let Some(until) = self.faults().frozen_until(worker, now) else {
+                return;
+            };
+            tokio::time::sleep(std::time::Duration::from_millis(
+                until.saturating_sub(now).max(1),
+            ))
+            .await;
+        }
     }
 
     /// A draw in `0.0..1.0` from the world's seeded source.

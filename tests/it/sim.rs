@@ -11,6 +11,9 @@ use abada_agent_worker::devkit::sim::schedule::Schedule;
 use abada_agent_worker::devkit::sim::{SimOptions, run_seed};
 use abada_agent_worker::devkit::world::trace::{Answer, Event, Trace};
 
+/// Runs of seeds one at a time: a `sim-bugs` build selects its bug for the whole process.
+static SEEDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn paused_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -20,6 +23,7 @@ fn paused_runtime() -> tokio::runtime::Runtime {
 }
 
 fn seed(seed: u64) -> abada_agent_worker::devkit::sim::SeedReport {
+    let _one_at_a_time = SEEDS.lock().unwrap_or_else(|e| e.into_inner());
     run_seed(
         paused_runtime(),
         &SimOptions {
@@ -315,12 +319,44 @@ fn a_model_answer_paid_twice_without_an_interruption_fires() {
     assert!(invariants::model_repaid(&p.facts()).is_empty());
 }
 
+#[test]
+fn a_keyed_write_applied_twice_fires_and_a_deduplicated_resend_does_not() {
+    let tool = |ms: u64, key: Option<&str>, answer: &'static str| {
+        (
+            ms,
+            Event::ToolCall {
+                worker: w("w0"),
+                task: w("k0"),
+                write: Some(2),
+                key: key.map(str::to_string),
+                answer,
+            },
+        )
+    };
+    let mut p = Played::new();
+    for (ms, e) in [
+        tool(100, Some("abada:t-000001:5"), "applied-answer-lost"),
+        tool(11_000, Some("abada:t-000001:5"), "deduplicated"),
+    ] {
+        p = p.at(ms, e);
+    }
+    assert!(invariants::keyed_write_once(&p.facts()).is_empty());
+    let (ms, e) = tool(12_000, None, "applied");
+    let p = p.at(ms, e);
+    fires(
+        invariants::keyed_write_once(&p.facts()),
+        "every keyed write applied at most once",
+        "task t-000001: write 2 applied 2 times: 0.100 s by w0 with key Some(\"abada:t-000001:5\"), 12.000 s by w0 with key None",
+    );
+}
+
 /// The reintroduced bugs (docs/SIMULATION.md): each caught within 1,000 seeds. Only in a build
 /// with `--features sim-bugs` (`cargo test --features sim-bugs --test it sim::`).
 #[cfg(feature = "sim-bugs")]
 #[test]
 fn every_reintroduced_bug_is_caught_within_a_thousand_seeds() {
     use abada_agent_worker::sim_bugs::Bug;
+    let _one_at_a_time = SEEDS.lock().unwrap_or_else(|e| e.into_inner());
     for bug in Bug::ALL {
         let caught = (0..1000).find(|&s| {
             !run_seed(

@@ -12,7 +12,9 @@
 //!   longer ours (no report after loss);
 //! - [`slots`]: running tasks never above the slots, no fetch above the free slots;
 //! - [`all_ended`]: every task ended within [`super::END_BOUND`] of the faults stopping;
-//! - [`model_repaid`]: at most one model answer paid again per interruption.
+//! - [`model_repaid`]: at most one model answer paid again per interruption;
+//! - [`keyed_write_once`]: every logical write applied at most once by the tool server,
+//!   whatever was lost, killed or retried.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -54,6 +56,7 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(slots(facts));
     v.extend(all_ended(facts));
     v.extend(model_repaid(facts));
+    v.extend(keyed_write_once(facts));
     v
 }
 
@@ -264,11 +267,22 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
                 task: Some(task),
                 attempt: Some(attempt),
             } => {
-                // At the refusal's own instant the answer is still on its way to the worker
-                // (another of its parts may send meanwhile): only a later call is a breach.
+                // At the refusal's own instant the answer is still on its way back (the world
+                // answers in 1 ms). The part that made the refused call learns of it then and
+                // must send nothing after; the worker's other part (the heartbeat actor, or the
+                // task when the actor was refused) learns through the lease in that same
+                // instant, so only a call after it is a breach.
+                let learned = |refused_op: &str, refused_at: u64| {
+                    let same_part = (*op == "heartbeat") == (refused_op == "heartbeat");
+                    if same_part {
+                        refused_at
+                    } else {
+                        refused_at + 1
+                    }
+                };
                 if let Some((refused_op, refused_at)) =
                     lost.get(&(worker.as_str(), task.as_str(), *attempt))
-                    && *t > *refused_at
+                    && *t > learned(refused_op, *refused_at)
                 {
                     out.push(violation(
                         "no call after the engine said the lease is lost",
@@ -405,6 +419,49 @@ pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
                 ),
             ));
         }
+    }
+    out
+}
+
+/// One application of a write: when, by which worker, with which key.
+type Application<'a> = (u64, &'a str, Option<&'a str>);
+
+pub fn keyed_write_once(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut applied: BTreeMap<(&str, u64), Vec<Application<'_>>> = BTreeMap::new();
+    for (t, e) in &facts.trace.events {
+        if let Event::ToolCall {
+            worker,
+            task,
+            write: Some(n),
+            key,
+            answer,
+        } = e
+            && answer.starts_with("applied")
+        {
+            applied
+                .entry((task, *n))
+                .or_default()
+                .push((*t, worker, key.as_deref()));
+        }
+    }
+    let mut out = Vec::new();
+    for ((key, n), times) in applied {
+        if times.len() < 2 {
+            continue;
+        }
+        let id = facts.keys.get(key).map_or(key, String::as_str);
+        let shown: Vec<String> = times
+            .iter()
+            .map(|(t, w, k)| format!("{} by {w} with key {k:?}", at(*t)))
+            .collect();
+        out.push(violation(
+            "every keyed write applied at most once",
+            format!(
+                "task {id}: write {n} applied {} times: {}",
+                times.len(),
+                shown.join(", ")
+            ),
+        ));
     }
     out
 }

@@ -16,7 +16,8 @@ pub struct TaskPlan {
     /// The simulation's own name of the task (`k3`), in its input.
     pub key: String,
     pub at: u64,
-    pub turns: usize,
+    /// The model's tool-calling turns (`u`nknown tool, `r`ead, `w`rite), see `ModelScript`.
+    pub steps: String,
     pub hostile: bool,
     pub retries: i32,
 }
@@ -69,7 +70,9 @@ impl Schedule {
                 } else {
                     rng.random_range(0..quiet_at)
                 },
-                turns: rng.random_range(0..=3),
+                steps: (0..rng.random_range(0..=3))
+                    .map(|_| ['u', 'r', 'w', 'w'][rng.random_range(0..4)])
+                    .collect(),
                 hostile: rng.random_bool(0.15),
                 retries: rng.random_range(3..=6),
             })
@@ -129,6 +132,10 @@ impl Schedule {
             model_5xx: odds(&mut rng, 0.2),
             model_slow: odds(&mut rng, 0.3),
             model_slow_max: Duration::from_millis(rng.random_range(10..=lock_ms * 2)),
+            tool_5xx: odds(&mut rng, 0.1),
+            tool_slow: odds(&mut rng, 0.3),
+            tool_slow_max: Duration::from_millis(rng.random_range(10..=lock_ms)),
+            tool_answer_lost: odds(&mut rng, 0.2),
             freezes,
         };
         Schedule {

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::agent::limits::Ceilings;
 use crate::agent::{AgentRuntime, AgentSettings};
 use crate::backoff::Backoff;
-use crate::devkit::world::{Event, World, WorldEngine, WorldModel};
+use crate::devkit::world::{Event, World, WorldEngine, WorldModel, WorldTools};
 use crate::engine::Engine;
 use crate::handler::TaskHandler;
 use crate::metrics::Metrics;
@@ -66,14 +66,17 @@ impl SimWorker {
                 .without_jitter(),
             ..AgentSettings::default()
         };
-        let handler: Arc<dyn TaskHandler> = Arc::new(AgentRuntime::new(
-            providers,
-            None,
-            tool_http(),
-            settings,
-            metrics.clone(),
-            Ceilings::default(),
-        ));
+        let handler: Arc<dyn TaskHandler> = Arc::new(
+            AgentRuntime::new(
+                providers,
+                None,
+                tool_http(),
+                settings,
+                metrics.clone(),
+                Ceilings::default(),
+            )
+            .with_tool_connector(Arc::new(WorldTools::new(world.clone(), id))),
+        );
         let mut rs = RunnerSettings::new(id, lock_duration);
         rs.max_tasks = slots;
         rs.poll_interval = poll_interval;

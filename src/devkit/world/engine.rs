@@ -43,16 +43,7 @@ impl WorldEngine {
 
     /// Waits out the freezes of this worker that hold the current instant.
     async fn thaw(&self) {
-        loop {
-            if self.world.faults().killed.contains(&self.worker_id) {
-                std::future::pending::<()>().await;
-            }
-            let now = self.world.elapsed_ms();
-            let Some(until) = self.world.faults().frozen_until(&self.worker_id, now) else {
-                return;
-            };
-            tokio::time::sleep(Duration::from_millis(until.saturating_sub(now).max(1))).await;
-        }
+        self.world.hold(&self.worker_id).await;
     }
 
     /// One call, and its answer's millisecond on the way back: what the worker does on

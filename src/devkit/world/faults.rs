@@ -45,6 +45,12 @@ pub struct FaultPlan {
     pub model_5xx: f64,
     pub model_slow: f64,
     pub model_slow_max: Duration,
+    /// Odds per tool call of a 5xx, a delay of up to `tool_slow_max`, and (writes) of the write
+    /// applied with its answer lost.
+    pub tool_5xx: f64,
+    pub tool_slow: f64,
+    pub tool_slow_max: Duration,
+    pub tool_answer_lost: f64,
     /// Per worker id: when its calls (engine and model) are held, as in a process paused by
     /// the OS or a long GC; a call sent before the window arrives after it.
     pub freezes: BTreeMap<String, Vec<Window>>,

@@ -1,7 +1,8 @@
 //! The world's scripted models: a [`ModelProvider`] that plays, for each task, the script its
-//! input names (`sim:{task}:{turns}:{style}`): `turns` answers that ask for a tool nobody offers
-//! (the agent answers each with an error result, without performing anything), then a final
-//! answer naming the task. The `hostile` style sends malformed arguments instead. Faults: 429
+//! input names (`sim:{task}:{steps}:{style}`): one answer per step, each a tool call: `u` a tool
+//! nobody offers (the agent answers it with an error result, performing nothing), `r` the
+//! world's read-only lookup, `w` the world's keyed write number `n` (its turn); then a final
+//! answer naming the task. The `hostile` style sends malformed arguments to the unknown tool. Faults: 429
 //! and 5xx answers and slowness, drawn from the world's seeded source; every call is recorded,
 //! so the invariants can count the answers paid for.
 
@@ -20,7 +21,8 @@ use crate::provider::{ModelProvider, ModelRequest, ModelResponse, ProviderError}
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelScript {
     pub task: String,
-    pub turns: usize,
+    /// One character per tool-calling turn: `u`, `r` or `w`.
+    pub steps: String,
     pub hostile: bool,
 }
 
@@ -28,17 +30,17 @@ impl ModelScript {
     /// The input text that names this script (the agent's `input` template renders it).
     pub fn input(&self) -> String {
         let style = if self.hostile { "hostile" } else { "plain" };
-        format!("sim:{}:{}:{style}", self.task, self.turns)
+        format!("sim:{}:{}:{style}", self.task, self.steps)
     }
 
     pub fn parse(text: &str) -> Option<ModelScript> {
         let mut parts = text.trim().strip_prefix("sim:")?.split(':');
         let task = parts.next()?.to_string();
-        let turns = parts.next()?.parse().ok()?;
+        let steps = parts.next()?.to_string();
         let hostile = parts.next()? == "hostile";
         Some(ModelScript {
             task,
-            turns,
+            steps,
             hostile,
         })
     }
@@ -90,16 +92,7 @@ impl ModelProvider for WorldModel {
             .filter(|m| matches!(m, Message::Assistant(_)))
             .count();
         // Held while the worker is frozen, like its engine calls.
-        loop {
-            if self.world.faults().killed.contains(&self.worker_id) {
-                std::future::pending::<()>().await;
-            }
-            let now = self.world.elapsed_ms();
-            let Some(until) = self.world.faults().frozen_until(&self.worker_id, now) else {
-                break;
-            };
-            tokio::time::sleep(Duration::from_millis(until.saturating_sub(now).max(1))).await;
-        }
+        self.world.hold(&self.worker_id).await;
         let now = self.world.elapsed_ms();
         let (p429, p5xx, slow, slow_max) = {
             let f = self.world.faults();
@@ -137,32 +130,42 @@ impl ModelProvider for WorldModel {
         }
         // A model takes a moment to answer.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let (message, answer) = if turn < script.turns {
-            let arguments = if script.hostile {
-                Value::String("{not json".into())
-            } else {
-                json!({"turn": turn})
-            };
-            (
-                AssistantMessage {
-                    text: None,
-                    tool_calls: vec![ToolCall {
-                        call_id: format!("call-{turn}"),
-                        server: String::new(),
-                        tool: "sim_lookup".into(),
-                        arguments,
-                    }],
-                },
-                "tool",
-            )
-        } else {
-            (
+        let (message, answer) = match script.steps.as_bytes().get(turn) {
+            Some(step) => {
+                let (server, tool, arguments) = match step {
+                    b'r' => (
+                        super::tools::SERVER,
+                        "sim_lookup",
+                        json!({"task": script.task}),
+                    ),
+                    b'w' => (
+                        super::tools::SERVER,
+                        "sim_write",
+                        json!({"task": script.task, "n": turn}),
+                    ),
+                    _ if script.hostile => ("", "sim_probe", Value::String("{not json".into())),
+                    _ => ("", "sim_probe", json!({"turn": turn})),
+                };
+                (
+                    AssistantMessage {
+                        text: None,
+                        tool_calls: vec![ToolCall {
+                            call_id: format!("call-{turn}"),
+                            server: server.into(),
+                            tool: tool.into(),
+                            arguments,
+                        }],
+                    },
+                    "tool",
+                )
+            }
+            None => (
                 AssistantMessage {
                     text: Some(json!({"task": script.task, "turns": turn}).to_string()),
                     tool_calls: Vec::new(),
                 },
                 "final",
-            )
+            ),
         };
         self.record(&script.task, turn, answer);
         Ok(ModelResponse {

@@ -35,6 +35,16 @@ pub enum Event {
         turn: usize,
         answer: &'static str,
     },
+    /// A tool call: the task it was for, the logical write (`n`) when it is one, the key it
+    /// carried, and what the server did: `read`, `applied`, `deduplicated`, `5xx`,
+    /// `applied-answer-lost`.
+    ToolCall {
+        worker: String,
+        task: String,
+        write: Option<u64>,
+        key: Option<String>,
+        answer: &'static str,
+    },
     /// The runner of `worker` asked for `requested` tasks (its free slots) and got `got`.
     RunnerFetched {
         worker: String,
