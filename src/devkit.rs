@@ -18,3 +18,5 @@ pub mod stack {
     pub use super::workers::{StackWorkers, WorkerHandle, WorkerOptions};
     pub use abada_devkit::stack::*;
 }
+pub mod sim;
+pub mod world;

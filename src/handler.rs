@@ -305,6 +305,11 @@ impl TaskContext {
                     .unwrap_or(LeaseLostReason::Superseded),
             )
         };
+        // SIM-BUG (feature `sim-bugs`, selected at run time): the fence removed.
+        #[cfg(feature = "sim-bugs")]
+        if crate::sim_bugs::active(crate::sim_bugs::Bug::FenceRemoved) {
+            return call.await.map_err(|e| TaskError::Engine(e));
+        }
         // The clock first: a process paused past the local expiry runs this before the
         // scheduler's timer can mark the lease lost.
         if self.lease.expired_locally() {

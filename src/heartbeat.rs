@@ -226,6 +226,13 @@ impl Actor {
             return;
         };
         let deadline = entry.expiry_deadline(&self.settings);
+        // SIM-BUG (feature `sim-bugs`, selected at run time): no local expiry to wake up for.
+        #[cfg(feature = "sim-bugs")]
+        let deadline = if crate::sim_bugs::active(crate::sim_bugs::Bug::HeartbeatAfterExpiry) {
+            deadline.max(entry.due) + self.settings.lock_duration
+        } else {
+            deadline
+        };
         let at = if entry.in_flight.is_some() {
             deadline
         } else {
@@ -246,7 +253,13 @@ impl Actor {
             let Some(entry) = self.entries.get_mut(&id) else {
                 continue;
             };
-            if now >= entry.expiry_deadline(&self.settings) {
+            // SIM-BUG (feature `sim-bugs`, selected at run time): no local expiry.
+            #[cfg(feature = "sim-bugs")]
+            let expired = now >= entry.expiry_deadline(&self.settings)
+                && !crate::sim_bugs::active(crate::sim_bugs::Bug::HeartbeatAfterExpiry);
+            #[cfg(not(feature = "sim-bugs"))]
+            let expired = now >= entry.expiry_deadline(&self.settings);
+            if expired {
                 self.lose(id, LeaseLostReason::LocalExpiry);
                 continue;
             }

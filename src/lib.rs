@@ -31,6 +31,8 @@ pub mod provider;
 pub mod redact;
 pub mod runner;
 pub mod secret;
+#[cfg(feature = "sim-bugs")]
+pub mod sim_bugs;
 pub mod store;
 pub mod task_end;
 pub mod telemetry;

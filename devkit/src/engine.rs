@@ -72,6 +72,7 @@
 //! Tomcat does under the real engine.
 
 mod admin;
+mod core;
 mod faults;
 mod http;
 mod process;
@@ -89,6 +90,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use axum::http::HeaderMap;
+pub use core::{CoreRefusal, CoreReply, EngineCore};
 pub use faults::{BadBody, Fault};
 pub use process::{
     ConditionalFlow, InstanceStatus, NodeKind, ProcessInstanceView, ProcessModel, ProcessNode,

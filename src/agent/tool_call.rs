@@ -180,6 +180,11 @@ impl Attempt<'_> {
         let read_only =
             spec.is_some_and(|s| !s.is_write()) && !approved && pending.started_key.is_none();
         let key = match (&pending.started_key, read_only) {
+            // SIM-BUG (feature `sim-bugs`, selected at run time): the resumed write loses its key.
+            #[cfg(feature = "sim-bugs")]
+            (Some(_), _) if crate::sim_bugs::active(crate::sim_bugs::Bug::KeyedWriteWithoutKey) => {
+                None
+            }
             (Some(key), _) => Some(key.clone()),
             (None, true) => None,
             (None, false) => {

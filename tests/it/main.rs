@@ -27,6 +27,7 @@ mod refusals;
 mod registry;
 mod runner;
 mod secure;
+mod sim;
 mod store;
 mod store_chaos;
 mod store_runs;

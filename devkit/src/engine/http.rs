@@ -529,6 +529,16 @@ fn parse_command(
             "Unsupported Media Type",
         ));
     }
+    parse_command_body(op, body, secured)
+}
+
+/// Reads a JSON request body the way the engine's controllers do, once its media type passed
+/// (the in-process engine, [`super::core`], calls this directly).
+pub(crate) fn parse_command_body(
+    op: Operation,
+    body: Option<Value>,
+    secured: bool,
+) -> Result<Command, ApiError> {
     let body = body.ok_or_else(ApiError::malformed)?;
     Ok(match op {
         Operation::FetchAndLock => Command::FetchAndLock(parse(body)?),

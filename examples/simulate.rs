@@ -1,0 +1,165 @@
+//! The deterministic simulator (docs/SIMULATION.md): runs seeds of workers against the in-memory
+//! world on a paused current-thread runtime and checks the invariants after each.
+//!
+//! ```text
+//! cargo run --release --example simulate -- --seeds 1000            # seeds 0..1000
+//! cargo run --release --example simulate -- --seed 17 --trace       # replay one, with its trace
+//! cargo run --release --example simulate -- --seeds 200 --workers 3
+//! cargo run --release --features sim-bugs --example simulate -- --seeds 1000 --bug fence-removed
+//! ```
+//!
+//! Exits 1 on the first violated seed (after printing its replay command), 2 on bad arguments.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use abada_agent_worker::devkit::sim::{SimOptions, run_seed};
+
+struct Args {
+    seeds: u64,
+    first: u64,
+    one: Option<u64>,
+    trace: bool,
+    workers: Option<usize>,
+    #[cfg_attr(not(feature = "sim-bugs"), allow(dead_code))]
+    bug: Option<String>,
+    /// Go on after a violated seed and count them (for the bug catch counts).
+    keep_going: bool,
+}
+
+fn usage() -> ExitCode {
+    eprintln!(
+        "usage: simulate [--seeds N] [--from S] [--seed N] [--trace] [--workers N] [--keep-going] [--bug NAME]"
+    );
+    ExitCode::from(2)
+}
+
+fn parse() -> Result<Args, String> {
+    let mut args = Args {
+        seeds: 100,
+        first: 0,
+        one: None,
+        trace: false,
+        workers: None,
+        bug: None,
+        keep_going: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        let number = |name: &str, v: String| {
+            v.parse::<u64>()
+                .map_err(|_| format!("{name}: {v:?} is not a number"))
+        };
+        match a.as_str() {
+            "--seeds" => args.seeds = number("--seeds", value("--seeds")?)?,
+            "--from" => args.first = number("--from", value("--from")?)?,
+            "--seed" => args.one = Some(number("--seed", value("--seed")?)?),
+            "--workers" => {
+                args.workers = Some(number("--workers", value("--workers")?)?.max(1) as usize)
+            }
+            "--trace" => args.trace = true,
+            "--keep-going" => args.keep_going = true,
+            "--bug" => args.bug = Some(value("--bug")?),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(args)
+}
+
+fn paused_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a current-thread runtime without I/O builds")
+}
+
+fn main() -> ExitCode {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("simulate: {e}");
+            return usage();
+        }
+    };
+    let mut options = SimOptions {
+        workers: args.workers,
+        keep_trace: args.trace,
+        ..SimOptions::default()
+    };
+    if let Some(name) = &args.bug {
+        #[cfg(feature = "sim-bugs")]
+        match abada_agent_worker::sim_bugs::Bug::parse(name) {
+            Some(b) => options.bug = Some(b),
+            None => {
+                eprintln!("simulate: unknown bug {name:?}");
+                return usage();
+            }
+        }
+        #[cfg(not(feature = "sim-bugs"))]
+        {
+            eprintln!("simulate: --bug {name} needs a build with --features sim-bugs");
+            return usage();
+        }
+    }
+    let seeds: Vec<u64> = match args.one {
+        Some(s) => vec![s],
+        None => (args.first..args.first + args.seeds).collect(),
+    };
+    let started = Instant::now();
+    let mut failed = Vec::new();
+    let mut events = 0usize;
+    for (n, &seed) in seeds.iter().enumerate() {
+        options.seed = seed;
+        let report = run_seed(paused_runtime(), &options);
+        events += report.events;
+        if let Some(trace) = &report.trace {
+            print!("{trace}");
+        }
+        if args.one.is_some() {
+            println!(
+                "seed {seed}: {} events, {:.1} s simulated, hash {}, faults {:?}",
+                report.events,
+                report.sim_time.as_secs_f64(),
+                report.hash,
+                report.injected
+            );
+        }
+        if !report.violations.is_empty() {
+            println!(
+                "seed {seed} violated {} invariant(s) (after {} seeds):",
+                report.violations.len(),
+                n + 1
+            );
+            for v in report.violations.iter().take(5) {
+                println!("  {v}");
+            }
+            println!("replay: {}", report.replay_command());
+            failed.push(seed);
+            if !args.keep_going {
+                break;
+            }
+        }
+    }
+    let took = started.elapsed().as_secs_f64();
+    let ran = if args.keep_going || failed.is_empty() {
+        seeds.len()
+    } else {
+        seeds
+            .iter()
+            .position(|s| Some(s) == failed.first())
+            .unwrap_or(0)
+            + 1
+    };
+    println!(
+        "{ran} seeds in {took:.1} s: {:.1} seeds/s, {events} events; {} violated",
+        ran as f64 / took.max(1e-9),
+        failed.len()
+    );
+    if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

@@ -1,0 +1,152 @@
+//! A seed's schedule: how many workers with how many slots, which tasks arrive when (their
+//! script: turns, hostile answers), which faults hit what when (outages, freezes, kills, the odds
+//! of the per-call faults), all drawn from one seeded `StdRng`, so a seed is a whole scenario.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::devkit::world::faults::{FaultPlan, Window};
+
+/// One task the schedule creates.
+#[derive(Clone, Debug)]
+pub struct TaskPlan {
+    /// The simulation's own name of the task (`k3`), in its input.
+    pub key: String,
+    pub at: u64,
+    /// The model's tool-calling turns (`u`nknown tool, `r`ead, `w`rite), see `ModelScript`.
+    pub steps: String,
+    pub hostile: bool,
+    pub retries: i32,
+}
+
+/// A worker killed at `at`; a fresh one (new id) takes its place `restart_after` later.
+#[derive(Clone, Debug)]
+pub struct Kill {
+    pub worker: usize,
+    pub at: u64,
+    pub restart_after: u64,
+}
+
+/// Everything a seed decides.
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    pub seed: u64,
+    pub workers: usize,
+    pub slots: u32,
+    pub lock_duration: Duration,
+    pub poll_interval: Duration,
+    pub tasks: Vec<TaskPlan>,
+    pub kills: Vec<Kill>,
+    pub faults: FaultPlan,
+}
+
+/// The worker id of worker slot `n` in its `generation` (a restarted worker is a new process).
+pub fn worker_id(n: usize, generation: usize) -> String {
+    if generation == 0 {
+        format!("w{n}")
+    } else {
+        format!("w{n}r{generation}")
+    }
+}
+
+impl Schedule {
+    /// The schedule of `seed`; `workers` overrides the drawn number of workers.
+    pub fn generate(seed: u64, workers: Option<usize>) -> Schedule {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let workers = workers.unwrap_or_else(|| rng.random_range(1..=3));
+        let slots = rng.random_range(1..=3);
+        let lock_ms: u64 = rng.random_range(3..=8) * 1000;
+        let lock_duration = Duration::from_millis(lock_ms);
+        let quiet_at = rng.random_range(20_000..=40_000);
+        let count = rng.random_range(2..=8);
+        let tasks = (0..count)
+            .map(|i| TaskPlan {
+                key: format!("k{i}"),
+                at: if rng.random_bool(0.5) {
+                    0
+                } else {
+                    rng.random_range(0..quiet_at)
+                },
+                steps: (0..rng.random_range(0..=3))
+                    .map(|_| ['u', 'r', 'w', 'w'][rng.random_range(0..4)])
+                    .collect(),
+                hostile: rng.random_bool(0.15),
+                retries: rng.random_range(3..=6),
+            })
+            .collect();
+        let window = |rng: &mut StdRng, max_len: u64| {
+            let start = rng.random_range(0..quiet_at.saturating_sub(max_len).max(1));
+            let end = start + rng.random_range(200..=max_len);
+            Window { start, end }
+        };
+        let mut engine_outages = Vec::new();
+        for _ in 0..rng.random_range(0..=2) {
+            engine_outages.push(window(&mut rng, lock_ms * 2));
+        }
+        let mut freezes = BTreeMap::new();
+        let mut kills = Vec::new();
+        for n in 0..workers {
+            if rng.random_bool(0.4) {
+                // Past the lease half of the time.
+                let w = window(&mut rng, lock_ms * 2);
+                freezes.insert(worker_id(n, 0), vec![w]);
+            }
+            if workers > 1 && rng.random_bool(0.25) {
+                kills.push(Kill {
+                    worker: n,
+                    at: rng.random_range(500..quiet_at),
+                    restart_after: rng.random_range(0..=lock_ms * 2),
+                });
+            }
+        }
+        let odds = |rng: &mut StdRng, max: f64| {
+            if rng.random_bool(0.5) {
+                rng.random_range(0.0..max)
+            } else {
+                0.0
+            }
+        };
+        let faults = FaultPlan {
+            quiet_at,
+            engine_outages,
+            engine_slow: odds(&mut rng, 0.3),
+            engine_slow_max: Duration::from_millis(rng.random_range(10..=lock_ms)),
+            engine_5xx: odds(&mut rng, 0.1),
+            engine_409: odds(&mut rng, 0.05),
+            engine_answer_lost: odds(&mut rng, 0.05),
+            refused: odds(&mut rng, 0.05),
+            engine_clock_jump: rng
+                .random_bool(0.3)
+                // Within the workers' safety margin (a tenth of the lock): past it, no worker can
+                // know its lease is gone (docs/SIMULATION.md, "Outside the fault model").
+                .then(|| {
+                    (
+                        rng.random_range(0..quiet_at),
+                        rng.random_range(1..lock_ms / 10),
+                    )
+                }),
+            model_429: odds(&mut rng, 0.2),
+            model_5xx: odds(&mut rng, 0.2),
+            model_slow: odds(&mut rng, 0.3),
+            model_slow_max: Duration::from_millis(rng.random_range(10..=lock_ms * 2)),
+            tool_5xx: odds(&mut rng, 0.1),
+            tool_slow: odds(&mut rng, 0.3),
+            tool_slow_max: Duration::from_millis(rng.random_range(10..=lock_ms)),
+            tool_answer_lost: odds(&mut rng, 0.2),
+            freezes,
+        };
+        Schedule {
+            seed,
+            workers,
+            slots,
+            lock_duration,
+            poll_interval: Duration::from_millis(500),
+            tasks,
+            kills,
+            faults,
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! One simulated worker: the production runner, heartbeat actor and agent runtime, wired to the
+//! world's engine and model instead of HTTP, with every backoff's jitter off (the world's seeded
+//! source is the only randomness), and its runner events copied into the world's trace.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::limits::Ceilings;
+use crate::agent::{AgentRuntime, AgentSettings};
+use crate::backoff::Backoff;
+use crate::devkit::world::{Event, World, WorldEngine, WorldModel, WorldTools};
+use crate::engine::Engine;
+use crate::handler::TaskHandler;
+use crate::metrics::Metrics;
+use crate::provider::ProviderRegistry;
+use crate::provider::fallback::RetryPolicy;
+use crate::runner::{Runner, RunnerEvent, RunnerSettings};
+
+/// The provider name the world's model is registered under (`sim/…` in a definition).
+pub const PROVIDER: &str = "sim";
+
+/// The tools' HTTP client of every simulated worker: built once (loading the platform's roots
+/// takes milliseconds), never used (the world's tasks name no tool server).
+fn tool_http() -> reqwest::Client {
+    static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
+    CLIENT.get_or_init(reqwest::Client::new).clone()
+}
+
+/// A worker running on the simulation's runtime.
+pub struct SimWorker {
+    pub id: String,
+    shutdown: CancellationToken,
+    join: JoinHandle<()>,
+}
+
+impl SimWorker {
+    /// Starts worker `id` with `slots` slots against `world`.
+    pub fn start(
+        world: &Arc<World>,
+        id: &str,
+        slots: u32,
+        lock_duration: Duration,
+        poll_interval: Duration,
+    ) -> SimWorker {
+        let engine: Arc<dyn Engine> = Arc::new(WorldEngine::new(world.clone(), id));
+        let mut providers = ProviderRegistry::default();
+        providers.insert(PROVIDER, Arc::new(WorldModel::new(world.clone(), id)));
+        let metrics = Arc::new(Metrics::new());
+        let settings = AgentSettings {
+            model_retry: RetryPolicy {
+                initial_backoff: Duration::from_millis(100),
+                max_backoff: Duration::from_secs(1),
+                jitter: 0.0,
+                unavailable_default: Duration::from_secs(1),
+                ..RetryPolicy::default()
+            },
+            tool_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(1))
+                .without_jitter(),
+            technical_retry: Backoff::new(Duration::from_secs(1), Duration::from_secs(4))
+                .without_jitter(),
+            store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(1))
+                .without_jitter(),
+            ..AgentSettings::default()
+        };
+        let handler: Arc<dyn TaskHandler> = Arc::new(
+            AgentRuntime::new(
+                providers,
+                None,
+                tool_http(),
+                settings,
+                metrics.clone(),
+                Ceilings::default(),
+            )
+            .with_tool_connector(Arc::new(WorldTools::new(world.clone(), id))),
+        );
+        let mut rs = RunnerSettings::new(id, lock_duration);
+        rs.max_tasks = slots;
+        rs.poll_interval = poll_interval;
+        rs.poll_jitter = 0.0;
+        rs.shutdown_grace = Duration::from_secs(2);
+        rs.error_backoff =
+            Backoff::new(Duration::from_millis(200), Duration::from_secs(2)).without_jitter();
+        rs.throttle_backoff =
+            Backoff::new(Duration::from_millis(500), Duration::from_secs(4)).without_jitter();
+        rs.heartbeat.retry_backoff = rs.heartbeat.retry_backoff.without_jitter();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let runner = Runner::new(engine, handler, rs, metrics).with_events(tx);
+        let shutdown = CancellationToken::new();
+        let forward = {
+            let world = world.clone();
+            let worker = id.to_string();
+            async move {
+                while let Some(e) = rx.recv().await {
+                    let event = match e {
+                        RunnerEvent::Fetched { requested, got } => Event::RunnerFetched {
+                            worker: worker.clone(),
+                            requested,
+                            got,
+                        },
+                        RunnerEvent::TaskStarted { task_id, attempt } => Event::TaskStarted {
+                            worker: worker.clone(),
+                            task: task_id,
+                            attempt,
+                        },
+                        RunnerEvent::TaskEnded {
+                            task_id,
+                            attempt,
+                            outcome,
+                        } => Event::TaskEnded {
+                            worker: worker.clone(),
+                            task: task_id,
+                            attempt,
+                            outcome: outcome.as_str().to_string(),
+                        },
+                        _ => continue,
+                    };
+                    world.record(event);
+                }
+            }
+        };
+        let run = runner.run(shutdown.clone());
+        let join = tokio::spawn(async move {
+            // The events are copied as they come, in the runner's order.
+            tokio::join!(run, forward);
+        });
+        world.record(Event::WorkerStarted {
+            worker: id.to_string(),
+            slots,
+        });
+        SimWorker {
+            id: id.to_string(),
+            shutdown,
+            join,
+        }
+    }
+
+    /// Kills the worker: its calls never return from now on, and its runner (with every task
+    /// future it owns) is dropped at its current await.
+    pub fn kill(self, world: &World) {
+        world.faults().killed.insert(self.id.clone());
+        world.record(Event::WorkerKilled {
+            worker: self.id.clone(),
+        });
+        self.join.abort();
+    }
+
+    /// Asks for the staged shutdown without waiting for it.
+    pub fn stop(&self) {
+        self.shutdown.cancel();
+    }
+}

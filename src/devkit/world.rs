@@ -1,0 +1,135 @@
+//! The in-memory world the deterministic simulator runs workers against: the engine (the
+//! devkit emulator's state machine in-process, [`engine`]), scripted models ([`model`]), the
+//! faults a seeded schedule injects into them ([`faults`]) and the trace of everything that
+//! happened ([`trace`]), on tokio's clock so that a paused current-thread runtime drives it.
+//!
+//! No socket, no thread, no wall clock and no unseeded randomness: given the same seed and the
+//! same calls in the same order, the world answers the same way.
+
+pub mod engine;
+pub mod faults;
+pub mod model;
+pub mod tools;
+pub mod trace;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use tokio::time::Instant;
+
+use abada_devkit::engine::{EngineCore, ProtocolLevel};
+
+pub use engine::WorldEngine;
+pub use faults::{FaultPlan, Faults};
+pub use model::{ModelScript, WorldModel};
+pub use tools::WorldTools;
+pub use trace::{Event, Trace};
+
+/// The engine's wall clock at the world's start (2026-01-01T00:00:00Z): fixed, so traces and
+/// lease times are the same on every run.
+const EPOCH_MS: i64 = 1_767_225_600_000;
+
+/// Everything shared by the world's parts: the engine's state, the faults, the random source
+/// of fault draws, the trace. One short critical section per call; never held across an await.
+pub struct World {
+    core: Mutex<EngineCore>,
+    faults: Mutex<Faults>,
+    rng: Mutex<StdRng>,
+    trace: Mutex<Trace>,
+    ledger: Mutex<tools::Ledger>,
+    origin: Instant,
+    /// The lock duration every worker of the world asks for, and the local safety margin it
+    /// keeps (for the check that no call is made after a local expiry).
+    pub lock_duration: Duration,
+    pub safety_margin: Duration,
+}
+
+/// How a world is set up.
+#[derive(Clone, Debug)]
+pub struct WorldOptions {
+    pub seed: u64,
+    pub lock_duration: Duration,
+    pub faults: FaultPlan,
+}
+
+impl World {
+    /// A world whose clock starts now (call it on the paused runtime that runs the workers).
+    pub fn new(options: WorldOptions) -> Arc<World> {
+        Arc::new(World {
+            core: Mutex::new(EngineCore::new(ProtocolLevel::AgentV1, 60_000)),
+            faults: Mutex::new(Faults::new(options.faults)),
+            rng: Mutex::new(StdRng::seed_from_u64(options.seed ^ 0x5eed_f00d)),
+            trace: Mutex::new(Trace::default()),
+            ledger: Mutex::new(tools::Ledger::default()),
+            origin: Instant::now(),
+            lock_duration: options.lock_duration,
+            safety_margin: options.lock_duration / 10,
+        })
+    }
+
+    /// The engine's clock in milliseconds since the epoch.
+    pub fn now_ms(&self) -> i64 {
+        let elapsed = self.elapsed_ms();
+        let jump = match self.faults().plan.engine_clock_jump {
+            Some((at, by)) if elapsed >= at => by,
+            _ => 0,
+        };
+        EPOCH_MS + (elapsed + jump) as i64
+    }
+
+    /// Milliseconds since the world began (the trace's time).
+    pub fn elapsed_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    pub fn core(&self) -> MutexGuard<'_, EngineCore> {
+        self.core.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn faults(&self) -> MutexGuard<'_, Faults> {
+        self.faults.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn trace(&self) -> MutexGuard<'_, Trace> {
+        self.trace.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn ledger(&self) -> MutexGuard<'_, tools::Ledger> {
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Holds a call of `worker` while it is frozen; forever once it is killed (a dead process
+    /// sends nothing).
+    pub async fn hold(&self, worker: &str) {
+        loop {
+            if self.faults().killed.contains(worker) {
+                std::future::pending::<()>().await;
+            }
+            let now = self.elapsed_ms();
+            let Some(until) = self.faults().frozen_until(worker, now) else {
+                return;
+            };
+            tokio::time::sleep(std::time::Duration::from_millis(
+                until.saturating_sub(now).max(1),
+            ))
+            .await;
+        }
+    }
+
+    /// A draw in `0.0..1.0` from the world's seeded source.
+    pub fn draw(&self) -> f64 {
+        use rand::Rng;
+        self.rng
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .random::<f64>()
+    }
+
+    /// Appends an event stamped with the world's time.
+    pub fn record(&self, event: Event) {
+        let at = self.elapsed_ms();
+        self.trace().push(at, event);
+    }
+}

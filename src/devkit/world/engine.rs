@@ -1,0 +1,355 @@
+//! The world's engine as one worker sees it: the [`Engine`] trait on the devkit emulator's state
+//! machine ([`EngineCore`](abada_devkit::engine::EngineCore)), in-process. Each call is turned
+//! into the body the HTTP client would send, run under the world's faults (held while its worker
+//! is frozen, refused during an outage, slowed, failed, or executed with its answer lost), and a
+//! refusal is classified by the HTTP client's own rules (`client::classify_answer`), so the
+//! worker's core sees exactly the errors it would see over the wire. Every call and answer is
+//! recorded in the world's trace.
+//!
+//! The HTTP client's own retries of a command are not played here (its wire tests hold them):
+//! an error reaches the core as it would after those retries ran out.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use reqwest::StatusCode;
+use reqwest::header::HeaderMap;
+use serde_json::{Map, Value, json};
+
+use abada_devkit::engine::{CoreReply, Operation};
+
+use super::World;
+use super::trace::{Answer, Event};
+use crate::engine::client::classify_answer;
+use crate::engine::{
+    AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
+    JournalStep, ProbeOutcome, Task, TaskRef, ToolCredential, wire,
+};
+
+/// One worker's view of the world's engine.
+pub struct WorldEngine {
+    world: Arc<World>,
+    worker_id: String,
+}
+
+impl WorldEngine {
+    pub fn new(world: Arc<World>, worker_id: impl Into<String>) -> Self {
+        WorldEngine {
+            world,
+            worker_id: worker_id.into(),
+        }
+    }
+
+    /// Waits out the freezes of this worker that hold the current instant.
+    async fn thaw(&self) {
+        self.world.hold(&self.worker_id).await;
+    }
+
+    /// One call, and its answer's millisecond on the way back: what the worker does on
+    /// learning the answer comes after the instant the world recorded it (the invariants tell
+    /// "sent meanwhile" from "sent after learning" by time).
+    async fn exchange(
+        &self,
+        name: &'static str,
+        op: Operation,
+        task: Option<&TaskRef>,
+        body: Value,
+    ) -> Result<CoreReply, EngineError> {
+        let answer = self.exchange_at_engine(name, op, task, body).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        answer
+    }
+
+    /// One call: recorded, held while frozen, faulted, executed, recorded again.
+    async fn exchange_at_engine(
+        &self,
+        name: &'static str,
+        op: Operation,
+        task: Option<&TaskRef>,
+        body: Value,
+    ) -> Result<CoreReply, EngineError> {
+        let task_id = task.map(|t| t.task_id.clone());
+        let attempt = task.and_then(|t| t.attempt);
+        if self.world.faults().killed.contains(&self.worker_id) {
+            std::future::pending::<()>().await;
+        }
+        self.world.record(Event::EngineCall {
+            worker: self.worker_id.clone(),
+            op: name,
+            task: task_id.clone(),
+            attempt,
+        });
+        self.thaw().await;
+        let answer = |a: Answer| Event::EngineAnswer {
+            worker: self.worker_id.clone(),
+            op: name,
+            task: task_id.clone(),
+            attempt,
+            answer: a,
+        };
+        let transient = |message: &str, request_sent: bool| EngineError::Transient {
+            op: name,
+            message: message.to_string(),
+            request_sent,
+        };
+        let now = self.world.elapsed_ms();
+        if self.world.faults().engine_down(now) {
+            // A refused connection takes a moment, not nothing: no loop spins at one instant.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            self.world.faults().count("engine outage");
+            self.world.record(answer(Answer::Fault("outage")));
+            return Err(transient("connection refused (simulated outage)", false));
+        }
+        let (slow, slow_max, p5xx, p409, lost, refused) = {
+            let f = self.world.faults();
+            let p = &f.plan;
+            if f.active(now) {
+                (
+                    p.engine_slow,
+                    p.engine_slow_max,
+                    p.engine_5xx,
+                    p.engine_409,
+                    p.engine_answer_lost,
+                    p.refused,
+                )
+            } else {
+                (0.0, Duration::ZERO, 0.0, 0.0, 0.0, 0.0)
+            }
+        };
+        if slow > 0.0 && self.world.draw() < slow {
+            let delay = slow_max.mul_f64(self.world.draw());
+            self.world.faults().count("engine slow");
+            tokio::time::sleep(delay).await;
+            self.thaw().await;
+        }
+        if p5xx > 0.0 && self.world.draw() < p5xx {
+            self.world.faults().count("engine 5xx");
+            self.world.record(answer(Answer::Fault("5xx")));
+            return Err(transient("HTTP 502 (simulated)", true));
+        }
+        if p409 > 0.0 && op != Operation::FetchAndLock && self.world.draw() < p409 {
+            self.world.faults().count("engine 409");
+            self.world.record(answer(Answer::Fault("409")));
+            return Err(EngineError::ConcurrentModification { op: name });
+        }
+        let refusable = matches!(
+            op,
+            Operation::Heartbeat
+                | Operation::JournalAppend
+                | Operation::JournalRead
+                | Operation::Complete
+        );
+        if refused > 0.0 && refusable && self.world.draw() < refused {
+            self.world.faults().count("refused");
+            self.world.record(answer(Answer::Fault("refused")));
+            let (status, code) = if op == Operation::Heartbeat {
+                (403, "WORKER_LOCK_NOT_OWNED")
+            } else {
+                (409, "STALE_ATTEMPT")
+            };
+            return Err(classify(
+                name,
+                task_id.as_deref(),
+                status,
+                &json!({"code": code, "message": "simulated refusal"}),
+            ));
+        }
+        let key = None;
+        let result = self
+            .world
+            .core()
+            .call(op, task_id.as_deref(), key, body, self.world.now_ms());
+        match result {
+            Ok(reply) => {
+                if lost > 0.0 && self.world.draw() < lost {
+                    self.world.faults().count("engine answer lost");
+                    self.world.record(answer(Answer::Fault("answer-lost")));
+                    return Err(transient(
+                        "connection reset after the request (simulated)",
+                        true,
+                    ));
+                }
+                self.world.record(answer(Answer::Ok));
+                Ok(reply)
+            }
+            Err(refusal) => {
+                self.world.record(answer(Answer::Refused {
+                    status: refusal.status,
+                    code: refusal.code.clone(),
+                }));
+                Err(classify(
+                    name,
+                    task_id.as_deref(),
+                    refusal.status,
+                    &refusal.body(),
+                ))
+            }
+        }
+    }
+
+    fn owned_body(&self, task: &TaskRef) -> Map<String, Value> {
+        let mut body = Map::new();
+        body.insert("workerId".into(), self.worker_id.clone().into());
+        if let Some(a) = task.attempt {
+            body.insert("attempt".into(), a.into());
+        }
+        body
+    }
+}
+
+/// The typed error the HTTP client would make of this refusal.
+fn classify(op: &'static str, task: Option<&str>, status: u16, body: &Value) -> EngineError {
+    classify_answer(
+        op,
+        task,
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        HeaderMap::new(),
+        body.to_string().into_bytes(),
+    )
+}
+
+fn malformed(op: &'static str, detail: String) -> EngineError {
+    EngineError::MalformedResponse { op, detail }
+}
+
+#[async_trait]
+impl Engine for WorldEngine {
+    async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError> {
+        let op = "fetch-and-lock";
+        let body = json!({
+            "workerId": self.worker_id,
+            "topics": request.topics,
+            "lockDuration": request.lock_duration.as_millis() as u64,
+            "maxTasks": request.max_tasks,
+        });
+        let reply = self
+            .exchange(op, Operation::FetchAndLock, None, body)
+            .await?;
+        let bytes = reply.body.unwrap_or(Value::Null).to_string();
+        let (tasks, rejected) =
+            wire::decode_locked_tasks(bytes.as_bytes()).map_err(|e| malformed(op, e))?;
+        if !rejected.is_empty() {
+            return Err(malformed(op, rejected.join("; ")));
+        }
+        self.world.record(Event::Fetched {
+            worker: self.worker_id.clone(),
+            asked: request.max_tasks,
+            tasks: tasks
+                .iter()
+                .map(|t| (t.id.clone(), t.attempt.unwrap_or(0)))
+                .collect(),
+        });
+        Ok(tasks)
+    }
+
+    async fn heartbeat(&self, task: &TaskRef, lock_duration: Duration) -> Result<(), EngineError> {
+        let mut body = self.owned_body(task);
+        body.insert(
+            "lockDuration".into(),
+            (lock_duration.as_millis() as u64).into(),
+        );
+        self.exchange("heartbeat", Operation::Heartbeat, Some(task), body.into())
+            .await
+            .map(|_| ())
+    }
+
+    async fn complete(
+        &self,
+        task: &TaskRef,
+        variables: &Map<String, Value>,
+    ) -> Result<(), EngineError> {
+        let mut body = self.owned_body(task);
+        body.insert("variables".into(), Value::Object(variables.clone()));
+        self.exchange("complete", Operation::Complete, Some(task), body.into())
+            .await
+            .map(|_| ())
+    }
+
+    async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
+        let mut body = self.owned_body(task);
+        body.insert("errorMessage".into(), report.error_message.clone().into());
+        body.insert("errorDetails".into(), report.error_details.clone().into());
+        body.insert("retries".into(), report.retries.into());
+        body.insert(
+            "retryTimeout".into(),
+            (report.retry_timeout.as_millis() as u64).into(),
+        );
+        self.exchange("failure", Operation::Failure, Some(task), body.into())
+            .await
+            .map(|_| ())
+    }
+
+    async fn bpmn_error(
+        &self,
+        task: &TaskRef,
+        report: &BpmnErrorReport,
+    ) -> Result<(), EngineError> {
+        let mut body = self.owned_body(task);
+        body.insert("errorCode".into(), report.error_code.clone().into());
+        body.insert("errorMessage".into(), report.error_message.clone().into());
+        body.insert("variables".into(), Value::Object(report.variables.clone()));
+        self.exchange("bpmn-error", Operation::BpmnError, Some(task), body.into())
+            .await
+            .map(|_| ())
+    }
+
+    async fn read_journal(&self, task: &TaskRef) -> Result<Journal, EngineError> {
+        let op = "journal-read";
+        let body = self.owned_body(task);
+        let reply = self
+            .exchange(op, Operation::JournalRead, Some(task), body.into())
+            .await?;
+        let bytes = reply.body.unwrap_or(Value::Null).to_string();
+        wire::decode_journal(bytes.as_bytes()).map_err(|e| malformed(op, e))
+    }
+
+    async fn append_journal(
+        &self,
+        task: &TaskRef,
+        step: &JournalStep,
+    ) -> Result<AppendOutcome, EngineError> {
+        let mut body = self.owned_body(task);
+        body.insert(
+            "step".into(),
+            serde_json::to_value(step).unwrap_or(Value::Null),
+        );
+        let reply = self
+            .exchange(
+                "journal-append",
+                Operation::JournalAppend,
+                Some(task),
+                body.into(),
+            )
+            .await?;
+        Ok(if reply.status == 201 {
+            AppendOutcome::Created
+        } else {
+            AppendOutcome::AlreadyPresent
+        })
+    }
+
+    async fn tool_credential(
+        &self,
+        task: &TaskRef,
+        server: &str,
+    ) -> Result<ToolCredential, EngineError> {
+        let op = "tool-credentials";
+        let mut body = self.owned_body(task);
+        body.insert("server".into(), server.into());
+        let reply = self
+            .exchange(op, Operation::ToolCredentials, Some(task), body.into())
+            .await?;
+        let bytes = reply.body.unwrap_or(Value::Null).to_string();
+        wire::decode_tool_credential(bytes.as_bytes())
+            .ok_or_else(|| malformed(op, "a tool credential without a token".into()))
+    }
+
+    async fn probe(&self) -> ProbeOutcome {
+        if self.world.faults().engine_down(self.world.elapsed_ms()) {
+            ProbeOutcome::Unreachable
+        } else {
+            ProbeOutcome::Reachable
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! The faults the simulator injects into the world: what a seeded schedule decided up front
+//! (outage and freeze windows) and the odds of the per-call faults drawn from the world's
+//! seeded source (slowness, 5xx, 409, refusals, answers lost, model 429 and 5xx). Every fault
+//! stops at [`FaultPlan::quiet_at`], so the check that every task ends has a start.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// A span of the world's time, in milliseconds since it began: `start..end`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub start: u64,
+    pub end: u64,
+}
+
+impl Window {
+    pub fn contains(&self, at: u64) -> bool {
+        (self.start..self.end).contains(&at)
+    }
+}
+
+/// What a seed's schedule injects.
+#[derive(Clone, Debug, Default)]
+pub struct FaultPlan {
+    /// No per-call fault is drawn from this time on (windows end before it).
+    pub quiet_at: u64,
+    /// The engine answers nothing (connection refused) during these.
+    pub engine_outages: Vec<Window>,
+    /// Odds per engine call of: a delay of up to `engine_slow_max`, a 5xx without executing,
+    /// a 409 `CONCURRENT_MODIFICATION`, an executed call whose answer is lost.
+    pub engine_slow: f64,
+    pub engine_slow_max: Duration,
+    pub engine_5xx: f64,
+    pub engine_409: f64,
+    pub engine_answer_lost: f64,
+    /// Odds per heartbeat, journal call or completion of a refusal the engine's state does not
+    /// back (403 `WORKER_LOCK_NOT_OWNED`, 409 `STALE_ATTEMPT`): the worker must stop, the task
+    /// expires and is fetched again.
+    pub refused: f64,
+    /// The engine's clock steps forward by `.1` ms at `.0` (an NTP step on the engine's host):
+    /// leases expire there before the workers' own clocks say so, past their safety margin.
+    pub engine_clock_jump: Option<(u64, u64)>,
+    /// Odds per model call of a 429, a 5xx, a delay of up to `model_slow_max`.
+    pub model_429: f64,
+    pub model_5xx: f64,
+    pub model_slow: f64,
+    pub model_slow_max: Duration,
+    /// Odds per tool call of a 5xx, a delay of up to `tool_slow_max`, and (writes) of the write
+    /// applied with its answer lost.
+    pub tool_5xx: f64,
+    pub tool_slow: f64,
+    pub tool_slow_max: Duration,
+    pub tool_answer_lost: f64,
+    /// Per worker id: when its calls (engine and model) are held, as in a process paused by
+    /// the OS or a long GC; a call sent before the window arrives after it.
+    pub freezes: BTreeMap<String, Vec<Window>>,
+}
+
+/// The live fault state: the plan, and counts of what was injected (for the report).
+#[derive(Debug)]
+pub struct Faults {
+    pub plan: FaultPlan,
+    /// Workers the schedule killed: their calls never return (a dead process sends nothing).
+    pub killed: std::collections::BTreeSet<String>,
+    pub injected: BTreeMap<&'static str, u64>,
+}
+
+impl Faults {
+    pub fn new(plan: FaultPlan) -> Self {
+        Faults {
+            plan,
+            killed: Default::default(),
+            injected: BTreeMap::new(),
+        }
+    }
+
+    pub fn count(&mut self, what: &'static str) {
+        *self.injected.entry(what).or_default() += 1;
+    }
+
+    /// Whether faults may still be drawn at `at`.
+    pub fn active(&self, at: u64) -> bool {
+        at < self.plan.quiet_at
+    }
+
+    /// The end of the freeze of `worker` that holds `at`, if any.
+    pub fn frozen_until(&self, worker: &str, at: u64) -> Option<u64> {
+        self.plan
+            .freezes
+            .get(worker)?
+            .iter()
+            .find(|w| w.contains(at))
+            .map(|w| w.end)
+    }
+
+    pub fn engine_down(&self, at: u64) -> bool {
+        self.plan.engine_outages.iter().any(|w| w.contains(at))
+    }
+}

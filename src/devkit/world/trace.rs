@@ -1,0 +1,124 @@
+//! The world's trace: every call the workers made and how the world answered, every runner
+//! event, in order, stamped with the world's time. The simulator hashes it (the same seed must
+//! give the same hash) and prints it for a replayed seed; the invariants read it.
+
+use sha2::{Digest, Sha256};
+
+/// What happened.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A worker started an engine call (`op` in the protocol's names).
+    EngineCall {
+        worker: String,
+        op: &'static str,
+        task: Option<String>,
+        attempt: Option<u32>,
+    },
+    /// The world's answer to that call.
+    EngineAnswer {
+        worker: String,
+        op: &'static str,
+        task: Option<String>,
+        attempt: Option<u32>,
+        answer: Answer,
+    },
+    /// A fetch's answer: the tasks and attempts handed to `worker`, of `asked`.
+    Fetched {
+        worker: String,
+        asked: u32,
+        tasks: Vec<(String, u32)>,
+    },
+    /// A model call: the task it was for (by its input), the turn, and the answer.
+    ModelCall {
+        worker: String,
+        task: String,
+        turn: usize,
+        answer: &'static str,
+    },
+    /// A tool call: the task it was for, the logical write (`n`) when it is one, the key it
+    /// carried, and what the server did: `read`, `applied`, `deduplicated`, `5xx`,
+    /// `applied-answer-lost`.
+    ToolCall {
+        worker: String,
+        task: String,
+        write: Option<u64>,
+        key: Option<String>,
+        answer: &'static str,
+    },
+    /// The runner of `worker` asked for `requested` tasks (its free slots) and got `got`.
+    RunnerFetched {
+        worker: String,
+        requested: u32,
+        got: usize,
+    },
+    /// The runner of `worker` started or ended a task (its own view).
+    TaskStarted {
+        worker: String,
+        task: String,
+        attempt: Option<u32>,
+    },
+    TaskEnded {
+        worker: String,
+        task: String,
+        attempt: Option<u32>,
+        outcome: String,
+    },
+    /// The schedule killed a worker (its tasks dropped at their current await) or started one.
+    WorkerKilled {
+        worker: String,
+    },
+    WorkerStarted {
+        worker: String,
+        slots: u32,
+    },
+    /// A line logged by the workers (kept for the secret check, not hashed: its wording is not
+    /// a behaviour).
+    Log {
+        line: String,
+    },
+}
+
+/// How the world answered an engine call.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Answer {
+    /// Executed (or replayed as a no-op by the engine) and answered.
+    Ok,
+    /// Refused by the engine's rules: status and code.
+    Refused { status: u16, code: String },
+    /// An injected fault: `outage`, `5xx`, `409`, `refused`, `answer-lost` (executed, then the
+    /// answer was lost).
+    Fault(&'static str),
+}
+
+/// Every event with its time, in order.
+#[derive(Debug, Default)]
+pub struct Trace {
+    pub events: Vec<(u64, Event)>,
+}
+
+impl Trace {
+    pub fn push(&mut self, at: u64, event: Event) {
+        self.events.push((at, event));
+    }
+
+    /// SHA-256 over every event but the log lines, as hex: the same seed gives the same hash.
+    pub fn hash(&self) -> String {
+        let mut h = Sha256::new();
+        for (at, e) in &self.events {
+            if matches!(e, Event::Log { .. }) {
+                continue;
+            }
+            h.update(format!("{at} {e:?}\n").as_bytes());
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The trace as text, one event a line.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        for (at, e) in &self.events {
+            out.push_str(&format!("{:>8}.{:03}s {e:?}\n", at / 1000, at % 1000));
+        }
+        out
+    }
+}

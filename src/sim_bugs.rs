@@ -1,0 +1,59 @@
+//! Feature `sim-bugs` (test builds only, never production): four bugs this worker once had or
+//! could have, each reintroduced only when selected at run time, so the deterministic simulator
+//! (`devkit::sim`) can show that its invariants catch it. Each call site is marked `SIM-BUG`.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// A reintroduced bug.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bug {
+    /// `TaskContext::fenced` neither refuses a call once the lease is lost, nor abandons one
+    /// when it is lost meanwhile, nor marks the lease lost on a refusal.
+    FenceRemoved,
+    /// The heartbeat actor keeps extending a lease past its local expiry.
+    HeartbeatAfterExpiry,
+    /// A keyed write journaled `tool/started` is re-sent on resume without its key.
+    KeyedWriteWithoutKey,
+}
+
+impl Bug {
+    pub const ALL: [Bug; 3] = [
+        Bug::FenceRemoved,
+        Bug::HeartbeatAfterExpiry,
+        Bug::KeyedWriteWithoutKey,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Bug::FenceRemoved => "fence-removed",
+            Bug::HeartbeatAfterExpiry => "heartbeat-after-expiry",
+            Bug::KeyedWriteWithoutKey => "keyed-write-without-key",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Bug> {
+        Bug::ALL.into_iter().find(|b| b.name() == name)
+    }
+}
+
+static SELECTED: AtomicU8 = AtomicU8::new(0);
+
+/// Selects the bug of the runs that follow (`None`: the worker as it is).
+pub fn select(bug: Option<Bug>) {
+    let code = match bug {
+        None => 0,
+        Some(Bug::FenceRemoved) => 1,
+        Some(Bug::HeartbeatAfterExpiry) => 2,
+        Some(Bug::KeyedWriteWithoutKey) => 3,
+    };
+    SELECTED.store(code, Ordering::SeqCst);
+}
+
+/// Whether `bug` is selected now.
+pub fn active(bug: Bug) -> bool {
+    let code = SELECTED.load(Ordering::SeqCst);
+    matches!(
+        (code, bug),
+        (1, Bug::FenceRemoved) | (2, Bug::HeartbeatAfterExpiry) | (3, Bug::KeyedWriteWithoutKey)
+    )
+}

@@ -1,0 +1,375 @@
+//! The deterministic simulator (`devkit::sim`, docs/SIMULATION.md): a batch of seeds holds every
+//! invariant, a seed replays to the same trace, and every invariant fires on a hand-played
+//! violation (a trace written by hand), so none of them is a check that cannot fail.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use abada_agent_worker::devkit::engine::{EngineCore, ProtocolLevel, TaskSpec, TaskView};
+use abada_agent_worker::devkit::sim::invariants::{self, Facts};
+use abada_agent_worker::devkit::sim::schedule::Schedule;
+use abada_agent_worker::devkit::sim::{SimOptions, run_seed};
+use abada_agent_worker::devkit::world::trace::{Answer, Event, Trace};
+
+/// Runs of seeds one at a time: a `sim-bugs` build selects its bug for the whole process.
+static SEEDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn paused_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap()
+}
+
+fn seed(seed: u64) -> abada_agent_worker::devkit::sim::SeedReport {
+    let _one_at_a_time = SEEDS.lock().unwrap_or_else(|e| e.into_inner());
+    run_seed(
+        paused_runtime(),
+        &SimOptions {
+            seed,
+            ..SimOptions::default()
+        },
+    )
+}
+
+#[test]
+fn fifty_seeds_hold_every_invariant() {
+    for s in 0..50 {
+        let report = seed(s);
+        assert!(
+            report.violations.is_empty(),
+            "seed {s}: {:#?}\nreplay: {}",
+            report.violations,
+            report.replay_command()
+        );
+        assert!(report.events > 0, "seed {s} did nothing");
+    }
+}
+
+#[test]
+fn a_seed_replayed_gives_the_same_trace_and_another_seed_another() {
+    let first = seed(7);
+    let again = seed(7);
+    assert_eq!(first.hash, again.hash, "seed 7 is not deterministic");
+    assert_eq!(first.events, again.events);
+    assert_ne!(
+        first.hash,
+        seed(8).hash,
+        "seeds 7 and 8 ran the same scenario"
+    );
+}
+
+// ---- every invariant fires on a hand-played violation -------------------------------------
+
+const LOCK: Duration = Duration::from_secs(10);
+
+struct Played {
+    trace: Trace,
+    views: Vec<TaskView>,
+    keys: BTreeMap<String, String>,
+    schedule: Schedule,
+}
+
+impl Played {
+    fn new() -> Self {
+        let mut schedule = Schedule::generate(0, Some(2));
+        schedule.lock_duration = LOCK;
+        schedule.slots = 2;
+        Played {
+            trace: Trace::default(),
+            views: Vec::new(),
+            keys: BTreeMap::from([("k0".to_string(), "t-000001".to_string())]),
+            schedule,
+        }
+    }
+
+    fn at(mut self, ms: u64, e: Event) -> Self {
+        self.trace.push(ms, e);
+        self
+    }
+
+    fn facts(&self) -> Facts<'_> {
+        Facts {
+            trace: &self.trace,
+            views: &self.views,
+            keys: &self.keys,
+            schedule: &self.schedule,
+            safety_margin: LOCK / 10,
+        }
+    }
+}
+
+fn w(s: &str) -> String {
+    s.to_string()
+}
+
+fn call(worker: &str, op: &'static str, attempt: u32) -> Event {
+    Event::EngineCall {
+        worker: w(worker),
+        op,
+        task: Some(w("t-000001")),
+        attempt: Some(attempt),
+    }
+}
+
+fn answer(worker: &str, op: &'static str, attempt: u32, answer: Answer) -> Event {
+    Event::EngineAnswer {
+        worker: w(worker),
+        op,
+        task: Some(w("t-000001")),
+        attempt: Some(attempt),
+        answer,
+    }
+}
+
+fn fetched(worker: &str, attempt: u32) -> Event {
+    Event::Fetched {
+        worker: w(worker),
+        asked: 1,
+        tasks: vec![(w("t-000001"), attempt)],
+    }
+}
+
+fn fires(found: Vec<invariants::Violation>, invariant: &str, needle: &str) {
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert_eq!(found[0].invariant, invariant);
+    assert!(
+        found[0].message.contains(needle),
+        "the message does not name the task and the step ({needle}): {}",
+        found[0].message
+    );
+}
+
+#[test]
+fn a_stale_holders_complete_sent_after_anothers_completion_fires() {
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(11_000, fetched("w1", 2))
+        .at(11_100, call("w1", "complete", 2))
+        .at(11_100, answer("w1", "complete", 2, Answer::Ok))
+        // w0 wakes and completes: the engine answers the no-op with 200.
+        .at(12_000, call("w0", "complete", 1))
+        .at(12_000, answer("w0", "complete", 1, Answer::Ok));
+    fires(
+        invariants::one_completion(&p.facts()),
+        "one accepted completion per task",
+        "task t-000001: complete by w0 attempt Some(1) sent at 12.000 s",
+    );
+    // The same complete sent before w1's (delayed in transit) is no breach.
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(8_000, call("w0", "complete", 1))
+        .at(11_000, fetched("w1", 2))
+        .at(11_100, call("w1", "complete", 2))
+        .at(11_100, answer("w1", "complete", 2, Answer::Ok))
+        .at(12_000, answer("w0", "complete", 1, Answer::Ok));
+    assert!(invariants::one_completion(&p.facts()).is_empty());
+}
+
+#[test]
+fn an_append_accepted_from_a_stale_attempt_fires() {
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(11_000, fetched("w1", 2))
+        .at(11_500, call("w0", "journal-append", 1))
+        .at(11_500, answer("w0", "journal-append", 1, Answer::Ok));
+    fires(
+        invariants::no_stale_append(&p.facts()),
+        "no append by a stale attempt accepted",
+        "task t-000001: journal append by w0 attempt 1",
+    );
+}
+
+#[test]
+fn a_call_after_the_local_expiry_fires_and_one_before_it_does_not() {
+    // Lock 10 s, margin 1 s: fetched at 0, extended by a heartbeat sent at 3 s: local expiry at
+    // 12 s. A call at 12 s is in time; at 12.001 s it is not.
+    let p = Played::new()
+        .at(
+            0,
+            Event::EngineCall {
+                worker: w("w0"),
+                op: "fetch-and-lock",
+                task: None,
+                attempt: None,
+            },
+        )
+        .at(0, fetched("w0", 1))
+        .at(3_000, call("w0", "heartbeat", 1))
+        .at(3_200, answer("w0", "heartbeat", 1, Answer::Ok))
+        .at(12_000, call("w0", "journal-append", 1))
+        .at(12_001, call("w0", "complete", 1));
+    fires(
+        invariants::no_call_after_local_expiry(&p.facts()),
+        "no engine call after the local lease expired",
+        "task t-000001: complete by w0 attempt 1 sent at 12.001 s",
+    );
+}
+
+#[test]
+fn a_call_after_a_refusal_fires_and_one_at_its_instant_does_not() {
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(2_000, call("w0", "journal-append", 1))
+        .at(
+            2_000,
+            answer(
+                "w0",
+                "journal-append",
+                1,
+                Answer::Refused {
+                    status: 409,
+                    code: w("STALE_ATTEMPT"),
+                },
+            ),
+        )
+        // Sent meanwhile (the answer is still on its way): no breach.
+        .at(2_000, call("w0", "heartbeat", 1))
+        .at(2_001, call("w0", "failure", 1));
+    fires(
+        invariants::no_call_after_refusal(&p.facts()),
+        "no call after the engine said the lease is lost",
+        "task t-000001: failure by w0 attempt 1 sent at 2.001 s",
+    );
+}
+
+#[test]
+fn a_fetch_above_the_free_slots_and_a_task_above_the_slots_fire() {
+    let started = |task: &str| Event::TaskStarted {
+        worker: w("w0"),
+        task: w(task),
+        attempt: Some(1),
+    };
+    let p = Played::new()
+        .at(
+            0,
+            Event::WorkerStarted {
+                worker: w("w0"),
+                slots: 2,
+            },
+        )
+        .at(0, started("t-000001"))
+        .at(
+            10,
+            Event::RunnerFetched {
+                worker: w("w0"),
+                requested: 2,
+                got: 0,
+            },
+        );
+    fires(
+        invariants::slots(&p.facts()),
+        "no fetch above the free slots",
+        "asked for 2 tasks at 0.010 s with 1 of 2 slots busy",
+    );
+    let p = Played::new()
+        .at(
+            0,
+            Event::WorkerStarted {
+                worker: w("w0"),
+                slots: 1,
+            },
+        )
+        .at(0, started("t-000002"))
+        .at(5, started("t-000001"));
+    fires(
+        invariants::slots(&p.facts()),
+        "running tasks never above the slots",
+        "task t-000001: started by w0 at 0.005 s with 2 tasks running on 1 slots",
+    );
+}
+
+#[test]
+fn a_task_left_open_after_the_faults_stopped_fires() {
+    let mut core = EngineCore::new(ProtocolLevel::AgentV1, 60_000);
+    core.create_task(TaskSpec::default());
+    let mut p = Played::new();
+    p.views = core.tasks();
+    fires(
+        invariants::all_ended(&p.facts()),
+        "every task ends once faults stop",
+        "task t-000001: still Open",
+    );
+}
+
+#[test]
+fn a_model_answer_paid_twice_without_an_interruption_fires() {
+    let model = |turn| Event::ModelCall {
+        worker: w("w0"),
+        task: w("k0"),
+        turn,
+        answer: "final",
+    };
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(50, model(0))
+        .at(100, model(0));
+    fires(
+        invariants::model_repaid(&p.facts()),
+        "at most one model call re-paid per interruption",
+        "task t-000001: 1 model answers paid again (most at turn Some(0)) over 0 interruptions",
+    );
+    // Once per interruption is the promise: the same two answers over two attempts pass.
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(50, model(0))
+        .at(11_000, fetched("w1", 2))
+        .at(11_050, model(0));
+    assert!(invariants::model_repaid(&p.facts()).is_empty());
+}
+
+#[test]
+fn a_keyed_write_applied_twice_fires_and_a_deduplicated_resend_does_not() {
+    let tool = |ms: u64, key: Option<&str>, answer: &'static str| {
+        (
+            ms,
+            Event::ToolCall {
+                worker: w("w0"),
+                task: w("k0"),
+                write: Some(2),
+                key: key.map(str::to_string),
+                answer,
+            },
+        )
+    };
+    let mut p = Played::new();
+    for (ms, e) in [
+        tool(100, Some("abada:t-000001:5"), "applied-answer-lost"),
+        tool(11_000, Some("abada:t-000001:5"), "deduplicated"),
+    ] {
+        p = p.at(ms, e);
+    }
+    assert!(invariants::keyed_write_once(&p.facts()).is_empty());
+    let (ms, e) = tool(12_000, None, "applied");
+    let p = p.at(ms, e);
+    fires(
+        invariants::keyed_write_once(&p.facts()),
+        "every keyed write applied at most once",
+        "task t-000001: write 2 applied 2 times: 0.100 s by w0 with key Some(\"abada:t-000001:5\"), 12.000 s by w0 with key None",
+    );
+}
+
+/// The reintroduced bugs (docs/SIMULATION.md): each caught within 1,000 seeds. Only in a build
+/// with `--features sim-bugs` (`cargo test --features sim-bugs --test it sim::`).
+#[cfg(feature = "sim-bugs")]
+#[test]
+fn every_reintroduced_bug_is_caught_within_a_thousand_seeds() {
+    use abada_agent_worker::sim_bugs::Bug;
+    let _one_at_a_time = SEEDS.lock().unwrap_or_else(|e| e.into_inner());
+    for bug in Bug::ALL {
+        let caught = (0..1000).find(|&s| {
+            !run_seed(
+                paused_runtime(),
+                &SimOptions {
+                    seed: s,
+                    bug: Some(bug),
+                    ..SimOptions::default()
+                },
+            )
+            .violations
+            .is_empty()
+        });
+        assert!(caught.is_some(), "{} not caught in 1000 seeds", bug.name());
+    }
+}
