@@ -674,6 +674,20 @@ impl<'a> Split<'a> {
 /// `%` that starts no `%XX` escape (kept by some, refused by others), and in a parameter a `+`
 /// (a space to form decoders, a plus to libpq).
 fn check_characters(part: UrlPart, text: &str, in_query: bool) -> Result<(), UrlError> {
+    // A WHATWG reader drops a `.` or `..` path segment (`%2e` too); tokio-postgres keeps it as
+    // the database name.
+    if part == UrlPart::Database
+        && matches!(
+            text.to_ascii_lowercase().replace("%2e", ".").as_str(),
+            "." | ".."
+        )
+    {
+        return Err(UrlError::Character {
+            part,
+            what: "a '.' or '..' name (a dot segment other readers remove)",
+            remedy: "give the name in the dbname parameter instead (?dbname=...)",
+        });
+    }
     let bytes = text.as_bytes();
     for (i, &b) in bytes.iter().enumerate() {
         let refused = |what, remedy| Err(UrlError::Character { part, what, remedy });
@@ -1047,6 +1061,30 @@ mod tests {
                     hosts: 2,
                     count: 1,
                     what: "hostaddr",
+                },
+            ),
+            (
+                "postgres://u:pw-marker-7f3a@db/.",
+                UrlError::Character {
+                    part: UrlPart::Database,
+                    what: "a '.' or '..' name (a dot segment other readers remove)",
+                    remedy: "give the name in the dbname parameter instead (?dbname=...)",
+                },
+            ),
+            (
+                "postgres://u:pw-marker-7f3a@db/..",
+                UrlError::Character {
+                    part: UrlPart::Database,
+                    what: "a '.' or '..' name (a dot segment other readers remove)",
+                    remedy: "give the name in the dbname parameter instead (?dbname=...)",
+                },
+            ),
+            (
+                "postgres://u:pw-marker-7f3a@db/%2E%2e",
+                UrlError::Character {
+                    part: UrlPart::Database,
+                    what: "a '.' or '..' name (a dot segment other readers remove)",
+                    remedy: "give the name in the dbname parameter instead (?dbname=...)",
                 },
             ),
         ];

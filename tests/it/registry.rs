@@ -173,7 +173,7 @@ async fn a_credential_never_reaches_another_server() {
         public.url()
     ));
     let mut sessions = task_sessions(&registry, &["orders", "public"]);
-    assert_eq!(sessions.tools().await.unwrap().len(), 6);
+    assert_eq!(sessions.tools().await.unwrap().len(), 8);
     lookup(&mut sessions, "public").await.unwrap();
     lookup(&mut sessions, "orders").await.unwrap();
     lookup(&mut sessions, "public").await.unwrap();
