@@ -275,8 +275,14 @@ async fn sigterm_drains_finishes_short_tasks_releases_long_ones_and_a_second_wor
         assert_eq!(line["attempt"], 1, "the task span carries its ids: {line}");
         assert!(line["process_instance_id"].is_string(), "{line}");
     }
-    // Two model calls per long task so far: turn 1, and turn 2 cut short by the release.
-    assert_eq!(stack.model.calls("slow"), 4);
+    // Each long task's call in flight was cut short by the release, after one answered turn,
+    // or two for the task whose first call went out alone (a model's first call waits for
+    // nothing else: the other task's first turn started after its answer).
+    let slow_calls = stack.model.calls("slow");
+    assert!(
+        (4..=5).contains(&slow_calls),
+        "model calls of the long tasks: {slow_calls}"
+    );
     let before: HashMap<String, Vec<Value>> = slow
         .iter()
         .map(|id| (id.clone(), stack.engine.task(id).unwrap().journal))
