@@ -135,7 +135,18 @@ fn main() -> ExitCode {
             for v in report.violations.iter().take(5) {
                 println!("  {v}");
             }
-            println!("replay: {}", report.replay_command());
+            match &args.bug {
+                // The bug is compiled in only with the feature, and active only when named.
+                Some(bug) => println!(
+                    "replay: {} --bug {bug}",
+                    report.replay_command().replacen(
+                        "--release",
+                        "--release --features sim-bugs",
+                        1
+                    )
+                ),
+                None => println!("replay: {}", report.replay_command()),
+            }
             failed.push(seed);
             if !args.keep_going {
                 break;
