@@ -994,7 +994,7 @@ mod tests {
     /// The figure in the report: the slowest schema the bounds allow against the largest answer
     /// (`cargo test --release --lib output::tests::figure -- --ignored --nocapture`).
     #[test]
-    #[ignore]
+    #[ignore = "a figure, not a check: seconds of CPU per run; run it with --release --ignored --nocapture"]
     fn figure_worst_case_validation_time() {
         let branches: Vec<Value> = (0..(MAX_EXPANDED_NODES / 11 - 3))
             .map(|i| json!({"type": "string", "minLength": i}))

@@ -137,6 +137,30 @@ fn reads(stack: &Stack, operation: Operation) -> usize {
         .count()
 }
 
+/// Deploys version 2 of the refund process while `running` waits on version 1's failing model;
+/// once the worker has read version 2 (a new attempt of the running task did), lets version 1's
+/// model answer and checks the running instance ended on version 1's definition.
+async fn redeploy_then_answer_v1(stack: &Stack, running: &str, v2_xml: String) {
+    stack
+        .engine
+        .deploy_bpmn(ProcessModel::refund_approval(None), v2_xml);
+    let before = reads(stack, Operation::ProcessDefinitionRead);
+    crate::support::wait::eventually(
+        Duration::from_secs(30),
+        "the worker reads the redeployed definition",
+        async || reads(stack, Operation::ProcessDefinitionRead) > before,
+    )
+    .await;
+    stack.model.clear_faults("bpmn-v1");
+    let done = wait_completed(stack, running).await;
+    assert_eq!(done.variables["v1Result"]["by"], json!("bpmn-v1"));
+    assert!(
+        !done.variables.contains_key("v2Result"),
+        "{:?}",
+        done.variables
+    );
+}
+
 /// Settings whose BPMN cache trusts a learned latest version for `latest_for`.
 fn settings(latest_for: Duration) -> AgentSettings {
     let mut s = Stack::fast_agent_settings();
@@ -222,27 +246,12 @@ async fn a_redeployment_leaves_a_running_run_alone_and_reaches_new_tasks() {
     )
     .await;
 
-    stack.engine.deploy_bpmn(
-        ProcessModel::refund_approval(None),
+    redeploy_then_answer_v1(
+        &stack,
+        &running,
         refund_bpmn(&agent_properties("openai/bpmn-v2", "v2Result")),
-    );
-    // Wait until the worker has read version 2 (a new attempt of the running task did), then
-    // let version 1's model answer.
-    let before = reads(&stack, Operation::ProcessDefinitionRead);
-    crate::support::wait::eventually(
-        Duration::from_secs(30),
-        "the worker reads the redeployed definition",
-        async || reads(&stack, Operation::ProcessDefinitionRead) > before,
     )
     .await;
-    stack.model.clear_faults("bpmn-v1");
-    let done = wait_completed(&stack, &running).await;
-    assert_eq!(done.variables["v1Result"]["by"], json!("bpmn-v1"));
-    assert!(
-        !done.variables.contains_key("v2Result"),
-        "{:?}",
-        done.variables
-    );
     assert_eq!(stack.model.calls("bpmn-v2"), 0, "the running run kept v1");
 
     let fresh = start(&stack, "o-2");
@@ -302,24 +311,7 @@ async fn a_run_resumed_from_the_store_after_a_redeployment_keeps_its_definition(
         "instructions",
         "Version 2: decide refunds, answer with JSON.",
     ));
-    stack
-        .engine
-        .deploy_bpmn(ProcessModel::refund_approval(None), refund_bpmn(&v2));
-    let before = reads(&stack, Operation::ProcessDefinitionRead);
-    crate::support::wait::eventually(
-        Duration::from_secs(30),
-        "the worker reads the redeployed definition",
-        async || reads(&stack, Operation::ProcessDefinitionRead) > before,
-    )
-    .await;
-    stack.model.clear_faults("bpmn-v1");
-    let done = wait_completed(&stack, &running).await;
-    assert_eq!(done.variables["v1Result"]["by"], json!("bpmn-v1"));
-    assert!(
-        !done.variables.contains_key("v2Result"),
-        "{:?}",
-        done.variables
-    );
+    redeploy_then_answer_v1(&stack, &running, refund_bpmn(&v2)).await;
     assert_eq!(stack.model.calls("bpmn-v2"), 0, "the resumed run kept v1");
     let requests = stack.model.requests();
     let last = requests.last().expect("a model request");
