@@ -646,6 +646,32 @@ fn usable_id(op: &'static str, field: &str, id: &str) -> Result<String, EngineEr
     Ok(encode_path_segment(id))
 }
 
+/// What a refused journal append means. The step's key is (task, attempt, seq): an idempotency
+/// conflict means another writer with our worker id and attempt took this seq with a different
+/// step, so the journal moved on without us, as with 409 JOURNAL_CONFLICT.
+pub fn journal_append_refusal(task: &TaskRef, error: EngineError) -> EngineError {
+    match error {
+        EngineError::IdempotencyConflict { .. } => EngineError::LeaseLost {
+            op: "journal-append",
+            task_id: task.task_id.clone(),
+            reason: LeaseLostReason::JournalConflict,
+        },
+        other => other,
+    }
+}
+
+/// The idempotency key of a journal append: stable per step, so a retried append is recognised
+/// by (task, attempt, seq) and answered as the first one was. The simulator's engine sends the
+/// same key, so both see a retried append alike.
+pub fn journal_append_key(task: &TaskRef, step: &JournalStep) -> String {
+    format!(
+        "abada-journal:{}:{}:{}",
+        task.task_id,
+        task.attempt.unwrap_or(0),
+        step.seq
+    )
+}
+
 #[async_trait]
 impl Engine for HttpEngine {
     /// `GET {ENGINE_URL}`: any HTTP answer, whatever its status (the API root usually answers
@@ -886,28 +912,12 @@ impl Engine for HttpEngine {
                     attempt: task.attempt,
                     step,
                 }),
-                // Stable per step: a retried append is recognised by (task, attempt, seq).
-                idempotency_key: Some(format!(
-                    "abada-journal:{}:{}:{}",
-                    task.task_id,
-                    task.attempt.unwrap_or(0),
-                    step.seq
-                )),
+                idempotency_key: Some(journal_append_key(task, step)),
                 traceparent: Self::trace(task),
                 read: Reading::Buffered,
             })
             .await
-            .map_err(|e| match e {
-                // The step's key is (task, attempt, seq): a conflict means another writer with
-                // our worker id and attempt took this seq with a different step, so the journal
-                // moved on without us, as with 409 JOURNAL_CONFLICT.
-                EngineError::IdempotencyConflict { .. } => EngineError::LeaseLost {
-                    op: "journal-append",
-                    task_id: task.task_id.clone(),
-                    reason: LeaseLostReason::JournalConflict,
-                },
-                other => other,
-            })?;
+            .map_err(|e| journal_append_refusal(task, e))?;
         Ok(if answer.status == StatusCode::CREATED {
             AppendOutcome::Created
         } else {

@@ -9,6 +9,7 @@ mod core_http;
 mod demo;
 mod durable;
 mod emulator;
+mod engine_conformance;
 mod faults;
 mod fuzz_props;
 mod fuzz_replay;

@@ -21,7 +21,7 @@ use abada_devkit::engine::{CoreReply, Operation};
 
 use super::World;
 use super::trace::{Answer, Event};
-use crate::engine::client::classify_answer;
+use crate::engine::client::{classify_answer, journal_append_key, journal_append_refusal};
 use crate::engine::{
     AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
     JournalStep, ProbeOutcome, Task, TaskRef, ToolCredential, wire,
@@ -56,7 +56,22 @@ impl WorldEngine {
         task: Option<&TaskRef>,
         body: Value,
     ) -> Result<CoreReply, EngineError> {
-        let answer = self.exchange_at_engine(name, op, task, body).await;
+        self.exchange_keyed(name, op, task, None, body).await
+    }
+
+    /// [`Self::exchange`] with the `Idempotency-Key` the HTTP client would send. Only the
+    /// journal append's key is stable across calls (the client's other keys are new per call,
+    /// reused by its own retries, which the world does not play): with it, a retried append of
+    /// the same step is answered as the first one was, as over HTTP.
+    async fn exchange_keyed(
+        &self,
+        name: &'static str,
+        op: Operation,
+        task: Option<&TaskRef>,
+        key: Option<&str>,
+        body: Value,
+    ) -> Result<CoreReply, EngineError> {
+        let answer = self.exchange_at_engine(name, op, task, key, body).await;
         tokio::time::sleep(Duration::from_millis(1)).await;
         answer
     }
@@ -67,6 +82,7 @@ impl WorldEngine {
         name: &'static str,
         op: Operation,
         task: Option<&TaskRef>,
+        key: Option<&str>,
         body: Value,
     ) -> Result<CoreReply, EngineError> {
         let task_id = task.map(|t| t.task_id.clone());
@@ -155,7 +171,6 @@ impl WorldEngine {
                 &json!({"code": code, "message": "simulated refusal"}),
             ));
         }
-        let key = None;
         let result = self
             .world
             .core()
@@ -314,14 +329,17 @@ impl Engine for WorldEngine {
             "step".into(),
             serde_json::to_value(step).unwrap_or(Value::Null),
         );
+        let key = journal_append_key(task, step);
         let reply = self
-            .exchange(
+            .exchange_keyed(
                 "journal-append",
                 Operation::JournalAppend,
                 Some(task),
+                Some(&key),
                 body.into(),
             )
-            .await?;
+            .await
+            .map_err(|e| journal_append_refusal(task, e))?;
         Ok(if reply.status == 201 {
             AppendOutcome::Created
         } else {

@@ -1,0 +1,444 @@
+//! One conformance suite for the two engines the worker's core can run against without the real
+//! Abada engine: the devkit's HTTP emulator, reached through the production `HttpEngine` client
+//! on loopback, and the simulator's in-memory `WorldEngine` (the same state machine, no HTTP,
+//! bodies built and answers classified beside the client's). The simulator is only as good as
+//! its engine's agreement with the wire: each scenario runs the same calls on both and checks
+//! the outcomes one by one, first against what protocol.md says (so a rule both got wrong fails
+//! too), then against each other.
+//!
+//! Where they overlap: fetch-and-lock (partial answers, attempts, variables), heartbeat
+//! (ownership, expiry), the journal (append, replayed append, stale attempt, read), complete,
+//! failure (retries, retry timeout), bpmn-error, tool credentials. Not here: what only one has
+//! (the process API and authentication over HTTP; the world's faults and trace).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde_json::{Map, Value, json};
+
+use abada_agent_worker::devkit::engine::{EngineEmulator, TaskSpec, TaskStatus};
+use abada_agent_worker::devkit::world::{FaultPlan, World, WorldEngine, WorldOptions};
+use abada_agent_worker::engine::client::{EngineClientSettings, HttpEngine};
+use abada_agent_worker::engine::{
+    AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, JournalStep,
+    Task, TaskRef,
+};
+use abada_agent_worker::metrics::Metrics;
+
+const LOCK: Duration = Duration::from_secs(30);
+
+/// What a scenario needs of an engine besides the worker's calls: tasks to fetch, the engine's
+/// clock moved, and the task as the engine holds it.
+#[async_trait]
+trait Stand: Send + Sync {
+    fn engine(&self, worker_id: &str) -> Arc<dyn Engine>;
+    fn create_task(&self, spec: TaskSpec) -> String;
+    async fn advance(&self, by: Duration);
+    fn status(&self, task_id: &str) -> (TaskStatus, Option<i32>, Option<Map<String, Value>>);
+}
+
+struct Http(EngineEmulator);
+
+#[async_trait]
+impl Stand for Http {
+    fn engine(&self, worker_id: &str) -> Arc<dyn Engine> {
+        let mut settings = EngineClientSettings::new(self.0.base_url(), worker_id);
+        settings.request_timeout = Duration::from_secs(5);
+        Arc::new(HttpEngine::new(
+            reqwest::Client::new(),
+            settings,
+            None,
+            Arc::new(Metrics::new()),
+        ))
+    }
+    fn create_task(&self, spec: TaskSpec) -> String {
+        self.0.create_task(spec)
+    }
+    async fn advance(&self, by: Duration) {
+        self.0.advance(by);
+    }
+    fn status(&self, task_id: &str) -> (TaskStatus, Option<i32>, Option<Map<String, Value>>) {
+        let t = self.0.task(task_id).expect("the task exists");
+        (t.status, t.retries, t.result_variables)
+    }
+}
+
+struct InMemory(Arc<World>);
+
+#[async_trait]
+impl Stand for InMemory {
+    fn engine(&self, worker_id: &str) -> Arc<dyn Engine> {
+        Arc::new(WorldEngine::new(self.0.clone(), worker_id))
+    }
+    fn create_task(&self, spec: TaskSpec) -> String {
+        self.0.core().create_task(spec)
+    }
+    async fn advance(&self, by: Duration) {
+        tokio::time::advance(by).await;
+    }
+    fn status(&self, task_id: &str) -> (TaskStatus, Option<i32>, Option<Map<String, Value>>) {
+        let t = self.0.core().task(task_id).expect("the task exists");
+        (t.status, t.retries, t.result_variables)
+    }
+}
+
+/// An outcome as the core acts on it: the error's variant (and lease-lost reason, or status and
+/// code), never its message; a fetch's tasks by id, attempt, activity and variables.
+fn outcome<T>(result: &Result<T, EngineError>, ok: impl Fn(&T) -> String) -> String {
+    match result {
+        Ok(v) => format!("ok {}", ok(v)),
+        Err(e) => match e {
+            EngineError::LeaseLost { reason, .. } => format!("lease-lost {reason}"),
+            EngineError::Rejected { status, code, .. } => format!("rejected {status} {code}"),
+            EngineError::NotFound { code, .. } => format!("not-found {code}"),
+            EngineError::ConcurrentModification { .. } => "concurrent-modification".into(),
+            EngineError::IdempotencyConflict { .. } => "idempotency-conflict".into(),
+            EngineError::InvalidRequest { .. } => "invalid-request".into(),
+            EngineError::Transient { .. } => "transient".into(),
+            EngineError::MalformedResponse { detail, .. } => format!("malformed {detail}"),
+            other => format!("other {other}"),
+        },
+    }
+}
+
+#[allow(clippy::ptr_arg)] // `outcome` hands it `&Vec<Task>`, the fetch's own type
+fn tasks_line(tasks: &Vec<Task>) -> String {
+    let mut parts: Vec<String> = tasks
+        .iter()
+        .map(|t| {
+            format!(
+                "{}#{} {} {} {}",
+                t.id,
+                t.attempt.unwrap_or(0),
+                t.activity_id.as_deref().unwrap_or("-"),
+                t.retries.map(|r| r.to_string()).unwrap_or("-".into()),
+                Value::Object(t.variables.clone())
+            )
+        })
+        .collect();
+    parts.sort();
+    format!("[{}]", parts.join(", "))
+}
+
+fn fetch(max_tasks: u32) -> FetchRequest {
+    FetchRequest {
+        topics: vec!["abada:agent".into()],
+        lock_duration: LOCK,
+        max_tasks,
+    }
+}
+
+fn step(seq: u64, text: &str) -> JournalStep {
+    JournalStep {
+        seq,
+        kind: "model".into(),
+        state: "finished".into(),
+        key: None,
+        data: json!({ "text": text }),
+    }
+}
+
+fn stale(task: &TaskRef) -> TaskRef {
+    TaskRef {
+        attempt: task.attempt.map(|a| a.saturating_sub(1)),
+        ..task.clone()
+    }
+}
+
+/// The calls of one scenario and what each answered, in order, one line each.
+async fn lease_and_journal(stand: &dyn Stand) -> Vec<String> {
+    let mut log = Vec::new();
+    let w1 = stand.engine("w1");
+    let w2 = stand.engine("w2");
+    let empty = w1.fetch_and_lock(&fetch(4)).await;
+    log.push(format!(
+        "fetch on an empty queue: {}",
+        outcome(&empty, tasks_line)
+    ));
+    let mut variables = Map::new();
+    variables.insert("orderId".into(), json!("o-1"));
+    for _ in 0..3 {
+        stand.create_task(TaskSpec {
+            variables: variables.clone(),
+            ..TaskSpec::default()
+        });
+    }
+    let first = w1.fetch_and_lock(&fetch(2)).await;
+    log.push(format!(
+        "w1 fetches 2 of 3: {}",
+        outcome(&first, tasks_line)
+    ));
+    let second = w2.fetch_and_lock(&fetch(5)).await;
+    log.push(format!(
+        "w2 fetches the rest: {}",
+        outcome(&second, tasks_line)
+    ));
+    let mine = first.expect("w1's fetch")[0].task_ref();
+    let theirs = second.expect("w2's fetch")[0].task_ref();
+    let r = w1.append_journal(&theirs, &step(1, "not yours")).await;
+    log.push(format!(
+        "w1 appends to w2's task: {}",
+        outcome(&r, append_line)
+    ));
+
+    let r = w2.heartbeat(&mine, LOCK).await;
+    log.push(format!(
+        "w2 extends w1's lease: {}",
+        outcome(&r, |_| "()".into())
+    ));
+    let r = w1.heartbeat(&mine, LOCK).await;
+    log.push(format!(
+        "w1 extends its lease: {}",
+        outcome(&r, |_| "()".into())
+    ));
+
+    let r = w1.append_journal(&mine, &step(1, "hello")).await;
+    log.push(format!("append seq 1: {}", outcome(&r, append_line)));
+    let r = w1.append_journal(&mine, &step(1, "hello")).await;
+    log.push(format!("the same step again: {}", outcome(&r, append_line)));
+    let r = w1.append_journal(&mine, &step(1, "other")).await;
+    log.push(format!(
+        "seq 1 with another body: {}",
+        outcome(&r, append_line)
+    ));
+    let r = w1.append_journal(&mine, &step(3, "gap")).await;
+    log.push(format!("seq 3 after 1: {}", outcome(&r, append_line)));
+    let r = w2.append_journal(&mine, &step(2, "not yours")).await;
+    log.push(format!(
+        "w2 appends to w1's task: {}",
+        outcome(&r, append_line)
+    ));
+    let r = w1.read_journal(&mine).await;
+    log.push(format!(
+        "read: {}",
+        outcome(&r, |j| format!(
+            "{:?}",
+            j.steps.iter().map(|s| s.seq).collect::<Vec<_>>()
+        ))
+    ));
+
+    // Past the lease (and past w2's: it renewed nothing), another worker takes attempt 2.
+    stand.advance(LOCK + Duration::from_secs(1)).await;
+    let r = w1.heartbeat(&mine, LOCK).await;
+    log.push(format!(
+        "w1 extends an expired lease: {}",
+        outcome(&r, |_| "()".into())
+    ));
+    let again = w2.fetch_and_lock(&fetch(5)).await;
+    log.push(format!(
+        "w2 fetches after every lease expired: {}",
+        outcome(&again, tasks_line)
+    ));
+    let again = again.expect("w2's second fetch");
+    let new = again
+        .iter()
+        .find(|t| t.id == mine.task_id)
+        .expect("w1's task fetched again")
+        .task_ref();
+    let r = w2.read_journal(&new).await;
+    log.push(format!(
+        "attempt 2 reads the journal: {}",
+        outcome(&r, |j| format!(
+            "{:?}",
+            j.steps.iter().map(|s| s.seq).collect::<Vec<_>>()
+        ))
+    ));
+    let r = w2.append_journal(&new, &step(1, "hello")).await;
+    log.push(format!(
+        "attempt 2 appends the step already there: {}",
+        outcome(&r, append_line)
+    ));
+    let r = w1.append_journal(&mine, &step(2, "stale")).await;
+    log.push(format!(
+        "the old attempt appends: {}",
+        outcome(&r, append_line)
+    ));
+    let r = w2.append_journal(&stale(&new), &step(2, "stale")).await;
+    log.push(format!(
+        "w2 with the old attempt number appends: {}",
+        outcome(&r, append_line)
+    ));
+    let r = w1.complete(&mine, &Map::new()).await;
+    log.push(format!(
+        "the old attempt completes: {}",
+        outcome(&r, |_| "()".into())
+    ));
+
+    let mut result = Map::new();
+    result.insert("decision".into(), json!({"refunded": true}));
+    let r = w2.complete(&new, &result).await;
+    log.push(format!(
+        "attempt 2 completes: {}",
+        outcome(&r, |_| "()".into())
+    ));
+    let r = w2.complete(&new, &result).await;
+    log.push(format!(
+        "a second complete: {}",
+        outcome(&r, |_| "()".into())
+    ));
+    let r = w2.heartbeat(&new, LOCK).await;
+    log.push(format!(
+        "a heartbeat after the complete: {}",
+        outcome(&r, |_| "()".into())
+    ));
+    log.push(format!("engine holds: {:?}", stand.status(&new.task_id)));
+
+    // The other two tasks: a failure with retries and a timeout, a BPMN error.
+    let rest: Vec<TaskRef> = again
+        .iter()
+        .filter(|t| t.id != mine.task_id)
+        .map(Task::task_ref)
+        .collect();
+    let failing = &rest[0];
+    let r = w2
+        .failure(
+            failing,
+            &FailureReport {
+                error_message: "the model is down".into(),
+                error_details: "HTTP 503".into(),
+                retries: 2,
+                retry_timeout: Duration::from_secs(10),
+            },
+        )
+        .await;
+    log.push(format!(
+        "failure, 2 retries left: {}",
+        outcome(&r, |_| "()".into())
+    ));
+    let hidden = w1.fetch_and_lock(&fetch(5)).await;
+    log.push(format!(
+        "fetch within the retry timeout: {}",
+        outcome(&hidden, tasks_line)
+    ));
+    stand.advance(Duration::from_secs(11)).await;
+    let back = w1.fetch_and_lock(&fetch(5)).await;
+    log.push(format!(
+        "fetch after the retry timeout: {}",
+        outcome(&back, tasks_line)
+    ));
+    let erring = &rest[1];
+    let mut vars = Map::new();
+    vars.insert("reason".into(), json!("not refundable"));
+    let r = w2
+        .bpmn_error(
+            erring,
+            &BpmnErrorReport {
+                error_code: "NOT_REFUNDABLE".into(),
+                error_message: "the order is older than 90 days".into(),
+                variables: vars,
+            },
+        )
+        .await;
+    log.push(format!("bpmn-error: {}", outcome(&r, |_| "()".into())));
+    log.push(format!("engine holds: {:?}", stand.status(&erring.task_id)));
+    log
+}
+
+fn append_line(o: &AppendOutcome) -> String {
+    format!("{o:?}")
+}
+
+/// What protocol.md (A.2, B.2) says each call of [`lease_and_journal`] answers.
+fn expected() -> Vec<&'static str> {
+    vec![
+        "fetch on an empty queue: ok []",
+        r#"w1 fetches 2 of 3: ok [t-000001#1 agentTask - {"orderId":"o-1"}, t-000002#1 agentTask - {"orderId":"o-1"}]"#,
+        r#"w2 fetches the rest: ok [t-000003#1 agentTask - {"orderId":"o-1"}]"#,
+        "w1 appends to w2's task: lease-lost WORKER_LOCK_NOT_OWNED",
+        "w2 extends w1's lease: lease-lost WORKER_LOCK_NOT_OWNED",
+        "w1 extends its lease: ok ()",
+        "append seq 1: ok Created",
+        // A.3: the same key and body are answered as the first time (201).
+        "the same step again: ok Created",
+        "seq 1 with another body: lease-lost JOURNAL_CONFLICT",
+        "seq 3 after 1: lease-lost JOURNAL_CONFLICT",
+        "w2 appends to w1's task: lease-lost WORKER_LOCK_NOT_OWNED",
+        "read: ok [1]",
+        "w1 extends an expired lease: lease-lost WORKER_LOCK_EXPIRED",
+        r#"w2 fetches after every lease expired: ok [t-000001#2 agentTask - {"orderId":"o-1"}, t-000002#2 agentTask - {"orderId":"o-1"}, t-000003#2 agentTask - {"orderId":"o-1"}]"#,
+        "attempt 2 reads the journal: ok [1]",
+        // B.2: an identical step under another attempt (another key) is 200.
+        "attempt 2 appends the step already there: ok AlreadyPresent",
+        // Ownership is checked before the attempt: w1 no longer holds the lock at all.
+        "the old attempt appends: lease-lost WORKER_LOCK_NOT_OWNED",
+        "w2 with the old attempt number appends: lease-lost STALE_ATTEMPT",
+        "the old attempt completes: lease-lost WORKER_LOCK_NOT_OWNED",
+        "attempt 2 completes: ok ()",
+        // A.2: a complete on a COMPLETED task is 200 and does nothing.
+        "a second complete: ok ()",
+        "a heartbeat after the complete: lease-lost NOT_LOCKED",
+        r#"engine holds: (Completed, None, Some({"decision": Object {"refunded": Bool(true)}}))"#,
+        "failure, 2 retries left: ok ()",
+        "fetch within the retry timeout: ok []",
+        r#"fetch after the retry timeout: ok [t-000002#3 agentTask 2 {"orderId":"o-1"}]"#,
+        "bpmn-error: ok ()",
+        r#"engine holds: (BpmnError, None, Some({"reason": String("not refundable")}))"#,
+    ]
+}
+
+fn check(name: &str, got: &[String]) {
+    let want = expected();
+    for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
+        assert_eq!(
+            g, w,
+            "{name}: call {i} answered otherwise than protocol.md says"
+        );
+    }
+    assert_eq!(got.len(), want.len(), "{name}: {got:#?}");
+}
+
+#[tokio::test]
+async fn the_http_emulator_answers_as_the_protocol_says() {
+    let emu = abada_agent_worker::devkit::engine::start(Default::default())
+        .await
+        .expect("the emulator starts on 127.0.0.1");
+    let got = lease_and_journal(&Http(emu)).await;
+    check("HTTP emulator", &got);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_in_memory_engine_answers_as_the_protocol_says() {
+    let world = World::new(WorldOptions {
+        seed: 1,
+        lock_duration: LOCK,
+        faults: FaultPlan::default(),
+    });
+    let got = lease_and_journal(&InMemory(world)).await;
+    check("in-memory engine", &got);
+}
+
+/// The two side by side: the same calls, the same answers, line for line (the check above
+/// pins each to the protocol; this one names the first line where they part).
+#[tokio::test]
+async fn the_in_memory_engine_and_the_http_emulator_agree_call_for_call() {
+    let emu = abada_agent_worker::devkit::engine::start(Default::default())
+        .await
+        .expect("the emulator starts on 127.0.0.1");
+    let over_http = lease_and_journal(&Http(emu)).await;
+    // The world's clock is tokio's: a runtime of its own, paused, on this thread.
+    let in_memory = std::thread::spawn(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .expect("a current-thread runtime")
+            .block_on(async {
+                let world = World::new(WorldOptions {
+                    seed: 1,
+                    lock_duration: LOCK,
+                    faults: FaultPlan::default(),
+                });
+                lease_and_journal(&InMemory(world)).await
+            })
+    })
+    .join()
+    .expect("the in-memory run");
+    for (i, (h, m)) in over_http.iter().zip(in_memory.iter()).enumerate() {
+        assert_eq!(
+            h, m,
+            "call {i}: the in-memory engine answers otherwise than over HTTP"
+        );
+    }
+    assert_eq!(over_http.len(), in_memory.len());
+}
