@@ -16,6 +16,9 @@
 //! - `refund-approval`: the approval example's refund (`demo --scenario approval`): the input is
 //!   JSON with `orderId` and `amountCents`; look the order up, refund that amount with a word of
 //!   why, then tell the customer what the last tool said (the refund, or who refused it);
+//! - `refund-repair`: the `refund` script whose first final answer is prose, off any JSON schema
+//!   ("Refunded order o-1."), and whose next answer (the worker's repair turn, when the agent has
+//!   an `outputSchema`) is the JSON object;
 //! - `null-answer`: a final answer that is the JSON `null`.
 
 use std::net::SocketAddr;
@@ -31,7 +34,13 @@ use axum::extract::State;
 use axum::routing::get;
 use serde_json::{Value, json};
 
-const MODELS: [&str; 4] = ["refund", "refund-slow", "refund-approval", "null-answer"];
+const MODELS: [&str; 5] = [
+    "refund",
+    "refund-slow",
+    "refund-approval",
+    "refund-repair",
+    "null-answer",
+];
 
 struct Args {
     token_file: PathBuf,
@@ -147,6 +156,7 @@ async fn main() -> ExitCode {
     model.set_script("refund", refund_script());
     model.set_script("refund-slow", refund_script().with_latency(args.slow));
     model.set_script("refund-approval", refund_amount_script());
+    model.set_script("refund-repair", refund_repair_script());
     model.set_script("null-answer", Script::new(vec![Turn::text("null")]));
     let orders = match ToolServer::start(ToolServerOptions::new(
         ORDERS_SERVER,
@@ -202,4 +212,21 @@ async fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `refund` with an off-schema first final answer: prose where the schema wants an object, then
+/// the object on the repair turn.
+fn refund_repair_script() -> Script {
+    Script::new(vec![
+        Turn::call("lookup_order", json!({"orderId": "${input}"})),
+        Turn::call(
+            "issue_refund",
+            json!({"orderId": "${input}", "amountCents": 1500, "reason": "damaged"}),
+        ),
+        Turn::text("Refunded order ${input}."),
+        Turn::text(
+            r#"{"decision": "refunded", "orderId": "${input}", "refund": ${last_tool_result}}"#,
+        ),
+    ])
+    .with_usage(120, 30)
 }
