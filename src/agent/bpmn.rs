@@ -756,7 +756,7 @@ impl BpmnDefinitions {
                     let agents = Arc::new(parse_process(key, read.version, &read.bpmn_xml)?);
                     tracing::info!(
                         process = %key,
-                        version = ?read.version,
+                        version = read.version,
                         agents = agents.by_activity.len(),
                         "process definition read for agents defined in the BPMN"
                     );
