@@ -506,12 +506,14 @@ impl Crew {
                 w.running += 1;
                 w.stats.max_running = w.stats.max_running.max(w.running);
             }
+            // A slot is busy from a task's start until its work is done (its report goes out
+            // after the slot is given back).
+            RunnerEvent::SlotFreed { .. } => w.running = w.running.saturating_sub(1),
             RunnerEvent::TaskEnded {
                 task_id,
                 attempt,
                 outcome,
             } => {
-                w.running = w.running.saturating_sub(1);
                 match outcome {
                     TaskEnd::Completed => w.stats.completed += 1,
                     TaskEnd::LeaseLost => w.stats.leases_lost += 1,
@@ -692,6 +694,7 @@ pub(crate) fn narrate(tl: &mut Timeline, name: &str, event: &RunnerEvent) {
                 json!({"task": task_id, "attempt": attempt, "outcome": outcome.as_str()}),
             );
         }
+        RunnerEvent::SlotFreed { .. } => {}
         RunnerEvent::FetchFailed { error } => tl.emit(
             name,
             "fetch_failed",

@@ -11,11 +11,22 @@
 //!   the capacity returns or a task ends. Tasks an answer holds beyond
 //!   that are released at once, as at shutdown, rather than left locked until they expire.
 //! - Each task runs as its own spawned future owning its slot permit, in the loop's `JoinSet`
-//!   beside the lease it runs under. The loop learns of a task's end by joining it and tells
-//!   the policy, which fetches at once (unless backing off from a failed fetch): with every
-//!   slot busy, during the idle wait after an empty answer, or while a fetch was out. So a
-//!   freed slot is refilled after one round trip, and a partial answer (others fetching at
-//!   the same moment) is followed by a fetch for the rest at once.
+//!   beside the lease it runs under. A slot is the task's work: its conversation, its tool
+//!   calls, its cleanup. When that work is done the task takes a report permit (a second
+//!   semaphore of `MAX_TASKS`), gives its slot back and tells the loop, and only then sends its
+//!   one report (complete, failure, bpmn-error) and runs what follows it. So the engine's
+//!   answer to a report does not hold a slot: the next task's fetch goes out while the
+//!   complete is still in flight, and a slot's cycle is the work plus one fetch, not the work
+//!   plus a complete plus a fetch (issue 25: on the real engine the two round trips were
+//!   100-190 ms each beside a 100 ms model call). Reports in flight are bounded by the second
+//!   semaphore: with all of them out, a task keeps its slot until one returns, so an engine
+//!   slower than the work holds the fetches back. A worker therefore holds at most
+//!   `MAX_TASKS` tasks at work and `MAX_TASKS` more being reported.
+//! - The loop hears of every freed slot and tells the policy, which fetches at once (unless
+//!   backing off from a failed fetch): with every slot busy, during the idle wait after an
+//!   empty answer, or while a fetch was out. So a freed slot is refilled after one round trip,
+//!   and a partial answer (others fetching at the same moment) is followed by a fetch for the
+//!   rest at once.
 //! - The engine handing out a task that still runs here stops the older attempt (its lease is
 //!   superseded). A lease lost at any point stops its task at its next await; nothing is
 //!   reported for it.
@@ -106,6 +117,11 @@ pub enum RunnerEvent {
         error: String,
     },
     TaskStarted {
+        task_id: String,
+        attempt: Option<u32>,
+    },
+    /// The task's work is done and its slot free; its report is about to be sent.
+    SlotFreed {
         task_id: String,
         attempt: Option<u32>,
     },
@@ -216,6 +232,10 @@ struct Shared {
     heartbeat: HeartbeatHandle,
     metrics: Arc<Metrics>,
     slots: Arc<Semaphore>,
+    /// Reports in flight (`MAX_TASKS`): a task takes one before it gives its slot back.
+    reports: Arc<Semaphore>,
+    /// One message per slot given back, to the poll loop ([`RunningTasks::slot_freed`]).
+    slot_freed: mpsc::UnboundedSender<()>,
     max_tasks: u32,
     stop: CancellationToken,
     stop_wait: Duration,
@@ -236,6 +256,13 @@ impl Shared {
     }
 }
 
+/// What [`RunningTasks::next_change`] saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Change {
+    SlotFreed,
+    Joined,
+}
+
 /// The tasks running here, owned by the poll loop: their futures, and the lease each runs under
 /// (to stop an older attempt when the engine hands the same task out again). The loop learns
 /// of a task's end by joining it, so no second record has to be kept in step by hand.
@@ -243,14 +270,38 @@ struct RunningTasks {
     set: JoinSet<()>,
     /// The lease of every task not joined yet, by its future's id.
     leases: HashMap<tokio::task::Id, Lease>,
+    /// A message per slot a task gave back (its work done, its report not yet sent).
+    freed: mpsc::UnboundedReceiver<()>,
 }
 
 impl RunningTasks {
-    fn new() -> Self {
+    fn new(freed: mpsc::UnboundedReceiver<()>) -> Self {
         RunningTasks {
             set: JoinSet::new(),
             leases: HashMap::new(),
+            freed,
         }
+    }
+
+    /// Waits until a task gives its slot back ([`Change::SlotFreed`]) or a task's future ends
+    /// and is forgotten ([`Change::Joined`]; its slot was given back before). Cancel-safe, so
+    /// it can race the loop's waits in `select!`.
+    async fn next_change(&mut self) -> Option<Change> {
+        tokio::select! {
+            Some(()) = self.freed.recv() => Some(Change::SlotFreed),
+            Some(joined) = self.set.join_next_with_id() => {
+                self.forget(joined);
+                Some(Change::Joined)
+            }
+            else => None,
+        }
+    }
+
+    /// Forgets the slots given back so far: a fetch about to ask for every free slot covers
+    /// them. (A slot is given back before its message is sent, so a message always comes after
+    /// its slot is counted free: none is lost, at worst one brings a fetch of no new slot.)
+    fn forget_freed(&mut self) {
+        while self.freed.try_recv().is_ok() {}
     }
 
     /// Spawns `run`, the task holding `lease`.
@@ -351,12 +402,15 @@ impl Runner {
             self.metrics.clone(),
             heartbeat_events,
         );
+        let (slot_freed, freed) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             engine: self.engine.clone(),
             handler: self.handler.clone(),
             heartbeat,
             metrics: self.metrics.clone(),
             slots: Arc::new(Semaphore::new(s.max_tasks as usize)),
+            reports: Arc::new(Semaphore::new(s.max_tasks as usize)),
+            slot_freed,
             max_tasks: s.max_tasks,
             stop: CancellationToken::new(),
             stop_wait: s.stop_wait,
@@ -364,7 +418,7 @@ impl Runner {
             events: self.events.clone(),
         });
         self.metrics.slots_total.set(s.max_tasks as i64);
-        let mut tasks = RunningTasks::new();
+        let mut tasks = RunningTasks::new(freed);
 
         self.poll_loop(&shared, &mut tasks, &shutdown)
             .instrument(shared.worker_span.clone())
@@ -433,7 +487,9 @@ impl Runner {
                     // an empty answer, and keeps a backoff.
                     tokio::select! {
                         _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
-                        Some(()) = tasks.join_next() => policy.task_ended(Instant::now()),
+                        Some(change) = tasks.next_change() => if change == Change::SlotFreed {
+                            policy.task_ended(Instant::now())
+                        },
                         _ = shutdown.cancelled() => return,
                     }
                 }
@@ -451,7 +507,9 @@ impl Runner {
                     if free == 0 {
                         // A task's end frees its slot: refill it after one round trip.
                         tokio::select! {
-                            Some(()) = tasks.join_next() => policy.task_ended(Instant::now()),
+                            Some(change) = tasks.next_change() => if change == Change::SlotFreed {
+                                policy.task_ended(Instant::now())
+                            },
                             _ = shutdown.cancelled() => return,
                             _ = tokio::time::sleep(LIVENESS_TICK) => {}
                         }
@@ -464,7 +522,9 @@ impl Runner {
                         Admit::WaitUntil(until) => {
                             tokio::select! {
                                 _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
-                                Some(()) = tasks.join_next() => policy.task_ended(Instant::now()),
+                                Some(change) = tasks.next_change() => if change == Change::SlotFreed {
+                                    policy.task_ended(Instant::now())
+                                },
                                 _ = shutdown.cancelled() => return,
                             }
                         }
@@ -483,6 +543,7 @@ impl Runner {
         free: u32,
     ) {
         let s = &self.settings;
+        tasks.forget_freed();
         let batch = shared
             .slots
             .clone()
@@ -515,11 +576,9 @@ impl Runner {
                     got,
                 });
                 // Attempts that ended are no longer running: only a live one is superseded.
-                // One that ended while the fetch was out freed a slot the engine may not have
-                // seen free yet: a task's end always brings a fetch.
-                if tasks.reap() > 0 {
-                    policy.task_ended(Instant::now());
-                }
+                // A slot given back while the fetch was out is still in `slot_freed`: it
+                // brings the next fetch.
+                tasks.reap();
                 let mut locked = locked;
                 let surplus = locked.split_off(locked.len().min(free as usize));
                 if !locked.is_empty() {
@@ -729,6 +788,22 @@ async fn run_task(
         }
         cleanup.close();
         cleanup.wait().await;
+        // The work is done: with a report permit in hand, the slot goes back and the loop
+        // fetches for it while this report is out. With every report permit taken (an engine
+        // slower than the work), the slot waits here for one, and the lease is still extended.
+        let _report_permit = shared
+            .reports
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the report semaphore is never closed");
+        drop(permit);
+        shared.update_slot_gauge();
+        shared.emit(RunnerEvent::SlotFreed {
+            task_id: task.id.clone(),
+            attempt: task.attempt,
+        });
+        let _ = shared.slot_freed.send(());
         // Stop extending before reporting: an extension still in flight could otherwise reach
         // the engine after the completion, be refused as "not locked" and make a completed task
         // look lost. The report is short next to the lease (at least 2/3 of it is left here).
@@ -765,9 +840,6 @@ async fn run_task(
     }
     .instrument(span)
     .await;
-    // The loop learns of the free slot by joining this future, which ends right here.
-    drop(permit);
-    shared.update_slot_gauge();
 }
 
 /// Turns an outcome into its one engine call; nothing when the lease is lost. An outcome the

@@ -267,6 +267,7 @@ fn on_event(
                 flush(tl, crew, board, pending, i);
             }
         }
+        RunnerEvent::SlotFreed { .. } => {}
         RunnerEvent::TaskStarted { task_id, .. } => {
             let p = pending.entry(i).or_default();
             if let Some((_, got, ids)) = &mut p.claim {

@@ -158,10 +158,10 @@ async fn four_slots_twenty_tasks_never_more_than_four_and_fetch_asks_for_the_fre
     );
 }
 
-/// The loop learns of a task's end by joining it: with every slot busy, the slot a task frees
-/// is asked for right after its report, not a liveness tick or a poll interval later.
+/// With every slot busy, the slot a task frees is asked for as soon as its work is done, not a
+/// liveness tick or a poll interval later, and not after its report's answer either.
 #[tokio::test(start_paused = true)]
-async fn a_freed_slot_is_refilled_right_after_the_report() {
+async fn a_freed_slot_is_refilled_as_its_report_goes_out() {
     let engine = FakeEngine::with_tasks(3);
     let handler = SleepHandler::new(Duration::from_secs(10));
     let mut s = settings(Duration::from_secs(120));
@@ -188,13 +188,83 @@ async fn a_freed_slot_is_refilled_right_after_the_report() {
             .iter()
             .find(|&&f| f >= *done)
             .unwrap_or_else(|| panic!("no fetch after completion {i}"));
-        // The fake engine takes 1 ms of virtual time per call.
+        // The fake engine takes 1 ms of virtual time per fetch; the complete and the fetch for
+        // the freed slot go out at the same instant.
         assert!(
             *next - *done <= Duration::from_millis(2),
             "completion {i}: the freed slot was asked for {:?} later",
             *next - *done
         );
     }
+}
+
+/// An engine slow to answer a complete does not hold the slot: the next task's fetch goes out
+/// and its work starts while the complete is in flight (issue 25: a slot's cycle is the work
+/// plus one fetch). Reports in flight are bounded by the slots, so the tasks this worker holds
+/// (handed out, not yet reported) never exceed twice the slots, and with every report permit
+/// out a finished task keeps its slot (no fetch) until one returns.
+#[tokio::test(start_paused = true)]
+async fn a_slow_complete_does_not_hold_the_slot_and_reports_in_flight_are_bounded() {
+    let engine = FakeEngine::with_tasks(40);
+    engine.state.lock().unwrap().complete_latency = Duration::from_millis(500);
+    let handler = SleepHandler::new(Duration::from_millis(100));
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 2;
+    s.poll_interval = Duration::from_secs(3600);
+    let mut r = start(&engine, handler.clone(), s);
+    wait_until(|| completed(&engine) == 40, Duration::from_secs(600)).await;
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let calls = engine.calls();
+    let first = calls[0].at;
+    let last = calls
+        .iter()
+        .filter(|c| c.op == "complete")
+        .map(|c| c.at)
+        .max()
+        .unwrap();
+    // Work 100 ms, complete 500 ms, 2 slots and 2 reports: the reports set the pace (2 per
+    // 500 ms), not work + complete + fetch (2 per ~600 ms).
+    let took = last - first;
+    assert!(
+        took < Duration::from_millis(40 / 2 * 500 + 500),
+        "40 tasks took {took:?}: the complete's answer held the slots"
+    );
+    // The bound: never more than slots + reports handed out and unreported at a fetch.
+    let most = calls
+        .iter()
+        .filter(|c| c.op == "fetch-and-lock")
+        .map(|c| c.outstanding + c.max_tasks as usize)
+        .max()
+        .unwrap();
+    assert!(
+        most <= 4,
+        "a fetch could leave {most} tasks held on 2 slots"
+    );
+    assert!(handler.most.load(Ordering::SeqCst) <= 2);
+    // A fetch went out while a complete was in flight (between a complete's call and its
+    // answer): the work of the next task overlapped the report.
+    let overlapped = calls
+        .iter()
+        .any(|c| c.op == "fetch-and-lock" && c.outstanding > 0);
+    assert!(overlapped, "no fetch while a report was out");
+    // Every task was reported once, and the events say each slot came back before its report.
+    let mut freed = std::collections::HashSet::new();
+    while let Ok(e) = r.events.try_recv() {
+        match e {
+            RunnerEvent::SlotFreed { task_id, .. } => {
+                freed.insert(task_id);
+            }
+            RunnerEvent::TaskEnded { task_id, .. } => {
+                assert!(
+                    freed.contains(&task_id),
+                    "{task_id} ended before its slot came back"
+                );
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(freed.len(), 40);
 }
 
 fn fetch_times(engine: &FakeEngine, since: Instant) -> Vec<Duration> {

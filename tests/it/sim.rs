@@ -278,6 +278,55 @@ fn a_fetch_above_the_free_slots_and_a_task_above_the_slots_fire() {
         "running tasks never above the slots",
         "task t-000001: started by w0 at 0.005 s with 2 tasks running on 1 slots",
     );
+    // A slot given back before the report does not count as busy: no breach.
+    let freed = |task: &str| Event::SlotFreed {
+        worker: w("w0"),
+        task: w(task),
+        attempt: Some(1),
+    };
+    let p = Played::new()
+        .at(
+            0,
+            Event::WorkerStarted {
+                worker: w("w0"),
+                slots: 1,
+            },
+        )
+        .at(0, started("t-000002"))
+        .at(3, freed("t-000002"))
+        .at(5, started("t-000001"));
+    assert!(invariants::slots(&p.facts()).is_empty());
+    // Two reports in flight on one slot.
+    let p = p.at(7, freed("t-000001"));
+    fires(
+        invariants::slots(&p.facts()),
+        "reports in flight never above the slots",
+        "task t-000001: w0 gave its slot back at 0.007 s with 2 reports in flight on 1 slots",
+    );
+    // A task that ends without giving its slot back first.
+    let p = Played::new()
+        .at(
+            0,
+            Event::WorkerStarted {
+                worker: w("w0"),
+                slots: 1,
+            },
+        )
+        .at(0, started("t-000002"))
+        .at(
+            9,
+            Event::TaskEnded {
+                worker: w("w0"),
+                task: w("t-000002"),
+                attempt: Some(1),
+                outcome: "completed".into(),
+            },
+        );
+    fires(
+        invariants::slots(&p.facts()),
+        "a task gives its slot back before its report",
+        "task t-000002: ended by w0 at 0.009 s without giving its slot back first",
+    );
 }
 
 #[test]

@@ -10,7 +10,8 @@
 //!   clock said the lease had expired (last accepted extension sent + lock - margin);
 //! - [`no_call_after_refusal`]: no call about an attempt after the engine said the lease is no
 //!   longer ours (no report after loss);
-//! - [`slots`]: running tasks never above the slots, no fetch above the free slots;
+//! - [`slots`]: running tasks never above the slots, no fetch above the free slots, reports in
+//!   flight (slots given back, reports not yet answered) never above the slots either;
 //! - [`all_ended`]: every task ended within [`super::END_BOUND`] of the faults stopping;
 //! - [`model_repaid`]: at most one model answer paid again per interruption;
 //! - [`keyed_write_once`]: every logical write applied at most once by the tool server,
@@ -302,7 +303,9 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
 
 pub fn slots(facts: &Facts<'_>) -> Vec<Violation> {
     let mut slots_of: BTreeMap<&str, u32> = BTreeMap::new();
+    // At work: started, slot not given back yet. Reporting: slot given back, not ended yet.
     let mut running: BTreeMap<&str, BTreeSet<(&str, Option<u32>)>> = BTreeMap::new();
+    let mut reporting: BTreeMap<&str, BTreeSet<(&str, Option<u32>)>> = BTreeMap::new();
     let mut out = Vec::new();
     for (t, e) in &facts.trace.events {
         match e {
@@ -343,14 +346,49 @@ pub fn slots(facts: &Facts<'_>) -> Vec<Violation> {
                     ));
                 }
             }
+            Event::SlotFreed {
+                worker,
+                task,
+                attempt,
+            } => {
+                if let Some(set) = running.get_mut(worker.as_str()) {
+                    set.remove(&(task.as_str(), *attempt));
+                }
+                let set = reporting.entry(worker).or_default();
+                set.insert((task, *attempt));
+                let slots = slots_of.get(worker.as_str()).copied().unwrap_or(0);
+                if set.len() as u32 > slots {
+                    out.push(violation(
+                        "reports in flight never above the slots",
+                        format!(
+                            "task {task}: {worker} gave its slot back at {} with {} reports in flight on {slots} slots",
+                            at(*t),
+                            set.len()
+                        ),
+                    ));
+                }
+            }
             Event::TaskEnded {
                 worker,
                 task,
                 attempt,
                 ..
             } => {
-                if let Some(set) = running.get_mut(worker.as_str()) {
-                    set.remove(&(task.as_str(), *attempt));
+                let key = (task.as_str(), *attempt);
+                if running
+                    .get_mut(worker.as_str())
+                    .is_some_and(|set| set.remove(&key))
+                {
+                    out.push(violation(
+                        "a task gives its slot back before its report",
+                        format!(
+                            "task {task}: ended by {worker} at {} without giving its slot back first",
+                            at(*t)
+                        ),
+                    ));
+                }
+                if let Some(set) = reporting.get_mut(worker.as_str()) {
+                    set.remove(&key);
                 }
             }
             _ => {}

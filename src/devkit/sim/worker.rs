@@ -106,6 +106,11 @@ impl SimWorker {
                             task: task_id,
                             attempt,
                         },
+                        RunnerEvent::SlotFreed { task_id, attempt } => Event::SlotFreed {
+                            worker: worker.clone(),
+                            task: task_id,
+                            attempt,
+                        },
                         RunnerEvent::TaskEnded {
                             task_id,
                             attempt,

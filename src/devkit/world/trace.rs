@@ -57,6 +57,12 @@ pub enum Event {
         task: String,
         attempt: Option<u32>,
     },
+    /// The task's work is done and its slot given back; its report goes out next.
+    SlotFreed {
+        worker: String,
+        task: String,
+        attempt: Option<u32>,
+    },
     TaskEnded {
         worker: String,
         task: String,

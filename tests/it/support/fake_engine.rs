@@ -45,6 +45,8 @@ pub struct FakeState {
     /// When set, a fetch answers at most this many tasks, whatever it asked for: the partial
     /// answers of an engine whose concurrent fetches skip each other's locked rows.
     pub answer_cap: Option<usize>,
+    /// A slow engine: `complete` answers this long after it is called (recorded when called).
+    pub complete_latency: Duration,
 }
 
 #[derive(Clone, Default)]
@@ -154,6 +156,10 @@ impl Engine for FakeEngine {
 
     async fn complete(&self, task: &TaskRef, _v: &Map<String, Value>) -> Result<(), EngineError> {
         self.record("complete", Some(task), 0);
+        let latency = self.state.lock().unwrap().complete_latency;
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
+        }
         *self
             .state
             .lock()
