@@ -230,3 +230,66 @@ async fn a_real_servers_context_overflow_is_the_incident_and_the_window_keeps_re
     worker.stop().await;
     stack.shutdown().await;
 }
+
+/// Structured output against the real server: over the OpenAI format the worker asks for the
+/// schema natively (`response_format` `json_schema`), which llama.cpp turns into a grammar, so
+/// even a base model answers with the object; over the Anthropic format (instructed, validated)
+/// this base model's text is repaired once and then, if still off the schema, is an incident.
+/// Either way, what is stored is a JSON value that matches the schema, or nothing.
+#[tokio::test]
+#[ignore = "needs llama-server and a model: scripts/interop-llm"]
+async fn a_real_model_answers_a_schema_natively_and_nothing_off_it_is_stored() {
+    let Some(server) = LlamaServer::start(2048).await else {
+        return;
+    };
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let schema = json!({
+        "type": "object",
+        "properties": {"greeting": {"type": "string", "maxLength": 12}},
+        "required": ["greeting"],
+        "additionalProperties": false
+    });
+    let with_schema = |model: &str| {
+        let mut a = agent(&stack, model, false, 48);
+        a["instructions"] = json!("Answer with a JSON object {\"greeting\": \"...\"}.");
+        a["outputSchema"] = schema.clone();
+        a
+    };
+    let ids = stack.engine.create_tasks([
+        spec(with_schema("openai/gemma"), "Say hello."),
+        spec(with_schema("anthropic/gemma"), "Say hello."),
+    ]);
+    let mut opts = WorkerOptions::new("w-llm-schema", 1);
+    opts.lock_duration = Duration::from_secs(60);
+    opts.env = server.env(Some(2048));
+    let worker = stack.spawn_worker(opts, Stack::fast_agent_settings());
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(1800)).await;
+    report("structured output", &views);
+    let valid = |v: &TaskView| {
+        let answer = v.result_variables.as_ref().and_then(|r| r.get("answer"));
+        let Some(Value::Object(o)) = answer else {
+            return false;
+        };
+        o.len() == 1
+            && o["greeting"]
+                .as_str()
+                .is_some_and(|g| g.chars().count() <= 12)
+    };
+    // Native structured output: the grammar keeps the base model on the schema.
+    assert_eq!(views[0].status, TaskStatus::Completed, "{:?}", views[0]);
+    assert!(valid(&views[0]), "{:?}", views[0].result_variables);
+    // Instructed: a schema-valid object, or an incident that names why; never other text.
+    match views[1].status {
+        TaskStatus::Completed => assert!(valid(&views[1]), "{:?}", views[1].result_variables),
+        _ => {
+            assert_eq!(views[1].status, TaskStatus::Failed, "{:?}", views[1]);
+            assert!(
+                text(&views[1]).contains("repair turn(s) (outputRepairTurns)"),
+                "{}",
+                text(&views[1])
+            );
+        }
+    }
+    worker.stop().await;
+    stack.shutdown().await;
+}
