@@ -318,9 +318,12 @@ impl TaskContext {
         if self.lease.is_lost() {
             return Err(lost());
         }
+        // Bounded by the lease's local expiry even when the heartbeat scheduler no longer
+        // extends it (a task reporting its outcome): an engine that never answers cannot hold
+        // the call, nor its retries, past the moment another worker may own the task.
         let result = tokio::select! {
             biased;
-            _ = self.lease.lost() => return Err(lost()),
+            _ = self.lease.lost_or_expired() => return Err(lost()),
             r = call => r,
         };
         result.map_err(|e| match e.lease_lost() {

@@ -85,11 +85,16 @@ enum Command {
 #[derive(Clone)]
 pub struct HeartbeatHandle {
     tx: mpsc::UnboundedSender<Command>,
+    /// The lock duration less the safety margin: a lease's local expiry after its acquisition.
+    expires_after: Duration,
 }
 
 impl HeartbeatHandle {
-    /// Starts extending `lease`, acquired (fetch request sent) at `acquired_at`.
+    /// Starts extending `lease`, acquired (fetch request sent) at `acquired_at`. Its local
+    /// expiry is set here, before the actor runs: the lease expires even if the actor never
+    /// gets to it (`Lease::lost_or_expired`).
     pub fn register(&self, lease: Lease, acquired_at: Instant) {
+        lease.set_valid_until(acquired_at + self.expires_after);
         // If the actor is gone the process is shutting down; nothing to extend then.
         let _ = self.tx.send(Command::Register { lease, acquired_at });
     }
@@ -145,6 +150,9 @@ pub fn spawn(
     events: Option<mpsc::UnboundedSender<HeartbeatEvent>>,
 ) -> HeartbeatHandle {
     let (tx, rx) = mpsc::unbounded_channel();
+    let expires_after = settings
+        .lock_duration
+        .saturating_sub(settings.safety_margin());
     let actor = Actor {
         engine,
         permits: Arc::new(Semaphore::new(settings.max_concurrent.max(1))),
@@ -156,7 +164,7 @@ pub fn spawn(
         in_flight: JoinSet::new(),
     };
     tokio::spawn(actor.run(rx));
-    HeartbeatHandle { tx }
+    HeartbeatHandle { tx, expires_after }
 }
 
 impl Actor {

@@ -7,8 +7,9 @@
 //! [`Lease::mark_lost`]; from then on the task makes no further call about the task.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -35,8 +36,9 @@ pub struct Lease {
     reason: Arc<OnceLock<LeaseLostReason>>,
     /// The local expiry the heartbeat scheduler last computed (None until it registers the
     /// lease). Read by the task before each call, so that a process paused past it (SIGSTOP, a
-    /// stalled VM) makes no call on waking even if the scheduler has not run yet.
-    valid_until: Arc<Mutex<Option<Instant>>>,
+    /// stalled VM) makes no call on waking even if the scheduler has not run yet, and watched
+    /// by [`Lease::lost_or_expired`] (a lease released from the scheduler still expires).
+    valid_until: Arc<watch::Sender<Option<Instant>>>,
 }
 
 impl Lease {
@@ -46,23 +48,21 @@ impl Lease {
             task: Arc::new(task),
             lost: CancellationToken::new(),
             reason: Arc::new(OnceLock::new()),
-            valid_until: Arc::new(Mutex::new(None)),
+            valid_until: Arc::new(watch::Sender::new(None)),
         }
     }
 
     /// Records the lease's local expiry (the heartbeat scheduler's, on registration and on each
     /// accepted extension).
     pub(crate) fn set_valid_until(&self, at: Instant) {
-        // A plain value: a panic elsewhere cannot leave it half-written.
-        *self.valid_until.lock().unwrap_or_else(|p| p.into_inner()) = Some(at);
+        self.valid_until.send_replace(Some(at));
     }
 
     /// True once the worker's own clock is past the lease's local expiry, whether or not the
     /// scheduler has noticed yet.
     pub fn expired_locally(&self) -> bool {
         self.valid_until
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .borrow()
             .is_some_and(|at| Instant::now() >= at)
     }
 
@@ -100,5 +100,40 @@ impl Lease {
     /// Resolves when the lease is lost.
     pub async fn lost(&self) {
         self.lost.cancelled().await
+    }
+
+    /// Resolves when the lease is lost, or when the worker's own clock reaches its local expiry,
+    /// which marks it lost ([`LeaseLostReason::LocalExpiry`]); whichever comes first. Unlike
+    /// [`Lease::lost`], it does not wait for the heartbeat scheduler to notice: a lease the
+    /// scheduler no longer extends (its task is reporting its outcome) still expires here, so
+    /// a report the engine never answers ends at the expiry, and nothing about the task is sent
+    /// afterwards. An extension accepted meanwhile moves the expiry later.
+    pub async fn lost_or_expired(&self) {
+        // SIM-BUG (feature `sim-bugs`, selected at run time): no local expiry.
+        #[cfg(feature = "sim-bugs")]
+        if crate::sim_bugs::active(crate::sim_bugs::Bug::HeartbeatAfterExpiry) {
+            return self.lost().await;
+        }
+        let mut expiry = self.valid_until.subscribe();
+        loop {
+            let until = *expiry.borrow_and_update();
+            if until.is_some_and(|at| Instant::now() >= at) {
+                self.mark_lost(LeaseLostReason::LocalExpiry);
+                return;
+            }
+            let at_expiry = async {
+                match until {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                biased;
+                _ = self.lost() => return,
+                // Moved (an extension) or set (the registration): look again.
+                _ = expiry.changed() => {}
+                _ = at_expiry => {}
+            }
+        }
     }
 }

@@ -754,7 +754,9 @@ async fn run_task(
         };
         let (outcome, aborted) = tokio::select! {
             biased;
-            _ = lease.lost() => {
+            // The local expiry too, not only the scheduler's verdict: the slot is freed at the
+            // expiry whatever the scheduler is doing.
+            _ = lease.lost_or_expired() => {
                 handle.abort();
                 (Outcome::Abandoned, true)
             }
@@ -806,7 +808,9 @@ async fn run_task(
         let _ = shared.slot_freed.send(());
         // Stop extending before reporting: an extension still in flight could otherwise reach
         // the engine after the completion, be refused as "not locked" and make a completed task
-        // look lost. The report is short next to the lease (at least 2/3 of it is left here).
+        // look lost. The report is fenced by the lease's local expiry (`TaskContext::fenced`
+        // watches the clock, not the scheduler): an engine that does not answer it holds the
+        // report permit until then at most, and nothing about the task is sent after it.
         shared.heartbeat.release(lease.id());
         let end = report(&shared, &task, &lease, outcome).await;
         after_report.run(end).await;

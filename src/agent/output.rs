@@ -10,10 +10,17 @@
 //! A schema is a program its author hands the worker: it is bounded before it is compiled (its
 //! size, its depth, only references inside the document, no recursion, and its size with every
 //! `$ref` inlined), its `pattern`s run on the linear-time `regex` engine with size limits, and
-//! nothing is fetched (no network or file resolution of `$ref`). So validating one answer costs
-//! at most the answer's size times [`MAX_EXPANDED_NODES`].
+//! nothing is fetched (no network or file resolution of `$ref`). Validating one answer costs at
+//! most the answer's size times the schema's weight (its subschemas with every `$ref` inlined,
+//! plus its `enum` values): each schema's answer cap is the [`VALIDATION_WORK`] budget divided by
+//! its weight, so the worst answer against the worst schema is a measured, small cost
+//! (BENCHMARKS.md, "Validating a final answer"). And it runs off the async runtime
+//! ([`judge_off_runtime`]): on a blocking thread, [`VALIDATIONS_AT_ONCE`] at a time, so a
+//! validation never delays another task's heartbeat or the poll loop.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
+
+use tokio::sync::Semaphore;
 
 use serde_json::{Map, Value, json};
 
@@ -30,13 +37,24 @@ pub const MAX_SCHEMA_DEPTH: usize = 32;
 /// The most subschemas a schema may have with every `$ref` inlined: what bounds the work of one
 /// validation (a few `$ref`s to a `$ref`-heavy definition multiply otherwise).
 pub const MAX_EXPANDED_NODES: usize = 500;
-/// The largest final answer validated against a schema; a longer one is told to be shorter.
+/// The largest final answer validated against a schema; a longer one is told to be shorter. A
+/// heavy schema allows less ([`VALIDATION_WORK`]).
 pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
+/// What validating one answer may cost, in answer bytes times schema weight (subschemas with
+/// every `$ref` inlined, plus `enum` values): each value of an answer is checked at most once
+/// per subschema and per enum value. A schema's answer cap is this divided by its weight, at
+/// most [`MAX_ANSWER_BYTES`]: a schema of up to 32 weights keeps the whole 64 KiB; the heaviest
+/// one allowed ([`MIN_ANSWER_BYTES`]) gets 1 KiB.
+pub const VALIDATION_WORK: usize = 2 * 1024 * 1024;
+/// The smallest answer cap a schema may leave: a heavier schema (weight over
+/// `VALIDATION_WORK / MIN_ANSWER_BYTES`, 2,048) is refused when the definition is read.
+pub const MIN_ANSWER_BYTES: usize = 1024;
+/// Final answers validated at once, each on a blocking thread (never on the async runtime's).
+pub const VALIDATIONS_AT_ONCE: usize = 2;
 /// The compiled size of one `pattern` regex, and its lazy DFA's cache.
 const MAX_PATTERN_BYTES: usize = 256 * 1024;
-/// How many validation errors a repair message or an incident lists, and how many characters of
-/// each (an error quotes the answer, which the model may have made huge).
-const MAX_REPORTED_ERRORS: usize = 3;
+/// How many characters of the validation error a repair message or an incident quotes (an error
+/// quotes the answer, which the model may have made huge). Only the first error is reported.
 const MAX_ERROR_CHARS: usize = 300;
 
 /// Why an `outputSchema` cannot be used; the definition is invalid.
@@ -58,6 +76,10 @@ pub enum SchemaError {
         "outputSchema has more than {limit} subschemas with its $refs inlined; use fewer references to large definitions"
     )]
     Expansion { limit: usize },
+    #[error(
+        "outputSchema weighs {weight} (subschemas with $refs inlined, plus enum values), over the {limit} a validated answer of at least {MIN_ANSWER_BYTES} bytes allows; use fewer or shorter enums or subschemas"
+    )]
+    TooHeavy { weight: usize, limit: usize },
     #[error("outputSchema does not compile as a JSON Schema: {reason}")]
     Invalid { reason: String },
 }
@@ -69,6 +91,8 @@ pub struct OutputSchema {
     validator: Arc<jsonschema::Validator>,
     /// `Ok` when OpenAI's strict structured output accepts the schema as it is; else why not.
     strict: Result<(), String>,
+    /// The largest answer validated against it: [`VALIDATION_WORK`] over its weight.
+    answer_limit: usize,
 }
 
 impl std::fmt::Debug for OutputSchema {
@@ -76,6 +100,7 @@ impl std::fmt::Debug for OutputSchema {
         f.debug_struct("OutputSchema")
             .field("schema", &self.schema)
             .field("strict", &self.strict)
+            .field("answer_limit", &self.answer_limit)
             .finish()
     }
 }
@@ -90,7 +115,11 @@ impl PartialEq for OutputSchema {
 impl OutputSchema {
     /// Bounds and compiles `schema` (a JSON object or boolean).
     pub fn compile(schema: &Value) -> Result<Self, SchemaError> {
-        check_bounds(schema)?;
+        let weight = check_bounds(schema)?;
+        let limit = VALIDATION_WORK / MIN_ANSWER_BYTES;
+        if weight > limit {
+            return Err(SchemaError::TooHeavy { weight, limit });
+        }
         let validator = jsonschema::options()
             .offline()
             .with_pattern_options(
@@ -106,7 +135,13 @@ impl OutputSchema {
             schema: Arc::new(schema.clone()),
             validator: Arc::new(validator),
             strict: strict_eligible(schema),
+            answer_limit: (VALIDATION_WORK / weight.max(1)).min(MAX_ANSWER_BYTES),
         })
+    }
+
+    /// The largest answer validated against this schema, in bytes.
+    pub fn answer_limit(&self) -> usize {
+        self.answer_limit
     }
 
     /// The schema document.
@@ -164,7 +199,7 @@ pub enum RejectReason {
     Truncated,
     /// Not JSON at all.
     NotJson,
-    /// Over [`MAX_ANSWER_BYTES`].
+    /// Over the schema's answer cap ([`OutputSchema::answer_limit`]).
     TooLarge,
     /// JSON that does not match the schema.
     Schema,
@@ -243,7 +278,7 @@ impl Rejection {
                 self.detail
             ),
             RejectReason::TooLarge => format!(
-                "agent {agent:?}: the final answer is over the {MAX_ANSWER_BYTES}-byte cap of a validated answer {after}: {}",
+                "agent {agent:?}: the final answer is over the byte cap of an answer validated against its outputSchema (at most {MAX_ANSWER_BYTES}, less for a heavy schema) {after}: {}",
                 self.detail
             ),
             RejectReason::NotJson => format!(
@@ -286,11 +321,11 @@ pub fn judge(
     let Some(schema) = schema else {
         return Ok(parse_answer(text));
     };
-    if text.len() > MAX_ANSWER_BYTES {
+    if text.len() > schema.answer_limit {
         return Err(Rejection {
             reason: RejectReason::TooLarge,
             location: None,
-            detail: format!("{} bytes, over {MAX_ANSWER_BYTES}", text.len()),
+            detail: format!("{} bytes, over {}", text.len(), schema.answer_limit),
         });
     }
     let value = match serde_json::from_str::<Value>(unfenced(text)) {
@@ -303,31 +338,77 @@ pub fn judge(
             });
         }
     };
-    let mut errors = schema.validator.iter_errors(&value).peekable();
-    let Some(first) = errors.peek() else {
-        drop(errors);
+    // A yes or no first (no error is built, the first failure ends it); then the first error
+    // only: collecting every error builds one per failed branch of every `anyOf` for every
+    // item, which cost a minute of CPU on a debug build for a 64 KiB answer (BENCHMARKS.md).
+    if schema.validator.is_valid(&value) {
         return Ok(value);
+    }
+    let Err(first) = schema.validator.validate(&value) else {
+        // Cannot happen (the same validator said no); store nothing rather than guess.
+        return Err(Rejection {
+            reason: RejectReason::Schema,
+            location: None,
+            detail: "the validator gave no error for an answer it refused".into(),
+        });
     };
-    let location = Some(format!(
-        "instance {}, schema {}",
-        pointer_or_root(first.instance_path().as_str()),
-        pointer_or_root(first.schema_path().as_str())
-    ));
-    let listed: Vec<String> = errors
-        .take(MAX_REPORTED_ERRORS)
-        .map(|e| {
-            format!(
-                "at {}: {}",
-                pointer_or_root(e.instance_path().as_str()),
-                cut(&e.to_string(), MAX_ERROR_CHARS)
-            )
-        })
-        .collect();
     Err(Rejection {
         reason: RejectReason::Schema,
-        location,
-        detail: listed.join("; "),
+        location: Some(format!(
+            "instance {}, schema {}",
+            pointer_or_root(first.instance_path().as_str()),
+            pointer_or_root(first.schema_path().as_str())
+        )),
+        detail: format!(
+            "at {}: {}",
+            pointer_or_root(first.instance_path().as_str()),
+            cut(&first.to_string(), MAX_ERROR_CHARS)
+        ),
     })
+}
+
+/// The blocking threads' permits: at most [`VALIDATIONS_AT_ONCE`] validations run at once in the
+/// process, whichever tasks asked.
+static VALIDATIONS: LazyLock<Arc<Semaphore>> =
+    LazyLock::new(|| Arc::new(Semaphore::new(VALIDATIONS_AT_ONCE)));
+
+/// [`judge`], with the schema's validation on a blocking thread, [`VALIDATIONS_AT_ONCE`] at a
+/// time: the async runtime's threads (heartbeats, the poll loop, every other task) never wait
+/// for it. What needs no validation (no schema, a cut answer, one over the schema's answer cap)
+/// is judged here at once. The permit travels with the validation, so a task stopped while it
+/// waits frees nothing early: the bound holds for validations still running for no one.
+pub async fn judge_off_runtime(
+    schema: Option<&OutputSchema>,
+    text: &str,
+    stop_reason: &str,
+    output_cap: Option<u32>,
+) -> Result<Value, Rejection> {
+    let Some(schema) = schema.filter(|s| !was_cut(stop_reason) && text.len() <= s.answer_limit)
+    else {
+        return judge(schema, text, stop_reason, output_cap);
+    };
+    let permit = VALIDATIONS
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("the validations' semaphore is never closed");
+    let (schema, text, stop_reason) = (schema.clone(), text.to_string(), stop_reason.to_string());
+    let judged = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        judge(Some(&schema), &text, &stop_reason, output_cap)
+    })
+    .await;
+    match judged {
+        Ok(verdict) => verdict,
+        // `judge` panicked: a bug, not the model's; surface it as a panic here.
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // The runtime is shutting down: nothing is stored then.
+        Err(_) => Err(Rejection {
+            reason: RejectReason::Schema,
+            location: None,
+            detail: "the worker stopped before the answer was validated".into(),
+        }),
+    }
 }
 
 /// What becomes of a model answer (`run::Attempt::call_model`).
@@ -354,7 +435,7 @@ impl Verdict {
 
 /// The verdict on one answer: only a final one (no tool calls) is judged; `repairs_spent` are
 /// the repair turns the run already used, of `allowed`.
-pub fn verdict(
+pub async fn verdict(
     schema: Option<&OutputSchema>,
     message: &crate::conversation::AssistantMessage,
     stop_reason: &str,
@@ -366,7 +447,7 @@ pub fn verdict(
         return Verdict::Accepted;
     }
     let text = message.text.as_deref().unwrap_or_default();
-    match judge(schema, text, stop_reason, output_cap) {
+    match judge_off_runtime(schema, text, stop_reason, output_cap).await {
         Ok(_) => Verdict::Accepted,
         Err(r) if repairs_spent < allowed => Verdict::Repair(r),
         Err(r) => Verdict::Exhausted(r),
@@ -510,7 +591,9 @@ fn escape(segment: &str) -> String {
     segment.replace('~', "~0").replace('/', "~1")
 }
 
-fn check_bounds(schema: &Value) -> Result<(), SchemaError> {
+/// Checks the bounds; returns the schema's weight (subschemas with every `$ref` inlined, plus
+/// the values of the `enum`s among them).
+fn check_bounds(schema: &Value) -> Result<usize, SchemaError> {
     let depth = document_depth(schema, 0);
     if depth > MAX_SCHEMA_DEPTH {
         return Err(SchemaError::TooDeep {
@@ -527,7 +610,16 @@ fn check_bounds(schema: &Value) -> Result<(), SchemaError> {
     }
     let mut budget = MAX_EXPANDED_NODES;
     let mut stack = Vec::new();
-    expand(schema, schema, "", &mut stack, &mut budget)
+    let mut enum_values = 0;
+    expand(
+        schema,
+        schema,
+        "",
+        &mut stack,
+        &mut budget,
+        &mut enum_values,
+    )?;
+    Ok(MAX_EXPANDED_NODES - budget + enum_values)
 }
 
 /// How deep `v` nests, stopping one past the cap (a TOML agents file has no depth limit of its
@@ -548,14 +640,16 @@ fn document_depth(v: &Value, depth: usize) -> usize {
 }
 
 /// Walks `node` (at `pointer`) with every `$ref` inlined, spending one of `budget` per
-/// subschema; `stack` holds where the `$ref`s being inlined are (a reference to a node that
-/// contains one of them, or `pointer`, is recursion).
+/// subschema and counting the `enum` values met in `enum_values`; `stack` holds where the
+/// `$ref`s being inlined are (a reference to a node that contains one of them, or `pointer`,
+/// is recursion).
 fn expand(
     root: &Value,
     node: &Value,
     pointer: &str,
     stack: &mut Vec<String>,
     budget: &mut usize,
+    enum_values: &mut usize,
 ) -> Result<(), SchemaError> {
     *budget = budget.checked_sub(1).ok_or(SchemaError::Expansion {
         limit: MAX_EXPANDED_NODES,
@@ -563,6 +657,9 @@ fn expand(
     let Value::Object(schema) = node else {
         return Ok(());
     };
+    if let Some(Value::Array(values)) = schema.get("enum") {
+        *enum_values = enum_values.saturating_add(values.len());
+    }
     let at = || pointer_or_root(pointer).to_string();
     for keyword in ["$dynamicRef", "$recursiveRef"] {
         if schema.contains_key(keyword) {
@@ -599,7 +696,7 @@ fn expand(
                 what: format!("$ref {target:?}, which points nowhere"),
             })?;
         stack.push(pointer.to_string());
-        let r = expand(root, resolved, &target, stack, budget);
+        let r = expand(root, resolved, &target, stack, budget, enum_values);
         stack.pop();
         r?;
     }
@@ -608,7 +705,14 @@ fn expand(
         if segment.starts_with("$defs/") || segment.starts_with("definitions/") {
             continue;
         }
-        expand(root, child, &format!("{pointer}/{segment}"), stack, budget)?;
+        expand(
+            root,
+            child,
+            &format!("{pointer}/{segment}"),
+            stack,
+            budget,
+            enum_values,
+        )?;
     }
     Ok(())
 }
@@ -851,7 +955,7 @@ mod tests {
             "{}",
             r.repair_message().len()
         );
-        assert!(r.detail.matches("at /").count() <= MAX_REPORTED_ERRORS);
+        assert_eq!(r.detail.matches("at /").count(), 1, "{r:?}");
         let huge = "x".repeat(MAX_ANSWER_BYTES + 1);
         let r = judge(Some(&s), &huge, "stop", None).unwrap_err();
         assert_eq!(r.reason, RejectReason::TooLarge);
@@ -991,35 +1095,198 @@ mod tests {
         ));
     }
 
-    /// The figure in the report: the slowest schema the bounds allow against the largest answer
-    /// (`cargo test --release --lib output::tests::figure -- --ignored --nocapture`).
-    #[test]
-    #[ignore = "a figure, not a check: seconds of CPU per run; run it with --release --ignored --nocapture"]
-    fn figure_worst_case_validation_time() {
-        let branches: Vec<Value> = (0..(MAX_EXPANDED_NODES / 11 - 3))
+    /// The heaviest schema the subschema bound allows (about 440 subschemas with the `$ref`s
+    /// inlined: ten references to a 42-branch `anyOf` whose last branch alone takes an integer,
+    /// so every integer item meets all of them), and an array answer of `bytes` of one-digit
+    /// integers (the most values per byte) but its last item, which matches no branch: the
+    /// whole answer is checked before the one error is found.
+    fn heaviest_by_subschemas(bytes: usize) -> (Value, String) {
+        let mut branches: Vec<Value> = (0..(MAX_EXPANDED_NODES / 11 - 4))
             .map(|i| json!({"type": "string", "minLength": i}))
             .collect();
+        branches.push(json!({"type": "integer"}));
         let refs: Vec<Value> = (0..10).map(|_| json!({"$ref": "#/$defs/d"})).collect();
         let schema = json!({
             "type": "array",
             "items": {"allOf": refs},
             "$defs": {"d": {"anyOf": branches}}
         });
-        let s = OutputSchema::compile(&schema).unwrap();
-        let answer = format!("[{}]", vec!["1"; MAX_ANSWER_BYTES / 2 - 1].join(","));
-        assert!(answer.len() <= MAX_ANSWER_BYTES);
-        for round in 0..3 {
-            let started = std::time::Instant::now();
-            let r = judge(Some(&s), &answer, "stop", None);
-            println!(
-                "round {round}: {} bytes, {} items against {} subschemas: {:?} ({})",
-                answer.len(),
-                MAX_ANSWER_BYTES / 2 - 1,
-                MAX_EXPANDED_NODES,
-                started.elapsed(),
-                r.is_ok()
+        let items = (bytes.saturating_sub(6) / 2).max(1);
+        let mut answer = vec!["1"; items];
+        answer.push("true");
+        (schema, format!("[{}]", answer.join(",")))
+    }
+
+    /// The heaviest schema by `enum` values the weight bound allows, of mixed types (so the
+    /// validator compares one by one; an enum of only strings or only integers is hashed), and
+    /// a `bytes` answer of one-digit items, in it as its last value, but the last item, which is
+    /// not: every item is compared with every value.
+    fn heaviest_by_enum(bytes: usize) -> (Value, String) {
+        let mut values: Vec<Value> = (0..(VALIDATION_WORK / MIN_ANSWER_BYTES - 5))
+            .map(|i| json!(i as f64 + 0.5))
+            .collect();
+        values.push(json!(1));
+        let schema = json!({"type": "array", "items": {"enum": values}});
+        let items = (bytes.saturating_sub(6) / 2).max(1);
+        let mut answer = vec!["1"; items];
+        answer.push("-1");
+        (schema, format!("[{}]", answer.join(",")))
+    }
+
+    #[test]
+    fn a_heavy_schema_validates_shorter_answers_and_the_heaviest_is_refused() {
+        let light = OutputSchema::compile(&routing()).unwrap();
+        assert_eq!(light.answer_limit(), MAX_ANSWER_BYTES);
+
+        let (schema, _) = heaviest_by_subschemas(0);
+        let heavy = OutputSchema::compile(&schema).unwrap();
+        assert!(heavy.answer_limit() >= MIN_ANSWER_BYTES);
+        assert!(heavy.answer_limit() * 400 <= VALIDATION_WORK, "{heavy:?}");
+        // The answer that cost seconds of CPU before: refused by its size, before any work.
+        let (_, answer) = heaviest_by_subschemas(MAX_ANSWER_BYTES);
+        let r = judge(Some(&heavy), &answer, "stop", None).unwrap_err();
+        assert_eq!(r.reason, RejectReason::TooLarge);
+        assert!(
+            r.detail.contains(&heavy.answer_limit().to_string()),
+            "{r:?}"
+        );
+
+        let (schema, _) = heaviest_by_enum(0);
+        let by_enum = OutputSchema::compile(&schema).unwrap();
+        assert_eq!(
+            by_enum.answer_limit(),
+            VALIDATION_WORK / (VALIDATION_WORK / MIN_ANSWER_BYTES - 2)
+        );
+        let values: Vec<Value> = (0..VALIDATION_WORK / MIN_ANSWER_BYTES)
+            .map(|i| json!(i))
+            .collect();
+        let refused = OutputSchema::compile(&json!({"type": "array", "items": {"enum": values}}));
+        assert!(
+            matches!(refused, Err(SchemaError::TooHeavy { .. })),
+            "{refused:?}"
+        );
+        // An enum counts once per place it is used, as a subschema does.
+        let values: Vec<Value> = (0..600).map(|i| json!(i)).collect();
+        let reused = json!({
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/e"}, "b": {"$ref": "#/$defs/e"}, "c": {"$ref": "#/$defs/e"}, "d": {"$ref": "#/$defs/e"}},
+            "$defs": {"e": {"enum": values}}
+        });
+        assert!(matches!(
+            OutputSchema::compile(&reused),
+            Err(SchemaError::TooHeavy { .. })
+        ));
+    }
+
+    /// A validation, however slow, does not hold the async runtime: on a one-thread runtime, a
+    /// heartbeat-like timer keeps firing while the worst answer the bounds allow is validated.
+    /// (Validated inline, as before, the validation ran to its end at the first yield, and the
+    /// timer fired not once meanwhile.)
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_worst_case_validation_does_not_stall_other_tasks() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        let (schema, _) = heaviest_by_subschemas(0);
+        let schema = OutputSchema::compile(&schema).unwrap();
+        let (_, answer) = heaviest_by_subschemas(schema.answer_limit());
+        let beats = Arc::new(AtomicU32::new(0));
+        let heartbeat = tokio::spawn({
+            let beats = beats.clone();
+            async move {
+                let mut every = tokio::time::interval(std::time::Duration::from_millis(10));
+                loop {
+                    every.tick().await;
+                    beats.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        });
+        tokio::task::yield_now().await;
+        let validation =
+            tokio::spawn(
+                async move { judge_off_runtime(Some(&schema), &answer, "stop", None).await },
             );
+        let mut beats_meanwhile = 0;
+        while !validation.is_finished() {
+            tokio::time::advance(std::time::Duration::from_millis(10)).await;
+            tokio::task::yield_now().await;
+            if !validation.is_finished() {
+                beats_meanwhile = beats.load(Ordering::SeqCst);
+            }
         }
+        let verdict = validation.await.unwrap();
+        heartbeat.abort();
+        assert_eq!(verdict.unwrap_err().reason, RejectReason::Schema);
+        assert!(
+            beats_meanwhile >= 3,
+            "the timer fired {beats_meanwhile} times while the answer was validated"
+        );
+    }
+
+    /// The figures in BENCHMARKS.md ("Validating a final answer"): the worst answers against
+    /// the heaviest schemas, before (the 64 KiB cap alone, validated directly) and with the
+    /// weight bound (`cargo test --lib output::tests::figure -- --ignored --nocapture`, in the
+    /// build profile the figure names).
+    #[test]
+    #[ignore = "a figure, not a check: seconds of CPU per run; run it with --ignored --nocapture"]
+    fn figure_worst_case_validation_time() {
+        let time = |what: &str, s: &OutputSchema, answer: &str, direct: bool| {
+            for round in 0..3 {
+                let started = std::time::Instant::now();
+                let valid = if direct {
+                    let v: Value = serde_json::from_str(answer).unwrap();
+                    s.validator.iter_errors(&v).next().is_none()
+                } else {
+                    judge(Some(s), answer, "stop", None).is_ok()
+                };
+                println!(
+                    "{what}, round {round}: {} bytes against answer cap {}: {:?} (valid: {valid})",
+                    answer.len(),
+                    s.answer_limit(),
+                    started.elapsed(),
+                );
+            }
+        };
+        let (schema, _) = heaviest_by_subschemas(0);
+        let s = OutputSchema::compile(&schema).unwrap();
+        // Before: every error collected, for an answer whose every item fails every branch.
+        let invalid = format!("[{}]", vec!["[]"; MAX_ANSWER_BYTES / 3 - 1].join(","));
+        time(
+            "442 subschemas, 64 KiB of failing items, every error (before)",
+            &s,
+            &invalid,
+            true,
+        );
+        let (_, before) = heaviest_by_subschemas(MAX_ANSWER_BYTES);
+        time(
+            "442 subschemas, 64 KiB failing at the end, every error (before)",
+            &s,
+            &before,
+            true,
+        );
+        let (_, after) = heaviest_by_subschemas(s.answer_limit());
+        time(
+            "442 subschemas, its answer cap, failing at the end (after)",
+            &s,
+            &after,
+            false,
+        );
+        let invalid = format!("[{}]", vec!["[]"; s.answer_limit() / 3 - 1].join(","));
+        time(
+            "442 subschemas, its answer cap of failing items (after)",
+            &s,
+            &invalid,
+            false,
+        );
+        let (schema, _) = heaviest_by_enum(0);
+        let s = OutputSchema::compile(&schema).unwrap();
+        let (_, before) = heaviest_by_enum(MAX_ANSWER_BYTES);
+        time("2,044 enum values, 64 KiB (before)", &s, &before, true);
+        let (_, after) = heaviest_by_enum(s.answer_limit());
+        time(
+            "2,044 enum values, its answer cap (after)",
+            &s,
+            &after,
+            false,
+        );
     }
 
     #[test]

@@ -256,7 +256,7 @@ impl<'a> Attempt<'a> {
         loop {
             self.scope.boundary()?;
             if let Some(answer) = self.state.final_answer.clone() {
-                return Err(self.complete(&answer));
+                return Err(self.complete(&answer).await);
             }
             if let Some(next) = self.state.pending.first().cloned() {
                 if self.boxed_gate(&next).await? {
@@ -298,10 +298,17 @@ impl<'a> Attempt<'a> {
             .map_err(|e| self.scope.technical(format!("internal journal error: {e}")))
     }
 
-    fn complete(&self, answer: &str) -> Outcome {
+    async fn complete(&self, answer: &str) -> Outcome {
         // [output] The stored result is the validated value (a final answer journaled before
-        // schemas were enforced is judged here too).
-        let value = match output::judge(self.def.output_schema.as_ref(), answer, "", None) {
+        // schemas were enforced is judged here too), validated off the async runtime.
+        let value = match output::judge_off_runtime(
+            self.def.output_schema.as_ref(),
+            answer,
+            "",
+            None,
+        )
+        .await
+        {
             Ok(v) => v,
             Err(r) => {
                 return incident(
@@ -437,7 +444,8 @@ impl<'a> Attempt<'a> {
             Some(cap),
             self.state.output_repairs,
             self.def.output_repair_turns,
-        );
+        )
+        .await;
         if let Some(rejection) = verdict.rejection() {
             step.data[output::JOURNAL_FIELD] = output::journal_record(rejection);
         }

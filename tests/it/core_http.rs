@@ -23,6 +23,7 @@ use crate::support::emulator_worker::{
     CompletingHandler, WorkerOptions, accepted, calls_of, check_lease_discipline, spawn_worker,
     wait_completed, within,
 };
+use crate::support::tcp_proxy::{Mode, TcpProxy};
 
 async fn start_emulator() -> EngineEmulator {
     emulator::start(EmulatorOptions::default())
@@ -882,4 +883,61 @@ async fn an_append_key_conflict_means_the_journal_moved_on() {
         "{err}"
     );
     emu.shutdown().await;
+}
+
+// The engine that never answers ---------------------------------------------------------------
+
+/// The stall on the real engine 0.11 (BENCHMARKS.md, "The real engine 0.11 at full slots"): the
+/// engine accepts connections and answers nothing, while one task works and another's
+/// completion is on its way. Every lease is lost at its local expiry (lock less a tenth, by the
+/// worker's clock), the held task's by the heartbeat scheduler and the reporting one's by its
+/// fenced report (before: the report rode the outage out for a whole lock duration past the
+/// expiry, still sending, and ended `report_failed`); no call about either attempt reaches the
+/// engine after it answers again; and the worker fetches again then, from free slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_never_answers_loses_leases_at_local_expiry_and_fetching_resumes() {
+    let emu = start_emulator().await;
+    let proxy = TcpProxy::start(emu.addr()).await;
+    let lock = Duration::from_secs(3);
+    let gate = Arc::new(Semaphore::new(0));
+    let mut opts = WorkerOptions::new("w-silent", lock)
+        .max_tasks(2)
+        .handler(CompletingHandler::new("w-silent", Duration::from_millis(1)).gated(gate.clone()));
+    opts.engine_url = Some(format!("http://{}/api", proxy.addr));
+    opts.request_timeout = Duration::from_millis(400);
+    let held = emu.create_task(spec_sleeping(600_000));
+    let reporting = emu.create_task(spec_sleeping(0));
+    let w = spawn_worker(&emu, opts);
+    for id in [&held, &reporting] {
+        w.wait_event(|e| matches!(e, RunnerEvent::TaskStarted { task_id, .. } if task_id == id))
+            .await;
+    }
+
+    proxy.set(Mode::Silent);
+    gate.add_permits(1);
+    assert_eq!(w.wait_ended(&reporting, 1).await, TaskEnd::LeaseLost);
+    assert_eq!(w.wait_ended(&held, 1).await, TaskEnd::LeaseLost);
+
+    // The engine answers again: its leases of attempt 1 have run out there too.
+    let fresh = emu.create_task(spec_sleeping(0));
+    gate.add_permits(10);
+    emu.advance(lock);
+    let answering_again = emu.now();
+    proxy.set(Mode::Forward);
+    wait_completed(&emu, &fresh).await;
+    wait_completed(&emu, &reporting).await;
+    w.stop().await;
+
+    let calls = emu.calls();
+    let late: Vec<_> = calls
+        .iter()
+        .filter(|c| {
+            c.attempt == Some(1)
+                && (c.task_id.as_deref() == Some(held.as_str())
+                    || c.task_id.as_deref() == Some(reporting.as_str()))
+                && c.at >= answering_again
+        })
+        .collect();
+    assert!(late.is_empty(), "calls about lost attempts: {late:?}");
+    check_lease_discipline(&calls);
 }

@@ -1026,3 +1026,105 @@ async fn a_task_woken_past_its_local_expiry_makes_no_call_even_before_the_schedu
     );
     assert_eq!(lease.lost_reason(), Some(LeaseLostReason::LocalExpiry));
 }
+
+/// Works `work` (virtual time), then completes; the first task makes the engine silent first,
+/// so its completion is on its way when the engine stops answering.
+struct SilencingHandler {
+    engine: FakeEngine,
+    work: Duration,
+}
+
+#[async_trait]
+impl TaskHandler for SilencingHandler {
+    async fn handle(&self, task: Arc<Task>, _ctx: TaskContext) -> Outcome {
+        tokio::time::sleep(self.work).await;
+        if task.id == "t-0000" {
+            self.engine.state.lock().unwrap().hung = true;
+        }
+        Outcome::Complete {
+            variables: Map::new(),
+        }
+    }
+}
+
+/// The stall on the real engine (BENCHMARKS.md, "The real engine 0.11 at full slots"): the
+/// engine stops answering while a task's completion is on its way, with no client timeout to
+/// end the call. The heartbeat scheduler no longer extends a lease whose task reports, so only
+/// the lease's own clock can end it: the report ends at the local expiry (the last accepted
+/// extension plus the lock less a tenth) as a lost lease, `LOCAL_EXPIRY`, its slot freed and
+/// nothing about the task sent after; once the engine answers again, fetching goes on.
+#[tokio::test(start_paused = true)]
+async fn a_completion_the_engine_never_answers_ends_at_local_expiry_and_fetching_goes_on() {
+    let engine = FakeEngine::with_tasks(1);
+    let handler = Arc::new(SilencingHandler {
+        engine: engine.clone(),
+        work: Duration::from_secs(25),
+    });
+    let mut s = settings(Duration::from_secs(30));
+    s.max_tasks = 1;
+    let metrics = Arc::new(Metrics::new());
+    let (tx, mut events) = mpsc::unbounded_channel();
+    let runner = Runner::new(
+        Arc::new(engine.clone()) as Arc<dyn Engine>,
+        handler,
+        s,
+        metrics.clone(),
+    )
+    .with_events(tx);
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+    let join = tokio::spawn(runner.run(shutdown.clone()));
+
+    let outcome = loop {
+        if let RunnerEvent::TaskEnded {
+            task_id, outcome, ..
+        } = next_event(&mut events).await
+        {
+            assert_eq!(task_id, "t-0000");
+            break outcome;
+        }
+    };
+    let ended = started.elapsed();
+    assert_eq!(outcome, TaskEnd::LeaseLost);
+    // Extensions accepted at 10 s and 20 s; the completion went out at 25 s: lost at 20 + 27 s.
+    let expiry = Duration::from_secs(47);
+    assert!(
+        ended >= expiry && ended < expiry + Duration::from_secs(1),
+        "ended after {ended:?}, not at the local expiry ({expiry:?})"
+    );
+    let calls = engine.calls_for("t-0000");
+    assert!(calls.iter().any(|c| c.op == "complete"), "{calls:?}");
+    assert!(
+        calls.iter().all(|c| c.at - started < expiry),
+        "a call about the task after its local expiry: {calls:?}"
+    );
+    let lost = metrics.encode();
+    assert!(
+        lost.lines()
+            .any(|l| l == "abada_agent_leases_lost_total{reason=\"LOCAL_EXPIRY\"} 1"),
+        "{lost}"
+    );
+
+    // The engine answers again: the fetch that was waiting on it, or the next, takes a new task.
+    engine.push(task("t-0001"));
+    engine.state.lock().unwrap().hung = false;
+    wait_until(
+        || {
+            engine
+                .state
+                .lock()
+                .unwrap()
+                .completed
+                .contains_key("t-0001")
+        },
+        Duration::from_secs(600),
+    )
+    .await;
+    shutdown.cancel();
+    join.await.unwrap();
+    assert_eq!(
+        engine.calls_for("t-0000").len(),
+        calls.len(),
+        "nothing about the lost task once the engine answered again"
+    );
+}

@@ -1,5 +1,5 @@
 //! A seed's schedule: how many workers with how many slots, which tasks arrive when (their
-//! script: turns, hostile answers), which faults hit what when (outages, freezes, kills, the odds
+//! script: turns, hostile answers), which faults hit what when (outages, hangs, freezes, kills, the odds
 //! of the per-call faults), all drawn from one seeded `StdRng`, so a seed is a whole scenario.
 
 use std::collections::BTreeMap;
@@ -109,9 +109,10 @@ impl Schedule {
                 0.0
             }
         };
-        let faults = FaultPlan {
+        let mut faults = FaultPlan {
             quiet_at,
             engine_outages,
+            engine_hangs: Vec::new(),
             engine_slow: odds(&mut rng, 0.3),
             engine_slow_max: Duration::from_millis(rng.random_range(10..=lock_ms)),
             engine_5xx: odds(&mut rng, 0.1),
@@ -138,6 +139,11 @@ impl Schedule {
             tool_answer_lost: odds(&mut rng, 0.2),
             freezes,
         };
+        // Drawn last, so that every earlier draw (and a seed's scenario without a hang) stays
+        // what it was before hangs were simulated.
+        for _ in 0..rng.random_range(0..=1) {
+            faults.engine_hangs.push(window(&mut rng, lock_ms * 2));
+        }
         Schedule {
             seed,
             workers,

@@ -1,7 +1,8 @@
 //! The world's engine as one worker sees it: the [`Engine`] trait on the devkit emulator's state
 //! machine ([`EngineCore`](abada_devkit::engine::EngineCore)), in-process. Each call is turned
 //! into the body the HTTP client would send, run under the world's faults (held while its worker
-//! is frozen, refused during an outage, slowed, failed, or executed with its answer lost), and a
+//! is frozen, refused during an outage, held unanswered through a hang, slowed, failed, or
+//! executed with its answer lost), and a
 //! refusal is classified by the HTTP client's own rules (`client::classify_answer`), so the
 //! worker's core sees exactly the errors it would see over the wire. Every call and answer is
 //! recorded in the world's trace.
@@ -116,6 +117,17 @@ impl WorldEngine {
             self.world.faults().count("engine outage");
             self.world.record(answer(Answer::Fault("outage")));
             return Err(transient("connection refused (simulated outage)", false));
+        }
+        let hung_until = self.world.faults().engine_hung_until(now);
+        if let Some(end) = hung_until {
+            // Accepted, never answered: held to the hang's end (or dropped by the worker first).
+            self.world.faults().count("engine hang");
+            tokio::time::sleep(Duration::from_millis(end.saturating_sub(now).max(1))).await;
+            self.world.record(answer(Answer::Fault("hang")));
+            return Err(transient(
+                "no answer within the request timeout (simulated hang)",
+                true,
+            ));
         }
         let (slow, slow_max, p5xx, p409, lost, refused) = {
             let f = self.world.faults();
@@ -364,6 +376,12 @@ impl Engine for WorldEngine {
     }
 
     async fn probe(&self) -> ProbeOutcome {
+        let now = self.world.elapsed_ms();
+        let hung_until = self.world.faults().engine_hung_until(now);
+        if let Some(end) = hung_until {
+            tokio::time::sleep(Duration::from_millis(end.saturating_sub(now).max(1))).await;
+            return ProbeOutcome::Unreachable;
+        }
         if self.world.faults().engine_down(self.world.elapsed_ms()) {
             ProbeOutcome::Unreachable
         } else {

@@ -1,5 +1,5 @@
 //! The faults the simulator injects into the world: what a seeded schedule decided up front
-//! (outage and freeze windows) and the odds of the per-call faults drawn from the world's
+//! (outage, hang and freeze windows) and the odds of the per-call faults drawn from the world's
 //! seeded source (slowness, 5xx, 409, refusals, answers lost, model 429 and 5xx). Every fault
 //! stops at [`FaultPlan::quiet_at`], so the check that every task ends has a start.
 
@@ -26,6 +26,12 @@ pub struct FaultPlan {
     pub quiet_at: u64,
     /// The engine answers nothing (connection refused) during these.
     pub engine_outages: Vec<Window>,
+    /// The engine accepts calls and answers none during these, as when its request threads are
+    /// stuck: a call made in one is held to the window's end and then fails as a request sent
+    /// without an answer (the HTTP client's timeouts and retries outlasted); nothing it asked
+    /// is done. A worker must lose its leases at their local expiry meanwhile, reporting ones
+    /// included, and fetch again after.
+    pub engine_hangs: Vec<Window>,
     /// Odds per engine call of: a delay of up to `engine_slow_max`, a 5xx without executing,
     /// a 409 `CONCURRENT_MODIFICATION`, an executed call whose answer is lost.
     pub engine_slow: f64,
@@ -95,5 +101,14 @@ impl Faults {
 
     pub fn engine_down(&self, at: u64) -> bool {
         self.plan.engine_outages.iter().any(|w| w.contains(at))
+    }
+
+    /// The end of the engine hang that holds `at`, if any.
+    pub fn engine_hung_until(&self, at: u64) -> Option<u64> {
+        self.plan
+            .engine_hangs
+            .iter()
+            .find(|w| w.contains(at))
+            .map(|w| w.end)
     }
 }

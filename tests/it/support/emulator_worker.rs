@@ -245,6 +245,8 @@ pub struct WorkerOptions {
     pub shutdown_grace: Duration,
     pub request_timeout: Duration,
     pub tuning: Tuning,
+    /// The engine URL, when not the emulator's own (a proxy in front of it).
+    pub engine_url: Option<String>,
 }
 
 impl WorkerOptions {
@@ -271,6 +273,7 @@ impl WorkerOptions {
                 ),
                 poll_jitter: 0.0,
             },
+            engine_url: None,
         }
     }
 
@@ -288,7 +291,10 @@ impl WorkerOptions {
     fn config(&self, emu: &EngineEmulator) -> Config {
         let ms = |d: Duration| d.as_millis().to_string();
         let env = HashMap::from([
-            (config::ENV_ENGINE_URL.to_string(), emu.base_url()),
+            (
+                config::ENV_ENGINE_URL.to_string(),
+                self.engine_url.clone().unwrap_or_else(|| emu.base_url()),
+            ),
             (config::ENV_WORKER_ID.to_string(), self.worker_id.clone()),
             (
                 config::ENV_MAX_TASKS.to_string(),

@@ -42,6 +42,10 @@ pub struct FakeState {
     pub surplus: usize,
     /// A stalled engine: `failure` answers only after an hour.
     pub stall_failures: bool,
+    /// A silent engine: while set, every call (recorded when sent) waits unanswered, with no
+    /// client timeout to end it, until this is cleared; then it is answered as usual. An engine
+    /// that accepts connections and never replies, seen through the worst client.
+    pub hung: bool,
     /// When set, a fetch answers at most this many tasks, whatever it asked for: the partial
     /// answers of an engine whose concurrent fetches skip each other's locked rows.
     pub answer_cap: Option<usize>,
@@ -106,6 +110,13 @@ impl FakeEngine {
         });
     }
 
+    /// Waits while the engine is [`FakeState::hung`].
+    async fn silent(&self) {
+        while self.state.lock().unwrap().hung {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     fn end(&self, task: &TaskRef) {
         self.state.lock().unwrap().outstanding.remove(&task.task_id);
     }
@@ -115,6 +126,7 @@ impl FakeEngine {
 impl Engine for FakeEngine {
     async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError> {
         self.record("fetch-and-lock", None, request.max_tasks);
+        self.silent().await;
         tokio::time::sleep(Duration::from_millis(1)).await;
         let mut s = self.state.lock().unwrap();
         if s.fetch_transient {
@@ -136,6 +148,7 @@ impl Engine for FakeEngine {
 
     async fn heartbeat(&self, task: &TaskRef, _lock: Duration) -> Result<(), EngineError> {
         self.record("heartbeat", Some(task), 0);
+        self.silent().await;
         let s = self.state.lock().unwrap();
         if s.refuse_heartbeat.contains(&task.task_id) {
             return Err(EngineError::LeaseLost {
@@ -156,6 +169,7 @@ impl Engine for FakeEngine {
 
     async fn complete(&self, task: &TaskRef, _v: &Map<String, Value>) -> Result<(), EngineError> {
         self.record("complete", Some(task), 0);
+        self.silent().await;
         let latency = self.state.lock().unwrap().complete_latency;
         if !latency.is_zero() {
             tokio::time::sleep(latency).await;
@@ -173,6 +187,7 @@ impl Engine for FakeEngine {
 
     async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
         self.record("failure", Some(task), 0);
+        self.silent().await;
         let stall = self.state.lock().unwrap().stall_failures;
         if stall {
             tokio::time::sleep(Duration::from_secs(3600)).await;
@@ -188,12 +203,14 @@ impl Engine for FakeEngine {
 
     async fn bpmn_error(&self, task: &TaskRef, _r: &BpmnErrorReport) -> Result<(), EngineError> {
         self.record("bpmn-error", Some(task), 0);
+        self.silent().await;
         self.end(task);
         Ok(())
     }
 
     async fn read_journal(&self, task: &TaskRef) -> Result<Journal, EngineError> {
         self.record("journal-read", Some(task), 0);
+        self.silent().await;
         Ok(Journal::default())
     }
 
@@ -203,6 +220,7 @@ impl Engine for FakeEngine {
         _step: &JournalStep,
     ) -> Result<AppendOutcome, EngineError> {
         self.record("journal-append", Some(task), 0);
+        self.silent().await;
         Ok(AppendOutcome::Created)
     }
 
@@ -212,6 +230,7 @@ impl Engine for FakeEngine {
         _server: &str,
     ) -> Result<ToolCredential, EngineError> {
         self.record("tool-credentials", Some(task), 0);
+        self.silent().await;
         Ok(ToolCredential {
             token: abada_agent_worker::secret::Secret::new("tok"),
             expires_at: None,

@@ -1,7 +1,8 @@
 //! A TCP proxy on 127.0.0.1 that can take a peer away on command: forward everything, refuse
 //! (accept and close at once, cutting the open connections too), or let requests through and
 //! swallow the first reply before cutting the connection, which is how an acknowledgement gets
-//! lost after the server committed.
+//! lost after the server committed; or go silent: accept and read everything, forward nothing,
+//! answer nothing and close nothing, as a peer whose request threads are all stuck does.
 
 use std::net::SocketAddr;
 
@@ -17,6 +18,9 @@ pub enum Mode {
     Down,
     /// Requests reach the server; its next reply is dropped and the connection cut.
     SwallowReplies,
+    /// Connections are accepted (new ones too) and read, but nothing reaches the server and
+    /// nothing comes back; none is closed by the proxy.
+    Silent,
 }
 
 pub struct TcpProxy {
@@ -35,6 +39,10 @@ impl TcpProxy {
             while let Ok((client, _)) = listener.accept().await {
                 if *modes.borrow() == Mode::Down {
                     drop(client);
+                    continue;
+                }
+                if *modes.borrow() == Mode::Silent {
+                    tokio::spawn(swallow(client));
                     continue;
                 }
                 tokio::spawn(pipe(client, upstream, modes.subscribe()));
@@ -72,10 +80,12 @@ async fn pipe(client: TcpStream, upstream: SocketAddr, mut mode: watch::Receiver
             read = client_read.read(&mut to_server) => match read {
                 Ok(0) | Err(_) => return,
                 Ok(_) if *mode.borrow() == Mode::Down => return,
+                Ok(_) if *mode.borrow() == Mode::Silent => {}
                 Ok(n) => if server_write.write_all(&to_server[..n]).await.is_err() { return },
             },
             read = server_read.read(&mut to_client) => match read {
                 Ok(0) | Err(_) => return,
+                Ok(_) if *mode.borrow() == Mode::Silent => {}
                 Ok(_) if *mode.borrow() != Mode::Forward => return,
                 Ok(n) => if client_write.write_all(&to_client[..n]).await.is_err() { return },
             },
@@ -84,6 +94,16 @@ async fn pipe(client: TcpStream, upstream: SocketAddr, mut mode: watch::Receiver
                     return;
                 }
             }
+        }
+    }
+}
+
+/// Reads and drops what a client sends until it goes away; answers nothing.
+async fn swallow(mut client: TcpStream) {
+    let mut buf = vec![0u8; 16 * 1024];
+    while let Ok(n) = client.read(&mut buf).await {
+        if n == 0 {
+            return;
         }
     }
 }
