@@ -53,7 +53,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use admission::{Admission, Asking, ClaimRefusal, InputDigest, Phase, Seen, admit};
 pub use error::{ErrorClass, FenceReason, StoreError};
-pub use finishes::IDLE_FLUSH_AFTER;
+pub use finishes::{IDLE_FLUSH_AFTER, MAX_PENDING_FINISHES};
 pub use handle::{StoreHandle, connect_backoff};
 pub use runs::{
     Claim, Claimant, Fence, MAX_BODY_DEPTH, MAX_JOURNAL_BYTES, MAX_RUN_KEY_BYTES, RunEnd, RunKey,

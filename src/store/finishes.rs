@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use super::runs::{Fence, RunEnd};
 
 /// The most finishes queued before the finishing caller flushes them itself.
-pub(crate) const MAX_PENDING_FINISHES: usize = 512;
+pub const MAX_PENDING_FINISHES: usize = 512;
 
 /// How long a queued finish waits for a claim to carry it before the idle flush performs it:
 /// short, so a finished run does not linger, and long next to the gap between a busy worker's

@@ -13,7 +13,9 @@ use abada_agent_worker::devkit::engine::{ProtocolLevel, TaskStatus};
 use abada_agent_worker::devkit::stack::{Stack, StackWorkers};
 use abada_agent_worker::engine::JournalStep;
 use abada_agent_worker::metrics::Metrics;
-use abada_agent_worker::store::{Claimant, FenceReason, RunEnd, RunKey, StoreConfig, StoreError};
+use abada_agent_worker::store::{
+    Claimant, Fence, FenceReason, MAX_PENDING_FINISHES, RunEnd, RunKey, StoreConfig, StoreError,
+};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -337,6 +339,34 @@ async fn a_claim_of_a_run_whose_finish_is_queued_sees_it_finished() {
         drop((w1, w2));
         wipe(&db).await;
     }
+    db.drop().await;
+}
+
+/// The queue is bounded: the finish that finds it full is written by its caller at once, with
+/// every finish queued, in one transaction (finishes of runs long gone match nothing).
+#[tokio::test]
+async fn a_full_queue_is_written_by_the_finishing_caller() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let (store, metrics) = connect(&config(&db.url)).await;
+    let mut fence = store
+        .claim(&key("r"), &by("w"), Some(&input("o-1")))
+        .await
+        .unwrap()
+        .fence;
+    store.append(&mut fence, &answer(2, "done")).await.unwrap();
+    for i in 0..MAX_PENDING_FINISHES as u64 {
+        let gone = Fence::issue(key(&format!("gone-{i}")), 7 + i, 3, 3, 10);
+        store.finish_later(&gone, RunEnd::Completed).await.unwrap();
+    }
+    assert_eq!(store.finishes_queued(), MAX_PENDING_FINISHES);
+    assert_eq!(budget(&metrics), [1, 1, 0], "queued, no transaction");
+    store.finish_later(&fence, RunEnd::Completed).await.unwrap();
+    assert_eq!(budget(&metrics), [1, 1, 1], "one transaction for them all");
+    assert_eq!(store.finishes_queued(), 0);
+    assert_eq!(run_of(&db, "r").await, None, "retention 0: deleted");
+    drop(store);
     db.drop().await;
 }
 

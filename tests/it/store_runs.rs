@@ -705,7 +705,7 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
     assert_eq!(transactions("append"), 25.0, "one append per task");
     // Every transaction waited for the one connection; the 11 claims queued behind the stuck
     // one waited at least as long as it took this test to see them queued.
-    assert!(sample(&w, "abada_agent_store_pool_wait_seconds_count") >= 75.0);
+    assert!(sample(&w, "abada_agent_store_pool_wait_seconds_count") >= 50.0);
     let quick = sample(
         &w,
         "abada_agent_store_pool_wait_seconds_bucket{le=\"0.0001\"}",
@@ -764,13 +764,14 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
     }
     assert_eq!(stack.model.total_calls(), 32, "each turn paid once");
     // Only what the test provoked: the pool's timeouts (transient), on the claims queued behind
-    // the lock and on the sweeper if it came by meanwhile; nothing fenced, conflicting or
-    // internal.
+    // the lock and on the sweeper or an idle flush of finishes if one came by meanwhile; nothing
+    // fenced, conflicting or internal.
     for (labels, n) in store_errors(&w) {
         assert!(
             labels.contains("class=\"transient\"")
                 && (labels.contains("operation=\"claim\"")
-                    || labels.contains("operation=\"sweep\"")),
+                    || labels.contains("operation=\"sweep\"")
+                    || labels.contains("operation=\"finish\"")),
             "unexpected store errors {labels}: {n}"
         );
     }
