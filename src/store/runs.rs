@@ -401,19 +401,22 @@ const FINISH_DELETE: &str =
 const RUN_STATE: &str = "SELECT attempt, status FROM abada_agent_runs WHERE run_key = $1::text";
 
 /// Queued finishes (`finishes`) with a retention of zero: each run deleted only while the
-/// attempt that queued its finish still holds it (its steps go with it).
+/// attempt that queued its finish still holds it (its steps go with it). `run_key = ANY($1)`
+/// makes the runs an index lookup: joined on the unnested arrays alone, the generic plan scans
+/// the whole primary key (every run kept) for each claim.
 const FINISH_QUEUED_DELETE: &str = "
     DELETE FROM abada_agent_runs r
      USING unnest($1::text[], $2::bigint[]) AS f(run_key, attempt)
-     WHERE r.run_key = f.run_key AND r.attempt = f.attempt";
+     WHERE r.run_key = ANY($1::text[]) AND r.run_key = f.run_key AND r.attempt = f.attempt";
 
 /// Queued finishes with runs kept: each run marked only while the attempt that queued its
-/// finish still holds it and it is running.
+/// finish still holds it and it is running (an index lookup, as above).
 const FINISH_QUEUED_MARK: &str = "
     UPDATE abada_agent_runs r
        SET status = f.status, finished_at = now(), updated_at = now(), version = r.version + 1
       FROM unnest($1::text[], $2::bigint[], $3::text[]) AS f(run_key, attempt, status)
-     WHERE r.run_key = f.run_key AND r.attempt = f.attempt AND r.status = 'running'";
+     WHERE r.run_key = ANY($1::text[]) AND r.run_key = f.run_key AND r.attempt = f.attempt
+       AND r.status = 'running'";
 
 const SWEEP_FINISHED: &str = "
     DELETE FROM abada_agent_runs WHERE run_key IN (
