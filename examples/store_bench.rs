@@ -1,9 +1,12 @@
 //! The run store's own figures (BENCHMARKS.md), against the PostgreSQL that
 //! `ABADA_TEST_DATABASE_URL` names. Two measurements:
 //!
-//! - direct (the default): one-turn tasks straight against the store (claim with its input step,
-//!   the model step, finish): the latency of an append (p50, p99) and the transactions a one-turn
-//!   task costs. `store_bench -- 400 8` (one-turn tasks, concurrent tasks).
+//! - direct (the default): one-turn tasks straight against the store as the worker runs them
+//!   (claim with its input step, the model step, the finish queued to ride with a later claim,
+//!   the queue flushed at the end as the worker's drain does): the latency of an append (p50,
+//!   p99) and the transactions a one-turn task costs. `store_bench -- 400 8 0` (one-turn tasks,
+//!   concurrent tasks, retention in seconds: 0 deletes runs as they finish, above keeps them);
+//!   a fourth argument `own` gives each finish a transaction of its own, as before issue 25.
 //! - `seed`: the seed's own check. The real worker binary (a child process, the load harness of
 //!   `devkit::loadtest`) on a plain v1 engine with its journal in the store runs the same backlog
 //!   at base model and tool latency and then with both ten times slower; prints, side by side,
@@ -75,7 +78,15 @@ fn main() -> std::process::ExitCode {
     let mut args = args.into_iter();
     let tasks: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(400);
     let concurrency: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(8);
-    rt.block_on(direct(tasks, concurrency, url));
+    let retention: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(0);
+    let own_finish = args.next().as_deref() == Some("own");
+    rt.block_on(direct(
+        tasks,
+        concurrency,
+        Duration::from_secs(retention),
+        own_finish,
+        url,
+    ));
     std::process::ExitCode::SUCCESS
 }
 
@@ -245,9 +256,16 @@ fn print_side_by_side(seed: &Seed, tool_calls: u32, cells: &[(u32, Figures)]) {
 }
 
 /// One-turn tasks straight against the store, `concurrency` at a time.
-async fn direct(tasks: usize, concurrency: usize, url: String) {
+async fn direct(
+    tasks: usize,
+    concurrency: usize,
+    retention: Duration,
+    own_finish: bool,
+    url: String,
+) {
     let mut config = StoreConfig::new(Arc::new(SecretSource::value(url)));
     config.pool_size = concurrency;
+    config.retention = retention;
     let metrics = Arc::new(Metrics::new());
     let store = PgRunStore::connect(&config, metrics.clone())
         .await
@@ -277,7 +295,14 @@ async fn direct(tasks: usize, concurrency: usize, url: String) {
                 let t = Instant::now();
                 store.append(&mut claim.fence, &step).await.unwrap();
                 appends.push(t.elapsed());
-                store.finish(&claim.fence, RunEnd::Completed).await.unwrap();
+                if own_finish {
+                    store.finish(&claim.fence, RunEnd::Completed).await.unwrap();
+                } else {
+                    store
+                        .finish_later(&claim.fence, RunEnd::Completed)
+                        .await
+                        .unwrap();
+                }
             }
             appends
         }));
@@ -286,6 +311,8 @@ async fn direct(tasks: usize, concurrency: usize, url: String) {
     for j in joins {
         appends.extend(j.await.unwrap());
     }
+    // The worker's drain: the finishes no later claim carried.
+    let flushed = store.flush().await.unwrap();
     let took = started.elapsed();
     appends.sort();
     let pct = |p: f64| appends[((appends.len() as f64 * p) as usize).min(appends.len() - 1)];
@@ -314,11 +341,13 @@ async fn direct(tasks: usize, concurrency: usize, url: String) {
         tasks as f64 / took.as_secs_f64()
     );
     println!(
-        "store transactions per one-turn task: {:.2} (claim {}, append {}, finish {})",
+        "store transactions per one-turn task: {:.2} (claim {}, append {}, finish {}; retention {} s; {} finishes flushed at the end)",
         transactions as f64 / tasks as f64,
         count("claim"),
         count("append"),
-        count("finish")
+        count("finish"),
+        retention.as_secs(),
+        flushed
     );
     println!(
         "claim transaction mean: {:.2} ms (the lock, the rule, the claim, the input step)",

@@ -82,6 +82,9 @@ pub struct Tuning {
     pub throttle_backoff: Backoff,
     /// Fraction by which an idle wait is stretched at random (0 in tests that count fetches).
     pub poll_jitter: f64,
+    /// How long a queued run finish waits for a claim to carry it before an idle worker flushes
+    /// it on its own ([`crate::store::IDLE_FLUSH_AFTER`]).
+    pub store_idle_flush: Duration,
 }
 
 impl Default for Tuning {
@@ -95,6 +98,7 @@ impl Default for Tuning {
             error_backoff: runner.error_backoff,
             throttle_backoff: runner.throttle_backoff,
             poll_jitter: runner.poll_jitter,
+            store_idle_flush: crate::store::IDLE_FLUSH_AFTER,
         }
     }
 }
@@ -284,6 +288,16 @@ pub(crate) fn agent_runtime(
     })
 }
 
+/// Runs the tasks until `shutdown` fires and the drain is over, then writes the run finishes
+/// the store still has queued (every task has ended, its finish queued): the production worker
+/// and the devkit's in-process workers alike.
+pub async fn run_tasks(runner: Runner, store: Option<StoreHandle>, shutdown: CancellationToken) {
+    runner.run(shutdown).await;
+    if let Some(store) = store {
+        store.flush().await;
+    }
+}
+
 /// A worker that is wired but not yet running.
 pub struct Worker {
     pub runner: Runner,
@@ -316,6 +330,7 @@ impl Worker {
                 store,
                 metrics.clone(),
                 connect_backoff(),
+                seams.tuning.store_idle_flush,
                 store_stop.clone(),
             )
         });
@@ -404,7 +419,7 @@ impl Worker {
         if let Some(tx) = bound {
             let _ = tx.send(local);
         }
-        self.runner.run(shutdown).await;
+        run_tasks(self.runner, self.store.clone(), shutdown).await;
         self.store_stop.cancel();
         admin_stop.cancel();
         Ok(())

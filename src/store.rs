@@ -9,8 +9,12 @@
 //! (`admission`). Every [`PgRunStore::append`] is a compare-and-set on
 //! the run row (attempt and version, exactly one row or none) plus the step insert, in one
 //! statement; none means another attempt owns the run ([`StoreError::Fenced`]), and the caller
-//! goes silent as after `STALE_ATTEMPT`. A one-turn task costs three transactions: the claim
-//! (which writes the input step), the model step's append, and [`PgRunStore::finish`].
+//! goes silent as after `STALE_ATTEMPT`. A one-turn task costs two transactions: the claim
+//! (which writes the input step) and the final step's append, written at once and fenced, so a
+//! stale holder is stopped before it reports. Its finish, once the engine accepted the task's
+//! end, is queued ([`PgRunStore::finish_later`], `finishes`) and rides with the next claim's
+//! transaction, fenced by its attempt; an idle worker flushes it after a short delay, a worker
+//! shutting down once its tasks are drained.
 //!
 //! No transaction or connection outlives a call: there is no public handle to either. The pool
 //! is bounded (`ABADA_AGENT_STORE_POOL_SIZE`), and waiting for it is bounded too
@@ -26,11 +30,13 @@
 //! reported to `/readyz`), `url` (the one reading of the URL, the TLS rules, the redacted form),
 //! `tls` (rustls per `sslmode`),
 //! `pool` (connections and the transaction wrapper), `migrate` (the schema), `runs` (the SQL of
-//! claims, appends, finishes and sweeps), `admission` (which claim may take a run), `error`
-//! (classes), `outage` (one log line per outage).
+//! claims, appends, finishes and sweeps), `finishes` (the finishes waiting for a transaction),
+//! `admission` (which claim may take a run), `error` (classes), `outage` (one log line per
+//! outage).
 
 mod admission;
 mod error;
+mod finishes;
 mod handle;
 mod migrate;
 mod outage;
@@ -47,6 +53,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use admission::{Admission, Asking, ClaimRefusal, InputDigest, Phase, Seen, admit};
 pub use error::{ErrorClass, FenceReason, StoreError};
+pub use finishes::{IDLE_FLUSH_AFTER, MAX_PENDING_FINISHES};
 pub use handle::{StoreHandle, connect_backoff};
 pub use runs::{
     Claim, Claimant, Fence, MAX_BODY_DEPTH, MAX_JOURNAL_BYTES, MAX_RUN_KEY_BYTES, RunEnd, RunKey,
@@ -57,6 +64,7 @@ pub use url::{SslMode, StoreUrl, UrlError, UrlPart};
 
 use crate::engine::{AppendOutcome, JournalStep};
 use crate::metrics::Metrics;
+use finishes::{PendingFinish, PendingFinishes};
 use pool::{Connector, Operation, Pool};
 use runs::Sweep;
 
@@ -88,7 +96,11 @@ pub struct SweepReport {
 /// - an append is a compare-and-set on the fence: a stale fence is [`StoreError::Fenced`],
 ///   nothing written; a retried append of the very step written is
 ///   [`AppendOutcome::AlreadyPresent`]; the fence advances on success only;
-/// - a finish is idempotent for the fence's attempt, and fenced like an append.
+/// - a finish is idempotent for the fence's attempt, and fenced like an append: it never
+///   touches a newer attempt's run. An implementation may defer it to its next transaction
+///   (the worker's [`StoreHandle`] does, through [`PgRunStore::finish_later`]): `Ok` then means
+///   queued, and a stale finish, when performed, changes nothing instead of answering
+///   [`StoreError::Fenced`].
 #[async_trait::async_trait]
 pub trait RunStore: Send + Sync {
     /// Claims the run for a new attempt (see [`PgRunStore::claim`]).
@@ -148,6 +160,8 @@ struct Inner {
     sweep_batch: usize,
     server: ServerInfo,
     migrations_applied: Vec<&'static str>,
+    /// Finishes waiting to ride with the next transaction (`finishes`).
+    finishes: Arc<PendingFinishes>,
 }
 
 impl std::fmt::Debug for PgRunStore {
@@ -228,6 +242,7 @@ impl PgRunStore {
                 sweep_batch: config.sweep_batch.max(1),
                 server,
                 migrations_applied,
+                finishes: Arc::new(PendingFinishes::new(finishes::MAX_PENDING_FINISHES)),
             }),
         })
     }
@@ -258,6 +273,10 @@ impl PgRunStore {
     /// claimant's worker and task, and returns the journal so far. When the run has no step yet
     /// and `first_step` is given (the input step, `seq` 1), that step is written in the same
     /// transaction; it is also what a resumed run's journaled input must equal.
+    ///
+    /// The finishes queued by [`PgRunStore::finish_later`] ride with the claim: performed first
+    /// in its transaction, committed with it (a refusal included), and queued again when the
+    /// transaction fails or the claim is cancelled.
     pub async fn claim(
         &self,
         run_key: &RunKey,
@@ -281,13 +300,21 @@ impl PgRunStore {
             },
         };
         let store = self.inner.pool.store();
-        self.inner
+        let batch = self.inner.finishes.take(None);
+        let finishes = (batch.items(), self.inner.retention.is_zero());
+        let result = self
+            .inner
             .pool
             .transaction(Operation::Claim, |mut conn| async move {
-                let result = runs::claim(conn.conn(), &store, run_key, claimant, first).await;
+                let result =
+                    runs::claim(conn.conn(), &store, run_key, claimant, first, finishes).await;
                 (conn, result)
             })
-            .await
+            .await;
+        if matches!(&result, Ok(_) | Err(StoreError::Refused { .. })) {
+            batch.done();
+        }
+        result
     }
 
     /// Appends one step, fenced: one statement that compare-and-sets the run row on this
@@ -334,6 +361,72 @@ impl PgRunStore {
                 (conn, result)
             })
             .await
+    }
+
+    /// Queues the run's finish, after the engine accepted the outcome, to ride with the store's
+    /// next transaction (a claim, or a flush: [`PgRunStore::flush`], [`PgRunStore::spawn_finisher`])
+    /// instead of taking one of its own. Performed, it is [`PgRunStore::finish`] without the
+    /// answer: fenced by the attempt (a newer attempt's run is left alone), idempotent. With
+    /// the queue full, the caller flushes it here, its own finish included; a failed flush keeps
+    /// them queued.
+    pub async fn finish_later(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError> {
+        let finish = PendingFinish::of(fence, end);
+        match self.inner.finishes.push(finish) {
+            Ok(()) => Ok(()),
+            Err(finishes::Full(finish)) => self.flush_with(Some(finish)).await.map(|_| ()),
+        }
+    }
+
+    /// Performs every queued finish now, in one transaction (none when nothing is queued), and
+    /// returns how many were carried. On failure they stay queued. The worker calls it once its
+    /// tasks are drained, before it stops.
+    pub async fn flush(&self) -> Result<usize, StoreError> {
+        self.flush_with(None).await
+    }
+
+    /// Finishes queued and not yet performed.
+    pub fn finishes_queued(&self) -> usize {
+        self.inner.finishes.len()
+    }
+
+    async fn flush_with(&self, extra: Option<PendingFinish>) -> Result<usize, StoreError> {
+        let batch = self.inner.finishes.take(extra);
+        if batch.items().is_empty() {
+            return Ok(0);
+        }
+        let store = self.inner.pool.store();
+        let delete = self.inner.retention.is_zero();
+        let items = batch.items();
+        self.inner
+            .pool
+            .transaction(Operation::Finish, |mut conn| async move {
+                let pg = conn.conn();
+                let result = runs::finish_queued(&pg.client, &pg.statements, items, delete)
+                    .await
+                    .map_err(|e| error::classify(&store, &e));
+                (conn, result)
+            })
+            .await?;
+        Ok(batch.done())
+    }
+
+    /// Flushes the queued finishes whenever the oldest has waited `after` without a claim to
+    /// carry it (an idle worker), until `stop`. A failed flush is tried again `after` later.
+    pub fn spawn_finisher(
+        &self,
+        after: Duration,
+        stop: CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        let queue = self.inner.finishes.clone();
+        tokio::spawn(finishes::idle_flusher(queue, after, stop, move || {
+            let store = store.clone();
+            async move {
+                if let Err(e) = store.flush().await {
+                    tracing::debug!(error = %e, "flushing the queued run finishes failed; retrying later");
+                }
+            }
+        }))
     }
 
     /// One pass of the sweeper: deletes finished runs past the retention and unfinished runs

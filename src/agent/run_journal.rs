@@ -276,9 +276,11 @@ struct FinishRun {
 
 #[async_trait]
 impl AfterReport for FinishRun {
-    /// Finishes the run when the engine accepted the completion (or BPMN error): a few quick
-    /// tries, then it is left to the sweeper (`ABADA_AGENT_STORE_ABANDONED_AFTER`); the task
-    /// itself is done either way. Any other end keeps the run for the next attempt.
+    /// Finishes the run when the engine accepted the completion (or BPMN error): the worker's
+    /// store queues the finish to ride with its next claim transaction (`store/finishes.rs`),
+    /// fenced by this attempt; a store that cannot take it gets a few quick tries, then it is
+    /// left to the sweeper (`ABADA_AGENT_STORE_ABANDONED_AFTER`); the task itself is done
+    /// either way. Any other end keeps the run for the next attempt.
     async fn reported(self: Box<Self>, end: TaskEnd) {
         if !matches!(end, TaskEnd::Completed | TaskEnd::BpmnError) {
             return;

@@ -152,7 +152,11 @@ pub fn start(config: &Config, mut seams: Seams) -> WorkerHandle {
     };
     let status = worker.runner.status();
     let shutdown = CancellationToken::new();
-    let join = tokio::spawn(worker.runner.run(shutdown.clone()));
+    let join = tokio::spawn(crate::app::run_tasks(
+        worker.runner,
+        worker.store.clone(),
+        shutdown.clone(),
+    ));
     WorkerHandle {
         worker_id: config.worker_id.clone(),
         shutdown,

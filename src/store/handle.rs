@@ -1,6 +1,6 @@
 //! The run store as a worker holds it: connected in the background (so a store that is down at
-//! start-up is an outage like any other, not a crash), then shared with every task, swept, and
-//! reported to `/readyz`.
+//! start-up is an outage like any other, not a crash), then shared with every task, swept, its
+//! queued finishes flushed when idle and at shutdown, and reported to `/readyz`.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -37,11 +37,14 @@ impl std::fmt::Debug for StoreHandle {
 
 impl StoreHandle {
     /// Connects (and migrates) in the background, retrying with `backoff` until it succeeds
-    /// or `stop` fires, then runs the sweeper until `stop`. Must be called on a tokio runtime.
+    /// or `stop` fires, then runs the sweeper and the idle flush of queued finishes (after
+    /// `idle_flush`, [`PgRunStore::spawn_finisher`]) until `stop`. Must be called on a tokio
+    /// runtime.
     pub fn connect_in_background(
         config: StoreConfig,
         metrics: Arc<Metrics>,
         backoff: Backoff,
+        idle_flush: Duration,
         stop: CancellationToken,
     ) -> StoreHandle {
         let handle = StoreHandle {
@@ -75,8 +78,9 @@ impl StoreHandle {
                 }
             };
             let sweeper = store.spawn_sweeper(stop.clone());
+            let finisher = store.spawn_finisher(idle_flush, stop.clone());
             *state.write().expect("store handle lock poisoned") = State::Ready(store);
-            let _ = sweeper.await;
+            let _ = tokio::join!(sweeper, finisher);
         });
         handle
     }
@@ -100,6 +104,24 @@ impl StoreHandle {
                     None => "the worker is still connecting".into(),
                 },
             }),
+        }
+    }
+
+    /// Performs the finishes still queued (the worker's drain calls it once its tasks ended,
+    /// before the store stops). What cannot be written is logged: those runs stay until the
+    /// sweeper deletes them as abandoned.
+    pub async fn flush(&self) {
+        let Ok(store) = self.get() else {
+            return; // never connected: no task finished through it
+        };
+        match store.flush().await {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(finishes = n, "queued run finishes written at shutdown"),
+            Err(e) => tracing::warn!(
+                error = %e,
+                finishes = store.finishes_queued(),
+                "the finishes of runs whose tasks ended could not be written at shutdown; those runs stay until ABADA_AGENT_STORE_ABANDONED_AFTER deletes them"
+            ),
         }
     }
 
@@ -145,8 +167,10 @@ impl RunStore for StoreHandle {
         self.get()?.append(fence, step).await
     }
 
+    /// Queued to ride with the next claim ([`PgRunStore::finish_later`]): the finish costs no
+    /// transaction of its own.
     async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError> {
-        self.get()?.finish(fence, end).await
+        self.get()?.finish_later(fence, end).await
     }
 }
 

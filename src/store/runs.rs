@@ -7,10 +7,11 @@
 //! is the same code for the engine's journal and the store's.
 
 use serde_json::Value;
-use tokio_postgres::{Client, Row, Statement};
+use tokio_postgres::{Client, GenericClient, Row, Statement};
 
 use super::admission::{Admission, Asking, InputDigest, Phase, Seen, admit};
 use super::error::{FenceReason, StoreError, classify};
+use super::finishes::PendingFinish;
 use crate::engine::{AppendOutcome, JournalStep};
 
 /// The most a run's journal may hold, counted as the bytes of its step bodies: the same bound
@@ -399,6 +400,24 @@ const FINISH_DELETE: &str =
 
 const RUN_STATE: &str = "SELECT attempt, status FROM abada_agent_runs WHERE run_key = $1::text";
 
+/// Queued finishes (`finishes`) with a retention of zero: each run deleted only while the
+/// attempt that queued its finish still holds it (its steps go with it). `run_key = ANY($1)`
+/// makes the runs an index lookup: joined on the unnested arrays alone, the generic plan scans
+/// the whole primary key (every run kept) for each claim.
+const FINISH_QUEUED_DELETE: &str = "
+    DELETE FROM abada_agent_runs r
+     USING unnest($1::text[], $2::bigint[]) AS f(run_key, attempt)
+     WHERE r.run_key = ANY($1::text[]) AND r.run_key = f.run_key AND r.attempt = f.attempt";
+
+/// Queued finishes with runs kept: each run marked only while the attempt that queued its
+/// finish still holds it and it is running (an index lookup, as above).
+const FINISH_QUEUED_MARK: &str = "
+    UPDATE abada_agent_runs r
+       SET status = f.status, finished_at = now(), updated_at = now(), version = r.version + 1
+      FROM unnest($1::text[], $2::bigint[], $3::text[]) AS f(run_key, attempt, status)
+     WHERE r.run_key = ANY($1::text[]) AND r.run_key = f.run_key AND r.attempt = f.attempt
+       AND r.status = 'running'";
+
 const SWEEP_FINISHED: &str = "
     DELETE FROM abada_agent_runs WHERE run_key IN (
         SELECT run_key FROM abada_agent_runs
@@ -434,6 +453,8 @@ pub(super) struct Statements {
     finish_mark: Statement,
     finish_delete: Statement,
     run_state: Statement,
+    finish_queued_delete: Statement,
+    finish_queued_mark: Statement,
     sweep_finished: Statement,
     sweep_abandoned: Statement,
 }
@@ -453,6 +474,8 @@ impl Statements {
             finish_mark,
             finish_delete,
             run_state,
+            finish_queued_delete,
+            finish_queued_mark,
             sweep_finished,
             sweep_abandoned,
         ) = futures::try_join!(
@@ -467,6 +490,8 @@ impl Statements {
             client.prepare(FINISH_MARK),
             client.prepare(FINISH_DELETE),
             client.prepare(RUN_STATE),
+            client.prepare(FINISH_QUEUED_DELETE),
+            client.prepare(FINISH_QUEUED_MARK),
             client.prepare(SWEEP_FINISHED),
             client.prepare(SWEEP_ABANDONED),
         )?;
@@ -482,6 +507,8 @@ impl Statements {
             finish_mark,
             finish_delete,
             run_state,
+            finish_queued_delete,
+            finish_queued_mark,
             sweep_finished,
             sweep_abandoned,
         })
@@ -527,19 +554,27 @@ fn seen_of(run: &Row, ends: &Row) -> Seen {
     }
 }
 
-/// The claim, one transaction: locks the run, lets the admission rule decide, then creates,
-/// resumes or begins the run again under a new attempt from the sequence, writes `first_step`
-/// when the run has no step, and returns the journal. A refusal changes nothing.
+/// The claim, one transaction: performs the queued `finishes` first (`delete` with a retention
+/// of zero: [`finish_queued`]), so a claim of a run whose finish was queued sees it finished, as
+/// if that finish had had its own transaction before; then locks the run, lets the admission
+/// rule decide, creates, resumes or begins the run again under a new attempt from the sequence,
+/// writes `first_step` when the run has no step, and returns the journal. A refusal changes
+/// nothing of the run claimed (the finishes it carried are committed).
 pub(super) async fn claim(
     conn: &mut PgConn,
     store: &str,
     run_key: &RunKey,
     claimant: &Claimant<'_>,
     first_step: Option<(&JournalStep, StepBody)>,
+    finishes: (&[PendingFinish], bool),
 ) -> Result<Claim, StoreError> {
     let pg = |e: tokio_postgres::Error| classify(store, &e);
     let PgConn { client, statements } = conn;
     let tx = client.transaction().await.map_err(pg)?;
+    let (finishes, delete) = finishes;
+    finish_queued(&tx, statements, finishes, delete)
+        .await
+        .map_err(pg)?;
     let hold_ms = u64::try_from(claimant.hold.as_millis()).unwrap_or(u64::MAX);
     let asking = Asking {
         per_visit: run_key.per_visit,
@@ -576,6 +611,8 @@ pub(super) async fn claim(
         };
         let statement = match (admit(&asking, seen.as_ref()), seen.is_some()) {
             (Admission::Refuse(reason), _) => {
+                // Commits the finishes carried; the run claimed is unchanged.
+                tx.commit().await.map_err(pg)?;
                 return Err(StoreError::Refused {
                     run_key: key.to_string(),
                     task_id: claimant.task_id.to_string(),
@@ -865,6 +902,33 @@ pub(super) async fn finish(
         "run {}: finishing changed nothing although attempt {} owns the running run",
         fence.run_key, fence.attempt
     )))
+}
+
+/// Performs queued finishes in one statement (none when `finishes` is empty): deletes the runs
+/// (`delete`, a retention of zero) or marks them ended, each only while the attempt that queued
+/// its finish holds it. A finish whose attempt was replaced by a newer claim, or whose run is
+/// gone or finished already, matches nothing. Returns the runs changed.
+pub(super) async fn finish_queued(
+    client: &impl GenericClient,
+    statements: &Statements,
+    finishes: &[PendingFinish],
+    delete: bool,
+) -> Result<u64, tokio_postgres::Error> {
+    if finishes.is_empty() {
+        return Ok(0);
+    }
+    let keys: Vec<&str> = finishes.iter().map(|f| f.run_key.as_str()).collect();
+    let attempts: Vec<i64> = finishes.iter().map(|f| f.attempt).collect();
+    if delete {
+        client
+            .execute(&statements.finish_queued_delete, &[&keys, &attempts])
+            .await
+    } else {
+        let ends: Vec<&str> = finishes.iter().map(|f| f.end.status()).collect();
+        client
+            .execute(&statements.finish_queued_mark, &[&keys, &attempts, &ends])
+            .await
+    }
 }
 
 /// Which runs a sweep deletes.

@@ -272,6 +272,7 @@ impl WorkerOptions {
                     Duration::from_millis(200),
                 ),
                 poll_jitter: 0.0,
+                ..Tuning::default()
             },
             engine_url: None,
         }
