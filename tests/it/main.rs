@@ -30,6 +30,7 @@ mod secure;
 mod sim;
 mod store;
 mod store_chaos;
+mod store_conformance;
 mod store_runs;
 mod store_tls;
 mod store_visits;
