@@ -110,18 +110,25 @@ fn main() -> ExitCode {
     let started = Instant::now();
     let mut failed = Vec::new();
     let mut events = 0usize;
+    let mut in_store = 0usize;
     for (n, &seed) in seeds.iter().enumerate() {
         options.seed = seed;
         let report = run_seed(paused_runtime(), &options);
         events += report.events;
+        in_store += usize::from(report.store_journal);
         if let Some(trace) = &report.trace {
             print!("{trace}");
         }
         if args.one.is_some() {
             println!(
-                "seed {seed}: {} events, {:.1} s simulated, hash {}, faults {:?}",
+                "seed {seed}: {} events, {:.1} s simulated, journals in the {}, hash {}, faults {:?}",
                 report.events,
                 report.sim_time.as_secs_f64(),
+                if report.store_journal {
+                    "run store"
+                } else {
+                    "engine"
+                },
                 report.hash,
                 report.injected
             );
@@ -164,7 +171,7 @@ fn main() -> ExitCode {
             + 1
     };
     println!(
-        "{ran} seeds in {took:.1} s: {:.1} seeds/s, {events} events; {} violated",
+        "{ran} seeds in {took:.1} s: {:.1} seeds/s, {events} events, {in_store} with the journals in the run store; {} violated",
         ran as f64 / took.max(1e-9),
         failed.len()
     );

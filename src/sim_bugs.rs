@@ -1,4 +1,4 @@
-//! Feature `sim-bugs` (test builds only, never production): four bugs this worker once had or
+//! Feature `sim-bugs` (test builds only, never production): bugs this worker once had or
 //! could have, each reintroduced only when selected at run time, so the deterministic simulator
 //! (`devkit::sim`) can show that its invariants catch it. Each call site is marked `SIM-BUG`.
 
@@ -14,13 +14,17 @@ pub enum Bug {
     HeartbeatAfterExpiry,
     /// A keyed write journaled `tool/started` is re-sent on resume without its key.
     KeyedWriteWithoutKey,
+    /// A run in the run store is finished as soon as the attempt has its outcome, before the
+    /// engine accepted it: a completion the engine never got finds no run next time.
+    StoreFinishBeforeComplete,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 3] = [
+    pub const ALL: [Bug; 4] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
+        Bug::StoreFinishBeforeComplete,
     ];
 
     pub fn name(self) -> &'static str {
@@ -28,6 +32,7 @@ impl Bug {
             Bug::FenceRemoved => "fence-removed",
             Bug::HeartbeatAfterExpiry => "heartbeat-after-expiry",
             Bug::KeyedWriteWithoutKey => "keyed-write-without-key",
+            Bug::StoreFinishBeforeComplete => "store-finish-before-complete",
         }
     }
 
@@ -45,6 +50,7 @@ pub fn select(bug: Option<Bug>) {
         Some(Bug::FenceRemoved) => 1,
         Some(Bug::HeartbeatAfterExpiry) => 2,
         Some(Bug::KeyedWriteWithoutKey) => 3,
+        Some(Bug::StoreFinishBeforeComplete) => 4,
     };
     SELECTED.store(code, Ordering::SeqCst);
 }
@@ -54,6 +60,9 @@ pub fn active(bug: Bug) -> bool {
     let code = SELECTED.load(Ordering::SeqCst);
     matches!(
         (code, bug),
-        (1, Bug::FenceRemoved) | (2, Bug::HeartbeatAfterExpiry) | (3, Bug::KeyedWriteWithoutKey)
+        (1, Bug::FenceRemoved)
+            | (2, Bug::HeartbeatAfterExpiry)
+            | (3, Bug::KeyedWriteWithoutKey)
+            | (4, Bug::StoreFinishBeforeComplete)
     )
 }

@@ -234,6 +234,14 @@ impl Journal {
         if run.awaits_decision {
             return;
         }
+        // SIM-BUG (feature `sim-bugs`, selected at run time): the run finished before the
+        // engine accepted the outcome.
+        #[cfg(feature = "sim-bugs")]
+        if crate::sim_bugs::active(crate::sim_bugs::Bug::StoreFinishBeforeComplete) {
+            let (store, fence) = (run.store, run.fence);
+            tokio::spawn(async move { store.finish(&fence, end).await });
+            return;
+        }
         scope.ctx.after_report(Box::new(FinishRun {
             store: run.store,
             fence: run.fence,

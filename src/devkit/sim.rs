@@ -51,6 +51,8 @@ pub struct SeedReport {
     pub events: usize,
     /// The world's time when the run ended.
     pub sim_time: Duration,
+    /// The journals lived in the run store (the engine spoke plain v1).
+    pub store_journal: bool,
 }
 
 impl SeedReport {
@@ -63,8 +65,9 @@ impl SeedReport {
     }
 }
 
-/// The agent definition every simulated task carries (agent/1 `agent`).
-fn agent_definition() -> serde_json::Value {
+/// The agent definition every simulated task carries (agent/1 `agent`); a plain v1 engine
+/// sends none, and the workers find it in their agents file under the tasks' topic.
+pub fn agent_definition() -> serde_json::Value {
     json!({
         "name": "sim-agent",
         "model": format!("{}/m1", worker::PROVIDER),
@@ -96,6 +99,7 @@ async fn simulate(options: &SimOptions) -> SeedReport {
         seed: options.seed,
         lock_duration: schedule.lock_duration,
         faults: schedule.faults.clone(),
+        store_journal: schedule.store_journal,
     });
     // Tasks arrive on their schedule.
     let creator = {
@@ -192,7 +196,9 @@ async fn simulate(options: &SimOptions) -> SeedReport {
     for w in workers.into_iter().flatten() {
         w.kill(&world);
     }
-    report(options, trace, violations, injected, sim_time)
+    let mut report = report(options, trace, violations, injected, sim_time);
+    report.store_journal = schedule.store_journal;
+    report
 }
 
 fn report(
@@ -210,6 +216,7 @@ fn report(
         injected,
         events: trace.events.len(),
         sim_time,
+        store_journal: false,
     }
 }
 

@@ -1,5 +1,6 @@
 //! The in-memory world the deterministic simulator runs workers against: the engine (the
-//! devkit emulator's state machine in-process, [`engine`]), scripted models ([`model`]), the
+//! devkit emulator's state machine in-process, [`engine`]), the run store ([`store`], reached
+//! through [`store_view`]), scripted models ([`model`]), the
 //! faults a seeded schedule injects into them ([`faults`]) and the trace of everything that
 //! happened ([`trace`]), on tokio's clock so that a paused current-thread runtime drives it.
 //!
@@ -9,6 +10,8 @@
 pub mod engine;
 pub mod faults;
 pub mod model;
+pub mod store;
+pub mod store_view;
 pub mod tools;
 pub mod trace;
 
@@ -24,6 +27,8 @@ use abada_devkit::engine::{EngineCore, ProtocolLevel};
 pub use engine::WorldEngine;
 pub use faults::{FaultPlan, Faults};
 pub use model::{ModelScript, WorldModel};
+pub use store::{MemoryRunStore, MemoryStoreSettings};
+pub use store_view::WorldStore;
 pub use tools::WorldTools;
 pub use trace::{Event, Trace};
 
@@ -39,6 +44,11 @@ pub struct World {
     rng: Mutex<StdRng>,
     trace: Mutex<Trace>,
     ledger: Mutex<tools::Ledger>,
+    /// The run store every worker's [`WorldStore`] reaches.
+    pub store: MemoryRunStore,
+    /// The tasks' journals live in the run store: the engine speaks plain v1 (no `attempt`, no
+    /// journal, no `agent`), and the workers keep their runs in [`World::store`].
+    pub store_journal: bool,
     origin: Instant,
     /// The lock duration every worker of the world asks for, and the local safety margin it
     /// keeps (for the check that no call is made after a local expiry).
@@ -52,17 +62,28 @@ pub struct WorldOptions {
     pub seed: u64,
     pub lock_duration: Duration,
     pub faults: FaultPlan,
+    /// See [`World::store_journal`].
+    pub store_journal: bool,
 }
 
 impl World {
     /// A world whose clock starts now (call it on the paused runtime that runs the workers).
     pub fn new(options: WorldOptions) -> Arc<World> {
         Arc::new(World {
-            core: Mutex::new(EngineCore::new(ProtocolLevel::AgentV1, 60_000)),
+            core: Mutex::new(EngineCore::new(
+                if options.store_journal {
+                    ProtocolLevel::PlainV1
+                } else {
+                    ProtocolLevel::AgentV1
+                },
+                60_000,
+            )),
             faults: Mutex::new(Faults::new(options.faults)),
             rng: Mutex::new(StdRng::seed_from_u64(options.seed ^ 0x5eed_f00d)),
             trace: Mutex::new(Trace::default()),
             ledger: Mutex::new(tools::Ledger::default()),
+            store: MemoryRunStore::new(MemoryStoreSettings::default()),
+            store_journal: options.store_journal,
             origin: Instant::now(),
             lock_duration: options.lock_duration,
             safety_margin: options.lock_duration / 10,

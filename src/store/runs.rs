@@ -248,7 +248,7 @@ impl StepBody {
 
     /// The body as a value again. Cannot fail: the text is serde_json's own output, nested no
     /// deeper than [`MAX_BODY_DEPTH`].
-    fn value(&self) -> Value {
+    pub fn value(&self) -> Value {
         serde_json::from_str(&self.text).expect("a body is serde_json output of bounded depth")
     }
 }

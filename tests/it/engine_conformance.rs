@@ -403,6 +403,7 @@ async fn the_in_memory_engine_answers_as_the_protocol_says() {
         seed: 1,
         lock_duration: LOCK,
         faults: FaultPlan::default(),
+        store_journal: false,
     });
     let got = lease_and_journal(&InMemory(world)).await;
     check("in-memory engine", &got);
@@ -428,6 +429,7 @@ async fn the_in_memory_engine_and_the_http_emulator_agree_call_for_call() {
                     seed: 1,
                     lock_duration: LOCK,
                     faults: FaultPlan::default(),
+                    store_journal: false,
                 });
                 lease_and_journal(&InMemory(world)).await
             })

@@ -31,6 +31,7 @@ mod secure;
 mod sim;
 mod store;
 mod store_chaos;
+mod store_conformance;
 mod store_finish;
 mod store_runs;
 mod store_tls;

@@ -49,7 +49,12 @@ fn fifty_seeds_hold_every_invariant() {
 
 #[test]
 fn a_seed_replayed_gives_the_same_trace_and_another_seed_another() {
+    // Seed 0 keeps its journals in the engine, seed 7 in the run store.
+    let engine = seed(0);
+    assert!(!engine.store_journal);
+    assert_eq!(engine.hash, seed(0).hash, "seed 0 is not deterministic");
     let first = seed(7);
+    assert!(first.store_journal);
     let again = seed(7);
     assert_eq!(first.hash, again.hash, "seed 7 is not deterministic");
     assert_eq!(first.events, again.events);
@@ -178,6 +183,113 @@ fn an_append_accepted_from_a_stale_attempt_fires() {
         invariants::no_stale_append(&p.facts()),
         "no append by a stale attempt accepted",
         "task t-000001: journal append by w0 attempt 1",
+    );
+}
+
+fn store_call(worker: &str, op: &'static str, attempt: Option<u64>, seq: Option<u64>) -> Event {
+    Event::StoreCall {
+        worker: w(worker),
+        op,
+        run: w("t-000001"),
+        attempt,
+        seq,
+    }
+}
+
+fn store_answer(
+    worker: &str,
+    op: &'static str,
+    attempt: Option<u64>,
+    seq: Option<u64>,
+    answer: &'static str,
+) -> Event {
+    Event::StoreAnswer {
+        worker: w(worker),
+        op,
+        run: w("t-000001"),
+        attempt,
+        seq,
+        answer,
+    }
+}
+
+/// The run store's side: an append accepted from a fence whose attempt is not the run's latest
+/// claim. w0 claimed attempt 7, w1 claimed attempt 8 since; w0's append with 7 is accepted.
+#[test]
+fn an_append_accepted_by_the_store_from_a_stale_claim_fires() {
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(10, store_answer("w0", "claim", Some(7), None, "claimed"))
+        .at(11_000, fetched("w0", 2))
+        .at(
+            11_010,
+            store_answer("w0", "claim", Some(8), None, "claimed"),
+        )
+        .at(11_020, store_call("w0", "append", Some(8), Some(2)))
+        .at(
+            11_021,
+            store_answer("w0", "append", Some(8), Some(2), "created"),
+        )
+        .at(11_500, store_call("w0", "append", Some(7), Some(2)))
+        .at(
+            11_501,
+            store_answer("w0", "append", Some(7), Some(2), "already-present"),
+        );
+    fires(
+        invariants::no_stale_store_append(&p.facts()),
+        "no append by a stale attempt accepted",
+        "task t-000001: step 2 appended to the run store by w0 with run attempt 7",
+    );
+}
+
+/// The engine's side: w0 sends an append after the engine gave the task to w1, and w1 has not
+/// claimed the run yet, so the store takes it; one sent before w1's acquisition and delayed
+/// in transit is nothing a worker can prevent, and does not fire.
+#[test]
+fn an_append_sent_to_the_store_after_the_engine_replaced_its_holder_fires() {
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(10, store_answer("w0", "claim", Some(7), None, "claimed"))
+        .at(10_900, store_call("w0", "append", Some(7), Some(2)))
+        .at(11_000, fetched("w1", 2))
+        .at(
+            11_050,
+            store_answer("w0", "append", Some(7), Some(2), "created"),
+        )
+        .at(11_100, store_call("w0", "append", Some(7), Some(3)))
+        .at(
+            11_101,
+            store_answer("w0", "append", Some(7), Some(3), "created"),
+        );
+    fires(
+        invariants::no_stale_store_append(&p.facts()),
+        "no append by a stale attempt accepted",
+        "task t-000001: step 3 appended to the run store by w0 (sent at 11.100 s)",
+    );
+}
+
+/// A claim or append to the run store is a call about the attempt like any engine call: none
+/// after the local expiry. The run's finish (after the engine accepted the end) is not one.
+#[test]
+fn a_store_call_after_the_local_expiry_fires_and_a_finish_does_not() {
+    let p = Played::new()
+        .at(
+            0,
+            Event::EngineCall {
+                worker: w("w0"),
+                op: "fetch-and-lock",
+                task: None,
+                attempt: None,
+            },
+        )
+        .at(0, fetched("w0", 1))
+        .at(9_000, store_call("w0", "append", Some(7), Some(2)))
+        .at(9_001, store_call("w0", "append", Some(7), Some(3)))
+        .at(9_500, store_call("w0", "finish", Some(7), None));
+    fires(
+        invariants::no_call_after_local_expiry(&p.facts()),
+        "no engine call after the local lease expired",
+        "task t-000001: run-store append by w0 (acquisition 1) sent at 9.001 s",
     );
 }
 

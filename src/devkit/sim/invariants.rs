@@ -6,8 +6,13 @@
 //!   engine "no-op" acceptance of a stale holder's complete included;
 //! - [`no_stale_append`]: no journal append accepted from an attempt other than the task's
 //!   latest acquisition;
-//! - [`no_call_after_local_expiry`]: no call about an attempt started after its worker's own
-//!   clock said the lease had expired (last accepted extension sent + lock - margin);
+//! - [`no_stale_store_append`]: the same for the run store (a third of the seeds keep their
+//!   journals there), on the store's side (no append accepted from a fence other than the run's
+//!   latest claim) and on the engine's (none from a worker the engine had replaced before the
+//!   append was sent);
+//! - [`no_call_after_local_expiry`]: no call about an attempt (to the engine, or a claim or
+//!   append to the run store) started after its worker's own clock said the lease had expired
+//!   (last accepted extension sent + lock - margin);
 //! - [`no_call_after_refusal`]: no call about an attempt after the engine said the lease is no
 //!   longer ours (no report after loss);
 //! - [`slots`]: running tasks never above the slots, no fetch above the free slots, reports in
@@ -52,6 +57,7 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     let mut v = Vec::new();
     v.extend(one_completion(facts));
     v.extend(no_stale_append(facts));
+    v.extend(no_stale_store_append(facts));
     v.extend(no_call_after_local_expiry(facts));
     v.extend(no_call_after_refusal(facts));
     v.extend(slots(facts));
@@ -164,6 +170,84 @@ pub fn no_stale_append(facts: &Facts<'_>) -> Vec<Violation> {
     out
 }
 
+/// Whether a run-store answer says the store executed an append.
+fn store_accepted(answer: &str) -> bool {
+    matches!(answer, "created" | "already-present")
+}
+
+pub fn no_stale_store_append(facts: &Facts<'_>) -> Vec<Violation> {
+    // The store's side: the attempt of each run's latest claim, as executed.
+    let mut claimed: BTreeMap<&str, u64> = BTreeMap::new();
+    // The engine's side: who acquired each task last, and when; when each worker last sent an
+    // append about a run (the simulator keys runs by task id).
+    let mut holders: BTreeMap<&str, (&str, u64)> = BTreeMap::new();
+    let mut sent: BTreeMap<(&str, &str, u64), u64> = BTreeMap::new();
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        match e {
+            Event::Fetched { worker, tasks, .. } => {
+                for (task, _) in tasks {
+                    holders.insert(task, (worker, *t));
+                }
+            }
+            Event::StoreCall {
+                worker,
+                op: "append",
+                run,
+                seq: Some(seq),
+                ..
+            } => {
+                sent.insert((worker, run, *seq), *t);
+            }
+            Event::StoreAnswer {
+                op: "claim",
+                run,
+                attempt: Some(attempt),
+                answer: "claimed",
+                ..
+            } => {
+                claimed.insert(run, *attempt);
+            }
+            Event::StoreAnswer {
+                worker,
+                op: "append",
+                run,
+                attempt: Some(attempt),
+                seq: Some(seq),
+                answer,
+            } if store_accepted(answer) => {
+                let latest = claimed.get(run.as_str()).copied();
+                if latest != Some(*attempt) {
+                    out.push(violation(
+                        "no append by a stale attempt accepted",
+                        format!(
+                            "task {run}: step {seq} appended to the run store by {worker} with run attempt {attempt} accepted ({answer}) at {} while the run's latest claim is attempt {latest:?}",
+                            at(*t)
+                        ),
+                    ));
+                }
+                let sent_at = sent.get(&(worker.as_str(), run.as_str(), *seq)).copied();
+                if let (Some((holder, since)), Some(sent_at)) = (holders.get(run.as_str()), sent_at)
+                    && holder != worker
+                    && sent_at > *since
+                {
+                    out.push(violation(
+                        "no append by a stale attempt accepted",
+                        format!(
+                            "task {run}: step {seq} appended to the run store by {worker} (sent at {}) accepted at {}, after the engine gave the task to {holder} at {}",
+                            at(sent_at),
+                            at(*t),
+                            at(*since)
+                        ),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
 pub fn no_call_after_local_expiry(facts: &Facts<'_>) -> Vec<Violation> {
     let lock = facts.schedule.lock_duration.as_millis() as u64;
     let margin = facts.safety_margin.as_millis() as u64;
@@ -173,6 +257,9 @@ pub fn no_call_after_local_expiry(facts: &Facts<'_>) -> Vec<Violation> {
     let mut beat_started: BTreeMap<(&str, &str, u32), u64> = BTreeMap::new();
     // The latest local expiry the worker can believe in, per (worker, task, attempt).
     let mut expiry: BTreeMap<(&str, &str, u32), u64> = BTreeMap::new();
+    // Each worker's latest acquisition of each task: what its run-store calls are about (they
+    // carry the run's attempt, not the engine's).
+    let mut acquired: BTreeMap<(&str, &str), u32> = BTreeMap::new();
     let mut out = Vec::new();
     for (t, e) in &facts.trace.events {
         match e {
@@ -187,6 +274,28 @@ pub fn no_call_after_local_expiry(facts: &Facts<'_>) -> Vec<Violation> {
                 let sent = fetch_started.get(worker.as_str()).copied().unwrap_or(*t);
                 for (task, attempt) in tasks {
                     expiry.insert((worker, task, *attempt), sent + lock - margin);
+                    acquired.insert((worker, task), *attempt);
+                }
+            }
+            // A finish runs after the engine accepted the task's end, fenced by the run's
+            // attempt alone: no lease is left to expire.
+            Event::StoreCall {
+                worker, op, run, ..
+            } if *op != "finish" => {
+                let Some(&attempt) = acquired.get(&(worker.as_str(), run.as_str())) else {
+                    continue;
+                };
+                if let Some(&deadline) = expiry.get(&(worker.as_str(), run.as_str(), attempt))
+                    && *t > deadline
+                {
+                    out.push(violation(
+                        "no engine call after the local lease expired",
+                        format!(
+                            "task {run}: run-store {op} by {worker} (acquisition {attempt}) sent at {}, after its lease expired by the worker's own clock at {}",
+                            at(*t),
+                            at(deadline)
+                        ),
+                    ));
                 }
             }
             Event::EngineCall {

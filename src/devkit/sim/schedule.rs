@@ -41,6 +41,8 @@ pub struct Schedule {
     pub tasks: Vec<TaskPlan>,
     pub kills: Vec<Kill>,
     pub faults: FaultPlan,
+    /// The journals live in the run store (the engine speaks plain v1): a third of the seeds.
+    pub store_journal: bool,
 }
 
 /// The worker id of worker slot `n` in its `generation` (a restarted worker is a new process).
@@ -138,11 +140,24 @@ impl Schedule {
             tool_slow_max: Duration::from_millis(rng.random_range(10..=lock_ms)),
             tool_answer_lost: odds(&mut rng, 0.2),
             freezes,
+            ..FaultPlan::default()
         };
         // Drawn last, so that every earlier draw (and a seed's scenario without a hang) stays
         // what it was before hangs were simulated.
         for _ in 0..rng.random_range(0..=1) {
             faults.engine_hangs.push(window(&mut rng, lock_ms * 2));
+        }
+        // The run store's part is drawn from a source of its own, so the seeds that keep their
+        // journals in the engine play the very scenarios they played before it existed.
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5707_e5ee_d000);
+        let store_journal = rng.random_bool(1.0 / 3.0);
+        if store_journal {
+            for _ in 0..rng.random_range(0..=2) {
+                faults.store_outages.push(window(&mut rng, lock_ms * 2));
+            }
+            faults.store_slow = odds(&mut rng, 0.3);
+            faults.store_slow_max = Duration::from_millis(rng.random_range(10..=lock_ms));
+            faults.store_answer_lost = odds(&mut rng, 0.1);
         }
         Schedule {
             seed,
@@ -153,6 +168,7 @@ impl Schedule {
             tasks,
             kills,
             faults,
+            store_journal,
         }
     }
 }

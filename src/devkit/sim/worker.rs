@@ -9,16 +9,19 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::agent::definition::AgentsFile;
 use crate::agent::limits::Ceilings;
 use crate::agent::{AgentRuntime, AgentSettings};
 use crate::backoff::Backoff;
-use crate::devkit::world::{Event, World, WorldEngine, WorldModel, WorldTools};
+use crate::devkit::engine::AGENT_TOPIC;
+use crate::devkit::world::{Event, World, WorldEngine, WorldModel, WorldStore, WorldTools};
 use crate::engine::Engine;
 use crate::handler::TaskHandler;
 use crate::metrics::Metrics;
 use crate::provider::ProviderRegistry;
 use crate::provider::fallback::RetryPolicy;
 use crate::runner::{Runner, RunnerEvent, RunnerSettings};
+use crate::tools::registry::{ToolRegistry, ToolsFile};
 
 /// The provider name the world's model is registered under (`sim/…` in a definition).
 pub const PROVIDER: &str = "sim";
@@ -28,6 +31,46 @@ pub const PROVIDER: &str = "sim";
 fn tool_http() -> reqwest::Client {
     static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
     CLIENT.get_or_init(reqwest::Client::new).clone()
+}
+
+/// The agents file of a worker whose engine sends no definition: the simulation's agent under
+/// the tasks' topic.
+fn agents_file() -> AgentsFile {
+    static FILE: std::sync::OnceLock<AgentsFile> = std::sync::OnceLock::new();
+    FILE.get_or_init(|| {
+        let definition: toml::Value = serde_json::from_value(super::agent_definition())
+            .expect("the simulation's agent is plain JSON");
+        let mut agents = toml::map::Map::new();
+        agents.insert(AGENT_TOPIC.to_string(), definition);
+        let mut file = toml::map::Map::new();
+        file.insert("agents".into(), toml::Value::Table(agents));
+        let text = toml::to_string(&toml::Value::Table(file))
+            .expect("the simulation's agent renders as TOML");
+        AgentsFile::parse_str(&text).expect("the simulation's agent is a valid definition")
+    })
+    .clone()
+}
+
+/// The operator's registry of a worker whose engine issues no per-task credentials: the
+/// world's tool server without authentication. Built once (its client loads the platform's
+/// roots); it starts no token actor.
+fn tool_registry() -> Arc<ToolRegistry> {
+    static REGISTRY: std::sync::OnceLock<Arc<ToolRegistry>> = std::sync::OnceLock::new();
+    REGISTRY
+        .get_or_init(|| {
+            let text = format!(
+                "[servers.{}]\nurl = \"{}\"\nauth = \"none\"\n",
+                crate::devkit::world::tools::SERVER,
+                crate::devkit::world::tools::URL
+            );
+            let file = ToolsFile::parse(&text, std::path::Path::new("(simulation)"))
+                .expect("the simulation's tools file is valid");
+            Arc::new(
+                ToolRegistry::start(file, reqwest::Client::builder())
+                    .expect("the registry's client builds"),
+            )
+        })
+        .clone()
 }
 
 /// A worker running on the simulation's runtime.
@@ -66,17 +109,29 @@ impl SimWorker {
                 .without_jitter(),
             ..AgentSettings::default()
         };
-        let handler: Arc<dyn TaskHandler> = Arc::new(
-            AgentRuntime::new(
-                providers,
-                None,
-                tool_http(),
-                settings,
-                metrics.clone(),
-                Ceilings::default(),
-            )
-            .with_tool_connector(Arc::new(WorldTools::new(world.clone(), id))),
-        );
+        let runtime = AgentRuntime::new(
+            providers,
+            world.store_journal.then(agents_file),
+            tool_http(),
+            settings,
+            metrics.clone(),
+            Ceilings::default(),
+        )
+        .with_tool_connector(Arc::new(WorldTools::new(world.clone(), id)));
+        // A plain v1 engine keeps no journal: the runs live in the world's store, and a store
+        // that fails is waited out for a lock duration, as in `app.rs`.
+        let runtime = if world.store_journal {
+            runtime
+                .with_store(
+                    Arc::new(WorldStore::new(world.clone(), id)),
+                    id,
+                    lock_duration,
+                )
+                .with_tool_registry(tool_registry())
+        } else {
+            runtime
+        };
+        let handler: Arc<dyn TaskHandler> = Arc::new(runtime);
         let mut rs = RunnerSettings::new(id, lock_duration);
         rs.max_tasks = slots;
         rs.poll_interval = poll_interval;

@@ -32,6 +32,10 @@ use crate::engine::{
 pub struct WorldEngine {
     world: Arc<World>,
     worker_id: String,
+    /// A plain v1 engine sends no `attempt`: the engine's own count of acquisitions at this
+    /// worker's latest fetch of each task, so the trace can tell this worker's acquisitions
+    /// apart as it does with agent/1 (the trace's only; never sent).
+    acquired: std::sync::Mutex<std::collections::BTreeMap<String, u32>>,
 }
 
 impl WorldEngine {
@@ -39,6 +43,7 @@ impl WorldEngine {
         WorldEngine {
             world,
             worker_id: worker_id.into(),
+            acquired: Default::default(),
         }
     }
 
@@ -87,7 +92,10 @@ impl WorldEngine {
         body: Value,
     ) -> Result<CoreReply, EngineError> {
         let task_id = task.map(|t| t.task_id.clone());
-        let attempt = task.and_then(|t| t.attempt);
+        let attempt = task.and_then(|t| t.attempt).or_else(|| {
+            let acquired = self.acquired.lock().unwrap_or_else(|e| e.into_inner());
+            task_id.as_ref().and_then(|id| acquired.get(id).copied())
+        });
         if self.world.faults().killed.contains(&self.worker_id) {
             std::future::pending::<()>().await;
         }
@@ -259,13 +267,24 @@ impl Engine for WorldEngine {
         if !rejected.is_empty() {
             return Err(malformed(op, rejected.join("; ")));
         }
+        let tasks_seen = tasks
+            .iter()
+            .map(|t| {
+                let attempt = t.attempt.unwrap_or_else(|| {
+                    let engine = self.world.core().task(&t.id).map_or(0, |v| v.attempt);
+                    self.acquired
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(t.id.clone(), engine);
+                    engine
+                });
+                (t.id.clone(), attempt)
+            })
+            .collect();
         self.world.record(Event::Fetched {
             worker: self.worker_id.clone(),
             asked: request.max_tasks,
-            tasks: tasks
-                .iter()
-                .map(|t| (t.id.clone(), t.attempt.unwrap_or(0)))
-                .collect(),
+            tasks: tasks_seen,
         });
         Ok(tasks)
     }

@@ -1,6 +1,7 @@
 //! The faults the simulator injects into the world: what a seeded schedule decided up front
-//! (outage, hang and freeze windows) and the odds of the per-call faults drawn from the world's
-//! seeded source (slowness, 5xx, 409, refusals, answers lost, model 429 and 5xx). Every fault
+//! (engine outage and hang windows, run-store outage windows, freeze windows) and the odds of
+//! the per-call faults drawn from the world's seeded source (slowness, 5xx, 409, refusals,
+//! answers lost, model 429 and 5xx, run-store slowness and lost answers). Every fault
 //! stops at [`FaultPlan::quiet_at`], so the check that every task ends has a start.
 
 use std::collections::BTreeMap;
@@ -57,6 +58,13 @@ pub struct FaultPlan {
     pub tool_slow: f64,
     pub tool_slow_max: Duration,
     pub tool_answer_lost: f64,
+    /// The run store answers nothing (connection refused) during these.
+    pub store_outages: Vec<Window>,
+    /// Odds per run-store call of a delay of up to `store_slow_max`, and of a call executed
+    /// (committed) whose answer is lost.
+    pub store_slow: f64,
+    pub store_slow_max: Duration,
+    pub store_answer_lost: f64,
     /// Per worker id: when its calls (engine and model) are held, as in a process paused by
     /// the OS or a long GC; a call sent before the window arrives after it.
     pub freezes: BTreeMap<String, Vec<Window>>,
@@ -110,5 +118,9 @@ impl Faults {
             .iter()
             .find(|w| w.contains(at))
             .map(|w| w.end)
+    }
+
+    pub fn store_down(&self, at: u64) -> bool {
+        self.plan.store_outages.iter().any(|w| w.contains(at))
     }
 }

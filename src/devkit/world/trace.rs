@@ -28,6 +28,28 @@ pub enum Event {
         asked: u32,
         tasks: Vec<(String, u32)>,
     },
+    /// A worker started a run-store call (`claim`, `append`, `finish`) about run `run` (the
+    /// simulator keys runs by task id), with its fence's attempt (none for a claim) and `seq`
+    /// (an append's step).
+    StoreCall {
+        worker: String,
+        op: &'static str,
+        run: String,
+        attempt: Option<u64>,
+        seq: Option<u64>,
+    },
+    /// The store's answer, as executed: `claimed` (with the attempt it handed out), `created`,
+    /// `already-present`, `finished`, an error class (`fenced`, `refused`, ...), or an injected
+    /// fault: `outage` (not executed), `answer-lost` (executed as the previous answer said, then
+    /// the answer was lost).
+    StoreAnswer {
+        worker: String,
+        op: &'static str,
+        run: String,
+        attempt: Option<u64>,
+        seq: Option<u64>,
+        answer: &'static str,
+    },
     /// A model call: the task it was for (by its input), the turn, and the answer.
     ModelCall {
         worker: String,

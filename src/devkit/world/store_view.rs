@@ -1,0 +1,206 @@
+//! The world's run store as one worker sees it: [`RunStore`] on the world's
+//! [`MemoryRunStore`](super::store::MemoryRunStore), each call run under the world's faults as
+//! the PostgreSQL store would meet them on the wire: held while its worker is frozen, never
+//! returning once it is killed, refused during a store outage (transient, not executed),
+//! slowed, or executed (committed) with its answer lost (transient: the caller retries, and an
+//! append finds its own step). Every call and answer is recorded in the world's trace.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use super::World;
+use super::trace::Event;
+use crate::engine::{AppendOutcome, JournalStep};
+use crate::store::{Claim, Claimant, Fence, RunEnd, RunKey, RunStore, StoreError};
+
+/// How the world names its store in errors.
+const STORE: &str = "memory://world";
+
+/// One worker's view of the world's run store.
+pub struct WorldStore {
+    world: Arc<World>,
+    worker_id: String,
+}
+
+impl WorldStore {
+    pub fn new(world: Arc<World>, worker_id: impl Into<String>) -> Self {
+        WorldStore {
+            world,
+            worker_id: worker_id.into(),
+        }
+    }
+
+    /// A call's way to the store: recorded, held while frozen, refused in an outage, slowed.
+    /// `Err` when the outage refused it (not executed).
+    async fn send(
+        &self,
+        op: &'static str,
+        run: &RunKey,
+        attempt: Option<u64>,
+        seq: Option<u64>,
+    ) -> Result<(), StoreError> {
+        if self.world.faults().killed.contains(&self.worker_id) {
+            std::future::pending::<()>().await;
+        }
+        self.world.record(Event::StoreCall {
+            worker: self.worker_id.clone(),
+            op,
+            run: run.to_string(),
+            attempt,
+            seq,
+        });
+        self.world.hold(&self.worker_id).await;
+        let now = self.world.elapsed_ms();
+        if self.world.faults().store_down(now) {
+            // A refused connection takes a moment: no loop spins at one instant.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            self.world.faults().count("store outage");
+            self.answered(op, run, attempt, seq, "outage");
+            return Err(unavailable("connection refused (simulated outage)"));
+        }
+        let (slow, slow_max) = {
+            let f = self.world.faults();
+            if f.active(now) {
+                (f.plan.store_slow, f.plan.store_slow_max)
+            } else {
+                (0.0, Duration::ZERO)
+            }
+        };
+        if slow > 0.0 && self.world.draw() < slow {
+            let delay = slow_max.mul_f64(self.world.draw());
+            self.world.faults().count("store slow");
+            tokio::time::sleep(delay).await;
+            self.world.hold(&self.worker_id).await;
+        }
+        Ok(())
+    }
+
+    /// The answer's way back: recorded as executed, maybe lost, and 1 ms on the wire.
+    async fn answer<T>(
+        &self,
+        op: &'static str,
+        run: &RunKey,
+        attempt: Option<u64>,
+        seq: Option<u64>,
+        result: Result<T, StoreError>,
+        label: impl Fn(&T) -> &'static str,
+    ) -> Result<T, StoreError> {
+        let answer = match &result {
+            Ok(value) => label(value),
+            Err(e) => e.class().label(),
+        };
+        // A claim that went ahead was recorded with the attempt it handed out (`claim`).
+        if op != "claim" || result.is_err() {
+            self.answered(op, run, attempt, seq, answer);
+        }
+        let odds = {
+            let f = self.world.faults();
+            if f.active(self.world.elapsed_ms()) {
+                f.plan.store_answer_lost
+            } else {
+                0.0
+            }
+        };
+        let result = if odds > 0.0 && self.world.draw() < odds {
+            self.world.faults().count("store answer lost");
+            self.answered(op, run, attempt, seq, "answer-lost");
+            Err(unavailable(
+                "the connection closed after the commit (simulated)",
+            ))
+        } else {
+            result
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        result
+    }
+
+    fn answered(
+        &self,
+        op: &'static str,
+        run: &RunKey,
+        attempt: Option<u64>,
+        seq: Option<u64>,
+        answer: &'static str,
+    ) {
+        self.world.record(Event::StoreAnswer {
+            worker: self.worker_id.clone(),
+            op,
+            run: run.to_string(),
+            attempt,
+            seq,
+            answer,
+        });
+    }
+}
+
+fn unavailable(reason: &str) -> StoreError {
+    StoreError::Unavailable {
+        store: STORE.into(),
+        reason: reason.into(),
+    }
+}
+
+#[async_trait]
+impl RunStore for WorldStore {
+    async fn claim(
+        &self,
+        run_key: &RunKey,
+        claimant: &Claimant<'_>,
+        first_step: Option<&JournalStep>,
+    ) -> Result<Claim, StoreError> {
+        self.send("claim", run_key, None, None).await?;
+        let result = self.world.store.claim(run_key, claimant, first_step).await;
+        if let Ok(claim) = &result {
+            // Recorded as executed, with the attempt it handed out, before any loss.
+            self.answered(
+                "claim",
+                run_key,
+                Some(claim.fence.attempt()),
+                None,
+                "claimed",
+            );
+        }
+        self.answer("claim", run_key, None, None, result, |_| "claimed")
+            .await
+    }
+
+    async fn append(
+        &self,
+        fence: &mut Fence,
+        step: &JournalStep,
+    ) -> Result<AppendOutcome, StoreError> {
+        let (run, attempt, seq) = (fence.run_key().clone(), fence.attempt(), step.seq);
+        self.send("append", &run, Some(attempt), Some(seq)).await?;
+        // The fence advances on the store's answer only: a lost answer leaves the caller's
+        // fence where it was, as a lost acknowledgement does.
+        let mut executed = fence.clone();
+        let result = self.world.store.append(&mut executed, step).await;
+        let result = self
+            .answer(
+                "append",
+                &run,
+                Some(attempt),
+                Some(seq),
+                result,
+                |o| match o {
+                    AppendOutcome::Created => "created",
+                    AppendOutcome::AlreadyPresent => "already-present",
+                },
+            )
+            .await;
+        if result.is_ok() {
+            *fence = executed;
+        }
+        result
+    }
+
+    async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError> {
+        let (run, attempt) = (fence.run_key().clone(), fence.attempt());
+        self.send("finish", &run, Some(attempt), None).await?;
+        let result = self.world.store.finish(fence, end).await;
+        self.answer("finish", &run, Some(attempt), None, result, |_| "finished")
+            .await
+    }
+}
