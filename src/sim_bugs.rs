@@ -14,13 +14,17 @@ pub enum Bug {
     HeartbeatAfterExpiry,
     /// A keyed write journaled `tool/started` is re-sent on resume without its key.
     KeyedWriteWithoutKey,
+    /// A person's decision is matched to the waiting call by its `callId` only: its
+    /// `requestId` (missing, forged, stale or consumed) and its `callDigest` are not checked.
+    ApprovalByCallId,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 3] = [
+    pub const ALL: [Bug; 4] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
+        Bug::ApprovalByCallId,
     ];
 
     pub fn name(self) -> &'static str {
@@ -28,6 +32,7 @@ impl Bug {
             Bug::FenceRemoved => "fence-removed",
             Bug::HeartbeatAfterExpiry => "heartbeat-after-expiry",
             Bug::KeyedWriteWithoutKey => "keyed-write-without-key",
+            Bug::ApprovalByCallId => "approval-by-call-id",
         }
     }
 
@@ -45,6 +50,7 @@ pub fn select(bug: Option<Bug>) {
         Some(Bug::FenceRemoved) => 1,
         Some(Bug::HeartbeatAfterExpiry) => 2,
         Some(Bug::KeyedWriteWithoutKey) => 3,
+        Some(Bug::ApprovalByCallId) => 4,
     };
     SELECTED.store(code, Ordering::SeqCst);
 }
@@ -54,6 +60,9 @@ pub fn active(bug: Bug) -> bool {
     let code = SELECTED.load(Ordering::SeqCst);
     matches!(
         (code, bug),
-        (1, Bug::FenceRemoved) | (2, Bug::HeartbeatAfterExpiry) | (3, Bug::KeyedWriteWithoutKey)
+        (1, Bug::FenceRemoved)
+            | (2, Bug::HeartbeatAfterExpiry)
+            | (3, Bug::KeyedWriteWithoutKey)
+            | (4, Bug::ApprovalByCallId)
     )
 }

@@ -11,6 +11,10 @@ pub mod faults;
 pub mod model;
 pub mod tools;
 pub mod trace;
+// simapproval: the process shapes, the approver, and the run store the round trips wait in.
+pub mod approver;
+pub mod process;
+pub mod visit_store;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -39,6 +43,9 @@ pub struct World {
     rng: Mutex<StdRng>,
     trace: Mutex<Trace>,
     ledger: Mutex<tools::Ledger>,
+    runs: Mutex<visit_store::Runs>,
+    /// Every secret handed out (the tool credentials the engine issued), with what it is.
+    secrets: Mutex<Vec<(String, String)>>,
     origin: Instant,
     /// The lock duration every worker of the world asks for, and the local safety margin it
     /// keeps (for the check that no call is made after a local expiry).
@@ -63,6 +70,8 @@ impl World {
             rng: Mutex::new(StdRng::seed_from_u64(options.seed ^ 0x5eed_f00d)),
             trace: Mutex::new(Trace::default()),
             ledger: Mutex::new(tools::Ledger::default()),
+            runs: Mutex::new(visit_store::Runs::default()),
+            secrets: Mutex::new(Vec::new()),
             origin: Instant::now(),
             lock_duration: options.lock_duration,
             safety_margin: options.lock_duration / 10,
@@ -98,6 +107,35 @@ impl World {
 
     pub fn ledger(&self) -> MutexGuard<'_, tools::Ledger> {
         self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn runs(&self) -> MutexGuard<'_, visit_store::Runs> {
+        self.runs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes a secret handed out to a worker, and what it is (for the check that none leaks).
+    pub fn secret_issued(&self, secret: String, what: String) {
+        self.secrets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((secret, what));
+    }
+
+    /// Whether `secret` was handed out.
+    pub fn issued(&self, secret: &str) -> bool {
+        self.secrets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|(s, _)| s == secret)
+    }
+
+    /// Every secret handed out so far, with what it is.
+    pub fn secrets(&self) -> Vec<(String, String)> {
+        self.secrets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Holds a call of `worker` while it is frozen; forever once it is killed (a dead process

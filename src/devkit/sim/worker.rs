@@ -1,5 +1,5 @@
 //! One simulated worker: the production runner, heartbeat actor and agent runtime, wired to the
-//! world's engine and model instead of HTTP, with every backoff's jitter off (the world's seeded
+//! world's engine, model, tools and run store instead of HTTP, MCP and SQL, with every backoff's jitter off (the world's seeded
 //! source is the only randomness), and its runner events copied into the world's trace.
 
 use std::sync::Arc;
@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::agent::limits::Ceilings;
 use crate::agent::{AgentRuntime, AgentSettings};
 use crate::backoff::Backoff;
+use crate::devkit::world::visit_store::WorldRunStore;
 use crate::devkit::world::{Event, World, WorldEngine, WorldModel, WorldTools};
 use crate::engine::Engine;
 use crate::handler::TaskHandler;
@@ -33,6 +34,8 @@ fn tool_http() -> reqwest::Client {
 /// A worker running on the simulation's runtime.
 pub struct SimWorker {
     pub id: String,
+    /// Its metrics, as `/metrics` would serve them.
+    pub metrics: Arc<Metrics>,
     shutdown: CancellationToken,
     join: JoinHandle<()>,
 }
@@ -75,7 +78,13 @@ impl SimWorker {
                 metrics.clone(),
                 Ceilings::default(),
             )
-            .with_tool_connector(Arc::new(WorldTools::new(world.clone(), id))),
+            .with_tool_connector(Arc::new(WorldTools::new(world.clone(), id)))
+            // Where the approval round trips' conversations wait between tasks.
+            .with_store(
+                Arc::new(WorldRunStore::new(world.clone(), id)),
+                id,
+                lock_duration,
+            ),
         );
         let mut rs = RunnerSettings::new(id, lock_duration);
         rs.max_tasks = slots;
@@ -88,7 +97,7 @@ impl SimWorker {
             Backoff::new(Duration::from_millis(500), Duration::from_secs(4)).without_jitter();
         rs.heartbeat.retry_backoff = rs.heartbeat.retry_backoff.without_jitter();
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let runner = Runner::new(engine, handler, rs, metrics).with_events(tx);
+        let runner = Runner::new(engine, handler, rs, metrics.clone()).with_events(tx);
         let shutdown = CancellationToken::new();
         let forward = {
             let world = world.clone();
@@ -133,6 +142,7 @@ impl SimWorker {
         });
         SimWorker {
             id: id.to_string(),
+            metrics,
             shutdown,
             join,
         }
