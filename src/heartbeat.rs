@@ -234,10 +234,11 @@ impl Actor {
             return;
         };
         let deadline = entry.expiry_deadline(&self.settings);
-        // SIM-BUG (feature `sim-bugs`, selected at run time): no local expiry to wake up for.
+        // SIM-BUG (feature `sim-bugs`, selected at run time): no local expiry to wake up for
+        // (a lock from now at the earliest: a wake-up in the past would spin `fire_due`).
         #[cfg(feature = "sim-bugs")]
         let deadline = if crate::sim_bugs::active(crate::sim_bugs::Bug::HeartbeatAfterExpiry) {
-            deadline.max(entry.due) + self.settings.lock_duration
+            deadline.max(entry.due).max(Instant::now()) + self.settings.lock_duration
         } else {
             deadline
         };

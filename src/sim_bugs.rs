@@ -17,14 +17,18 @@ pub enum Bug {
     /// A run in the run store is finished as soon as the attempt has its outcome, before the
     /// engine accepted it: a completion the engine never got finds no run next time.
     StoreFinishBeforeComplete,
+    /// A person's decision is matched to the waiting call by its `callId` only: its
+    /// `requestId` (missing, forged, stale or consumed) and its `callDigest` are not checked.
+    ApprovalByCallId,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 4] = [
+    pub const ALL: [Bug; 5] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
         Bug::StoreFinishBeforeComplete,
+        Bug::ApprovalByCallId,
     ];
 
     pub fn name(self) -> &'static str {
@@ -33,6 +37,7 @@ impl Bug {
             Bug::HeartbeatAfterExpiry => "heartbeat-after-expiry",
             Bug::KeyedWriteWithoutKey => "keyed-write-without-key",
             Bug::StoreFinishBeforeComplete => "store-finish-before-complete",
+            Bug::ApprovalByCallId => "approval-by-call-id",
         }
     }
 
@@ -51,6 +56,7 @@ pub fn select(bug: Option<Bug>) {
         Some(Bug::HeartbeatAfterExpiry) => 2,
         Some(Bug::KeyedWriteWithoutKey) => 3,
         Some(Bug::StoreFinishBeforeComplete) => 4,
+        Some(Bug::ApprovalByCallId) => 5,
     };
     SELECTED.store(code, Ordering::SeqCst);
 }
@@ -64,5 +70,6 @@ pub fn active(bug: Bug) -> bool {
             | (2, Bug::HeartbeatAfterExpiry)
             | (3, Bug::KeyedWriteWithoutKey)
             | (4, Bug::StoreFinishBeforeComplete)
+            | (5, Bug::ApprovalByCallId)
     )
 }

@@ -329,6 +329,27 @@ pub fn read_decision(
     };
     let comment = text("comment", MAX_COMMENT_CHARS, false)?;
     let decided_by = text("decidedBy", MAX_NAME_CHARS, true)?.unwrap_or_default();
+    // SIM-BUG approval-by-call-id: the decision matched to the waiting call by its callId only.
+    #[cfg(feature = "sim-bugs")]
+    if crate::sim_bugs::active(crate::sim_bugs::Bug::ApprovalByCallId) {
+        if call_id != pending.call_id {
+            return Err(DecisionError::OtherCall {
+                variable: name.to_string(),
+                expected: pending.call_id.clone(),
+                found: call_id,
+            });
+        }
+        return Ok(Decision {
+            request_id: text("requestId", MAX_NAME_CHARS, false)
+                .ok()
+                .flatten()
+                .unwrap_or_default(),
+            call_id,
+            approved,
+            comment: comment.filter(|c| !c.trim().is_empty()),
+            decided_by,
+        });
+    }
     let request_id = match text("requestId", MAX_NAME_CHARS, false)? {
         Some(id) if !id.trim().is_empty() => id,
         _ => {

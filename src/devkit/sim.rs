@@ -9,17 +9,18 @@
 
 pub mod invariants;
 pub mod schedule;
+pub mod secrets;
 pub mod worker;
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde_json::{Map, json};
-
 use crate::devkit::engine::{TaskSpec, TaskStatus, TaskView};
-use crate::devkit::world::{ModelScript, Trace, World, WorldOptions};
+use crate::devkit::world::approver::{self, People, PeoplePlan};
+use crate::devkit::world::{Event, ModelScript, Trace, World, WorldOptions, process};
 pub use invariants::Violation;
-use schedule::{Schedule, worker_id};
+use schedule::{Schedule, Shape, TaskPlan, worker_id};
 use worker::SimWorker;
 
 /// How long after the faults stop every task must have ended.
@@ -53,6 +54,12 @@ pub struct SeedReport {
     pub sim_time: Duration,
     /// The journals lived in the run store (the engine spoke plain v1).
     pub store_journal: bool,
+    /// The people's decisions, by manner (`approve`, `forged-request`, ...).
+    pub decisions: BTreeMap<&'static str, u64>,
+    /// Secrets the world handed out, and lines the workers emitted (log lines, span fields,
+    /// metrics) that were searched for them.
+    pub secrets: usize,
+    pub emitted_lines: usize,
 }
 
 impl SeedReport {
@@ -65,27 +72,21 @@ impl SeedReport {
     }
 }
 
-/// The agent definition every simulated task carries (agent/1 `agent`); a plain v1 engine
-/// sends none, and the workers find it in their agents file under the tasks' topic.
-pub fn agent_definition() -> serde_json::Value {
-    json!({
-        "name": "sim-agent",
-        "model": format!("{}/m1", worker::PROVIDER),
-        "instructions": "Play the script your input names.",
-        "input": "${simInput}",
-        "toolServers": [{"name": crate::devkit::world::tools::SERVER, "url": crate::devkit::world::tools::URL}],
-        "maxTurns": 8,
-        "resultVariable": "simResult"
-    })
-}
-
 /// Runs one seed on `runtime`, which must be a fresh current-thread runtime with a paused
 /// clock (`Builder::new_current_thread().enable_time().start_paused(true)`: tokio's
 /// `test-util`, which the examples and tests have and the library does not).
 pub fn run_seed(runtime: tokio::runtime::Runtime, options: &SimOptions) -> SeedReport {
     #[cfg(feature = "sim-bugs")]
     crate::sim_bugs::select(options.bug);
-    let report = runtime.block_on(simulate(options));
+    // Everything the workers log or put in a span, written down for the secret check.
+    let capture = secrets::Capture::default();
+    let subscriber = {
+        use tracing_subscriber::layer::SubscriberExt;
+        tracing_subscriber::registry().with(capture.clone())
+    };
+    let report = tracing::subscriber::with_default(subscriber, || {
+        runtime.block_on(simulate(options, &capture))
+    });
     #[cfg(feature = "sim-bugs")]
     crate::sim_bugs::select(None);
     // Whatever is left (a killed worker's calls that never return) is dropped here.
@@ -93,7 +94,7 @@ pub fn run_seed(runtime: tokio::runtime::Runtime, options: &SimOptions) -> SeedR
     report
 }
 
-async fn simulate(options: &SimOptions) -> SeedReport {
+async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedReport {
     let schedule = Schedule::generate(options.seed, options.workers);
     let world = World::new(WorldOptions {
         seed: options.seed,
@@ -101,35 +102,26 @@ async fn simulate(options: &SimOptions) -> SeedReport {
         faults: schedule.faults.clone(),
         store_journal: schedule.store_journal,
     });
-    // Tasks arrive on their schedule.
+    process::deploy(&world);
+    let people = Arc::new(Mutex::new(People::default()));
+    // Tasks arrive on their schedule, each in its shape.
     let creator = {
         let world = world.clone();
+        let people = people.clone();
         let tasks = schedule.tasks.clone();
         tokio::spawn(async move {
-            let mut keys = BTreeMap::new();
             let start = tokio::time::Instant::now();
             let mut tasks = tasks;
             tasks.sort_by_key(|t| t.at);
             for t in tasks {
                 tokio::time::sleep_until(start + Duration::from_millis(t.at)).await;
-                let script = ModelScript {
-                    task: t.key.clone(),
-                    steps: t.steps.clone(),
-                    hostile: t.hostile,
-                };
-                let mut variables = Map::new();
-                variables.insert("simInput".into(), script.input().into());
-                let id = world.core().create_task(TaskSpec {
-                    variables,
-                    agent: Some(agent_definition()),
-                    retries: Some(t.retries),
-                    ..TaskSpec::default()
-                });
-                keys.insert(t.key.clone(), id);
+                arrive(&world, &people, &t);
             }
-            keys
         })
     };
+    // The people answer the user tasks, at a pace of the seed's.
+    let pace = Duration::from_millis(200 + (options.seed % 7) * 200);
+    let answering = tokio::spawn(approver::run(world.clone(), people.clone(), pace));
     let mut workers: Vec<Option<SimWorker>> = (0..schedule.workers)
         .map(|n| {
             Some(SimWorker::start(
@@ -140,6 +132,11 @@ async fn simulate(options: &SimOptions) -> SeedReport {
                 schedule.poll_interval,
             ))
         })
+        .collect();
+    let mut metrics: Vec<_> = workers
+        .iter()
+        .flatten()
+        .map(|w| (w.id.clone(), w.metrics.clone()))
         .collect();
     let mut generations = vec![0usize; schedule.workers];
     // Kills and restarts, in time order.
@@ -155,23 +152,33 @@ async fn simulate(options: &SimOptions) -> SeedReport {
         if restart {
             if workers[n].is_none() {
                 generations[n] += 1;
-                workers[n] = Some(SimWorker::start(
+                let w = SimWorker::start(
                     &world,
                     &worker_id(n, generations[n]),
                     schedule.slots,
                     schedule.lock_duration,
                     schedule.poll_interval,
-                ));
+                );
+                metrics.push((w.id.clone(), w.metrics.clone()));
+                workers[n] = Some(w);
             }
         } else if let Some(w) = workers[n].take() {
             w.kill(&world);
         }
     }
-    let keys = creator.await.unwrap_or_default();
-    // Until every task ended, or the bound after the faults stopped.
+    let _ = creator.await;
+    // Until every task ended and no person has anything left to do, or the bound after the
+    // faults stopped.
     let deadline = start + Duration::from_millis(schedule.faults.quiet_at) + END_BOUND;
     loop {
-        let all_ended = world.core().tasks().iter().all(ended);
+        let all_ended = world.core().tasks().iter().all(ended)
+            && world
+                .core()
+                .open_user_tasks(
+                    "sim-person",
+                    &[process::APPROVERS.into(), process::REVIEWERS.into()],
+                )
+                .is_empty();
         if all_ended || tokio::time::Instant::now() >= deadline {
             break;
         }
@@ -183,22 +190,117 @@ async fn simulate(options: &SimOptions) -> SeedReport {
     }
     // Let the staged shutdowns run (their releases are part of the trace).
     tokio::time::sleep(Duration::from_secs(5)).await;
+    answering.abort();
     let views = world.core().tasks();
-    let trace = std::mem::take(&mut *world.trace());
+    let keys = scripts_of(&views);
+    // What the workers said: their log lines and span fields, then their metrics.
+    for (instant, line) in capture.take() {
+        let at = instant.saturating_duration_since(start).as_millis() as u64;
+        world.trace().push(at, Event::Log { line });
+    }
+    let now = world.elapsed_ms();
+    for (id, m) in &metrics {
+        for line in m.encode().lines() {
+            world.trace().push(
+                now,
+                Event::Log {
+                    line: format!("metrics of {id}: {line}"),
+                },
+            );
+        }
+    }
+    let secrets = world.secrets();
+    let mut trace = std::mem::take(&mut *world.trace());
+    trace.events.sort_by_key(|(at, _)| *at);
     let violations = invariants::check(&invariants::Facts {
         trace: &trace,
         views: &views,
         keys: &keys,
         schedule: &schedule,
         safety_margin: world.safety_margin,
+        secrets: &secrets,
     });
     let injected = world.faults().injected.clone();
     for w in workers.into_iter().flatten() {
         w.kill(&world);
     }
-    let mut report = report(options, trace, violations, injected, sim_time);
-    report.store_journal = schedule.store_journal;
-    report
+    let mut decisions = BTreeMap::new();
+    let mut emitted_lines = 0;
+    for (_, e) in &trace.events {
+        match e {
+            Event::Decision { manner, .. } => *decisions.entry(*manner).or_default() += 1,
+            Event::Log { .. } => emitted_lines += 1,
+            _ => {}
+        }
+    }
+    SeedReport {
+        store_journal: schedule.store_journal,
+        decisions,
+        secrets: secrets.len(),
+        emitted_lines,
+        ..report(options, trace, violations, injected, sim_time)
+    }
+}
+
+/// A planned task's arrival in its shape.
+fn arrive(world: &World, people: &Mutex<People>, t: &TaskPlan) {
+    let script = |task: String, steps: &str| ModelScript {
+        task,
+        steps: steps.to_string(),
+        hostile: t.hostile,
+    };
+    let first = script(t.key.clone(), &t.steps);
+    match &t.shape {
+        Shape::Task => {
+            world.core().create_task(TaskSpec {
+                variables: process::input_variables(&first),
+                agent: Some(process::agent_definition(false)),
+                retries: Some(t.retries),
+                ..TaskSpec::default()
+            });
+        }
+        Shape::Approval {
+            decisions,
+            preset,
+            revisits,
+        } => {
+            let Ok(instance) = process::start(world, &first, *preset) else {
+                return;
+            };
+            let revisits = revisits
+                .iter()
+                .enumerate()
+                .map(|(i, steps)| script(format!("{}v{}", t.key, i + 2), steps))
+                .collect();
+            people.lock().unwrap_or_else(|e| e.into_inner()).add(
+                instance,
+                PeoplePlan {
+                    decisions: decisions.clone(),
+                    revisits,
+                },
+            );
+        }
+        Shape::Parallel { twin_steps } => {
+            process::start_parallel(world, &first, &script(format!("{}t", t.key), twin_steps));
+        }
+    }
+}
+
+/// The engine tasks that ran each script (by the script's task name, from their input): one,
+/// or the tasks of a visit's approval round trip.
+fn scripts_of(views: &[TaskView]) -> BTreeMap<String, Vec<String>> {
+    let mut keys: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for v in views {
+        let script = v
+            .variables
+            .get(process::INPUT_VARIABLE)
+            .and_then(serde_json::Value::as_str)
+            .and_then(ModelScript::parse);
+        if let Some(s) = script {
+            keys.entry(s.task).or_default().push(v.id.clone());
+        }
+    }
+    keys
 }
 
 fn report(
@@ -217,6 +319,9 @@ fn report(
         events: trace.events.len(),
         sim_time,
         store_journal: false,
+        decisions: BTreeMap::new(),
+        secrets: 0,
+        emitted_lines: 0,
     }
 }
 

@@ -14,6 +14,9 @@ pub mod store;
 pub mod store_view;
 pub mod tools;
 pub mod trace;
+// simapproval: the process shapes, the approver, and the run store the round trips wait in.
+pub mod approver;
+pub mod process;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -49,6 +52,8 @@ pub struct World {
     /// The tasks' journals live in the run store: the engine speaks plain v1 (no `attempt`, no
     /// journal, no `agent`), and the workers keep their runs in [`World::store`].
     pub store_journal: bool,
+    /// Every secret handed out (the tool credentials the engine issued), with what it is.
+    secrets: Mutex<Vec<(String, String)>>,
     origin: Instant,
     /// The lock duration every worker of the world asks for, and the local safety margin it
     /// keeps (for the check that no call is made after a local expiry).
@@ -84,6 +89,7 @@ impl World {
             ledger: Mutex::new(tools::Ledger::default()),
             store: MemoryRunStore::new(MemoryStoreSettings::default()),
             store_journal: options.store_journal,
+            secrets: Mutex::new(Vec::new()),
             origin: Instant::now(),
             lock_duration: options.lock_duration,
             safety_margin: options.lock_duration / 10,
@@ -119,6 +125,31 @@ impl World {
 
     pub fn ledger(&self) -> MutexGuard<'_, tools::Ledger> {
         self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes a secret handed out to a worker, and what it is (for the check that none leaks).
+    pub fn secret_issued(&self, secret: String, what: String) {
+        self.secrets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((secret, what));
+    }
+
+    /// Whether `secret` was handed out.
+    pub fn issued(&self, secret: &str) -> bool {
+        self.secrets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|(s, _)| s == secret)
+    }
+
+    /// Every secret handed out so far, with what it is.
+    pub fn secrets(&self) -> Vec<(String, String)> {
+        self.secrets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Holds a call of `worker` while it is frozen; forever once it is killed (a dead process

@@ -259,7 +259,13 @@ pub async fn call_models(
             // task's own context goes on.
             req.traceparent = spans::traceparent_of(&span).or_else(|| request.traceparent.clone());
             let started = tokio::time::Instant::now();
+            let in_flight = CallInFlight {
+                capacities,
+                model,
+                answered: false,
+            };
             let result = provider.complete(&req).instrument(span.clone()).await;
+            in_flight.returned();
             match &result {
                 Ok(r) => spans::record_chat_answer(
                     &span,
@@ -405,6 +411,32 @@ pub async fn call_models(
         },
         None => ModelCallError::Technical { last },
     })
+}
+
+/// A model call between its start and its answer. Dropped before the answer (the task's
+/// future dropped there: its lease lost, its deadline passed, the worker killing it at
+/// shutdown), it still ends the call in the model's capacity: a model's first call that never
+/// came back would otherwise leave the model probing forever, and the runner would never
+/// claim another task (found by the simulator).
+struct CallInFlight<'a> {
+    capacities: &'a ModelCapacities,
+    model: &'a ModelRef,
+    answered: bool,
+}
+
+impl CallInFlight<'_> {
+    /// The provider answered: the caller records how.
+    fn returned(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for CallInFlight<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.capacities.ended(self.model, false);
+        }
+    }
 }
 
 /// Takes one call of `model`'s capacity, waiting for it while `wait_left` allows (and

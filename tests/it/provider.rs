@@ -1740,3 +1740,42 @@ async fn a_call_beyond_the_stated_limit_waits_and_is_sent_only_when_allowed() {
         "no wait that cannot end in time"
     );
 }
+
+/// A model's first call whose task is dropped before the answer (its lease lost, its deadline
+/// passed, the worker stopping) still ends in the model's capacity: otherwise the model stays
+/// "probing" for an answer that never comes, the runner's admission waits on it forever and the
+/// worker never claims another task. Found by the simulator (an approval-shaped seed whose first
+/// model call was slow when its heartbeat was refused: no fetch for the 120 s that followed).
+#[tokio::test(start_paused = true)]
+async fn a_first_model_call_dropped_before_its_answer_does_not_hold_the_model_forever() {
+    use abada_agent_worker::provider::capacity::Capacity;
+    struct Silent;
+    #[async_trait]
+    impl ModelProvider for Silent {
+        async fn complete(&self, _req: &ModelRequest) -> Result<ModelResponse, ProviderError> {
+            std::future::pending().await
+        }
+    }
+    let mut r = ProviderRegistry::default();
+    r.insert("a", Arc::new(Silent));
+    let models = vec![ModelRef::parse("a/one").unwrap()];
+    let (req, pol) = (request(), policy());
+    let mut observe = |_: &CallAttempt| {};
+    let call = call_models(&r, &models, &req, &pol, "t1", &mut observe);
+    // The call is sent; its task is dropped a second later.
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), call)
+            .await
+            .is_err()
+    );
+    let capacities = r.capacities();
+    assert!(
+        !capacities.probing(&models[0]),
+        "the dropped first call still holds the model's probe"
+    );
+    let later = tokio::time::Instant::now() + Duration::from_secs(600);
+    assert!(
+        !matches!(capacities.admission(&models, later), Capacity::Until(_)),
+        "the runner would wait forever to claim a task for the model"
+    );
+}

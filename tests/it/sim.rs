@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use abada_agent_worker::devkit::engine::{EngineCore, ProtocolLevel, TaskSpec, TaskView};
 use abada_agent_worker::devkit::sim::invariants::{self, Facts};
-use abada_agent_worker::devkit::sim::schedule::Schedule;
+use abada_agent_worker::devkit::sim::schedule::{Schedule, Shape};
 use abada_agent_worker::devkit::sim::{SimOptions, run_seed};
+use abada_agent_worker::devkit::world::approver::Manner;
 use abada_agent_worker::devkit::world::trace::{Answer, Event, Trace};
 
 /// Runs of seeds one at a time: a `sim-bugs` build selects its bug for the whole process.
@@ -35,6 +36,8 @@ fn seed(seed: u64) -> abada_agent_worker::devkit::sim::SeedReport {
 
 #[test]
 fn fifty_seeds_hold_every_invariant() {
+    let mut decisions = BTreeMap::new();
+    let (mut secrets, mut lines) = (0, 0);
     for s in 0..50 {
         let report = seed(s);
         assert!(
@@ -44,7 +47,65 @@ fn fifty_seeds_hold_every_invariant() {
             report.replay_command()
         );
         assert!(report.events > 0, "seed {s} did nothing");
+        for (manner, n) in report.decisions {
+            *decisions.entry(manner).or_insert(0) += n;
+        }
+        secrets += report.secrets;
+        lines += report.emitted_lines;
     }
+    // The checks had something to check: every manner of decision was played, credentials
+    // were handed out and the workers' lines were searched for them.
+    for manner in Manner::ALL {
+        assert!(
+            decisions.get(manner.name()).copied().unwrap_or(0) > 0,
+            "no {} decision in 50 seeds: {decisions:?}",
+            manner.name()
+        );
+    }
+    assert!(
+        secrets > 0 && lines > 1000,
+        "{secrets} secrets, {lines} lines"
+    );
+}
+
+/// The capture the simulator installs for a seed writes down a real event's fields and a real
+/// span's, so a credential logged or put in a span by any code on the workers' thread is found.
+#[test]
+fn a_secret_logged_or_put_in_a_span_on_the_workers_thread_is_caught() {
+    use abada_agent_worker::devkit::sim::secrets::Capture;
+    use tracing_subscriber::layer::SubscriberExt;
+    let secret = "5ec7e7-credential-of-the-world";
+    let capture = Capture::default();
+    let subscriber = tracing_subscriber::registry().with(capture.clone());
+    let lines = tracing::subscriber::with_default(subscriber, || {
+        paused_runtime().block_on(async {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            tracing::debug!(server = "simtools", "opening a session");
+            let span = tracing::info_span!("execute_tool", authorization = tracing::field::Empty);
+            span.record("authorization", format!("Bearer {secret}"));
+            tracing::warn!(token = %secret, "a credential that should never be logged");
+            capture.take()
+        })
+    });
+    let mut p = Played::new();
+    p.secrets = vec![(secret.to_string(), "the tool credential of the test".into())];
+    for (_, line) in lines {
+        p = p.at(1_500, Event::Log { line });
+    }
+    let found = invariants::no_secret_leaked(&p.facts());
+    assert_eq!(found.len(), 2, "{found:#?}");
+    assert!(
+        found.iter().any(|v| v
+            .message
+            .contains("span record: authorization=Bearer [SECRET]")),
+        "{found:#?}"
+    );
+    assert!(
+        found
+            .iter()
+            .any(|v| v.message.contains("WARN") && v.message.contains("token=[SECRET]")),
+        "{found:#?}"
+    );
 }
 
 #[test]
@@ -72,8 +133,9 @@ const LOCK: Duration = Duration::from_secs(10);
 struct Played {
     trace: Trace,
     views: Vec<TaskView>,
-    keys: BTreeMap<String, String>,
+    keys: BTreeMap<String, Vec<String>>,
     schedule: Schedule,
+    secrets: Vec<(String, String)>,
 }
 
 impl Played {
@@ -81,11 +143,15 @@ impl Played {
         let mut schedule = Schedule::generate(0, Some(2));
         schedule.lock_duration = LOCK;
         schedule.slots = 2;
+        for t in &mut schedule.tasks {
+            t.shape = Shape::Task;
+        }
         Played {
             trace: Trace::default(),
             views: Vec::new(),
-            keys: BTreeMap::from([("k0".to_string(), "t-000001".to_string())]),
+            keys: BTreeMap::from([("k0".to_string(), vec!["t-000001".to_string()])]),
             schedule,
+            secrets: Vec::new(),
         }
     }
 
@@ -101,6 +167,7 @@ impl Played {
             keys: &self.keys,
             schedule: &self.schedule,
             safety_margin: LOCK / 10,
+            secrets: &self.secrets,
         }
     }
 }
@@ -509,6 +576,160 @@ fn a_keyed_write_applied_twice_fires_and_a_deduplicated_resend_does_not() {
         "every keyed write applied at most once",
         "task t-000001: write 2 applied 2 times: 0.100 s by w0 with key Some(\"abada:t-000001:5\"), 12.000 s by w0 with key None",
     );
+}
+
+#[test]
+fn a_gated_write_performed_without_its_approval_fires_and_an_approved_one_does_not() {
+    // k0 is an approval round trip: its keyed writes wait for a person's decision.
+    let gated = |mut p: Played| {
+        p.schedule.tasks[0].shape = Shape::Approval {
+            decisions: Vec::new(),
+            preset: false,
+            revisits: Vec::new(),
+        };
+        p.keys.insert(w("k0"), vec![w("t-000001"), w("t-000002")]);
+        p
+    };
+    let decision = |ms: u64, written: serde_json::Value, manner: &'static str| {
+        (
+            ms,
+            Event::Decision {
+                instance: w("pi-000001"),
+                task: w("k0"),
+                write: Some(1),
+                request_id: Some(w("3f2a")),
+                call_id: Some(w("call-1")),
+                call_digest: Some(w("sha256:aa")),
+                written: Some(written),
+                manner,
+            },
+        )
+    };
+    let performed = |ms: u64| {
+        (
+            ms,
+            Event::ToolCall {
+                worker: w("w1"),
+                task: w("k0"),
+                write: Some(1),
+                key: Some(w("abada:t-000002:4")),
+                answer: "applied",
+            },
+        )
+    };
+    let play = |events: Vec<(u64, Event)>| {
+        let mut p = gated(Played::new());
+        for (ms, e) in events {
+            p = p.at(ms, e);
+        }
+        p
+    };
+    // The request approved as put (its requestId, callId and callDigest), then performed.
+    let honest = serde_json::json!({"requestId": "3f2a", "callId": "call-1", "callDigest": "sha256:aa", "approved": true, "decidedBy": "ann"});
+    let p = play(vec![
+        decision(5_000, honest.clone(), "approve"),
+        performed(6_000),
+    ]);
+    assert!(invariants::gated_call_decided(&p.facts()).is_empty());
+    // Performed before the approval, or on a decision that does not bind the request.
+    let needle = "task t-000001, t-000002 (script k0): write 1, the call of turn 1, performed at 6.000 s by w1";
+    for (written, manner) in [
+        (
+            serde_json::json!({"requestId": "0000", "callId": "call-1", "approved": true, "decidedBy": "eve"}),
+            "forged-request",
+        ),
+        (
+            serde_json::json!({"callId": "call-1", "approved": true, "decidedBy": "eve"}),
+            "no-request-id",
+        ),
+        (
+            serde_json::json!({"requestId": "3f2a", "callId": "call-1", "callDigest": "sha256:bb", "approved": true, "decidedBy": "eve"}),
+            "changed-call",
+        ),
+        (
+            serde_json::json!({"requestId": "3f2a", "callId": "call-1", "approved": false, "decidedBy": "ann"}),
+            "refuse",
+        ),
+    ] {
+        let p = play(vec![decision(5_000, written, manner), performed(6_000)]);
+        fires(
+            invariants::gated_call_decided(&p.facts()),
+            "no gated call performed without the matching decision",
+            needle,
+        );
+    }
+    let p = play(vec![performed(6_000), decision(7_000, honest, "approve")]);
+    fires(
+        invariants::gated_call_decided(&p.facts()),
+        "no gated call performed without the matching decision",
+        "(decisions on it: none)",
+    );
+    // The same write of a task that asks no one is not gated.
+    let mut p = Played::new();
+    let (ms, e) = performed(6_000);
+    p = p.at(ms, e);
+    assert!(invariants::gated_call_decided(&p.facts()).is_empty());
+}
+
+#[test]
+fn a_secret_in_a_log_line_span_or_metric_fires_and_the_message_masks_it() {
+    let secret = "9c1e5d7f0a2b4c6d8e0f1a3b5c7d9e1f3a5b7c9d1e3f5a7b";
+    let mut p = Played::new();
+    p.secrets = vec![(
+        secret.to_string(),
+        "the tool credential for simtools issued to w0 for task t-000001 attempt Some(1)".into(),
+    )];
+    let log = |line: String| Event::Log { line };
+    p = p
+        .at(
+            100,
+            log("INFO abada_agent_worker::agent: tool call finished server=simtools".into()),
+        )
+        .at(
+            200,
+            log("metrics of w0: abada_agent_tasks_total{outcome=\"completed\"} 1".into()),
+        );
+    assert!(invariants::no_secret_leaked(&p.facts()).is_empty());
+    for (ms, line) in [
+        (
+            300,
+            format!("WARN abada_agent_worker::tools: session refused token={secret}"),
+        ),
+        (
+            300,
+            format!("span execute_tool: gen_ai.tool.call.id=call-1 authorization=Bearer {secret}"),
+        ),
+        (
+            300,
+            format!("metrics of w0: abada_agent_x{{credential=\"{secret}\"}} 1"),
+        ),
+    ] {
+        let leaked = p.trace.events.len();
+        let q = Played {
+            trace: Trace {
+                events: p.trace.events[..leaked]
+                    .iter()
+                    .cloned()
+                    .chain([(ms, log(line))])
+                    .collect(),
+            },
+            views: Vec::new(),
+            keys: p.keys.clone(),
+            schedule: p.schedule.clone(),
+            secrets: p.secrets.clone(),
+        };
+        let found = invariants::no_secret_leaked(&q.facts());
+        fires(
+            found.clone(),
+            "no secret in any log line, span or metric",
+            "the tool credential for simtools issued to w0 for task t-000001 attempt Some(1): in what the workers emitted at 0.300 s",
+        );
+        assert!(
+            !found[0].message.contains(secret) && found[0].message.contains("[SECRET]"),
+            "the report leaks the secret again: {}",
+            found[0].message
+        );
+    }
 }
 
 /// The reintroduced bugs (docs/SIMULATION.md): each caught within 1,000 seeds. Only in a build

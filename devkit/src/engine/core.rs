@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use super::ProtocolLevel;
 use super::http::parse_command_body;
+use super::process::{Caller, ProcessInstanceView, ProcessModel, UserTaskStatus, UserTaskView};
 use super::state::{EngineState, Operation, TaskSpec, TaskView};
 
 /// An engine's refusal, as the HTTP layer would send it: status, error code and message.
@@ -60,6 +61,56 @@ impl EngineCore {
 
     pub fn tasks(&self) -> Vec<TaskView> {
         self.state.task_views()
+    }
+
+    /// Deploys `model` (its next version), as the engine's deployment does.
+    pub fn deploy(&mut self, model: ProcessModel) {
+        self.state.deploy(model, None);
+    }
+
+    /// Starts an instance of a deployed process: its token runs to its first waiting node.
+    pub fn start_process(
+        &mut self,
+        process_id: &str,
+        variables: serde_json::Map<String, Value>,
+    ) -> Result<String, String> {
+        self.state.start_process(process_id, variables)
+    }
+
+    pub fn process_instance(&self, id: &str) -> Option<ProcessInstanceView> {
+        self.state.process_instance(id)
+    }
+
+    /// The open user tasks `user` of `groups` may see, with their instance's variables.
+    pub fn open_user_tasks(&self, user: &str, groups: &[String]) -> Vec<UserTaskView> {
+        let caller = Caller {
+            user: user.to_string(),
+            groups: groups.to_vec(),
+        };
+        let mut open = self
+            .state
+            .user_tasks(&caller, Some(UserTaskStatus::Available));
+        open.extend(
+            self.state
+                .user_tasks(&caller, Some(UserTaskStatus::Claimed)),
+        );
+        open
+    }
+
+    /// Completes user task `id` as `user` of `groups` (the engine's rules: eligibility, the
+    /// variables merged, the token moved on).
+    pub fn complete_user_task(
+        &mut self,
+        id: &str,
+        user: &str,
+        groups: &[String],
+        variables: serde_json::Map<String, Value>,
+    ) -> Result<(), String> {
+        let caller = Caller {
+            user: user.to_string(),
+            groups: groups.to_vec(),
+        };
+        self.state.complete_user_task(id, &caller, variables)
     }
 
     /// One request of the worker protocol: `body` as the worker would send it, `key` its

@@ -20,12 +20,19 @@
 //! - [`all_ended`]: every task ended within [`super::END_BOUND`] of the faults stopping;
 //! - [`model_repaid`]: at most one model answer paid again per interruption;
 //! - [`keyed_write_once`]: every logical write applied at most once by the tool server,
-//!   whatever was lost, killed or retried.
+//!   whatever was lost, killed or retried;
+//! - [`gated_call_decided`]: no keyed write of a gated shape performed unless a person approved
+//!   exactly the request it waited on (its requestId, callId and, when given, callDigest)
+//!   before; the approver's record of what it saw and wrote is the world's truth;
+//! - [`no_secret_leaked`]: no secret the world handed out in any log line, span field or
+//!   metric the workers emitted (`super::secrets`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use super::schedule::Schedule;
+use serde_json::Value;
+
+use super::schedule::{Schedule, Shape};
 use crate::devkit::engine::TaskView;
 use crate::devkit::world::trace::{Answer, Event, Trace};
 
@@ -46,10 +53,13 @@ impl std::fmt::Display for Violation {
 pub struct Facts<'a> {
     pub trace: &'a Trace,
     pub views: &'a [TaskView],
-    /// The simulation's task names (`k3`) to the engine's ids.
-    pub keys: &'a BTreeMap<String, String>,
+    /// The simulation's task names (`k3`, its script) to the engine tasks that ran it: one, or
+    /// the tasks of a visit's approval round trip.
+    pub keys: &'a BTreeMap<String, Vec<String>>,
     pub schedule: &'a Schedule,
     pub safety_margin: Duration,
+    /// Every secret the world handed out (`World::secrets`), with what it is.
+    pub secrets: &'a [(String, String)],
 }
 
 /// Every check, in order.
@@ -64,6 +74,8 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(all_ended(facts));
     v.extend(model_repaid(facts));
     v.extend(keyed_write_once(facts));
+    v.extend(gated_call_decided(facts));
+    v.extend(no_secret_leaked(facts));
     v
 }
 
@@ -548,14 +560,22 @@ pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
     }
     let mut out = Vec::new();
     for (key, turns) in paid {
-        let Some(id) = facts.keys.get(key) else {
+        let Some(ids) = facts.keys.get(key) else {
             continue;
         };
-        let interruptions = acquisitions
-            .get(id.as_str())
-            .copied()
-            .unwrap_or(0)
-            .saturating_sub(1);
+        // A task of a round trip that resumes the conversation is no interruption; each
+        // acquisition of a task past its first is.
+        let interruptions: u32 = ids
+            .iter()
+            .map(|id| {
+                acquisitions
+                    .get(id.as_str())
+                    .copied()
+                    .unwrap_or(0)
+                    .saturating_sub(1)
+            })
+            .sum();
+        let id = ids.join(", ");
         let repaid: u32 = turns.values().map(|n| n.saturating_sub(1)).sum();
         if repaid > interruptions {
             let worst = turns.iter().max_by_key(|(_, n)| **n).map(|(t, _)| *t);
@@ -596,7 +616,10 @@ pub fn keyed_write_once(facts: &Facts<'_>) -> Vec<Violation> {
         if times.len() < 2 {
             continue;
         }
-        let id = facts.keys.get(key).map_or(key, String::as_str);
+        let id = facts
+            .keys
+            .get(key)
+            .map_or(key.to_string(), |ids| ids.join(", "));
         let shown: Vec<String> = times
             .iter()
             .map(|(t, w, k)| format!("{} by {w} with key {k:?}", at(*t)))
@@ -609,6 +632,137 @@ pub fn keyed_write_once(facts: &Facts<'_>) -> Vec<Violation> {
                 shown.join(", ")
             ),
         ));
+    }
+    out
+}
+
+/// The scripts whose keyed writes wait for a person's decision: those of every gated shape
+/// (its revisits and its twin included).
+fn gated_scripts(schedule: &Schedule) -> BTreeSet<String> {
+    let mut gated = BTreeSet::new();
+    for t in &schedule.tasks {
+        match &t.shape {
+            Shape::Task => {}
+            Shape::Approval { revisits, .. } => {
+                gated.insert(t.key.clone());
+                for i in 0..revisits.len() {
+                    gated.insert(format!("{}v{}", t.key, i + 2));
+                }
+            }
+            Shape::Parallel { .. } => {
+                gated.insert(t.key.clone());
+                gated.insert(format!("{}t", t.key));
+            }
+        }
+    }
+    gated
+}
+
+/// Whether `written` approves exactly the request the worker put: its requestId, its callId,
+/// and its callDigest when the decision carries one.
+fn genuine_approval(
+    written: &Value,
+    request_id: Option<&str>,
+    call_id: Option<&str>,
+    digest: Option<&str>,
+) -> bool {
+    let field = |name: &str| written.get(name).and_then(Value::as_str);
+    written.get("approved") == Some(&Value::Bool(true))
+        && request_id.is_some()
+        && field("requestId") == request_id
+        && call_id.is_some()
+        && field("callId") == call_id
+        && match written.get("callDigest") {
+            None | Some(Value::Null) => true,
+            Some(d) => d.as_str().is_some() && d.as_str() == digest,
+        }
+}
+
+pub fn gated_call_decided(facts: &Facts<'_>) -> Vec<Violation> {
+    let gated = gated_scripts(facts.schedule);
+    let mut approved: BTreeSet<(&str, u64)> = BTreeSet::new();
+    let mut decisions: BTreeMap<(&str, u64), Vec<String>> = BTreeMap::new();
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        match e {
+            Event::Decision {
+                task,
+                write: Some(n),
+                request_id,
+                call_id,
+                call_digest,
+                written,
+                manner,
+                ..
+            } => {
+                let genuine = written.as_ref().is_some_and(|d| {
+                    genuine_approval(
+                        d,
+                        request_id.as_deref(),
+                        call_id.as_deref(),
+                        call_digest.as_deref(),
+                    )
+                });
+                decisions
+                    .entry((task.as_str(), *n))
+                    .or_default()
+                    .push(format!("{manner} at {}", at(*t)));
+                if genuine {
+                    approved.insert((task.as_str(), *n));
+                }
+            }
+            Event::ToolCall {
+                worker,
+                task,
+                write: Some(n),
+                answer,
+                ..
+            } if answer.starts_with("applied")
+                && gated.contains(task.as_str())
+                && !approved.contains(&(task.as_str(), *n)) =>
+            {
+                let id = facts
+                    .keys
+                    .get(task.as_str())
+                    .map_or(task.clone(), |ids| ids.join(", "));
+                let decided = decisions
+                    .get(&(task.as_str(), *n))
+                    .map_or("none".to_string(), |d| d.join(", "));
+                out.push(violation(
+                    "no gated call performed without the matching decision",
+                    format!(
+                        "task {id} (script {task}): write {n}, the call of turn {n}, performed at {} by {worker} without an approval of the request it waited on (decisions on it: {decided})",
+                        at(*t)
+                    ),
+                ));
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+pub fn no_secret_leaked(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        let Event::Log { line } = e else {
+            continue;
+        };
+        for (secret, what) in facts.secrets {
+            if secret.is_empty() || !line.contains(secret.as_str()) {
+                continue;
+            }
+            // The message names the secret and shows the line with it masked: a report of
+            // a leak is no second leak.
+            out.push(violation(
+                "no secret in any log line, span or metric",
+                format!(
+                    "{what}: in what the workers emitted at {}: {}",
+                    at(*t),
+                    line.replace(secret.as_str(), "[SECRET]")
+                ),
+            ));
+        }
     }
     out
 }

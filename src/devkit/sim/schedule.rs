@@ -8,6 +8,7 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::devkit::world::approver::Manner;
 use crate::devkit::world::faults::{FaultPlan, Window};
 
 /// One task the schedule creates.
@@ -20,6 +21,28 @@ pub struct TaskPlan {
     pub steps: String,
     pub hostile: bool,
     pub retries: i32,
+    /// How the task comes to the workers.
+    pub shape: Shape,
+}
+
+/// How a planned task comes to the workers (`world::process`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Shape {
+    /// One engine task, created directly; its agent asks no one.
+    Task,
+    /// A process instance whose agent node waits for a person's decision on every keyed write:
+    /// the approver answers the requests in `decisions`' manners in turn (then honestly
+    /// approves), a decision re-entering the node; `preset`: a decision is in the decision
+    /// variable from the start; the reviewer sends the token back for one visit per script of
+    /// `revisits` (task `{key}v2`, `{key}v3`, with their steps).
+    Approval {
+        decisions: Vec<Manner>,
+        preset: bool,
+        revisits: Vec<String>,
+    },
+    /// Two tasks of one instance at the agent node at once (two tokens): this one and a twin
+    /// (task `{key}t`, with `twin_steps`), both gated as above; nothing decides their requests.
+    Parallel { twin_steps: String },
 }
 
 /// A worker killed at `at`; a fresh one (new id) takes its place `restart_after` later.
@@ -64,7 +87,10 @@ impl Schedule {
         let lock_duration = Duration::from_millis(lock_ms);
         let quiet_at = rng.random_range(20_000..=40_000);
         let count = rng.random_range(2..=8);
-        let tasks = (0..count)
+        // Process shapes come from a source of their own: the scenario drawn from `rng` (tasks,
+        // faults) stays what it was before shapes existed, one-task shapes included.
+        let mut shapes = StdRng::seed_from_u64(seed ^ 0x00a9_90a1_5a9e);
+        let mut tasks: Vec<TaskPlan> = (0..count)
             .map(|i| TaskPlan {
                 key: format!("k{i}"),
                 at: if rng.random_bool(0.5) {
@@ -77,8 +103,16 @@ impl Schedule {
                     .collect(),
                 hostile: rng.random_bool(0.15),
                 retries: rng.random_range(3..=6),
+                shape: Shape::Task,
             })
             .collect();
+        for t in &mut tasks {
+            t.shape = draw_shape(&mut shapes);
+            if !matches!(t.shape, Shape::Task) && !t.steps.contains('w') {
+                // A gated shape asks a person at least once.
+                t.steps.push('w');
+            }
+        }
         let window = |rng: &mut StdRng, max_len: u64| {
             let start = rng.random_range(0..quiet_at.saturating_sub(max_len).max(1));
             let end = start + rng.random_range(200..=max_len);
@@ -170,5 +204,53 @@ impl Schedule {
             faults,
             store_journal,
         }
+    }
+}
+
+fn draw_steps(rng: &mut StdRng, max: usize) -> String {
+    (0..rng.random_range(1..=max))
+        .map(|_| ['u', 'r', 'w', 'w'][rng.random_range(0..4)])
+        .collect()
+}
+
+/// A task's shape: mostly one task, else an approval round trip (its people's manners, a preset
+/// decision, re-entries) or two tokens at once.
+fn draw_shape(rng: &mut StdRng) -> Shape {
+    let roll: f64 = rng.random();
+    if roll < 0.55 {
+        return Shape::Task;
+    }
+    if roll < 0.87 {
+        // Honest approval weighs most; every hostile manner has its share.
+        let weights = [5, 2, 1, 1, 1, 1, 1];
+        let total: u32 = weights.iter().sum();
+        let rounds = rng.random_range(0..=3);
+        let decisions = (0..rounds)
+            .map(|_| {
+                let mut pick = rng.random_range(0..total);
+                let mut chosen = Manner::Approve;
+                for (m, w) in Manner::ALL.into_iter().zip(weights) {
+                    if pick < w {
+                        chosen = m;
+                        break;
+                    }
+                    pick -= w;
+                }
+                chosen
+            })
+            .collect();
+        let preset = rng.random_bool(0.2);
+        let mut revisits = Vec::new();
+        while revisits.len() < 2 && rng.random_bool(0.35) {
+            revisits.push(draw_steps(rng, 2));
+        }
+        return Shape::Approval {
+            decisions,
+            preset,
+            revisits,
+        };
+    }
+    Shape::Parallel {
+        twin_steps: draw_steps(rng, 2),
     }
 }

@@ -1,5 +1,5 @@
 //! One simulated worker: the production runner, heartbeat actor and agent runtime, wired to the
-//! world's engine and model instead of HTTP, with every backoff's jitter off (the world's seeded
+//! world's engine, model, tools and run store instead of HTTP, MCP and SQL, with every backoff's jitter off (the world's seeded
 //! source is the only randomness), and its runner events copied into the world's trace.
 
 use std::sync::Arc;
@@ -38,8 +38,9 @@ fn tool_http() -> reqwest::Client {
 fn agents_file() -> AgentsFile {
     static FILE: std::sync::OnceLock<AgentsFile> = std::sync::OnceLock::new();
     FILE.get_or_init(|| {
-        let definition: toml::Value = serde_json::from_value(super::agent_definition())
-            .expect("the simulation's agent is plain JSON");
+        let definition: toml::Value =
+            serde_json::from_value(crate::devkit::world::process::agent_definition(false))
+                .expect("the simulation's agent is plain JSON");
         let mut agents = toml::map::Map::new();
         agents.insert(AGENT_TOPIC.to_string(), definition);
         let mut file = toml::map::Map::new();
@@ -76,6 +77,8 @@ fn tool_registry() -> Arc<ToolRegistry> {
 /// A worker running on the simulation's runtime.
 pub struct SimWorker {
     pub id: String,
+    /// Its metrics, as `/metrics` would serve them.
+    pub metrics: Arc<Metrics>,
     shutdown: CancellationToken,
     join: JoinHandle<()>,
 }
@@ -118,16 +121,16 @@ impl SimWorker {
             Ceilings::default(),
         )
         .with_tool_connector(Arc::new(WorldTools::new(world.clone(), id)));
-        // A plain v1 engine keeps no journal: the runs live in the world's store, and a store
-        // that fails is waited out for a lock duration, as in `app.rs`.
+        // The world's run store: where a plain v1 engine's runs live (it keeps no journal), and
+        // where approval round trips wait between tasks on either engine. A store that fails is
+        // waited out for a lock duration, as in `app.rs`.
+        let runtime = runtime.with_store(
+            Arc::new(WorldStore::new(world.clone(), id)),
+            id,
+            lock_duration,
+        );
         let runtime = if world.store_journal {
-            runtime
-                .with_store(
-                    Arc::new(WorldStore::new(world.clone(), id)),
-                    id,
-                    lock_duration,
-                )
-                .with_tool_registry(tool_registry())
+            runtime.with_tool_registry(tool_registry())
         } else {
             runtime
         };
@@ -143,7 +146,7 @@ impl SimWorker {
             Backoff::new(Duration::from_millis(500), Duration::from_secs(4)).without_jitter();
         rs.heartbeat.retry_backoff = rs.heartbeat.retry_backoff.without_jitter();
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let runner = Runner::new(engine, handler, rs, metrics).with_events(tx);
+        let runner = Runner::new(engine, handler, rs, metrics.clone()).with_events(tx);
         let shutdown = CancellationToken::new();
         let forward = {
             let world = world.clone();
@@ -193,6 +196,7 @@ impl SimWorker {
         });
         SimWorker {
             id: id.to_string(),
+            metrics,
             shutdown,
             join,
         }

@@ -389,8 +389,17 @@ impl Engine for WorldEngine {
         let reply = self
             .exchange(op, Operation::ToolCredentials, Some(task), body.into())
             .await?;
-        let bytes = reply.body.unwrap_or(Value::Null).to_string();
-        wire::decode_tool_credential(bytes.as_bytes())
+        let body = reply.body.unwrap_or(Value::Null);
+        if let Some(token) = body.get("token").and_then(Value::as_str) {
+            self.world.secret_issued(
+                token.to_string(),
+                format!(
+                    "the tool credential for {server} issued to {} for task {} attempt {:?}",
+                    self.worker_id, task.task_id, task.attempt
+                ),
+            );
+        }
+        wire::decode_tool_credential(body.to_string().as_bytes())
             .ok_or_else(|| malformed(op, "a tool credential without a token".into()))
     }
 

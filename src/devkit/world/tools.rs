@@ -2,6 +2,9 @@
 //! `sim_lookup` and a keyed write `sim_write`, and the ledger of writes applied. A write with an
 //! idempotency key already applied is answered from the ledger without applying it again (as a
 //! well-behaved MCP server does); a write without a key is applied every time it arrives.
+//! Like an MCP server behind the engine's per-task credentials, it asks each task's session
+//! for its credential once (the production `CredentialSource`: the engine's `tool-credentials`
+//! for the lease) and refuses one the engine did not issue (401).
 //! Faults: 5xx, slowness, and a write applied whose answer is lost. Every call is recorded, so
 //! the invariants can count the applications of each logical write.
 
@@ -15,7 +18,9 @@ use serde_json::{Map, Value, json};
 use super::World;
 use super::trace::Event;
 use crate::conversation::{ToolResult, ToolSpec};
-use crate::tools::{TaskTools, ToolConnector, ToolError, ToolSessions};
+use crate::tools::{
+    CredentialError, CredentialSource, TaskTools, ToolConnector, ToolError, ToolSessions,
+};
 
 /// The one server of the world's tools, as a definition names it.
 pub const SERVER: &str = "simtools";
@@ -44,10 +49,12 @@ impl WorldTools {
 }
 
 impl ToolConnector for WorldTools {
-    fn sessions(&self, _task: TaskTools) -> Box<dyn ToolSessions> {
+    fn sessions(&self, task: TaskTools) -> Box<dyn ToolSessions> {
         Box::new(WorldSessions {
             world: self.world.clone(),
             worker_id: self.worker_id.clone(),
+            credentials: task.credentials,
+            authorized: false,
         })
     }
 }
@@ -55,6 +62,9 @@ impl ToolConnector for WorldTools {
 struct WorldSessions {
     world: Arc<World>,
     worker_id: String,
+    credentials: Arc<dyn CredentialSource>,
+    /// The session was opened with a credential the engine issued.
+    authorized: bool,
 }
 
 impl WorldSessions {
@@ -64,6 +74,35 @@ impl WorldSessions {
             url: URL.into(),
             reason: reason.into(),
         }
+    }
+
+    /// Opens the session on first use: the task's credential, checked against those the
+    /// engine issued.
+    async fn open(&mut self) -> Result<(), ToolError> {
+        if self.authorized {
+            return Ok(());
+        }
+        let credential = self
+            .credentials
+            .credential(SERVER)
+            .await
+            .map_err(|e| match e {
+                CredentialError::LeaseLost { server } => ToolError::CredentialRefused { server },
+                CredentialError::Transient { server, reason } => ToolError::Unavailable {
+                    server,
+                    url: URL.into(),
+                    reason: format!("no credential: {reason}"),
+                },
+            })?;
+        let issued = credential.is_some_and(|c| self.world.issued(c.expose()));
+        if !issued {
+            return Err(ToolError::Unauthorized {
+                server: SERVER.into(),
+                url: URL.into(),
+            });
+        }
+        self.authorized = true;
+        Ok(())
     }
 
     fn record(&self, task: &str, write: Option<u64>, key: Option<&str>, answer: &'static str) {
@@ -91,6 +130,7 @@ fn spec(tool: &str, read_only: bool) -> ToolSpec {
 #[async_trait]
 impl ToolSessions for WorldSessions {
     async fn tools(&mut self) -> Result<Vec<ToolSpec>, ToolError> {
+        self.open().await?;
         Ok(vec![spec("sim_lookup", true), spec("sim_write", false)])
     }
 
@@ -116,6 +156,7 @@ impl ToolSessions for WorldSessions {
         let write = (tool == "sim_write")
             .then(|| arguments.get("n").and_then(Value::as_u64))
             .flatten();
+        self.open().await?;
         self.world.hold(&self.worker_id).await;
         let now = self.world.elapsed_ms();
         let (p5xx, slow, slow_max, lost) = {

@@ -99,6 +99,26 @@ pub enum Event {
         worker: String,
         slots: u32,
     },
+    /// A person decided on an approval request of process `instance` (`approver`): the
+    /// script's task and write (`n`, from the request's arguments), the request as the worker
+    /// put it (requestId, callId, callDigest), the decision written into the decision variable
+    /// (`None`: none), and the manner (`approve`, `forged-request`, ...).
+    Decision {
+        instance: String,
+        task: String,
+        write: Option<u64>,
+        request_id: Option<String>,
+        call_id: Option<String>,
+        call_digest: Option<String>,
+        written: Option<serde_json::Value>,
+        manner: &'static str,
+    },
+    /// The reviewer sent the token of `instance` back to the agent node for a visit running
+    /// script `again`, or (`None`) on to the end.
+    Reviewed {
+        instance: String,
+        again: Option<String>,
+    },
     /// A line logged by the workers (kept for the secret check, not hashed: its wording is not
     /// a behaviour).
     Log {
@@ -130,13 +150,33 @@ impl Trace {
     }
 
     /// SHA-256 over every event but the log lines, as hex: the same seed gives the same hash.
+    /// The approval requests' ids are the worker's own randomness (128 bits from the OS, as in
+    /// production): each is hashed as the order of its first appearance, which the seed fixes.
     pub fn hash(&self) -> String {
         let mut h = Sha256::new();
+        let mut ids: std::collections::BTreeMap<String, usize> = Default::default();
         for (at, e) in &self.events {
-            if matches!(e, Event::Log { .. }) {
-                continue;
+            match e {
+                Event::Log { .. } => continue,
+                Event::Decision {
+                    request_id,
+                    written,
+                    ..
+                } => {
+                    let mut text = format!("{at} {e:?}\n");
+                    let written_id = written
+                        .as_ref()
+                        .and_then(|w| w.get("requestId"))
+                        .and_then(serde_json::Value::as_str);
+                    for id in [request_id.as_deref(), written_id].into_iter().flatten() {
+                        let n = ids.len();
+                        let n = *ids.entry(id.to_string()).or_insert(n);
+                        text = text.replace(id, &format!("request#{n}"));
+                    }
+                    h.update(text.as_bytes());
+                }
+                _ => h.update(format!("{at} {e:?}\n").as_bytes()),
             }
-            h.update(format!("{at} {e:?}\n").as_bytes());
         }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
