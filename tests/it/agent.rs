@@ -131,9 +131,7 @@ mod outcomes {
     use std::time::Duration;
 
     use abada_agent_worker::backoff::Backoff;
-    use abada_agent_worker::devkit::engine::{
-        Fault as EngineFault, Operation, TaskStatus, TaskView,
-    };
+    use abada_agent_worker::devkit::engine::{Fault as EngineFault, TaskStatus, TaskView};
     use abada_agent_worker::devkit::model::{Fault, FaultTimes, Script, Turn};
     use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
     use abada_agent_worker::handler::TaskEnd;
@@ -279,64 +277,6 @@ mod outcomes {
     }
 
     #[tokio::test]
-    async fn a_rate_limited_primary_falls_back_and_every_model_unavailable_defers() {
-        let s = stack().await;
-        s.model
-            .set_script("primary", super::super::agent::refund_like());
-        s.model
-            .set_script("fallback", super::super::agent::refund_like());
-        // First: the primary is rate-limited once, the fallback finishes the task.
-        s.model.inject_fault(
-            "primary",
-            Fault::RateLimited {
-                retry_after: Some(Duration::from_secs(5)),
-            },
-            FaultTimes::Next(1),
-        );
-        let agent = s.refund_agent("openai/primary", &["anthropic/fallback"]);
-        let ids = s.engine.create_tasks([spec(agent.clone(), "o-1")]);
-        let w = s.spawn_worker(WorkerOptions::new("w", 2), Stack::fast_agent_settings());
-        let v = &wait_all_ended(&s, &ids, Duration::from_secs(20)).await[0];
-        assert_eq!(v.status, TaskStatus::Completed);
-        assert_eq!(v.journal[1]["data"]["model"], "anthropic/fallback");
-        // Then every model unavailable: deferred, retries unchanged, timeout from Retry-After.
-        for (model, after) in [("primary", 7), ("fallback", 4)] {
-            s.model.inject_fault(
-                model,
-                Fault::RateLimited {
-                    retry_after: Some(Duration::from_secs(after)),
-                },
-                FaultTimes::Always,
-            );
-        }
-        let id = s.engine.create_task(spec(agent, "o-2"));
-        let deferred = tokio::time::timeout(
-            Duration::from_secs(20),
-            s.engine.wait_for(|e| {
-                let t = e.task(&id)?;
-                (t.hidden && t.counters.failures == 1).then_some(t)
-            }),
-        )
-        .await
-        .unwrap();
-        assert_eq!(deferred.retries, Some(3), "the attempt was not consumed");
-        // More than the 1 s default of these settings (which no Retry-After would give), at
-        // most the earliest Retry-After.
-        let hidden_for = deferred.lock_expiration_time.unwrap() - s.engine.now();
-        assert!(
-            hidden_for > chrono::Duration::seconds(1) && hidden_for <= chrono::Duration::seconds(4),
-            "retryTimeout follows the earliest Retry-After (4 s): {hidden_for}"
-        );
-        // The provider recovers: the task completes after its retry timeout.
-        s.model.clear_faults("primary");
-        s.model.clear_faults("fallback");
-        s.engine.advance(Duration::from_secs(5));
-        let done = wait_all_ended(&s, &[id], Duration::from_secs(20)).await;
-        assert_eq!(done[0].status, TaskStatus::Completed);
-        w.stop().await;
-    }
-
-    #[tokio::test]
     async fn a_tool_server_down_is_a_technical_failure_that_consumes_one_retry() {
         let s = stack().await;
         s.tools.set_down(true);
@@ -414,52 +354,6 @@ mod outcomes {
                 .contains("rejected the request")
         );
         w.stop().await;
-    }
-
-    #[tokio::test]
-    async fn a_lost_lease_stops_the_task_reports_nothing_and_closes_its_sessions() {
-        let s = stack().await;
-        // Lease 3 s: the first heartbeat (1 s) is refused during the first model call (2 s);
-        // the emulator's lease runs out at 3 s, so the worker cannot take the task again (and
-        // call about it) until 2 s after the refusal, while it is being stopped.
-        let ids = one_slow_refund(&s, Duration::from_secs(2), "o-1");
-        s.engine.inject(EngineFault::RefuseHeartbeats {
-            task_id: ids[0].clone(),
-        });
-        let mut opts = WorkerOptions::new("w", 2);
-        opts.lock_duration = Duration::from_secs(3);
-        let mut w = s.spawn_worker(opts, Stack::fast_agent_settings());
-        loop {
-            if let abada_agent_worker::runner::RunnerEvent::TaskEnded { outcome, .. } =
-                recv_within(&mut w.events, Duration::from_secs(30), "the task's end").await
-            {
-                assert_eq!(outcome, abada_agent_worker::handler::TaskEnd::LeaseLost);
-                break;
-            }
-        }
-        let refused_at = s
-            .engine
-            .calls()
-            .iter()
-            .find(|c| c.operation == Operation::Heartbeat)
-            .map(|c| c.at)
-            .unwrap();
-        // Once the worker has stopped, nothing more can come: the whole rest of its life is
-        // checked, not a guessed while.
-        w.stop().await;
-        let late: Vec<_> = s
-            .engine
-            .calls()
-            .into_iter()
-            .filter(|c| c.task_id.as_deref() == Some(ids[0].as_str()) && c.at > refused_at)
-            .collect();
-        assert!(
-            late.is_empty(),
-            "no call about the task after its lease was refused: {late:?}"
-        );
-        let v = s.engine.task(&ids[0]).unwrap();
-        assert_eq!(v.counters.completes + v.counters.failures, 0);
-        sessions_all_closed(&s).await;
     }
 
     #[tokio::test]

@@ -22,6 +22,7 @@ mod oidc;
 mod operations;
 mod otel;
 mod output;
+mod paused_agent;
 mod provider;
 mod proxy_headers;
 mod refusals;
