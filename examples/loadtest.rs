@@ -62,7 +62,9 @@ usage: loadtest [FLAGS]
   --floor               backlog: also run the floor client with the same knobs, in the same run
   --scaling-slots LIST  scaling: slot counts, default 1,4,16,50
   --scaling-tasks LIST  scaling: backlog sizes, default 100,1000,10000
-  --worker-bin PATH     default: target/release/abada-agent-worker beside this example";
+  --worker-bin PATH     default: target/release/abada-agent-worker beside this example
+  --floor-bin PATH      the floor client's program, started with --floor-client and its flags
+                        (e.g. a script running this example under valgrind), default: this example";
 
 struct Args {
     scenario: String,
@@ -75,6 +77,8 @@ struct Args {
     scaling_slots: Vec<u32>,
     scaling_tasks: Vec<u32>,
     worker_bin: Option<PathBuf>,
+    /// `--floor-bin`, when given.
+    floor_bin: Option<PathBuf>,
 }
 
 fn parse_list(v: &str) -> Result<Vec<u32>, String> {
@@ -123,6 +127,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
         scaling_slots: vec![1, 4, 16, 50],
         scaling_tasks: vec![100, 1000, 10_000],
         worker_bin: None,
+        floor_bin: None,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -179,6 +184,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
             "--scaling-slots" => a.scaling_slots = parse_list(value)?,
             "--scaling-tasks" => a.scaling_tasks = parse_list(value)?,
             "--worker-bin" => a.worker_bin = Some(PathBuf::from(value)),
+            "--floor-bin" => a.floor_bin = Some(PathBuf::from(value)),
             other => return Err(format!("unknown flag {other:?}")),
         }
     }
@@ -262,7 +268,9 @@ fn default_worker_bin() -> PathBuf {
 async fn run(a: Args) -> Result<(), loadtest::LoadError> {
     let worker = ChildProgram::Worker(a.worker_bin.clone().unwrap_or_else(default_worker_bin));
     let floor = ChildProgram::Floor {
-        program: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("loadtest")),
+        program: a.floor_bin.clone().unwrap_or_else(|| {
+            std::env::current_exe().unwrap_or_else(|_| PathBuf::from("loadtest"))
+        }),
         args: Vec::new(),
     };
     let mut opts = a.opts.clone();

@@ -10,7 +10,7 @@
 
 use std::io::Read;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 /// A model's answer: 2 MiB is several times the largest output any model produces (about 128k
 /// tokens of text); a larger answer is hostile or broken.
@@ -126,25 +126,58 @@ pub async fn read_prefix(mut response: reqwest::Response, limit: usize) -> Vec<u
     body
 }
 
-/// Decodes a body as it arrives: `decode` reads it through a blocking [`Read`] on a blocking
-/// thread, so only what the decoder keeps is held, never the body's bytes. Reading more than
-/// `limit` bytes fails the read (the decoder sees an I/O error) and the result is
-/// [`ReadError::TooLarge`], whatever `decode` returned; a connection failure is
-/// [`ReadError::Http`]. `decode` may also stop early on its own limits.
+/// The most of a streamed body [`decode_streamed`] reads on the calling task before it moves the
+/// decoding to a blocking thread: a body that ends within it (a fetch answer of a few dozen
+/// tasks, the journal of a short run) is decoded right there, without a thread hand-off per
+/// answer and a blocking thread per concurrent read. A quarter of [`TASK_MAX_BYTES`], which the
+/// decoder of a fetch answer may hold for one task anyway.
+pub(crate) const DECODE_IN_PLACE_MAX_BYTES: usize = 256 * 1024;
+
+/// Decodes a body as it arrives, holding at most [`DECODE_IN_PLACE_MAX_BYTES`] of its bytes: a
+/// body that ends within them is decoded from memory on the calling task; a longer one is read
+/// by `decode` through a blocking [`Read`] on a blocking thread (its first bytes included), so
+/// only what the decoder keeps is held. Reading more than `limit` bytes fails the read (the
+/// decoder sees an I/O error) and the result is [`ReadError::TooLarge`], whatever `decode`
+/// returned; a connection failure is [`ReadError::Http`]. `decode` may also stop early on its
+/// own limits.
 pub async fn decode_streamed<T: Send + 'static>(
-    response: reqwest::Response,
+    mut response: reqwest::Response,
     limit: usize,
     what: &str,
     decode: impl FnOnce(&mut dyn Read) -> T + Send + 'static,
 ) -> Result<T, ReadError> {
+    let too_large = |seen: usize| {
+        ReadError::TooLarge(TooLarge {
+            what: what.to_string(),
+            limit,
+            seen: seen as u64,
+            unit: BYTES,
+        })
+    };
+    let mut head = BytesMut::new();
+    loop {
+        let Some(chunk) = response.chunk().await? else {
+            // The whole body is here: decode it in place.
+            return Ok(decode(&mut &head[..]));
+        };
+        let read = head.len() + chunk.len();
+        if read > limit {
+            return Err(too_large(read));
+        }
+        head.extend_from_slice(&chunk);
+        if read > DECODE_IN_PLACE_MAX_BYTES {
+            break;
+        }
+    }
     let handle = tokio::runtime::Handle::current();
     let what = what.to_string();
+    let read = head.len();
     let decoded = tokio::task::spawn_blocking(move || {
         let mut reader = ResponseReader {
             response,
             handle,
-            pending: Bytes::new(),
-            read: 0,
+            pending: head.freeze(),
+            read,
             limit,
             failure: None,
         };
@@ -316,6 +349,58 @@ mod tests {
         .unwrap_err();
         assert!(
             matches!(err, ReadError::TooLarge(ref t) if t.limit == 1000),
+            "{err}"
+        );
+    }
+
+    /// Decodes the JSON array of strings at `url` within `limit`, saying on which thread.
+    async fn decode_strings(
+        url: &str,
+        limit: usize,
+    ) -> Result<(Vec<String>, std::thread::ThreadId), ReadError> {
+        let response = reqwest::get(url).await.unwrap();
+        decode_streamed(response, limit, "doc", |r| {
+            let v = serde_json::from_reader::<_, Vec<String>>(r).map_err(|e| e.to_string());
+            (v, std::thread::current().id())
+        })
+        .await
+        .map(|(v, thread)| (v.unwrap(), thread))
+    }
+
+    #[tokio::test]
+    async fn a_small_body_is_decoded_on_the_task_without_a_blocking_thread() {
+        let doc = serde_json::to_vec(&vec!["abc"; 1000]).unwrap();
+        assert!(doc.len() < DECODE_IN_PLACE_MAX_BYTES);
+        let url = serve(chunked_head(), doc.clone(), 61).await;
+        let (decoded, thread) = decode_strings(&url, doc.len()).await.unwrap();
+        assert_eq!(decoded.len(), 1000);
+        // A current-thread runtime: the test's own thread is the task's.
+        assert_eq!(thread, std::thread::current().id());
+        // Over the limit while still read in place: refused, nothing decoded.
+        let url = serve(chunked_head(), doc.clone(), 61).await;
+        let err = decode_strings(&url, doc.len() - 1).await.unwrap_err();
+        assert!(
+            matches!(err, ReadError::TooLarge(ref t) if t.limit == doc.len() - 1),
+            "{err}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_body_past_the_in_place_bytes_is_decoded_whole_on_a_blocking_thread() {
+        // The bytes read in place come first in what the blocking decoder reads.
+        let items: Vec<String> = (0..40_000).map(|i| format!("item-{i}")).collect();
+        let doc = serde_json::to_vec(&items).unwrap();
+        assert!(doc.len() > DECODE_IN_PLACE_MAX_BYTES + 20_000);
+        let url = serve(chunked_head(), doc.clone(), 4093).await;
+        let (decoded, thread) = decode_strings(&url, doc.len()).await.unwrap();
+        assert_eq!(decoded, items);
+        assert_ne!(thread, std::thread::current().id());
+        // The limit still holds past the in-place bytes.
+        let url = serve(chunked_head(), doc.clone(), 4093).await;
+        let limit = DECODE_IN_PLACE_MAX_BYTES + 10_000;
+        let err = decode_strings(&url, limit).await.unwrap_err();
+        assert!(
+            matches!(err, ReadError::TooLarge(ref t) if t.limit == limit && t.seen > limit as u64),
             "{err}"
         );
     }

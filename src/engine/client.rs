@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use reqwest::header::{HeaderMap, HeaderValue};
 use reqwest::{Method, StatusCode};
 use serde_json::{Map, Value};
@@ -98,7 +99,8 @@ struct Call<'a> {
     method: Method,
     task_id: Option<&'a str>,
     path: String,
-    body: Vec<u8>,
+    /// Shared, so a retry sends the same bytes without copying them.
+    body: Bytes,
     idempotency_key: Option<String>,
     /// The task's trace context (a fresh root for a fetch); the header sent is a child of it,
     /// or of the call's own span when spans are exported.
@@ -329,9 +331,13 @@ impl HttpEngine {
     }
 
     /// Reads an answer's body the way the call asks, never past its limit.
-    async fn read_answer(call: &Call<'_>, resp: reqwest::Response) -> Result<Answer, ReadError> {
+    async fn read_answer(
+        call: &Call<'_>,
+        mut resp: reqwest::Response,
+    ) -> Result<Answer, ReadError> {
         let status = resp.status();
-        let headers = resp.headers().clone();
+        // Taken, not copied: the body is read from here on, and its length comes from the body.
+        let headers = std::mem::take(resp.headers_mut());
         let mut answer = Answer {
             status,
             headers,
@@ -473,8 +479,8 @@ impl HttpEngine {
         }
     }
 
-    fn json<T: serde::Serialize>(body: &T) -> Vec<u8> {
-        serde_json::to_vec(body).expect("request bodies always serialise")
+    fn json<T: serde::Serialize>(body: &T) -> Bytes {
+        Bytes::from(serde_json::to_vec(body).expect("request bodies always serialise"))
     }
 
     fn trace(task: &TaskRef) -> Option<TraceParent> {
@@ -562,7 +568,7 @@ pub(crate) fn classify_answer(
         method: Method::POST,
         task_id,
         path: String::new(),
-        body: Vec::new(),
+        body: Bytes::new(),
         idempotency_key: Some("decoder-key".into()),
         traceparent: None,
         read: Reading::Buffered,
@@ -939,7 +945,7 @@ impl Engine for HttpEngine {
                 method: Method::GET,
                 task_id: Some(&task.task_id),
                 path: format!("{}/instances/{id}", self.processes),
-                body: Vec::new(),
+                body: Bytes::new(),
                 idempotency_key: None,
                 traceparent: Self::trace(task),
                 read: Reading::Buffered,
@@ -966,7 +972,7 @@ impl Engine for HttpEngine {
                 method: Method::GET,
                 task_id: Some(&task.task_id),
                 path: format!("{}/{id}", self.processes),
-                body: Vec::new(),
+                body: Bytes::new(),
                 idempotency_key: None,
                 traceparent: Self::trace(task),
                 read: Reading::Definition,
@@ -1082,7 +1088,7 @@ mod tests {
             method: Method::POST,
             task_id: Some("t1"),
             path: String::new(),
-            body: Vec::new(),
+            body: Bytes::new(),
             idempotency_key: Some("k1".into()),
             traceparent: None,
             read: Reading::Buffered,
