@@ -303,6 +303,7 @@ impl Setup {
             seed: 1,
             lock_duration: lock,
             faults: FaultPlan::default(),
+            store_journal: false,
         });
         Setup {
             engine: Arc::new(LoggingEngine {
