@@ -505,8 +505,14 @@ async fn a_lost_lease_stops_the_agent_task_reports_nothing_and_closes_its_sessio
         .filter(|c| c.attempt == Some(1) && matches!(c.op, "complete" | "failure" | "bpmn-error"))
         .collect();
     assert!(endings_of_1.is_empty(), "{endings_of_1:#?}");
+    // The engine's lease ran out at 3 s: the task is offered again and a later attempt may
+    // finish it (the freed slot fetches it back); attempt 1 reported nothing (above).
     let v = s.task(&id);
-    assert_eq!(v.counters.completes + v.counters.failures, 0, "{v:#?}");
+    assert_eq!(v.counters.failures, 0, "{v:#?}");
+    assert!(
+        v.counters.completes == 0 || v.attempt >= 2,
+        "only a later attempt completes: {v:#?}"
+    );
     let opened = s.sessions.opened.load(Ordering::SeqCst);
     assert!(opened >= 1, "the task opened its tool sessions");
     assert_eq!(
