@@ -64,8 +64,9 @@ pub use url::{SslMode, StoreUrl, UrlError, UrlPart};
 
 use crate::engine::{AppendOutcome, JournalStep};
 use crate::metrics::Metrics;
-use finishes::{PendingFinish, PendingFinishes};
+use finishes::PendingFinishes;
 use pool::{Connector, Operation, Pool};
+use runs::PendingFinish;
 use runs::Sweep;
 
 /// What the store's server told the worker at start-up (logged once).

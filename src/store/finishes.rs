@@ -29,7 +29,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::runs::{Fence, RunEnd};
+use super::runs::PendingFinish;
 
 /// The most finishes queued before the finishing caller flushes them itself.
 pub const MAX_PENDING_FINISHES: usize = 512;
@@ -38,27 +38,6 @@ pub const MAX_PENDING_FINISHES: usize = 512;
 /// short, so a finished run does not linger, and long next to the gap between a busy worker's
 /// claims, so a busy worker never flushes on its own.
 pub const IDLE_FLUSH_AFTER: Duration = Duration::from_secs(1);
-
-/// One run to finish: which run, which attempt's, how it ended, and since when it waits.
-#[derive(Clone, Debug)]
-pub(super) struct PendingFinish {
-    pub(super) run_key: String,
-    /// The fence's attempt: the finish matches the run only while this attempt holds it.
-    pub(super) attempt: i64,
-    pub(super) end: RunEnd,
-    queued_at: Instant,
-}
-
-impl PendingFinish {
-    pub(super) fn of(fence: &Fence, end: RunEnd) -> PendingFinish {
-        PendingFinish {
-            run_key: fence.run_key().as_str().to_string(),
-            attempt: i64::try_from(fence.attempt()).unwrap_or(i64::MAX),
-            end,
-            queued_at: Instant::now(),
-        }
-    }
-}
 
 /// The queue is full: the caller performs the finishes itself.
 #[derive(Debug)]
@@ -211,6 +190,7 @@ pub(super) async fn idle_flusher<F, Fut>(
 mod tests {
     use super::*;
     use crate::store::RunKey;
+    use crate::store::runs::{Fence, RunEnd};
     use std::sync::atomic::{AtomicU32, Ordering};
 
     fn finish(key: &str, attempt: u64) -> PendingFinish {

@@ -11,7 +11,6 @@ use tokio_postgres::{Client, GenericClient, Row, Statement};
 
 use super::admission::{Admission, Asking, InputDigest, Phase, Seen, admit};
 use super::error::{FenceReason, StoreError, classify};
-use super::finishes::PendingFinish;
 use crate::engine::{AppendOutcome, JournalStep};
 
 /// The most a run's journal may hold, counted as the bytes of its step bodies: the same bound
@@ -966,6 +965,27 @@ pub(super) async fn sweep_batch(
         .execute(statement, &[&age_ms, &(batch as i64)])
         .await
         .map_err(|e| classify(store, &e))
+}
+
+/// One run to finish: which run, which attempt's, how it ended, and since when it waits.
+#[derive(Clone, Debug)]
+pub(super) struct PendingFinish {
+    pub(super) run_key: String,
+    /// The fence's attempt: the finish matches the run only while this attempt holds it.
+    pub(super) attempt: i64,
+    pub(super) end: RunEnd,
+    pub(super) queued_at: tokio::time::Instant,
+}
+
+impl PendingFinish {
+    pub(super) fn of(fence: &Fence, end: RunEnd) -> PendingFinish {
+        PendingFinish {
+            run_key: fence.run_key().as_str().to_string(),
+            attempt: i64::try_from(fence.attempt()).unwrap_or(i64::MAX),
+            end,
+            queued_at: tokio::time::Instant::now(),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -23,8 +23,7 @@ use crate::provider::fallback::RetryPolicy;
 use crate::runner::{Runner, RunnerEvent, RunnerSettings};
 use crate::tools::registry::{ToolRegistry, ToolsFile};
 
-/// The provider name the world's model is registered under (`sim/…` in a definition).
-pub const PROVIDER: &str = "sim";
+pub use crate::devkit::world::model::PROVIDER;
 
 /// The tools' HTTP client of every simulated worker: built once (loading the platform's roots
 /// takes milliseconds), never used (the world's tasks name no tool server).

@@ -40,7 +40,7 @@ pub const INPUT_VARIABLE: &str = "simInput";
 pub fn agent_definition(gated: bool) -> Value {
     let mut def = json!({
         "name": if gated { "sim-gated-agent" } else { "sim-agent" },
-        "model": format!("{}/m1", crate::devkit::sim::worker::PROVIDER),
+        "model": format!("{}/m1", super::model::PROVIDER),
         "instructions": "Play the script your input names.",
         "input": format!("${{{INPUT_VARIABLE}}}"),
         "toolServers": [{"name": super::tools::SERVER, "url": super::tools::URL}],
