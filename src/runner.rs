@@ -18,10 +18,11 @@
 //!   answer to a report does not hold a slot: the next task's fetch goes out while the
 //!   complete is still in flight, and a slot's cycle is the work plus one fetch, not the work
 //!   plus a complete plus a fetch (issue 25: on the real engine the two round trips were
-//!   100-190 ms each beside a 100 ms model call). Reports in flight are bounded by the second
-//!   semaphore: with all of them out, a task keeps its slot until one returns, so an engine
-//!   slower than the work holds the fetches back. A worker therefore holds at most
-//!   `MAX_TASKS` tasks at work and `MAX_TASKS` more being reported.
+//!   100-190 ms each beside a 100 ms model call). Reports in flight on a permit are bounded by
+//!   the second semaphore: with all of them out, a finished task reports at once keeping its
+//!   slot (it never waits for another report, which may never return), so an engine slower
+//!   than the work holds the fetches back. A worker therefore holds at most `MAX_TASKS` tasks
+//!   at work or reporting on their slot, and `MAX_TASKS` more reporting on a permit.
 //! - The loop hears of every freed slot and tells the policy, which fetches at once (unless
 //!   backing off from a failed fetch): with every slot busy, during the idle wait after an
 //!   empty answer, or while a fetch was out. So a freed slot is refilled after one round trip,
@@ -790,22 +791,24 @@ async fn run_task(
         }
         cleanup.close();
         cleanup.wait().await;
-        // The work is done: with a report permit in hand, the slot goes back and the loop
-        // fetches for it while this report is out. With every report permit taken (an engine
-        // slower than the work), the slot waits here for one, and the lease is still extended.
-        let _report_permit = shared
-            .reports
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the report semaphore is never closed");
-        drop(permit);
-        shared.update_slot_gauge();
-        shared.emit(RunnerEvent::SlotFreed {
-            task_id: task.id.clone(),
-            attempt: task.attempt,
-        });
-        let _ = shared.slot_freed.send(());
+        // The work is done: with a report permit free, the slot goes back and the loop fetches
+        // for it while this report is out. With every report permit taken (reports slower than
+        // the work, or one that never returns), the task reports at once keeping its slot, as
+        // if there were no permits: a report never waits for another's, and no fetch comes
+        // while slots are held by reports.
+        let (slot, on_slot) = match shared.reports.clone().try_acquire_owned() {
+            Ok(report_permit) => {
+                drop(permit);
+                shared.update_slot_gauge();
+                shared.emit(RunnerEvent::SlotFreed {
+                    task_id: task.id.clone(),
+                    attempt: task.attempt,
+                });
+                let _ = shared.slot_freed.send(());
+                (report_permit, false)
+            }
+            Err(_) => (permit, true),
+        };
         // Stop extending before reporting: an extension still in flight could otherwise reach
         // the engine after the completion, be refused as "not locked" and make a completed task
         // look lost. The report is fenced by the lease's local expiry (`TaskContext::fenced`
@@ -841,6 +844,12 @@ async fn run_task(
             attempt: task.attempt,
             outcome: end,
         });
+        // The report permit, or the slot of a task that reported holding it.
+        drop(slot);
+        if on_slot {
+            shared.update_slot_gauge();
+            let _ = shared.slot_freed.send(());
+        }
     }
     .instrument(span)
     .await;

@@ -482,30 +482,6 @@ fn a_fetch_above_the_free_slots_and_a_task_above_the_slots_fire() {
         "reports in flight never above the slots",
         "task t-000001: w0 gave its slot back at 0.007 s with 2 reports in flight on 1 slots",
     );
-    // A task that ends without giving its slot back first.
-    let p = Played::new()
-        .at(
-            0,
-            Event::WorkerStarted {
-                worker: w("w0"),
-                slots: 1,
-            },
-        )
-        .at(0, started("t-000002"))
-        .at(
-            9,
-            Event::TaskEnded {
-                worker: w("w0"),
-                task: w("t-000002"),
-                attempt: Some(1),
-                outcome: "completed".into(),
-            },
-        );
-    fires(
-        invariants::slots(&p.facts()),
-        "a task gives its slot back before its report",
-        "task t-000002: ended by w0 at 0.009 s without giving its slot back first",
-    );
 }
 
 #[test]
