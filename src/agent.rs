@@ -200,6 +200,15 @@ impl AgentRuntime {
     }
 
     /// The runtime with the operator's tool-server registry.
+    /// What the operator's tool-server registry sends in clear (its `oauth2` token endpoints
+    /// allowed over `http://`), for the start-up warning; nothing without a registry.
+    pub fn tool_credentials_in_clear(&self) -> Vec<String> {
+        self.tool_registry
+            .as_deref()
+            .map(|r| r.credentials_in_clear().to_vec())
+            .unwrap_or_default()
+    }
+
     pub fn with_tool_registry(mut self, registry: Arc<ToolRegistry>) -> Self {
         self.tool_registry = Some(registry);
         self

@@ -307,6 +307,10 @@ pub struct Worker {
     pub store: Option<StoreHandle>,
     /// Stops the store's connector and sweeper when the worker stops.
     store_stop: CancellationToken,
+    /// What travels in clear because `ABADA_AGENT_ALLOW_INSECURE_HTTP=true` allowed it (the
+    /// configuration's URLs and the tools file's token endpoints, URLs redacted), for the one
+    /// warning at start-up.
+    pub credentials_in_clear: Vec<String>,
 }
 
 impl Worker {
@@ -350,6 +354,7 @@ impl Worker {
             Some(wrap) => wrap(client),
             None => client,
         };
+        let mut credentials_in_clear = config.credentials_in_clear();
         let handler: Arc<dyn TaskHandler> = match seams.handler {
             Some(handler) => handler,
             None => {
@@ -360,6 +365,7 @@ impl Worker {
                     metrics.clone(),
                 )
                 .map_err(|e| StartError::Setup(e.to_string()))?;
+                credentials_in_clear.extend(runtime.tool_credentials_in_clear());
                 if let Some(providers) = seams.providers {
                     runtime = runtime.with_providers(providers);
                 }
@@ -395,6 +401,7 @@ impl Worker {
             engine,
             store,
             store_stop,
+            credentials_in_clear,
         })
     }
 

@@ -338,8 +338,9 @@ impl Config {
     }
 
     /// What travels in clear because `ABADA_AGENT_ALLOW_INSECURE_HTTP=true` allowed it, for the
-    /// one warning at start-up: the configured URLs, the tools file's `oauth2` token endpoints
-    /// (tool credentials to a server's own URL are named by their servers at run time).
+    /// one warning at start-up: the configured URLs (the tools file's `oauth2` token endpoints
+    /// are added by the worker from its one reading of the file, [`crate::app::Worker`]; tool
+    /// credentials to a server's own URL are named by their servers at run time).
     pub fn credentials_in_clear(&self) -> Vec<String> {
         let mut clear: Vec<String> = self
             .credential_channels()
@@ -350,14 +351,6 @@ impl Config {
             .map(|(_, what, url)| format!("{what} to {}", crate::redact::url(&url)))
             .collect();
         if self.allow_insecure_http {
-            // The worker only starts with a tools file that loads (agent setup reads it first).
-            if let Some(file) = self
-                .tools_file
-                .as_deref()
-                .and_then(|p| crate::tools::registry::ToolsFile::load(p).ok())
-            {
-                clear.extend(file.credentials_in_clear());
-            }
             clear.push("tool credentials to any http:// tool server".to_string());
         }
         clear

@@ -102,7 +102,7 @@ fn daemon() -> ExitCode {
             lock_duration_ms = config.lock_duration.as_millis() as u64,
             "worker starting"
         );
-        let mut clear = config.credentials_in_clear();
+        let mut clear = worker.credentials_in_clear.clone();
         clear.extend(
             spans
                 .as_ref()

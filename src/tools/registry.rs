@@ -460,6 +460,9 @@ enum Route {
 /// The registry, live: the servers and the token actor of each `oauth2` server.
 pub struct ToolRegistry {
     servers: BTreeMap<String, (RegisteredServer, Route)>,
+    /// What the file sends in clear ([`ToolsFile::credentials_in_clear`]), kept from the one
+    /// reading of the file for the start-up warning.
+    credentials_in_clear: Vec<String>,
     /// Set when definitions may use servers the registry does not list
     /// ([`UnregisteredPolicy::Allow`]): it keeps them off the registered servers' addresses.
     unregistered: Option<Arc<AliasGuard>>,
@@ -471,6 +474,7 @@ impl ToolRegistry {
     /// within a tokio runtime.
     pub fn start(file: ToolsFile, http: reqwest::ClientBuilder) -> Result<Self, reqwest::Error> {
         let issuer = Arc::new(IssuerHttpClient::new(http)?);
+        let credentials_in_clear = file.credentials_in_clear();
         let servers = file
             .servers
             .into_iter()
@@ -490,8 +494,15 @@ impl ToolRegistry {
             .collect();
         Ok(ToolRegistry {
             servers,
+            credentials_in_clear,
             unregistered: None,
         })
+    }
+
+    /// What the registry's file sends in clear once `ABADA_AGENT_ALLOW_INSECURE_HTTP=true`
+    /// allowed it (URLs redacted), for the one start-up warning.
+    pub fn credentials_in_clear(&self) -> &[String] {
+        &self.credentials_in_clear
     }
 
     /// Lets definitions use servers the registry does not list ([`UnregisteredPolicy::Allow`]):

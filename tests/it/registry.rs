@@ -911,7 +911,16 @@ async fn an_oauth2_client_secret_for_a_plain_http_token_endpoint_stops_the_start
     let allowed = Config::from_env(&env).unwrap();
     let worker = Worker::build(&allowed, Seams::default());
     assert!(worker.is_ok(), "allowed by the variable");
-    let clear = allowed.credentials_in_clear();
+    // The file is read once, by the worker's setup: the warning is the worker's, not the
+    // configuration's (which names only the channels of the variables).
+    let clear = worker.as_ref().unwrap().credentials_in_clear.clone();
+    assert!(
+        !allowed
+            .credentials_in_clear()
+            .iter()
+            .any(|c| c.contains("tool server billing")),
+        "the configuration alone does not read the tools file"
+    );
     assert!(
         clear.contains(&format!(
             "the OAuth 2.0 client secret of tool server billing to {}",
