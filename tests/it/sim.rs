@@ -408,8 +408,36 @@ fn a_call_after_a_refusal_fires_and_one_at_its_instant_does_not() {
         .at(2_001, call("w0", "failure", 1));
     fires(
         invariants::no_call_after_refusal(&p.facts()),
-        "no call after the engine said the lease is lost",
+        "no call after the engine or the run store said the lease is lost",
         "task t-000001: failure by w0 attempt 1 sent at 2.001 s",
+    );
+}
+
+/// The run store's refusal counts as the engine's: w0 (engine attempt 1, store attempt 7) is
+/// fenced on an append because w1 claimed the run since; a complete w0 sends after that is a
+/// breach, a heartbeat its actor sent in that instant is not, and w1's calls are not w0's.
+#[test]
+fn a_call_after_the_run_store_fenced_the_attempt_fires() {
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(10, store_answer("w0", "claim", Some(7), None, "claimed"))
+        .at(11_000, fetched("w1", 2))
+        .at(
+            11_010,
+            store_answer("w1", "claim", Some(8), None, "claimed"),
+        )
+        .at(12_000, store_call("w0", "append", Some(7), Some(2)))
+        .at(
+            12_000,
+            store_answer("w0", "append", Some(7), Some(2), "fenced"),
+        )
+        .at(12_000, call("w0", "heartbeat", 1))
+        .at(12_001, call("w1", "complete", 2))
+        .at(12_002, call("w0", "complete", 1));
+    fires(
+        invariants::no_call_after_refusal(&p.facts()),
+        "no call after the engine or the run store said the lease is lost",
+        "task t-000001: complete by w0 attempt 1 sent at 12.002 s after run-store append was refused",
     );
 }
 

@@ -14,7 +14,8 @@
 //!   append to the run store) started after its worker's own clock said the lease had expired
 //!   (last accepted extension sent + lock - margin);
 //! - [`no_call_after_refusal`]: no call about an attempt after the engine said the lease is no
-//!   longer ours (no report after loss);
+//!   longer ours, or the run store that another attempt holds the run (`fenced`): no report
+//!   after loss;
 //! - [`slots`]: running tasks (at work, or reporting on their slot) never above the slots, no
 //!   fetch above the free slots, reports in flight on a permit (slots given back, reports not
 //!   yet answered) never above the slots either;
@@ -372,9 +373,17 @@ fn lease_lost(answer: &Answer) -> bool {
 
 pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
     let mut lost: BTreeMap<(&str, &str, u32), (&str, u64)> = BTreeMap::new();
+    // Each worker's engine attempt of each task, by its latest acquisition: a run-store fence
+    // names the store's attempt, and the engine calls it stops are those of this one.
+    let mut held: BTreeMap<(&str, &str), u32> = BTreeMap::new();
     let mut out = Vec::new();
     for (t, e) in &facts.trace.events {
         match e {
+            Event::Fetched { worker, tasks, .. } => {
+                for (task, attempt) in tasks {
+                    held.insert((worker, task), *attempt);
+                }
+            }
             Event::EngineAnswer {
                 worker,
                 op,
@@ -383,6 +392,23 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
                 answer,
             } if lease_lost(answer) => {
                 lost.entry((worker, task, *attempt)).or_insert((op, *t));
+            }
+            Event::StoreAnswer {
+                worker,
+                op,
+                run,
+                answer: "fenced",
+                ..
+            } => {
+                if let Some(attempt) = held.get(&(worker.as_str(), run.as_str())) {
+                    let op = match *op {
+                        "claim" => "run-store claim",
+                        "append" => "run-store append",
+                        "finish" => "run-store finish",
+                        _ => "run-store call",
+                    };
+                    lost.entry((worker, run, *attempt)).or_insert((op, *t));
+                }
             }
             Event::EngineCall {
                 worker,
@@ -408,7 +434,7 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
                     && *t > learned(refused_op, *refused_at)
                 {
                     out.push(violation(
-                        "no call after the engine said the lease is lost",
+                        "no call after the engine or the run store said the lease is lost",
                         format!(
                             "task {task}: {op} by {worker} attempt {attempt} sent at {} after {refused_op} was refused as not ours at {}",
                             at(*t),
