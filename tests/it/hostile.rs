@@ -558,23 +558,25 @@ fn journal_of(n: usize, data_bytes: usize) -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_answering_journals_of_100k_steps_makes_each_task_a_named_incident() {
-    // Three tasks whose journals hold 100,000 small steps (the step limit, 4096, comes first),
-    // and one whose 2,000 steps of 5 KiB are 10 MB (the byte limit, 8 MiB, comes first).
+    // A journal of 100,000 small steps and one a step past the limit (4,097: the step limit,
+    // 4096, comes first in both), and one whose 2,000 steps of 5 KiB are 10 MB (the byte limit,
+    // 8 MiB, comes first).
     let s = stack().await;
     s.model.set_script("tooly", lookup_script());
     let ids = tasks(
         &s,
         "journal",
-        4,
+        3,
         &agent_on("openai/tooly", s.tools.name(), &s.tools.url()),
     );
-    for (i, id) in ids.iter().enumerate() {
-        let steps = if i < 3 {
-            journal_of(100_000, 0)
+    let seeded = [100_000, 4_097, 2_000];
+    for (id, steps) in ids.iter().zip(seeded) {
+        let journal = if steps == 2_000 {
+            journal_of(steps, 5 * 1024)
         } else {
-            journal_of(2_000, 5 * 1024)
+            journal_of(steps, 0)
         };
-        assert!(s.engine.seed_journal(id, steps));
+        assert!(s.engine.seed_journal(id, journal));
     }
     // The emulator (a debug build on the test's two threads) takes a while to serialize
     // 100,000 steps; the engine timeout and the lease leave it that time.
@@ -588,15 +590,14 @@ async fn an_engine_answering_journals_of_100k_steps_makes_each_task_a_named_inci
         ],
     )
     .await;
-    for (i, t) in views.iter().enumerate() {
+    for (t, seeded) in views.iter().zip(seeded) {
         let m = incident_message(t);
         assert!(m.contains("the task's journal is too large"), "{m}");
-        if i < 3 {
-            assert!(m.contains("limit of 4096 steps"), "{m}");
-        } else {
+        if seeded == 2_000 {
             assert!(m.contains("limit of 8388608 bytes"), "{m}");
+        } else {
+            assert!(m.contains("limit of 4096 steps"), "{m}");
         }
-        let seeded = if i < 3 { 100_000 } else { 2_000 };
         assert_eq!(
             t.journal.len(),
             seeded,
