@@ -386,11 +386,12 @@ async fn throttling_429_with_retry_after_is_honoured() {
         retry_after_secs: None,
     });
     let ids = refund_tasks(&s, "thr", 3, "openai/refund", &[]);
-    // A command backoff cap (5 s) above the Retry-After: the client waits min(Retry-After, cap).
+    // A command backoff cap (30 s) far above the Retry-After: the client waits min(Retry-After,
+    // cap), so a wait of the cap is told from the header's by a wide margin.
     let mut opts = WorkerOptions::new("w-thr", 4);
     opts.lock_duration = LOCK;
     opts.poll_interval = Duration::from_millis(100);
-    opts.tuning.command_backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(5));
+    opts.tuning.command_backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(30));
     let mut handle = s.spawn_worker(opts, settings());
     let recorder = Recorder::attach(&s.engine, &mut handle, 4);
     let w = (handle, recorder);
@@ -404,7 +405,9 @@ async fn throttling_429_with_retry_after_is_honoured() {
     assert_eq!(injected(&s, Operation::Complete), 1);
     // The throttled complete is sent again no sooner than its Retry-After (1 s), timed on the
     // emulator's clock between the 429 and the next complete of the same task (both stamped on
-    // arrival), and well under the cap (5 s): the wait is the header's.
+    // arrival; load only makes it later), and far under the cap (30 s): a hang guard, not a
+    // margin. The exact wait (1 s to the millisecond, the same key, the cap) is timed on the
+    // paused clock by `paused_engine_client::a_throttled_complete_is_sent_again_exactly_when_its_retry_after_says`.
     let calls = s.engine.calls();
     let throttled = calls
         .iter()
@@ -422,7 +425,7 @@ async fn throttling_429_with_retry_after_is_honoured() {
         .expect("the complete was sent again");
     let waited = (next - throttled.at).to_std().unwrap_or_default();
     assert!(
-        waited >= Duration::from_secs(1) && waited < Duration::from_secs(3),
+        waited >= Duration::from_secs(1) && waited < Duration::from_secs(15),
         "complete re-sent {waited:?} after a 429 with Retry-After: 1"
     );
     finish(&s, vec![w], Expect::default(), "429 with Retry-After").await;
@@ -507,6 +510,11 @@ async fn a_fetch_without_the_protocol_header_is_not_processed() {
 /// Item 3 over real HTTP: a short outage is ridden out (not ready, leases kept by retried
 /// heartbeats); a longer one than the lease fences the running task (lease_lost, no report);
 /// afterwards the worker is ready and fetching again, and the task resumes on a new attempt.
+/// What stays here is the wire (refused connections, readiness, the client riding an outage
+/// out); the timing logic is held exactly on the paused clock by
+/// `paused_agent::a_short_engine_outage_is_ridden_out_and_every_lease_is_kept` and
+/// `paused_agent::a_long_engine_outage_fences_the_task_at_its_local_expiry_and_it_resumes`
+/// (lost at the local expiry to the millisecond); the 12 s below is a hang guard.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_outage_keeps_leases_while_it_can_fences_when_it_cannot_and_resumes() {
     let s = stack().await;
@@ -1026,7 +1034,11 @@ async fn a_tool_server_down_or_slow_past_its_timeout_fails_technically_then_resu
     // before the other has failed once.
     let retry = Duration::from_secs(10);
     let mut agent = settings();
-    agent.tool_sessions.call_timeout = Duration::from_millis(500);
+    // The call timeout is rmcp's, on the wire: 1 s, far above a prompt lookup on a loaded
+    // machine. The retry logic under it (the same key, tool_attempts sends, the resume) is held
+    // exactly on the paused clock by
+    // `paused_agent::a_keyed_write_answered_after_its_timeout_is_resent_under_its_key_then_resumed`.
+    agent.tool_sessions.call_timeout = Duration::from_secs(1);
     agent.technical_retry = Backoff::new(retry, retry).without_jitter();
     let tries = agent.tool_attempts;
     let w = worker(&s, "w-tools", 4, LOCK, agent);
@@ -1042,15 +1054,15 @@ async fn a_tool_server_down_or_slow_past_its_timeout_fails_technically_then_resu
     s.engine.advance(retry + Duration::from_secs(1));
     wait_completed(&s, &down).await;
 
-    // The keyed write slow past the call timeout (500 ms): `issue_refund` is applied at once but
-    // answered 1.5 s later, after the worker gave up on it (the lookup before it stays prompt,
+    // The keyed write slow past the call timeout (1 s): `issue_refund` is applied at once but
+    // answered 3 s later, after the worker gave up on it (the lookup before it stays prompt,
     // so the write is what times out). The attempt re-sends it under its key `tool_attempts`
     // times in all, then fails technically; the resume sends it once more under the same key,
     // and the server answers every re-send from storage without applying it again.
     let before = s.tools.counters().await;
     let sent_before = s.tools.calls().len();
     s.tools
-        .set_answer_latency("issue_refund", Duration::from_millis(1500));
+        .set_answer_latency("issue_refund", Duration::from_secs(3));
     let slow = refund_tasks(&s, "tslow", 2, "openai/refund", &[]);
     wait_tasks(&s, &slow, "keyed-write timeouts to fail the tasks", |t| {
         t.counters.failures >= 1
