@@ -162,6 +162,8 @@ fn injected(stack: &Stack, op: Operation) -> usize {
 
 // ---- engine faults ---------------------------------------------------------------------------
 
+/// Over HTTP, the emulator's latency faults; the lease logic under them is timed exactly on the
+/// paused clock by `paused_agent::engine_latency_spikes_keep_every_lease_and_complete_every_task`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_latency_spikes_keep_every_lease_and_complete_every_task() {
     let s = stack().await;
@@ -1034,11 +1036,10 @@ async fn a_tool_server_down_or_slow_past_its_timeout_fails_technically_then_resu
     // before the other has failed once.
     let retry = Duration::from_secs(10);
     let mut agent = settings();
-    // The call timeout is rmcp's, on the wire: 1 s, far above a prompt lookup on a loaded
-    // machine. The retry logic under it (the same key, tool_attempts sends, the resume) is held
-    // exactly on the paused clock by
+    // The call timeout is rmcp's, on the wire. The retry logic under it (the same key,
+    // tool_attempts sends, the resume) is held exactly on the paused clock by
     // `paused_agent::a_keyed_write_answered_after_its_timeout_is_resent_under_its_key_then_resumed`.
-    agent.tool_sessions.call_timeout = Duration::from_secs(1);
+    agent.tool_sessions.call_timeout = Duration::from_millis(500);
     agent.technical_retry = Backoff::new(retry, retry).without_jitter();
     let tries = agent.tool_attempts;
     let w = worker(&s, "w-tools", 4, LOCK, agent);
@@ -1054,15 +1055,15 @@ async fn a_tool_server_down_or_slow_past_its_timeout_fails_technically_then_resu
     s.engine.advance(retry + Duration::from_secs(1));
     wait_completed(&s, &down).await;
 
-    // The keyed write slow past the call timeout (1 s): `issue_refund` is applied at once but
-    // answered 3 s later, after the worker gave up on it (the lookup before it stays prompt,
+    // The keyed write slow past the call timeout (500 ms): `issue_refund` is applied at once but
+    // answered 1.5 s later, after the worker gave up on it (the lookup before it stays prompt,
     // so the write is what times out). The attempt re-sends it under its key `tool_attempts`
     // times in all, then fails technically; the resume sends it once more under the same key,
     // and the server answers every re-send from storage without applying it again.
     let before = s.tools.counters().await;
     let sent_before = s.tools.calls().len();
     s.tools
-        .set_answer_latency("issue_refund", Duration::from_secs(3));
+        .set_answer_latency("issue_refund", Duration::from_millis(1500));
     let slow = refund_tasks(&s, "tslow", 2, "openai/refund", &[]);
     wait_tasks(&s, &slow, "keyed-write timeouts to fail the tasks", |t| {
         t.counters.failures >= 1

@@ -1,14 +1,17 @@
 //! Agent-task logic on tokio's paused clock: the production runner, heartbeat actor and agent
 //! runtime against the simulator's in-memory world (`devkit::world`: the emulator's engine state
 //! machine, scripted models, the tool server), with no socket and no wall clock. Each test here
-//! replaces a devkit-stack test of `agent.rs` whose verdict depended on a real-time margin (a
-//! lease of a few real seconds racing a slow model call, or the emulator's real clock read
-//! after the fact); tests/README.md maps each old test to its new place.
+//! replaces, or times exactly, a devkit-stack test of `agent.rs`, `faults.rs` or
+//! `hostile_model.rs` whose verdict depended on a real-time margin (a lease of a few real
+//! seconds racing a slow model call, an outage ended "once a heartbeat met it", a call timeout
+//! a prompt call had to beat, the emulator's real clock read after the fact); tests/README.md
+//! maps each old test to its new place.
 //!
 //! What a test needs beyond the world goes through small decorators written here: an engine that
-//! refuses one attempt's heartbeats and logs every call, models that answer "unavailable" on
-//! demand or take a while, and a tool connector that counts the session sets opened and
-//! released.
+//! refuses heartbeats, goes away for a while (as the HTTP client meets an outage), answers
+//! slowly and logs every call; models that answer "unavailable" on demand or take a while, per
+//! task; and a tool connector that counts the session sets opened and released and can answer
+//! keyed writes after the call timeout.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
@@ -63,6 +66,9 @@ struct LoggingEngine {
     /// An engine outage from the first instant to the second: every call sent meanwhile fails
     /// as a refused connection does (transient, never reached the engine).
     outage: Mutex<Option<(Instant, Instant)>>,
+    /// How long the engine takes over each call of an operation, as the emulator's
+    /// `Fault::Latency` does (on the way there: the call executes after it).
+    latency: Mutex<HashMap<&'static str, Duration>>,
     log: Mutex<Vec<Sent>>,
 }
 
@@ -96,6 +102,10 @@ impl LoggingEngine {
             .filter(|(from, to)| *from <= now && now < *to)
             .map(|(_, to)| to);
         self.note_down(op, task, refused, back.is_some());
+        let latency = self.latency.lock().unwrap().get(op).copied();
+        if let Some(latency) = latency {
+            tokio::time::sleep(latency).await;
+        }
         if let Some(back) = back {
             if matches!(op, "heartbeat" | "fetch-and-lock") {
                 // A refused connection takes a moment, not nothing.
@@ -398,6 +408,7 @@ impl Setup {
                 inner: WorldEngine::new(world.clone(), "w"),
                 refuse_heartbeats_of: Mutex::new(HashSet::new()),
                 outage: Mutex::new(None),
+                latency: Mutex::new(HashMap::new()),
                 log: Mutex::new(Vec::new()),
             }),
             primary: Model::new(&world, PRIMARY, latency),
@@ -1077,4 +1088,60 @@ async fn a_keyed_write_answered_after_its_timeout_is_resent_under_its_key_then_r
         (1, tries as usize),
         "applied once, every re-send answered from the ledger: {writes:?}"
     );
+}
+
+/// Was the logic of `faults::engine_latency_spikes_keep_every_lease_and_complete_every_task`
+/// (devkit stack: heartbeats answered 600 ms late under a 5 s lease, on real time, where a
+/// loaded machine adds its own delays). Lease 5 s; each heartbeat takes 600 ms, each fetch
+/// 300 ms, each journal append 100 ms, each `complete` 400 ms; model calls of 300 ms. Every
+/// task completes on its first attempt: no lease lost, one acquisition and one `complete` each.
+/// And a slow heartbeat still counts from when it was sent: with every heartbeat taking 1.5 s
+/// (just under the period, a third of the lease: each answer comes before the next is due) and
+/// model calls of 2 s, a task four times longer than its heartbeat period keeps its lease.
+/// (A steady latency above the period is another matter: each answer then comes after the
+/// next point of the grid, the next extension goes out a period late, and the lease expires
+/// locally while it is in flight: 2 s here loses every lease.)
+#[tokio::test(start_paused = true)]
+async fn engine_latency_spikes_keep_every_lease_and_complete_every_task() {
+    for (heartbeat, model) in [(600, 300), (1500, 2000)] {
+        let s = Setup::new(Duration::from_secs(5), Duration::from_millis(model));
+        s.engine.latency.lock().unwrap().extend([
+            ("heartbeat", Duration::from_millis(heartbeat)),
+            ("fetch-and-lock", Duration::from_millis(300)),
+            ("journal-append", Duration::from_millis(100)),
+            ("complete", Duration::from_millis(400)),
+        ]);
+        let ids: Vec<String> = (0..4)
+            .map(|i| s.create_task(&format!("lat-{i}"), "rw"))
+            .collect();
+        let mut w = s.start();
+        let mut seen = Vec::new();
+        ended_until(&mut w.events, &mut seen, |seen| seen.len() == 4).await;
+        w.stop().await;
+        for (_, id, attempt, end) in &seen {
+            assert_eq!(
+                (attempt, end),
+                (&Some(1), &TaskEnd::Completed),
+                "heartbeats of {heartbeat} ms: {id}: {seen:#?}"
+            );
+        }
+        for id in &ids {
+            let v = s.task(id);
+            assert_eq!(
+                (v.status, v.counters.acquisitions, v.counters.completes),
+                (TaskStatus::Completed, 1, 1),
+                "heartbeats of {heartbeat} ms: {v:#?}"
+            );
+        }
+        let heartbeats = s
+            .engine
+            .log()
+            .iter()
+            .filter(|c| c.op == "heartbeat")
+            .count();
+        assert!(
+            heartbeats >= 4,
+            "the heartbeats were slow, and sent: {heartbeats}"
+        );
+    }
 }
