@@ -51,10 +51,17 @@ pub(crate) fn settings() -> AgentSettings {
     s
 }
 
-/// The scenarios' lock duration where no lease has to run out. Heartbeats every 1.7 s still
-/// meet the engine faults of a task that runs a few seconds, and a heartbeat can be 2.8 s late
-/// (0.567 of the lock: src/heartbeat.rs) before the worker gives a healthy lease up.
-const LOCK: Duration = Duration::from_secs(5);
+/// The scenarios' lock duration where no lease has to run out: generous, so a starved debug
+/// process on a loaded machine never loses a healthy lease (a heartbeat may be 17 s late, 0.567
+/// of the lock: src/heartbeat.rs). Heartbeats come every 10 s, so the short tasks here rarely
+/// send one: the heartbeat faults injected below are met on the seeds of `sim.rs` and timed on
+/// the paused clock in `paused_agent.rs`, not here.
+const LOCK: Duration = Duration::from_secs(30);
+
+/// The lock of the scenarios whose subject is a lease lost (a refused heartbeat): short, so a
+/// heartbeat meets the running task; their logic is held on the paused clock
+/// (`paused_agent::a_lost_lease_stops_the_agent_task_reports_nothing_and_closes_its_sessions`).
+const LEASE_SUBJECT_LOCK: Duration = Duration::from_secs(5);
 
 /// `n` refund tasks on `model` (a `provider/model`), orders `<prefix>-<i>`.
 fn refund_tasks(
@@ -670,7 +677,7 @@ async fn a_refused_heartbeat_ends_its_task_lease_lost_and_nothing_reports_it() {
     s.engine.inject(Fault::RefuseHeartbeats {
         task_id: refused.clone(),
     });
-    let w = worker(&s, "w-hbr", 4, LOCK, settings());
+    let w = worker(&s, "w-hbr", 4, LEASE_SUBJECT_LOCK, settings());
     within("the refused task to end lease_lost", async {
         w.1.wait_until(|events| {
             events.iter().any(|e| {

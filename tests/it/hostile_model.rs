@@ -42,8 +42,8 @@ fn settings() -> AgentSettings {
     Stack::fast_agent_settings()
 }
 
-/// Leases long enough that no heartbeat is ever late enough to lose one.
-const LOCK: Duration = Duration::from_secs(10);
+/// Leases long enough that no heartbeat is ever late enough to lose one, on a starved process.
+const LOCK: Duration = Duration::from_secs(30);
 
 /// How long the `slow` model takes to answer: far past the 700 ms deadline of the task that
 /// uses it, so a task ended at its deadline is told from one ended by the model's answer.
