@@ -431,15 +431,20 @@ mod outcomes {
         assert_ne!(t.status, TaskStatus::Locked, "the lease was given back");
     }
 
+    /// The wire half of a mixed run (its logic, every ending and every session set released,
+    /// is held on the paused clock by `paused_agent::no_tool_session_outlives_a_mixed_run`):
+    /// with the devkit MCP server, every real rmcp session is closed on the server once the
+    /// worker has stopped, whatever the task's ending: completed, an incident, a lost lease, cut
+    /// by the shutdown. No timing race: the lost and cut tasks' model calls hang (120 s), so the
+    /// first heartbeat (1 s) always meets a lost one mid call and a cut one is always still
+    /// running at the stop; every wait is a hang guard.
     #[tokio::test]
     async fn no_mcp_session_outlives_a_mixed_run() {
         let s = stack().await;
         s.model.set_script("loop", looping());
-        // Each slow call takes 1.5 s: a lost task meets its first heartbeat (1 s) mid-call, and
-        // a cut one (three calls) is still running when the worker stops.
         s.model.set_script(
             "slow",
-            super::super::agent::refund_like().with_latency(Duration::from_millis(1500)),
+            super::super::agent::refund_like().with_latency(Duration::from_secs(120)),
         );
         let mut capped = s.refund_agent("openai/loop", &[]);
         capped["maxTurns"] = json!(2);
@@ -451,17 +456,13 @@ mod outcomes {
             ));
         }
         specs.push(spec(capped, "capped"));
-        for i in 0..3 {
-            specs.push(spec(
-                s.refund_agent("openai/slow", &[]),
-                &format!("lost-{i}"),
-            ));
-        }
-        for i in 0..3 {
-            specs.push(spec(
-                s.refund_agent("openai/slow", &[]),
-                &format!("cut-{i}"),
-            ));
+        for kind in ["lost", "cut"] {
+            for i in 0..3 {
+                specs.push(spec(
+                    s.refund_agent("openai/slow", &[]),
+                    &format!("{kind}-{i}"),
+                ));
+            }
         }
         let ids = s.engine.create_tasks(specs);
         for id in &ids[7..10] {
@@ -473,8 +474,10 @@ mod outcomes {
         opts.lock_duration = Duration::from_secs(3);
         opts.shutdown_grace = Duration::from_millis(100);
         let mut w = s.spawn_worker(opts, Stack::fast_agent_settings());
-        // Successes, the incident and the lost leases end; the slow rest is cut by shutdown.
-        wait_all_ended(&s, &ids[..7], Duration::from_secs(30)).await;
+        // Successes and the incident end; the lost leases end at their first heartbeat.
+        let views = wait_all_ended(&s, &ids[..7], Duration::from_secs(30)).await;
+        assert!(views[..6].iter().all(|v| v.status == TaskStatus::Completed));
+        assert_eq!(views[6].status, TaskStatus::Failed, "{:?}", views[6]);
         let mut lost = std::collections::HashSet::new();
         while !ids[7..10].iter().all(|id| lost.contains(id)) {
             if let RunnerEvent::TaskEnded {
@@ -491,10 +494,24 @@ mod outcomes {
                 lost.insert(task_id);
             }
         }
+        // The cut tasks are still in their first model call (it hangs): the stop cuts them.
+        for id in &ids[10..] {
+            let t = s.engine.task(id).unwrap();
+            assert_eq!(
+                (t.status, t.counters.failures),
+                (TaskStatus::Locked, 0),
+                "{t:?}"
+            );
+        }
         w.stop().await;
+        for id in &ids[10..] {
+            let t = s.engine.task(id).unwrap();
+            assert_eq!(t.counters.failures, 1, "released at the stop: {t:?}");
+        }
         sessions_all_closed(&s).await;
         let c = s.tools.counters().await;
         assert!(c.sessions_opened >= 13, "{c:?}");
+        assert_eq!((c.sessions_open, c.unauthorized), (0, 0), "{c:?}");
         // Nothing it still owned is left locked to the worker that stopped (the emulator keeps
         // the lost ones locked to it until their lease runs out: it refused their heartbeats).
         for t in s

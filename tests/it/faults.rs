@@ -51,10 +51,17 @@ pub(crate) fn settings() -> AgentSettings {
     s
 }
 
-/// The scenarios' lock duration where no lease has to run out. Heartbeats every 1.7 s still
-/// meet the engine faults of a task that runs a few seconds, and a heartbeat can be 2.8 s late
-/// (0.567 of the lock: src/heartbeat.rs) before the worker gives a healthy lease up.
-const LOCK: Duration = Duration::from_secs(5);
+/// The scenarios' lock duration where no lease has to run out: generous, so a starved debug
+/// process on a loaded machine never loses a healthy lease (a heartbeat may be 17 s late, 0.567
+/// of the lock: src/heartbeat.rs). Heartbeats come every 10 s, so the short tasks here rarely
+/// send one: the heartbeat faults injected below are met on the seeds of `sim.rs` and timed on
+/// the paused clock in `paused_agent.rs`, not here.
+const LOCK: Duration = Duration::from_secs(30);
+
+/// The lock of the scenarios whose subject is a lease lost (a refused heartbeat): short, so a
+/// heartbeat meets the running task; their logic is held on the paused clock
+/// (`paused_agent::a_lost_lease_stops_the_agent_task_reports_nothing_and_closes_its_sessions`).
+const LEASE_SUBJECT_LOCK: Duration = Duration::from_secs(5);
 
 /// `n` refund tasks on `model` (a `provider/model`), orders `<prefix>-<i>`.
 fn refund_tasks(
@@ -162,6 +169,8 @@ fn injected(stack: &Stack, op: Operation) -> usize {
 
 // ---- engine faults ---------------------------------------------------------------------------
 
+/// Over HTTP, the emulator's latency faults; the lease logic under them is timed exactly on the
+/// paused clock by `paused_agent::engine_latency_spikes_keep_every_lease_and_complete_every_task`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_latency_spikes_keep_every_lease_and_complete_every_task() {
     let s = stack().await;
@@ -386,11 +395,12 @@ async fn throttling_429_with_retry_after_is_honoured() {
         retry_after_secs: None,
     });
     let ids = refund_tasks(&s, "thr", 3, "openai/refund", &[]);
-    // A command backoff cap (5 s) above the Retry-After: the client waits min(Retry-After, cap).
+    // A command backoff cap (30 s) far above the Retry-After: the client waits min(Retry-After,
+    // cap), so a wait of the cap is told from the header's by a wide margin.
     let mut opts = WorkerOptions::new("w-thr", 4);
     opts.lock_duration = LOCK;
     opts.poll_interval = Duration::from_millis(100);
-    opts.tuning.command_backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(5));
+    opts.tuning.command_backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(30));
     let mut handle = s.spawn_worker(opts, settings());
     let recorder = Recorder::attach(&s.engine, &mut handle, 4);
     let w = (handle, recorder);
@@ -404,7 +414,9 @@ async fn throttling_429_with_retry_after_is_honoured() {
     assert_eq!(injected(&s, Operation::Complete), 1);
     // The throttled complete is sent again no sooner than its Retry-After (1 s), timed on the
     // emulator's clock between the 429 and the next complete of the same task (both stamped on
-    // arrival), and well under the cap (5 s): the wait is the header's.
+    // arrival; load only makes it later), and far under the cap (30 s): a hang guard, not a
+    // margin. The exact wait (1 s to the millisecond, the same key, the cap) is timed on the
+    // paused clock by `paused_engine_client::a_throttled_complete_is_sent_again_exactly_when_its_retry_after_says`.
     let calls = s.engine.calls();
     let throttled = calls
         .iter()
@@ -422,7 +434,7 @@ async fn throttling_429_with_retry_after_is_honoured() {
         .expect("the complete was sent again");
     let waited = (next - throttled.at).to_std().unwrap_or_default();
     assert!(
-        waited >= Duration::from_secs(1) && waited < Duration::from_secs(3),
+        waited >= Duration::from_secs(1) && waited < Duration::from_secs(15),
         "complete re-sent {waited:?} after a 429 with Retry-After: 1"
     );
     finish(&s, vec![w], Expect::default(), "429 with Retry-After").await;
@@ -507,6 +519,11 @@ async fn a_fetch_without_the_protocol_header_is_not_processed() {
 /// Item 3 over real HTTP: a short outage is ridden out (not ready, leases kept by retried
 /// heartbeats); a longer one than the lease fences the running task (lease_lost, no report);
 /// afterwards the worker is ready and fetching again, and the task resumes on a new attempt.
+/// What stays here is the wire (refused connections, readiness, the client riding an outage
+/// out); the timing logic is held exactly on the paused clock by
+/// `paused_agent::a_short_engine_outage_is_ridden_out_and_every_lease_is_kept` and
+/// `paused_agent::a_long_engine_outage_fences_the_task_at_its_local_expiry_and_it_resumes`
+/// (lost at the local expiry to the millisecond); the 12 s below is a hang guard.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_outage_keeps_leases_while_it_can_fences_when_it_cannot_and_resumes() {
     let s = stack().await;
@@ -660,7 +677,7 @@ async fn a_refused_heartbeat_ends_its_task_lease_lost_and_nothing_reports_it() {
     s.engine.inject(Fault::RefuseHeartbeats {
         task_id: refused.clone(),
     });
-    let w = worker(&s, "w-hbr", 4, LOCK, settings());
+    let w = worker(&s, "w-hbr", 4, LEASE_SUBJECT_LOCK, settings());
     within("the refused task to end lease_lost", async {
         w.1.wait_until(|events| {
             events.iter().any(|e| {
@@ -1026,6 +1043,9 @@ async fn a_tool_server_down_or_slow_past_its_timeout_fails_technically_then_resu
     // before the other has failed once.
     let retry = Duration::from_secs(10);
     let mut agent = settings();
+    // The call timeout is rmcp's, on the wire. The retry logic under it (the same key,
+    // tool_attempts sends, the resume) is held exactly on the paused clock by
+    // `paused_agent::a_keyed_write_answered_after_its_timeout_is_resent_under_its_key_then_resumed`.
     agent.tool_sessions.call_timeout = Duration::from_millis(500);
     agent.technical_retry = Backoff::new(retry, retry).without_jitter();
     let tries = agent.tool_attempts;

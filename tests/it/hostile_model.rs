@@ -42,8 +42,8 @@ fn settings() -> AgentSettings {
     Stack::fast_agent_settings()
 }
 
-/// Leases long enough that no heartbeat is ever late enough to lose one.
-const LOCK: Duration = Duration::from_secs(10);
+/// Leases long enough that no heartbeat is ever late enough to lose one, on a starved process.
+const LOCK: Duration = Duration::from_secs(30);
 
 /// How long the `slow` model takes to answer: far past the 700 ms deadline of the task that
 /// uses it, so a task ended at its deadline is told from one ended by the model's answer.
@@ -270,7 +270,10 @@ async fn a_hostile_model_ends_every_task_in_a_named_bounded_outcome() {
 
     // Slower than the deadline: maxDurationMs ends it while the model call is in flight. Timed
     // on the emulator's clock from the fetch that handed the task out to its failure report:
-    // not before the 700 ms, and before the model's first answer (SLOW_MODEL) could come.
+    // not before the 700 ms, and before the model's first answer (SLOW_MODEL) could come (a
+    // hang guard: the exact instant, 700 ms after the attempt started to the millisecond, is
+    // held on the paused clock by
+    // `paused_agent::max_duration_ends_the_task_at_its_deadline_not_at_the_next_answer`).
     let msg = incident_message(view(&slow));
     assert!(msg.contains("maxDurationMs = 700"), "{msg}");
     let calls = s.engine.calls();

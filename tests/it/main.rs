@@ -23,6 +23,7 @@ mod operations;
 mod otel;
 mod output;
 mod paused_agent;
+mod paused_engine_client;
 mod provider;
 mod proxy_headers;
 mod refusals;
