@@ -436,8 +436,10 @@ mod outcomes {
     /// with the devkit MCP server, every real rmcp session is closed on the server once the
     /// worker has stopped, whatever the task's ending: completed, an incident, a lost lease, cut
     /// by the shutdown. No timing race: the lost and cut tasks' model calls hang (120 s), so the
-    /// first heartbeat (1 s) always meets a lost one mid call and a cut one is always still
-    /// running at the stop; every wait is a hang guard.
+    /// first heartbeat always meets a lost one mid call and a cut one is always still
+    /// running at the stop; every wait is a hang guard. The lease is 9 s: the first heartbeat (3 s)
+    /// ends the lost ones soon, and the cut ones keep theirs on a starved process (a heartbeat
+    /// may be 5 s late).
     #[tokio::test]
     async fn no_mcp_session_outlives_a_mixed_run() {
         let s = stack().await;
@@ -471,7 +473,7 @@ mod outcomes {
             });
         }
         let mut opts = WorkerOptions::new("w", 16);
-        opts.lock_duration = Duration::from_secs(3);
+        opts.lock_duration = Duration::from_secs(9);
         opts.shutdown_grace = Duration::from_millis(100);
         let mut w = s.spawn_worker(opts, Stack::fast_agent_settings());
         // Successes and the incident end; the lost leases end at their first heartbeat.

@@ -47,7 +47,8 @@ fn spec_sleeping(ms: u64) -> TaskSpec {
 async fn two_workers_share_200_tasks_each_completed_once_under_one_live_lease() {
     let emu = start_emulator().await;
     let ids = emu.create_tasks((0..200).map(|_| spec_sleeping(5)));
-    let lock = Duration::from_secs(3);
+    // Generous: no lease has to run out here, and a starved process must lose none.
+    let lock = Duration::from_secs(30);
     let w1 = spawn_worker(&emu, WorkerOptions::new("w-one", lock));
     let w2 = spawn_worker(&emu, WorkerOptions::new("w-two", lock));
 
@@ -263,7 +264,7 @@ async fn a_lost_fetch_response_is_retried_with_the_same_key_and_its_tasks_run() 
         operation: Operation::FetchAndLock,
         count: 1,
     });
-    let w = spawn_worker(&emu, WorkerOptions::new("w-drop", Duration::from_secs(3)));
+    let w = spawn_worker(&emu, WorkerOptions::new("w-drop", Duration::from_secs(30)));
     for id in &ids {
         wait_completed(&emu, id).await;
     }
@@ -453,7 +454,7 @@ async fn a_completion_refused_with_concurrent_modification_is_retried_once_with_
         operation: Operation::Complete,
         count: 1,
     });
-    let w = spawn_worker(&emu, WorkerOptions::new("w-cm", Duration::from_secs(3)));
+    let w = spawn_worker(&emu, WorkerOptions::new("w-cm", Duration::from_secs(30)));
     let t = wait_completed(&emu, &id).await;
     assert_eq!(w.wait_ended(&id, 1).await, TaskEnd::Completed);
     w.stop().await;
@@ -484,7 +485,7 @@ async fn transient_server_errors_on_complete_are_retried_with_the_same_key() {
         count: 2,
         status: None,
     });
-    let w = spawn_worker(&emu, WorkerOptions::new("w-5xx", Duration::from_secs(3)));
+    let w = spawn_worker(&emu, WorkerOptions::new("w-5xx", Duration::from_secs(30)));
     let t = wait_completed(&emu, &id).await;
     assert_eq!(w.wait_ended(&id, 1).await, TaskEnd::Completed);
     w.stop().await;
