@@ -32,7 +32,7 @@ use tracing::{Event, Id, Subscriber};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::filter::{FilterExt, LevelFilter, Targets};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
-use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::registry::{LookupSpan, Registry};
 use tracing_subscriber::util::SubscriberInitExt;
 
 use cap::CappedValue;
@@ -47,51 +47,63 @@ pub enum LogFormat {
 /// Where JSON lines go: stdout, or a buffer in tests.
 pub type SharedWriter = Arc<Mutex<dyn Write + Send>>;
 
+/// A layer of the subscriber stack, every one behind its own filter.
+pub(crate) type BoxedLayer = Box<dyn Layer<Registry> + Send + Sync>;
+
 /// Installs the global subscriber: the log layer in `format`, and the span exporter's layer
 /// when `tracer` is given. Safe to call more than once (later calls do nothing).
 pub fn init(format: LogFormat, worker_id: &str, tracer: Option<opentelemetry_sdk::trace::Tracer>) {
-    // Static filters (Targets, EnvFilter): their verdict is cached per callsite, so a disabled
-    // span or event costs one branch, as before export existed (a filter_fn would be asked at
-    // every call).
     let rust_log = std::env::var(EnvFilter::DEFAULT_ENV).ok();
-    let logs = || {
-        log_filter(rust_log.as_deref()).and(
-            Targets::new()
-                .with_default(LevelFilter::TRACE)
-                .with_target(spans::SPAN_TARGET, LevelFilter::OFF),
+    let log_layer: BoxedLayer = match format {
+        LogFormat::Json => {
+            JsonLayer::new(Arc::new(Mutex::new(std::io::stdout())), worker_id).boxed()
+        }
+        LogFormat::Pretty => pretty_layer(
+            std::io::stderr,
+            std::io::IsTerminal::is_terminal(&std::io::stderr()),
         )
+        .boxed(),
     };
-    let export = tracer.map(|tracer| {
-        tracing_opentelemetry::layer()
-            .with_tracer(tracer)
-            .with_location(false)
-            .with_target(false)
-            .with_threads(false)
-            .with_level(false)
-            .with_tracked_inactivity(false)
-            // Only the exported spans; no log event is ever emitted with their target.
-            .with_filter(Targets::new().with_target(spans::SPAN_TARGET, LevelFilter::INFO))
-    });
-    let result = match format {
-        LogFormat::Json => tracing_subscriber::registry()
-            .with(export)
-            .with(
-                JsonLayer::new(Arc::new(Mutex::new(std::io::stdout())), worker_id)
-                    .with_filter(logs()),
-            )
-            .try_init(),
-        LogFormat::Pretty => tracing_subscriber::registry()
-            .with(export)
-            .with(
-                pretty_layer(
-                    std::io::stderr,
-                    std::io::IsTerminal::is_terminal(&std::io::stderr()),
-                )
-                .with_filter(logs()),
-            )
-            .try_init(),
-    };
-    let _ = result;
+    let _ = subscriber(log_layer, rust_log.as_deref(), tracer).try_init();
+}
+
+/// The subscriber [`init`] installs: `log_layer` behind the log filter (`rust_log`, see
+/// [`log_filter`]; never the exported spans), and the exporter's layer behind its own filter
+/// (the exported spans only) when `tracer` is given.
+///
+/// Static filters (Targets, EnvFilter): their verdict is cached per callsite, so a disabled
+/// span or event costs one branch (a filter_fn would be asked at every call). With export off
+/// the stack holds the log layer alone, not an empty `Option` layer: between the registry and
+/// the per-layer filters, an empty layer turns every callsite the log filter refuses (each
+/// exported span's) from "never" into "sometimes", and such a span is then weighed by every
+/// filter each time it is made instead of costing one branch.
+pub(crate) fn subscriber(
+    log_layer: BoxedLayer,
+    rust_log: Option<&str>,
+    tracer: Option<opentelemetry_sdk::trace::Tracer>,
+) -> impl Subscriber + Send + Sync + for<'a> LookupSpan<'a> {
+    let logs = log_filter(rust_log).and(
+        Targets::new()
+            .with_default(LevelFilter::TRACE)
+            .with_target(spans::SPAN_TARGET, LevelFilter::OFF),
+    );
+    let mut layers: Vec<BoxedLayer> = Vec::with_capacity(2);
+    if let Some(tracer) = tracer {
+        layers.push(
+            tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_location(false)
+                .with_target(false)
+                .with_threads(false)
+                .with_level(false)
+                .with_tracked_inactivity(false)
+                // Only the exported spans; no log event is ever emitted with their target.
+                .with_filter(Targets::new().with_target(spans::SPAN_TARGET, LevelFilter::INFO))
+                .boxed(),
+        );
+    }
+    layers.push(log_layer.with_filter(logs).boxed());
+    tracing_subscriber::registry().with(layers)
 }
 
 /// The `pretty` format's layer writing to `writer`, every field capped ([`cap::CappedFields`]).
@@ -340,6 +352,86 @@ mod tests {
             !text.contains("HOSTILE") && !text.contains("our own debug line"),
             "{text}"
         );
+    }
+
+    /// The metadata of the callsite at which `make` makes its span, taken under a bare
+    /// registry (which wants every span).
+    fn callsite_of(make: impl FnOnce() -> tracing::Span) -> &'static tracing::Metadata<'static> {
+        tracing::subscriber::with_default(tracing_subscriber::registry(), || {
+            make()
+                .metadata()
+                .expect("a bare registry builds every span")
+        })
+    }
+
+    /// Every kind of exported span a task makes on its hot path.
+    fn exported_callsites() -> Vec<&'static tracing::Metadata<'static>> {
+        vec![
+            callsite_of(|| spans::client_call("engine", "complete", "engine.test", None)),
+            callsite_of(|| {
+                spans::invoke_agent(&spans::AgentSpan {
+                    agent: "a",
+                    provider: None,
+                    model: None,
+                    task_id: "t-1",
+                    process_instance_id: None,
+                    attempt: None,
+                    parent: None,
+                })
+            }),
+            callsite_of(|| spans::invoke_unknown_agent("t-1", None)),
+            callsite_of(|| {
+                spans::chat(&spans::ChatSpan {
+                    provider: "openai",
+                    configured_provider: "openai",
+                    model: "m",
+                    fallback_index: 0,
+                    retry: 0,
+                    max_tokens: None,
+                })
+            }),
+            callsite_of(|| {
+                spans::execute_tool(&spans::ToolSpan {
+                    server: "s",
+                    tool: "t",
+                    call_id: "c",
+                })
+            }),
+        ]
+    }
+
+    #[test]
+    fn with_export_off_an_exported_span_is_never_wanted_and_costs_one_branch() {
+        let sink: SharedWriter = Arc::new(Mutex::new(Vec::<u8>::new()));
+        let off = subscriber(JsonLayer::new(sink.clone(), "w-1").boxed(), None, None);
+        for meta in exported_callsites() {
+            // "never" is cached at the callsite: the span macro stops at one branch. Nothing
+            // else stops it: on "sometimes" the registry builds the span unless 64 per-layer
+            // filters refuse it (`Registry::enabled`), and the span is then made, entered and
+            // closed for no layer at all.
+            assert!(
+                off.register_callsite(meta).is_never(),
+                "{}: wanted with export off",
+                meta.name()
+            );
+        }
+        // The log lines' own spans keep their cached "always".
+        let task = callsite_of(|| tracing::info_span!("task", task_id = "t-1"));
+        assert!(off.register_callsite(task).is_always());
+
+        // With export on, the exporter still gets every one of them.
+        use opentelemetry::trace::TracerProvider;
+        let tracer = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+            .build()
+            .tracer("test");
+        let on = subscriber(JsonLayer::new(sink, "w-1").boxed(), None, Some(tracer));
+        for meta in exported_callsites() {
+            assert!(
+                !on.register_callsite(meta).is_never(),
+                "{}: not exported with export on",
+                meta.name()
+            );
+        }
     }
 
     const HUGE: usize = 1_000_000;
