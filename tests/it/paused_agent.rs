@@ -887,6 +887,31 @@ async fn max_duration_ends_the_task_at_its_deadline_not_at_the_next_answer() {
 
 /// The runner's `TaskEnded` events until `done` holds of those seen, each with the instant it
 /// was received (the runner's own instant: nothing else runs meanwhile on the paused clock).
+/// Every task ended `Completed` on its first attempt, and the engine acquired and completed
+/// each once: no lease was lost on the way.
+fn completed_once_each(
+    s: &Setup,
+    ids: &[String],
+    seen: &[(Instant, String, Option<u32>, TaskEnd)],
+    context: &str,
+) {
+    for (_, id, attempt, end) in seen {
+        assert_eq!(
+            (attempt, end),
+            (&Some(1), &TaskEnd::Completed),
+            "{context}: {id}: {seen:#?}"
+        );
+    }
+    for id in ids {
+        let v = s.task(id);
+        assert_eq!(
+            (v.status, v.counters.acquisitions, v.counters.completes),
+            (TaskStatus::Completed, 1, 1),
+            "{context}: {v:#?}"
+        );
+    }
+}
+
 async fn ended_until(
     events: &mut mpsc::UnboundedReceiver<RunnerEvent>,
     seen: &mut Vec<(Instant, String, Option<u32>, TaskEnd)>,
@@ -928,21 +953,7 @@ async fn a_short_engine_outage_is_ridden_out_and_every_lease_is_kept() {
     let mut seen = Vec::new();
     ended_until(&mut w.events, &mut seen, |seen| seen.len() == 2).await;
     w.stop().await;
-    for (_, id, attempt, end) in &seen {
-        assert_eq!(
-            (attempt, end),
-            (&Some(1), &TaskEnd::Completed),
-            "{id}: {seen:#?}"
-        );
-    }
-    for id in &ids {
-        let v = s.task(id);
-        assert_eq!(
-            (v.status, v.counters.acquisitions),
-            (TaskStatus::Completed, 1),
-            "{v:#?}"
-        );
-    }
+    completed_once_each(&s, &ids, &seen, "a short outage");
     let log = s.engine.log();
     let heartbeats_down = log.iter().filter(|c| c.op == "heartbeat" && c.down).count();
     assert!(
@@ -1118,21 +1129,7 @@ async fn engine_latency_spikes_keep_every_lease_and_complete_every_task() {
         let mut seen = Vec::new();
         ended_until(&mut w.events, &mut seen, |seen| seen.len() == 4).await;
         w.stop().await;
-        for (_, id, attempt, end) in &seen {
-            assert_eq!(
-                (attempt, end),
-                (&Some(1), &TaskEnd::Completed),
-                "heartbeats of {heartbeat} ms: {id}: {seen:#?}"
-            );
-        }
-        for id in &ids {
-            let v = s.task(id);
-            assert_eq!(
-                (v.status, v.counters.acquisitions, v.counters.completes),
-                (TaskStatus::Completed, 1, 1),
-                "heartbeats of {heartbeat} ms: {v:#?}"
-            );
-        }
+        completed_once_each(&s, &ids, &seen, &format!("heartbeats of {heartbeat} ms"));
         let heartbeats = s
             .engine
             .log()
