@@ -375,8 +375,15 @@ async fn close_leaves_no_session_open_and_drop_closes_too() {
     // goes on without it.
     let mut sessions = sessions_for(&[&orders, &billing], Arc::new(TestCredentials::default()));
     sessions.tools().await.unwrap();
-    let polled_once = tokio::time::timeout(Duration::ZERO, sessions.close()).await;
-    assert!(polled_once.is_err(), "closing takes more than one poll");
+    // Polled exactly once, then dropped: a zero timeout would poll it again once its timer
+    // (1 ms resolution) fires, and on a quiet machine the closes can be done by then.
+    {
+        let mut closing = std::pin::pin!(sessions.close());
+        assert!(
+            futures::poll!(closing.as_mut()).is_pending(),
+            "closing takes more than one poll"
+        );
+    }
     crate::support::wait::eventually(
         Duration::from_secs(10),
         "the sessions whose closing was cancelled to be closed",
