@@ -14,16 +14,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use abada_agent_worker::config::StoreConfig;
-use abada_agent_worker::engine::{AppendOutcome, JournalStep};
+use abada_agent_worker::engine::AppendOutcome;
 use abada_agent_worker::metrics::{Metrics, ReasonLabel, StoreErrorLabels};
 use abada_agent_worker::secret::SecretSource;
 use abada_agent_worker::store::{
     Claimant, ErrorClass, FenceReason, PgRunStore, RunEnd, RunKey, StoreError, SweepReport,
 };
-use serde_json::json;
 use tokio::time::Instant;
 
 use crate::support::emulator_worker::{within, within_for};
+use crate::support::steps::{answer, input};
 use crate::support::tcp_proxy::{Mode, TcpProxy};
 
 // ---------------------------------------------------------------------------------------------
@@ -222,31 +222,6 @@ pub(crate) async fn connect(config: &StoreConfig) -> (PgRunStore, Arc<Metrics>) 
     .await
     .expect("the test store connects");
     (store, metrics)
-}
-
-fn input(text: &str) -> JournalStep {
-    JournalStep {
-        seq: 1,
-        kind: "input".into(),
-        state: "finished".into(),
-        key: None,
-        data: json!({"instructions": "You handle refunds.", "input": text}),
-    }
-}
-
-fn model(seq: u64, text: &str) -> JournalStep {
-    JournalStep {
-        seq,
-        kind: "model".into(),
-        state: "finished".into(),
-        key: None,
-        data: json!({
-            "model": "openai/gpt-4.1-mini",
-            "message": {"text": text, "toolCalls": []},
-            "usage": {"inputTokens": 12, "outputTokens": 3},
-            "stopReason": "stop"
-        }),
-    }
 }
 
 /// The first attempt the sequence hands out (migration 0002): above every per-run count before.
@@ -466,7 +441,7 @@ async fn a_role_with_data_rights_only_works_once_the_schema_exists() {
     let (store, _) = connect(&config(&url)).await;
     assert!(store.migrations_applied().is_empty());
     let mut fence = started(&store, "t").await;
-    store.append(&mut fence, &model(2, "ok")).await.unwrap();
+    store.append(&mut fence, &answer(2, "ok")).await.unwrap();
     store.finish(&fence, RunEnd::Completed).await.unwrap();
     drop(store);
     db.drop_with_role(&role).await;
@@ -535,7 +510,7 @@ async fn a_claim_creates_the_run_then_increments_its_attempt_and_writes_the_inpu
     assert_eq!(bare.fence.next_seq(), 1);
     // A first step must be seq 1.
     let e = store
-        .claim(&key("task-3"), &by("worker-a"), Some(&model(2, "x")))
+        .claim(&key("task-3"), &by("worker-a"), Some(&answer(2, "x")))
         .await
         .unwrap_err();
     assert_eq!(e.class(), ErrorClass::Invalid);
@@ -564,7 +539,7 @@ async fn a_visits_finished_run_claimed_again_starts_over_and_no_old_fence_matche
         .unwrap()
         .fence;
     store
-        .append(&mut old, &model(2, "answer one"))
+        .append(&mut old, &answer(2, "answer one"))
         .await
         .unwrap();
     store.finish(&old, RunEnd::Completed).await.unwrap();
@@ -576,7 +551,7 @@ async fn a_visits_finished_run_claimed_again_starts_over_and_no_old_fence_matche
     assert_eq!(again.steps, vec![input("second visit")]);
     assert!(again.fence.attempt() > old.attempt());
     let e = store
-        .append(&mut old, &model(2, "late from the first visit"))
+        .append(&mut old, &answer(2, "late from the first visit"))
         .await
         .unwrap_err();
     assert!(matches!(e, StoreError::Fenced { .. }), "{e:?}");
@@ -600,7 +575,7 @@ async fn a_visits_finished_run_claimed_again_starts_over_and_no_old_fence_matche
         .await
         .unwrap()
         .fence;
-    store.append(&mut t, &model(2, "done")).await.unwrap();
+    store.append(&mut t, &answer(2, "done")).await.unwrap();
     store.finish(&t, RunEnd::Completed).await.unwrap();
     let reopened = store.claim(&task, &by("worker-b"), None).await.unwrap();
     assert!(!reopened.created);
@@ -623,19 +598,19 @@ async fn a_newer_claim_fences_the_older_attempt_and_only_the_new_owner_writes() 
         .unwrap()
         .fence;
     assert_eq!(
-        store.append(&mut a, &model(2, "from a")).await.unwrap(),
+        store.append(&mut a, &answer(2, "from a")).await.unwrap(),
         AppendOutcome::Created
     );
     // Worker a freezes past its lease; worker b claims the run.
     let b_claim = store.claim(&run, &by("worker-b"), None).await.unwrap();
-    assert_eq!(b_claim.steps, vec![input("hi"), model(2, "from a")]);
+    assert_eq!(b_claim.steps, vec![input("hi"), answer(2, "from a")]);
     let mut b = b_claim.fence;
     assert!(b.attempt() > a.attempt());
     let (old, new) = (a.attempt(), b.attempt());
 
     // a wakes up: refused, distinctly.
     let e = store
-        .append(&mut a, &model(3, "late from a"))
+        .append(&mut a, &answer(3, "late from a"))
         .await
         .unwrap_err();
     assert_eq!(e.class(), ErrorClass::Fenced);
@@ -660,13 +635,13 @@ async fn a_newer_claim_fences_the_older_attempt_and_only_the_new_owner_writes() 
     assert_eq!(e.class(), ErrorClass::Fenced);
 
     assert_eq!(
-        store.append(&mut b, &model(3, "from b")).await.unwrap(),
+        store.append(&mut b, &answer(3, "from b")).await.unwrap(),
         AppendOutcome::Created
     );
     let c = store.claim(&run, &by("worker-c"), None).await.unwrap();
     assert_eq!(
         c.steps,
-        vec![input("hi"), model(2, "from a"), model(3, "from b")]
+        vec![input("hi"), answer(2, "from a"), answer(3, "from b")]
     );
     let attempts: Vec<u64> = db
         .sql()
@@ -698,30 +673,30 @@ async fn a_stale_copy_of_a_fence_and_a_gap_are_refused() {
     let (store, _) = connect(&config(&db.url)).await;
     let mut fence = started(&store, "t").await;
     let mut stale = fence.clone();
-    store.append(&mut fence, &model(2, "two")).await.unwrap();
-    store.append(&mut fence, &model(3, "three")).await.unwrap();
+    store.append(&mut fence, &answer(2, "two")).await.unwrap();
+    store.append(&mut fence, &answer(3, "three")).await.unwrap();
 
     // The copy still expects the version before step 2.
     let e = store
-        .append(&mut stale, &model(3, "three"))
+        .append(&mut stale, &answer(3, "three"))
         .await
         .unwrap_err();
     assert_stale_version(&e);
     // The identical step 2, but the run moved on since: not this copy's lost commit.
     let e = store
-        .append(&mut stale, &model(2, "two"))
+        .append(&mut stale, &answer(2, "two"))
         .await
         .unwrap_err();
     assert_stale_version(&e);
     // A different step at a taken seq is a conflict, whoever asks.
     let e = store
-        .append(&mut stale, &model(2, "other"))
+        .append(&mut stale, &answer(2, "other"))
         .await
         .unwrap_err();
     assert_eq!(e.class(), ErrorClass::Conflict, "{e:?}");
     // A gap.
     let e = store
-        .append(&mut fence, &model(5, "five"))
+        .append(&mut fence, &answer(5, "five"))
         .await
         .unwrap_err();
     assert_eq!(e.class(), ErrorClass::Conflict, "{e:?}");
@@ -731,7 +706,7 @@ async fn a_stale_copy_of_a_fence_and_a_gap_are_refused() {
     );
     assert_eq!(fence.next_seq(), 4);
     assert_eq!(
-        store.append(&mut fence, &model(4, "four")).await.unwrap(),
+        store.append(&mut fence, &answer(4, "four")).await.unwrap(),
         AppendOutcome::Created
     );
     drop(store);
@@ -748,7 +723,7 @@ async fn a_retried_append_recognises_its_own_step_and_a_different_one_is_a_confl
     // The fence as the caller holds it when the first try's acknowledgement is lost.
     let mut retry = fence.clone();
     let mut other = fence.clone();
-    let step = model(2, "answer with a NUL \u{0} inside");
+    let step = answer(2, "answer with a NUL \u{0} inside");
     assert_eq!(
         store.append(&mut fence, &step).await.unwrap(),
         AppendOutcome::Created
@@ -763,13 +738,13 @@ async fn a_retried_append_recognises_its_own_step_and_a_different_one_is_a_confl
         "the retry's fence advanced exactly as the first try's"
     );
     let e = store
-        .append(&mut other, &model(2, "something else"))
+        .append(&mut other, &answer(2, "something else"))
         .await
         .unwrap_err();
     assert_eq!(e.class(), ErrorClass::Conflict, "{e:?}");
 
     // Both go on from there; the journal holds the step once (NUL stored as U+FFFD).
-    store.append(&mut retry, &model(3, "next")).await.unwrap();
+    store.append(&mut retry, &answer(3, "next")).await.unwrap();
     let steps = store.claim(&key("t"), &by("w2"), None).await.unwrap().steps;
     assert_eq!(steps.len(), 3);
     assert_eq!(
@@ -794,7 +769,7 @@ async fn a_commit_whose_acknowledgement_is_lost_on_the_wire_is_already_present_o
 
     // The statement reaches PostgreSQL and commits; its answer never comes back.
     proxy.set(Mode::SwallowReplies);
-    let step = model(2, "paid for");
+    let step = answer(2, "paid for");
     let e = store.append(&mut fence, &step).await.unwrap_err();
     assert_eq!(e.class(), ErrorClass::Transient, "{e:?}");
     assert_eq!(fence, before, "a failed append leaves the fence alone");
@@ -811,11 +786,11 @@ async fn a_commit_whose_acknowledgement_is_lost_on_the_wire_is_already_present_o
         AppendOutcome::AlreadyPresent
     );
     assert_eq!(
-        store.append(&mut fence, &model(3, "next")).await.unwrap(),
+        store.append(&mut fence, &answer(3, "next")).await.unwrap(),
         AppendOutcome::Created
     );
     let steps = store.claim(&key("t"), &by("w2"), None).await.unwrap().steps;
-    assert_eq!(steps, vec![input("hi"), step, model(3, "next")]);
+    assert_eq!(steps, vec![input("hi"), step, answer(3, "next")]);
     assert_eq!(transient_errors(&metrics, "append"), 1);
     drop(store);
     db.drop().await;
@@ -829,7 +804,7 @@ async fn a_one_turn_task_costs_three_transactions() {
     };
     let (store, metrics) = connect(&config(&db.url)).await;
     let mut fence = started(&store, "one-turn").await;
-    store.append(&mut fence, &model(2, "done")).await.unwrap();
+    store.append(&mut fence, &answer(2, "done")).await.unwrap();
     store.finish(&fence, RunEnd::Completed).await.unwrap();
     let counts = [
         transactions(&metrics, "claim"),
@@ -885,7 +860,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
         .into_iter()
         .map(|mut fence| {
             let store = store.clone();
-            tokio::spawn(async move { store.append(&mut fence, &model(2, "x")).await })
+            tokio::spawn(async move { store.append(&mut fence, &answer(2, "x")).await })
         })
         .collect();
     wait_count(
@@ -901,7 +876,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
     let waiting = {
         let store = store.clone();
         tokio::spawn(async move {
-            let outcome = store.append(&mut y, &model(2, "y")).await;
+            let outcome = store.append(&mut y, &answer(2, "y")).await;
             (outcome, y)
         })
     };
@@ -941,7 +916,7 @@ async fn a_full_pool_makes_callers_wait_then_proceed_and_time_out_when_it_never_
         .unwrap();
     let holder = {
         let small = small.clone();
-        tokio::spawn(async move { small.append(&mut held, &model(2, "z")).await })
+        tokio::spawn(async move { small.append(&mut held, &answer(2, "z")).await })
     };
     wait_count(
         &db,
@@ -1016,7 +991,7 @@ async fn a_transaction_stuck_on_a_lock_gives_up_after_the_transaction_timeout() 
         .await
         .unwrap();
     let started = Instant::now();
-    let e = store.append(&mut fence, &model(2, "x")).await.unwrap_err();
+    let e = store.append(&mut fence, &answer(2, "x")).await.unwrap_err();
     let took = started.elapsed();
     // At the server's lock_timeout (4 s), and never past the worker's own bound (a quarter
     // more, 5 s) plus 1 s for a loaded machine to deliver the error.
@@ -1034,7 +1009,7 @@ async fn a_transaction_stuck_on_a_lock_gives_up_after_the_transaction_timeout() 
     assert_eq!(transient_errors(&metrics, "append"), 1);
     locker.batch_execute("ROLLBACK").await.unwrap();
     assert_eq!(
-        store.append(&mut fence, &model(2, "x")).await.unwrap(),
+        store.append(&mut fence, &answer(2, "x")).await.unwrap(),
         AppendOutcome::Created
     );
     drop(store);
@@ -1054,7 +1029,7 @@ async fn the_store_going_away_is_transient_logged_once_and_recovery_works() {
 
     proxy.set(Mode::Down);
     for _ in 0..3 {
-        let e = store.append(&mut fence, &model(2, "a")).await.unwrap_err();
+        let e = store.append(&mut fence, &answer(2, "a")).await.unwrap_err();
         assert_eq!(e.class(), ErrorClass::Transient, "{e:?}");
         assert!(e.is_transient());
         assert!(e.to_string().contains("is unavailable"), "{e}");
@@ -1069,7 +1044,7 @@ async fn the_store_going_away_is_transient_logged_once_and_recovery_works() {
 
     proxy.set(Mode::Forward);
     assert_eq!(
-        store.append(&mut fence, &model(2, "a")).await.unwrap(),
+        store.append(&mut fence, &answer(2, "a")).await.unwrap(),
         AppendOutcome::Created
     );
     assert_eq!(
@@ -1086,10 +1061,10 @@ async fn the_store_going_away_is_transient_logged_once_and_recovery_works() {
 
     // A second outage is a second line.
     proxy.set(Mode::Down);
-    assert!(store.append(&mut fence, &model(3, "b")).await.is_err());
+    assert!(store.append(&mut fence, &answer(3, "b")).await.is_err());
     assert_eq!(logs.count("the run store is unavailable"), 2);
     proxy.set(Mode::Forward);
-    store.append(&mut fence, &model(3, "b")).await.unwrap();
+    store.append(&mut fence, &answer(3, "b")).await.unwrap();
     drop(store);
     db.drop().await;
 }
@@ -1109,7 +1084,7 @@ async fn finished_runs_are_deleted_after_retention_in_small_batches() {
     assert_eq!(store.sweep_interval(), Duration::from_secs(60));
     for i in 0..25 {
         let mut fence = started(&store, format!("done-{i:02}")).await;
-        store.append(&mut fence, &model(2, "ok")).await.unwrap();
+        store.append(&mut fence, &answer(2, "ok")).await.unwrap();
         store.finish(&fence, RunEnd::Completed).await.unwrap();
     }
     // Marked, not deleted: the retention keeps them.
@@ -1203,7 +1178,7 @@ async fn a_run_never_finished_is_deleted_once_abandoned_and_not_before() {
             .unwrap()
             .fence;
         store
-            .append(&mut fence, &model(2, "final answer"))
+            .append(&mut fence, &answer(2, "final answer"))
             .await
             .unwrap();
         // ...the engine accepts the completion, and the worker dies before finish.
@@ -1315,10 +1290,10 @@ async fn the_password_appears_in_no_error_log_line_or_debug_print() {
         .unwrap();
     let mut fence = claim.fence.clone();
     proxy.set(Mode::Down);
-    let e = store.append(&mut fence, &model(2, "x")).await.unwrap_err();
+    let e = store.append(&mut fence, &answer(2, "x")).await.unwrap_err();
     seen.push(format!("{e} {e:?}"));
     proxy.set(Mode::Forward);
-    store.append(&mut fence, &model(2, "x")).await.unwrap();
+    store.append(&mut fence, &answer(2, "x")).await.unwrap();
     seen.push(format!(
         "{store:?} {claim:?} {fence:?} {cfg:?} {}",
         store.redacted_url()
@@ -1368,7 +1343,7 @@ async fn a_rotated_url_file_applies_to_new_connections() {
         .batch_execute(&format!("ALTER ROLE {role} PASSWORD '{second}'"))
         .await
         .unwrap();
-    store.append(&mut fence, &model(2, "two")).await.unwrap();
+    store.append(&mut fence, &answer(2, "two")).await.unwrap();
     // A new connection with the old file is refused...
     proxy.set(Mode::Down);
     wait_count(
@@ -1380,14 +1355,14 @@ async fn a_rotated_url_file_applies_to_new_connections() {
     .await;
     proxy.set(Mode::Forward);
     let e = store
-        .append(&mut fence, &model(3, "three"))
+        .append(&mut fence, &answer(3, "three"))
         .await
         .unwrap_err();
     assert_eq!(e.class(), ErrorClass::Misconfigured, "{e:?}");
     // ...and with the rotated file accepted, without a restart.
     std::fs::write(&file, url_with(second)).unwrap();
     assert_eq!(
-        store.append(&mut fence, &model(3, "three")).await.unwrap(),
+        store.append(&mut fence, &answer(3, "three")).await.unwrap(),
         AppendOutcome::Created
     );
     drop(store);
@@ -1457,7 +1432,7 @@ async fn every_sslmode_does_what_the_readme_says() {
     let mut fence = started(&store, "tls").await;
     assert_eq!(
         store
-            .append(&mut fence, &model(2, "over TLS"))
+            .append(&mut fence, &answer(2, "over TLS"))
             .await
             .unwrap(),
         AppendOutcome::Created
@@ -1502,7 +1477,7 @@ async fn a_remote_store_is_verify_full_with_channel_binding_by_default() {
     assert!(store.server().tls.is_some());
     let mut fence = started(&store, "remote").await;
     assert_eq!(
-        store.append(&mut fence, &model(2, "bound")).await.unwrap(),
+        store.append(&mut fence, &answer(2, "bound")).await.unwrap(),
         AppendOutcome::Created
     );
     drop(store);
@@ -1574,7 +1549,7 @@ async fn append_latency_figures() {
             let mut fence = started(&store, format!("bench-{i}")).await;
             let mut took = Vec::with_capacity(appends);
             for n in 0..appends {
-                let step = model(n as u64 + 2, &"a model answer of some length ".repeat(8));
+                let step = answer(n as u64 + 2, &"a model answer of some length ".repeat(8));
                 let t = Instant::now();
                 assert_eq!(
                     store.append(&mut fence, &step).await.unwrap(),

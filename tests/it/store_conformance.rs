@@ -21,6 +21,8 @@ use abada_agent_worker::store::{
 };
 use serde_json::json;
 
+use crate::support::steps::{answer, asks_refund, input};
+
 use crate::store::{TestDb, config, connect};
 
 /// A store under test, with its controls.
@@ -174,52 +176,6 @@ both!(
 );
 
 // ---- steps and claimants --------------------------------------------------------------------
-
-const INSTRUCTIONS: &str = "You handle refunds.";
-
-fn input(text: &str) -> JournalStep {
-    JournalStep {
-        seq: 1,
-        kind: "input".into(),
-        state: "finished".into(),
-        key: None,
-        data: json!({"instructions": INSTRUCTIONS, "input": text}),
-    }
-}
-
-/// A final answer (a model step without tool calls).
-fn answer(seq: u64, text: &str) -> JournalStep {
-    JournalStep {
-        seq,
-        kind: "model".into(),
-        state: "finished".into(),
-        key: None,
-        data: json!({
-            "model": "openai/refund",
-            "message": {"text": text, "toolCalls": []},
-            "usage": {"inputTokens": 10, "outputTokens": 2},
-            "stopReason": "stop"
-        }),
-    }
-}
-
-fn asks_refund(seq: u64) -> JournalStep {
-    JournalStep {
-        seq,
-        kind: "model".into(),
-        state: "finished".into(),
-        key: None,
-        data: json!({
-            "model": "openai/refund",
-            "message": {"text": "I will refund.", "toolCalls": [{
-                "callId": "call_0", "server": "orders", "tool": "issue_refund",
-                "arguments": {"orderId": "o-1", "amountCents": 4200}
-            }]},
-            "usage": {"inputTokens": 10, "outputTokens": 2},
-            "stopReason": "tool_calls"
-        }),
-    }
-}
 
 fn approval_requested(seq: u64) -> JournalStep {
     JournalStep {

@@ -11,43 +11,17 @@ use std::time::Duration;
 
 use abada_agent_worker::devkit::engine::{ProtocolLevel, TaskStatus};
 use abada_agent_worker::devkit::stack::{Stack, StackWorkers};
-use abada_agent_worker::engine::JournalStep;
 use abada_agent_worker::metrics::Metrics;
 use abada_agent_worker::store::{
     Claimant, Fence, FenceReason, MAX_PENDING_FINISHES, RunEnd, RunKey, StoreConfig, StoreError,
 };
-use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::agent::{spec, wait_all_ended};
 use crate::store::{TestDb, by, config, connect};
 use crate::store_runs::{one_turn, opts};
+use crate::support::steps::{answer, input};
 use crate::support::wait::eventually;
-
-fn input(text: &str) -> JournalStep {
-    JournalStep {
-        seq: 1,
-        kind: "input".into(),
-        state: "finished".into(),
-        key: None,
-        data: json!({"instructions": "You handle refunds.", "input": text}),
-    }
-}
-
-fn answer(seq: u64, text: &str) -> JournalStep {
-    JournalStep {
-        seq,
-        kind: "model".into(),
-        state: "finished".into(),
-        key: None,
-        data: json!({
-            "model": "openai/gpt-4.1-mini",
-            "message": {"text": text, "toolCalls": []},
-            "usage": {"inputTokens": 12, "outputTokens": 3},
-            "stopReason": "stop"
-        }),
-    }
-}
 
 fn key(name: &str) -> RunKey {
     RunKey::for_task(name).unwrap()

@@ -16,10 +16,11 @@ use abada_agent_worker::store::{
 };
 use serde_json::json;
 
+use crate::support::steps::{INSTRUCTIONS, answer, asks_refund, input};
+
 use crate::store::{FIRST_ATTEMPT, TestDb, config, connect};
 
 const VISIT: &str = "process/pi-1/refundAgent";
-const INSTRUCTIONS: &str = "You handle refunds.";
 
 fn visit() -> RunKey {
     RunKey::for_visit(VISIT).unwrap()
@@ -47,49 +48,6 @@ async fn first_claim(
         .await
         .unwrap()
         .fence
-}
-
-fn input(text: &str) -> JournalStep {
-    JournalStep {
-        seq: 1,
-        kind: "input".into(),
-        state: "finished".into(),
-        key: None,
-        data: json!({"instructions": INSTRUCTIONS, "input": text}),
-    }
-}
-
-fn answer(seq: u64, text: &str) -> JournalStep {
-    JournalStep {
-        seq,
-        kind: "model".into(),
-        state: "finished".into(),
-        key: None,
-        data: json!({
-            "model": "openai/refund",
-            "message": {"text": text, "toolCalls": []},
-            "usage": {"inputTokens": 10, "outputTokens": 2},
-            "stopReason": "stop"
-        }),
-    }
-}
-
-fn asks_refund(seq: u64) -> JournalStep {
-    JournalStep {
-        seq,
-        kind: "model".into(),
-        state: "finished".into(),
-        key: None,
-        data: json!({
-            "model": "openai/refund",
-            "message": {"text": "I will refund.", "toolCalls": [{
-                "callId": "call_0", "server": "orders", "tool": "issue_refund",
-                "arguments": {"orderId": "o-1", "amountCents": 4200}
-            }]},
-            "usage": {"inputTokens": 10, "outputTokens": 2},
-            "stopReason": "tool_calls"
-        }),
-    }
 }
 
 fn approval_requested(seq: u64, task_id: &str) -> JournalStep {

@@ -8,5 +8,6 @@ pub mod net;
 pub mod peers;
 pub mod process;
 pub mod scratch;
+pub mod steps;
 pub mod tcp_proxy;
 pub mod wait;
