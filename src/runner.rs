@@ -28,8 +28,13 @@
 //!   empty answer, or while a fetch was out. So a freed slot is refilled after one round trip,
 //!   and a partial answer (others fetching at the same moment) is followed by a fetch for the
 //!   rest at once.
-//! - The engine handing out a task that still runs here stops the older attempt (its lease is
-//!   superseded). A lease lost at any point stops its task at its next await; nothing is
+//! - One attempt of a task at a time: the engine handing out a task that still runs here
+//!   starts the newer attempt only once the older one has ended. An older attempt still at
+//!   work is stopped (its lease is superseded); one already reporting is left to read its
+//!   answer, because the engine may have applied that report already (a failure whose retry
+//!   timeout ran out is offered again while its answer is on the way), and a retry of it
+//!   carries the same idempotency key, so the engine answers it from storage without applying
+//!   it again. A lease lost at any point stops its task at its next await; nothing is
 //!   reported for it.
 //! - A task's end is a [`TaskEnd`]: the one engine call its [`Outcome`] asks for (complete,
 //!   failure, bpmn-error), or none when the lease was lost.
@@ -264,22 +269,31 @@ enum Change {
     Joined,
 }
 
-/// The tasks running here, owned by the poll loop: their futures, and the lease each runs under
-/// (to stop an older attempt when the engine hands the same task out again). The loop learns
-/// of a task's end by joining it, so no second record has to be kept in step by hand.
+/// The tasks running here, owned by the poll loop: their futures, and what the loop needs to
+/// know of each when the engine hands the same task out again. The loop learns of a task's
+/// end by joining it, so no second record has to be kept in step by hand.
 struct RunningTasks {
     set: JoinSet<()>,
-    /// The lease of every task not joined yet, by its future's id.
-    leases: HashMap<tokio::task::Id, Lease>,
+    /// Every attempt not joined yet, by its future's id.
+    attempts: HashMap<tokio::task::Id, RunningAttempt>,
     /// A message per slot a task gave back (its work done, its report not yet sent).
     freed: mpsc::UnboundedReceiver<()>,
+}
+
+/// One attempt running here, as the poll loop sees it.
+struct RunningAttempt {
+    lease: Lease,
+    /// Set by the attempt once its work is done and its report may be on the wire.
+    reporting: Arc<AtomicBool>,
+    /// Cancelled when the attempt's future ends, or is dropped.
+    ended: CancellationToken,
 }
 
 impl RunningTasks {
     fn new(freed: mpsc::UnboundedReceiver<()>) -> Self {
         RunningTasks {
             set: JoinSet::new(),
-            leases: HashMap::new(),
+            attempts: HashMap::new(),
             freed,
         }
     }
@@ -305,18 +319,46 @@ impl RunningTasks {
         while self.freed.try_recv().is_ok() {}
     }
 
-    /// Spawns `run`, the task holding `lease`.
-    fn start(&mut self, lease: Lease, run: impl Future<Output = ()> + Send + 'static) {
-        for older in self
-            .leases
+    /// Spawns `run`, the attempt holding `lease`, which sets `reporting` once its work is
+    /// done. When an older attempt of the same task still runs here (the engine gave us the
+    /// task again), `run` starts only once that one has ended; the older attempt is stopped
+    /// (superseded) unless it is already reporting, in which case it reads its answer first.
+    /// (An attempt that starts reporting just as it is superseded ends `lease_lost` without
+    /// sending: safe, only a report lost.)
+    fn start(
+        &mut self,
+        lease: Lease,
+        reporting: Arc<AtomicBool>,
+        run: impl Future<Output = ()> + Send + 'static,
+    ) {
+        let older: Vec<CancellationToken> = self
+            .attempts
             .values()
-            .filter(|l| l.task().task_id == lease.task().task_id)
-        {
-            // The engine gave us the task again: our older attempt's lease is gone.
-            older.mark_lost(LeaseLostReason::Superseded);
-        }
-        let handle = self.set.spawn(run);
-        self.leases.insert(handle.id(), lease);
+            .filter(|a| a.lease.task().task_id == lease.task().task_id)
+            .map(|a| {
+                if !a.reporting.load(Ordering::SeqCst) {
+                    a.lease.mark_lost(LeaseLostReason::Superseded);
+                }
+                a.ended.clone()
+            })
+            .collect();
+        let ended = CancellationToken::new();
+        let on_end = ended.clone().drop_guard();
+        let handle = self.set.spawn(async move {
+            let _on_end = on_end;
+            for older in older {
+                older.cancelled().await;
+            }
+            run.await
+        });
+        self.attempts.insert(
+            handle.id(),
+            RunningAttempt {
+                lease,
+                reporting,
+                ended,
+            },
+        );
     }
 
     /// Waits until a task ends and forgets it; `None` at once when none runs. Cancel-safe, so
@@ -348,7 +390,7 @@ impl RunningTasks {
                 e.id()
             }
         };
-        self.leases.remove(&id);
+        self.attempts.remove(&id);
     }
 
     fn len(&self) -> usize {
@@ -635,6 +677,7 @@ impl Runner {
         acquired_at: Instant,
     ) {
         let lease = Lease::new(task.task_ref());
+        let reporting = Arc::new(AtomicBool::new(false));
         shared.heartbeat.register(lease.clone(), acquired_at);
         self.metrics.tasks_claimed.inc();
         shared.emit(RunnerEvent::TaskStarted {
@@ -643,7 +686,15 @@ impl Runner {
         });
         tasks.start(
             lease.clone(),
-            run_task(shared.clone(), Arc::new(task), lease, permit, acquired_at),
+            reporting.clone(),
+            run_task(
+                shared.clone(),
+                Arc::new(task),
+                lease,
+                reporting,
+                permit,
+                acquired_at,
+            ),
         );
     }
 }
@@ -727,6 +778,7 @@ async fn run_task(
     shared: Arc<Shared>,
     task: Arc<Task>,
     lease: Lease,
+    reporting: Arc<AtomicBool>,
     permit: OwnedSemaphorePermit,
     acquired_at: Instant,
 ) {
@@ -791,6 +843,9 @@ async fn run_task(
         }
         cleanup.close();
         cleanup.wait().await;
+        // From here a newer attempt of this task waits for this one's answer instead of
+        // superseding it (`RunningTasks::start`).
+        reporting.store(true, Ordering::SeqCst);
         // The work is done: with a report permit free, the slot goes back and the loop fetches
         // for it while this report is out. With every report permit taken (reports slower than
         // the work, or one that never returns), the task reports at once keeping its slot, as

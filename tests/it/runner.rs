@@ -623,7 +623,7 @@ async fn the_same_task_fetched_again_stops_the_older_attempt() {
     let mut s = settings(Duration::from_secs(120));
     s.max_tasks = 2;
     s.poll_interval = Duration::from_secs(5);
-    let mut r = start(&engine, handler, s);
+    let mut r = start(&engine, handler.clone(), s);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let mut newer = task("dup");
     newer.attempt = Some(2);
@@ -650,6 +650,192 @@ async fn the_same_task_fetched_again_stops_the_older_attempt() {
         .collect();
     assert_eq!(completes.len(), 1);
     assert_eq!(completes[0].attempt, Some(2));
+    // The newer attempt's work began once the older one had stopped: never both at once.
+    assert_eq!(handler.most.load(Ordering::SeqCst), 1);
+}
+
+/// When each attempt of a task did something, in order.
+type AttemptTimes = Arc<std::sync::Mutex<Vec<(Option<u32>, Instant)>>>;
+
+/// Holds something that takes a second to close (an MCP session, say): its close runs on the
+/// task's cleanup tracker when the handler is dropped. Records when each attempt began and
+/// when each close ended.
+#[derive(Default)]
+struct SlowToClose {
+    began: AttemptTimes,
+    closed: AttemptTimes,
+}
+
+#[async_trait]
+impl TaskHandler for SlowToClose {
+    async fn handle(&self, task: Arc<Task>, ctx: TaskContext) -> Outcome {
+        self.began
+            .lock()
+            .unwrap()
+            .push((task.attempt, Instant::now()));
+        struct Session {
+            attempt: Option<u32>,
+            cleanup: tokio_util::task::TaskTracker,
+            closed: AttemptTimes,
+        }
+        impl Drop for Session {
+            fn drop(&mut self) {
+                let (attempt, closed) = (self.attempt, self.closed.clone());
+                self.cleanup.spawn(async move {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    closed.lock().unwrap().push((attempt, Instant::now()));
+                });
+            }
+        }
+        let _session = Session {
+            attempt: task.attempt,
+            cleanup: ctx.cleanup().clone(),
+            closed: self.closed.clone(),
+        };
+        tokio::time::sleep(Duration::from_secs(50)).await;
+        Outcome::Complete {
+            variables: Map::new(),
+        }
+    }
+}
+
+/// A superseded attempt closes what it held (its cleanup, bounded) before the newer attempt of
+/// the same task begins: never two attempts of one task at once in a worker, not even one
+/// winding down beside one starting.
+#[tokio::test(start_paused = true)]
+async fn a_newer_attempt_begins_only_once_the_superseded_one_has_closed_what_it_held() {
+    let engine = FakeEngine::default();
+    engine.push(task("dup"));
+    let handler = Arc::new(SlowToClose::default());
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 2;
+    s.poll_interval = Duration::from_secs(5);
+    let mut r = start(&engine, handler.clone(), s);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut newer = task("dup");
+    newer.attempt = Some(2);
+    engine.push(newer);
+    let mut ended = Vec::new();
+    while ended.len() < 2 {
+        if let RunnerEvent::TaskEnded {
+            attempt, outcome, ..
+        } = next_event(&mut r.events).await
+        {
+            ended.push((attempt, outcome));
+        }
+    }
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    assert_eq!(
+        ended,
+        vec![(Some(1), TaskEnd::LeaseLost), (Some(2), TaskEnd::Completed)]
+    );
+    let closed = handler.closed.lock().unwrap().clone();
+    let first_closed = closed.iter().find(|(a, _)| *a == Some(1)).unwrap().1;
+    let began = handler.began.lock().unwrap().clone();
+    let second = began.iter().find(|(a, _)| *a == Some(2)).unwrap().1;
+    assert!(
+        second >= first_closed,
+        "attempt 2 began {:?} before attempt 1 had closed its session",
+        first_closed - second
+    );
+}
+
+/// Fails a task's first attempt technically and completes every later one, recording when
+/// each attempt's work began and how many attempts of one task were in the handler at once.
+#[derive(Default)]
+struct FailFirstAttempt {
+    began: AttemptTimes,
+    running: AtomicUsize,
+    most: AtomicUsize,
+}
+
+#[async_trait]
+impl TaskHandler for FailFirstAttempt {
+    async fn handle(&self, task: Arc<Task>, _ctx: TaskContext) -> Outcome {
+        self.began
+            .lock()
+            .unwrap()
+            .push((task.attempt, Instant::now()));
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        self.running.fetch_sub(1, Ordering::SeqCst);
+        if task.attempt == Some(1) {
+            return Outcome::Failure {
+                kind: abada_agent_worker::handler::FailureKind::Technical,
+                report: abada_agent_worker::engine::FailureReport {
+                    error_message: "the tool server is down".into(),
+                    error_details: String::new(),
+                    retries: abada_agent_worker::handler::retries_consumed(&task),
+                    retry_timeout: Duration::ZERO,
+                },
+            };
+        }
+        Outcome::Complete {
+            variables: Map::new(),
+        }
+    }
+}
+
+/// The engine applies a failure, its retry timeout runs out, and it offers the task again
+/// while the worker still waits for the failure's answer; this worker, a slot free, fetches
+/// it. The older attempt is not superseded: its report was accepted, and it ends `failed`,
+/// not `lease_lost` (the flaky `faults::a_tool_server_down_or_slow_...` of issue 24). The
+/// newer attempt starts its work only once the older one has its answer: one attempt of a task
+/// at a time in a worker.
+#[tokio::test(start_paused = true)]
+async fn a_task_offered_again_while_its_failure_awaits_its_answer_keeps_the_older_end() {
+    let engine = FakeEngine::default();
+    engine.push(task("again"));
+    {
+        let mut s = engine.state.lock().unwrap();
+        s.reoffer_failed = true;
+        s.failure_latency = Duration::from_secs(2);
+    }
+    let handler = Arc::new(FailFirstAttempt::default());
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 2;
+    s.poll_interval = Duration::from_millis(200);
+    let mut r = start(&engine, handler.clone(), s);
+    let mut ended = Vec::new();
+    while ended.len() < 2 {
+        if let RunnerEvent::TaskEnded {
+            attempt, outcome, ..
+        } = next_event(&mut r.events).await
+        {
+            ended.push((attempt, outcome, Instant::now()));
+        }
+    }
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let ends: Vec<_> = ended.iter().map(|(a, o, _)| (*a, *o)).collect();
+    assert_eq!(
+        ends,
+        vec![(Some(1), TaskEnd::Failed), (Some(2), TaskEnd::Completed)],
+        "the older attempt's accepted failure must end it as failed"
+    );
+    // The re-offer was fetched while the failure's answer was out...
+    let calls = engine.calls_for("again");
+    let failure_at = calls.iter().find(|c| c.op == "failure").unwrap().at;
+    let answered_at = failure_at + Duration::from_secs(2);
+    let refetched = engine
+        .calls()
+        .iter()
+        .any(|c| c.op == "fetch-and-lock" && c.at > failure_at && c.at < answered_at);
+    assert!(refetched, "no fetch while the failure's answer was out");
+    // ...and the newer attempt's work began only after that answer.
+    let began = handler.began.lock().unwrap().clone();
+    let second = began.iter().find(|(a, _)| *a == Some(2)).unwrap().1;
+    assert!(
+        second >= answered_at,
+        "attempt 2 began {:?} before attempt 1's failure was answered",
+        answered_at - second
+    );
+    assert_eq!(handler.most.load(Ordering::SeqCst), 1);
+    let failures = engine.state.lock().unwrap().failures.len();
+    assert_eq!(failures, 1, "the failure was sent once");
+    assert_eq!(completed(&engine), 1);
 }
 
 #[tokio::test(start_paused = true)]

@@ -51,6 +51,11 @@ pub struct FakeState {
     pub answer_cap: Option<usize>,
     /// A slow engine: `complete` answers this long after it is called (recorded when called).
     pub complete_latency: Duration,
+    /// An engine whose `failure` answer comes this long after the failure was applied.
+    pub failure_latency: Duration,
+    /// A failure's retry timeout runs out at once: the failed task is offered again (its next
+    /// attempt) as soon as the failure is applied, before its answer is sent.
+    pub reoffer_failed: bool,
 }
 
 #[derive(Clone, Default)]
@@ -192,12 +197,21 @@ impl Engine for FakeEngine {
         if stall {
             tokio::time::sleep(Duration::from_secs(3600)).await;
         }
-        self.state
-            .lock()
-            .unwrap()
-            .failures
-            .push((task.task_id.clone(), report.clone()));
-        self.end(task);
+        let latency = {
+            let mut s = self.state.lock().unwrap();
+            s.failures.push((task.task_id.clone(), report.clone()));
+            s.outstanding.remove(&task.task_id);
+            if s.reoffer_failed {
+                let mut again = self::task(&task.task_id);
+                again.attempt = task.attempt.map(|a| a + 1);
+                again.retries = Some(report.retries);
+                s.open.push_back(again);
+            }
+            s.failure_latency
+        };
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
+        }
         Ok(())
     }
 
