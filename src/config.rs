@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use crate::agent::limits::{self, Ceilings};
 use crate::auth::{ClientAuth, DEFAULT_SCOPE, OidcSettings};
+use crate::base_url::BaseUrl;
 use crate::engine::headers::EngineHeaders;
 use crate::secret::SecretSource;
 use crate::tools::registry::UnregisteredPolicy;
@@ -429,20 +430,23 @@ fn parse_range(
 }
 
 fn parse_http_url(var: &str, raw: &str) -> Result<String, ConfigError> {
-    let ok = raw
-        .strip_prefix("http://")
-        .or_else(|| raw.strip_prefix("https://"))
-        .is_some_and(|rest| {
-            let host = rest.split(['/', '?', '#']).next().unwrap_or("");
-            !host.is_empty() && !host.contains(char::is_whitespace)
-        });
-    if !ok {
-        return Err(ConfigError::new(
-            var,
-            format!("{raw:?} is not an http(s) URL: use e.g. http://abada-engine:5601/api"),
-        ));
+    match BaseUrl::parse(raw) {
+        Ok(_) => Ok(raw.trim_end_matches('/').to_string()),
+        Err(why) => {
+            // A value with credentials in it is not repeated in the message.
+            let shown = if raw.contains('@') {
+                "the value".to_string()
+            } else {
+                format!("{raw:?}")
+            };
+            Err(ConfigError::new(
+                var,
+                format!(
+                    "{shown} is not an http(s) URL the worker can use: {why}; use e.g. http://abada-engine:5601/api"
+                ),
+            ))
+        }
     }
-    Ok(raw.trim_end_matches('/').to_string())
 }
 
 /// `<hostname>-<random>`, unique per process.
@@ -857,6 +861,34 @@ mod tests {
             e.to_string().contains("\"yes\" is not allowed: refuse"),
             "{e}"
         );
+    }
+
+    /// A URL that a path appended to it would be read two ways (a query or fragment swallowing
+    /// the path), or that carries credentials, is refused at start-up, and a password is never
+    /// repeated in the message.
+    #[test]
+    fn urls_read_two_ways_or_carrying_credentials_are_refused() {
+        for (value, why) in [
+            ("http://engine:5601/api?tenant=a", "query"),
+            ("http://engine:5601/api#x", "fragment"),
+            ("http://admin:hunter2-marker@engine:5601/api", "password"),
+            ("ftp://engine/api", "scheme"),
+        ] {
+            for var in [ENV_ENGINE_URL, "ABADA_AGENT_PROVIDER_OPENAI_BASE_URL"] {
+                let mut pairs = vec![(ENV_ENGINE_URL, "http://engine:5601/api")];
+                if var == ENV_ENGINE_URL {
+                    pairs[0].1 = value;
+                } else {
+                    pairs.push((ENV_PROVIDERS, "openai"));
+                    pairs.push((var, value));
+                }
+                let e = Config::from_env(&env(&pairs)).unwrap_err();
+                assert_eq!(e.var, var);
+                let text = e.to_string();
+                assert!(text.contains(why), "{var}={value}: {text}");
+                assert!(!text.contains("hunter2"), "{text}");
+            }
+        }
     }
 
     #[test]

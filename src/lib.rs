@@ -11,6 +11,7 @@ pub mod agent;
 pub mod app;
 pub mod auth;
 pub mod backoff;
+pub(crate) mod base_url;
 pub mod body;
 pub mod channel;
 pub mod config;

@@ -35,6 +35,7 @@ use super::{
 };
 use crate::auth::TokenProvider;
 use crate::backoff::Backoff;
+use crate::base_url::BaseUrl;
 use crate::body::{self, ReadError};
 use crate::metrics::Metrics;
 use crate::secret::Secret;
@@ -75,12 +76,18 @@ impl EngineClientSettings {
     }
 }
 
+/// Below the API root: the worker protocol's calls.
+const EXTERNAL_TASKS: &str = "/v1/external-tasks";
+/// Below the API root: the process API's reads (agents defined in the BPMN).
+const PROCESSES: &str = "/v1/processes";
+
 /// The engine over HTTP.
 pub struct HttpEngine {
     http: reqwest::Client,
-    base: String,
-    /// `{ENGINE_URL}/v1/processes`: the process API's reads (agents defined in the BPMN).
-    processes: String,
+    /// The API root, parsed once; every call's URL is its path appended to it. An error when
+    /// `engine_url` is not a usable root (the configuration refuses such a URL first): then
+    /// every call fails, saying so.
+    root: Result<BaseUrl, String>,
     /// The engine's host, for the spans of engine calls (`server.address`).
     host: String,
     worker_id: String,
@@ -98,6 +105,7 @@ struct Call<'a> {
     /// POST for the worker protocol, GET for the process API's reads (no body then).
     method: Method,
     task_id: Option<&'a str>,
+    /// Below the engine's API root, e.g. `/v1/external-tasks/{id}/complete` (segments encoded).
     path: String,
     /// Shared, so a retry sends the same bytes without copying them.
     body: Bytes,
@@ -145,15 +153,14 @@ impl HttpEngine {
         tokens: Option<Arc<dyn TokenProvider>>,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let root = settings.engine_url.trim_end_matches('/');
+        let root = BaseUrl::parse(&settings.engine_url);
         HttpEngine {
             http,
-            base: format!("{root}/v1/external-tasks"),
-            processes: format!("{root}/v1/processes"),
-            host: reqwest::Url::parse(root)
-                .ok()
-                .and_then(|u| u.host_str().map(str::to_string))
+            host: root
+                .as_ref()
+                .map(|r| r.host().to_string())
                 .unwrap_or_default(),
+            root,
             worker_id: settings.worker_id.clone(),
             tokens,
             in_flight: Semaphore::new(settings.max_in_flight.max(1)),
@@ -174,7 +181,15 @@ impl HttpEngine {
     }
 
     fn task_path(&self, task_id: &str, action: &str) -> String {
-        format!("{}/{}/{}", self.base, encode_path_segment(task_id), action)
+        format!("{EXTERNAL_TASKS}/{}/{action}", encode_path_segment(task_id))
+    }
+
+    /// The call's URL, written out (for messages).
+    fn url_of(&self, call: &Call<'_>) -> String {
+        match &self.root {
+            Ok(root) => root.join(&call.path).to_string(),
+            Err(_) => format!("{}{}", self.settings.engine_url, call.path),
+        }
     }
 
     fn new_key() -> String {
@@ -261,10 +276,23 @@ impl HttpEngine {
                 ),
             })?
             .expect("engine semaphore is never closed");
+        let url = match &self.root {
+            Ok(root) => root.join(&call.path),
+            Err(why) => {
+                return Err(EngineError::Transient {
+                    op: call.op,
+                    request_sent: false,
+                    message: format!(
+                        "the engine URL {:?} cannot be used ({why}); set ABADA_AGENT_ENGINE_URL to the engine's API root, e.g. http://abada-engine:5601/api",
+                        self.settings.engine_url
+                    ),
+                });
+            }
+        };
         let started = Instant::now();
         let mut req = self
             .http
-            .request(call.method.clone(), &call.path)
+            .request(call.method.clone(), url)
             .timeout(self.settings.request_timeout)
             .header(reqwest::header::ACCEPT, "application/json")
             .header(PROTOCOL_HEADER, PROTOCOL_VERSION);
@@ -324,7 +352,7 @@ impl HttpEngine {
                 Err(EngineError::Transient {
                     op: call.op,
                     request_sent: !e.is_connect(),
-                    message: describe_transport_error(&e, &call.path),
+                    message: describe_transport_error(&e, &self.url_of(call)),
                 })
             }
         }
@@ -704,7 +732,7 @@ impl Engine for HttpEngine {
             op,
             method: Method::POST,
             task_id: None,
-            path: format!("{}/fetch-and-lock", self.base),
+            path: format!("{EXTERNAL_TASKS}/fetch-and-lock"),
             body: Self::json(&wire::FetchAndLockBody {
                 worker_id: &self.worker_id,
                 topics: &request.topics,
@@ -908,11 +936,7 @@ impl Engine for HttpEngine {
                 op: "journal-append",
                 method: Method::POST,
                 task_id: Some(&task.task_id),
-                path: format!(
-                    "{}/{}/journal",
-                    self.base,
-                    encode_path_segment(&task.task_id)
-                ),
+                path: self.task_path(&task.task_id, "journal"),
                 body: Self::json(&wire::JournalAppendBody {
                     worker_id: &self.worker_id,
                     attempt: task.attempt,
@@ -944,7 +968,7 @@ impl Engine for HttpEngine {
                 op,
                 method: Method::GET,
                 task_id: Some(&task.task_id),
-                path: format!("{}/instances/{id}", self.processes),
+                path: format!("{PROCESSES}/instances/{id}"),
                 body: Bytes::new(),
                 idempotency_key: None,
                 traceparent: Self::trace(task),
@@ -971,7 +995,7 @@ impl Engine for HttpEngine {
                 op,
                 method: Method::GET,
                 task_id: Some(&task.task_id),
-                path: format!("{}/{id}", self.processes),
+                path: format!("{PROCESSES}/{id}"),
                 body: Bytes::new(),
                 idempotency_key: None,
                 traceparent: Self::trace(task),

@@ -10,6 +10,7 @@ use tokio::sync::Semaphore;
 
 use super::capacity::{ModelCapacities, RateLimits};
 use super::{ModelRef, ProviderError, ProviderSettings, parse_retry_after};
+use crate::base_url::BaseUrl;
 use crate::secret::Secret;
 
 /// Longest provider error text kept in an error message.
@@ -17,6 +18,9 @@ const MAX_MESSAGE_LEN: usize = 500;
 
 pub(crate) struct HttpCore {
     pub(crate) settings: ProviderSettings,
+    /// `settings.base_url`, parsed once; an error when it is not a usable base (the
+    /// configuration refuses such a URL first): then every call fails, saying so.
+    base: Result<BaseUrl, String>,
     http: reqwest::Client,
     /// Present when `max_concurrency` is set.
     permits: Option<Arc<Semaphore>>,
@@ -30,6 +34,7 @@ impl HttpCore {
             .max_concurrency
             .map(|n| Arc::new(Semaphore::new(n.max(1))));
         HttpCore {
+            base: BaseUrl::parse(&settings.base_url),
             settings,
             http,
             permits,
@@ -146,6 +151,12 @@ impl HttpCore {
         }
         let payload = serde_json::to_vec(body)
             .map_err(|e| self.setup(model, format!("cannot encode the request: {e}")))?;
+        let endpoint = match &self.base {
+            Ok(base) => base.join(path),
+            Err(why) => {
+                return Err(self.setup(model, format!("its base URL cannot be used: {why}")));
+            }
+        };
         let url = self.url(path);
         let transient = |what: &str, e: reqwest::Error| ProviderError::Transient {
             provider: self.settings.name.clone(),
@@ -156,7 +167,7 @@ impl HttpCore {
         let sent = tokio::time::Instant::now();
         let response = self
             .http
-            .post(&url)
+            .post(endpoint)
             .headers(headers)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .header(reqwest::header::ACCEPT, "application/json")
