@@ -60,7 +60,7 @@ use limits::Ceilings;
 
 /// Deferrals of one run in the run store before it ends as an incident
 /// (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`'s default).
-pub const DEFAULT_MAX_DEFERRALS_PER_RUN: u32 = 20;
+pub(crate) const DEFAULT_MAX_DEFERRALS_PER_RUN: u32 = 20;
 
 /// Knobs of the agent runtime (defaults suit production; tests shorten them).
 #[derive(Clone, Debug)]
@@ -166,14 +166,14 @@ impl AgentRuntime {
     }
 
     /// The runtime with at most `max` deferrals per run in the run store.
-    pub fn with_max_deferrals_per_run(mut self, max: u32) -> Self {
+    pub(crate) fn with_max_deferrals_per_run(mut self, max: u32) -> Self {
         self.max_deferrals_per_run = max;
         self
     }
 
     /// Keeps the journals of tasks without `attempt` in `store`, claimed as `worker_id`; a
     /// task waits up to `patience` for a store that fails transiently.
-    pub fn with_store(
+    pub(crate) fn with_store(
         mut self,
         store: Arc<dyn RunStore>,
         worker_id: &str,
@@ -188,7 +188,7 @@ impl AgentRuntime {
     }
 
     /// The runtime with `providers` instead of the ones it was built with (stand-ins).
-    pub fn with_providers(mut self, providers: ProviderRegistry) -> Self {
+    pub(crate) fn with_providers(mut self, providers: ProviderRegistry) -> Self {
         self.providers = providers;
         self
     }
@@ -202,14 +202,14 @@ impl AgentRuntime {
     /// The runtime with the operator's tool-server registry.
     /// What the operator's tool-server registry sends in clear (its `oauth2` token endpoints
     /// allowed over `http://`), for the start-up warning; nothing without a registry.
-    pub fn tool_credentials_in_clear(&self) -> Vec<String> {
+    pub(crate) fn tool_credentials_in_clear(&self) -> Vec<String> {
         self.tool_registry
             .as_deref()
             .map(|r| r.credentials_in_clear().to_vec())
             .unwrap_or_default()
     }
 
-    pub fn with_tool_registry(mut self, registry: Arc<ToolRegistry>) -> Self {
+    pub(crate) fn with_tool_registry(mut self, registry: Arc<ToolRegistry>) -> Self {
         self.tool_registry = Some(registry);
         self
     }

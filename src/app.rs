@@ -42,7 +42,7 @@ pub enum StartError {
 }
 
 /// Puts the engine client behind a decorator (e.g. the devkit's gated engine).
-pub type EngineWrapper = Box<dyn FnOnce(Arc<dyn Engine>) -> Arc<dyn Engine> + Send>;
+pub(crate) type EngineWrapper = Box<dyn FnOnce(Arc<dyn Engine>) -> Arc<dyn Engine> + Send>;
 
 /// What a worker is built from besides its [`Config`]: the parts an operator never sets, which
 /// the devkit and the tests replace. `Seams::default()` is the production worker.
@@ -167,7 +167,7 @@ fn token_provider(config: &Config) -> Result<Option<Arc<dyn TokenProvider>>, Sta
 
 /// Why the agent runtime cannot start.
 #[derive(Debug, thiserror::Error)]
-pub enum AgentSetupError {
+pub(crate) enum AgentSetupError {
     #[error(transparent)]
     AgentsFile(#[from] crate::agent::definition::AgentsFileError),
     #[error("ABADA_AGENT_PROVIDER_{name}_KIND: {reason}")]
@@ -291,7 +291,11 @@ pub(crate) fn agent_runtime(
 /// Runs the tasks until `shutdown` fires and the drain is over, then writes the run finishes
 /// the store still has queued (every task has ended, its finish queued): the production worker
 /// and the devkit's in-process workers alike.
-pub async fn run_tasks(runner: Runner, store: Option<StoreHandle>, shutdown: CancellationToken) {
+pub(crate) async fn run_tasks(
+    runner: Runner,
+    store: Option<StoreHandle>,
+    shutdown: CancellationToken,
+) {
     runner.run(shutdown).await;
     if let Some(store) = store {
         store.flush().await;

@@ -28,7 +28,7 @@ pub(crate) mod token;
 use token::{GrantedToken, TokenError, TokenHandle, TokenSource};
 
 /// The scope the engine requires of a worker (protocol.md A.5).
-pub const DEFAULT_SCOPE: &str = "worker:execute";
+pub(crate) const DEFAULT_SCOPE: &str = "worker:execute";
 
 /// Bound on one discovery or token request, so a hung issuer cannot hold up a grant.
 const ISSUER_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);

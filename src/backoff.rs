@@ -33,7 +33,7 @@ impl Backoff {
 
     /// [`Backoff::delay`] with the random draw given (`unit` in `0.0..1.0`), for callers whose
     /// randomness is injected.
-    pub fn delay_with(&self, attempt: u32, unit: f64) -> Duration {
+    pub(crate) fn delay_with(&self, attempt: u32, unit: f64) -> Duration {
         let exp = self
             .base
             .saturating_mul(1u32.checked_shl(attempt.min(30)).unwrap_or(u32::MAX));
@@ -50,12 +50,12 @@ impl Backoff {
 
 /// Stretches a periodic wait by up to `fraction` (never shortens it): replicas drift apart,
 /// yet no wait is shorter than `period`, so an idle worker asks at most once per period.
-pub fn stretched(period: Duration, fraction: f64) -> Duration {
+pub(crate) fn stretched(period: Duration, fraction: f64) -> Duration {
     stretched_with(period, fraction, rand::random::<f64>())
 }
 
 /// [`stretched`] with the random draw given (`unit` in `0.0..1.0`).
-pub fn stretched_with(period: Duration, fraction: f64, unit: f64) -> Duration {
+pub(crate) fn stretched_with(period: Duration, fraction: f64, unit: f64) -> Duration {
     if fraction <= 0.0 || period.is_zero() {
         return period;
     }

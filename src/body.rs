@@ -14,42 +14,42 @@ use bytes::{Bytes, BytesMut};
 
 /// A model's answer: 2 MiB is several times the largest output any model produces (about 128k
 /// tokens of text); a larger answer is hostile or broken.
-pub const MODEL_RESPONSE_MAX_BYTES: usize = 2 * 1024 * 1024;
+pub(crate) const MODEL_RESPONSE_MAX_BYTES: usize = 2 * 1024 * 1024;
 /// One JSON response or SSE event from a tool server. Results are cut to 64 KiB before the
 /// model sees them; this bounds what is read to get there. 4 MiB: a result up to that size is
 /// read and cut; a larger one is not read, and the model is told (an SSE event past it too, told
 /// apart from a broken stream by `tools::transport`).
-pub const TOOL_RESPONSE_MAX_BYTES: usize = 4 * 1024 * 1024;
+pub(crate) const TOOL_RESPONSE_MAX_BYTES: usize = 4 * 1024 * 1024;
 /// The diagnostic text of a tool server's non-JSON error answer.
-pub const TOOL_ERROR_BODY_MAX_BYTES: usize = 16 * 1024;
+pub(crate) const TOOL_ERROR_BODY_MAX_BYTES: usize = 16 * 1024;
 /// A tool error message (JSON-RPC error, protocol failure) as it is kept and shown to the model.
-pub const TOOL_ERROR_MESSAGE_MAX_BYTES: usize = 4 * 1024;
+pub(crate) const TOOL_ERROR_MESSAGE_MAX_BYTES: usize = 4 * 1024;
 /// Pages of one `tools/list`: a server that keeps sending a next-page cursor is cut here.
-pub const TOOL_LIST_MAX_PAGES: usize = 16;
+pub(crate) const TOOL_LIST_MAX_PAGES: usize = 16;
 /// Tools one server may list; a model is offered far fewer in practice.
-pub const TOOL_LIST_MAX_TOOLS: usize = 256;
+pub(crate) const TOOL_LIST_MAX_TOOLS: usize = 256;
 /// A tool's description as offered to the model; a longer one is cut.
 pub const TOOL_DESCRIPTION_MAX_BYTES: usize = 4 * 1024;
 /// A tool's input schema (as JSON); a tool with a larger one is not offered.
 pub const TOOL_SCHEMA_MAX_BYTES: usize = 32 * 1024;
 /// One locked task of a fetch response (its variables and agent definition as JSON). A larger
 /// task is not taken: it becomes an incident naming this limit (retrying cannot shrink it).
-pub const TASK_MAX_BYTES: usize = 1024 * 1024;
+pub(crate) const TASK_MAX_BYTES: usize = 1024 * 1024;
 /// A whole fetch response, read as it arrives (at most one task's bytes are held at a time).
-pub const FETCH_STREAM_MAX_BYTES: usize = 64 * 1024 * 1024;
+pub(crate) const FETCH_STREAM_MAX_BYTES: usize = 64 * 1024 * 1024;
 /// A journal read answer, decoded as it arrives.
-pub const JOURNAL_MAX_BYTES: usize = 8 * 1024 * 1024;
+pub(crate) const JOURNAL_MAX_BYTES: usize = 8 * 1024 * 1024;
 /// Steps of one journal: far above what the limits on turns and tool calls let a task write.
 pub const JOURNAL_MAX_STEPS: usize = 4096;
 /// A process definition answer (`GET /v1/processes/{id}`): its BPMN XML, escaped in JSON. A
 /// model with an agent on every task stays far below; the XML parser gets no more than this.
 pub const PROCESS_DEFINITION_MAX_BYTES: usize = 4 * 1024 * 1024;
 /// Any other engine answer (errors, tool credentials, empty successes).
-pub const ENGINE_ANSWER_MAX_BYTES: usize = 64 * 1024;
+pub(crate) const ENGINE_ANSWER_MAX_BYTES: usize = 64 * 1024;
 /// An OIDC issuer's documents: discovery, JWKS, token answers.
-pub const ISSUER_DOCUMENT_MAX_BYTES: usize = 256 * 1024;
+pub(crate) const ISSUER_DOCUMENT_MAX_BYTES: usize = 256 * 1024;
 /// The part of a non-success answer kept to classify and describe it.
-pub const ERROR_BODY_MAX_BYTES: usize = 16 * 1024;
+pub(crate) const ERROR_BODY_MAX_BYTES: usize = 16 * 1024;
 
 /// An outside body larger than its limit; nothing past the limit was read.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -69,11 +69,11 @@ pub struct TooLarge {
 /// The unit of most limits.
 pub(crate) const BYTES: &str = "bytes";
 /// The unit of the journal's step limit ([`JOURNAL_MAX_STEPS`]).
-pub const STEPS: &str = "steps";
+pub(crate) const STEPS: &str = "steps";
 
 /// Why a body could not be read.
 #[derive(Debug, thiserror::Error)]
-pub enum ReadError {
+pub(crate) enum ReadError {
     #[error(transparent)]
     TooLarge(#[from] TooLarge),
     /// The connection failed or timed out while the body arrived.
@@ -83,7 +83,7 @@ pub enum ReadError {
 
 /// Reads the whole body, refusing it as soon as it is known to exceed `limit` (a
 /// `Content-Length` above it is refused before any byte is read).
-pub async fn read_capped(
+pub(crate) async fn read_capped(
     mut response: reqwest::Response,
     limit: usize,
     what: &str,
@@ -113,7 +113,7 @@ pub async fn read_capped(
 
 /// Reads at most `limit` bytes of the body and drops the rest unread (for error answers, whose
 /// first bytes are all a message needs).
-pub async fn read_prefix(mut response: reqwest::Response, limit: usize) -> Vec<u8> {
+pub(crate) async fn read_prefix(mut response: reqwest::Response, limit: usize) -> Vec<u8> {
     let mut body = Vec::new();
     while let Ok(Some(chunk)) = response.chunk().await {
         let room = limit - body.len();
@@ -140,7 +140,7 @@ pub(crate) const DECODE_IN_PLACE_MAX_BYTES: usize = 256 * 1024;
 /// decoder sees an I/O error) and the result is [`ReadError::TooLarge`], whatever `decode`
 /// returned; a connection failure is [`ReadError::Http`]. `decode` may also stop early on its
 /// own limits.
-pub async fn decode_streamed<T: Send + 'static>(
+pub(crate) async fn decode_streamed<T: Send + 'static>(
     mut response: reqwest::Response,
     limit: usize,
     what: &str,

@@ -124,7 +124,7 @@ impl ToolSpec {
     /// Whether a call of this tool may change something: not annotated read-only, or annotated
     /// destructive (the stricter hint wins). Such a call is a keyed, journaled write, and what
     /// the `"writes"` approval policy asks about.
-    pub fn is_write(&self) -> bool {
+    pub(crate) fn is_write(&self) -> bool {
         !self.read_only || self.destructive
     }
 }

@@ -38,7 +38,7 @@ pub fn engine_fetch_response(body: &[u8]) -> Result<(Vec<Task>, Vec<String>), St
 }
 
 /// What a limited fetch read: the tasks taken, the problems, the (id, attempt) of a task too large.
-pub type LimitedFetch = (Vec<Task>, Vec<String>, Vec<(String, Option<u32>)>);
+type LimitedFetch = (Vec<Task>, Vec<String>, Vec<(String, Option<u32>)>);
 
 /// A fetch-and-lock response read task by task with a per-task byte limit, as the engine
 /// client reads it: the tasks taken, the problems, and the (id, attempt) of a task too large.

@@ -31,7 +31,7 @@ use crate::handler::TaskEnd;
 use crate::heartbeat::HeartbeatEvent;
 use crate::runner::RunnerEvent;
 
-pub use dev_engine::{DevEngineArgs, run_dev_engine};
+pub(crate) use dev_engine::{DevEngineArgs, run_dev_engine};
 use timeline::Timeline;
 pub use timeline::{Event, Output};
 
@@ -491,7 +491,7 @@ impl Crew {
     }
 
     /// Updates the worker's counters from one event.
-    pub fn absorb(&mut self, index: usize, event: &RunnerEvent) {
+    pub(crate) fn absorb(&mut self, index: usize, event: &RunnerEvent) {
         let w = &mut self.workers[index];
         match event {
             RunnerEvent::Fetched { requested, got } => {

@@ -115,8 +115,8 @@ pub struct ToolCredential {
 }
 
 /// The operation names of the process API's two reads (metrics, spans, errors).
-pub const OP_PROCESS_INSTANCE: &str = "process-instance";
-pub const OP_PROCESS_DEFINITION: &str = "process-definition";
+pub(crate) const OP_PROCESS_INSTANCE: &str = "process-instance";
+pub(crate) const OP_PROCESS_DEFINITION: &str = "process-definition";
 
 /// A process instance, as far as the worker reads it (`GET /v1/processes/instances/{id}`).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -84,7 +84,7 @@ impl Outcome {
     /// becomes an incident naming the variables, reported once. Nested nulls are stored as
     /// they are. (An agent whose final answer is `null` ends here; see README.md "How a task
     /// ends".)
-    pub fn storable(self) -> Outcome {
+    pub(crate) fn storable(self) -> Outcome {
         let variables = match &self {
             Outcome::Complete { variables } => variables,
             Outcome::BpmnError(r) => &r.variables,
@@ -127,7 +127,7 @@ impl Outcome {
     /// instance is suspended"): a failure with `retries: 0` carrying the engine's message, so
     /// the task ends once as an incident instead of expiring and running again forever.
     /// `None` for any other outcome.
-    pub fn refused_instead(&self, refusal: &EngineError) -> Option<FailureReport> {
+    pub(crate) fn refused_instead(&self, refusal: &EngineError) -> Option<FailureReport> {
         let what = match self {
             Outcome::Complete { .. } => "completion",
             Outcome::BpmnError(_) => "BPMN error",
@@ -158,7 +158,7 @@ impl Outcome {
 }
 
 /// The task's own `retries`, for failures that must not consume one (3 when the engine sent null).
-pub fn retries_unchanged(task: &Task) -> i32 {
+pub(crate) fn retries_unchanged(task: &Task) -> i32 {
     task_retries(task)
 }
 
@@ -167,7 +167,7 @@ pub fn retries_consumed(task: &Task) -> i32 {
     task_retries(task).saturating_sub(1).max(0)
 }
 
-pub const DEFAULT_RETRIES: i32 = 3;
+pub(crate) const DEFAULT_RETRIES: i32 = 3;
 
 /// The most retries a failure reports. The engine's `retries` is outside input: a negative
 /// value (`i32::MIN` once wrapped to endless retries) counts as none left, and a huge one is
@@ -176,7 +176,7 @@ pub(crate) const MAX_RETRIES: i32 = 100;
 
 /// The task's `retries` as the worker counts with it: [`DEFAULT_RETRIES`] when the engine sent
 /// none, else clamped to `0..=MAX_RETRIES` before any arithmetic.
-pub fn task_retries(task: &Task) -> i32 {
+pub(crate) fn task_retries(task: &Task) -> i32 {
     task.retries
         .unwrap_or(DEFAULT_RETRIES)
         .clamp(0, MAX_RETRIES)
@@ -204,7 +204,7 @@ pub trait TaskHandler: Send + Sync + 'static {
 /// record an end that is now committed (the run store finishes the task's run on `Completed`).
 /// Given to [`TaskContext::after_report`]; run once, after `handle`, even one dropped midway.
 #[async_trait]
-pub trait AfterReport: Send {
+pub(crate) trait AfterReport: Send {
     async fn reported(self: Box<Self>, end: TaskEnd);
 }
 
@@ -255,7 +255,7 @@ impl TaskContext {
 
     /// Leaves `hook` to run once the runner has reported the task's end (replacing any left
     /// before by this task).
-    pub fn after_report(&self, hook: Box<dyn AfterReport>) {
+    pub(crate) fn after_report(&self, hook: Box<dyn AfterReport>) {
         self.after_report.set(hook);
     }
 
@@ -279,7 +279,7 @@ impl TaskContext {
 
     /// The shutdown grace period is over: wrap up at the next step boundary and return
     /// [`Outcome::released`].
-    pub fn stop_requested(&self) -> bool {
+    pub(crate) fn stop_requested(&self) -> bool {
         self.stop.is_cancelled()
     }
 
@@ -406,7 +406,7 @@ impl<E> TaskError<E> {
     /// The one rule for a task whose call about itself failed and cannot go on: a lost lease
     /// ends it silently ([`Outcome::Abandoned`]); any other error ends it as `on_engine_error`
     /// says.
-    pub fn into_outcome(self, on_engine_error: impl FnOnce(E) -> Outcome) -> Outcome {
+    pub(crate) fn into_outcome(self, on_engine_error: impl FnOnce(E) -> Outcome) -> Outcome {
         match self {
             TaskError::LeaseLost(_) => Outcome::Abandoned,
             TaskError::Engine(e) => on_engine_error(e),

@@ -75,7 +75,7 @@ impl Lease {
     }
 
     /// Marks the lease lost; returns true for the call that did it first.
-    pub fn mark_lost(&self, reason: LeaseLostReason) -> bool {
+    pub(crate) fn mark_lost(&self, reason: LeaseLostReason) -> bool {
         let first = self.reason.set(reason).is_ok();
         self.lost.cancel();
         if first {
@@ -108,7 +108,7 @@ impl Lease {
     /// scheduler no longer extends (its task is reporting its outcome) still expires here, so
     /// a report the engine never answers ends at the expiry, and nothing about the task is sent
     /// afterwards. An extension accepted meanwhile moves the expiry later.
-    pub async fn lost_or_expired(&self) {
+    pub(crate) async fn lost_or_expired(&self) {
         // SIM-BUG (feature `sim-bugs`, selected at run time): no local expiry.
         #[cfg(feature = "sim-bugs")]
         if crate::sim_bugs::active(crate::sim_bugs::Bug::HeartbeatAfterExpiry) {

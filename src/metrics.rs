@@ -431,19 +431,19 @@ impl Metrics {
         out
     }
 
-    pub fn observe_store_transaction(&self, operation: &'static str, took: Duration) {
+    pub(crate) fn observe_store_transaction(&self, operation: &'static str, took: Duration) {
         self.store_transaction_duration
             .get_or_create(&StoreOperationLabel { operation })
             .observe(took.as_secs_f64());
     }
 
-    pub fn count_store_error(&self, operation: &'static str, class: &'static str) {
+    pub(crate) fn count_store_error(&self, operation: &'static str, class: &'static str) {
         self.store_errors
             .get_or_create(&StoreErrorLabels { operation, class })
             .inc();
     }
 
-    pub fn count_store_runs_deleted(&self, reason: &'static str, runs: u64) {
+    pub(crate) fn count_store_runs_deleted(&self, reason: &'static str, runs: u64) {
         if runs > 0 {
             self.store_runs_deleted
                 .get_or_create(&ReasonLabel { reason })
@@ -456,7 +456,7 @@ impl Metrics {
     /// `names` ([`labels::DeclaredNames::model`]): a model the task's definition did not declare
     /// is `other` in each of them, and a declared name is cut to [`labels::MAX_LABEL_LEN`].
     /// `agent` is the definition's name, already capped.
-    pub fn observe_model_call(
+    pub(crate) fn observe_model_call(
         &self,
         names: &labels::DeclaredNames,
         agent: &str,
@@ -540,13 +540,13 @@ impl Metrics {
 
     /// Counts an approval event: `requested`, `requested_again`, `approved`, `refused` or
     /// `unusable`.
-    pub fn count_approval(&self, event: &'static str) {
+    pub(crate) fn count_approval(&self, event: &'static str) {
         self.approvals.get_or_create(&ApprovalLabel { event }).inc();
     }
 
     /// A rejected final answer of agent `agent` (already capped): a repair turn, or, with
     /// `repaired` false, the incident.
-    pub fn count_output_rejection(&self, agent: &str, reason: &'static str, repaired: bool) {
+    pub(crate) fn count_output_rejection(&self, agent: &str, reason: &'static str, repaired: bool) {
         let family = if repaired {
             &self.output_repairs
         } else {
@@ -560,7 +560,12 @@ impl Metrics {
             .inc();
     }
 
-    pub fn observe_engine_request(&self, operation: &'static str, status: String, took: Duration) {
+    pub(crate) fn observe_engine_request(
+        &self,
+        operation: &'static str,
+        status: String,
+        took: Duration,
+    ) {
         self.engine_request_duration
             .get_or_create(&EngineRequestLabels { operation, status })
             .observe(took.as_secs_f64());

@@ -49,7 +49,7 @@ impl ProviderKind {
     }
 
     /// The public API root of the kind's own vendor.
-    pub fn default_base_url(self) -> &'static str {
+    pub(crate) fn default_base_url(self) -> &'static str {
         match self {
             ProviderKind::OpenAi => "https://api.openai.com/v1",
             ProviderKind::Anthropic => "https://api.anthropic.com",
@@ -152,7 +152,7 @@ pub struct OutputFormat {
 impl ModelRequest {
     /// The system prompt with `output`'s instruction appended, for a wire format that does not
     /// enforce the schema itself.
-    pub fn system_with_output_instruction(&self) -> String {
+    pub(crate) fn system_with_output_instruction(&self) -> String {
         match &self.output {
             None => self.system.clone(),
             Some(o) if self.system.is_empty() => o.instruction.clone(),
@@ -280,7 +280,7 @@ impl ProviderError {
 
 /// Parses `retry-after-ms` (milliseconds, may be fractional), else `Retry-After` (seconds or
 /// an HTTP date; a date in the past means zero). None when neither is present and valid.
-pub fn parse_retry_after(
+pub(crate) fn parse_retry_after(
     headers: &reqwest::header::HeaderMap,
     now: SystemTime,
 ) -> Option<Duration> {
@@ -354,12 +354,6 @@ impl ProviderRegistry {
         self.providers.insert(name.into(), provider);
     }
 
-    /// The registry with its models' circuits under `policy` (tests shorten it).
-    pub fn with_circuit_policy(mut self, policy: circuit::CircuitPolicy) -> Self {
-        self.circuits = Arc::new(circuit::ModelCircuits::new(policy));
-        self
-    }
-
     /// The registry with every model of provider `name` given a context window of `tokens`
     /// (`ABADA_AGENT_PROVIDER_<NAME>_CONTEXT_WINDOW`).
     pub fn with_context_window(mut self, name: impl Into<String>, tokens: u64) -> Self {
@@ -368,7 +362,7 @@ impl ProviderRegistry {
     }
 
     /// The context window of each model, configured or known.
-    pub fn context_windows(&self) -> &context::ContextWindows {
+    pub(crate) fn context_windows(&self) -> &context::ContextWindows {
         &self.windows
     }
 

@@ -28,22 +28,11 @@ pub fn url(raw: &str) -> String {
 
 /// A borrowed reqwest error's text with its cause chain, its URL shown as [`url`] shows it
 /// (reqwest writes the whole URL, query included, into its message).
-pub fn reqwest_error_text(e: &reqwest::Error) -> String {
+pub(crate) fn reqwest_error_text(e: &reqwest::Error) -> String {
     let text = crate::errors::chain(e);
     match e.url() {
         Some(u) => text.replace(u.as_str(), &url(u.as_str())),
         None => text,
-    }
-}
-
-/// A reqwest error's text with its URL redacted (reqwest puts the full URL in its message).
-pub fn reqwest_error(e: reqwest::Error) -> reqwest::Error {
-    match e.url().map(|u| url(u.as_str())) {
-        Some(shown) => match reqwest::Url::parse(&shown) {
-            Ok(u) => e.with_url(u),
-            Err(_) => e.without_url(),
-        },
-        None => e,
     }
 }
 
@@ -84,7 +73,5 @@ mod tests {
             "{borrowed}"
         );
         assert!(borrowed.contains("127.0.0.1:1/x"), "{borrowed}");
-        let shown = crate::errors::chain(&reqwest_error(e));
-        assert!(!shown.contains("abc") && !shown.contains("pw"), "{shown}");
     }
 }

@@ -186,7 +186,7 @@ impl WorkerStatus {
     }
 
     /// Time since the poll loop last went round.
-    pub fn since_last_tick(&self) -> Duration {
+    pub(crate) fn since_last_tick(&self) -> Duration {
         let now = self.started.elapsed().as_millis() as u64;
         Duration::from_millis(now.saturating_sub(self.last_tick_ms.load(Ordering::Relaxed)))
     }

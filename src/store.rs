@@ -53,14 +53,13 @@ use tokio_util::sync::CancellationToken;
 
 pub use admission::{Admission, Asking, ClaimRefusal, InputDigest, Phase, Seen, admit};
 pub use error::{ErrorClass, FenceReason, StoreError};
-pub use finishes::{IDLE_FLUSH_AFTER, MAX_PENDING_FINISHES};
-pub use handle::{StoreHandle, connect_backoff};
-pub use runs::{
-    Claim, Claimant, Fence, MAX_BODY_DEPTH, MAX_JOURNAL_BYTES, MAX_RUN_KEY_BYTES, RunEnd, RunKey,
-    StepBody, check_step,
-};
+pub(crate) use finishes::IDLE_FLUSH_AFTER;
+pub use finishes::MAX_PENDING_FINISHES;
+pub use handle::StoreHandle;
+pub(crate) use handle::connect_backoff;
+pub use runs::{Claim, Claimant, Fence, RunEnd, RunKey, check_step};
 pub use settings::StoreConfig;
-pub use url::{SslMode, StoreUrl, UrlError, UrlPart};
+pub(crate) use url::StoreUrl;
 
 use crate::engine::{AppendOutcome, JournalStep};
 use crate::metrics::Metrics;

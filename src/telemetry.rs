@@ -45,7 +45,7 @@ pub enum LogFormat {
 }
 
 /// Where JSON lines go: stdout, or a buffer in tests.
-pub type SharedWriter = Arc<Mutex<dyn Write + Send>>;
+type SharedWriter = Arc<Mutex<dyn Write + Send>>;
 
 /// A layer of the subscriber stack, every one behind its own filter.
 pub(crate) type BoxedLayer = Box<dyn Layer<Registry> + Send + Sync>;
@@ -163,7 +163,7 @@ fn names_target(spec: &str, target: &str) -> bool {
 }
 
 /// A layer writing one flattened JSON object per event.
-pub struct JsonLayer {
+struct JsonLayer {
     out: SharedWriter,
     worker_id: String,
 }

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 /// The variable that names the extra CA bundle.
-pub const ENV_CA_FILE: &str = "ABADA_AGENT_CA_FILE";
+pub(crate) const ENV_CA_FILE: &str = "ABADA_AGENT_CA_FILE";
 
 /// Why the CA bundle cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -47,7 +47,7 @@ pub fn http_client_builder(ca_file: Option<&Path>) -> Result<reqwest::ClientBuil
 }
 
 /// Reads and checks a PEM bundle of CA certificates.
-pub fn load_ca_bundle(path: &Path) -> Result<Vec<reqwest::Certificate>, TlsError> {
+pub(crate) fn load_ca_bundle(path: &Path) -> Result<Vec<reqwest::Certificate>, TlsError> {
     let pem = std::fs::read(path).map_err(|source| TlsError::Read {
         path: path.to_path_buf(),
         source,
@@ -79,7 +79,7 @@ pub fn load_ca_bundle(path: &Path) -> Result<Vec<reqwest::Certificate>, TlsError
 
 /// The same bundle, checked the same way, as DER certificates for a rustls root store (the run
 /// store's TLS, which is not reqwest).
-pub fn load_ca_certificates(
+pub(crate) fn load_ca_certificates(
     path: &Path,
 ) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, TlsError> {
     use rustls::pki_types::pem::PemObject;

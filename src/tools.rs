@@ -260,7 +260,7 @@ pub fn http_client(builder: reqwest::ClientBuilder) -> Result<reqwest::Client, r
 
 /// A tool servers' client like [`http_client`] whose connections to `host` go to `addresses`
 /// only (the addresses [`alias::AliasGuard`] checked), never to a new resolution of the name.
-pub fn pinned_http_client(
+pub(crate) fn pinned_http_client(
     builder: reqwest::ClientBuilder,
     host: &str,
     addresses: &[std::net::SocketAddr],
@@ -309,7 +309,7 @@ pub trait ToolConnector: Send + Sync {
 
 /// The production [`ToolConnector`]: MCP over streamable HTTP (rmcp), on the tool servers'
 /// client ([`http_client`]: no redirects, guarded resolver).
-pub struct McpConnector {
+pub(crate) struct McpConnector {
     http: reqwest::Client,
     options: ToolSessionOptions,
 }
@@ -542,13 +542,6 @@ impl McpSessions {
             },
             &handle,
         ))
-    }
-
-    /// Names of the servers with an open session (for logs and tests).
-    pub fn open_servers(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.open.keys().cloned().collect();
-        names.sort();
-        names
     }
 
     async fn session(&mut self, server: &str) -> Result<&mut Session, ToolError> {

@@ -1,6 +1,7 @@
 //! Approval of tool calls by a person (issue 14), the pure part (the stop and the resume are
 //! `run::Attempt::approval_gate`, the journal steps `journal::approval_*_step`): which calls
-//! need approval ([`ApprovalPolicy`] from `tools::approval_policy`, whose [`ToolRule`]s may bound a numeric argument;
+//! need approval ([`ApprovalPolicy`] from `tools::approval_policy`, whose
+//! [`ToolRule`](crate::tools::approval_policy::ToolRule)s may bound a numeric argument;
 //! [`ApprovalRules`], the definition's policy plus each tool server's from the operator's
 //! registry), the process variables that carry the question and the answer
 //! ([`ApprovalVariables`]), the request the worker completes with ([`PendingRequest`],
@@ -34,9 +35,9 @@ pub(crate) const DEFAULT_STATUS_VARIABLE: &str = "agentStatus";
 pub(crate) const DEFAULT_REQUEST_VARIABLE: &str = "agentApprovalRequest";
 pub(crate) const DEFAULT_DECISION_VARIABLE: &str = "agentApproval";
 /// `agentStatus` of a task that stops for a person's decision.
-pub const STATUS_APPROVAL_REQUIRED: &str = "approval-required";
+pub(crate) const STATUS_APPROVAL_REQUIRED: &str = "approval-required";
 /// `agentStatus` of a task that ended with a final answer.
-pub const STATUS_DONE: &str = "done";
+pub(crate) const STATUS_DONE: &str = "done";
 
 /// Bounds on what a person typed: a decision is read from process variables anyone with the
 /// task list can write, so it is bounded like every outside input.
@@ -44,14 +45,15 @@ const MAX_COMMENT_CHARS: usize = 4096;
 const MAX_NAME_CHARS: usize = 256;
 const MAX_CALL_ID_CHARS: usize = 256;
 
+pub(crate) use crate::tools::approval_policy::ApprovalPolicy;
+pub use crate::tools::approval_policy::Bound;
 use crate::tools::approval_policy::kind;
-pub use crate::tools::approval_policy::{ApprovalPolicy, ArgumentBound, Bound, ToolRule};
 
 /// The policies that apply to one agent: its definition's, and each tool server's in the
 /// operator's registry. A call needs approval when either says so: the operator can require
 /// approval for a server whatever a definition (possibly sent by the engine) asks for.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct ApprovalRules {
+pub(crate) struct ApprovalRules {
     pub definition: ApprovalPolicy,
     /// By server name: the `approval` of each server the definition uses, from the operator's
     /// tool-server registry (`ABADA_AGENT_TOOLS_FILE`); servers without one are not listed.
@@ -60,7 +62,7 @@ pub struct ApprovalRules {
 
 impl ApprovalRules {
     /// Whether a call of `spec` with `arguments` (the model's, as it will be sent) needs approval.
-    pub fn needs_approval(&self, spec: &ToolSpec, arguments: &Value) -> bool {
+    pub(crate) fn needs_approval(&self, spec: &ToolSpec, arguments: &Value) -> bool {
         self.definition.covers(spec, arguments)
             || self
                 .servers
@@ -70,7 +72,7 @@ impl ApprovalRules {
 
     /// Whether any call could ever need approval (a definition that cannot stop needs no run
     /// store to wait in).
-    pub fn may_stop(&self) -> bool {
+    pub(crate) fn may_stop(&self) -> bool {
         self.definition != ApprovalPolicy::Never
             || self
                 .servers
@@ -114,7 +116,7 @@ impl Default for ApprovalVariables {
 #[error(
     "agent {agent:?} asks for approval of tool calls (its definition's approval, or that of a tool server it uses in ABADA_AGENT_TOOLS_FILE), but a conversation can only wait for a person's decision in the run store, and this worker runs agents without one; nothing was performed. Set approval = \"never\" for this agent and its servers, or run it on a worker that keeps agent runs in the run store (ABADA_AGENT_STORE_URL)"
 )]
-pub struct NoWaitingPlace {
+pub(crate) struct NoWaitingPlace {
     pub agent: String,
 }
 
@@ -146,7 +148,7 @@ impl PendingRequest {
     /// Whether `call` is exactly the call that was put to the person (same server, tool and
     /// arguments, by digest). A request without a digest (journaled before digests) holds no
     /// content to compare: only its call id is.
-    pub fn is_for(&self, call: &ToolCall) -> bool {
+    pub(crate) fn is_for(&self, call: &ToolCall) -> bool {
         self.call_id == call.call_id
             && self
                 .call_digest
@@ -177,7 +179,7 @@ pub fn call_digest(call: &ToolCall) -> String {
 
 /// The value of the request variable: what a person needs to decide. `summary` is the model's
 /// own text of the turn that asked for the call; `requestId` must be copied into the decision.
-pub fn approval_request(
+pub(crate) fn approval_request(
     call: &ToolCall,
     request: &PendingRequest,
     summary: Option<&str>,
@@ -201,7 +203,7 @@ pub(crate) const PENDING: &str = "pending";
 /// What the worker writes into the decision variable when it stops: whatever the variable held
 /// before (a decision preset at the process's start, left over from an earlier request, written
 /// by a script) is gone before anyone could use it, and the marker itself decides nothing.
-pub fn pending_marker(request: &PendingRequest) -> Value {
+pub(crate) fn pending_marker(request: &PendingRequest) -> Value {
     json!({"status": PENDING, "requestId": request.request_id})
 }
 
@@ -225,7 +227,7 @@ pub struct Decision {
 /// the same request (nobody decided); every other is an incident naming why, the request still
 /// open, for an operator to look at (a form that does not copy `requestId`, or a forgery).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum DecisionError {
+pub(crate) enum DecisionError {
     #[error(
         "call {call_id} waits for approval, but the process variable {variable:?} holds no decision (it is missing, or still the worker's pending marker); the request is put to a person again"
     )]
@@ -263,7 +265,7 @@ pub enum DecisionError {
 impl DecisionError {
     /// Nobody decided: the worker stops again with the same request (same requestId), and the
     /// process returns to the user task. Every other error is an incident.
-    pub fn asks_again(&self) -> bool {
+    pub(crate) fn asks_again(&self) -> bool {
         matches!(self, DecisionError::Undecided { .. })
     }
 }
@@ -271,7 +273,7 @@ impl DecisionError {
 /// The decision on `pending` in `variables[name]`, validated: it must name the request's
 /// `requestId` (never one in `consumed`), its `callId`, and, when it carries a `callDigest`, the
 /// request's.
-pub fn read_decision(
+pub(crate) fn read_decision(
     variables: &Map<String, Value>,
     name: &str,
     pending: &PendingRequest,
@@ -392,7 +394,7 @@ pub fn read_decision(
 }
 
 /// What the model reads instead of a result when a person refused the call.
-pub fn refusal_result(call: &ToolCall, decision: &Decision) -> ToolResult {
+pub(crate) fn refusal_result(call: &ToolCall, decision: &Decision) -> ToolResult {
     let reason = match &decision.comment {
         Some(comment) => format!(" Their reason: {comment}"),
         None => " They gave no reason.".to_string(),
@@ -406,6 +408,7 @@ pub fn refusal_result(call: &ToolCall, decision: &Decision) -> ToolResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tools::approval_policy::{ArgumentBound, ToolRule};
 
     fn spec(tool: &str, read_only: bool, destructive: bool) -> ToolSpec {
         ToolSpec {

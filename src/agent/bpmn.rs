@@ -92,7 +92,7 @@ enum Kind {
     Json,
 }
 
-pub use super::definition::BpmnOrigin;
+pub(crate) use super::definition::BpmnOrigin;
 
 /// A BPMN definition that cannot be read, or a service task whose agent cannot be used: an
 /// error of the process model, not of the worker; the task becomes an incident.
@@ -277,7 +277,7 @@ fn element_depth(xml: &str) -> usize {
 }
 
 /// A service task's id with its definition, or the text of the error naming what is wrong.
-pub type BpmnAgent = (String, Result<AgentDefinition, String>);
+pub(crate) type BpmnAgent = (String, Result<AgentDefinition, String>);
 
 /// [`parse_process`] as plain values, for `decoders` (property tests and fuzzing): each agent's
 /// service task id with its definition or the error's text, sorted by id.
@@ -428,7 +428,7 @@ fn value_of(kind: Kind, text: &str) -> Result<Value, String> {
 }
 
 /// The snapshot of a BPMN definition a run journals in its input step (`data.definition`).
-pub fn journal_snapshot(def: &AgentDefinition) -> Option<Value> {
+pub(crate) fn journal_snapshot(def: &AgentDefinition) -> Option<Value> {
     let origin = def.origin.as_ref()?;
     Some(json!({
         "source": "bpmn",
@@ -441,7 +441,7 @@ pub fn journal_snapshot(def: &AgentDefinition) -> Option<Value> {
 
 /// The definition a run journaled when it started: a resumed run keeps it, whatever was
 /// deployed since. Parsed by the same parser.
-pub fn from_journal_snapshot(snapshot: &Value) -> Result<AgentDefinition, BpmnError> {
+pub(crate) fn from_journal_snapshot(snapshot: &Value) -> Result<AgentDefinition, BpmnError> {
     let text = |k: &str| snapshot.get(k).and_then(Value::as_str).unwrap_or_default();
     let (process, activity) = (text("process"), text("activity"));
     let version = snapshot.get("version").and_then(Value::as_i64);
@@ -454,7 +454,7 @@ pub fn from_journal_snapshot(snapshot: &Value) -> Result<AgentDefinition, BpmnEr
 /// when the claimant rendered from another one (the process was redeployed since the run
 /// began, and a resumed run keeps its definition). `None` when the claimant offered that very
 /// definition: its input then differs because the variables did, and the refusal stands.
-pub fn journaled_definition_to_render(
+pub(crate) fn journaled_definition_to_render(
     journaled: &Value,
     offered: &AgentDefinition,
 ) -> Option<Result<AgentDefinition, BpmnError>> {
@@ -489,7 +489,7 @@ impl Default for BpmnSettings {
 
 /// Why a task's definition could not be resolved.
 #[derive(Debug, thiserror::Error)]
-pub enum ResolveError {
+pub(crate) enum ResolveError {
     /// No usable definition: an incident.
     #[error(transparent)]
     Definition(#[from] DefinitionError),
@@ -559,7 +559,7 @@ struct Latest {
 
 /// The BPMN source of agent definitions, shared by every task of the process: the caches and
 /// the resolution order.
-pub struct BpmnDefinitions {
+pub(crate) struct BpmnDefinitions {
     settings: BpmnSettings,
     /// Process key → latest version's agents (trusted for `latest_for`).
     latest: Mutex<Bounded<String, Latest>>,

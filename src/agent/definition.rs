@@ -454,7 +454,7 @@ pub enum Fence {
 
 /// Why a template did not render.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RenderError {
+pub(crate) enum RenderError {
     /// The first variable the process does not have.
     Missing(String),
     /// The rendered text would be longer than `limit` bytes (rendering stopped there).
@@ -462,7 +462,7 @@ pub enum RenderError {
 }
 
 /// [`render_template`] with a fence and a cap on the rendered size, checked as it grows.
-pub fn render_capped(
+pub(crate) fn render_capped(
     template: &str,
     variables: &Map<String, Value>,
     fence: Fence,
@@ -575,7 +575,7 @@ impl AgentsFile {
     }
 
     /// Parses the text of an agents file (TOML).
-    pub fn parse_str(text: &str) -> Result<Self, String> {
+    pub(crate) fn parse_str(text: &str) -> Result<Self, String> {
         Self::parse(text).map_err(|e| match e {
             ParseError::Syntax(reason) => reason,
             ParseError::Definition(source) => source.to_string(),
@@ -613,13 +613,13 @@ impl AgentsFile {
     }
 
     /// The entry keyed by the task's activity id: it overrides a definition in the BPMN.
-    pub fn for_activity(&self, task: &Task) -> Option<&AgentDefinition> {
+    pub(crate) fn for_activity(&self, task: &Task) -> Option<&AgentDefinition> {
         task.activity_id.as_deref().and_then(|a| self.by_key.get(a))
     }
 
     /// The entry keyed by the task's topic: the default for every node of the topic that has
     /// no definition of its own (agents file by activity, or BPMN).
-    pub fn for_topic(&self, task: &Task) -> Option<&AgentDefinition> {
+    pub(crate) fn for_topic(&self, task: &Task) -> Option<&AgentDefinition> {
         self.by_key.get(&task.topic)
     }
 }
@@ -641,7 +641,7 @@ pub fn resolve(task: &Task, file: Option<&AgentsFile>) -> Result<AgentDefinition
 }
 
 /// The definition the engine sent with the task (`agent`, agent/1), parsed.
-pub fn sent_by_engine(task: &Task) -> Option<Result<AgentDefinition, DefinitionError>> {
+pub(crate) fn sent_by_engine(task: &Task) -> Option<Result<AgentDefinition, DefinitionError>> {
     let fallback_name = task.activity_id.as_deref().unwrap_or(&task.topic);
     task.agent
         .as_ref()
@@ -674,7 +674,8 @@ pub struct BpmnOrigin {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::approval::{ArgumentBound, Bound, ToolRule};
+    use crate::agent::approval::Bound;
+    use crate::tools::approval_policy::{ArgumentBound, ToolRule};
     use serde_json::json;
 
     fn vars() -> Map<String, Value> {

@@ -15,15 +15,15 @@ use super::limits::Spent;
 use crate::conversation::{AssistantMessage, Message, ToolCall, ToolResult, Usage};
 use crate::engine::JournalStep;
 
-pub const KIND_INPUT: &str = "input";
-pub const KIND_MODEL: &str = "model";
+pub(crate) const KIND_INPUT: &str = "input";
+pub(crate) const KIND_MODEL: &str = "model";
 pub(crate) const KIND_TOOL: &str = "tool";
 pub(crate) const STATE_STARTED: &str = "started";
 pub(crate) const STATE_FINISHED: &str = "finished";
 /// A run-store-only kind (issue 14): a call put to a person (`requested`) and their answer
 /// (`decided`). Never written to the engine's journal, whose kinds protocol.md B.2 fixes.
-pub const KIND_APPROVAL: &str = "approval";
-pub const STATE_REQUESTED: &str = "requested";
+pub(crate) const KIND_APPROVAL: &str = "approval";
+pub(crate) const STATE_REQUESTED: &str = "requested";
 pub(crate) const STATE_DECIDED: &str = "decided";
 /// A run-store-only kind (issue 23): the run was deferred (every model unavailable for
 /// everyone), counted so a run is deferred at most `ABADA_AGENT_MAX_DEFERRALS_PER_RUN` times.
@@ -45,7 +45,13 @@ pub fn write_key(task_id: &str, started_seq: u64) -> String {
 /// it; a different write (other arguments, tool or server) never shares a key. Two identical
 /// writes in one run are told apart by `n` (both applied), and a rerun that makes the same
 /// calls in the same order gets the same keys.
-pub fn content_key(task_id: &str, server: &str, tool: &str, arguments: &Value, n: u32) -> String {
+pub(crate) fn content_key(
+    task_id: &str,
+    server: &str,
+    tool: &str,
+    arguments: &Value,
+    n: u32,
+) -> String {
     use sha2::{Digest, Sha256};
     let content = canonical(&json!({"server": server, "tool": tool, "arguments": arguments}));
     let digest = Sha256::digest(content.as_bytes());
@@ -83,7 +89,7 @@ pub fn started_input_step(
 
 /// The input step with the definition the run starts with, when it was read from the BPMN: the
 /// engine serves only a process's latest version, so the journal is where a run finds its own.
-pub fn with_definition(mut step: JournalStep, def: &AgentDefinition) -> JournalStep {
+pub(crate) fn with_definition(mut step: JournalStep, def: &AgentDefinition) -> JournalStep {
     if let Some(snapshot) = super::bpmn::journal_snapshot(def) {
         step.data["definition"] = snapshot;
     }
@@ -150,7 +156,7 @@ pub fn tool_finished_step(
 /// digest binding server, tool and arguments); `request.task_id` is the task that stopped for it
 /// (a redelivery of that same task only repeats the request, any other task must carry the
 /// decision).
-pub fn approval_requested_step(seq: u64, request: &PendingRequest) -> JournalStep {
+pub(crate) fn approval_requested_step(seq: u64, request: &PendingRequest) -> JournalStep {
     JournalStep {
         seq,
         kind: KIND_APPROVAL.into(),
@@ -168,7 +174,7 @@ pub fn approval_requested_step(seq: u64, request: &PendingRequest) -> JournalSte
 /// A person's decision on the waiting call, journaled before it is acted on, so a crash between
 /// the decision and the write performs the write (keyed) or the refusal on the next attempt. Its
 /// `requestId` is consumed: no later decision naming it performs anything.
-pub fn approval_decided_step(seq: u64, decision: &Decision) -> JournalStep {
+pub(crate) fn approval_decided_step(seq: u64, decision: &Decision) -> JournalStep {
     JournalStep {
         seq,
         kind: KIND_APPROVAL.into(),
@@ -180,7 +186,11 @@ pub fn approval_decided_step(seq: u64, decision: &Decision) -> JournalStep {
 
 /// The run is deferred now, for the `deferral`-th time: every model was unavailable for
 /// everyone (`retryAfterMs` is what the engine was asked to wait).
-pub fn deferral_step(seq: u64, deferral: u32, retry_after: std::time::Duration) -> JournalStep {
+pub(crate) fn deferral_step(
+    seq: u64,
+    deferral: u32,
+    retry_after: std::time::Duration,
+) -> JournalStep {
     JournalStep {
         seq,
         kind: KIND_DEFERRAL.into(),
@@ -311,7 +321,7 @@ impl Replayed {
     }
 
     /// Rebuilds the run from the steps (in any order; sorted by `seq` here).
-    pub fn from_steps(steps: &[JournalStep]) -> Result<Self, ReplayError> {
+    pub(crate) fn from_steps(steps: &[JournalStep]) -> Result<Self, ReplayError> {
         let mut sorted: Vec<&JournalStep> = steps.iter().collect();
         sorted.sort_by_key(|s| s.seq);
         let mut r = Replayed::empty();

@@ -20,9 +20,9 @@ pub(crate) const DEFAULT_TOOL_CALLS_PER_TASK: u32 = 100;
 /// The default of `maxKeyedWrites` (per task).
 pub(crate) const DEFAULT_KEYED_WRITES_PER_TASK: u32 = 20;
 /// The hard maximum of `maxTurns`, whatever the definition or the operator says.
-pub const MAX_TURNS_CEILING: u32 = 200;
+pub(crate) const MAX_TURNS_CEILING: u32 = 200;
 /// The default of `maxOutputTokens`: the output cap of one model call.
-pub const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 4096;
+pub(crate) const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 4096;
 /// The default ceiling of `maxDurationMs` (one hour).
 pub(crate) const DEFAULT_MAX_TASK_DURATION: Duration = Duration::from_secs(3600);
 /// Bytes per token of the request estimate: the usual rule of thumb for English text and JSON
@@ -224,7 +224,7 @@ fn tokens_of_bytes(bytes: usize) -> u64 {
 /// An estimate of the input tokens of `req`: its text and JSON bytes over [`BYTES_PER_TOKEN`],
 /// plus a few tokens per message. Meant to stop a request that cannot fit the budget before it
 /// is sent, not to bill.
-pub fn estimate_request_tokens(req: &ModelRequest) -> u64 {
+pub(crate) fn estimate_request_tokens(req: &ModelRequest) -> u64 {
     let mut bytes = req.system.len();
     let mut messages: u64 = 1;
     for m in &req.messages {
@@ -263,7 +263,7 @@ pub(crate) fn tool_bytes(t: &ToolSpec) -> usize {
 }
 
 /// An estimate of the output tokens of an answer (when the provider reported none).
-pub fn estimate_answer_tokens(answer: &AssistantMessage) -> u64 {
+pub(crate) fn estimate_answer_tokens(answer: &AssistantMessage) -> u64 {
     tokens_of_bytes(assistant_bytes(answer)).max(1)
 }
 

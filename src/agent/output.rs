@@ -27,30 +27,30 @@ use serde_json::{Map, Value, json};
 use crate::provider::OutputFormat;
 
 /// How many repair turns a definition gets when it sets none.
-pub const DEFAULT_REPAIR_TURNS: u32 = 1;
+pub(crate) const DEFAULT_REPAIR_TURNS: u32 = 1;
 /// The most `outputRepairTurns` may ask: every repair is one more paid model call.
-pub const MAX_REPAIR_TURNS: u32 = 5;
+pub(crate) const MAX_REPAIR_TURNS: u32 = 5;
 /// The largest `outputSchema`, as compact JSON.
-pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
+const MAX_SCHEMA_BYTES: usize = 64 * 1024;
 /// The deepest nesting of a schema document (objects and arrays).
-pub const MAX_SCHEMA_DEPTH: usize = 32;
+const MAX_SCHEMA_DEPTH: usize = 32;
 /// The most subschemas a schema may have with every `$ref` inlined: what bounds the work of one
 /// validation (a few `$ref`s to a `$ref`-heavy definition multiply otherwise).
-pub const MAX_EXPANDED_NODES: usize = 500;
+const MAX_EXPANDED_NODES: usize = 500;
 /// The largest final answer validated against a schema; a longer one is told to be shorter. A
 /// heavy schema allows less ([`VALIDATION_WORK`]).
-pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
+const MAX_ANSWER_BYTES: usize = 64 * 1024;
 /// What validating one answer may cost, in answer bytes times schema weight (subschemas with
 /// every `$ref` inlined, plus `enum` values): each value of an answer is checked at most once
 /// per subschema and per enum value. A schema's answer cap is this divided by its weight, at
 /// most [`MAX_ANSWER_BYTES`]: a schema of up to 32 weights keeps the whole 64 KiB; the heaviest
 /// one allowed ([`MIN_ANSWER_BYTES`]) gets 1 KiB.
-pub const VALIDATION_WORK: usize = 2 * 1024 * 1024;
+const VALIDATION_WORK: usize = 2 * 1024 * 1024;
 /// The smallest answer cap a schema may leave: a heavier schema (weight over
 /// `VALIDATION_WORK / MIN_ANSWER_BYTES`, 2,048) is refused when the definition is read.
-pub const MIN_ANSWER_BYTES: usize = 1024;
+const MIN_ANSWER_BYTES: usize = 1024;
 /// Final answers validated at once, each on a blocking thread (never on the async runtime's).
-pub const VALIDATIONS_AT_ONCE: usize = 2;
+const VALIDATIONS_AT_ONCE: usize = 2;
 /// The compiled size of one `pattern` regex, and its lazy DFA's cache.
 const MAX_PATTERN_BYTES: usize = 256 * 1024;
 /// How many characters of the validation error a repair message or an incident quotes (an error
@@ -59,7 +59,7 @@ const MAX_ERROR_CHARS: usize = 300;
 
 /// Why an `outputSchema` cannot be used; the definition is invalid.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum SchemaError {
+pub(crate) enum SchemaError {
     #[error("outputSchema is {bytes} bytes, over the {limit}-byte cap; simplify it")]
     TooLarge { bytes: usize, limit: usize },
     #[error("outputSchema nests deeper than {limit} levels at {pointer}; flatten it")]
@@ -114,7 +114,7 @@ impl PartialEq for OutputSchema {
 
 impl OutputSchema {
     /// Bounds and compiles `schema` (a JSON object or boolean).
-    pub fn compile(schema: &Value) -> Result<Self, SchemaError> {
+    pub(crate) fn compile(schema: &Value) -> Result<Self, SchemaError> {
         let weight = check_bounds(schema)?;
         let limit = VALIDATION_WORK / MIN_ANSWER_BYTES;
         if weight > limit {
@@ -137,11 +137,6 @@ impl OutputSchema {
             strict: strict_eligible(schema),
             answer_limit: (VALIDATION_WORK / weight.max(1)).min(MAX_ANSWER_BYTES),
         })
-    }
-
-    /// The largest answer validated against this schema, in bytes.
-    pub fn answer_limit(&self) -> usize {
-        self.answer_limit
     }
 
     /// The schema document.
@@ -199,7 +194,7 @@ pub enum RejectReason {
     Truncated,
     /// Not JSON at all.
     NotJson,
-    /// Over the schema's answer cap ([`OutputSchema::answer_limit`]).
+    /// Over the schema's answer cap (`OutputSchema`'s `answer_limit`).
     TooLarge,
     /// JSON that does not match the schema.
     Schema,
@@ -240,7 +235,7 @@ pub struct Rejection {
 
 impl Rejection {
     /// The user message of the repair turn.
-    pub fn repair_message(&self) -> String {
+    pub(crate) fn repair_message(&self) -> String {
         match self.reason {
             RejectReason::Truncated => format!(
                 "Your answer was cut off at the output limit ({}). Answer again, shorter: give only the final answer, in full, and nothing else.",
@@ -262,7 +257,7 @@ impl Rejection {
     }
 
     /// The incident's details once no repair turn is left.
-    pub fn incident_details(&self, agent: &str, repairs: u32) -> String {
+    pub(crate) fn incident_details(&self, agent: &str, repairs: u32) -> String {
         let place = self
             .location
             .as_deref()
@@ -295,7 +290,7 @@ impl Rejection {
 
 /// Whether an answer's stop reason says the output limit cut it (OpenAI `length`, Anthropic
 /// `max_tokens`).
-pub fn was_cut(stop_reason: &str) -> bool {
+fn was_cut(stop_reason: &str) -> bool {
     matches!(stop_reason, "length" | "max_tokens")
 }
 
@@ -377,7 +372,7 @@ static VALIDATIONS: LazyLock<Arc<Semaphore>> =
 /// for it. What needs no validation (no schema, a cut answer, one over the schema's answer cap)
 /// is judged here at once. The permit travels with the validation, so a task stopped while it
 /// waits frees nothing early: the bound holds for validations still running for no one.
-pub async fn judge_off_runtime(
+pub(crate) async fn judge_off_runtime(
     schema: Option<&OutputSchema>,
     text: &str,
     stop_reason: &str,
@@ -471,7 +466,7 @@ fn unfenced(text: &str) -> &str {
 
 /// The final answer as a process variable when no schema asks for more: parsed JSON when it is
 /// JSON (also inside a Markdown code fence), else the text.
-pub fn parse_answer(text: &str) -> Value {
+fn parse_answer(text: &str) -> Value {
     let unfenced = unfenced(text);
     match serde_json::from_str::<Value>(unfenced) {
         Ok(v) if !unfenced.is_empty() => v,
@@ -490,9 +485,9 @@ fn cut(text: &str, max: usize) -> String {
 /// The journal's record of a rejected final answer, on its model step (`data.outputRepair`):
 /// a field the engine keeps and ignores (protocol.md B.2), so the step keeps its kind and a
 /// resumed run replays the repair turn exactly.
-pub const JOURNAL_FIELD: &str = "outputRepair";
+pub(crate) const JOURNAL_FIELD: &str = "outputRepair";
 
-pub fn journal_record(rejection: &Rejection) -> Value {
+pub(crate) fn journal_record(rejection: &Rejection) -> Value {
     json!({
         "reason": rejection.reason.as_str(),
         "message": rejection.repair_message(),
@@ -501,13 +496,13 @@ pub fn journal_record(rejection: &Rejection) -> Value {
 
 /// A repair turn read back from a model step: its reason and the message the model read.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct JournaledRepair {
+pub(crate) struct JournaledRepair {
     pub reason: Option<RejectReason>,
     pub message: String,
 }
 
 /// The repair recorded on a model step's data, if any.
-pub fn journaled_repair(data: &Value) -> Result<Option<JournaledRepair>, String> {
+pub(crate) fn journaled_repair(data: &Value) -> Result<Option<JournaledRepair>, String> {
     let Some(record) = data.get(JOURNAL_FIELD) else {
         return Ok(None);
     };
@@ -764,7 +759,7 @@ const STRICT_MAX_ENUM_VALUES: usize = 1_000;
 /// `Ok` when OpenAI's strict mode accepts `schema` as it is: an object at the root, every
 /// object closed (`additionalProperties: false`) with every property required, and only the
 /// supported keywords; else the first reason it is not.
-pub fn strict_eligible(schema: &Value) -> Result<(), String> {
+fn strict_eligible(schema: &Value) -> Result<(), String> {
     let Value::Object(root) = schema else {
         return Err("the schema is a boolean, not an object schema".into());
     };
@@ -1136,25 +1131,22 @@ mod tests {
     #[test]
     fn a_heavy_schema_validates_shorter_answers_and_the_heaviest_is_refused() {
         let light = OutputSchema::compile(&routing()).unwrap();
-        assert_eq!(light.answer_limit(), MAX_ANSWER_BYTES);
+        assert_eq!(light.answer_limit, MAX_ANSWER_BYTES);
 
         let (schema, _) = heaviest_by_subschemas(0);
         let heavy = OutputSchema::compile(&schema).unwrap();
-        assert!(heavy.answer_limit() >= MIN_ANSWER_BYTES);
-        assert!(heavy.answer_limit() * 400 <= VALIDATION_WORK, "{heavy:?}");
+        assert!(heavy.answer_limit >= MIN_ANSWER_BYTES);
+        assert!(heavy.answer_limit * 400 <= VALIDATION_WORK, "{heavy:?}");
         // The answer that cost seconds of CPU before: refused by its size, before any work.
         let (_, answer) = heaviest_by_subschemas(MAX_ANSWER_BYTES);
         let r = judge(Some(&heavy), &answer, "stop", None).unwrap_err();
         assert_eq!(r.reason, RejectReason::TooLarge);
-        assert!(
-            r.detail.contains(&heavy.answer_limit().to_string()),
-            "{r:?}"
-        );
+        assert!(r.detail.contains(&heavy.answer_limit.to_string()), "{r:?}");
 
         let (schema, _) = heaviest_by_enum(0);
         let by_enum = OutputSchema::compile(&schema).unwrap();
         assert_eq!(
-            by_enum.answer_limit(),
+            by_enum.answer_limit,
             VALIDATION_WORK / (VALIDATION_WORK / MIN_ANSWER_BYTES - 2)
         );
         let values: Vec<Value> = (0..VALIDATION_WORK / MIN_ANSWER_BYTES)
@@ -1187,7 +1179,7 @@ mod tests {
         use std::sync::atomic::{AtomicU32, Ordering};
         let (schema, _) = heaviest_by_subschemas(0);
         let schema = OutputSchema::compile(&schema).unwrap();
-        let (_, answer) = heaviest_by_subschemas(schema.answer_limit());
+        let (_, answer) = heaviest_by_subschemas(schema.answer_limit);
         let beats = Arc::new(AtomicU32::new(0));
         let heartbeat = tokio::spawn({
             let beats = beats.clone();
@@ -1240,7 +1232,7 @@ mod tests {
                 println!(
                     "{what}, round {round}: {} bytes against answer cap {}: {:?} (valid: {valid})",
                     answer.len(),
-                    s.answer_limit(),
+                    s.answer_limit,
                     started.elapsed(),
                 );
             }
@@ -1262,14 +1254,14 @@ mod tests {
             &before,
             true,
         );
-        let (_, after) = heaviest_by_subschemas(s.answer_limit());
+        let (_, after) = heaviest_by_subschemas(s.answer_limit);
         time(
             "442 subschemas, its answer cap, failing at the end (after)",
             &s,
             &after,
             false,
         );
-        let invalid = format!("[{}]", vec!["[]"; s.answer_limit() / 3 - 1].join(","));
+        let invalid = format!("[{}]", vec!["[]"; s.answer_limit / 3 - 1].join(","));
         time(
             "442 subschemas, its answer cap of failing items (after)",
             &s,
@@ -1280,7 +1272,7 @@ mod tests {
         let s = OutputSchema::compile(&schema).unwrap();
         let (_, before) = heaviest_by_enum(MAX_ANSWER_BYTES);
         time("2,044 enum values, 64 KiB (before)", &s, &before, true);
-        let (_, after) = heaviest_by_enum(s.answer_limit());
+        let (_, after) = heaviest_by_enum(s.answer_limit);
         time(
             "2,044 enum values, its answer cap (after)",
             &s,

@@ -24,7 +24,7 @@ use serde_json::{Map, Value};
 use crate::engine::Task;
 
 /// The run store's bound on a key.
-pub const MAX_RUN_KEY_BYTES: usize = 512;
+pub(crate) const MAX_RUN_KEY_BYTES: usize = 512;
 
 /// Why a task has no run key: the task becomes an incident naming what is missing.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

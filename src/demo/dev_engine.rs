@@ -8,14 +8,14 @@ use std::net::SocketAddr;
 use super::ArgsError;
 use crate::devkit::engine::{self, EmulatorError, EmulatorOptions};
 
-pub const DEV_ENGINE_USAGE: &str = "\
+pub(crate) const DEV_ENGINE_USAGE: &str = "\
 usage: abada-agent-worker dev-engine [--addr 127.0.0.1:5601]
 
 Runs the devkit engine emulator (protocol v1 + agent/1) until Ctrl-C.";
 
 /// The `dev-engine` command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DevEngineArgs {
+pub(crate) struct DevEngineArgs {
     /// Default `127.0.0.1:5601`.
     pub addr: SocketAddr,
 }
@@ -69,7 +69,7 @@ Ctrl-C stops it."
 }
 
 /// Runs the emulator on `args.addr` until `stop` resolves.
-pub async fn run_dev_engine(
+pub(crate) async fn run_dev_engine(
     args: DevEngineArgs,
     stop: impl Future<Output = ()>,
 ) -> Result<(), EmulatorError> {

@@ -18,7 +18,7 @@ use crate::engine::{JournalStep, TaskRef};
 
 /// Where the gate freezes by itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum FreezePoint {
+pub(crate) enum FreezePoint {
     /// Before sending a matching journal append: the step is not journaled.
     BeforeJournal(StepMatch),
     /// Before sending `complete`.
@@ -27,7 +27,7 @@ pub enum FreezePoint {
 
 /// Which journal steps a [`FreezePoint`] is about.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StepMatch {
+pub(crate) struct StepMatch {
     pub kind: String,
     pub state: String,
     /// Only steps with an idempotency key (keyed tool writes).
@@ -59,7 +59,7 @@ impl StepMatch {
 
 /// The switch shared by the decorator and whoever drives the freeze.
 #[derive(Debug)]
-pub struct FreezeGate {
+pub(crate) struct FreezeGate {
     /// `Some(what happened)` while frozen.
     state: watch::Sender<Option<String>>,
     armed: Mutex<Option<FreezePoint>>,
@@ -74,7 +74,7 @@ impl FreezeGate {
     }
 
     /// Freezes at `point` the next time a call reaches it (once).
-    pub fn arm(&self, point: FreezePoint) {
+    pub(crate) fn arm(&self, point: FreezePoint) {
         *self.armed.lock().unwrap_or_else(|e| e.into_inner()) = Some(point);
     }
 
@@ -88,7 +88,8 @@ impl FreezeGate {
         self.state.send_replace(None);
     }
 
-    pub fn is_frozen(&self) -> bool {
+    #[cfg(test)]
+    fn is_frozen(&self) -> bool {
         self.state.borrow().is_some()
     }
 

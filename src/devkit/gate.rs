@@ -86,7 +86,7 @@ pub struct GatedEngine<G: ?Sized> {
 }
 
 impl<G: Gate + ?Sized> GatedEngine<G> {
-    pub fn wrap(inner: Arc<dyn Engine>, gate: Arc<G>) -> Arc<dyn Engine> {
+    pub(crate) fn wrap(inner: Arc<dyn Engine>, gate: Arc<G>) -> Arc<dyn Engine> {
         Arc::new(GatedEngine { inner, gate })
     }
 

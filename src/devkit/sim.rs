@@ -24,7 +24,7 @@ use schedule::{Schedule, Shape, TaskPlan, worker_id};
 use worker::SimWorker;
 
 /// How long after the faults stop every task must have ended.
-pub const END_BOUND: Duration = Duration::from_secs(90);
+pub(crate) const END_BOUND: Duration = Duration::from_secs(90);
 
 /// What to run.
 #[derive(Clone, Debug, Default)]

@@ -31,7 +31,7 @@ pub use engine::WorldEngine;
 pub use faults::{FaultPlan, Faults};
 pub use model::{ModelScript, WorldModel};
 pub use store::{MemoryRunStore, MemoryStoreSettings};
-pub use store_view::WorldStore;
+pub(crate) use store_view::WorldStore;
 pub use tools::WorldTools;
 pub use trace::{Event, Trace};
 
@@ -107,7 +107,7 @@ impl World {
     }
 
     /// Milliseconds since the world began (the trace's time).
-    pub fn elapsed_ms(&self) -> u64 {
+    pub(crate) fn elapsed_ms(&self) -> u64 {
         self.origin.elapsed().as_millis() as u64
     }
 
@@ -128,7 +128,7 @@ impl World {
     }
 
     /// Notes a secret handed out to a worker, and what it is (for the check that none leaks).
-    pub fn secret_issued(&self, secret: String, what: String) {
+    pub(crate) fn secret_issued(&self, secret: String, what: String) {
         self.secrets
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -171,7 +171,7 @@ impl World {
     }
 
     /// A draw in `0.0..1.0` from the world's seeded source.
-    pub fn draw(&self) -> f64 {
+    pub(crate) fn draw(&self) -> f64 {
         use rand::Rng;
         self.rng
             .lock()

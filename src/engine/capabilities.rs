@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Whether the engine keeps a journal (protocol.md B.2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum JournalSupport {
+pub(crate) enum JournalSupport {
     /// Not learned yet: ask, and learn from the answer.
     Unknown,
     /// A journal read succeeded.
@@ -22,7 +22,7 @@ pub enum JournalSupport {
 
 /// How the worker learned that the engine keeps no journal (for the one log line that says so).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NoJournalEvidence {
+pub(crate) enum NoJournalEvidence {
     /// A journal read was answered 404: the endpoint does not exist.
     NotFound,
     /// A task came without `attempt`: the engine speaks plain protocol v1, without agent/1.
@@ -31,7 +31,7 @@ pub enum NoJournalEvidence {
 
 /// The engine's capabilities as learned so far; shared by every task of the process.
 #[derive(Debug, Default)]
-pub struct EngineCapabilities {
+pub(crate) struct EngineCapabilities {
     journal: AtomicU8,
 }
 
@@ -49,7 +49,7 @@ impl EngineCapabilities {
     }
 
     /// A journal read succeeded. Never undoes an absence learned meanwhile by another task.
-    pub fn journal_answered(&self) {
+    pub(crate) fn journal_answered(&self) {
         let _ =
             self.journal
                 .compare_exchange(UNKNOWN, PRESENT, Ordering::Relaxed, Ordering::Relaxed);
@@ -58,7 +58,7 @@ impl EngineCapabilities {
     /// The engine showed it keeps no journal. A plain v1 task says nothing about an engine
     /// whose journal already answered (that task alone has none). Logs once, at warn, for the
     /// call that learned it; returns whether this call did.
-    pub fn journal_missing(&self, evidence: NoJournalEvidence) -> bool {
+    pub(crate) fn journal_missing(&self, evidence: NoJournalEvidence) -> bool {
         let learned = match evidence {
             NoJournalEvidence::NotFound => self.journal.swap(ABSENT, Ordering::Relaxed) != ABSENT,
             NoJournalEvidence::PlainTask => self

@@ -683,7 +683,7 @@ fn usable_id(op: &'static str, field: &str, id: &str) -> Result<String, EngineEr
 /// What a refused journal append means. The step's key is (task, attempt, seq): an idempotency
 /// conflict means another writer with our worker id and attempt took this seq with a different
 /// step, so the journal moved on without us, as with 409 JOURNAL_CONFLICT.
-pub fn journal_append_refusal(task: &TaskRef, error: EngineError) -> EngineError {
+pub(crate) fn journal_append_refusal(task: &TaskRef, error: EngineError) -> EngineError {
     match error {
         EngineError::IdempotencyConflict { .. } => EngineError::LeaseLost {
             op: "journal-append",
@@ -697,7 +697,7 @@ pub fn journal_append_refusal(task: &TaskRef, error: EngineError) -> EngineError
 /// The idempotency key of a journal append: stable per step, so a retried append is recognised
 /// by (task, attempt, seq) and answered as the first one was. The simulator's engine sends the
 /// same key, so both see a retried append alike.
-pub fn journal_append_key(task: &TaskRef, step: &JournalStep) -> String {
+pub(crate) fn journal_append_key(task: &TaskRef, step: &JournalStep) -> String {
     format!(
         "abada-journal:{}:{}:{}",
         task.task_id,

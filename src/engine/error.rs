@@ -164,7 +164,7 @@ impl EngineError {
     /// instance (400 `ENGINE_COMMAND_REJECTED` other than a lost lease, e.g. "Process instance
     /// is suspended"), a request it cannot read, or a key conflict. Sending the same command
     /// again cannot succeed; a lost lease, throttling, 5xx and transport errors are not this.
-    pub fn is_refusal(&self) -> bool {
+    pub(crate) fn is_refusal(&self) -> bool {
         matches!(
             self,
             EngineError::Rejected { .. }
@@ -174,7 +174,7 @@ impl EngineError {
     }
 
     /// Says the engine is unreachable or refuses us as a whole (for readiness).
-    pub fn is_engine_down(&self) -> bool {
+    pub(crate) fn is_engine_down(&self) -> bool {
         matches!(
             self,
             EngineError::Transient { .. }

@@ -65,7 +65,7 @@ pub enum HeadersFileError {
 }
 
 /// The parsed headers, values marked sensitive.
-pub type HeaderList = Arc<Vec<(HeaderName, HeaderValue)>>;
+type HeaderList = Arc<Vec<(HeaderName, HeaderValue)>>;
 
 /// The headers file: its path, and the last good parse of its content.
 pub struct EngineHeaders {

@@ -88,7 +88,7 @@ pub(crate) struct ToolCredentialBody<'a> {
 /// One element of a fetch response. Unknown fields are ignored.
 #[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(rename_all = "camelCase")]
-pub struct LockedTaskWire {
+struct LockedTaskWire {
     pub id: String,
     #[serde(default)]
     pub topic_name: Option<String>,
@@ -140,7 +140,7 @@ pub(crate) struct LockedTasks {
 
 /// A locked task larger than the worker takes (`body::TASK_MAX_BYTES`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OversizedTask {
+pub(crate) struct OversizedTask {
     pub id: String,
     pub attempt: Option<u32>,
     /// Bytes of the task read when its limit was reached.

@@ -15,7 +15,7 @@ use crate::provider::ModelRef;
 /// The label value of every name nobody declared.
 pub(crate) const OTHER: &str = "other";
 /// The longest label value, in bytes; longer declared names are cut at a character boundary.
-pub const MAX_LABEL_LEN: usize = 64;
+pub(crate) const MAX_LABEL_LEN: usize = 64;
 
 /// `value` cut to at most [`MAX_LABEL_LEN`] bytes.
 pub fn capped(value: &str) -> String {
@@ -31,7 +31,7 @@ pub fn capped(value: &str) -> String {
 
 /// The names a task may label metrics with.
 #[derive(Clone, Debug, Default)]
-pub struct DeclaredNames {
+pub(crate) struct DeclaredNames {
     models: HashSet<(String, String)>,
     servers: HashSet<String>,
     tools: HashSet<(String, String)>,
@@ -39,7 +39,7 @@ pub struct DeclaredNames {
 
 impl DeclaredNames {
     /// The models and tool servers a definition names.
-    pub fn of_definition<'a>(
+    pub(crate) fn of_definition<'a>(
         models: impl IntoIterator<Item = &'a ModelRef>,
         servers: impl IntoIterator<Item = &'a str>,
     ) -> Self {
@@ -59,7 +59,7 @@ impl DeclaredNames {
     }
 
     /// The tools a declared server listed.
-    pub fn declare_tools(&mut self, specs: &[ToolSpec]) {
+    pub(crate) fn declare_tools(&mut self, specs: &[ToolSpec]) {
         for s in specs {
             if self.servers.contains(&s.server) {
                 self.tools.insert((s.server.clone(), s.tool.clone()));

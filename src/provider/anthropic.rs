@@ -20,7 +20,7 @@ pub(crate) const ANTHROPIC_VERSION: &str = "2023-06-01";
 pub(crate) const DEFAULT_MAX_TOKENS: u32 = 4096;
 
 /// A provider speaking Anthropic Messages.
-pub struct AnthropicProvider {
+pub(crate) struct AnthropicProvider {
     core: HttpCore,
 }
 
@@ -32,7 +32,7 @@ impl AnthropicProvider {
     }
 
     /// The adapter reporting every answer's rate-limit headers to `capacities`.
-    pub fn with_capacities(
+    pub(crate) fn with_capacities(
         mut self,
         capacities: std::sync::Arc<super::capacity::ModelCapacities>,
     ) -> Self {
@@ -56,7 +56,7 @@ fn push(messages: &mut Vec<Value>, role: &str, blocks: Vec<Value>) {
 }
 
 /// The request body for `req`, with tools named by `names`.
-pub fn request_body(req: &ModelRequest, names: &ToolNames) -> Value {
+pub(crate) fn request_body(req: &ModelRequest, names: &ToolNames) -> Value {
     let mut messages: Vec<Value> = Vec::with_capacity(req.messages.len());
     for m in &req.messages {
         match m {
@@ -170,7 +170,7 @@ struct WireUsage {
 }
 
 /// Parses a 2xx body; `Err` carries what is wrong with it.
-pub fn parse_response(body: &[u8], names: &ToolNames) -> Result<ModelResponse, String> {
+pub(crate) fn parse_response(body: &[u8], names: &ToolNames) -> Result<ModelResponse, String> {
     let wire: WireResponse =
         serde_json::from_slice(body).map_err(|e| format!("not a Messages response: {e}"))?;
     let mut texts: Vec<String> = Vec::new();

@@ -139,7 +139,7 @@ fn parse_count(v: &str) -> Option<u64> {
 
 /// A Go `time.Duration` string as OpenAI sends it: `1s`, `6m0s`, `20ms`, `1h2m3.5s`, `0.5s`.
 /// None for anything else (a sign, a missing unit, garbage); saturates far beyond any wait.
-pub fn parse_go_duration(v: &str) -> Option<Duration> {
+fn parse_go_duration(v: &str) -> Option<Duration> {
     if v.is_empty() || v.len() > 64 {
         return None;
     }
@@ -380,7 +380,7 @@ impl ModelCapacities {
     }
 
     /// Takes one call of `model` at `now`, or says when one may start.
-    pub fn try_start(&self, model: &ModelRef, now: Instant) -> Result<(), Instant> {
+    pub(crate) fn try_start(&self, model: &ModelRef, now: Instant) -> Result<(), Instant> {
         let mut state = self.lock();
         let policy = &self.policy;
         if let Some(s) = self.entry(&mut state, model, now) {
@@ -544,7 +544,7 @@ impl ModelCapacities {
     }
 
     /// The models tracked: every model called lately.
-    pub fn tracked_models(&self) -> Vec<ModelRef> {
+    pub(crate) fn tracked_models(&self) -> Vec<ModelRef> {
         self.lock().models.keys().cloned().collect()
     }
 

@@ -8,9 +8,9 @@ use super::ModelRef;
 
 /// The smallest window a provider may be configured with: below it no instruction, input and
 /// answer fit.
-pub const MIN_CONTEXT_WINDOW: u64 = 256;
+pub(crate) const MIN_CONTEXT_WINDOW: u64 = 256;
 /// The largest configurable window (ten million tokens): more is a typing error.
-pub const MAX_CONTEXT_WINDOW: u64 = 10_000_000;
+pub(crate) const MAX_CONTEXT_WINDOW: u64 = 10_000_000;
 
 /// Known windows by model-name prefix, longest prefix first where two overlap. Sources, as
 /// their vendors documented them when this table was written:
@@ -39,7 +39,7 @@ const KNOWN: &[(&str, u64)] = &[
 
 /// The window the vendor documents for `model` (the provider-local name), if it is a common
 /// one. A gateway's `azure/gpt-4o` is `gpt-4o` here: the name is what the table knows.
-pub fn known_window(model: &str) -> Option<u64> {
+fn known_window(model: &str) -> Option<u64> {
     let model = model.trim().to_ascii_lowercase();
     // Gateways prefix vendors' names (`openai/gpt-4o` under OpenRouter): the last segment.
     let model = model.rsplit('/').next().unwrap_or_default();
@@ -58,7 +58,7 @@ pub fn known_window(model: &str) -> Option<u64> {
 /// The window of each model a chain may call, as far as known: the configured one of its
 /// provider, else the table's.
 #[derive(Clone, Debug, Default)]
-pub struct ContextWindows {
+pub(crate) struct ContextWindows {
     configured: std::collections::HashMap<String, u64>,
 }
 
@@ -78,7 +78,7 @@ impl ContextWindows {
 
     /// The smallest window among `models` whose window is known, with that model: a request
     /// that fits it fits whichever model of the chain answers. None when no window is known.
-    pub fn smallest<'m>(&self, models: &'m [ModelRef]) -> Option<(&'m ModelRef, u64)> {
+    pub(crate) fn smallest<'m>(&self, models: &'m [ModelRef]) -> Option<(&'m ModelRef, u64)> {
         models
             .iter()
             .filter_map(|m| self.of(m).map(|w| (m, w)))

@@ -57,7 +57,7 @@ pub struct RetryPolicy {
 }
 
 /// The default of [`RetryPolicy::capacity_wait_max`].
-pub const DEFAULT_CAPACITY_WAIT_MAX: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_CAPACITY_WAIT_MAX: Duration = Duration::from_secs(60);
 
 /// 429s of one model waited out within one call, at most: the next one counts as the model
 /// being unavailable (its circuit opens, as before issue 25). A rate limit tracked from the

@@ -16,7 +16,7 @@ use super::{ModelProvider, ModelRequest, ModelResponse, ProviderError, ProviderS
 use crate::conversation::{AssistantMessage, Message, Usage};
 
 /// A provider speaking Chat Completions.
-pub struct OpenAiProvider {
+pub(crate) struct OpenAiProvider {
     core: HttpCore,
 }
 
@@ -28,7 +28,7 @@ impl OpenAiProvider {
     }
 
     /// The adapter reporting every answer's rate-limit headers to `capacities`.
-    pub fn with_capacities(
+    pub(crate) fn with_capacities(
         mut self,
         capacities: std::sync::Arc<super::capacity::ModelCapacities>,
     ) -> Self {
@@ -38,7 +38,7 @@ impl OpenAiProvider {
 }
 
 /// The request body for `req`, with tools named by `names`.
-pub fn request_body(req: &ModelRequest, names: &ToolNames) -> Value {
+pub(crate) fn request_body(req: &ModelRequest, names: &ToolNames) -> Value {
     let mut messages = Vec::with_capacity(req.messages.len() + 1);
     // Structured output (`agent::output`): a strict schema is enforced by the provider; any
     // other is sent too, and also asked for in the system prompt.
@@ -171,7 +171,7 @@ struct WirePromptDetails {
 }
 
 /// Parses a 2xx body; `Err` carries what is wrong with it.
-pub fn parse_response(body: &[u8], names: &ToolNames) -> Result<ModelResponse, String> {
+pub(crate) fn parse_response(body: &[u8], names: &ToolNames) -> Result<ModelResponse, String> {
     let wire: WireResponse = serde_json::from_slice(body)
         .map_err(|e| format!("not a Chat Completions response: {e}"))?;
     let choice = wire

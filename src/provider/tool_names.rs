@@ -18,7 +18,7 @@ const HASH_HEX_LEN: usize = 8;
 
 /// The mapping between MCP tools and the function names offered to a model in one request.
 #[derive(Clone, Debug, Default)]
-pub struct ToolNames {
+pub(crate) struct ToolNames {
     /// (server, tool) -> function name, in the order of the tool list.
     forward: Vec<((String, String), String)>,
     backward: HashMap<String, (String, String)>,
@@ -53,7 +53,7 @@ impl ToolNames {
 
     /// The function name for a tool, also for calls in the history whose tool is no longer
     /// offered (sanitised the same way; the raw name alone when the server is empty).
-    pub fn function_name(&self, server: &str, tool: &str) -> String {
+    pub(crate) fn function_name(&self, server: &str, tool: &str) -> String {
         if let Some((_, name)) = self
             .forward
             .iter()
@@ -83,7 +83,7 @@ impl ToolNames {
     }
 
     /// A tool call from a model's function name, id and arguments.
-    pub fn tool_call(
+    pub(crate) fn tool_call(
         &self,
         call_id: String,
         function_name: &str,

@@ -51,11 +51,11 @@ use crate::engine::{EngineError, ProbeOutcome};
 use crate::provider::capacity::Capacity;
 
 /// A source of uniform random numbers in `0.0..1.0` (jitter); tests pass a constant.
-pub type Random = Box<dyn FnMut() -> f64 + Send>;
+pub(crate) type Random = Box<dyn FnMut() -> f64 + Send>;
 
 /// What the poll loop does next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Action {
+pub(crate) enum Action {
     /// Fetch now (if a slot is free; else once one is).
     Fetch,
     /// Probe the engine now.
@@ -85,7 +85,7 @@ pub struct FetchFailed {
 
 /// What a fetch may ask for, by admission.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Admit {
+pub(crate) enum Admit {
     /// Ask for this many tasks (at least 1).
     Fetch(u32),
     /// No task could start before this instant: do not fetch until then (or a task's end).
@@ -94,7 +94,7 @@ pub enum Admit {
 
 /// Admission: with `free` slots (at least 1) and the handler's `capacity` at `now`, how many
 /// tasks a fetch asks for (see the module docs).
-pub fn admit(free: u32, capacity: Capacity, now: Instant) -> Admit {
+pub(crate) fn admit(free: u32, capacity: Capacity, now: Instant) -> Admit {
     match capacity {
         Capacity::Unbounded => Admit::Fetch(free),
         Capacity::Now(n) if n > 0 => Admit::Fetch(free.min(n)),
@@ -109,7 +109,7 @@ pub fn admit(free: u32, capacity: Capacity, now: Instant) -> Admit {
 const ADMISSION_RECHECK: Duration = Duration::from_millis(1);
 
 /// The fetch policy of one poll loop (see the module docs).
-pub struct FetchPolicy {
+pub(crate) struct FetchPolicy {
     poll_interval: Duration,
     poll_jitter: f64,
     error_backoff: Backoff,
@@ -180,7 +180,7 @@ impl FetchPolicy {
     }
 
     /// A fetch failed with `error`.
-    pub fn fetch_failed(&mut self, now: Instant, error: &EngineError) -> FetchFailed {
+    pub(crate) fn fetch_failed(&mut self, now: Instant, error: &EngineError) -> FetchFailed {
         self.failures = self.failures.saturating_add(1);
         let wait = self.backoff(error);
         self.fetch_at = now + wait;

@@ -54,7 +54,7 @@ impl InputDigest {
 
     /// The digest of an input step (`{"instructions", "input"}`, instructions optional as in
     /// replay); `None` for any other step.
-    pub fn of_step(step: &JournalStep) -> Option<InputDigest> {
+    pub(crate) fn of_step(step: &JournalStep) -> Option<InputDigest> {
         if step.kind != KIND_INPUT {
             return None;
         }
@@ -127,7 +127,7 @@ pub enum Phase {
 
 impl Phase {
     /// `tool_calls`: the number of tool calls of a model step (0 when it has none).
-    pub fn of_last_step(kind: &str, state: &str, tool_calls: i64) -> Phase {
+    pub(crate) fn of_last_step(kind: &str, state: &str, tool_calls: i64) -> Phase {
         match (kind, state) {
             (KIND_APPROVAL, STATE_REQUESTED) => Phase::AwaitsDecision,
             (KIND_MODEL, _) if tool_calls == 0 => Phase::Answered,

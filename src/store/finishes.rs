@@ -37,7 +37,7 @@ pub const MAX_PENDING_FINISHES: usize = 512;
 /// How long a queued finish waits for a claim to carry it before the idle flush performs it:
 /// short, so a finished run does not linger, and long next to the gap between a busy worker's
 /// claims, so a busy worker never flushes on its own.
-pub const IDLE_FLUSH_AFTER: Duration = Duration::from_secs(1);
+pub(crate) const IDLE_FLUSH_AFTER: Duration = Duration::from_secs(1);
 
 /// The queue is full: the caller performs the finishes itself.
 #[derive(Debug)]

@@ -40,7 +40,7 @@ impl StoreHandle {
     /// or `stop` fires, then runs the sweeper and the idle flush of queued finishes (after
     /// `idle_flush`, [`PgRunStore::spawn_finisher`]) until `stop`. Must be called on a tokio
     /// runtime.
-    pub fn connect_in_background(
+    pub(crate) fn connect_in_background(
         config: StoreConfig,
         metrics: Arc<Metrics>,
         backoff: Backoff,
@@ -142,7 +142,7 @@ impl StoreHandle {
 }
 
 /// The connector's default backoff: quick first retries, then one try every 30 s.
-pub fn connect_backoff() -> Backoff {
+pub(crate) fn connect_backoff() -> Backoff {
     Backoff::new(Duration::from_millis(500), Duration::from_secs(30))
 }
 

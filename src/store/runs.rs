@@ -15,14 +15,14 @@ use crate::engine::{AppendOutcome, JournalStep};
 
 /// The most a run's journal may hold, counted as the bytes of its step bodies: the same bound
 /// as the engine client's response bodies, so a journal read is bounded by construction.
-pub const MAX_JOURNAL_BYTES: u64 = 32 * 1024 * 1024;
+pub(crate) const MAX_JOURNAL_BYTES: u64 = 32 * 1024 * 1024;
 
 /// The longest run key: far below PostgreSQL's index entry limit.
-pub const MAX_RUN_KEY_BYTES: usize = 512;
+pub(crate) const MAX_RUN_KEY_BYTES: usize = 512;
 
 /// The deepest nesting of arrays and objects a step body may have: below serde_json's limit of
 /// 128, so every body stored can be read back (a step nobody can read would strand its run).
-pub const MAX_BODY_DEPTH: usize = 100;
+pub(crate) const MAX_BODY_DEPTH: usize = 100;
 
 /// Which run: an opaque key. The engine's task id ([`RunKey::for_task`]), or, for a
 /// conversation that spans several engine tasks (issue 14), its process visit: process

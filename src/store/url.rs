@@ -37,9 +37,10 @@ use std::str::FromStr;
 
 use tokio_postgres::config::{ChannelBinding, Host};
 
-/// How the connection uses TLS: libpq's `sslmode`, honoured as libpq does (see [`SslMode::describe`]).
+/// How the connection uses TLS: libpq's `sslmode`, honoured as libpq does (README.md's
+/// `sslmode` table says what each mode does).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SslMode {
+pub(crate) enum SslMode {
     Disable,
     Prefer,
     Require,
@@ -59,23 +60,6 @@ impl SslMode {
         }
     }
 
-    /// What the mode does here, exactly as README.md says it.
-    pub fn describe(self) -> &'static str {
-        match self {
-            SslMode::Disable => "no TLS: plain TCP",
-            SslMode::Prefer => {
-                "TLS when the server offers it, plain TCP when it does not; the certificate is not checked"
-            }
-            SslMode::Require => "TLS or no connection; the certificate is not checked",
-            SslMode::VerifyCa => {
-                "TLS or no connection; the certificate must chain to a trusted root (system roots and ABADA_AGENT_CA_FILE); the host name is not checked"
-            }
-            SslMode::VerifyFull => {
-                "TLS or no connection; the certificate must chain to a trusted root and name the host"
-            }
-        }
-    }
-
     fn parse(value: &str) -> Option<SslMode> {
         Some(match value {
             "disable" => SslMode::Disable,
@@ -85,11 +69,6 @@ impl SslMode {
             "verify-full" => SslMode::VerifyFull,
             _ => return None,
         })
-    }
-
-    /// Whether the certificate is checked against trust roots.
-    pub fn verifies(self) -> bool {
-        matches!(self, SslMode::VerifyCa | SslMode::VerifyFull)
     }
 }
 
@@ -101,7 +80,7 @@ impl fmt::Display for SslMode {
 
 /// A part of a store URL, as errors name it (never with its value).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum UrlPart {
+pub(crate) enum UrlPart {
     /// `user:password@`
     UserInfo,
     /// `host:port,host:port`
@@ -126,7 +105,7 @@ impl fmt::Display for UrlPart {
 /// Why a store URL cannot be used. No variant carries any part of the URL except names from
 /// fixed lists, so printing one can never reveal a password.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum UrlError {
+pub(crate) enum UrlError {
     #[error("is not a PostgreSQL URL: it must start with postgres:// or postgresql://")]
     Scheme,
     #[error(
@@ -233,10 +212,9 @@ const TLS_FILE_PARAMETERS: &[&str] = &[
 
 /// A parsed store URL. Its `Debug` and `Display` print the redacted form only.
 #[derive(Clone)]
-pub struct StoreUrl {
+pub(crate) struct StoreUrl {
     config: tokio_postgres::Config,
     ssl_mode: SslMode,
-    local: bool,
     exposure: Option<&'static str>,
     redacted: String,
 }
@@ -276,24 +254,24 @@ impl StoreUrl {
         Ok(StoreUrl {
             config,
             ssl_mode,
-            local,
             exposure,
             redacted,
         })
     }
 
-    pub fn ssl_mode(&self) -> SslMode {
+    pub(crate) fn ssl_mode(&self) -> SslMode {
         self.ssl_mode
     }
 
     /// Every address the worker connects to is loopback or a unix socket.
-    pub fn is_local(&self) -> bool {
-        self.local
+    #[cfg(test)]
+    fn is_local(&self) -> bool {
+        is_local(&self.config)
     }
 
     /// What `ABADA_AGENT_STORE_ALLOW_INSECURE=true` let through for this URL, for the one
     /// warning at start-up; `None` when the URL keeps the rules.
-    pub fn exposure(&self) -> Option<&'static str> {
+    pub(crate) fn exposure(&self) -> Option<&'static str> {
         self.exposure
     }
 

@@ -15,7 +15,7 @@ use tracing_subscriber::fmt::FormatFields;
 use tracing_subscriber::fmt::format::Writer;
 
 /// The most bytes of one field's value a log line carries.
-pub const MAX_FIELD_BYTES: usize = 8 * 1024;
+pub(crate) const MAX_FIELD_BYTES: usize = 8 * 1024;
 
 /// A value formatted into at most [`MAX_FIELD_BYTES`] bytes: what does not fit is counted, not
 /// kept, so formatting a huge value costs its time but never its size in memory.

@@ -49,7 +49,7 @@ const WARN_EVERY: Duration = Duration::from_secs(60);
 static CAPTURE_CONTENT: AtomicBool = AtomicBool::new(false);
 
 /// True when spans carry message content (opt-in, see [`ExportSettings::capture_content`]).
-pub fn capture_content() -> bool {
+pub(crate) fn capture_content() -> bool {
     CAPTURE_CONTENT.load(Ordering::Relaxed)
 }
 

@@ -24,7 +24,7 @@ use crate::conversation::{AssistantMessage, Message, Usage};
 use crate::telemetry::trace::TraceParent;
 
 /// The `tracing` target of every exported span.
-pub const SPAN_TARGET: &str = "abada_agent_worker::otel";
+pub(crate) const SPAN_TARGET: &str = "abada_agent_worker::otel";
 
 /// The OpenTelemetry context of a W3C traceparent received from elsewhere (the engine, a
 /// journal step): a remote span context.
@@ -53,7 +53,7 @@ fn set_remote_parent(span: &Span, tp: Option<&TraceParent>) {
 
 /// The traceparent of `span` for an outgoing request, so the peer's spans hang under it;
 /// `None` when the span is not exported (then callers send the task's own context on).
-pub fn traceparent_of(span: &Span) -> Option<String> {
+pub(crate) fn traceparent_of(span: &Span) -> Option<String> {
     let cx = span.context();
     let sc = cx.span().span_context().clone();
     sc.is_valid().then(|| {
@@ -128,7 +128,7 @@ pub fn invoke_agent(a: &AgentSpan<'_>) -> Span {
 }
 
 /// A definition that could not be resolved still gets its attempt span, without an agent name.
-pub fn invoke_unknown_agent(task_id: &str, parent: Option<&TraceParent>) -> Span {
+pub(crate) fn invoke_unknown_agent(task_id: &str, parent: Option<&TraceParent>) -> Span {
     let span = tracing::info_span!(
         target: SPAN_TARGET,
         "invoke_agent",
@@ -145,7 +145,7 @@ pub fn invoke_unknown_agent(task_id: &str, parent: Option<&TraceParent>) -> Span
 }
 
 /// Links the attempt span to the attempt it resumes (whose context a journal step recorded).
-pub fn link_resumed_attempt(span: &Span, previous: &TraceParent) {
+pub(crate) fn link_resumed_attempt(span: &Span, previous: &TraceParent) {
     if let Some(cx) = remote_context(previous) {
         span.add_link_with_attributes(
             cx,
@@ -157,7 +157,7 @@ pub fn link_resumed_attempt(span: &Span, previous: &TraceParent) {
 /// How the attempt ended: the task end (`completed`, `deferred`, `incident`, ...), the tokens
 /// this attempt used (not those of the attempts it resumes), the journal steps it resumed from,
 /// and the error class when it failed.
-pub fn record_attempt_end(
+pub(crate) fn record_attempt_end(
     span: &Span,
     end: &str,
     error_type: Option<&str>,
@@ -220,7 +220,7 @@ pub fn chat(c: &ChatSpan<'_>) -> Span {
 
 /// Records the request's content on the chat span (only with content capture on), in the
 /// conventions' message shape (`role` and `parts`).
-pub fn record_chat_request(span: &Span, system: &str, messages: &[Message]) {
+pub(crate) fn record_chat_request(span: &Span, system: &str, messages: &[Message]) {
     if !super::otel::capture_content() || span.is_disabled() {
         return;
     }
@@ -261,7 +261,7 @@ fn assistant_parts(a: &AssistantMessage) -> Vec<JsonValue> {
 }
 
 /// What a model answered, for its chat span.
-pub struct ChatAnswer<'a> {
+pub(crate) struct ChatAnswer<'a> {
     pub response_model: Option<&'a str>,
     /// What the provider reported; none when it sent no usage (nothing is recorded then, the
     /// worker's own estimate is no provider figure).
@@ -273,7 +273,7 @@ pub struct ChatAnswer<'a> {
 
 /// Records a successful answer; `output` is the answer's content, recorded only with content
 /// capture on.
-pub fn record_chat_answer(span: &Span, a: &ChatAnswer<'_>, output: &AssistantMessage) {
+pub(crate) fn record_chat_answer(span: &Span, a: &ChatAnswer<'_>, output: &AssistantMessage) {
     if span.is_disabled() {
         return;
     }
@@ -309,7 +309,7 @@ pub fn record_chat_answer(span: &Span, a: &ChatAnswer<'_>, output: &AssistantMes
 }
 
 /// Records a failed model call: its class (`unavailable`, `transient`, `rejected`, ...).
-pub fn record_chat_error(span: &Span, error_type: &str) {
+pub(crate) fn record_chat_error(span: &Span, error_type: &str) {
     set_error(span, error_type);
 }
 
@@ -355,7 +355,7 @@ pub fn execute_tool(t: &ToolSpan<'_>) -> Span {
 /// correlate spans of one worker, which their trace already does, and could no longer be
 /// matched against the tool server's logs either. A journal key (`abada:{taskId}:{seq}`)
 /// names a step, nothing of the content: it is exported (`journal`).
-pub fn record_tool_call(span: &Span, key: Option<&str>, arguments: &impl serde::Serialize) {
+pub(crate) fn record_tool_call(span: &Span, key: Option<&str>, arguments: &impl serde::Serialize) {
     if span.is_disabled() {
         return;
     }
@@ -390,20 +390,20 @@ pub(crate) fn is_content_key(key: &str) -> bool {
 }
 
 /// Records how many tries the call took.
-pub fn record_tool_tries(span: &Span, tries: u32) {
+pub(crate) fn record_tool_tries(span: &Span, tries: u32) {
     span.record("abada.tool.tries", int(tries));
 }
 
 /// Records a tool call's outcome as it is counted: `ok`, or the class of failure (a failed try
 /// followed by a good one ends as `ok`).
-pub fn record_tool_outcome(span: &Span, outcome: &str) {
+pub(crate) fn record_tool_outcome(span: &Span, outcome: &str) {
     span.record("abada.tool.outcome", outcome);
 }
 
 /// Ends a tool call's span: `error.type` and the ERROR status when its last outcome was a
 /// failure, or when the attempt ended during the call (`attempt_ended`: lease lost, shutdown,
 /// a journal write that failed).
-pub fn record_tool_end(span: &Span, last_outcome: Option<&str>, attempt_ended: bool) {
+pub(crate) fn record_tool_end(span: &Span, last_outcome: Option<&str>, attempt_ended: bool) {
     match last_outcome {
         Some(o) if o != "ok" => set_error(span, o),
         _ if attempt_ended => set_error(span, "attempt_ended"),
@@ -412,7 +412,7 @@ pub fn record_tool_end(span: &Span, last_outcome: Option<&str>, attempt_ended: b
 }
 
 /// Records the result (only with content capture on).
-pub fn record_tool_result(span: &Span, result: &impl serde::Serialize) {
+pub(crate) fn record_tool_result(span: &Span, result: &impl serde::Serialize) {
     if super::otel::capture_content()
         && !span.is_disabled()
         && let Ok(text) = serde_json::to_string(result)
@@ -425,7 +425,7 @@ pub fn record_tool_result(span: &Span, result: &impl serde::Serialize) {
 /// run store's calls (`store {operation}`) use the same span when the store lands. Under the
 /// attempt span when one is open here (journal, credentials), else directly under the engine's
 /// span (the report of the outcome, made by the runner after the attempt ended).
-pub fn client_call(
+pub(crate) fn client_call(
     peer: &'static str,
     operation: &'static str,
     server: &str,
@@ -452,7 +452,7 @@ pub fn client_call(
 
 /// Records the peer's answer: its HTTP status, an error class for a failure (`timeout`,
 /// `error`, or the status).
-pub fn record_client_answer(span: &Span, status: Option<u16>, error_type: Option<&str>) {
+pub(crate) fn record_client_answer(span: &Span, status: Option<u16>, error_type: Option<&str>) {
     if let Some(s) = status {
         span.record("http.response.status_code", int(s));
     }

@@ -39,7 +39,7 @@ impl TraceParent {
     }
 
     /// A new root context (for calls that belong to no task).
-    pub fn new_root() -> Self {
+    pub(crate) fn new_root() -> Self {
         let id = uuid::Uuid::new_v4().simple().to_string();
         TraceParent {
             trace_id: id,
@@ -53,7 +53,7 @@ impl TraceParent {
     }
 
     /// The parent span id (16 lowercase hex digits).
-    pub fn span_id(&self) -> &str {
+    pub(crate) fn span_id(&self) -> &str {
         &self.span_id
     }
 

@@ -66,7 +66,7 @@ pub enum ForbiddenAddress {
 /// True for an address tool traffic must never reach: a link-local or metadata address, or an
 /// IPv6 address that carries one of those IPv4 addresses in a form that reaches it
 /// ([`embedded_ipv4`]).
-pub fn is_forbidden_ip(ip: IpAddr) -> bool {
+pub(crate) fn is_forbidden_ip(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => is_forbidden_v4(v4),
         IpAddr::V6(v6) => {
@@ -122,7 +122,7 @@ fn is_metadata_name(host: &str) -> bool {
 
 /// Refuses a URL whose host is a forbidden address literal or metadata name. Names that merely
 /// resolve to a forbidden address are refused at connect time by [`GuardedResolver`].
-pub fn check_url(url: &reqwest::Url) -> Result<(), ForbiddenAddress> {
+pub(crate) fn check_url(url: &reqwest::Url) -> Result<(), ForbiddenAddress> {
     let host = url.host_str().unwrap_or_default();
     let bare = host
         .strip_prefix('[')

@@ -32,7 +32,7 @@ use super::address::{self, ForbiddenAddress, GuardedResolver};
 
 /// Builds the tool servers' client builder, with the worker's trust roots, for each pinned
 /// client ([`crate::tools::pinned_http_client`]).
-pub type ClientBuilderFactory = Arc<dyn Fn() -> reqwest::ClientBuilder + Send + Sync>;
+pub(crate) type ClientBuilderFactory = Arc<dyn Fn() -> reqwest::ClientBuilder + Send + Sync>;
 
 /// A server's host and port, compared without their spelling.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -119,7 +119,7 @@ fn same_host_as(address: SocketAddr) -> SocketAddr {
 
 /// Why a session to a server the registry does not list is not opened.
 #[derive(Debug, thiserror::Error)]
-pub enum AliasRefusal {
+pub(crate) enum AliasRefusal {
     /// It reaches a registered server: the registry's name is the only way to it.
     #[error(
         "its URL reaches {address}, an address of tool server {registered:?} of ABADA_AGENT_TOOLS_FILE; nothing was sent. Name the server {registered:?} in the definition: the registry's credential and approval then apply"
@@ -171,7 +171,7 @@ impl AliasGuard {
     }
 
     /// Resolves through `inner` (behind the guard) instead: tests give their own DNS.
-    pub fn with_resolver(mut self, inner: Arc<dyn Resolve>) -> Self {
+    pub(crate) fn with_resolver(mut self, inner: Arc<dyn Resolve>) -> Self {
         self.resolver = Arc::new(GuardedResolver::over(inner));
         self
     }
@@ -179,7 +179,7 @@ impl AliasGuard {
     /// The client a session to `url` (of a server the registry does not list) opens with:
     /// `shared` for an address literal (no resolution), otherwise one pinned to the addresses
     /// checked here. Refused when any of its socket addresses is one of a registered server's.
-    pub async fn client_for(
+    pub(crate) async fn client_for(
         &self,
         url: &str,
         shared: &reqwest::Client,

@@ -116,7 +116,7 @@ impl ApprovalPolicy {
     }
 
     /// Whether a call of `spec` with `arguments` needs approval under this policy alone.
-    pub fn covers(&self, spec: &ToolSpec, arguments: &Value) -> bool {
+    pub(crate) fn covers(&self, spec: &ToolSpec, arguments: &Value) -> bool {
         match self {
             ApprovalPolicy::Never => false,
             ApprovalPolicy::Always => true,

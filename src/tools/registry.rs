@@ -199,7 +199,11 @@ impl ToolsFile {
     /// `http://` token endpoint that is not loopback, unless `allow_insecure`
     /// (`ABADA_AGENT_ALLOW_INSECURE_HTTP=true`). Checked at start-up, before any token request.
     /// (The credential sent to a server's own `url` is checked where a session opens.)
-    pub fn check_channels(&self, path: &Path, allow_insecure: bool) -> Result<(), ToolsFileError> {
+    pub(crate) fn check_channels(
+        &self,
+        path: &Path,
+        allow_insecure: bool,
+    ) -> Result<(), ToolsFileError> {
         for c in self.credential_channels() {
             crate::channel::check(c.url, &c.what, allow_insecure).map_err(|source| {
                 ToolsFileError::InsecureChannel {
@@ -549,7 +553,7 @@ impl ToolRegistry {
 
     /// The `approval` of each registered server among `named` that has one (not `"never"`),
     /// for [`crate::agent::approval::ApprovalRules::servers`].
-    pub fn approval_policies(&self, named: &[NamedServer]) -> Vec<(String, ApprovalPolicy)> {
+    pub(crate) fn approval_policies(&self, named: &[NamedServer]) -> Vec<(String, ApprovalPolicy)> {
         named
             .iter()
             .filter_map(|n| self.servers.get(&n.name))
@@ -756,7 +760,7 @@ impl CredentialSource for TaskCredentials {
 
 /// Why no token could be had for an `oauth2` server. Never carries the secret or a token.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ToolTokenError {
+enum ToolTokenError {
     #[error(
         "cannot read the client secret of tool server {server}: {reason}; check clientSecretFile in {VAR}"
     )]

@@ -23,7 +23,7 @@ use crate::provider::fallback::RetryPolicy;
 use crate::runner::{Runner, RunnerEvent, RunnerSettings};
 use crate::tools::registry::{ToolRegistry, ToolsFile};
 
-pub use crate::devkit::world::model::PROVIDER;
+pub(crate) use crate::devkit::world::model::PROVIDER;
 
 /// The tools' HTTP client of every simulated worker: built once (loading the platform's roots
 /// takes milliseconds), never used (the world's tasks name no tool server).
@@ -74,7 +74,7 @@ fn tool_registry() -> Arc<ToolRegistry> {
 }
 
 /// A worker running on the simulation's runtime.
-pub struct SimWorker {
+pub(crate) struct SimWorker {
     pub id: String,
     /// Its metrics, as `/metrics` would serve them.
     pub metrics: Arc<Metrics>,

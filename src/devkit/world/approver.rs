@@ -113,7 +113,7 @@ pub async fn run(world: Arc<World>, people: Arc<Mutex<People>>, every: Duration)
 }
 
 /// One look at the task list: every open user task answered per its instance's plan.
-pub fn act(world: &World, people: &Mutex<People>) {
+pub(crate) fn act(world: &World, people: &Mutex<People>) {
     let groups = [APPROVERS.to_string(), REVIEWERS.to_string()];
     let open = world.core().open_user_tasks(PERSON, &groups);
     let mut people = people.lock().unwrap_or_else(|e| e.into_inner());

@@ -98,7 +98,7 @@ impl Faults {
     }
 
     /// The end of the freeze of `worker` that holds `at`, if any.
-    pub fn frozen_until(&self, worker: &str, at: u64) -> Option<u64> {
+    pub(crate) fn frozen_until(&self, worker: &str, at: u64) -> Option<u64> {
         self.plan
             .freezes
             .get(worker)?
@@ -107,12 +107,12 @@ impl Faults {
             .map(|w| w.end)
     }
 
-    pub fn engine_down(&self, at: u64) -> bool {
+    pub(crate) fn engine_down(&self, at: u64) -> bool {
         self.plan.engine_outages.iter().any(|w| w.contains(at))
     }
 
     /// The end of the engine hang that holds `at`, if any.
-    pub fn engine_hung_until(&self, at: u64) -> Option<u64> {
+    pub(crate) fn engine_hung_until(&self, at: u64) -> Option<u64> {
         self.plan
             .engine_hangs
             .iter()
@@ -120,7 +120,7 @@ impl Faults {
             .map(|w| w.end)
     }
 
-    pub fn store_down(&self, at: u64) -> bool {
+    pub(crate) fn store_down(&self, at: u64) -> bool {
         self.plan.store_outages.iter().any(|w| w.contains(at))
     }
 }

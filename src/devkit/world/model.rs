@@ -18,7 +18,7 @@ use crate::conversation::{AssistantMessage, Message, ToolCall, Usage};
 use crate::provider::{ModelProvider, ModelRequest, ModelResponse, ProviderError};
 
 /// The provider name the world's model is registered under (`sim/…` in a definition).
-pub const PROVIDER: &str = "sim";
+pub(crate) const PROVIDER: &str = "sim";
 
 /// What a task's input asks the model to play.
 #[derive(Clone, Debug, PartialEq, Eq)]

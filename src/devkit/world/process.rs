@@ -23,17 +23,17 @@ use abada_devkit::engine::{ConditionalFlow, NodeKind, ProcessModel, ProcessNode,
 use super::World;
 use super::model::ModelScript;
 
-pub const PROCESS_ID: &str = "simProcess";
-pub const AGENT_NODE: &str = "agentNode";
-pub const APPROVE_NODE: &str = "approve";
-pub const REVIEW_NODE: &str = "review";
+const PROCESS_ID: &str = "simProcess";
+const AGENT_NODE: &str = "agentNode";
+pub(crate) const APPROVE_NODE: &str = "approve";
+pub(crate) const REVIEW_NODE: &str = "review";
 /// The candidate groups of the two user tasks.
-pub const APPROVERS: &str = "sim-approvers";
-pub const REVIEWERS: &str = "sim-reviewers";
+pub(crate) const APPROVERS: &str = "sim-approvers";
+pub(crate) const REVIEWERS: &str = "sim-reviewers";
 /// The variable that sends the token back to the agent node for a new visit.
-pub const AGAIN_VARIABLE: &str = "simAgain";
+pub(crate) const AGAIN_VARIABLE: &str = "simAgain";
 /// The variable the agent's input renders (its script, see `ModelScript`).
-pub const INPUT_VARIABLE: &str = "simInput";
+pub(crate) const INPUT_VARIABLE: &str = "simInput";
 
 /// The agent definition every simulated task carries (agent/1 `agent`); `gated`: its keyed
 /// writes wait for a person's decision.
@@ -117,7 +117,7 @@ pub fn model(agent: Value) -> ProcessModel {
 }
 
 /// The variables a task or an instance starts with: the script's input.
-pub fn input_variables(script: &ModelScript) -> Map<String, Value> {
+pub(crate) fn input_variables(script: &ModelScript) -> Map<String, Value> {
     let mut variables = Map::new();
     variables.insert(INPUT_VARIABLE.into(), script.input().into());
     variables
@@ -145,7 +145,11 @@ pub fn start(world: &World, script: &ModelScript, preset: bool) -> Result<String
 
 /// Two tasks of one instance at the agent node at once (two tokens, as after a parallel
 /// gateway): the same process instance and activity, hence the same run key; each its script.
-pub fn start_parallel(world: &World, first: &ModelScript, second: &ModelScript) -> [String; 2] {
+pub(crate) fn start_parallel(
+    world: &World,
+    first: &ModelScript,
+    second: &ModelScript,
+) -> [String; 2] {
     let instance = format!("par-{}", first.task);
     let mut core = world.core();
     [first, second].map(|script| {

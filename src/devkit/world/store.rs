@@ -215,11 +215,6 @@ impl MemoryRunStore {
         })
     }
 
-    /// The keys of every run held, in order.
-    pub fn run_keys(&self) -> Vec<String> {
-        self.state().runs.keys().cloned().collect()
-    }
-
     /// Test control: the run's latest change (and its finish) as if it had happened `by`
     /// earlier, as a test of the PostgreSQL store moves `updated_at` and `finished_at` back.
     pub fn backdate(&self, run_key: &RunKey, by: Duration) {

@@ -19,7 +19,7 @@ use crate::store::{Claim, Claimant, Fence, RunEnd, RunKey, RunStore, StoreError}
 const STORE: &str = "memory://world";
 
 /// One worker's view of the world's run store.
-pub struct WorldStore {
+pub(crate) struct WorldStore {
     world: Arc<World>,
     worker_id: String,
 }
