@@ -109,31 +109,31 @@ pub struct Config {
     pub shutdown_grace: Duration,
     pub http_addr: SocketAddr,
     pub log_format: LogFormat,
-    pub engine_timeout: Duration,
+    pub(crate) engine_timeout: Duration,
     /// OIDC client-credentials settings (protocol.md A.5), when an issuer is set.
     pub oidc: Option<OidcSettings>,
     pub providers: Vec<ProviderConfig>,
     pub agents_file: Option<PathBuf>,
     /// The operator's tool-server registry (read by the agent runtime at start-up).
-    pub tools_file: Option<PathBuf>,
+    pub(crate) tools_file: Option<PathBuf>,
     /// Whether definitions may use servers the registry does not list (with a registry only).
-    pub tools_unregistered: UnregisteredPolicy,
+    pub(crate) tools_unregistered: UnregisteredPolicy,
     pub ca_file: Option<PathBuf>,
     /// `None` when `ABADA_AGENT_STORE_URL` (or its `_FILE`) is unset.
     pub store: Option<StoreConfig>,
     /// Extra headers for every engine request (an authenticating proxy in front of the
     /// engine); values are secrets.
-    pub engine_headers: Option<Arc<EngineHeaders>>,
+    pub(crate) engine_headers: Option<Arc<EngineHeaders>>,
     /// What no agent definition gets more of (`ABADA_AGENT_MAX_*`).
     pub ceilings: Ceilings,
     /// Credentials may travel over http:// to hosts that are not loopback (`crate::channel`).
     pub allow_insecure_http: bool,
     /// How often one run in the run store may be deferred (every model unavailable) before it
     /// ends as an incident naming the count (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`).
-    pub max_deferrals_per_run: u32,
+    pub(crate) max_deferrals_per_run: u32,
     /// How long one model call may wait for its model's capacity (the provider's stated rate
     /// limit) before the model counts as unavailable (`ABADA_AGENT_MODEL_WAIT_MAX_MS`).
-    pub model_wait_max: Duration,
+    pub(crate) model_wait_max: Duration,
 }
 
 impl Config {

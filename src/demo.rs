@@ -284,7 +284,7 @@ pub struct WorkerSummary {
     pub keyed_writes: u64,
     /// Fetches that asked for tasks, and what the first one asked for and got.
     pub fetches: u32,
-    pub first_fetch: Option<(u32, usize)>,
+    pub(crate) first_fetch: Option<(u32, usize)>,
     /// Attempts that ended with the lease lost.
     pub leases_lost: u32,
 }
@@ -299,7 +299,7 @@ pub struct DemoReport {
     pub checks: Vec<Check>,
     /// Scenario facts the checks are made of (also in the JSON summary).
     pub facts: Value,
-    pub wall_seconds: f64,
+    pub(crate) wall_seconds: f64,
 }
 
 impl DemoReport {

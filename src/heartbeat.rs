@@ -29,7 +29,7 @@ pub struct HeartbeatSettings {
     /// The lease length requested on every extension.
     pub lock_duration: Duration,
     /// Most extension requests in flight at once.
-    pub max_concurrent: usize,
+    pub(crate) max_concurrent: usize,
     /// Backoff between retries of a failed extension (capped so a retry happens before expiry).
     pub retry_backoff: Backoff,
 }

@@ -22,7 +22,7 @@ pub struct ResultLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutcomeLabel {
+pub(crate) struct OutcomeLabel {
     pub outcome: TaskEnd,
 }
 
@@ -41,13 +41,13 @@ pub struct ReasonLabel {
 /// Structured output (`agent::output`): the agent's name (capped, as for its tokens) and why a
 /// final answer was rejected (`truncated`, `not_json`, `too_large`, `schema`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutputLabels {
+pub(crate) struct OutputLabels {
     pub agent: String,
     pub reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct EngineRequestLabels {
+pub(crate) struct EngineRequestLabels {
     pub operation: &'static str,
     pub status: String,
 }
@@ -62,7 +62,7 @@ pub struct ModelLabels {
 
 /// Provider and model values from [`labels::DeclaredNames::model`].
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ModelTokenLabels {
+pub(crate) struct ModelTokenLabels {
     /// The agent definition's name: with the model, what an agent costs.
     pub agent: String,
     pub provider: String,
@@ -74,7 +74,7 @@ pub struct ModelTokenLabels {
 /// `gen_ai.client.token.usage`'s attributes (GenAI semantic conventions v1.41.0), in their
 /// Prometheus spelling.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct GenAiTokenLabels {
+pub(crate) struct GenAiTokenLabels {
     pub gen_ai_operation_name: &'static str,
     pub gen_ai_provider_name: String,
     pub gen_ai_request_model: String,
@@ -85,7 +85,7 @@ pub struct GenAiTokenLabels {
 /// `gen_ai.client.operation.duration`'s attributes; `error_type` is empty (so absent) for a
 /// call that succeeded.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct GenAiDurationLabels {
+pub(crate) struct GenAiDurationLabels {
     pub gen_ai_operation_name: &'static str,
     pub gen_ai_provider_name: String,
     pub gen_ai_request_model: String,
@@ -93,7 +93,7 @@ pub struct GenAiDurationLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ModelRefLabels {
+pub(crate) struct ModelRefLabels {
     pub provider: String,
     pub model: String,
 }
@@ -116,7 +116,7 @@ pub struct ApprovalLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StoreOperationLabel {
+pub(crate) struct StoreOperationLabel {
     pub operation: &'static str,
 }
 
@@ -159,45 +159,46 @@ pub struct Metrics {
     pub slots_in_use: Gauge,
     pub slots_total: Gauge,
     pub fetches: Family<ResultLabel, Counter>,
-    pub fetch_duration: Histogram,
-    pub tasks_claimed: Counter,
-    pub tasks_ended: Family<OutcomeLabel, Counter>,
-    pub task_duration: Family<OutcomeLabel, Histogram, fn() -> Histogram>,
-    pub pickup_latency: Histogram,
-    pub leases_extended: Counter,
+    pub(crate) fetch_duration: Histogram,
+    pub(crate) tasks_claimed: Counter,
+    pub(crate) tasks_ended: Family<OutcomeLabel, Counter>,
+    pub(crate) task_duration: Family<OutcomeLabel, Histogram, fn() -> Histogram>,
+    pub(crate) pickup_latency: Histogram,
+    pub(crate) leases_extended: Counter,
     pub leases_lost: Family<ReasonLabel, Counter>,
-    pub engine_request_duration: Family<EngineRequestLabels, Histogram, fn() -> Histogram>,
+    pub(crate) engine_request_duration: Family<EngineRequestLabels, Histogram, fn() -> Histogram>,
     pub model_calls: Family<ModelLabels, Counter>,
-    pub model_call_duration: Family<ModelLabels, Histogram, fn() -> Histogram>,
-    pub model_tokens: Family<ModelTokenLabels, Counter>,
-    pub model_fallback_calls: Family<ModelRefLabels, Counter>,
+    pub(crate) model_call_duration: Family<ModelLabels, Histogram, fn() -> Histogram>,
+    pub(crate) model_tokens: Family<ModelTokenLabels, Counter>,
+    pub(crate) model_fallback_calls: Family<ModelRefLabels, Counter>,
     /// A model's circuit opened: unavailable for every task of the worker (issue 23).
-    pub model_circuit_opened: Family<ModelRefLabels, Counter>,
+    pub(crate) model_circuit_opened: Family<ModelRefLabels, Counter>,
     /// Calls a model may start now by its provider's stated rate limit, as of its last call
     /// (issue 25); a model whose provider states none has no series.
-    pub model_capacity: Family<ModelRefLabels, Gauge>,
+    pub(crate) model_capacity: Family<ModelRefLabels, Gauge>,
     /// How long each model call waited for its model's capacity before it went out.
-    pub model_capacity_wait: Family<ModelRefLabels, Histogram, fn() -> Histogram>,
+    pub(crate) model_capacity_wait: Family<ModelRefLabels, Histogram, fn() -> Histogram>,
     pub tool_calls: Family<ToolLabels, Counter>,
     /// Approval stops and decisions; a label per event only: agents and tools are on the
     /// journal and the logs, and the stops of one agent are few.
     pub approvals: Family<ApprovalLabel, Counter>,
     /// Final answers sent back to the model for a repair turn (off-schema, cut).
-    pub output_repairs: Family<OutputLabels, Counter>,
+    pub(crate) output_repairs: Family<OutputLabels, Counter>,
     /// Final answers still rejected with no repair turn left: the task became an incident.
-    pub output_failures: Family<OutputLabels, Counter>,
-    pub backoff_seconds: Gauge<f64, AtomicU64>,
-    pub store_transaction_duration: Family<StoreOperationLabel, Histogram, fn() -> Histogram>,
-    pub store_pool_wait: Histogram,
+    pub(crate) output_failures: Family<OutputLabels, Counter>,
+    pub(crate) backoff_seconds: Gauge<f64, AtomicU64>,
+    pub(crate) store_transaction_duration:
+        Family<StoreOperationLabel, Histogram, fn() -> Histogram>,
+    pub(crate) store_pool_wait: Histogram,
     pub store_pool_in_use: Gauge,
-    pub store_pool_open: Gauge,
-    pub store_pool_max: Gauge,
+    pub(crate) store_pool_open: Gauge,
+    pub(crate) store_pool_max: Gauge,
     pub store_errors: Family<StoreErrorLabels, Counter>,
     pub store_runs_deleted: Family<ReasonLabel, Counter>,
     /// GenAI semantic conventions: tokens per model call, input and output apart.
-    pub genai_token_usage: Family<GenAiTokenLabels, Histogram, fn() -> Histogram>,
+    pub(crate) genai_token_usage: Family<GenAiTokenLabels, Histogram, fn() -> Histogram>,
     /// GenAI semantic conventions: the duration of each model call, failed ones included.
-    pub genai_operation_duration: Family<GenAiDurationLabels, Histogram, fn() -> Histogram>,
+    pub(crate) genai_operation_duration: Family<GenAiDurationLabels, Histogram, fn() -> Histogram>,
 }
 
 impl Default for Metrics {

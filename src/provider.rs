@@ -394,9 +394,9 @@ pub struct CallAttempt {
     pub model: ModelRef,
     /// The provider as the OpenTelemetry GenAI conventions name it (`openai`, `anthropic`, or
     /// the configured name of another).
-    pub provider_name: String,
+    pub(crate) provider_name: String,
     /// 0 for the agent's model, 1.. for its `fallbackModels`.
-    pub fallback_index: usize,
+    pub(crate) fallback_index: usize,
     /// `ok`, or [`ProviderError::outcome`] of the failure.
     pub outcome: &'static str,
     /// Tokens of a successful call, as the provider reported them.

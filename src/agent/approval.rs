@@ -83,7 +83,7 @@ impl ApprovalRules {
 
 /// The process variables of the approval flow, named per definition.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ApprovalVariables {
+pub(crate) struct ApprovalVariables {
     /// `"approval-required"` or `"done"`; the gateway routes on it. Always written, because the
     /// engine keeps a stale value from the last completion.
     pub status: String,
@@ -220,7 +220,7 @@ pub struct Decision {
     #[serde(default)]
     pub comment: Option<String>,
     /// As the process wrote it: the worker cannot verify who decided.
-    pub decided_by: String,
+    pub(crate) decided_by: String,
 }
 
 /// A decision that performs nothing. [`DecisionError::asks_again`] says which stop again with

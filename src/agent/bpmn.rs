@@ -472,9 +472,9 @@ pub struct BpmnSettings {
     /// tasks within this time.
     pub latest_for: Duration,
     /// Parsed definitions kept, per (key, version).
-    pub max_definitions: usize,
+    pub(crate) max_definitions: usize,
     /// Instance → key entries kept.
-    pub max_instances: usize,
+    pub(crate) max_instances: usize,
 }
 
 impl Default for BpmnSettings {

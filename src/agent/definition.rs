@@ -36,12 +36,12 @@ pub struct AgentDefinition {
     pub input: String,
     /// Whether `${name}` in `instructions` renders process variables (fenced); off by default,
     /// so outside data reaches the system role only when the modeller asked for it.
-    pub render_instructions: bool,
+    pub(crate) render_instructions: bool,
     /// The tool servers the agent uses: names of the operator's registry, or a name with the
     /// URL the definition expects (checked against the registry for each task).
-    pub tool_servers: Vec<NamedServer>,
+    pub(crate) tool_servers: Vec<NamedServer>,
     pub max_turns: u32,
-    pub token_budget: Option<u64>,
+    pub(crate) token_budget: Option<u64>,
     /// The output cap of one model call (`maxOutputTokens`), lowered to what the budget leaves.
     pub max_output_tokens: u32,
     /// The tool-call, keyed-write and duration limits the definition asked for (the worker's
@@ -52,18 +52,18 @@ pub struct AgentDefinition {
     pub approval: ApprovalPolicy,
     /// The process variables of the approval flow (`approvalVariables`), defaults
     /// `agentStatus`, `agentApprovalRequest`, `agentApproval`.
-    pub approval_variables: ApprovalVariables,
+    pub(crate) approval_variables: ApprovalVariables,
     /// `loopCounterVariable`: a variable counting the visits of the node, part of the run key,
     /// for a node the process re-enters for new work and not only with a decision.
-    pub loop_counter_variable: Option<String>,
+    pub(crate) loop_counter_variable: Option<String>,
     /// `outputSchema`: the JSON Schema every final answer must match, compiled once here under
     /// the bounds of [`output`](super::output) (a schema that does not compile makes the
     /// definition invalid).
-    pub output_schema: Option<OutputSchema>,
+    pub(crate) output_schema: Option<OutputSchema>,
     /// `outputRepairTurns`: how many times an off-schema or cut final answer is sent back to
     /// the model with what is wrong, before it is an incident (default 1, at most
     /// [`output::MAX_REPAIR_TURNS`]).
-    pub output_repair_turns: u32,
+    pub(crate) output_repair_turns: u32,
     /// Where a definition written on the BPMN service task came from, with the raw definition
     /// the run journals so a resumed run keeps it (`agent::bpmn`); `None` for the task's own
     /// `agent` and the agents file.

@@ -262,7 +262,7 @@ pub struct Replayed {
     /// Tool calls and keyed writes so far, across every attempt (the limits count them).
     pub spent: Spent,
     /// When the run's first attempt started (Unix ms), if its input step says so.
-    pub started_at_ms: Option<u64>,
+    pub(crate) started_at_ms: Option<u64>,
     /// The first pending call's approval, once it was put to a person.
     pub approval: Option<ApprovalState>,
     /// The definition the run started with, when it was read from the BPMN
@@ -270,12 +270,12 @@ pub struct Replayed {
     pub definition: Option<Value>,
     /// The `requestId` of every decision journaled in this run, in order: each answered its
     /// request once, and a decision naming one again performs nothing.
-    pub consumed_requests: Vec<String>,
+    pub(crate) consumed_requests: Vec<String>,
     /// How many times the run was deferred (`deferral` steps; run store only).
     pub deferrals: u32,
     /// Final answers sent back to the model as off-schema or cut (`outputRepair` on their
     /// model steps): the repair turns spent (`agent::output`).
-    pub output_repairs: u32,
+    pub(crate) output_repairs: u32,
 }
 
 #[derive(Deserialize)]

@@ -59,7 +59,7 @@ pub struct Requested {
     pub tool_calls_per_answer: Option<u32>,
     pub tool_calls_per_task: Option<u32>,
     pub keyed_writes_per_task: Option<u32>,
-    pub max_duration_ms: Option<u64>,
+    pub(crate) max_duration_ms: Option<u64>,
 }
 
 /// The limits of one task: the definition's values (or the defaults), each lowered to its
@@ -71,7 +71,7 @@ pub struct Limits {
     pub keyed_writes_per_task: u32,
     pub max_turns: u32,
     pub max_duration: Duration,
-    pub token_budget: Option<u64>,
+    pub(crate) token_budget: Option<u64>,
     pub max_output_tokens: u32,
 }
 

@@ -228,7 +228,7 @@ impl RejectReason {
 pub struct Rejection {
     pub reason: RejectReason,
     /// The first error's place: `instance /decision, schema /properties/decision/enum`.
-    pub location: Option<String>,
+    pub(crate) location: Option<String>,
     /// What is wrong, for the model and the incident (at most a few bounded errors).
     pub detail: String,
 }

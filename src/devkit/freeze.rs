@@ -31,7 +31,7 @@ pub(crate) struct StepMatch {
     pub kind: String,
     pub state: String,
     /// Only steps with an idempotency key (keyed tool writes).
-    pub keyed_only: bool,
+    pub(crate) keyed_only: bool,
 }
 
 impl StepMatch {

@@ -50,7 +50,7 @@ pub struct EngineClientSettings {
     /// Timeout of one HTTP exchange.
     pub request_timeout: Duration,
     /// Most engine requests in flight at once (the connection pool's real bound).
-    pub max_in_flight: usize,
+    pub(crate) max_in_flight: usize,
     /// How often a command is tried in all before its error is returned.
     pub command_attempts: u32,
     pub command_backoff: Backoff,

@@ -91,7 +91,7 @@ pub(crate) struct ToolCredentialBody<'a> {
 struct LockedTaskWire {
     pub id: String,
     #[serde(default)]
-    pub topic_name: Option<String>,
+    pub(crate) topic_name: Option<String>,
     #[serde(default)]
     pub variables: Option<Map<String, Value>>,
     #[serde(default)]
@@ -105,7 +105,7 @@ struct LockedTaskWire {
     #[serde(default)]
     pub trace_parent: Option<String>,
     #[serde(default)]
-    pub protocol_version: Option<String>,
+    pub(crate) protocol_version: Option<String>,
     #[serde(default)]
     pub attempt: Option<u32>,
     #[serde(default)]

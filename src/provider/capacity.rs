@@ -36,16 +36,16 @@ use super::ModelRef;
 pub struct CapacityPolicy {
     /// A 429 without `Retry-After` holds the model this long, doubled for each further 429 in a
     /// row (up to `max_wait`).
-    pub throttle_default: Duration,
+    pub(crate) throttle_default: Duration,
     /// The longest a reset, a `Retry-After` or a throttle holds a model.
-    pub max_wait: Duration,
+    pub(crate) max_wait: Duration,
     /// Models tracked at most; past that a new model is not tracked (no bound known).
-    pub max_models: usize,
+    pub(crate) max_models: usize,
     /// Call starts remembered per model (those after the freshest figure).
-    pub max_starts: usize,
+    pub(crate) max_starts: usize,
     /// How long a claimed task counts against the capacity before its first call starts
     /// ([`ModelCapacities::claimed`]); a task that never calls stops counting after this.
-    pub claim_ttl: Duration,
+    pub(crate) claim_ttl: Duration,
 }
 
 impl Default for CapacityPolicy {

@@ -39,14 +39,14 @@ use super::{ModelRef, ProviderError};
 pub struct CircuitPolicy {
     /// Distinct requesters whose calls failed in a row (no answer to anyone between) that open
     /// the circuit.
-    pub failing_requesters: usize,
+    pub(crate) failing_requesters: usize,
     /// The shortest open period (a `Retry-After: 0` still holds the model this long).
-    pub min_open: Duration,
+    pub(crate) min_open: Duration,
     /// The longest: a provider's `Retry-After` is outside input, and cannot hold a model open
     /// (and its tasks deferred) for longer.
-    pub max_open: Duration,
+    pub(crate) max_open: Duration,
     /// Models tracked at most.
-    pub max_models: usize,
+    pub(crate) max_models: usize,
 }
 
 impl Default for CircuitPolicy {

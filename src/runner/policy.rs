@@ -66,7 +66,7 @@ pub(crate) enum Action {
 
 /// The level a failed fetch is logged at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogLevel {
+pub(crate) enum LogLevel {
     /// A new error: the operator should see it.
     Warn,
     /// The error logged last, again: an outage is one clear line, not one per retry.
@@ -80,7 +80,7 @@ pub struct FetchFailed {
     pub wait: Duration,
     /// Consecutive failed fetches, this one included.
     pub failures: u32,
-    pub log_at: LogLevel,
+    pub(crate) log_at: LogLevel,
 }
 
 /// What a fetch may ask for, by admission.

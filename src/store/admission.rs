@@ -145,9 +145,9 @@ pub struct Seen {
     /// The holder claimed or wrote within the hold.
     pub held: bool,
     /// The digest of the journaled input step; `None` when seq 1 is no input step.
-    pub journaled_input: Option<InputDigest>,
+    pub(crate) journaled_input: Option<InputDigest>,
     /// The JSON text of the journaled input step's `definition`, when it has one.
-    pub journaled_definition: Option<String>,
+    pub(crate) journaled_definition: Option<String>,
     /// From the last step; `Working` when there is none.
     pub phase: Phase,
 }
@@ -155,11 +155,11 @@ pub struct Seen {
 /// Who claims, as the rule sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct Asking<'a> {
-    pub per_visit: bool,
+    pub(crate) per_visit: bool,
     pub task_id: &'a str,
     /// From the input step the claim offers; `None` when it offers none.
     pub input: Option<InputDigest>,
-    pub hold_ms: u64,
+    pub(crate) hold_ms: u64,
 }
 
 /// What the claim does.

@@ -436,7 +436,7 @@ const SWEEP_ABANDONED: &str = "
 /// A pooled connection with the store's statements prepared on it.
 pub(super) struct PgConn {
     pub client: Client,
-    pub statements: Statements,
+    pub(crate) statements: Statements,
 }
 
 /// The store's statements, prepared on each connection when it opens.

@@ -81,7 +81,7 @@ pub struct ExportSettings {
     /// `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`: `true`, `SPAN_ONLY` or
     /// `SPAN_AND_EVENT` (the OpenTelemetry GenAI instrumentations' spellings, any case) turn
     /// content capture on; anything else, and unset, leave it off.
-    pub capture_content: bool,
+    pub(crate) capture_content: bool,
     /// What travels in clear because `ABADA_AGENT_ALLOW_INSECURE_HTTP=true` allowed it (the
     /// headers to an http:// collector that is not loopback), for the start-up warning.
     pub in_clear: Option<String>,

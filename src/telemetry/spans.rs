@@ -181,10 +181,10 @@ pub struct ChatSpan<'a> {
     /// `gen_ai.provider.name`: `openai`, `anthropic`, or the configured name of another.
     pub provider: &'a str,
     /// The configured provider name (`ABADA_AGENT_PROVIDERS`), when it differs.
-    pub configured_provider: &'a str,
+    pub(crate) configured_provider: &'a str,
     pub model: &'a str,
     /// 0 for the agent's model, 1.. for its `fallbackModels`.
-    pub fallback_index: usize,
+    pub(crate) fallback_index: usize,
     /// 0 for the first call to this model, 1.. for its retries.
     pub retry: u32,
     pub max_tokens: Option<u32>,

@@ -57,7 +57,7 @@ const UNREGISTERED_VAR: &str = "ABADA_AGENT_TOOLS_UNREGISTERED";
 /// Whether an agent definition may use a tool server the registry does not list, given with
 /// its URL (`ABADA_AGENT_TOOLS_UNREGISTERED`; without a registry every server is such a one).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum UnregisteredPolicy {
+pub(crate) enum UnregisteredPolicy {
     /// The registry is the list: any other server is an incident naming it.
     #[default]
     Refuse,

@@ -50,7 +50,7 @@ pub enum Shape {
 pub struct Kill {
     pub worker: usize,
     pub at: u64,
-    pub restart_after: u64,
+    pub(crate) restart_after: u64,
 }
 
 /// Everything a seed decides.

@@ -24,47 +24,47 @@ impl Window {
 #[derive(Clone, Debug, Default)]
 pub struct FaultPlan {
     /// No per-call fault is drawn from this time on (windows end before it).
-    pub quiet_at: u64,
+    pub(crate) quiet_at: u64,
     /// The engine answers nothing (connection refused) during these.
-    pub engine_outages: Vec<Window>,
+    pub(crate) engine_outages: Vec<Window>,
     /// The engine accepts calls and answers none during these, as when its request threads are
     /// stuck: a call made in one is held to the window's end and then fails as a request sent
     /// without an answer (the HTTP client's timeouts and retries outlasted); nothing it asked
     /// is done. A worker must lose its leases at their local expiry meanwhile, reporting ones
     /// included, and fetch again after.
-    pub engine_hangs: Vec<Window>,
+    pub(crate) engine_hangs: Vec<Window>,
     /// Odds per engine call of: a delay of up to `engine_slow_max`, a 5xx without executing,
     /// a 409 `CONCURRENT_MODIFICATION`, an executed call whose answer is lost.
-    pub engine_slow: f64,
-    pub engine_slow_max: Duration,
-    pub engine_5xx: f64,
-    pub engine_409: f64,
-    pub engine_answer_lost: f64,
+    pub(crate) engine_slow: f64,
+    pub(crate) engine_slow_max: Duration,
+    pub(crate) engine_5xx: f64,
+    pub(crate) engine_409: f64,
+    pub(crate) engine_answer_lost: f64,
     /// Odds per heartbeat, journal call or completion of a refusal the engine's state does not
     /// back (403 `WORKER_LOCK_NOT_OWNED`, 409 `STALE_ATTEMPT`): the worker must stop, the task
     /// expires and is fetched again.
     pub refused: f64,
     /// The engine's clock steps forward by `.1` ms at `.0` (an NTP step on the engine's host):
     /// leases expire there before the workers' own clocks say so, past their safety margin.
-    pub engine_clock_jump: Option<(u64, u64)>,
+    pub(crate) engine_clock_jump: Option<(u64, u64)>,
     /// Odds per model call of a 429, a 5xx, a delay of up to `model_slow_max`.
     pub model_429: f64,
-    pub model_5xx: f64,
-    pub model_slow: f64,
-    pub model_slow_max: Duration,
+    pub(crate) model_5xx: f64,
+    pub(crate) model_slow: f64,
+    pub(crate) model_slow_max: Duration,
     /// Odds per tool call of a 5xx, a delay of up to `tool_slow_max`, and (writes) of the write
     /// applied with its answer lost.
-    pub tool_5xx: f64,
-    pub tool_slow: f64,
-    pub tool_slow_max: Duration,
-    pub tool_answer_lost: f64,
+    pub(crate) tool_5xx: f64,
+    pub(crate) tool_slow: f64,
+    pub(crate) tool_slow_max: Duration,
+    pub(crate) tool_answer_lost: f64,
     /// The run store answers nothing (connection refused) during these.
-    pub store_outages: Vec<Window>,
+    pub(crate) store_outages: Vec<Window>,
     /// Odds per run-store call of a delay of up to `store_slow_max`, and of a call executed
     /// (committed) whose answer is lost.
-    pub store_slow: f64,
-    pub store_slow_max: Duration,
-    pub store_answer_lost: f64,
+    pub(crate) store_slow: f64,
+    pub(crate) store_slow_max: Duration,
+    pub(crate) store_answer_lost: f64,
     /// Per worker id: when its calls (engine and model) are held, as in a process paused by
     /// the OS or a long GC; a call sent before the window arrives after it.
     pub freezes: BTreeMap<String, Vec<Window>>,

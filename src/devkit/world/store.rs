@@ -162,7 +162,7 @@ pub struct RunView {
     pub next_seq: u64,
     pub running: bool,
     /// Per step in `seq` order: the attempt that wrote it.
-    pub step_attempts: Vec<u64>,
+    pub(crate) step_attempts: Vec<u64>,
 }
 
 impl MemoryRunStore {
