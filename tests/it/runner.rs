@@ -615,15 +615,17 @@ async fn no_accepted_extension_for_a_lock_duration_loses_the_lease_with_the_engi
     assert!(ops.len() >= 3, "transient failures are retried: {ops:?}");
 }
 
-#[tokio::test(start_paused = true)]
-async fn the_same_task_fetched_again_stops_the_older_attempt() {
-    let engine = FakeEngine::default();
+/// Runs a worker of two slots on task `dup`, has the engine hand out its attempt 2 two seconds
+/// in, and returns how both attempts ended, in order, once the worker has shut down.
+async fn dup_fetched_again_2s_in(
+    engine: &FakeEngine,
+    handler: Arc<dyn TaskHandler>,
+) -> Vec<(Option<u32>, TaskEnd)> {
     engine.push(task("dup"));
-    let handler = SleepHandler::new(Duration::from_secs(50));
     let mut s = settings(Duration::from_secs(120));
     s.max_tasks = 2;
     s.poll_interval = Duration::from_secs(5);
-    let mut r = start(&engine, handler.clone(), s);
+    let mut r = start(engine, handler, s);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let mut newer = task("dup");
     newer.attempt = Some(2);
@@ -637,12 +639,20 @@ async fn the_same_task_fetched_again_stops_the_older_attempt() {
             ended.push((attempt, outcome));
         }
     }
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    ended
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_same_task_fetched_again_stops_the_older_attempt() {
+    let engine = FakeEngine::default();
+    let handler = SleepHandler::new(Duration::from_secs(50));
+    let ended = dup_fetched_again_2s_in(&engine, handler.clone()).await;
     assert_eq!(
         ended,
         vec![(Some(1), TaskEnd::LeaseLost), (Some(2), TaskEnd::Completed)]
     );
-    r.shutdown.cancel();
-    r.join.await.unwrap();
     let completes: Vec<_> = engine
         .calls_for("dup")
         .into_iter()
@@ -705,27 +715,8 @@ impl TaskHandler for SlowToClose {
 #[tokio::test(start_paused = true)]
 async fn a_newer_attempt_begins_only_once_the_superseded_one_has_closed_what_it_held() {
     let engine = FakeEngine::default();
-    engine.push(task("dup"));
     let handler = Arc::new(SlowToClose::default());
-    let mut s = settings(Duration::from_secs(120));
-    s.max_tasks = 2;
-    s.poll_interval = Duration::from_secs(5);
-    let mut r = start(&engine, handler.clone(), s);
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let mut newer = task("dup");
-    newer.attempt = Some(2);
-    engine.push(newer);
-    let mut ended = Vec::new();
-    while ended.len() < 2 {
-        if let RunnerEvent::TaskEnded {
-            attempt, outcome, ..
-        } = next_event(&mut r.events).await
-        {
-            ended.push((attempt, outcome));
-        }
-    }
-    r.shutdown.cancel();
-    r.join.await.unwrap();
+    let ended = dup_fetched_again_2s_in(&engine, handler.clone()).await;
     assert_eq!(
         ended,
         vec![(Some(1), TaskEnd::LeaseLost), (Some(2), TaskEnd::Completed)]
