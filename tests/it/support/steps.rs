@@ -18,8 +18,8 @@ pub fn input(text: &str) -> JournalStep {
     }
 }
 
-/// A final answer (a model step without tool calls).
-pub fn answer(seq: u64, text: &str) -> JournalStep {
+/// A finished model step of `openai/refund` saying `message`, stopped for `stop_reason`.
+fn model(seq: u64, message: serde_json::Value, stop_reason: &str) -> JournalStep {
     JournalStep {
         seq,
         kind: "model".into(),
@@ -27,28 +27,26 @@ pub fn answer(seq: u64, text: &str) -> JournalStep {
         key: None,
         data: json!({
             "model": "openai/refund",
-            "message": {"text": text, "toolCalls": []},
+            "message": message,
             "usage": {"inputTokens": 10, "outputTokens": 2},
-            "stopReason": "stop"
+            "stopReason": stop_reason
         }),
     }
 }
 
+/// A final answer (a model step without tool calls).
+pub fn answer(seq: u64, text: &str) -> JournalStep {
+    model(seq, json!({"text": text, "toolCalls": []}), "stop")
+}
+
 /// A model step asking for `orders/issue_refund` (call `call_0`).
 pub fn asks_refund(seq: u64) -> JournalStep {
-    JournalStep {
+    model(
         seq,
-        kind: "model".into(),
-        state: "finished".into(),
-        key: None,
-        data: json!({
-            "model": "openai/refund",
-            "message": {"text": "I will refund.", "toolCalls": [{
-                "callId": "call_0", "server": "orders", "tool": "issue_refund",
-                "arguments": {"orderId": "o-1", "amountCents": 4200}
-            }]},
-            "usage": {"inputTokens": 10, "outputTokens": 2},
-            "stopReason": "tool_calls"
-        }),
-    }
+        json!({"text": "I will refund.", "toolCalls": [{
+            "callId": "call_0", "server": "orders", "tool": "issue_refund",
+            "arguments": {"orderId": "o-1", "amountCents": 4200}
+        }]}),
+        "tool_calls",
+    )
 }
