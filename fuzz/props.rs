@@ -86,6 +86,18 @@ pub fn config(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
+    if let Err(e) = decoders::config(&config_vars(text)) {
+        let message = e.to_string();
+        assert!(
+            message.contains("ABADA_AGENT_"),
+            "a configuration error that names no variable: {message}"
+        );
+    }
+}
+
+/// The variables of a `config` input: `NAME=value` lines, short names expanded to
+/// `ABADA_AGENT_<NAME>`, beside an engine URL.
+fn config_vars(text: &str) -> std::collections::HashMap<String, String> {
     let mut vars = std::collections::HashMap::new();
     vars.insert(
         "ABADA_AGENT_ENGINE_URL".to_string(),
@@ -101,13 +113,7 @@ pub fn config(data: &[u8]) {
             vars.insert(name, value.to_string());
         }
     }
-    if let Err(e) = decoders::config(&vars) {
-        let message = e.to_string();
-        assert!(
-            message.contains("ABADA_AGENT_"),
-            "a configuration error that names no variable: {message}"
-        );
-    }
+    vars
 }
 
 /// A non-success engine answer (status from the first two bytes, a `Retry-After` from the next
@@ -355,5 +361,130 @@ pub fn tool_result(data: &[u8]) {
                 size(&capped)
             );
         }
+    }
+}
+
+/// Whether `data` is a seed worth its place for `target`: it decodes, so its property is met on
+/// a decoded value rather than on a refusal (a seed that does not decode starts the fuzzer where
+/// arbitrary bytes already are). `Err` says what the decoder answered.
+pub fn decodes(target: &str, data: &[u8]) -> Result<(), String> {
+    let text = || std::str::from_utf8(data).map_err(|e| format!("not UTF-8: {e}"));
+    let json = || serde_json::from_slice::<Value>(data).map_err(|e| format!("not JSON: {e}"));
+    let non_empty = |n: usize, what: &str| {
+        if n == 0 {
+            Err(format!("decoded, but no {what}"))
+        } else {
+            Ok(())
+        }
+    };
+    match target {
+        "agent_definition" => decoders::agent_definition(&json()?).map(|_| ()),
+        "agents_file" => decoders::agents_file(text()?).map(|_| ()),
+        "bpmn_agents" => non_empty(decoders::bpmn_agents(text()?)?.len(), "agent"),
+        "config" => {
+            let text = text()?;
+            if !text.lines().any(|l| l.contains('=')) {
+                return Err("no NAME=value line".into());
+            }
+            decoders::config(&config_vars(text))
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }
+        "engine_error" => {
+            if data.len() < 3 {
+                return Err("shorter than its status and header length".into());
+            }
+            let n = (data[2] as usize).min(data.len() - 3);
+            let body = &data[3 + n..];
+            let answer: Value =
+                serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
+            let code = answer["code"]
+                .as_str()
+                .ok_or("the body has no engine error code")?;
+            let status = 400 + u16::from_be_bytes([data[0], data[1]]) % 200;
+            let error = decoders::engine_error("complete", status, HeaderMap::new(), body)
+                .ok_or("no HTTP status")?;
+            let lost = error
+                .lease_lost()
+                .map(|r| r.to_string())
+                .unwrap_or_default();
+            if error.to_string().contains(code) || lost.contains(code) {
+                Ok(())
+            } else {
+                Err(format!("the code {code} was not read: {error}"))
+            }
+        }
+        "engine_fetch_limited" => {
+            if data.len() < 2 {
+                return Err("shorter than its limit".into());
+            }
+            let limit = u16::from_be_bytes([data[0], data[1]]) as usize;
+            let (tasks, _, _) = decoders::engine_fetch_response_limited(&data[2..], limit)?;
+            non_empty(tasks.len(), "task taken")
+        }
+        "engine_fetch_response" => {
+            non_empty(decoders::engine_fetch_response(data)?.0.len(), "task")
+        }
+        "engine_journal" => {
+            let journal = decoders::engine_journal(data)?;
+            decoders::journal_replay(&journal.steps)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }
+        "headers" => {
+            let traceparent = std::str::from_utf8(data)
+                .ok()
+                .and_then(decoders::trace_parent);
+            if traceparent.is_some() {
+                return Ok(());
+            }
+            let half = data.len() / 2;
+            let mut headers = HeaderMap::new();
+            if let Ok(v) = HeaderValue::from_bytes(&data[..half]) {
+                headers.insert(RETRY_AFTER, v);
+            }
+            let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+            decoders::provider_retry_after(&headers, now)
+                .map(|_| ())
+                .ok_or_else(|| "neither a traceparent nor a Retry-After".to_string())
+        }
+        "provider_response" => {
+            let tools = offered_tools();
+            let openai = decoders::openai_response(data, &tools);
+            let anthropic = decoders::anthropic_response(data, &tools);
+            match (openai, anthropic) {
+                (Ok(_), _) | (_, Ok(_)) => Ok(()),
+                (Err(a), Err(b)) => Err(format!("OpenAI: {a}; Anthropic: {b}")),
+            }
+        }
+        "template" => {
+            let (&cap, rest) = data.split_first().ok_or("empty")?;
+            let text = std::str::from_utf8(rest).map_err(|e| format!("not UTF-8: {e}"))?;
+            let (template, vars) = text.split_once('\0').unwrap_or((text, "{}"));
+            let variables = serde_json::from_str::<Value>(vars)
+                .ok()
+                .and_then(|v| v.as_object().cloned())
+                .ok_or("the variables are not a JSON object")?;
+            decoders::render_fenced(template, &variables, usize::from(cap) * 64).map(|_| ())
+        }
+        "tool_listing" => {
+            if let Ok(Some(_)) = decoders::tool_listing_entry(data) {
+                return Ok(());
+            }
+            // Else the truncation's input: a limit byte, then text longer than the limit.
+            let (&limit, rest) = data.split_first().ok_or("empty")?;
+            match std::str::from_utf8(rest) {
+                Ok(text) if limit > 0 && text.len() > usize::from(limit) => Ok(()),
+                Ok(_) => Err("neither a tool listing nor text longer than its limit".into()),
+                Err(e) => Err(format!("neither a tool listing nor text: {e}")),
+            }
+        }
+        "tool_result" => {
+            if data.len() < 2 {
+                return Err("shorter than its cap".into());
+            }
+            decoders::tool_result(&data[2..]).map(|_| ())
+        }
+        other => Err(format!("no fuzz target {other}")),
     }
 }

@@ -504,6 +504,10 @@ async fn gate(State(shared): State<Arc<Shared>>, request: Request, next: Next) -
         )
             .into_response();
     }
+    let request = match parse_error(request).await {
+        Ok(request) => request,
+        Err(refusal) => return refusal,
+    };
     let response = next.run(request).await;
     if is_delete && response.status().is_success() {
         shared.records().counters.sessions_closed += 1;
@@ -523,6 +527,39 @@ async fn gate(State(shared): State<Arc<Shared>>, request: Request, next: Next) -
             .or_insert(token);
     }
     response
+}
+
+/// The largest request body the server reads (rmcp's own default cap is larger; no test sends
+/// more than a few KiB).
+const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
+
+/// A POST whose body is not JSON is refused as the real MCP servers refuse it: 400 with the
+/// JSON-RPC parse error `-32700` and a null id (the Node reference server and the Python SDK's,
+/// tests/it/tool_conformance.rs; JSON-RPC 2.0, section 5.1). rmcp's server answers it 415, which
+/// no real server does. Anything else goes on, its body as it came.
+async fn parse_error(request: Request) -> Result<Request, Response> {
+    if request.method() != Method::POST {
+        return Ok(request);
+    }
+    let (parts, body) = request.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, MAX_REQUEST_BYTES).await else {
+        return Err((
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "the request body is too large",
+        )
+            .into_response());
+    };
+    if serde_json::from_slice::<Value>(&bytes).is_err() {
+        let body = json!({"jsonrpc": "2.0", "id": null,
+                          "error": {"code": -32700, "message": "Parse error"}});
+        return Err((
+            StatusCode::BAD_REQUEST,
+            [(header::CONTENT_TYPE, "application/json")],
+            body.to_string(),
+        )
+            .into_response());
+    }
+    Ok(Request::from_parts(parts, axum::body::Body::from(bytes)))
 }
 
 #[derive(Clone)]

@@ -148,7 +148,26 @@ fn stale(task: &TaskRef) -> TaskRef {
 
 /// The calls of one scenario and what each answered, in order, one line each.
 async fn lease_and_journal(stand: &dyn Stand) -> Vec<String> {
-    let mut log = Vec::new();
+    let log = Log::default();
+    scenario(stand, log.clone()).await;
+    log.lines()
+}
+
+/// The lines of a scenario, kept where a scenario that cannot go on (a flawed engine's answer
+/// it cannot use) leaves them.
+#[derive(Clone, Default)]
+struct Log(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Log {
+    fn push(&self, line: String) {
+        self.0.lock().unwrap().push(line);
+    }
+    fn lines(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+async fn scenario(stand: &dyn Stand, log: Log) {
     let w1 = stand.engine("w1");
     let w2 = stand.engine("w2");
     let empty = w1.fetch_and_lock(&fetch(4)).await;
@@ -332,7 +351,6 @@ async fn lease_and_journal(stand: &dyn Stand) -> Vec<String> {
         .await;
     log.push(format!("bpmn-error: {}", outcome(&r, |_| "()".into())));
     log.push(format!("engine holds: {:?}", stand.status(&erring.task_id)));
-    log
 }
 
 fn append_line(o: &AppendOutcome) -> String {
@@ -443,4 +461,287 @@ async fn the_in_memory_engine_and_the_http_emulator_agree_call_for_call() {
         );
     }
     assert_eq!(over_http.len(), in_memory.len());
+}
+
+// ---- the suite can fail ---------------------------------------------------------------------
+
+/// A deliberate departure from protocol.md, played on the in-memory engine's answers as an
+/// engine stand-in could get a rule wrong (the world's engine itself is the simulator's, left
+/// as it is): each is a rule the suite's scenario must catch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Flaw {
+    /// A.2: any worker's call on a lease accepted (`WORKER_LOCK_NOT_OWNED` never answered).
+    OwnerUnchecked,
+    /// B.2: a stale attempt's call accepted (`STALE_ATTEMPT` never answered).
+    StaleAttemptAccepted,
+    /// A.2: an expired lease extended (`WORKER_LOCK_EXPIRED` never answered).
+    ExpiredLockExtended,
+    /// A.3, B.2: the same journal step sent again is a conflict, not the first answer.
+    AppendNotIdempotent,
+    /// B.1: a task fetched again keeps its attempt.
+    AttemptNotCounted,
+    /// A.2: a failure's retry timeout ignored: the task is offered again at once.
+    RetryTimeoutIgnored,
+    /// A.2: a complete on a completed task refused instead of answered 200.
+    SecondCompleteRefused,
+    /// A.2: a fetch answered with more tasks than `maxTasks`.
+    OverMaxTasks,
+}
+
+const FLAWS: [Flaw; 8] = [
+    Flaw::OwnerUnchecked,
+    Flaw::StaleAttemptAccepted,
+    Flaw::ExpiredLockExtended,
+    Flaw::AppendNotIdempotent,
+    Flaw::AttemptNotCounted,
+    Flaw::RetryTimeoutIgnored,
+    Flaw::SecondCompleteRefused,
+    Flaw::OverMaxTasks,
+];
+
+/// The in-memory engine with one flaw.
+struct Flawed {
+    inner: Arc<dyn Engine>,
+    flaw: Flaw,
+    /// Journal steps and completes already answered, for the flaws that remember.
+    seen: std::sync::Mutex<Vec<String>>,
+}
+
+impl Flawed {
+    /// A lease-lost refusal the flaw turns into an acceptance.
+    fn accepts(&self, e: &EngineError) -> bool {
+        use abada_agent_worker::engine::LeaseLostReason as R;
+        matches!(
+            (self.flaw, e),
+            (
+                Flaw::OwnerUnchecked,
+                EngineError::LeaseLost {
+                    reason: R::NotOwned,
+                    ..
+                }
+            ) | (
+                Flaw::StaleAttemptAccepted,
+                EngineError::LeaseLost {
+                    reason: R::StaleAttempt,
+                    ..
+                }
+            ) | (
+                Flaw::ExpiredLockExtended,
+                EngineError::LeaseLost {
+                    reason: R::Expired,
+                    ..
+                }
+            )
+        )
+    }
+
+    fn first_time(&self, what: String) -> bool {
+        let mut seen = self.seen.lock().unwrap();
+        if seen.contains(&what) {
+            false
+        } else {
+            seen.push(what);
+            true
+        }
+    }
+
+    fn accepting<T: Default>(&self, r: Result<T, EngineError>) -> Result<T, EngineError> {
+        match r {
+            Err(e) if self.accepts(&e) => Ok(T::default()),
+            other => other,
+        }
+    }
+}
+
+#[async_trait]
+impl Engine for Flawed {
+    async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError> {
+        let mut tasks = self.inner.fetch_and_lock(request).await?;
+        match self.flaw {
+            Flaw::AttemptNotCounted => {
+                for t in &mut tasks {
+                    t.attempt = Some(1);
+                }
+            }
+            Flaw::OverMaxTasks if !tasks.is_empty() => {
+                let more = self
+                    .inner
+                    .fetch_and_lock(&FetchRequest {
+                        max_tasks: 1,
+                        ..request.clone()
+                    })
+                    .await?;
+                tasks.extend(more);
+            }
+            _ => {}
+        }
+        Ok(tasks)
+    }
+    async fn heartbeat(&self, task: &TaskRef, lock_duration: Duration) -> Result<(), EngineError> {
+        let r = self.inner.heartbeat(task, lock_duration).await;
+        self.accepting(r)
+    }
+    async fn complete(
+        &self,
+        task: &TaskRef,
+        variables: &Map<String, Value>,
+    ) -> Result<(), EngineError> {
+        if self.flaw == Flaw::SecondCompleteRefused
+            && !self.first_time(format!("complete {}", task.task_id))
+        {
+            return Err(EngineError::LeaseLost {
+                op: "complete",
+                task_id: task.task_id.clone(),
+                reason: abada_agent_worker::engine::LeaseLostReason::NotLocked,
+            });
+        }
+        let r = self.inner.complete(task, variables).await;
+        self.accepting(r)
+    }
+    async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
+        let mut report = report.clone();
+        if self.flaw == Flaw::RetryTimeoutIgnored {
+            report.retry_timeout = Duration::ZERO;
+        }
+        let r = self.inner.failure(task, &report).await;
+        self.accepting(r)
+    }
+    async fn bpmn_error(
+        &self,
+        task: &TaskRef,
+        report: &BpmnErrorReport,
+    ) -> Result<(), EngineError> {
+        let r = self.inner.bpmn_error(task, report).await;
+        self.accepting(r)
+    }
+    async fn read_journal(
+        &self,
+        task: &TaskRef,
+    ) -> Result<abada_agent_worker::engine::Journal, EngineError> {
+        self.inner.read_journal(task).await
+    }
+    async fn append_journal(
+        &self,
+        task: &TaskRef,
+        step: &JournalStep,
+    ) -> Result<AppendOutcome, EngineError> {
+        if self.flaw == Flaw::AppendNotIdempotent
+            && !self.first_time(format!(
+                "{} {:?} {} {}",
+                task.task_id, task.attempt, step.seq, step.data
+            ))
+        {
+            return Err(EngineError::LeaseLost {
+                op: "journal-append",
+                task_id: task.task_id.clone(),
+                reason: abada_agent_worker::engine::LeaseLostReason::JournalConflict,
+            });
+        }
+        match self.inner.append_journal(task, step).await {
+            Err(e) if self.accepts(&e) => Ok(AppendOutcome::Created),
+            other => other,
+        }
+    }
+    async fn tool_credential(
+        &self,
+        task: &TaskRef,
+        server: &str,
+    ) -> Result<abada_agent_worker::engine::ToolCredential, EngineError> {
+        self.inner.tool_credential(task, server).await
+    }
+}
+
+struct FlawedMemory(Arc<World>, Flaw);
+
+#[async_trait]
+impl Stand for FlawedMemory {
+    fn engine(&self, worker_id: &str) -> Arc<dyn Engine> {
+        Arc::new(Flawed {
+            inner: Arc::new(WorldEngine::new(self.0.clone(), worker_id)),
+            flaw: self.1,
+            seen: Default::default(),
+        })
+    }
+    fn create_task(&self, spec: TaskSpec) -> String {
+        self.0.core().create_task(spec)
+    }
+    async fn advance(&self, by: Duration) {
+        tokio::time::advance(by).await;
+    }
+    fn status(&self, task_id: &str) -> (TaskStatus, Option<i32>, Option<Map<String, Value>>) {
+        let t = self.0.core().task(task_id).expect("the task exists");
+        (t.status, t.retries, t.result_variables)
+    }
+}
+
+/// The lines of the scenario that answer otherwise than protocol.md says, with `flaw`.
+async fn departures(flaw: Flaw) -> Vec<String> {
+    let world = World::new(WorldOptions {
+        seed: 1,
+        lock_duration: LOCK,
+        faults: FaultPlan::default(),
+        store_journal: false,
+    });
+    let log = Log::default();
+    let played = log.clone();
+    let finished = tokio::spawn(async move { scenario(&FlawedMemory(world, flaw), played).await })
+        .await
+        .is_ok();
+    let got = log.lines();
+    let want = expected();
+    let mut off: Vec<String> = got
+        .iter()
+        .zip(want.iter())
+        .filter(|(g, w)| g != w)
+        .map(|(g, _)| g.split(':').next().unwrap_or_default().to_string())
+        .collect();
+    if !finished || got.len() != want.len() {
+        off.push(format!("{} lines instead of {}", got.len(), want.len()));
+    }
+    off
+}
+
+/// Each deliberate departure from protocol.md fails the scenario at the calls written for it
+/// (the sound engines pass it, above).
+#[tokio::test(start_paused = true)]
+async fn every_departure_from_the_protocol_fails_the_suite() {
+    let expected: [(Flaw, &[&str]); 8] = [
+        (
+            Flaw::OwnerUnchecked,
+            &[
+                "w1 appends to w2's task",
+                "w2 extends w1's lease",
+                "w2 appends to w1's task",
+            ],
+        ),
+        (
+            Flaw::StaleAttemptAccepted,
+            &["w2 with the old attempt number appends"],
+        ),
+        (Flaw::ExpiredLockExtended, &["w1 extends an expired lease"]),
+        (Flaw::AppendNotIdempotent, &["the same step again"]),
+        (
+            Flaw::AttemptNotCounted,
+            &["w2 fetches after every lease expired"],
+        ),
+        (
+            Flaw::RetryTimeoutIgnored,
+            &["fetch within the retry timeout"],
+        ),
+        (Flaw::SecondCompleteRefused, &["a second complete"]),
+        (Flaw::OverMaxTasks, &["w1 fetches 2 of 3"]),
+    ];
+    assert_eq!(expected.len(), FLAWS.len(), "a flaw without its calls");
+    let mut report = Vec::new();
+    for (flaw, calls) in expected {
+        let off = departures(flaw).await;
+        for call in calls {
+            assert!(
+                off.iter().any(|o| o == call),
+                "{flaw:?}: \"{call}\" answered as the protocol says; off: {off:?}"
+            );
+        }
+        report.push(format!("{flaw:?}: {off:?}"));
+    }
+    eprintln!("{}", report.join("\n"));
 }

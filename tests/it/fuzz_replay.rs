@@ -64,32 +64,37 @@ fn input() -> impl Strategy<Value = Vec<u8>> {
     ]
 }
 
-/// Inputs of the right shape for each target, so that its property is met on a decoded value
-/// and not only on refusals.
-fn seeds() -> Vec<(&'static str, Vec<u8>)> {
-    let locked =
-        br#"[{"id":"t-1","topicName":"abada:agent","workerId":"w","attempt":1,"variables":{}}]"#;
-    let mut limited = vec![0x10, 0x00];
-    limited.extend_from_slice(locked);
-    let mut error = vec![0x00, 0x09, 0x01, b'2'];
-    error.extend_from_slice(br#"{"code":"WORKER_LOCK_NOT_OWNED","message":"no"}"#);
-    let mut result = vec![0x00, 0x08];
-    result.extend_from_slice(br#"{"content":[{"type":"text","text":"a long enough text"}]}"#);
-    vec![
-        ("agent_definition", br#"{"model":"openai/m","input":"order ${orderId}","orderId":"o-1"}"#.to_vec()),
-        ("agents_file", b"[agents.refund]\nmodel = \"openai/m\"\ninput = \"x\"\n".to_vec()),
-        ("config", b"MAX_TASKS=4\nLOCK_DURATION_MS=nope\n".to_vec()),
-        ("engine_error", error),
-        ("engine_fetch_limited", limited),
-        ("engine_fetch_response", locked.to_vec()),
-        ("engine_journal", br#"{"attempt":1,"steps":[]}"#.to_vec()),
-        ("headers", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".to_vec()),
-        ("provider_response", br#"{"choices":[{"message":{"role":"assistant","tool_calls":[{"id":"c1","type":"function","function":{"name":"orders__issue_refund","arguments":"{}"}}]},"finish_reason":"tool_calls"}]}"#.to_vec()),
-        ("template", b"\x01order ${orderId}\0{\"orderId\":\"o-1\"}".to_vec()),
-        ("tool_listing", b"\x04caf\xc3\xa9 au lait".to_vec()),
-        ("tool_result", result),
-        ("bpmn_agents", br#"<definitions><serviceTask id="a" camunda:topic="abada:agent"/></definitions>"#.to_vec()),
-    ]
+/// The seeds of every target (`fuzz/seeds/<target>/*`, cargo-fuzz's starting corpus too):
+/// inputs of the right shape, so that each property is met on a decoded value and not only on
+/// refusals.
+fn seeds() -> Vec<(String, String, Vec<u8>)> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds");
+    let mut seeds = Vec::new();
+    for target in std::fs::read_dir(&root).expect("fuzz/seeds") {
+        let target = target.unwrap().path();
+        let name = target.file_name().unwrap().to_string_lossy().into_owned();
+        for seed in std::fs::read_dir(&target).unwrap() {
+            let seed = seed.unwrap().path();
+            let data = std::fs::read(&seed).unwrap();
+            let file = seed.file_name().unwrap().to_string_lossy().into_owned();
+            seeds.push((name.clone(), file, data));
+        }
+    }
+    seeds.sort();
+    seeds
+}
+
+/// The targets, as `fuzz/Cargo.toml` lists them.
+fn targets() -> Vec<&'static str> {
+    let manifest = include_str!("../../fuzz/Cargo.toml");
+    let mut listed: Vec<&str> = manifest
+        .lines()
+        .filter_map(|l| l.strip_prefix("name = \""))
+        .filter_map(|l| l.strip_suffix('"'))
+        .filter(|n| *n != "abada-agent-worker-fuzz")
+        .collect();
+    listed.sort_unstable();
+    listed
 }
 
 fn run(target: &str, data: &[u8]) {
@@ -111,27 +116,52 @@ fn run(target: &str, data: &[u8]) {
     }
 }
 
-/// The targets, as `fuzz/Cargo.toml` lists them: a target added there and not here fails.
+/// Every target `fuzz/Cargo.toml` lists has seeds, and every seed belongs to a target: a
+/// target added there without seeds, or seeds of a target gone, fails.
 #[test]
-fn every_fuzz_target_is_replayed() {
-    let manifest = include_str!("../../fuzz/Cargo.toml");
-    let listed: Vec<&str> = manifest
-        .lines()
-        .filter_map(|l| l.strip_prefix("name = \""))
-        .filter_map(|l| l.strip_suffix('"'))
-        .filter(|n| *n != "abada-agent-worker-fuzz")
-        .collect();
-    let mut replayed: Vec<&str> = seeds().into_iter().map(|(t, _)| t).collect();
-    let mut listed_sorted = listed.clone();
-    listed_sorted.sort_unstable();
-    replayed.sort_unstable();
-    assert_eq!(listed_sorted, replayed);
+fn every_fuzz_target_has_seeds() {
+    let mut seeded: Vec<String> = seeds().into_iter().map(|(t, ..)| t).collect();
+    seeded.dedup();
+    assert_eq!(targets(), seeded);
 }
 
 #[test]
 fn every_fuzz_target_holds_on_its_seeds() {
-    for (target, data) in seeds() {
-        run(target, &data);
+    for (target, _, data) in seeds() {
+        run(&target, &data);
+    }
+}
+
+/// Every seed decodes: a seed its decoder refuses starts the fuzzer where arbitrary bytes
+/// already are, and its property is met only on a refusal.
+#[test]
+fn every_fuzz_seed_decodes() {
+    let refused: Vec<String> = seeds()
+        .into_iter()
+        .filter_map(|(target, file, data)| {
+            props::decodes(&target, &data)
+                .err()
+                .map(|why| format!("fuzz/seeds/{target}/{file}: {why}"))
+        })
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "seeds that do not decode:\n{}",
+        refused.join("\n")
+    );
+}
+
+/// The check above can fail: for every target, an input that is no value of its decoder is
+/// refused.
+#[test]
+fn a_seed_that_does_not_decode_is_refused() {
+    for target in targets() {
+        for junk in [&b"\x00\x01{not"[..], b"\xff\xfe\xfd"] {
+            assert!(
+                props::decodes(target, junk).is_err(),
+                "{target}: {junk:?} passed as a decoded seed"
+            );
+        }
     }
 }
 

@@ -34,14 +34,14 @@ impl CredentialSource for NamedCredentials {
     }
 }
 
-fn repo() -> PathBuf {
+pub(crate) fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
 /// Starts a peer that binds port 0 and announces the port it got on stdout as
 /// `{"event":"listening","port":N}` (the Python server itself, the Node server through
 /// tests/interop/force-loopback.js); returns it with that port.
-async fn spawn_announcing(command: &mut Command, what: &str) -> (Child, u16) {
+pub(crate) async fn spawn_announcing(command: &mut Command, what: &str) -> (Child, u16) {
     let mut child = command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
