@@ -4,8 +4,8 @@
 //! - On the wire (`wire::`), the devkit's scripted model (`devkit/src/model.rs`) in both of its
 //!   formats. OpenAI's answers, headers and error bodies are validated against OpenAI's own
 //!   OpenAPI document (`CreateChatCompletionResponse`, `ErrorResponse`, the `TooManyRequests`
-//!   response's `Retry-After`), read from `shared/specs/openai-openapi.json` beside the
-//!   repository (or beside a folder above it, or in `ABADA_SPECS_DIR`), never copied in.
+//!   response's `Retry-After`): its schemas, copied verbatim from `shared/specs/openai-openapi.json`
+//!   by `scripts/extract-openai-schemas` into `tests/data/openai/` and held to the document.
 //!   Anthropic publishes no OpenAPI document: its Messages shapes are written below as JSON
 //!   Schema from its SDK's types (generated from Anthropic's own spec: `anthropic-sdk-python`,
 //!   `src/anthropic/types/message.py`, `usage.py`, `stop_reason.py`, `text_block.py`,
@@ -45,30 +45,97 @@ use serde_json::{Value, json};
 
 // ---- the documents ---------------------------------------------------------------------------
 
-/// OpenAI's OpenAPI document, read once.
+/// The schemas of OpenAI's OpenAPI document this suite validates against, with every schema they
+/// reference, copied verbatim by `scripts/extract-openai-schemas` into `tests/data/openai/`
+/// (so the suite runs on a clone without the whole 3.4 MB document);
+/// [`the_extract_is_the_official_documents`] holds the copy to the document.
 fn openai_spec() -> &'static Value {
     static SPEC: OnceLock<Value> = OnceLock::new();
     SPEC.get_or_init(|| {
-        // `shared/` sits beside the repository (CI's clone, the main checkout), or beside the
-        // folder of a worktree; ABADA_SPECS_DIR names it anywhere else.
-        let path = match std::env::var("ABADA_SPECS_DIR") {
-            Ok(dir) => std::path::PathBuf::from(dir).join("openai-openapi.json"),
-            Err(_) => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .ancestors()
-                .skip(1)
-                .map(|dir| dir.join("shared/specs/openai-openapi.json"))
-                .find(|path| path.is_file())
-                .unwrap_or_else(|| {
-                    panic!(
-                        "OpenAI's OpenAPI document is not in shared/specs beside the repository \
-                         (nor beside a folder above it): set ABADA_SPECS_DIR to its folder"
-                    )
-                }),
-        };
-        let text = std::fs::read_to_string(&path)
-            .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-        serde_json::from_str(&text).expect("OpenAI's OpenAPI document is JSON")
+        serde_json::from_str(include_str!("../data/openai/openapi-schemas.json"))
+            .expect("the extract of OpenAI's OpenAPI document is JSON")
     })
+}
+
+/// The official document, where one is at hand: `ABADA_SPECS_DIR`, else `shared/specs/` beside
+/// the repository or beside a folder above it (a worktree's).
+fn official_openai_document() -> Option<(std::path::PathBuf, Vec<u8>)> {
+    let path = match std::env::var("ABADA_SPECS_DIR") {
+        Ok(dir) => Some(std::path::PathBuf::from(dir).join("openai-openapi.json")),
+        Err(_) => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .ancestors()
+            .skip(1)
+            .map(|dir| dir.join("shared/specs/openai-openapi.json"))
+            .find(|path| path.is_file()),
+    }?;
+    let bytes =
+        std::fs::read(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    Some((path, bytes))
+}
+
+/// The extract is the official document's schemas, verbatim: the same SHA-256 of the document,
+/// and every schema reachable from the roots equal to the document's. Where no document is at
+/// hand (a clone without `shared/`), only the extract's own closure is checked: every `$ref` in
+/// it resolves inside it.
+#[test]
+fn the_extract_is_the_official_documents() {
+    use sha2::{Digest, Sha256};
+    let extract = openai_spec();
+    let schemas = extract["components"]["schemas"]
+        .as_object()
+        .expect("the extract has components.schemas");
+    let refs = |v: &Value| -> Vec<String> {
+        let text = v.to_string();
+        text.split("\"#/components/schemas/")
+            .skip(1)
+            .map(|rest| rest.split('"').next().unwrap_or_default().to_owned())
+            .collect()
+    };
+    for (name, schema) in schemas {
+        for r in refs(schema) {
+            assert!(
+                schemas.contains_key(&r),
+                "{name} refers to {r}, which the extract lacks"
+            );
+        }
+    }
+    let Some((path, bytes)) = official_openai_document() else {
+        eprintln!("OpenAI's OpenAPI document is not at hand: checked the extract's closure only");
+        return;
+    };
+    let digest: String = Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(
+        extract["sha256"].as_str(),
+        Some(digest.as_str()),
+        "{} changed since the extract was made: run scripts/extract-openai-schemas",
+        path.display()
+    );
+    let document: Value = serde_json::from_slice(&bytes).expect("the document is JSON");
+    let mut seen = std::collections::BTreeSet::new();
+    let mut todo: Vec<String> = extract["roots"]
+        .as_array()
+        .expect("the extract names its roots")
+        .iter()
+        .map(|r| r.as_str().expect("a root is a name").to_owned())
+        .collect();
+    while let Some(name) = todo.pop() {
+        if seen.insert(name.clone()) {
+            let schema = &document["components"]["schemas"][&name];
+            assert_eq!(
+                &schemas[&name], schema,
+                "the extract's {name} is not the document's"
+            );
+            todo.extend(refs(schema));
+        }
+    }
+    assert_eq!(
+        seen.len(),
+        schemas.len(),
+        "the extract holds schemas the roots do not reach"
+    );
 }
 
 /// A validator of the OpenAPI document's `components/schemas/{name}` (OpenAPI 3.1 schemas are
