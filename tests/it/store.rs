@@ -1216,6 +1216,17 @@ async fn a_run_never_finished_is_deleted_once_abandoned_and_not_before() {
             .get(),
         1
     );
+    // An abandoned run is an orphan: nobody resumed it (a worker lost, a change that left it
+    // behind); the sweeper reports it as one.
+    assert_eq!(
+        metrics
+            .store_runs_orphaned
+            .get_or_create(&ReasonLabel {
+                reason: "abandoned"
+            })
+            .get(),
+        1
+    );
 
     // With ABADA_AGENT_STORE_ABANDONED_AFTER=never nothing unfinished is ever deleted.
     let mut never = config(&db.url);
