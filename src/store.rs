@@ -9,7 +9,9 @@
 //! (`admission`). Every [`PgRunStore::append`] is a compare-and-set on
 //! the run row (attempt and version, exactly one row or none) plus the step insert, in one
 //! statement; none means another attempt owns the run ([`StoreError::Fenced`]), and the caller
-//! goes silent as after `STALE_ATTEMPT`. A one-turn task costs two transactions: the claim
+//! goes silent as after `STALE_ATTEMPT`. Before its claim a task reads the open runs that may be
+//! its own ([`PgRunStore::locate`]: one statement, no lock). A one-turn task costs two
+//! transactions besides: the claim
 //! (which writes the input step) and the final step's append, written at once and fenced, so a
 //! stale holder is stopped before it reports. Its finish, once the engine accepted the task's
 //! end, is queued ([`PgRunStore::finish_later`], `finishes`) and rides with the next claim's

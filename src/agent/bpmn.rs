@@ -10,13 +10,16 @@
 //!
 //! Versions (protocol.md Part D): the engine names an instance's definition by its process key
 //! and serves only the key's latest version. So a run journals the definition it started with
-//! (its raw definition, with the key and version, in the input step) and a resumed run keeps it;
+//! (its raw definition, with the key and version, in the input step; the agents file's and the
+//! engine's are journaled alike, [`journal_snapshot`]) and a resumed run keeps it (found before
+//! any definition is read: `run_home`);
 //! a task first reached after a redeployment uses the latest version. Parsed definitions are
 //! cached per (key, version, digest of the XML) in a bounded map; which version is the latest is re-learned at most
 //! every [`BpmnSettings::latest_for`] (one definition read per key in that window, concurrent
 //! tasks share it); an instance's key never changes and is cached in a bounded map too.
 //!
-//! The XML is outside input: at most [`MAX_XML_BYTES`], no DTD (so no entity expansion), at
+//! An id given to two elements of a process makes that activity's definition an error (which
+//! one a task runs cannot be told). The XML is outside input: at most [`MAX_XML_BYTES`], no DTD (so no entity expansion), at
 //! most [`MAX_XML_NODES`] nodes, at most [`MAX_XML_DEPTH`] levels of elements (measured by a
 //! linear scan before parsing: the parser's stack grows with depth).
 

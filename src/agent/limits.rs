@@ -6,7 +6,8 @@
 //! bound what any definition gets. [`Limits::resolve`] is the one place the two meet. Every limit
 //! counts the task's journaled work too (a resumed attempt never gets a fresh allowance), and an
 //! answer that would go over a limit is refused whole: nothing of it is journaled or performed.
-//! Each refusal is a [`LimitExceeded`] whose message names the limit and its value.
+//! Each refusal is a [`LimitExceeded`] whose message names the limit and its value. The
+//! operator's [`ModelAllowList`] says which models a definition may name at all.
 
 use std::collections::HashMap;
 use std::time::Duration;

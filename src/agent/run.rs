@@ -1,5 +1,7 @@
-//! One attempt of an agent run: the conversation loop. Resolve the definition, open the
-//! journal and replay it, then loop (run the pending tool calls, call the model, journal its
+//! One attempt of an agent run: the conversation loop. Find the task's run in the store (its
+//! journaled definition, when it has one, is the definition: `run_home`), else resolve the
+//! latest definition; check the models against the operator's allow-list; open the journal and
+//! replay it, then loop (run the pending tool calls, call the model, journal its
 //! answer) until a final answer, a limit, an error, a stop request or a lost lease; close every
 //! MCP session on the way out and commit the run's end to its journal.
 //!

@@ -1,5 +1,7 @@
 //! The journal of one attempt, wherever it lives (protocol.md Part B and D): the engine's
-//! journal, the run store, or nowhere. One type, [`Journal`], owns the choice of home, opening
+//! journal, the run store, or nowhere. One type, [`Journal`], owns the lookup of the task's run
+//! in the store before any definition is read ([`Journal::locate`], `run_home`: a run found
+//! lives there, whatever the latest definition says), the choice of home of a new run, opening
 //! (reading the engine's journal, or claiming the run in the store: the fencing token), every
 //! append (fenced by the lease; the store's retried within its patience), the keys of keyed
 //! writes, and the commit of the run's end: a stored run is finished only once the engine has

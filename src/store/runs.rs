@@ -1,5 +1,5 @@
-//! Runs and steps in SQL: the claim (one transaction that makes the attempt the fencing
-//! token), the append (one statement: a compare-and-set on the run row plus the step insert),
+//! Runs and steps in SQL: the lookup of a task's open runs before its claim (one statement),
+//! the claim (one transaction that makes the attempt the fencing token), the append (one statement: a compare-and-set on the run row plus the step insert),
 //! the diagnosis of an append that changed nothing, the finish and the sweeper's batches.
 //!
 //! Every statement is prepared once per connection ([`Statements`]), so a call is one round
