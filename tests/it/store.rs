@@ -404,13 +404,13 @@ async fn twenty_replicas_starting_at_once_migrate_once() {
         .collect();
     assert_eq!(
         applied,
-        ["0001_run_store", "0002_run_attempts"],
+        ["0001_run_store", "0002_run_attempts", "0003_open_runs"],
         "exactly one replica migrated"
     );
     assert_eq!(
         db.count("SELECT count(*) FROM abada_agent_store_migrations")
             .await,
-        2
+        3
     );
     // Every replica works on the schema it found.
     for (i, store) in stores.iter().enumerate() {
