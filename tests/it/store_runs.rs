@@ -295,7 +295,11 @@ async fn a_frozen_worker_is_refused_by_the_store_and_goes_silent() {
     stack.model.release("frozen-turn");
     let views = wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(90)).await;
     assert_eq!(views[0].status, TaskStatus::Completed, "{:?}", views[0]);
-    assert_eq!(stack.model.calls("one-turn"), 0, "the run kept its definition");
+    assert_eq!(
+        stack.model.calls("one-turn"),
+        0,
+        "the run kept its definition"
+    );
     eventually(
         Duration::from_secs(30),
         "the store to refuse w1",
