@@ -33,6 +33,7 @@ pub mod journal;
 pub mod limits;
 pub mod output;
 mod run;
+mod run_home;
 mod run_journal;
 pub mod run_key;
 mod scope;
@@ -119,6 +120,8 @@ pub struct AgentRuntime {
     max_deferrals_per_run: u32,
     /// The models of the agents file's definitions: a task of any of them may be claimed.
     admission_models: Vec<ModelRef>,
+    /// The operator's per-provider model allow-list: every definition a task runs is checked.
+    allowed_models: limits::ModelAllowList,
 }
 
 /// The run store as the agent runtime uses it.
@@ -162,7 +165,13 @@ impl AgentRuntime {
             capabilities: EngineCapabilities::default(),
             store: None,
             max_deferrals_per_run: DEFAULT_MAX_DEFERRALS_PER_RUN,
+            allowed_models: limits::ModelAllowList::default(),
         }
+    }
+
+    pub(crate) fn with_allowed_models(mut self, allowed: limits::ModelAllowList) -> Self {
+        self.allowed_models = allowed;
+        self
     }
 
     /// The runtime with at most `max` deferrals per run in the run store.

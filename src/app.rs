@@ -183,6 +183,13 @@ pub(crate) enum AgentSetupError {
         #[source]
         source: Box<ServerResolutionError>,
     },
+    #[error("the agents file {path}, agent {agent:?}: {source}")]
+    ModelNotAllowed {
+        path: std::path::PathBuf,
+        agent: String,
+        #[source]
+        source: Box<crate::agent::limits::ModelNotAllowed>,
+    },
 }
 
 /// The agent runtime a [`Config`] describes (its providers, agents file and tool registry),
@@ -249,10 +256,24 @@ pub(crate) fn agent_runtime(
             Some(Arc::new(registry))
         }
     };
-    // A local definition naming a server the registry lacks, or at another URL, is the
-    // operator's own mistake: said at start-up, not at the first task.
+    let allowed_models = crate::agent::limits::ModelAllowList::new(
+        config
+            .providers
+            .iter()
+            .map(|p| (p.name.clone(), p.models.clone())),
+    );
+    // A local definition naming a server the registry lacks, or at another URL, or a model the
+    // operator does not allow, is the operator's own mistake: said at start-up, not at the
+    // first task.
     if let (Some(file), Some(path)) = (&agents_file, &config.agents_file) {
         for (key, def) in file.definitions() {
+            allowed_models.check(&def.models).map_err(|source| {
+                AgentSetupError::ModelNotAllowed {
+                    path: path.clone(),
+                    agent: key.to_string(),
+                    source: Box::new(source),
+                }
+            })?;
             ToolRegistry::resolve(tool_registry.as_deref(), &def.tool_servers, true).map_err(
                 |source| AgentSetupError::ToolServer {
                     path: path.clone(),
@@ -281,7 +302,8 @@ pub(crate) fn agent_runtime(
         metrics,
         config.ceilings,
     )
-    .with_max_deferrals_per_run(config.max_deferrals_per_run);
+    .with_max_deferrals_per_run(config.max_deferrals_per_run)
+    .with_allowed_models(allowed_models);
     Ok(match tool_registry {
         Some(registry) => runtime.with_tool_registry(registry),
         None => runtime,

@@ -52,6 +52,11 @@ const ENV_MAX_TOOL_CALLS_PER_TASK: &str = "ABADA_AGENT_MAX_TOOL_CALLS_PER_TASK";
 const ENV_MAX_KEYED_WRITES_PER_TASK: &str = "ABADA_AGENT_MAX_KEYED_WRITES_PER_TASK";
 const ENV_MAX_TURNS: &str = "ABADA_AGENT_MAX_TURNS";
 const ENV_MAX_TASK_DURATION_MS: &str = "ABADA_AGENT_MAX_TASK_DURATION_MS";
+pub const ENV_MAX_OUTPUT_TOKENS: &str = "ABADA_AGENT_MAX_OUTPUT_TOKENS";
+pub const ENV_MAX_TOKEN_BUDGET: &str = "ABADA_AGENT_MAX_TOKEN_BUDGET";
+pub const ENV_DEFAULT_TOKEN_BUDGET: &str = "ABADA_AGENT_DEFAULT_TOKEN_BUDGET";
+/// The largest token figure the budget variables take: a trillion tokens.
+const MAX_TOKEN_FIGURE: u64 = 1_000_000_000_000;
 pub const ENV_ALLOW_INSECURE_HTTP: &str = "ABADA_AGENT_ALLOW_INSECURE_HTTP";
 pub const ENV_MAX_DEFERRALS_PER_RUN: &str = "ABADA_AGENT_MAX_DEFERRALS_PER_RUN";
 const ENV_MODEL_WAIT_MAX_MS: &str = "ABADA_AGENT_MODEL_WAIT_MAX_MS";
@@ -93,6 +98,9 @@ pub struct ProviderConfig {
     /// `_CONTEXT_WINDOW`: the context window of every model of this provider, in tokens (None:
     /// the known window of a common model, else unknown).
     pub context_window: Option<u64>,
+    /// `_MODELS`: the only models of this provider a definition may name (comma-separated);
+    /// empty: any model.
+    pub models: Vec<String>,
 }
 
 pub use crate::store::StoreConfig;
@@ -361,6 +369,18 @@ impl Config {
 /// The worker-wide limits of agent runs (`ABADA_AGENT_MAX_*`).
 fn parse_ceilings(get: &dyn Fn(&str) -> Option<String>) -> Result<Ceilings, ConfigError> {
     let d = Ceilings::default();
+    let token_budget = parse_optional(get, ENV_MAX_TOKEN_BUDGET, 1, MAX_TOKEN_FIGURE)?;
+    let default_token_budget = parse_optional(get, ENV_DEFAULT_TOKEN_BUDGET, 1, MAX_TOKEN_FIGURE)?;
+    if let (Some(default), Some(ceiling)) = (default_token_budget, token_budget)
+        && default > ceiling
+    {
+        return Err(ConfigError::new(
+            ENV_DEFAULT_TOKEN_BUDGET,
+            format!(
+                "{default} is above {ENV_MAX_TOKEN_BUDGET} ({ceiling}): the default budget must fit under the ceiling"
+            ),
+        ));
+    }
     let n = |var, default: u32, min, max| -> Result<u32, ConfigError> {
         // The ranges below fit u32.
         Ok(parse_range(get, var, u64::from(default), min, max)? as u32)
@@ -397,7 +417,23 @@ fn parse_ceilings(get: &dyn Fn(&str) -> Option<String>) -> Result<Ceilings, Conf
             1000,
             7 * 24 * 3_600_000,
         )?),
+        max_output_tokens: n(ENV_MAX_OUTPUT_TOKENS, d.max_output_tokens, 1, 1_000_000)?,
+        token_budget,
+        default_token_budget,
     })
+}
+
+/// An optional whole number in `min..=max`: `None` when the variable is unset or blank.
+fn parse_optional(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &str,
+    min: u64,
+    max: u64,
+) -> Result<Option<u64>, ConfigError> {
+    match get(var).filter(|v| !v.trim().is_empty()) {
+        None => Ok(None),
+        Some(_) => parse_range(get, var, 0, min, max).map(Some),
+    }
 }
 
 fn ms(v: u64) -> Duration {
@@ -767,6 +803,24 @@ fn parse_providers(env: &dyn EnvSource) -> Result<Vec<ProviderConfig>, ConfigErr
                 )
             })
             .transpose()?;
+        let models = match get("MODELS") {
+            None => Vec::new(),
+            Some(list) => {
+                let models: Vec<String> = list
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|m| !m.is_empty())
+                    .map(str::to_string)
+                    .collect();
+                if models.is_empty() || models.iter().any(|m| m.chars().any(char::is_control)) {
+                    return Err(ConfigError::new(
+                        var("MODELS"),
+                        "is not a list of model names: write them comma-separated, e.g. gpt-4.1-mini,gpt-4.1 (unset for any model)",
+                    ));
+                }
+                models
+            }
+        };
         providers.push(ProviderConfig {
             name,
             kind,
@@ -775,6 +829,7 @@ fn parse_providers(env: &dyn EnvSource) -> Result<Vec<ProviderConfig>, ConfigErr
             max_concurrency,
             request_timeout,
             context_window,
+            models,
         });
     }
     Ok(providers)

@@ -195,6 +195,10 @@ pub struct Metrics {
     pub(crate) store_pool_max: Gauge,
     pub store_errors: Family<StoreErrorLabels, Counter>,
     pub store_runs_deleted: Family<ReasonLabel, Counter>,
+    /// Runs of the store that nobody will resume, found at a claim (a second run the task
+    /// holds, a waiting run a task names but cannot take) or deleted by the sweeper as
+    /// abandoned.
+    pub store_runs_orphaned: Family<ReasonLabel, Counter>,
     /// GenAI semantic conventions: tokens per model call, input and output apart.
     pub(crate) genai_token_usage: Family<GenAiTokenLabels, Histogram, fn() -> Histogram>,
     /// GenAI semantic conventions: the duration of each model call, failed ones included.
@@ -249,6 +253,7 @@ impl Metrics {
             store_pool_max: Gauge::default(),
             store_errors: Family::default(),
             store_runs_deleted: Family::default(),
+            store_runs_orphaned: Family::default(),
             genai_token_usage: Family::new_with_constructor(
                 genai_token_histogram as fn() -> Histogram,
             ),
@@ -407,6 +412,11 @@ impl Metrics {
             "Runs deleted by the run-store sweeper, by reason (finished, abandoned)",
             m.store_runs_deleted.clone(),
         );
+        registry.register(
+            "abada_agent_store_runs_orphaned",
+            "Runs of the run store nobody will resume, by how they were found (held_twice, named_elsewhere at a claim; abandoned by the sweeper)",
+            m.store_runs_orphaned.clone(),
+        );
         // The OpenTelemetry GenAI client metrics (semantic conventions v1.41.0), named as the
         // OpenTelemetry-to-Prometheus translation names them: `{token}` has no suffix, `s`
         // becomes `_seconds` (added by the unit).
@@ -447,6 +457,19 @@ impl Metrics {
     pub(crate) fn count_store_runs_deleted(&self, reason: &'static str, runs: u64) {
         if runs > 0 {
             self.store_runs_deleted
+                .get_or_create(&ReasonLabel { reason })
+                .inc_by(runs);
+            if reason == "abandoned" {
+                self.count_store_runs_orphaned("abandoned", runs);
+            }
+        }
+    }
+
+    /// Counts `runs` orphaned runs found, by how (`held_twice`, `named_elsewhere`,
+    /// `abandoned`).
+    pub(crate) fn count_store_runs_orphaned(&self, reason: &'static str, runs: u64) {
+        if runs > 0 {
+            self.store_runs_orphaned
                 .get_or_create(&ReasonLabel { reason })
                 .inc_by(runs);
         }

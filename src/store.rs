@@ -9,7 +9,9 @@
 //! (`admission`). Every [`PgRunStore::append`] is a compare-and-set on
 //! the run row (attempt and version, exactly one row or none) plus the step insert, in one
 //! statement; none means another attempt owns the run ([`StoreError::Fenced`]), and the caller
-//! goes silent as after `STALE_ATTEMPT`. A one-turn task costs two transactions: the claim
+//! goes silent as after `STALE_ATTEMPT`. Before its claim a task reads the open runs that may be
+//! its own ([`PgRunStore::locate`]: one statement, no lock). A one-turn task costs two
+//! transactions besides: the claim
 //! (which writes the input step) and the final step's append, written at once and fenced, so a
 //! stale holder is stopped before it reports. Its finish, once the engine accepted the task's
 //! end, is queued ([`PgRunStore::finish_later`], `finishes`) and rides with the next claim's
@@ -57,7 +59,9 @@ pub(crate) use finishes::IDLE_FLUSH_AFTER;
 pub use finishes::MAX_PENDING_FINISHES;
 pub use handle::StoreHandle;
 pub(crate) use handle::connect_backoff;
-pub use runs::{Claim, Claimant, Fence, RunEnd, RunKey, check_step};
+pub use runs::{
+    Claim, Claimant, Fence, MAX_OPEN_RUNS, OpenRun, RunEnd, RunKey, RunLookup, check_step,
+};
 pub use settings::StoreConfig;
 pub(crate) use url::StoreUrl;
 
@@ -120,6 +124,10 @@ pub trait RunStore: Send + Sync {
 
     /// Records that the run ended (see [`PgRunStore::finish`]).
     async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError>;
+
+    /// The open runs a task may find as its own, newest first (see [`PgRunStore::locate`]):
+    /// a read that changes nothing.
+    async fn locate(&self, lookup: &RunLookup<'_>) -> Result<Vec<OpenRun>, StoreError>;
 }
 
 #[async_trait::async_trait]
@@ -143,6 +151,10 @@ impl RunStore for PgRunStore {
 
     async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError> {
         PgRunStore::finish(self, fence, end).await
+    }
+
+    async fn locate(&self, lookup: &RunLookup<'_>) -> Result<Vec<OpenRun>, StoreError> {
+        PgRunStore::locate(self, lookup).await
     }
 }
 
@@ -363,6 +375,21 @@ impl PgRunStore {
             .await
     }
 
+    /// The open (running) runs `lookup` finds, newest first, at most [`MAX_OPEN_RUNS`]: those of
+    /// its exact keys, and those its task holds under its node's visit prefix, each with its
+    /// phase and the definition journaled with its input. One statement, no lock: a claim
+    /// decides afterwards, under its own lock, whether the task may take the run it picked.
+    pub async fn locate(&self, lookup: &RunLookup<'_>) -> Result<Vec<OpenRun>, StoreError> {
+        let store = self.inner.pool.store();
+        self.inner
+            .pool
+            .transaction(Operation::Locate, |mut conn| async move {
+                let result = runs::locate(conn.conn(), &store, lookup).await;
+                (conn, result)
+            })
+            .await
+    }
+
     /// Queues the run's finish, after the engine accepted the outcome, to ride with the store's
     /// next transaction (a claim, or a flush: [`PgRunStore::flush`], [`PgRunStore::spawn_finisher`])
     /// instead of taking one of its own. Performed, it is [`PgRunStore::finish`] without the
@@ -478,7 +505,15 @@ impl PgRunStore {
                     _ = tokio::time::sleep(wait) => {}
                 }
                 match store.sweep().await {
-                    Ok(r) if r.finished + r.abandoned > 0 => tracing::info!(
+                    // Orphans: runs nobody resumed (a task that never came back, a change that
+                    // left them behind); a run waiting for a decision goes with them.
+                    Ok(r) if r.abandoned > 0 => tracing::warn!(
+                        finished = r.finished,
+                        abandoned = r.abandoned,
+                        batches = r.batches,
+                        "the run-store sweeper deleted orphaned runs: unfinished and idle past ABADA_AGENT_STORE_ABANDONED_AFTER, nobody resumed them (abada_agent_store_runs_orphaned_total{{reason=\"abandoned\"}})"
+                    ),
+                    Ok(r) if r.finished > 0 => tracing::info!(
                         finished = r.finished,
                         abandoned = r.abandoned,
                         batches = r.batches,

@@ -42,8 +42,10 @@ impl Attempt<'_> {
     /// it and why (`false`: nothing performed). A call already started (its key journaled) was
     /// approved before and only finishes.
     pub(super) async fn approval_gate(&mut self, next: &PendingCall) -> Step<bool> {
+        // A call already put to a person waits for their decision even when no rule asks for
+        // approval any more (the registry changed since): the journal holds the request.
         if next.started_key.is_some()
-            || !self.approval.may_stop()
+            || (!self.approval.may_stop() && self.state.approval.is_none())
             || !next.call.arguments.is_object()
         {
             return Ok(true);
@@ -133,6 +135,18 @@ impl Attempt<'_> {
     /// Puts `call` to a person under a new request (a fresh requestId and the call's digest),
     /// journaled before the task completes asking for it.
     pub(super) async fn request_approval(&mut self, call: &ToolCall) -> Step<Outcome> {
+        // Only a run kept under its process visit can be found by the task carrying the
+        // decision: a run that began where no approval applied (kept under its task, or in the
+        // engine's journal) and now meets one (the registry changed since) stops here.
+        if !self.journal.run_key().is_some_and(|k| k.is_per_visit()) {
+            return Err(incident(
+                "the call needs a person's approval, but this run cannot wait for one",
+                format!(
+                    "call {} ({} of server {}) needs approval now, but the run began when no approval applied to it and is kept where no task carrying a decision can find it; nothing was performed. Let the run finish without that approval (restore the registry's approval for the server while it runs), or complete the task by hand",
+                    call.call_id, call.tool, call.server
+                ),
+            ));
+        }
         let request = approval::PendingRequest::new(call, &self.scope.task.id);
         let seq = self.state.next_seq;
         self.record(journal::approval_requested_step(seq, &request))

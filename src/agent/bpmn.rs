@@ -10,13 +10,16 @@
 //!
 //! Versions (protocol.md Part D): the engine names an instance's definition by its process key
 //! and serves only the key's latest version. So a run journals the definition it started with
-//! (its raw definition, with the key and version, in the input step) and a resumed run keeps it;
+//! (its raw definition, with the key and version, in the input step; the agents file's and the
+//! engine's are journaled alike, [`journal_snapshot`]) and a resumed run keeps it (found before
+//! any definition is read: `run_home`);
 //! a task first reached after a redeployment uses the latest version. Parsed definitions are
 //! cached per (key, version, digest of the XML) in a bounded map; which version is the latest is re-learned at most
 //! every [`BpmnSettings::latest_for`] (one definition read per key in that window, concurrent
 //! tasks share it); an instance's key never changes and is cached in a bounded map too.
 //!
-//! The XML is outside input: at most [`MAX_XML_BYTES`], no DTD (so no entity expansion), at
+//! An id given to two elements of a process makes that activity's definition an error (which
+//! one a task runs cannot be told). The XML is outside input: at most [`MAX_XML_BYTES`], no DTD (so no entity expansion), at
 //! most [`MAX_XML_NODES`] nodes, at most [`MAX_XML_DEPTH`] levels of elements (measured by a
 //! linear scan before parsing: the parser's stack grows with depth).
 
@@ -116,6 +119,15 @@ pub enum BpmnError {
         reason: String,
     },
     #[error(
+        "process {process:?} (version {version}): {count} elements have the id {activity:?}, so which one a task of that activity runs cannot be told; no agent definition of that id is used. Give every element its own id and redeploy"
+    )]
+    DuplicateId {
+        process: String,
+        version: String,
+        activity: String,
+        count: usize,
+    },
+    #[error(
         "process {process:?}, service task {activity:?}: property {property:?} {reason}; fix it in the process model and redeploy"
     )]
     Property {
@@ -123,6 +135,15 @@ pub enum BpmnError {
         activity: String,
         property: String,
         reason: String,
+    },
+    #[error(
+        "the run's journaled definition ({source_kind} entry {entry:?}) no longer parses: {source}; the run cannot go on with the definition it started with"
+    )]
+    Journaled {
+        source_kind: &'static str,
+        entry: String,
+        #[source]
+        source: DefinitionError,
     },
     #[error(
         "process {process:?}, service task {activity:?}: the agent defined by its abada.agent.* properties cannot be used: {source}; fix it in the process model and redeploy"
@@ -188,6 +209,16 @@ pub(crate) fn parse_process(
             version: version_text(version),
             reason: e.to_string(),
         })?;
+    // An id given to two elements of the model: which one a task of that id runs cannot be
+    // told, so neither's definition is used (the last one read would otherwise win).
+    let mut seen_ids: HashMap<&str, usize> = HashMap::new();
+    for id in doc
+        .descendants()
+        .filter(|n| n.is_element() && n.tag_name().namespace() == Some(BPMN_MODEL_NS))
+        .filter_map(|n| n.attribute("id"))
+    {
+        *seen_ids.entry(id).or_default() += 1;
+    }
     let mut by_activity = HashMap::new();
     for task in doc.descendants().filter(|n| {
         n.is_element()
@@ -198,6 +229,19 @@ pub(crate) fn parse_process(
         let Some(activity) = task.attribute("id") else {
             continue;
         };
+        let count = seen_ids.get(activity).copied().unwrap_or(0);
+        if count > 1 {
+            by_activity.insert(
+                activity.to_string(),
+                Err(BpmnError::DuplicateId {
+                    process: process.to_string(),
+                    version: version_text(version),
+                    activity: activity.to_string(),
+                    count,
+                }),
+            );
+            continue;
+        }
         let properties: Vec<(&str, &str)> = task
             .children()
             .filter(|c| c.has_tag_name((BPMN_MODEL_NS, "extensionElements")))
@@ -427,9 +471,18 @@ fn value_of(kind: Kind, text: &str) -> Result<Value, String> {
     })
 }
 
-/// The snapshot of a BPMN definition a run journals in its input step (`data.definition`).
+/// The snapshot of a definition a run journals in its input step (`data.definition`): a BPMN
+/// definition with its process, version and activity; the agents file's or the engine's with
+/// its entry. `None` for a definition built in code.
 pub(crate) fn journal_snapshot(def: &AgentDefinition) -> Option<Value> {
-    let origin = def.origin.as_ref()?;
+    let Some(origin) = def.origin.as_ref() else {
+        let source = def.source.as_ref()?;
+        return Some(json!({
+            "source": source.kind,
+            "entry": source.entry,
+            "definition": source.raw,
+        }));
+    };
     Some(json!({
         "source": "bpmn",
         "process": origin.process,
@@ -443,6 +496,27 @@ pub(crate) fn journal_snapshot(def: &AgentDefinition) -> Option<Value> {
 /// deployed since. Parsed by the same parser.
 pub(crate) fn from_journal_snapshot(snapshot: &Value) -> Result<AgentDefinition, BpmnError> {
     let text = |k: &str| snapshot.get(k).and_then(Value::as_str).unwrap_or_default();
+    let raw_source = match text("source") {
+        definition::SOURCE_AGENTS_FILE => Some(definition::SOURCE_AGENTS_FILE),
+        definition::SOURCE_ENGINE => Some(definition::SOURCE_ENGINE),
+        _ => None,
+    };
+    if let Some(kind) = raw_source {
+        let entry = text("entry");
+        let raw = snapshot.get("definition").cloned().unwrap_or(Value::Null);
+        let mut def =
+            AgentDefinition::from_value(&raw, entry).map_err(|source| BpmnError::Journaled {
+                source_kind: kind,
+                entry: entry.to_string(),
+                source,
+            })?;
+        def.source = Some(definition::RawSource {
+            kind,
+            entry: entry.to_string(),
+            raw,
+        });
+        return Ok(def);
+    }
     let (process, activity) = (text("process"), text("activity"));
     let version = snapshot.get("version").and_then(Value::as_i64);
     let raw = snapshot.get("definition").cloned().unwrap_or(Value::Null);
@@ -911,7 +985,9 @@ status = "refundStatus"
         let (_, from_file) = file.definitions().next().unwrap();
         let mut without_origin = from_bpmn.clone();
         without_origin.origin = None;
-        assert_eq!(&without_origin, from_file);
+        let mut from_file = from_file.clone();
+        from_file.source = None;
+        assert_eq!(without_origin, from_file);
         assert_eq!(
             from_bpmn.output_schema.as_ref().map(|s| s.value().clone()),
             Some(json!({"type": "object", "required": ["decision"]}))
@@ -1062,6 +1138,27 @@ status = "refundStatus"
         assert!(
             matches!(def.approval, super::super::approval::ApprovalPolicy::Tools(ref r) if r[0].when.is_some())
         );
+    }
+
+    /// Two service tasks with one id: neither definition is used (the last one read used to
+    /// win), and the error names the id and the count.
+    #[test]
+    fn a_duplicate_service_task_id_is_an_error_for_that_activity() {
+        let xml = bpmn(&[prop("model", "p/m"), prop("input", "hi")].concat());
+        let twin = r#"<bpmn:serviceTask id="refundAgent" camunda:topic="abada:agent">
+      <bpmn:extensionElements><camunda:properties>
+        <camunda:property name="abada.agent.model" value="p/evil"/>
+        <camunda:property name="abada.agent.input" value="hi"/>
+      </camunda:properties></bpmn:extensionElements>
+    </bpmn:serviceTask>
+    <bpmn:serviceTask id="plain""#;
+        let xml = xml.replacen(r#"<bpmn:serviceTask id="plain""#, twin, 1);
+        let e = agent(&xml).unwrap_err();
+        assert!(matches!(e, BpmnError::DuplicateId { count: 2, .. }), "{e}");
+        assert!(e.to_string().contains("\"refundAgent\""), "{e}");
+        // Other activities of the process are not touched.
+        let agents = parse_process("refund", Some(3), &xml).unwrap();
+        assert!(agents.agent("plain").is_none());
     }
 
     #[test]

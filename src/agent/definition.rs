@@ -68,6 +68,48 @@ pub struct AgentDefinition {
     /// the run journals so a resumed run keeps it (`agent::bpmn`); `None` for the task's own
     /// `agent` and the agents file.
     pub origin: Option<BpmnOrigin>,
+    /// A definition of the agents file or of the task's own `agent`: where it came from and
+    /// its raw form, which a run journals with its input so a resumed run keeps it after the
+    /// file (or the engine's definition) changed; `None` for a BPMN definition (`origin`).
+    pub(crate) source: Option<RawSource>,
+}
+
+/// A definition's raw form and where it came from (not the BPMN: [`BpmnOrigin`]).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct RawSource {
+    /// `agentsFile` or `engine`, as journaled.
+    pub kind: &'static str,
+    /// The agents file's key (an activity id or a topic); the fallback name for the engine's.
+    pub entry: String,
+    /// The definition as it was parsed, a tool server's URL shown as `redact::url` shows it.
+    pub raw: Value,
+}
+
+/// `kind` of a definition from the agents file.
+pub(crate) const SOURCE_AGENTS_FILE: &str = "agentsFile";
+/// `kind` of a definition the engine sent with the task.
+pub(crate) const SOURCE_ENGINE: &str = "engine";
+
+impl RawSource {
+    /// The raw form of `raw` as a run journals it: every tool server's URL without user
+    /// information, query or fragment (a journal is no place for a credential).
+    pub(crate) fn new(kind: &'static str, entry: &str, raw: &Value) -> RawSource {
+        let mut raw = raw.clone();
+        for field in ["toolServers", "tool_servers"] {
+            if let Some(Value::Array(servers)) = raw.get_mut(field) {
+                for server in servers {
+                    if let Some(Value::String(url)) = server.get_mut("url") {
+                        *url = crate::redact::url(url);
+                    }
+                }
+            }
+        }
+        RawSource {
+            kind,
+            entry: entry.to_string(),
+            raw,
+        }
+    }
 }
 
 /// A definition that cannot be used: an error of the definition, not of the worker; the task
@@ -363,6 +405,7 @@ impl AgentDefinition {
             output_schema,
             output_repair_turns,
             origin: None,
+            source: None,
         })
     }
 
@@ -593,7 +636,9 @@ impl AgentsFile {
         for (key, value) in wire.agents {
             let json =
                 serde_json::to_value(&value).map_err(|e| ParseError::Syntax(e.to_string()))?;
-            let def = AgentDefinition::from_value(&json, &key).map_err(ParseError::Definition)?;
+            let mut def =
+                AgentDefinition::from_value(&json, &key).map_err(ParseError::Definition)?;
+            def.source = Some(RawSource::new(SOURCE_AGENTS_FILE, &key, &json));
             by_key.insert(key, def);
         }
         Ok(AgentsFile { by_key })
@@ -643,9 +688,11 @@ pub fn resolve(task: &Task, file: Option<&AgentsFile>) -> Result<AgentDefinition
 /// The definition the engine sent with the task (`agent`, agent/1), parsed.
 pub(crate) fn sent_by_engine(task: &Task) -> Option<Result<AgentDefinition, DefinitionError>> {
     let fallback_name = task.activity_id.as_deref().unwrap_or(&task.topic);
-    task.agent
-        .as_ref()
-        .map(|agent| AgentDefinition::from_value(agent, fallback_name))
+    task.agent.as_ref().map(|agent| {
+        let mut def = AgentDefinition::from_value(agent, fallback_name)?;
+        def.source = Some(RawSource::new(SOURCE_ENGINE, fallback_name, agent));
+        Ok(def)
+    })
 }
 
 /// No definition anywhere for the task.

@@ -276,6 +276,10 @@ pub struct Replayed {
     /// Final answers sent back to the model as off-schema or cut (`outputRepair` on their
     /// model steps): the repair turns spent (`agent::output`).
     pub(crate) output_repairs: u32,
+    /// The call ids of every keyed write finished (a write, or a call a person approved) and
+    /// of every call a person decided: the context window never elides their results
+    /// (`agent::window`).
+    pub(crate) keyed_results: std::collections::HashSet<String>,
 }
 
 #[derive(Deserialize)]
@@ -430,6 +434,12 @@ impl Replayed {
                         .result
                         .ok_or_else(|| err("a finished tool step without a result".into()))?;
                     let done = self.pending.remove(0);
+                    // A refusal is kept too: its stub would say the call was performed.
+                    if done.started_key.is_some()
+                        || matches!(self.approval, Some(ApprovalState::Decided { .. }))
+                    {
+                        self.keyed_results.insert(done.call.call_id.clone());
+                    }
                     self.approval = None;
                     self.messages.push(Message::ToolResult {
                         call: done.call,

@@ -6,12 +6,14 @@
 //! bound what any definition gets. [`Limits::resolve`] is the one place the two meet. Every limit
 //! counts the task's journaled work too (a resumed attempt never gets a fresh allowance), and an
 //! answer that would go over a limit is refused whole: nothing of it is journaled or performed.
-//! Each refusal is a [`LimitExceeded`] whose message names the limit and its value.
+//! Each refusal is a [`LimitExceeded`] whose message names the limit and its value. The
+//! operator's [`ModelAllowList`] says which models a definition may name at all.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::conversation::{AssistantMessage, Message, ToolSpec, Usage};
-use crate::provider::ModelRequest;
+use crate::provider::{ModelRef, ModelRequest};
 
 /// The default of `maxToolCallsPerAnswer`.
 pub(crate) const DEFAULT_TOOL_CALLS_PER_ANSWER: u32 = 16;
@@ -23,6 +25,10 @@ pub(crate) const DEFAULT_KEYED_WRITES_PER_TASK: u32 = 20;
 pub(crate) const MAX_TURNS_CEILING: u32 = 200;
 /// The default of `maxOutputTokens`: the output cap of one model call.
 pub(crate) const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 4096;
+/// The default ceiling of `maxOutputTokens` (`ABADA_AGENT_MAX_OUTPUT_TOKENS`): above what the
+/// common models answer in one call, far below what a definition could ask for
+/// (`2000000000` would otherwise reach the provider as `max_tokens`).
+pub(crate) const DEFAULT_MAX_OUTPUT_TOKENS_CEILING: u32 = 32_768;
 /// The default ceiling of `maxDurationMs` (one hour).
 pub(crate) const DEFAULT_MAX_TASK_DURATION: Duration = Duration::from_secs(3600);
 /// Bytes per token of the request estimate: the usual rule of thumb for English text and JSON
@@ -39,6 +45,14 @@ pub struct Ceilings {
     pub keyed_writes_per_task: u32,
     pub max_turns: u32,
     pub max_duration: Duration,
+    /// `ABADA_AGENT_MAX_OUTPUT_TOKENS`: no model call asks for more output tokens.
+    pub max_output_tokens: u32,
+    /// `ABADA_AGENT_MAX_TOKEN_BUDGET`: no run spends more tokens, whatever its `tokenBudget`
+    /// (a definition without one gets this); `None`: no ceiling.
+    pub token_budget: Option<u64>,
+    /// `ABADA_AGENT_DEFAULT_TOKEN_BUDGET`: the budget of a definition that sets none (still
+    /// under the ceiling); `None`: such a run is bounded by the ceiling alone.
+    pub default_token_budget: Option<u64>,
 }
 
 impl Default for Ceilings {
@@ -49,7 +63,63 @@ impl Default for Ceilings {
             keyed_writes_per_task: DEFAULT_KEYED_WRITES_PER_TASK,
             max_turns: MAX_TURNS_CEILING,
             max_duration: DEFAULT_MAX_TASK_DURATION,
+            max_output_tokens: DEFAULT_MAX_OUTPUT_TOKENS_CEILING,
+            token_budget: None,
+            default_token_budget: None,
         }
+    }
+}
+
+/// The models the operator allows, per provider (`ABADA_AGENT_PROVIDER_<NAME>_MODELS`): a
+/// provider with a list takes only the models on it; a provider without one takes any. Checked
+/// on every definition a task runs (the BPMN's, the agents file's, the engine's, a run's
+/// journaled one), before anything is sent: a definition naming another model is an incident.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModelAllowList {
+    by_provider: HashMap<String, Vec<String>>,
+}
+
+/// A definition names a model its provider's allow-list does not hold.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "model {provider}/{model} is not among the models the operator allows for provider {provider:?} ({variable} = {allowed}); name one of them in the definition, or ask the operator to add it"
+)]
+pub struct ModelNotAllowed {
+    pub provider: String,
+    pub model: String,
+    pub variable: String,
+    pub allowed: String,
+}
+
+impl ModelAllowList {
+    /// `(provider, models)` pairs; a provider with no model is left out (any model).
+    pub fn new(lists: impl IntoIterator<Item = (String, Vec<String>)>) -> Self {
+        ModelAllowList {
+            by_provider: lists
+                .into_iter()
+                .filter(|(_, models)| !models.is_empty())
+                .collect(),
+        }
+    }
+
+    /// The first of `models` (a definition's chain) its provider's list does not hold.
+    pub fn check(&self, models: &[ModelRef]) -> Result<(), ModelNotAllowed> {
+        for m in models {
+            if let Some(allowed) = self.by_provider.get(&m.provider)
+                && !allowed.contains(&m.model)
+            {
+                return Err(ModelNotAllowed {
+                    provider: m.provider.clone(),
+                    model: m.model.clone(),
+                    variable: format!(
+                        "ABADA_AGENT_PROVIDER_{}_MODELS",
+                        m.provider.to_ascii_uppercase().replace('-', "_")
+                    ),
+                    allowed: allowed.join(","),
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -103,8 +173,14 @@ impl Limits {
                 .map(Duration::from_millis)
                 .unwrap_or(ceilings.max_duration)
                 .min(ceilings.max_duration),
-            token_budget,
-            max_output_tokens,
+            token_budget: match (
+                token_budget.or(ceilings.default_token_budget),
+                ceilings.token_budget,
+            ) {
+                (Some(asked), Some(ceiling)) => Some(asked.min(ceiling)),
+                (asked, ceiling) => asked.or(ceiling),
+            },
+            max_output_tokens: max_output_tokens.min(ceilings.max_output_tokens).max(1),
         }
     }
 
@@ -319,6 +395,9 @@ mod tests {
             keyed_writes_per_task: 2,
             max_turns: 5,
             max_duration: Duration::from_secs(60),
+            max_output_tokens: 64,
+            token_budget: Some(5_000),
+            default_token_budget: Some(2_000),
         };
         let asked = Requested {
             tool_calls_per_answer: Some(300),
@@ -332,6 +411,51 @@ mod tests {
         assert_eq!(l.keyed_writes_per_task, 2);
         assert_eq!(l.max_turns, 5);
         assert_eq!(l.max_duration, Duration::from_secs(60));
+        // The operator's spend ceilings: the output cap and the budget never above them; a
+        // definition without a budget gets the default.
+        assert_eq!(l.max_output_tokens, 64);
+        assert_eq!(l.token_budget, Some(2_000));
+        let l = Limits::resolve(asked, 10, Some(u64::MAX), u32::MAX, &ceilings);
+        assert_eq!((l.max_output_tokens, l.token_budget), (64, Some(5_000)));
+        let no_default = Ceilings {
+            default_token_budget: None,
+            ..ceilings
+        };
+        let l = Limits::resolve(asked, 10, None, 2_000_000_000, &no_default);
+        assert_eq!((l.max_output_tokens, l.token_budget), (64, Some(5_000)));
+        let l = Limits::resolve(asked, 10, None, 2_000_000_000, &Ceilings::default());
+        assert_eq!(l.max_output_tokens, DEFAULT_MAX_OUTPUT_TOKENS_CEILING);
+        assert_eq!(l.token_budget, None);
+    }
+
+    #[test]
+    fn only_the_models_on_a_providers_list_pass_and_unlisted_providers_take_any() {
+        let allow = ModelAllowList::new([
+            ("openai".to_string(), vec!["gpt-4.1-mini".to_string()]),
+            ("local".to_string(), Vec::new()),
+        ]);
+        let chain = |names: &[&str]| -> Vec<ModelRef> {
+            names.iter().map(|n| ModelRef::parse(n).unwrap()).collect()
+        };
+        assert!(
+            allow
+                .check(&chain(&["openai/gpt-4.1-mini", "anthropic/x", "local/y"]))
+                .is_ok()
+        );
+        let e = allow
+            .check(&chain(&["openai/gpt-4.1-mini", "openai/o1-pro-2025-03-19"]))
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("openai/o1-pro-2025-03-19")
+                && text.contains("ABADA_AGENT_PROVIDER_OPENAI_MODELS = gpt-4.1-mini"),
+            "{text}"
+        );
+        assert!(
+            ModelAllowList::default()
+                .check(&chain(&["openai/anything"]))
+                .is_ok()
+        );
     }
 
     #[test]

@@ -1,5 +1,7 @@
-//! One attempt of an agent run: the conversation loop. Resolve the definition, open the
-//! journal and replay it, then loop (run the pending tool calls, call the model, journal its
+//! One attempt of an agent run: the conversation loop. Find the task's run in the store (its
+//! journaled definition, when it has one, is the definition: `run_home`), else resolve the
+//! latest definition; check the models against the operator's allow-list; open the journal and
+//! replay it, then loop (run the pending tool calls, call the model, journal its
 //! answer) until a final answer, a limit, an error, a stop request or a lost lease; close every
 //! MCP session on the way out and commit the run's end to its journal.
 //!
@@ -41,7 +43,23 @@ type StepFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = Step
 
 /// Runs one attempt of the task to its outcome, inside its `invoke_agent` span.
 pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Outcome {
-    let def = match rt.bpmn.resolve(task, ctx, rt.agents_file.as_ref()).await {
+    // Where the run lives is found first, from the task alone (`run_home`): a run the store
+    // keeps for this task runs the definition it journaled, whatever was deployed since.
+    let placed = match Journal::locate(Scope { rt, task, ctx }).await {
+        Ok(placed) => placed,
+        Err(outcome) => return outcome,
+    };
+    let pinned = placed
+        .run
+        .as_ref()
+        .and_then(|r| r.definition.as_ref())
+        .map(bpmn::from_journal_snapshot);
+    let resolved = match pinned {
+        Some(Ok(def)) => Ok(def),
+        Some(Err(e)) => Err(ResolveError::Bpmn(e)),
+        None => rt.bpmn.resolve(task, ctx, rt.agents_file.as_ref()).await,
+    };
+    let def = match resolved.and_then(|def| usable(rt, def)) {
         Ok(d) => d,
         Err(e) => {
             let span = spans::invoke_unknown_agent(&task.id, task.trace_parent.as_ref());
@@ -85,7 +103,9 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
     let mut tokens = (0, 0);
     let outcome = async {
         let scope = Scope { rt, task, ctx };
-        let mut attempt = match Attempt::start(scope, def, approval, span.clone()).await {
+        let located = placed.run.as_ref();
+        let mut attempt = match Attempt::start(scope, def, approval, located, span.clone()).await
+        {
             Ok(a) => a,
             Err(outcome) => return outcome,
         };
@@ -105,6 +125,12 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
                 elapsed_ms: duration_ms(deadline.elapsed_before + deadline.started.elapsed()),
             }),
         };
+        let outcome = unperformed_approval(
+            &attempt.state,
+            task,
+            &attempt.def,
+            super::scope::stored_variables_fit(outcome),
+        );
         attempt.tools.sessions.close().await;
         let after = attempt.state.usage;
         tokens = (
@@ -125,6 +151,88 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
         resumed_steps,
     );
     outcome
+}
+
+/// `def`, if the operator allows every model it names (`ABADA_AGENT_PROVIDER_<NAME>_MODELS`);
+/// else the definition cannot be used: nothing is sent.
+fn usable(rt: &AgentRuntime, def: AgentDefinition) -> Result<AgentDefinition, ResolveError> {
+    rt.allowed_models.check(&def.models).map_err(|e| {
+        ResolveError::Definition(super::definition::DefinitionError::Invalid {
+            name: def.name.clone(),
+            reason: e.to_string(),
+        })
+    })?;
+    Ok(def)
+}
+
+/// An incident of a run whose first pending call a person approved and that was not performed:
+/// the incident says so, with the call, so an approved write is never dropped unseen. Any
+/// other outcome passes unchanged (a technical failure or a release comes back and performs it).
+fn unperformed_approval(
+    state: &journal::Replayed,
+    task: &Task,
+    def: &AgentDefinition,
+    outcome: Outcome,
+) -> Outcome {
+    // Journaled, or carried by this task and not read yet (the attempt ended before its gate).
+    let (request, decision, journaled) = match &state.approval {
+        Some(journal::ApprovalState::Decided { request, decision }) => {
+            (request, decision.clone(), true)
+        }
+        Some(journal::ApprovalState::Requested(request)) => match approval::read_decision(
+            &task.variables,
+            &def.approval_variables.decision,
+            request,
+            &state.consumed_requests,
+        ) {
+            Ok(decision) => (request, decision, false),
+            Err(_) => return outcome,
+        },
+        None => return outcome,
+    };
+    let Outcome::Failure {
+        kind: FailureKind::Incident,
+        mut report,
+    } = outcome
+    else {
+        return outcome;
+    };
+    let Some(call) = state
+        .pending
+        .first()
+        .filter(|p| decision.approved && p.call.call_id == request.call_id)
+    else {
+        return Outcome::Failure {
+            kind: FailureKind::Incident,
+            report,
+        };
+    };
+    let sent = match (call.started_key.is_some(), journaled) {
+        (true, _) => {
+            "it may have been sent once under its idempotency key; a retry re-sends it under the same key"
+        }
+        (false, true) => "it was not sent; a retry performs it once the cause is fixed",
+        (false, false) => {
+            "it was not sent and the decision was not consumed; a retry performs it once the cause is fixed"
+        }
+    };
+    report.error_details = format!(
+        "the call {tool} of server {server} (callId {call_id}, requestId {request_id}) was approved by {by} and is not performed: {sent}. {details}",
+        tool = call.call.tool,
+        server = call.call.server,
+        call_id = call.call.call_id,
+        request_id = decision.request_id,
+        by = decision.decided_by,
+        details = report.error_details,
+    );
+    report.error_message = format!(
+        "an approved call was not performed: {}",
+        report.error_message
+    );
+    Outcome::Failure {
+        kind: FailureKind::Incident,
+        report,
+    }
 }
 
 /// The `error.type` of an attempt span: none for an outcome that is no error of the attempt
@@ -150,6 +258,7 @@ impl<'a> Attempt<'a> {
         scope: Scope<'a>,
         def: AgentDefinition,
         approval: ApprovalRules,
+        located: Option<&crate::store::OpenRun>,
         span: Span,
     ) -> Step<Attempt<'a>> {
         let (rt, task, ctx) = (scope.rt, scope.task, scope.ctx);
@@ -157,7 +266,7 @@ impl<'a> Attempt<'a> {
             journal,
             state,
             resumed,
-        } = Journal::open(scope, &def, approval.may_stop(), &span).await?;
+        } = Journal::open(scope, &def, approval.may_stop(), located, &span).await?;
         if resumed {
             tracing::info!(
                 resumed_steps = state.next_seq - 1,
@@ -170,12 +279,20 @@ impl<'a> Attempt<'a> {
         // version, and a redeployment must not change a running run's agent.
         let (def, approval) = match &state.definition {
             Some(snapshot) => {
-                let def = bpmn::from_journal_snapshot(snapshot).map_err(|e| {
-                    incident(
-                        "the run's journaled agent definition cannot be used",
-                        e.to_string(),
-                    )
-                })?;
+                let def = bpmn::from_journal_snapshot(snapshot)
+                    .map_err(ResolveError::Bpmn)
+                    .and_then(|def| usable(rt, def))
+                    .map_err(|e| {
+                        unperformed_approval(
+                            &state,
+                            task,
+                            &def,
+                            incident(
+                                "the run's journaled agent definition cannot be used",
+                                e.to_string(),
+                            ),
+                        )
+                    })?;
                 let approval = approval_rules(rt, &def);
                 (def, approval)
             }
@@ -189,9 +306,14 @@ impl<'a> Attempt<'a> {
             task.attempt.is_some(),
         )
         .map_err(|e| {
-            incident(
-                "a tool server of the agent definition cannot be used",
-                e.to_string(),
+            unperformed_approval(
+                &state,
+                task,
+                &def,
+                incident(
+                    "a tool server of the agent definition cannot be used",
+                    e.to_string(),
+                ),
             )
         })?;
         let credentials = servers.credentials(Arc::new(LeaseCredentials { ctx: ctx.clone() }));
@@ -319,8 +441,14 @@ impl<'a> Attempt<'a> {
         };
         let mut variables = Map::new();
         variables.insert(self.def.result_variable.clone(), value);
-        if self.approval.may_stop() {
-            // Always written: the engine keeps the last value, and the gateway routes on it.
+        let status = &self.def.approval_variables.status;
+        if self.approval.may_stop()
+            || !self.state.consumed_requests.is_empty()
+            || self.scope.task.variables.contains_key(status)
+        {
+            // Written on every completion of a node that may stop, or ever did (this run, or an
+            // earlier visit: the variable is there): the engine keeps the last value, and a
+            // stale "approval-required" would route the token back to the person.
             variables.insert(
                 self.def.approval_variables.status.clone(),
                 json!(approval::STATUS_DONE),
@@ -372,6 +500,7 @@ impl<'a> Attempt<'a> {
             self.scope.rt.providers.context_windows(),
             &self.def.models,
             self.limits.max_output_tokens,
+            &self.state.keyed_results,
         )
         .map_err(|e| incident(super::window::INCIDENT, e.to_string()))?;
         // The budget is checked against the request about to go out, not only what was spent:

@@ -1,5 +1,7 @@
 //! The journal of one attempt, wherever it lives (protocol.md Part B and D): the engine's
-//! journal, the run store, or nowhere. One type, [`Journal`], owns the choice of home, opening
+//! journal, the run store, or nowhere. One type, [`Journal`], owns the lookup of the task's run
+//! in the store before any definition is read ([`Journal::locate`], `run_home`: a run found
+//! lives there, whatever the latest definition says), the choice of home of a new run, opening
 //! (reading the engine's journal, or claiming the run in the store: the fencing token), every
 //! append (fenced by the lease; the store's retried within its patience), the keys of keyed
 //! writes, and the commit of the run's end: a stored run is finished only once the engine has
@@ -17,6 +19,7 @@ use tracing::Span;
 use super::approval;
 use super::definition::AgentDefinition;
 use super::journal::{self, Replayed};
+use super::run_home::{self, Placed};
 use super::run_key;
 use super::scope::{Scope, Step, incident};
 use crate::conversation::ToolCall;
@@ -24,7 +27,8 @@ use crate::engine::capabilities::{JournalSupport, NoJournalEvidence};
 use crate::engine::{EngineError, FailureReport, JournalStep, Task, TraceParent};
 use crate::handler::{AfterReport, FailureKind, Outcome, TaskEnd, TaskError, retries_unchanged};
 use crate::store::{
-    ClaimRefusal, Claimant, ErrorClass, Fence, RunEnd, RunKey, RunStore, StoreError,
+    ClaimRefusal, Claimant, ErrorClass, Fence, OpenRun, RunEnd, RunKey, RunLookup, RunStore,
+    StoreError,
 };
 use crate::telemetry::spans;
 
@@ -84,8 +88,12 @@ enum Home {
     Nowhere,
 }
 
-fn home(scope: Scope<'_>, waits_across_tasks: bool) -> Home {
+fn home(scope: Scope<'_>, waits_across_tasks: bool, located: Option<&OpenRun>) -> Home {
     let rt = scope.rt;
+    // A run found in the store (`run_home`) lives there, whatever the latest definition says.
+    if located.is_some() && rt.store.is_some() {
+        return Home::Store;
+    }
     if waits_across_tasks && rt.store.is_some() {
         return Home::Store;
     }
@@ -107,13 +115,65 @@ impl Journal {
     /// Opens the task's journal where it lives: reads the engine's (linking `span` to the
     /// attempt that wrote it last), or claims the run in the store (the input step written in
     /// the claim's transaction when the run is new), and replays it.
+    /// Finds the task's run in the run store before any definition is read (`run_home`): the
+    /// run it resumes, with its journaled definition, or none (a new run). Every run of this
+    /// task left behind is reported as orphaned. Without a store: none.
+    pub(super) async fn locate(scope: Scope<'_>) -> Step<Placed> {
+        let (rt, task, ctx) = (scope.rt, scope.task, scope.ctx);
+        let Some(home) = rt.store.as_ref() else {
+            return Ok(Placed::default());
+        };
+        let wanted = run_home::lookup(task);
+        let lookup = RunLookup {
+            keys: &wanted.keys,
+            task_id: &task.id,
+            prefix: wanted.prefix.as_deref(),
+        };
+        let since = tokio::time::Instant::now();
+        let mut tries = 0;
+        let open = loop {
+            match ctx.fenced(home.store.locate(&lookup)).await {
+                Ok(open) => break open,
+                Err(e) => {
+                    store_retry(
+                        scope,
+                        e,
+                        &mut tries,
+                        since,
+                        "looking up the task's run in the run store",
+                    )
+                    .await?
+                }
+            }
+        };
+        let placed = run_home::place(task, open);
+        for (run, why) in &placed.orphans {
+            let reason = match why {
+                run_home::Orphaned::SecondRunOfTask => "held_twice",
+                run_home::Orphaned::NamedButElsewhere => "named_elsewhere",
+            };
+            rt.metrics.count_store_runs_orphaned(reason, 1);
+            tracing::warn!(
+                orphaned_run = %run.run_key,
+                resumed_run = placed.run.as_ref().map_or("", |r| r.run_key.as_str()),
+                "an open run of this task is left behind: {}; nobody will resume it, and the sweeper deletes it after ABADA_AGENT_STORE_ABANDONED_AFTER",
+                why.as_str()
+            );
+        }
+        if let Some(run) = &placed.run {
+            tracing::debug!(run_key = %run.run_key, pinned = run.definition.is_some(), "the task's run found in the run store");
+        }
+        Ok(placed)
+    }
+
     pub(super) async fn open(
         scope: Scope<'_>,
         def: &AgentDefinition,
         waits_for_approval: bool,
+        located: Option<&OpenRun>,
         span: &Span,
     ) -> Step<Opened> {
-        let (journal, steps) = match home(scope, waits_for_approval) {
+        let (journal, steps) = match home(scope, waits_for_approval, located) {
             Home::Engine => match scope.ctx.read_journal().await {
                 Ok(j) => {
                     scope.rt.capabilities.journal_answered();
@@ -135,7 +195,7 @@ impl Journal {
                 Err(e) => return Err(scope.call_failed(e, "could not read the task's journal")),
             },
             Home::Store => {
-                let (run, steps) = claim(scope, def, waits_for_approval).await?;
+                let (run, steps) = claim(scope, def, waits_for_approval, located).await?;
                 (Journal::Store(run), steps)
             }
             Home::Nowhere => (Journal::Nowhere(ContentKeys::default()), Vec::new()),
@@ -317,22 +377,27 @@ async fn claim(
     scope: Scope<'_>,
     def: &AgentDefinition,
     waits_for_approval: bool,
+    located: Option<&OpenRun>,
 ) -> Step<(StoreRun, Vec<JournalStep>)> {
     let (rt, task, ctx) = (scope.rt, scope.task, scope.ctx);
     let home = rt
         .store
         .as_ref()
         .expect("the store home is chosen only with a store");
-    // A run that may wait for approval is keyed by its process visit, so the task carrying the
-    // decision finds it; any other by its task.
-    let run_key = if waits_for_approval {
-        let key = run_key::run_key(task, def.loop_counter_variable.as_deref())
-            .map_err(|e| incident("the task cannot wait for approval", e.to_string()))?;
-        RunKey::for_visit(key)
-    } else {
-        RunKey::for_task(&task.id)
+    // A run found in the store keeps its key. A new run that may wait for approval is keyed
+    // by its process visit, so the task carrying the decision finds it; any other by its task.
+    let run_key = match located {
+        Some(run) if run.run_key == task.id => RunKey::for_task(&task.id),
+        Some(run) => RunKey::for_visit(run.run_key.clone()),
+        None if waits_for_approval => {
+            let key = run_key::run_key(task, def.loop_counter_variable.as_deref())
+                .map_err(|e| incident("the task cannot wait for approval", e.to_string()))?;
+            RunKey::for_visit(key)
+        }
+        None => RunKey::for_task(&task.id),
     }
     .map_err(|e| incident("the task cannot be kept in the run store", e.to_string()))?;
+    let waits_for_approval = run_key.is_per_visit();
     let first_step = |def: &AgentDefinition| -> Step<JournalStep> {
         let (instructions, input) = def
             .render(&task.variables)
@@ -371,9 +436,7 @@ async fn claim(
                     steps = claim.steps.len(),
                     "run claimed in the run store"
                 );
-                if waits_for_approval {
-                    waiting_run_not_lost(task, def, &run_key, &claim.steps)?;
-                }
+                waiting_run_not_lost(task, def, &run_key, &claim.steps)?;
                 let run = StoreRun {
                     store: home.store.clone(),
                     began: claim.created,
@@ -432,6 +495,15 @@ fn waiting_run_not_lost(
     steps: &[JournalStep],
 ) -> Step<()> {
     let vars = &def.approval_variables;
+    // The run the request names: this one, or (when this task's run is kept elsewhere, its
+    // definition changed since) any visit of this node.
+    let node = run_home::lookup(task).prefix;
+    let names_this_node = |k: &str| {
+        k == run_key.as_str()
+            || node.as_deref().is_some_and(|p| {
+                k == p || k.strip_prefix(p).is_some_and(|r| r.starts_with("/loop/"))
+            })
+    };
     let says_waiting = task
         .variables
         .get(&vars.status)
@@ -442,7 +514,7 @@ fn waiting_run_not_lost(
             .get(&vars.request)
             .and_then(|r| r.get("runKey"))
             .and_then(Value::as_str)
-            .is_some_and(|k| k == run_key.as_str());
+            .is_some_and(names_this_node);
     if !says_waiting || steps.iter().any(|s| s.kind == journal::KIND_APPROVAL) {
         return Ok(());
     }

@@ -102,6 +102,46 @@ fn earlier_failures(task: &Task) -> u32 {
     }
 }
 
+/// The most a completion may store in process variables, in bytes of JSON: a quarter of what
+/// the worker accepts as one task (`body::TASK_MAX_BYTES`). The engine hands every variable of
+/// the instance to its next external task, so a completion that stored more would make the
+/// instance's next agent task larger than any worker takes.
+pub(crate) const MAX_STORED_VARIABLES_BYTES: usize = crate::body::TASK_MAX_BYTES / 4;
+
+/// A completion whose variables are over [`MAX_STORED_VARIABLES_BYTES`] becomes an incident
+/// naming the largest one, with nothing stored; any other outcome passes unchanged.
+pub(super) fn stored_variables_fit(outcome: Outcome) -> Outcome {
+    let Outcome::Complete { variables } = &outcome else {
+        return outcome;
+    };
+    let sizes: Vec<(&String, usize)> = variables
+        .iter()
+        .map(|(name, value)| {
+            (
+                name,
+                serde_json::to_vec(value).map_or(usize::MAX, |v| v.len()),
+            )
+        })
+        .collect();
+    let total = sizes.iter().fold(0usize, |sum, (name, size)| {
+        sum.saturating_add(name.len()).saturating_add(*size)
+    });
+    if total <= MAX_STORED_VARIABLES_BYTES {
+        return outcome;
+    }
+    let (largest, bytes) = sizes
+        .iter()
+        .max_by_key(|(_, size)| *size)
+        .map_or(("", 0), |(name, size)| (name.as_str(), *size));
+    incident(
+        "the agent's result is too large to store in process variables",
+        format!(
+            "the variables this completion would store hold {total} bytes ({largest:?}: {bytes} bytes), over the worker's cap of {MAX_STORED_VARIABLES_BYTES} bytes: the engine hands every variable of the instance to its next task, and a worker takes a task of at most {} bytes. Nothing was stored. Ask the agent for a shorter answer (an outputSchema with maxLength, a lower maxOutputTokens) or let a tool keep the large data and return a reference",
+            crate::body::TASK_MAX_BYTES
+        ),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

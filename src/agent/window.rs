@@ -2,8 +2,10 @@
 //! have to refuse as too long. Before each model call the request's tokens are estimated; when
 //! the estimate and the room for the answer (`maxOutputTokens`) exceed the smallest window of
 //! the definition's models, the oldest tool results are replaced by a stub that says so, one at
-//! a time, until the request fits. The instructions, the input, every model answer and the
-//! results of the latest answer are kept. When even that does not fit, the task ends with
+//! a time, until the request fits. The instructions, the input, every model answer, the
+//! results of the latest answer and the result of every keyed write (a write, or a call a
+//! person approved: its result is the only record the model has that it was performed) are
+//! kept; a stub says the call was performed and must not be repeated to perform it again. When even that does not fit, the task ends with
 //! [`WindowExceeded`], an incident naming the sizes, worded like a model's own refusal.
 //!
 //! The elision is derived, not journaled: it is a pure function of the journaled conversation,
@@ -18,6 +20,8 @@
 //! and code; CJK text is about 3 bytes per token), rounded up per message, plus what chat
 //! templates add around each message, tool and request. An operator who sees a model refuse
 //! anyway sets the provider's `_CONTEXT_WINDOW` lower.
+
+use std::collections::HashSet;
 
 use crate::conversation::{Message, ToolResult};
 use crate::provider::ModelRef;
@@ -103,7 +107,7 @@ fn stub(tool: &str, bytes: usize, window: u64, was_error: bool) -> ToolResult {
         content: vec![serde_json::json!({
             "type": "text",
             "text": format!(
-                "[elided by the worker: this result of {tool} ({bytes} bytes) was removed to keep the conversation within the model's context window of {window} tokens; call the tool again if you still need it]"
+                "[elided by the worker: the call of {tool} was performed; its result ({bytes} bytes) was removed to keep the conversation within the model's context window of {window} tokens. Do not repeat the call to perform it again; a read-only lookup may be repeated only to read its data again]"
             ),
         })],
         structured_content: None,
@@ -112,12 +116,15 @@ fn stub(tool: &str, bytes: usize, window: u64, was_error: bool) -> ToolResult {
 }
 
 /// Fits `request` to the smallest known window of `models` (see the module docs), leaving
-/// `max_output_tokens` of room for the answer. A chain with no known window is left as it is.
+/// `max_output_tokens` of room for the answer; the results of the calls in `kept` (keyed
+/// writes and approved calls, by call id) are never elided. A chain with no known window is
+/// left as it is.
 pub(crate) fn fit_to_chain(
     request: &mut ModelRequest,
     windows: &ContextWindows,
     models: &[ModelRef],
     max_output_tokens: u32,
+    kept: &HashSet<String>,
 ) -> Result<Fitted, WindowExceeded> {
     let Some((model, window)) = windows.smallest(models) else {
         return Ok(Fitted {
@@ -126,7 +133,7 @@ pub(crate) fn fit_to_chain(
             window: None,
         });
     };
-    let fitted = fit(request, &model.to_string(), window, max_output_tokens)?;
+    let fitted = fit(request, &model.to_string(), window, max_output_tokens, kept)?;
     if fitted.elided > 0 {
         tracing::info!(
             elided = fitted.elided,
@@ -141,12 +148,13 @@ pub(crate) fn fit_to_chain(
 
 /// Fits `request` to `window` tokens with `max_output_tokens` of room for the answer: the
 /// oldest tool results before the latest model answer are elided first, each only when its
-/// stub is smaller than it.
+/// stub is smaller than it; a result of a call in `kept` never is.
 pub(crate) fn fit(
     request: &mut ModelRequest,
     model: &str,
     window: u64,
     max_output_tokens: u32,
+    kept: &HashSet<String>,
 ) -> Result<Fitted, WindowExceeded> {
     let (instructions, tools, mut conversation) = parts(request);
     let fixed = instructions.saturating_add(tools);
@@ -166,6 +174,9 @@ pub(crate) fn fit(
         let Message::ToolResult { call, result } = message else {
             continue;
         };
+        if kept.contains(&call.call_id) {
+            continue;
+        }
         let bytes = result.to_model_text().len();
         let replacement = Message::ToolResult {
             call: call.clone(),
@@ -265,7 +276,7 @@ mod tests {
     fn a_request_that_fits_is_left_untouched() {
         let original = request(conversation(3, 3000));
         let mut req = original.clone();
-        let fitted = fit(&mut req, "local/m", 100_000, 1000).unwrap();
+        let fitted = fit(&mut req, "local/m", 100_000, 1000, &HashSet::new()).unwrap();
         assert_eq!(fitted.elided, 0);
         assert_eq!(req, original);
         assert_eq!(fitted.estimate, estimate(&original));
@@ -276,7 +287,7 @@ mod tests {
         let original = request(conversation(5, 3000));
         let mut req = original.clone();
         // 5 results of ~1000 tokens each: a 3500-token window with 500 for the answer keeps 2.
-        let fitted = fit(&mut req, "local/m", 3500, 500).unwrap();
+        let fitted = fit(&mut req, "local/m", 3500, 500, &HashSet::new()).unwrap();
         assert_eq!(fitted.elided, 3);
         assert!(fitted.estimate + 500 <= 3500, "{fitted:?}");
         assert_eq!(fitted.estimate, estimate(&req));
@@ -288,6 +299,20 @@ mod tests {
                 false, false, true, false, true, false, true, false, false, false, false
             ]
         );
+        // A kept result (a keyed write's) is never elided, however old.
+        let mut kept_req = original.clone();
+        let oldest = kept_req
+            .messages
+            .iter()
+            .find_map(|m| match m {
+                Message::ToolResult { call, .. } => Some(call.call_id.clone()),
+                _ => None,
+            })
+            .unwrap();
+        let kept: HashSet<String> = [oldest.clone()].into();
+        fit(&mut kept_req, "local/m", 3500, 500, &kept).unwrap();
+        assert!(kept_req.messages.iter().any(|m| matches!(m,
+            Message::ToolResult { call, .. } if call.call_id == oldest && !is_stub(m))));
         // Nothing but the elided results changed; each stub keeps its call and names it.
         for (before, after) in original.messages.iter().zip(&req.messages) {
             match (before, after) {
@@ -298,7 +323,12 @@ mod tests {
                     assert_eq!(a, b);
                     if is_stub(after) {
                         let text = r.to_model_text();
-                        assert!(text.contains("read_document (3000 bytes)"), "{text}");
+                        assert!(
+                            text.contains("read_document was performed")
+                                && text.contains("(3000 bytes)")
+                                && text.contains("Do not repeat the call"),
+                            "{text}"
+                        );
                         assert!(text.contains("context window of 3500 tokens"), "{text}");
                     }
                 }
@@ -313,7 +343,7 @@ mod tests {
     fn the_latest_answers_results_are_never_elided_so_a_request_too_big_ends_with_the_sizes() {
         // One huge result of the latest answer cannot be elided.
         let mut req = request(conversation(1, 30_000));
-        let e = fit(&mut req, "local/m", 4096, 256).unwrap_err();
+        let e = fit(&mut req, "local/m", 4096, 256, &HashSet::new()).unwrap_err();
         assert_eq!(e.window, 4096);
         assert_eq!(e.output, 256);
         assert_eq!(e.elided, 0);
@@ -331,9 +361,9 @@ mod tests {
         let mut req = request(vec![Message::User {
             text: "x".repeat(50_000),
         }]);
-        assert!(fit(&mut req, "local/m", 4096, 256).is_err());
+        assert!(fit(&mut req, "local/m", 4096, 256, &HashSet::new()).is_err());
         let mut req = request(conversation(0, 0));
-        let e = fit(&mut req, "local/m", 4096, 4096).unwrap_err();
+        let e = fit(&mut req, "local/m", 4096, 4096, &HashSet::new()).unwrap_err();
         assert!(e.to_string().contains("maxOutputTokens = 4096"), "{e}");
     }
 
@@ -343,8 +373,8 @@ mod tests {
         for turns in 1..=12 {
             let mut a = request(conversation(turns, 2000));
             let mut b = a.clone();
-            let fa = fit(&mut a, "m", 6000, 300).unwrap();
-            let fb = fit(&mut b, "m", 6000, 300).unwrap();
+            let fa = fit(&mut a, "m", 6000, 300, &HashSet::new()).unwrap();
+            let fb = fit(&mut b, "m", 6000, 300, &HashSet::new()).unwrap();
             assert_eq!((fa, &a), (fb, &b), "the same journal, the same request");
             let now: Vec<bool> = a.messages.iter().map(is_stub).collect();
             for (i, was) in elided_before.iter().enumerate() {
@@ -382,8 +412,8 @@ mod tests {
         );
         let mut resumed = request(replayed.messages);
         let mut original = request(live);
-        let a = fit(&mut original, "local/m", 3000, 300).unwrap();
-        let b = fit(&mut resumed, "local/m", 3000, 300).unwrap();
+        let a = fit(&mut original, "local/m", 3000, 300, &HashSet::new()).unwrap();
+        let b = fit(&mut resumed, "local/m", 3000, 300, &HashSet::new()).unwrap();
         assert!(a.elided >= 2, "{a:?}");
         assert_eq!((a, original), (b, resumed));
     }
@@ -391,11 +421,11 @@ mod tests {
     #[test]
     fn results_smaller_than_their_stub_are_left_and_hostile_sizes_saturate() {
         let mut req = request(conversation(4, 10));
-        let e = fit(&mut req, "m", 256, 200).unwrap_err();
+        let e = fit(&mut req, "m", 256, 200, &HashSet::new()).unwrap_err();
         assert_eq!(e.elided, 0, "eliding a tiny result would only grow it");
         let mut req = request(conversation(2, 100));
-        assert!(fit(&mut req, "m", u64::MAX, u32::MAX).is_ok());
-        assert!(fit(&mut req, "m", 0, 0).is_err());
+        assert!(fit(&mut req, "m", u64::MAX, u32::MAX, &HashSet::new()).is_ok());
+        assert!(fit(&mut req, "m", 0, 0, &HashSet::new()).is_err());
     }
 
     #[test]

@@ -172,6 +172,13 @@ impl RunStore for StoreHandle {
     async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError> {
         self.get()?.finish_later(fence, end).await
     }
+
+    async fn locate(
+        &self,
+        lookup: &crate::store::RunLookup<'_>,
+    ) -> Result<Vec<crate::store::OpenRun>, StoreError> {
+        self.get()?.locate(lookup).await
+    }
 }
 
 #[cfg(test)]

@@ -30,6 +30,7 @@ pub(super) enum Operation {
     Append,
     Finish,
     Sweep,
+    Locate,
 }
 
 impl Operation {
@@ -39,6 +40,7 @@ impl Operation {
             Operation::Append => "append",
             Operation::Finish => "finish",
             Operation::Sweep => "sweep",
+            Operation::Locate => "locate",
         }
     }
 }

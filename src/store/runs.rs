@@ -1,5 +1,5 @@
-//! Runs and steps in SQL: the claim (one transaction that makes the attempt the fencing
-//! token), the append (one statement: a compare-and-set on the run row plus the step insert),
+//! Runs and steps in SQL: the lookup of a task's open runs before its claim (one statement),
+//! the claim (one transaction that makes the attempt the fencing token), the append (one statement: a compare-and-set on the run row plus the step insert),
 //! the diagnosis of an append that changed nothing, the finish and the sweeper's batches.
 //!
 //! Every statement is prepared once per connection ([`Statements`]), so a call is one round
@@ -170,6 +170,47 @@ impl Fence {
     }
 }
 
+/// The most open runs one lookup returns: a task holds one run, and its node's visits that wait
+/// for a decision are named by key.
+pub const MAX_OPEN_RUNS: usize = 16;
+
+/// What a task asks the store before it claims: which open (running) runs could be its own,
+/// found without any agent definition (`agent::run_home`).
+#[derive(Clone, Copy, Debug)]
+pub struct RunLookup<'a> {
+    /// Exact keys: the task's own run, its node's visit, and visit keys the task names.
+    pub keys: &'a [String],
+    /// The task: the runs it holds under `prefix` are found too.
+    pub task_id: &'a str,
+    /// Its node's visit key (`process/{instance}/{activity}`): the runs the task holds under
+    /// `{prefix}/` (a visit with a loop counter) are found whatever the counter's name.
+    pub prefix: Option<&'a str>,
+}
+
+impl RunLookup<'_> {
+    /// Whether the lookup finds a run of `key` held by `holder` (the rule every store keeps).
+    pub fn matches(&self, key: &str, holder: Option<&str>) -> bool {
+        self.keys.iter().any(|k| k == key)
+            || self.prefix.is_some_and(|p| {
+                holder == Some(self.task_id)
+                    && key.len() > p.len()
+                    && key.starts_with(p)
+                    && key.as_bytes()[p.len()] == b'/'
+            })
+    }
+}
+
+/// An open run a lookup found.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpenRun {
+    pub run_key: String,
+    /// The task of the run's latest claim.
+    pub holder: Option<String>,
+    pub phase: Phase,
+    /// The agent definition journaled with the run's input (`data.definition`), if any.
+    pub definition: Option<Value>,
+}
+
 /// What a claim returns: the fence for this attempt and the journal so far.
 #[derive(Clone, Debug)]
 pub struct Claim {
@@ -335,6 +376,22 @@ const JOURNAL_ENDS: &str = "
       LEFT JOIN abada_agent_steps f ON f.run_key = $1::text AND f.seq = 1
       LEFT JOIN abada_agent_steps l ON l.run_key = $1::text AND l.seq = $2::bigint - 1";
 
+/// The open runs a task may find as its own (`RunLookup`), newest first, each with its phase
+/// (from its last step) and the definition journaled with its input.
+const LOCATE: &str = "
+    SELECT r.run_key, r.holder_task, l.kind, l.state,
+           CASE WHEN jsonb_typeof(l.body->'message'->'toolCalls') = 'array'
+                THEN jsonb_array_length(l.body->'message'->'toolCalls') ELSE 0 END,
+           (f.body->'definition')::text
+      FROM abada_agent_runs r
+      LEFT JOIN abada_agent_steps f ON f.run_key = r.run_key AND f.seq = 1
+      LEFT JOIN abada_agent_steps l ON l.run_key = r.run_key AND l.seq = r.next_seq - 1
+     WHERE r.status = 'running'
+       AND (r.run_key = ANY($1::text[])
+            OR (r.holder_task = $2::text AND r.run_key ~>=~ $3::text AND r.run_key ~<~ $4::text))
+     ORDER BY r.updated_at DESC, r.run_key
+     LIMIT $5::bigint";
+
 /// A new run. Nothing when a concurrent claim created it first (the claim then reads it again).
 const CREATE_RUN: &str = "
     INSERT INTO abada_agent_runs
@@ -456,6 +513,7 @@ pub(super) struct Statements {
     finish_queued_mark: Statement,
     sweep_finished: Statement,
     sweep_abandoned: Statement,
+    locate: Statement,
 }
 
 impl Statements {
@@ -477,6 +535,7 @@ impl Statements {
             finish_queued_mark,
             sweep_finished,
             sweep_abandoned,
+            locate,
         ) = futures::try_join!(
             client.prepare(LOCK_RUN),
             client.prepare(JOURNAL_ENDS),
@@ -493,6 +552,7 @@ impl Statements {
             client.prepare(FINISH_QUEUED_MARK),
             client.prepare(SWEEP_FINISHED),
             client.prepare(SWEEP_ABANDONED),
+            client.prepare(LOCATE),
         )?;
         Ok(Statements {
             lock_run,
@@ -510,6 +570,7 @@ impl Statements {
             finish_queued_mark,
             sweep_finished,
             sweep_abandoned,
+            locate,
         })
     }
 }
@@ -681,6 +742,55 @@ pub(super) async fn claim(
         fence,
         steps,
     })
+}
+
+/// The open runs `lookup` finds, newest first, at most [`MAX_OPEN_RUNS`]: one statement.
+pub(super) async fn locate(
+    conn: &mut PgConn,
+    store: &str,
+    lookup: &RunLookup<'_>,
+) -> Result<Vec<OpenRun>, StoreError> {
+    let pg = |e: tokio_postgres::Error| classify(store, &e);
+    // Keys starting with `{prefix}/`: from `{prefix}/` up to (not including) `{prefix}0`, '0'
+    // being the byte after '/'. No prefix: an empty range.
+    let (from, to) = lookup.prefix.map_or((String::new(), String::new()), |p| {
+        (format!("{p}/"), format!("{p}0"))
+    });
+    let rows = conn
+        .client
+        .query(
+            &conn.statements.locate,
+            &[
+                &lookup.keys,
+                &lookup.task_id,
+                &from,
+                &to,
+                &(MAX_OPEN_RUNS as i64),
+            ],
+        )
+        .await
+        .map_err(pg)?;
+    rows.iter()
+        .map(|row| {
+            let kind: Option<String> = row.get(2);
+            let state: Option<String> = row.get(3);
+            let tool_calls: Option<i32> = row.get(4);
+            let phase = match (kind, state) {
+                (Some(kind), Some(state)) => {
+                    Phase::of_last_step(&kind, &state, i64::from(tool_calls.unwrap_or(0)))
+                }
+                _ => Phase::Working,
+            };
+            let definition: Option<String> = row.get(5);
+            Ok(OpenRun {
+                run_key: row.get(0),
+                holder: row.get(1),
+                phase,
+                // Text the store produced from a `jsonb` value: valid JSON.
+                definition: definition.and_then(|d| serde_json::from_str(&d).ok()),
+            })
+        })
+        .collect()
 }
 
 fn step_from_row(store: &str, run_key: &RunKey, row: &Row) -> Result<JournalStep, StoreError> {

@@ -198,7 +198,7 @@ async fn approval_stack() -> Option<(TestDb, Stack)> {
     Some((db, stack))
 }
 
-fn store_worker(id: &str, db: &TestDb, lock: Duration) -> WorkerOptions {
+pub(crate) fn store_worker(id: &str, db: &TestDb, lock: Duration) -> WorkerOptions {
     let mut o = WorkerOptions::new(id, 2);
     o.lock_duration = lock;
     o.poll_interval = Duration::from_millis(50);
@@ -207,7 +207,7 @@ fn store_worker(id: &str, db: &TestDb, lock: Duration) -> WorkerOptions {
     o
 }
 
-fn start_refund(stack: &Stack, order: &str) -> String {
+pub(crate) fn start_refund(stack: &Stack, order: &str) -> String {
     let mut variables = Map::new();
     variables.insert("orderId".into(), json!(order));
     stack
@@ -216,7 +216,7 @@ fn start_refund(stack: &Stack, order: &str) -> String {
         .unwrap()
 }
 
-async fn wait_instance(
+pub(crate) async fn wait_instance(
     stack: &Stack,
     instance: &str,
     what: &str,
@@ -237,7 +237,7 @@ async fn wait_instance(
     })
 }
 
-async fn wait_for_approval(stack: &Stack, instance: &str) -> ProcessInstanceView {
+pub(crate) async fn wait_for_approval(stack: &Stack, instance: &str) -> ProcessInstanceView {
     wait_instance(stack, instance, "the user task", |v| {
         v.current_activity_id == "approveRefund"
     })
@@ -246,7 +246,11 @@ async fn wait_for_approval(stack: &Stack, instance: &str) -> ProcessInstanceView
 
 /// The instance's "Approve refund" user task as an approver (`user`, group `refund-approvers`)
 /// lists it: its id and the variables it shows (the request among them).
-async fn user_task(stack: &Stack, instance: &str, user: &str) -> (String, Map<String, Value>) {
+pub(crate) async fn user_task(
+    stack: &Stack,
+    instance: &str,
+    user: &str,
+) -> (String, Map<String, Value>) {
     let tasks: Vec<Value> = reqwest::Client::new()
         .get(format!(
             "{}/v1/tasks?status=AVAILABLE",
@@ -270,7 +274,12 @@ async fn user_task(stack: &Stack, instance: &str, user: &str) -> (String, Map<St
 
 /// Completes the instance's "Approve refund" user task through the engine's user-task API as
 /// `user` with `variables` (whatever they are: a decision, a forgery, nothing).
-async fn complete_user_task(stack: &Stack, instance: &str, user: &str, variables: Value) {
+pub(crate) async fn complete_user_task(
+    stack: &Stack,
+    instance: &str,
+    user: &str,
+    variables: Value,
+) {
     let (id, _) = user_task(stack, instance, user).await;
     let r = reqwest::Client::new()
         .post(format!(
@@ -289,7 +298,13 @@ async fn complete_user_task(stack: &Stack, instance: &str, user: &str, variables
 /// Completes the instance's "Approve refund" user task as `user`, deciding the call the agent
 /// asked about the way the worked example's form does: `requestId` and `callId` copied from the
 /// request the task shows.
-async fn decide(stack: &Stack, instance: &str, user: &str, approved: bool, comment: &str) {
+pub(crate) async fn decide(
+    stack: &Stack,
+    instance: &str,
+    user: &str,
+    approved: bool,
+    comment: &str,
+) {
     let (_, variables) = user_task(stack, instance, user).await;
     let request = &variables["agentApprovalRequest"];
     let decision = json!({"agentApproval": {
@@ -315,7 +330,7 @@ async fn stopped_for_approval(
 }
 
 /// Waits until a task of `instance` has failed (an incident), and returns it.
-async fn wait_incident(stack: &Stack, instance: &str, what: &str) -> TaskView {
+pub(crate) async fn wait_incident(stack: &Stack, instance: &str, what: &str) -> TaskView {
     tokio::time::timeout(
         Duration::from_secs(30),
         stack.engine.wait_for(|e| {

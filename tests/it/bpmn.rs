@@ -22,7 +22,7 @@ use crate::support::scratch::ScratchDir;
 
 /// The worked example's process (`refundApproval`, service task `refundAgent`) with `properties`
 /// (name, value) on the agent's service task, as a BPMN author writes it.
-fn refund_bpmn(properties: &[(&str, &str)]) -> String {
+pub(crate) fn refund_bpmn(properties: &[(&str, &str)]) -> String {
     let escape = |s: &str| {
         s.replace('&', "&amp;")
             .replace('<', "&lt;")
@@ -144,11 +144,18 @@ async fn redeploy_then_answer_v1(stack: &Stack, running: &str, v2_xml: String) {
     stack
         .engine
         .deploy_bpmn(ProcessModel::refund_approval(None), v2_xml);
+    // A run journaled in the engine learns of the redeployment when its next attempt reads the
+    // latest version; one kept in the run store does not read it at all (it is found, with its
+    // definition, before any definition is read): its next attempt calls version 1's model.
     let before = reads(stack, Operation::ProcessDefinitionRead);
+    let calls = stack.model.calls("bpmn-v1");
     crate::support::wait::eventually(
         Duration::from_secs(30),
-        "the worker reads the redeployed definition",
-        async || reads(stack, Operation::ProcessDefinitionRead) > before,
+        "an attempt after the redeployment",
+        async || {
+            reads(stack, Operation::ProcessDefinitionRead) > before
+                || stack.model.calls("bpmn-v1") > calls
+        },
     )
     .await;
     stack.model.clear_faults("bpmn-v1");
@@ -313,6 +320,15 @@ async fn a_run_resumed_from_the_store_after_a_redeployment_keeps_its_definition(
     ));
     redeploy_then_answer_v1(&stack, &running, refund_bpmn(&v2)).await;
     assert_eq!(stack.model.calls("bpmn-v2"), 0, "the resumed run kept v1");
+    // Resuming on its own definition is no refusal of the store (README: an incident).
+    let refused: Vec<String> = worker
+        .metrics
+        .encode()
+        .lines()
+        .filter(|l| l.contains("class=\"refused\"") && !l.ends_with(" 0"))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(refused, Vec::<String>::new());
     let requests = stack.model.requests();
     let last = requests.last().expect("a model request");
     assert!(
@@ -329,6 +345,46 @@ async fn a_run_resumed_from_the_store_after_a_redeployment_keeps_its_definition(
     worker.stop().await;
     stack.shutdown().await;
     db.drop().await;
+}
+
+/// Two elements of the process share the agent node's id (the last one read used to win, so a
+/// second service task could replace the agent unseen): neither definition runs; the task is
+/// an incident naming the id, and no model is called.
+#[tokio::test]
+async fn a_duplicate_service_task_id_is_an_incident_and_neither_definition_runs() {
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    stack.model.set_script("bpmn-v1", answer_script("bpmn-v1"));
+    stack.model.set_script("twin", answer_script("twin"));
+    let xml = refund_bpmn(&agent_properties("openai/bpmn-v1", "refundDecision"));
+    let twin = refund_bpmn(&agent_properties("openai/twin", "refundDecision"));
+    let from = twin.find("    <bpmn:serviceTask").unwrap();
+    let to = twin.find("    <bpmn:endEvent").unwrap();
+    let xml = xml.replacen(
+        "    <bpmn:endEvent",
+        &format!("{}    <bpmn:endEvent", &twin[from..to]),
+        1,
+    );
+    assert_eq!(
+        xml.matches(r#"<bpmn:serviceTask id="refundAgent""#).count(),
+        2
+    );
+    stack
+        .engine
+        .deploy_bpmn(ProcessModel::refund_approval(None), xml);
+    let instance = start(&stack, "o-1");
+    let worker = stack.spawn_worker(
+        WorkerOptions::new("w1", 1),
+        settings(Duration::from_secs(600)),
+    );
+    let failed = wait_incident(&stack, &instance).await;
+    let message = failed.error_message.unwrap_or_default();
+    assert!(
+        message.contains("2 elements have the id \"refundAgent\""),
+        "{message}"
+    );
+    assert_eq!(stack.model.total_calls(), 0, "neither definition ran");
+    worker.stop().await;
+    stack.shutdown().await;
 }
 
 /// The operator's agents-file entry for the same activity wins over the BPMN's properties.

@@ -699,10 +699,11 @@ proptest! {
         let limits = Limits::resolve(Requested::default(), 20, budget, max_output, &Ceilings::default());
         let used = Usage { input_tokens: input, output_tokens: output };
         match (limits.output_cap(used, estimate), budget) {
-            (Ok(cap), None) => prop_assert_eq!(cap, max_output),
+            // Never above the operator's ceiling either (`ABADA_AGENT_MAX_OUTPUT_TOKENS`).
+            (Ok(cap), None) => prop_assert_eq!(cap, max_output.min(Ceilings::default().max_output_tokens)),
             (Ok(cap), Some(b)) => {
                 let left = b.saturating_sub(used.total());
-                prop_assert!(cap <= max_output);
+                prop_assert!(cap <= max_output.min(Ceilings::default().max_output_tokens));
                 prop_assert!(u64::from(cap) < left, "cap {} of {} left", cap, left);
                 prop_assert!(estimate.saturating_add(u64::from(cap)) <= left);
             }

@@ -3,6 +3,7 @@
 mod agent;
 mod approval;
 mod bpmn;
+mod ceilings;
 mod checker;
 mod content_keys;
 mod core_http;
@@ -27,6 +28,7 @@ mod paused_agent;
 mod paused_engine_client;
 mod provider;
 mod proxy_headers;
+mod redeploy;
 mod refusals;
 mod registry;
 mod runner;

@@ -404,13 +404,13 @@ async fn twenty_replicas_starting_at_once_migrate_once() {
         .collect();
     assert_eq!(
         applied,
-        ["0001_run_store", "0002_run_attempts"],
+        ["0001_run_store", "0002_run_attempts", "0003_open_runs"],
         "exactly one replica migrated"
     );
     assert_eq!(
         db.count("SELECT count(*) FROM abada_agent_store_migrations")
             .await,
-        2
+        3
     );
     // Every replica works on the schema it found.
     for (i, store) in stores.iter().enumerate() {
@@ -1210,6 +1210,17 @@ async fn a_run_never_finished_is_deleted_once_abandoned_and_not_before() {
     assert_eq!(
         metrics
             .store_runs_deleted
+            .get_or_create(&ReasonLabel {
+                reason: "abandoned"
+            })
+            .get(),
+        1
+    );
+    // An abandoned run is an orphan: nobody resumed it (a worker lost, a change that left it
+    // behind); the sweeper reports it as one.
+    assert_eq!(
+        metrics
+            .store_runs_orphaned
             .get_or_create(&ReasonLabel {
                 reason: "abandoned"
             })

@@ -16,8 +16,8 @@ use std::time::Duration;
 use abada_agent_worker::devkit::world::store::{Flaw, MemoryRunStore, MemoryStoreSettings};
 use abada_agent_worker::engine::{AppendOutcome, JournalStep};
 use abada_agent_worker::store::{
-    ClaimRefusal, Claimant, ErrorClass, Fence, FenceReason, PgRunStore, RunEnd, RunKey, RunStore,
-    StoreError, SweepReport,
+    ClaimRefusal, Claimant, ErrorClass, Fence, FenceReason, PgRunStore, Phase, RunEnd, RunKey,
+    RunLookup, RunStore, StoreError, SweepReport,
 };
 use serde_json::json;
 
@@ -103,7 +103,7 @@ const DELETE: Duration = Duration::ZERO;
 type Case = fn(Arc<dyn Subject>) -> Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Every case: its name, the retention it runs with, and the case.
-const CASES: [(&str, Duration, Case); 8] = [
+const CASES: [(&str, Duration, Case); 9] = [
     ("never_repeating_attempts", DELETE, |s| {
         Box::pin(never_repeating_attempts(s))
     }),
@@ -122,6 +122,7 @@ const CASES: [(&str, Duration, Case); 8] = [
     }),
     ("admission", KEEP, |s| Box::pin(admission(s))),
     ("racing_claims", KEEP, |s| Box::pin(racing_claims(s))),
+    ("locate", KEEP, |s| Box::pin(locate(s))),
 ];
 
 /// Runs case `name` against PostgreSQL (a database of its own).
@@ -173,6 +174,7 @@ both!(
     finish_deleting,
     admission,
     racing_claims,
+    locate,
 );
 
 // ---- steps and claimants --------------------------------------------------------------------
@@ -239,6 +241,99 @@ async fn journal(store: &dyn RunStore, run: &RunKey) -> Vec<JournalStep> {
 }
 
 // ---- the cases ------------------------------------------------------------------------------
+
+/// The lookup a task makes before any definition is read: the running runs of its exact keys,
+/// and those it holds under its node's visit prefix (followed by `/`), newest first, each with
+/// its phase and the definition journaled with its input. Nothing else: another task's loop
+/// visit, a sibling node sharing the prefix's text, a finished run.
+async fn locate(s: Arc<dyn Subject>) {
+    let store = s.store();
+    let pinned = json!({"source": "agentsFile", "entry": "refundAgent", "definition": {"model": "p/m", "input": "hi"}});
+    let mut first = input("hi");
+    first.data["definition"] = pinned.clone();
+    let claim = async |key: &str, task: &'static str| {
+        let run = if key.starts_with("process/") {
+            RunKey::for_visit(key).unwrap()
+        } else {
+            task_run(key)
+        };
+        store
+            .claim(&run, &by("w", task), Some(&first))
+            .await
+            .unwrap()
+            .fence
+    };
+    claim("t-1", "t-1").await;
+    let mut waiting = claim("process/pi-1/refundAgent", "t-0").await;
+    store.append(&mut waiting, &asks_refund(2)).await.unwrap();
+    store
+        .append(&mut waiting, &approval_requested(3))
+        .await
+        .unwrap();
+    claim("process/pi-1/refundAgent/loop/4", "t-1").await;
+    claim("process/pi-1/refundAgent/loop/5", "t-9").await;
+    claim("process/pi-1/refundAgentX/loop/1", "t-1").await;
+    let done = claim("process/pi-1/refundAgent/loop/6", "t-1").await;
+    store.finish(&done, RunEnd::Completed).await.unwrap();
+    // Ages apart: the newest first.
+    for (key, secs) in [
+        ("t-1", 3),
+        ("process/pi-1/refundAgent/loop/4", 2),
+        ("process/pi-1/refundAgent", 1),
+    ] {
+        let run = RunKey::new(key).unwrap();
+        s.backdate(&run, Duration::from_secs(secs)).await;
+    }
+    let keys = ["t-1".to_string(), "process/pi-1/refundAgent".to_string()];
+    let lookup = RunLookup {
+        keys: &keys,
+        task_id: "t-1",
+        prefix: Some("process/pi-1/refundAgent"),
+    };
+    let found = store.locate(&lookup).await.unwrap();
+    let seen: Vec<(&str, Option<&str>, Phase)> = found
+        .iter()
+        .map(|r| (r.run_key.as_str(), r.holder.as_deref(), r.phase))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            (
+                "process/pi-1/refundAgent",
+                Some("t-0"),
+                Phase::AwaitsDecision
+            ),
+            (
+                "process/pi-1/refundAgent/loop/4",
+                Some("t-1"),
+                Phase::Working
+            ),
+            ("t-1", Some("t-1"), Phase::Working),
+        ]
+    );
+    assert!(found.iter().all(|r| r.definition.as_ref() == Some(&pinned)));
+    // A task with no node: its own key only; nothing at all for an unknown one.
+    let own = ["t-1".to_string()];
+    let found = store
+        .locate(&RunLookup {
+            keys: &own,
+            task_id: "t-1",
+            prefix: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(found.len(), 1);
+    let none = ["t-404".to_string()];
+    let found = store
+        .locate(&RunLookup {
+            keys: &none,
+            task_id: "t-404",
+            prefix: Some("process/pi-9/a"),
+        })
+        .await
+        .unwrap();
+    assert!(found.is_empty());
+}
 
 /// Every claim hands out an attempt no claim of any run had before, also once a run was
 /// deleted (finished with a retention of 0, or swept as abandoned) and created again under its

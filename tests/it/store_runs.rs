@@ -280,18 +280,26 @@ async fn a_frozen_worker_is_refused_by_the_store_and_goes_silent() {
     )
     .await;
     stack.engine.advance(lock + Duration::from_secs(1));
+    // w2 resumes the run on the definition it journaled (w1's agents file: the held model, not
+    // w2's own `one-turn`): its claim fences w1 before either call is answered.
     let w2 = stack.spawn_worker(
         opts("w2", &url, "openai/one-turn", lock),
         Stack::fast_agent_settings(),
     );
+    eventually(
+        Duration::from_secs(30),
+        "w2 to have claimed the run and be in its own model call",
+        async || stack.model.calls("frozen-turn") >= 2,
+    )
+    .await;
+    stack.model.release("frozen-turn");
     let views = wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(90)).await;
     assert_eq!(views[0].status, TaskStatus::Completed, "{:?}", views[0]);
     assert_eq!(
-        stack.model.calls("frozen-turn"),
-        1,
-        "w1 is in its one model call"
+        stack.model.calls("one-turn"),
+        0,
+        "the run kept its definition"
     );
-    stack.model.release("frozen-turn");
     eventually(
         Duration::from_secs(30),
         "the store to refuse w1",
@@ -309,8 +317,8 @@ async fn a_frozen_worker_is_refused_by_the_store_and_goes_silent() {
     w2.stop().await;
     assert_eq!(
         stack.model.calls("frozen-turn"),
-        1,
-        "w1 asked the model once"
+        2,
+        "w1 asked the model once, w2 once"
     );
     let from_w1: Vec<_> = stack
         .engine

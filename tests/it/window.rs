@@ -227,3 +227,56 @@ async fn a_models_own_refusal_of_a_window_the_worker_does_not_know_is_the_same_i
     worker.stop().await;
     stack.shutdown().await;
 }
+
+/// A keyed write's result is the model's only record that the write was performed: it is never
+/// elided, however old (the oldest results go first otherwise), and every stub says the call
+/// was performed and must not be repeated to perform it again (an elided result used to invite
+/// "call the tool again", a second refund under a new key).
+#[tokio::test]
+async fn a_keyed_writes_result_is_never_elided_and_every_stub_says_not_to_repeat() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    // A refund whose result (the order id echoed) is larger than a stub, then five documents.
+    let order = format!("o-{}", "7".repeat(3000));
+    let mut turns = vec![Turn::call(
+        "issue_refund",
+        json!({"orderId": order, "amountCents": 1500}),
+    )];
+    turns.extend((0..5).map(|i| {
+        Turn::call(
+            "read_document",
+            json!({"documentId": format!("doc-{i}"), "bytes": 6000}),
+        )
+    }));
+    turns.push(Turn::text(r#"{"summary": "refunded, then read them all"}"#));
+    stack
+        .model
+        .set_script("writer", Script::new(turns).with_context_window(8000));
+    let ids = stack
+        .engine
+        .create_tasks([spec(reader(&stack, "anthropic/writer", 400), "o-1")]);
+    let mut opts = WorkerOptions::new("w-window-write", 1);
+    opts.env.push((
+        "ABADA_AGENT_PROVIDER_ANTHROPIC_CONTEXT_WINDOW".into(),
+        "8000".into(),
+    ));
+    let worker = stack.spawn_worker(opts, Stack::fast_agent_settings());
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(30)).await;
+    assert_eq!(views[0].status, TaskStatus::Completed, "{:?}", views[0]);
+    let requests = requests_of(&stack, "writer");
+    let last = requests.last().expect("requests").body.to_string();
+    assert!(elided_in(requests.last().unwrap()) >= 2, "{last}");
+    assert!(
+        last.contains("rf-1"),
+        "the refund's result was elided from the last request"
+    );
+    for stub in last.split(ELIDED).skip(1) {
+        let stub = &stub[..stub.find(']').unwrap_or(stub.len())];
+        assert!(
+            stub.contains("was performed") && stub.contains("Do not repeat the call"),
+            "{stub}"
+        );
+    }
+    assert_eq!(stack.tools.counters().await.writes_applied, 1);
+    worker.stop().await;
+    stack.shutdown().await;
+}

@@ -282,6 +282,10 @@ pub(crate) struct Instance {
 /// Where a started instance's token is, and the process variables it carries.
 pub(crate) struct Token {
     pub model: String,
+    /// The version of the model the instance started on: it runs that version's graph to its
+    /// end, whatever is deployed since (the real engine pins an instance to its deployment:
+    /// `AbadaEngine.java`, `processDefinitionDeploymentId`).
+    pub version: i64,
     pub variables: Map<String, Value>,
     pub current: String,
 }
@@ -306,7 +310,10 @@ impl Instance {
 /// Every deployed model, instance and user task.
 #[derive(Default)]
 pub(crate) struct Processes {
+    /// The latest version of each process key: what a new instance starts on.
     pub models: HashMap<String, ProcessModel>,
+    /// Every deployed version of each key, by (key, version): what a running instance runs.
+    pub versions: HashMap<(String, i64), ProcessModel>,
     /// The latest deployment of each process key (the process API serves no older one).
     pub deployments: HashMap<String, Deployment>,
     /// The process API's reads answer 403 ACCESS_DENIED, as the engine does to an identity
@@ -388,6 +395,13 @@ impl Processes {
         })
     }
 
+    /// The model an instance runs: the version it started on.
+    pub fn model_of(&self, token: &Token) -> Option<&ProcessModel> {
+        self.versions
+            .get(&(token.model.clone(), token.version))
+            .or_else(|| self.models.get(&token.model))
+    }
+
     /// A fresh id, never one a task created through the admin API already named.
     pub fn new_instance_id(&mut self) -> String {
         loop {
@@ -428,7 +442,7 @@ impl Processes {
     pub fn instance_view(&self, id: &str) -> Option<ProcessInstanceView> {
         let instance = self.instances.get(id)?;
         let token = instance.token.as_ref()?;
-        let model = self.models.get(&token.model);
+        let model = self.model_of(token);
         Some(ProcessInstanceView {
             id: id.to_string(),
             process_definition_id: token.model.clone(),

@@ -1020,6 +1020,9 @@ impl EngineState {
                 created_at_ms: chrono::Utc::now().timestamp_millis(),
             },
         );
+        self.processes
+            .versions
+            .insert((model.id.clone(), version), model.clone());
         self.processes.models.insert(model.id.clone(), model);
     }
 
@@ -1049,11 +1052,17 @@ impl EngineState {
             .ok_or_else(|| format!("Unknown process ID: {process_id}"))?;
         let wait = process::walk(model, &model.start, &variables)?;
         let start = model.start.clone();
+        let version = self
+            .processes
+            .deployments
+            .get(process_id)
+            .map_or(1, |d| d.version);
         let instance = self.processes.new_instance_id();
         self.processes.instances.insert(
             instance.clone(),
             process::Instance::started(process::Token {
                 model: process_id.to_string(),
+                version,
                 variables: Map::new(),
                 current: start,
             }),
@@ -1084,7 +1093,7 @@ impl EngineState {
         else {
             return Ok(None);
         };
-        let Some(model) = self.processes.models.get(&state.model) else {
+        let Some(model) = self.processes.model_of(state) else {
             return Ok(None);
         };
         let mut merged = state.variables.clone();

@@ -35,8 +35,8 @@ use tokio::time::Instant;
 
 use crate::engine::{AppendOutcome, JournalStep};
 use crate::store::{
-    Admission, Asking, Claim, Claimant, Fence, FenceReason, InputDigest, Phase, RunEnd, RunKey,
-    RunStore, Seen, StoreError, SweepReport, admit, check_step,
+    Admission, Asking, Claim, Claimant, Fence, FenceReason, InputDigest, MAX_OPEN_RUNS, OpenRun,
+    Phase, RunEnd, RunKey, RunLookup, RunStore, Seen, StoreError, SweepReport, admit, check_step,
 };
 
 /// The first attempt the counter hands out: the PostgreSQL sequence's start (migration 0002).
@@ -646,5 +646,41 @@ impl RunStore for MemoryRunStore {
 
     async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError> {
         self.finish_now(fence, end)
+    }
+
+    /// The SQL's lookup (`runs::LOCATE`): running runs of the exact keys, or held by the task
+    /// under its node's prefix; newest first, then by key; at most [`MAX_OPEN_RUNS`].
+    async fn locate(&self, lookup: &RunLookup<'_>) -> Result<Vec<OpenRun>, StoreError> {
+        let state = self.state();
+        let mut found: Vec<(i64, OpenRun)> = state
+            .runs
+            .iter()
+            .filter(|(key, run)| {
+                run.status == Status::Running && lookup.matches(key, run.holder_task.as_deref())
+            })
+            .map(|(key, run)| {
+                let seen = seen(run, 0, 0);
+                let definition = run
+                    .steps
+                    .get(&1)
+                    .and_then(|f| f.body.get("definition"))
+                    .cloned();
+                (
+                    run.updated_at,
+                    OpenRun {
+                        run_key: key.clone(),
+                        holder: run.holder_task.clone(),
+                        phase: seen.phase,
+                        definition,
+                    },
+                )
+            })
+            .collect();
+        found.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.run_key.cmp(&b.1.run_key)));
+        Ok(found
+            .into_iter()
+            .take(MAX_OPEN_RUNS)
+            .map(|(_, run)| run)
+            .collect())
     }
 }

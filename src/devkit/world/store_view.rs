@@ -203,4 +203,13 @@ impl RunStore for WorldStore {
         self.answer("finish", &run, Some(attempt), None, result, |_| "finished")
             .await
     }
+
+    /// A read that changes nothing: passed to the world's store without a fault of its own (a
+    /// lost answer or an outage shows on the claim that follows).
+    async fn locate(
+        &self,
+        lookup: &crate::store::RunLookup<'_>,
+    ) -> Result<Vec<crate::store::OpenRun>, StoreError> {
+        self.world.store.locate(lookup).await
+    }
 }
