@@ -1,22 +1,27 @@
-//! Structured output (issue 26, part 3): an agent's `outputSchema`, compiled once per
-//! definition under bounds, the native structured-output request it allows, and the verdict on
-//! every final answer: accepted (the validated JSON value is what the task stores), or rejected
-//! with the bounded repair message the model reads next (`outputRepairTurns`), or, past those,
-//! an incident naming the schema path.
+//! Structured output: an agent's `outputSchema`, compiled once per definition under bounds, the
+//! native structured-output request it allows, and the verdict on every final answer: accepted
+//! (the validated JSON value is what the task stores), or rejected with the bounded repair
+//! message the model reads next (`outputRepairTurns`), or, past those, an incident naming the
+//! schema path.
 //!
 //! A final answer cut by the output limit (OpenAI `finish_reason: "length"`, Anthropic
 //! `stop_reason: "max_tokens"`) is never accepted, schema or not.
 //!
-//! A schema is a program its author hands the worker: it is bounded before it is compiled (its
-//! size, its depth, only references inside the document, no recursion, and its size with every
-//! `$ref` inlined), its `pattern`s run on the linear-time `regex` engine with size limits, and
-//! nothing is fetched (no network or file resolution of `$ref`). Validating one answer costs at
-//! most the answer's size times the schema's weight (its subschemas with every `$ref` inlined,
-//! plus its `enum` values): each schema's answer cap is the [`VALIDATION_WORK`] budget divided by
-//! its weight, so the worst answer against the worst schema is a measured, small cost
-//! (BENCHMARKS.md, "Validating a final answer"). And it runs off the async runtime
-//! ([`judge_off_runtime`]): on a blocking thread, [`VALIDATIONS_AT_ONCE`] at a time, so a
-//! validation never delays another task's heartbeat or the poll loop.
+//! A schema is a program its author hands the worker, so its cost is bounded by construction
+//! before it is compiled: its size and depth; only the keywords of one list (`keywords`: what
+//! the walker counts is what the validator applies, checked against the validator; any other
+//! keyword holding an object or array is refused, naming it and where, and so are the keywords
+//! whose cost no bound holds); only references inside the document, no recursion; and its
+//! weight (its subschemas with every `$ref` inlined, plus its `enum` values). Each schema's
+//! answer cap is the [`VALIDATION_WORK`] budget divided by its weight, so the worst answer
+//! against the worst schema is a measured, small cost (BENCHMARKS.md, "Validating a final
+//! answer: the worst schemas the bounds allow": 4 MiB and under 0.1 s of CPU on a debug
+//! build). Its `pattern`s run on the linear-time `regex` engine with size limits; nothing is
+//! fetched. A refused answer's one error comes from a reporting copy of the schema (`report`)
+//! that never builds every branch's errors. The validation runs off the async runtime
+//! ([`judge_off_runtime`]: a blocking thread, [`VALIDATIONS_AT_ONCE`] at a time) and is given up
+//! at [`VALIDATION_DEADLINE`]; an answer that needs it is journaled before it is judged
+//! (`agent::judging`), so no validation can crash the worker in a loop.
 
 use std::sync::{Arc, LazyLock};
 
@@ -73,7 +78,7 @@ const MAX_ERROR_CHARS: usize = 300;
 
 /// Why an `outputSchema` cannot be used; the definition is invalid.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum SchemaError {
+pub enum SchemaError {
     #[error("outputSchema is {bytes} bytes, over the {limit}-byte cap; simplify it")]
     TooLarge { bytes: usize, limit: usize },
     #[error("outputSchema nests deeper than {limit} levels at {pointer}; flatten it")]
@@ -140,7 +145,7 @@ impl PartialEq for OutputSchema {
 
 impl OutputSchema {
     /// Bounds and compiles `schema` (a JSON object or boolean).
-    pub(crate) fn compile(schema: &Value) -> Result<Self, SchemaError> {
+    pub fn compile(schema: &Value) -> Result<Self, SchemaError> {
         let weight = check_bounds(schema)?;
         let limit = VALIDATION_WORK / MIN_ANSWER_BYTES;
         if weight > limit {
@@ -155,6 +160,12 @@ impl OutputSchema {
             strict: strict_eligible(schema),
             answer_limit: (VALIDATION_WORK / weight.max(1)).min(MAX_ANSWER_BYTES),
         })
+    }
+
+    /// The largest final answer validated against it, in bytes: [`VALIDATION_WORK`] over its
+    /// weight, at most [`MAX_ANSWER_BYTES`].
+    pub fn answer_limit(&self) -> usize {
+        self.answer_limit
     }
 
     /// The schema document.
@@ -710,7 +721,8 @@ impl<'a> Walk<'a> {
             })?;
             // Recursion: the target contains a node on the way here (this `$ref`, or one of
             // the `$ref`s being inlined).
-            let inside = |p: &str| p == target || p.starts_with(&format!("{target}/"));
+            let below = format!("{target}/");
+            let inside = |p: &str| p == target || p.starts_with(&below);
             if inside(pointer) || self.stack.iter().any(|site| inside(site)) {
                 return Err(SchemaError::Recursive {
                     pointer: at(),
@@ -1471,6 +1483,70 @@ mod tests {
             r.location.as_deref(),
             Some("instance /0, schema /$defs/l0/anyOf")
         );
+    }
+
+    /// The deepest chain of `$ref`s the bounds allow (each level `{"anyOf": [{...}, {"$ref":
+    /// next}]}`: about 165 levels) is read on a thread of tokio's default stack (2 MiB: the
+    /// runtime's and the blocking pool's) and judged on a blocking thread without overflowing it,
+    /// on the debug build (the largest frames): an answer that went down every level, and one
+    /// refused at the bottom (the reporting copy's path).
+    #[test]
+    fn the_deepest_chain_the_bounds_allow_fits_a_default_thread_stack() {
+        type Level = fn(Value) -> Value;
+        let shapes: [(&str, Level); 4] = [
+            // Down the answer too: 120 arrays deep (serde_json stops at 128).
+            ("items", |next| json!({"type": "array", "items": next})),
+            (
+                "anyOf",
+                |next| json!({"anyOf": [{"type": "string", "maxLength": 0}, next]}),
+            ),
+            ("$ref", |next| next),
+            ("allOf", |next| json!({"allOf": [next]})),
+        ];
+        for (shape, level) in shapes {
+            let chain = |levels: usize| {
+                let mut defs = Map::new();
+                for i in 0..levels {
+                    let next = json!({"$ref": format!("#/$defs/l{}", i + 1)});
+                    defs.insert(format!("l{i}"), level(next));
+                }
+                defs.insert(format!("l{levels}"), json!({"type": "integer"}));
+                json!({"type": "array", "items": {"$ref": "#/$defs/l0"}, "$defs": defs})
+            };
+            // The most levels the bounds take (they take every count below it).
+            let (mut levels, mut over) = (1, 600);
+            while over - levels > 1 {
+                let mid = (levels + over) / 2;
+                if check_bounds(&chain(mid)).is_ok() {
+                    levels = mid;
+                } else {
+                    over = mid;
+                }
+            }
+            let schema = chain(levels);
+            assert!(levels > 150, "{shape}: {levels}");
+            let verdicts = std::thread::Builder::new()
+                .stack_size(2 * 1024 * 1024)
+                .spawn(move || {
+                    let s = OutputSchema::compile(&schema).unwrap();
+                    let deep = format!("{}{}", "[".repeat(120), "]".repeat(120));
+                    let deep_off = format!("{}true{}", "[".repeat(120), "]".repeat(120));
+                    let (valid, refused) = if shape == "items" {
+                        (deep, deep_off)
+                    } else {
+                        ("[1, 2, 3]".to_string(), "[1, true]".to_string())
+                    };
+                    (
+                        judge(Some(&s), &valid, "stop", None),
+                        judge(Some(&s), &refused, "stop", None),
+                    )
+                })
+                .unwrap()
+                .join()
+                .unwrap();
+            assert!(verdicts.0.is_ok(), "{shape}: {verdicts:?}");
+            assert_eq!(verdicts.1.unwrap_err().reason, RejectReason::Schema);
+        }
     }
 
     /// A validation past its deadline is given up: the task gets `OverBudget` at the deadline
