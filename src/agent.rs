@@ -9,6 +9,8 @@
 //! - `limits`: what a model can make the worker do (tool calls, writes, turns, time, tokens);
 //! - `output`: structured output: the compiled `outputSchema`, the verdict on a final answer,
 //!   its repair turns;
+//! - `judging`: the verdict on a final answer that needs the validator, journaled first so a
+//!   validation that never ends is an incident, not a crash loop;
 //! - `run`: the conversation loop of one attempt;
 //! - `run_journal`: the journal of one attempt wherever it lives (engine, run store, nowhere):
 //!   open, append, keys of keyed writes, and the commit of the run's end;
@@ -30,6 +32,7 @@ pub mod bpmn;
 mod canonical;
 pub mod definition;
 pub mod journal;
+mod judging;
 pub mod limits;
 pub mod output;
 mod run;

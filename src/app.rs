@@ -458,3 +458,18 @@ impl Worker {
         Ok(())
     }
 }
+
+/// How long the exit waits, once the worker has stopped, for work left on the runtime's blocking
+/// threads: a validation abandoned at shutdown (`agent::output`) runs to its own end, bounded,
+/// but nobody waits for its verdict. Dropping a runtime waits for every blocking thread without
+/// a limit, which let one validation hold the exit past the grace period.
+pub const EXIT_WAIT: Duration = Duration::from_secs(1);
+
+/// Runs the daemon's future to its end on `runtime`, then shuts the runtime down waiting at most
+/// [`EXIT_WAIT`] for its blocking threads: the process exits within its grace period whatever
+/// still runs there.
+pub fn run_to_exit<T>(runtime: tokio::runtime::Runtime, daemon: impl Future<Output = T>) -> T {
+    let out = runtime.block_on(daemon);
+    runtime.shutdown_timeout(EXIT_WAIT);
+    out
+}

@@ -85,7 +85,7 @@ fn daemon() -> ExitCode {
         &config.worker_id,
         spans.as_ref().map(SpanExport::tracer),
     );
-    runtime.block_on(async {
+    app::run_to_exit(runtime, async {
         let shutdown = CancellationToken::new();
         tokio::spawn(watch_signals(shutdown.clone()));
         let worker = match app::Worker::from_config(&config) {

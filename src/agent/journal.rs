@@ -30,6 +30,19 @@ pub(crate) const STATE_DECIDED: &str = "decided";
 /// Never written to the engine's journal, whose kinds protocol.md B.2 fixes.
 pub(crate) const KIND_DEFERRAL: &str = "deferral";
 pub(crate) const STATE_RECORDED: &str = "recorded";
+/// The judging of a final answer against the agent's `outputSchema` (`agent::judging`), in
+/// every journal home: the answer's model step is journaled first, then its verdict
+/// (`accepted`, or `rejected` with the repair message the model reads next); an attempt that
+/// finds the answer unjudged journals `judging` before it tries again, so a judging that never
+/// ends (the worker killed while validating) is counted across attempts and ends as an
+/// incident instead of a crash loop. Each names its answer's step (`answerSeq`).
+pub(crate) const KIND_OUTPUT: &str = "output";
+pub(crate) const STATE_JUDGING: &str = "judging";
+pub(crate) const STATE_ACCEPTED: &str = "accepted";
+pub(crate) const STATE_REJECTED: &str = "rejected";
+/// The judging gave up (passes that never finished, or a validation past its deadline): an
+/// incident was raised, and the count of passes begins again for a retry.
+pub(crate) const STATE_UNFINISHED: &str = "unfinished";
 
 /// The idempotency key of a keyed write: `abada:{taskId}:{seq of its started step}`, stable
 /// across attempts.
@@ -203,6 +216,64 @@ pub(crate) fn deferral_step(
     }
 }
 
+/// Another pass at judging the final answer of step `answer_seq` begins (the last one did not
+/// finish).
+pub(crate) fn output_judging_step(seq: u64, answer_seq: u64, pass: u32) -> JournalStep {
+    output_step(
+        seq,
+        STATE_JUDGING,
+        json!({"answerSeq": answer_seq, "pass": pass}),
+    )
+}
+
+/// The final answer of step `answer_seq` matches the schema: it is what the task stores.
+pub(crate) fn output_accepted_step(seq: u64, answer_seq: u64) -> JournalStep {
+    output_step(seq, STATE_ACCEPTED, json!({"answerSeq": answer_seq}))
+}
+
+/// The final answer of step `answer_seq` does not match: `repair` (`{"reason", "message"}`,
+/// `agent::output::journal_record`) is what the model reads next.
+pub(crate) fn output_rejected_step(seq: u64, answer_seq: u64, repair: Value) -> JournalStep {
+    let mut data = json!({"answerSeq": answer_seq});
+    if let (Value::Object(d), Value::Object(r)) = (&mut data, repair) {
+        d.extend(r);
+    }
+    output_step(seq, STATE_REJECTED, data)
+}
+
+/// The judging of the final answer of step `answer_seq` gave up after `passes` passes begun
+/// (an incident follows).
+pub(crate) fn output_unfinished_step(seq: u64, answer_seq: u64, passes: u32) -> JournalStep {
+    output_step(
+        seq,
+        STATE_UNFINISHED,
+        json!({"answerSeq": answer_seq, "passes": passes}),
+    )
+}
+
+fn output_step(seq: u64, state: &str, data: Value) -> JournalStep {
+    JournalStep {
+        seq,
+        kind: KIND_OUTPUT.into(),
+        state: state.into(),
+        key: None,
+        data,
+    }
+}
+
+/// Where the judging of the final answer stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Judging {
+    /// The `seq` of the answer's model step.
+    pub(crate) answer_seq: u64,
+    /// Passes at judging it begun and not finished: one by the attempt that journaled it, one
+    /// more per `output/judging` step; none again after an `output/unfinished` (an incident
+    /// was raised, and a retry begins anew).
+    pub(crate) passes_begun: u32,
+    /// An `output/accepted` step says it matches.
+    pub(crate) accepted: bool,
+}
+
 /// Where the first pending call stands with a person.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ApprovalState {
@@ -274,12 +345,14 @@ pub struct Replayed {
     /// How many times the run was deferred (`deferral` steps; run store only).
     pub deferrals: u32,
     /// Final answers sent back to the model as off-schema or cut (`outputRepair` on their
-    /// model steps): the repair turns spent (`agent::output`).
+    /// model steps, or `output/rejected` steps): the repair turns spent (`agent::output`).
     pub(crate) output_repairs: u32,
     /// The call ids of every keyed write finished (a write, or a call a person approved) and
     /// of every call a person decided: the context window never elides their results
     /// (`agent::window`).
     pub(crate) keyed_results: std::collections::HashSet<String>,
+    /// The judging of [`Self::final_answer`], when there is one.
+    pub(crate) judging: Option<Judging>,
 }
 
 #[derive(Deserialize)]
@@ -398,6 +471,11 @@ impl Replayed {
                 } else {
                     None
                 };
+                self.judging = self.final_answer.as_ref().map(|_| Judging {
+                    answer_seq: step.seq,
+                    passes_begun: 1,
+                    accepted: false,
+                });
                 self.messages.push(Message::Assistant(d.message));
                 if let Some(repair) = repair {
                     self.output_repairs = self.output_repairs.saturating_add(1);
@@ -456,6 +534,12 @@ impl Replayed {
                 }
                 self.approval = Some(next);
             }
+            (
+                KIND_OUTPUT,
+                state @ (STATE_JUDGING | STATE_ACCEPTED | STATE_REJECTED | STATE_UNFINISHED),
+            ) => {
+                self.output_step(state, &step.data).map_err(err)?;
+            }
             (KIND_DEFERRAL, STATE_RECORDED) => {
                 if self.input.is_none() {
                     return Err(err("a deferral before the input step".into()));
@@ -467,6 +551,39 @@ impl Replayed {
             }
         }
         self.next_seq += 1;
+        Ok(())
+    }
+
+    /// An `output` step about the final answer: it names the answer's step, and comes while
+    /// the answer is unjudged.
+    fn output_step(&mut self, state: &str, data: &Value) -> Result<(), String> {
+        let named = data.get("answerSeq").and_then(Value::as_u64);
+        let judging = match &mut self.judging {
+            Some(j) if Some(j.answer_seq) == named && !j.accepted => j,
+            _ => {
+                return Err(format!(
+                    "an output/{state} step about step {named:?}, which is no final answer awaiting its verdict"
+                ));
+            }
+        };
+        match state {
+            STATE_JUDGING => judging.passes_begun = judging.passes_begun.saturating_add(1),
+            STATE_ACCEPTED => judging.accepted = true,
+            STATE_UNFINISHED => judging.passes_begun = 0,
+            _ => {
+                let message = data
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .ok_or("an output/rejected step without a message")?;
+                // The answer is no final answer: the model read what was wrong next.
+                self.final_answer = None;
+                self.judging = None;
+                self.output_repairs = self.output_repairs.saturating_add(1);
+                self.messages.push(Message::User {
+                    text: message.to_string(),
+                });
+            }
+        }
         Ok(())
     }
 
@@ -572,6 +689,86 @@ mod tests {
             structured_content: None,
             is_error: false,
         }
+    }
+
+    /// A final answer journaled before it is judged: its passes are counted across attempts
+    /// (`output/judging`), a verdict settles it (`accepted`: the answer stands; `rejected`: the
+    /// repair message is the next user turn), an `unfinished` one begins the count again, and
+    /// an output step about anything but the awaited answer breaks the contract.
+    #[test]
+    fn output_steps_count_the_passes_and_settle_the_final_answer() {
+        let base = |text: &str| {
+            vec![
+                input_step(1, "i", "x"),
+                model_step(
+                    2,
+                    "p/m",
+                    &answer(vec![], Some(text)),
+                    Usage::default(),
+                    "stop",
+                ),
+            ]
+        };
+        let r = Replayed::from_steps(&base("{}")).unwrap();
+        assert_eq!(r.final_answer.as_deref(), Some("{}"));
+        let fresh = Judging {
+            answer_seq: 2,
+            passes_begun: 1,
+            accepted: false,
+        };
+        assert_eq!(r.judging, Some(fresh.clone()));
+
+        let mut again = base("{}");
+        again.push(output_judging_step(3, 2, 2));
+        let r = Replayed::from_steps(&again).unwrap();
+        assert_eq!(r.judging.as_ref().unwrap().passes_begun, 2);
+        again.push(output_unfinished_step(4, 2, 2));
+        let r = Replayed::from_steps(&again).unwrap();
+        assert_eq!(r.judging.as_ref().unwrap().passes_begun, 0);
+        assert_eq!(r.final_answer.as_deref(), Some("{}"), "still the answer");
+
+        let mut accepted = base("{}");
+        accepted.push(output_accepted_step(3, 2));
+        let r = Replayed::from_steps(&accepted).unwrap();
+        assert!(r.judging.unwrap().accepted);
+        assert_eq!(r.final_answer.as_deref(), Some("{}"));
+        assert_eq!(r.next_seq, 4);
+
+        let mut rejected = base("nope");
+        rejected.push(output_rejected_step(
+            3,
+            2,
+            json!({"reason": "schema", "message": "fix it"}),
+        ));
+        let r = Replayed::from_steps(&rejected).unwrap();
+        assert_eq!(r.final_answer, None);
+        assert_eq!(r.judging, None);
+        assert_eq!(r.output_repairs, 1);
+        assert_eq!(
+            r.messages.last(),
+            Some(&Message::User {
+                text: "fix it".into()
+            })
+        );
+
+        // Out of order: about another step, after the verdict, or with no final answer.
+        for steps in [
+            [base("{}"), vec![output_accepted_step(3, 1)]].concat(),
+            [accepted.clone(), vec![output_judging_step(4, 2, 2)]].concat(),
+            vec![input_step(1, "i", "x"), output_judging_step(2, 1, 2)],
+        ] {
+            let e = Replayed::from_steps(&steps).unwrap_err();
+            assert!(e.reason.contains("no final answer awaiting"), "{e}");
+        }
+        let e = Replayed::from_steps(
+            &[
+                base("x"),
+                vec![output_step(3, STATE_REJECTED, json!({"answerSeq": 2}))],
+            ]
+            .concat(),
+        )
+        .unwrap_err();
+        assert!(e.reason.contains("without a message"), "{e}");
     }
 
     #[test]

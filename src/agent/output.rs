@@ -1,30 +1,40 @@
-//! Structured output (issue 26, part 3): an agent's `outputSchema`, compiled once per
-//! definition under bounds, the native structured-output request it allows, and the verdict on
-//! every final answer: accepted (the validated JSON value is what the task stores), or rejected
-//! with the bounded repair message the model reads next (`outputRepairTurns`), or, past those,
-//! an incident naming the schema path.
+//! Structured output: an agent's `outputSchema`, compiled once per definition under bounds, the
+//! native structured-output request it allows, and the verdict on every final answer: accepted
+//! (the validated JSON value is what the task stores), or rejected with the bounded repair
+//! message the model reads next (`outputRepairTurns`), or, past those, an incident naming the
+//! schema path.
 //!
 //! A final answer cut by the output limit (OpenAI `finish_reason: "length"`, Anthropic
 //! `stop_reason: "max_tokens"`) is never accepted, schema or not.
 //!
-//! A schema is a program its author hands the worker: it is bounded before it is compiled (its
-//! size, its depth, only references inside the document, no recursion, and its size with every
-//! `$ref` inlined), its `pattern`s run on the linear-time `regex` engine with size limits, and
-//! nothing is fetched (no network or file resolution of `$ref`). Validating one answer costs at
-//! most the answer's size times the schema's weight (its subschemas with every `$ref` inlined,
-//! plus its `enum` values): each schema's answer cap is the [`VALIDATION_WORK`] budget divided by
-//! its weight, so the worst answer against the worst schema is a measured, small cost
-//! (BENCHMARKS.md, "Validating a final answer"). And it runs off the async runtime
-//! ([`judge_off_runtime`]): on a blocking thread, [`VALIDATIONS_AT_ONCE`] at a time, so a
-//! validation never delays another task's heartbeat or the poll loop.
+//! A schema is a program its author hands the worker, so its cost is bounded by construction
+//! before it is compiled: its size and depth; only the keywords of one list (`keywords`: what
+//! the walker counts is what the validator applies, checked against the validator; any other
+//! keyword holding an object or array is refused, naming it and where, and so are the keywords
+//! whose cost no bound holds); only references inside the document, no recursion; and its
+//! weight (its subschemas with every `$ref` inlined, plus its `enum` values). Each schema's
+//! answer cap is the [`VALIDATION_WORK`] budget divided by its weight, so the worst answer
+//! against the worst schema is a measured, small cost (BENCHMARKS.md, "Validating a final
+//! answer: the worst schemas the bounds allow": 4 MiB and under 0.1 s of CPU on a debug
+//! build). Its `pattern`s run on the linear-time `regex` engine with size limits; nothing is
+//! fetched. A refused answer's one error comes from a reporting copy of the schema (`report`)
+//! that never builds every branch's errors. The validation runs off the async runtime
+//! ([`judge_off_runtime`]: a blocking thread, [`VALIDATIONS_AT_ONCE`] at a time) and is given up
+//! at [`VALIDATION_DEADLINE`]; an answer that needs it is journaled before it is judged
+//! (`agent::judging`), so no validation can crash the worker in a loop.
 
 use std::sync::{Arc, LazyLock};
 
 use tokio::sync::Semaphore;
 
-use serde_json::{Map, Value, json};
+#[cfg(test)]
+use serde_json::Map;
+use serde_json::{Value, json};
 
 use crate::provider::OutputFormat;
+
+mod keywords;
+mod report;
 
 /// How many repair turns a definition gets when it sets none.
 pub(crate) const DEFAULT_REPAIR_TURNS: u32 = 1;
@@ -51,15 +61,24 @@ const VALIDATION_WORK: usize = 2 * 1024 * 1024;
 const MIN_ANSWER_BYTES: usize = 1024;
 /// Final answers validated at once, each on a blocking thread (never on the async runtime's).
 const VALIDATIONS_AT_ONCE: usize = 2;
+/// How long a task waits for one validation before it gives up and the task becomes an
+/// incident naming the schema. The bounds make the worst answer against the worst schema cost
+/// well under a second of CPU on a debug build (BENCHMARKS.md, "Schemas the worker cannot
+/// bound"); this deadline is the second line, for what no measurement foresaw, with room for a
+/// loaded machine.
+pub(crate) const VALIDATION_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 /// The compiled size of one `pattern` regex, and its lazy DFA's cache.
 const MAX_PATTERN_BYTES: usize = 256 * 1024;
+/// How many characters of the walk path an [`SchemaError::Expansion`] names (its start: the
+/// keyword under the root where the heavy part begins).
+const MAX_VIA_CHARS: usize = 160;
 /// How many characters of the validation error a repair message or an incident quotes (an error
 /// quotes the answer, which the model may have made huge). Only the first error is reported.
 const MAX_ERROR_CHARS: usize = 300;
 
 /// Why an `outputSchema` cannot be used; the definition is invalid.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum SchemaError {
+pub enum SchemaError {
     #[error("outputSchema is {bytes} bytes, over the {limit}-byte cap; simplify it")]
     TooLarge { bytes: usize, limit: usize },
     #[error("outputSchema nests deeper than {limit} levels at {pointer}; flatten it")]
@@ -73,9 +92,19 @@ pub(crate) enum SchemaError {
     )]
     Recursive { pointer: String, target: String },
     #[error(
-        "outputSchema has more than {limit} subschemas with its $refs inlined; use fewer references to large definitions"
+        "outputSchema has more than {limit} subschemas with its $refs inlined (the count passed {limit} at {via}); use fewer references to large definitions"
     )]
-    Expansion { limit: usize },
+    Expansion { limit: usize, via: String },
+    #[error(
+        "outputSchema has the keyword {keyword:?} at {pointer} with an object or array value; the worker validates only the keywords it knows (JSON Schema's, listed in the README), and an unknown one may hold subschemas it cannot bound: remove it, or make it a plain value"
+    )]
+    UnknownKeyword { keyword: String, pointer: String },
+    #[error("outputSchema uses {keyword:?} at {pointer}, which the worker refuses: {why}")]
+    Unsupported {
+        keyword: String,
+        pointer: String,
+        why: &'static str,
+    },
     #[error(
         "outputSchema weighs {weight} (subschemas with $refs inlined, plus enum values), over the {limit} a validated answer of at least {MIN_ANSWER_BYTES} bytes allows; use fewer or shorter enums or subschemas"
     )]
@@ -89,6 +118,8 @@ pub(crate) enum SchemaError {
 pub struct OutputSchema {
     schema: Arc<Value>,
     validator: Arc<jsonschema::Validator>,
+    /// The reporting copy, compiled: where a refused answer's one error is found (`report`).
+    reporter: Arc<jsonschema::Validator>,
     /// `Ok` when OpenAI's strict structured output accepts the schema as it is; else why not.
     strict: Result<(), String>,
     /// The largest answer validated against it: [`VALIDATION_WORK`] over its weight.
@@ -114,29 +145,27 @@ impl PartialEq for OutputSchema {
 
 impl OutputSchema {
     /// Bounds and compiles `schema` (a JSON object or boolean).
-    pub(crate) fn compile(schema: &Value) -> Result<Self, SchemaError> {
+    pub fn compile(schema: &Value) -> Result<Self, SchemaError> {
         let weight = check_bounds(schema)?;
         let limit = VALIDATION_WORK / MIN_ANSWER_BYTES;
         if weight > limit {
             return Err(SchemaError::TooHeavy { weight, limit });
         }
-        let validator = jsonschema::options()
-            .offline()
-            .with_pattern_options(
-                jsonschema::PatternOptions::regex()
-                    .size_limit(MAX_PATTERN_BYTES)
-                    .dfa_size_limit(MAX_PATTERN_BYTES),
-            )
-            .build(schema)
-            .map_err(|e| SchemaError::Invalid {
-                reason: cut(&e.to_string(), MAX_ERROR_CHARS),
-            })?;
+        let validator = build_validator(schema)?;
+        let reporter = build_validator(&report::reporting_copy(schema))?;
         Ok(OutputSchema {
             schema: Arc::new(schema.clone()),
             validator: Arc::new(validator),
+            reporter: Arc::new(reporter),
             strict: strict_eligible(schema),
             answer_limit: (VALIDATION_WORK / weight.max(1)).min(MAX_ANSWER_BYTES),
         })
+    }
+
+    /// The largest final answer validated against it, in bytes: [`VALIDATION_WORK`] over its
+    /// weight, at most [`MAX_ANSWER_BYTES`].
+    pub fn answer_limit(&self) -> usize {
+        self.answer_limit
     }
 
     /// The schema document.
@@ -158,6 +187,22 @@ impl OutputSchema {
             instruction: instruction(&self.schema),
         }
     }
+}
+
+/// The validator of a bounded schema: offline (no `$ref` is ever fetched), `pattern`s on the
+/// linear-time `regex` engine under size limits.
+fn build_validator(schema: &Value) -> Result<jsonschema::Validator, SchemaError> {
+    jsonschema::options()
+        .offline()
+        .with_pattern_options(
+            jsonschema::PatternOptions::regex()
+                .size_limit(MAX_PATTERN_BYTES)
+                .dfa_size_limit(MAX_PATTERN_BYTES),
+        )
+        .build(schema)
+        .map_err(|e| SchemaError::Invalid {
+            reason: cut(&e.to_string(), MAX_ERROR_CHARS),
+        })
 }
 
 /// OpenAI's `json_schema.name`: `a-zA-Z0-9_-`, at most 64 characters.
@@ -333,14 +378,16 @@ pub fn judge(
             });
         }
     };
-    // A yes or no first (no error is built, the first failure ends it); then the first error
-    // only: collecting every error builds one per failed branch of every `anyOf` for every
-    // item, which cost a minute of CPU on a debug build for a 64 KiB answer (BENCHMARKS.md).
+    // A yes or no first (no error is built, the first failure ends it); then one error, from
+    // the reporting copy, whose failed `anyOf`s and `oneOf`s report no branch (`report`):
+    // collecting the schema's own errors builds one per failed branch of every `anyOf`, for
+    // every item, which cost a minute of CPU, or gigabytes (BENCHMARKS.md).
     if schema.validator.is_valid(&value) {
         return Ok(value);
     }
-    let Err(first) = schema.validator.validate(&value) else {
-        // Cannot happen (the same validator said no); store nothing rather than guess.
+    let Some((instance, schema_path, message)) = report::first_error(&schema.reporter, &value)
+    else {
+        // Cannot happen (the copy agrees with the schema); store nothing rather than guess.
         return Err(Rejection {
             reason: RejectReason::Schema,
             location: None,
@@ -351,13 +398,13 @@ pub fn judge(
         reason: RejectReason::Schema,
         location: Some(format!(
             "instance {}, schema {}",
-            pointer_or_root(first.instance_path().as_str()),
-            pointer_or_root(first.schema_path().as_str())
+            pointer_or_root(&instance),
+            pointer_or_root(&schema_path)
         )),
         detail: format!(
             "at {}: {}",
-            pointer_or_root(first.instance_path().as_str()),
-            cut(&first.to_string(), MAX_ERROR_CHARS)
+            pointer_or_root(&instance),
+            cut(&message, MAX_ERROR_CHARS)
         ),
     })
 }
@@ -367,42 +414,77 @@ pub fn judge(
 static VALIDATIONS: LazyLock<Arc<Semaphore>> =
     LazyLock::new(|| Arc::new(Semaphore::new(VALIDATIONS_AT_ONCE)));
 
+/// Why a final answer that needed the validator got no verdict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unjudged {
+    /// The validation ran past its deadline ([`VALIDATION_DEADLINE`]): given up, never waited
+    /// for again (its thread runs to its end, bounded by the schema's weight, keeping its
+    /// permit).
+    OverBudget { limit: std::time::Duration },
+    /// The runtime is shutting down.
+    ShuttingDown,
+}
+
+/// Whether judging `text` needs the validator: a schema, an answer not cut, within the
+/// schema's answer cap. Any other answer is judged at once, at no cost ([`judge`]).
+pub(crate) fn needs_validator(
+    schema: Option<&OutputSchema>,
+    text: &str,
+    stop_reason: &str,
+) -> bool {
+    schema.is_some_and(|s| !was_cut(stop_reason) && text.len() <= s.answer_limit)
+}
+
 /// [`judge`], with the schema's validation on a blocking thread, [`VALIDATIONS_AT_ONCE`] at a
-/// time: the async runtime's threads (heartbeats, the poll loop, every other task) never wait
-/// for it. What needs no validation (no schema, a cut answer, one over the schema's answer cap)
-/// is judged here at once. The permit travels with the validation, so a task stopped while it
-/// waits frees nothing early: the bound holds for validations still running for no one.
+/// time, given up at `deadline` (from when it starts; the wait for a permit is not counted): the
+/// async runtime's threads (heartbeats, the poll loop, every other task) never wait for it,
+/// and the task does not wait past the deadline. What needs no validation is judged here at
+/// once. The permit travels with the validation, so a task stopped while it waits, or one
+/// that gave up, frees nothing early: the bound holds for validations still running for no
+/// one. The caller races this with its stop (a dropped future abandons the validation).
 pub(crate) async fn judge_off_runtime(
     schema: Option<&OutputSchema>,
     text: &str,
     stop_reason: &str,
     output_cap: Option<u32>,
-) -> Result<Value, Rejection> {
-    let Some(schema) = schema.filter(|s| !was_cut(stop_reason) && text.len() <= s.answer_limit)
-    else {
-        return judge(schema, text, stop_reason, output_cap);
+    deadline: std::time::Duration,
+) -> Result<Result<Value, Rejection>, Unjudged> {
+    let Some(schema) = schema.filter(|_| needs_validator(schema, text, stop_reason)) else {
+        return Ok(judge(schema, text, stop_reason, output_cap));
     };
+    let (schema, text, stop_reason) = (schema.clone(), text.to_string(), stop_reason.to_string());
+    off_runtime(
+        move || judge(Some(&schema), &text, &stop_reason, output_cap),
+        deadline,
+    )
+    .await
+}
+
+/// Runs `job` on a blocking thread under one of the [`VALIDATIONS`] permits (held until the job
+/// ends, whoever waits), waiting for it at most `deadline`.
+async fn off_runtime<T: Send + 'static>(
+    job: impl FnOnce() -> T + Send + 'static,
+    deadline: std::time::Duration,
+) -> Result<T, Unjudged> {
     let permit = VALIDATIONS
         .clone()
         .acquire_owned()
         .await
         .expect("the validations' semaphore is never closed");
-    let (schema, text, stop_reason) = (schema.clone(), text.to_string(), stop_reason.to_string());
-    let judged = tokio::task::spawn_blocking(move || {
-        let _permit = permit;
-        judge(Some(&schema), &text, &stop_reason, output_cap)
-    })
+    let judged = tokio::time::timeout(
+        deadline,
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            job()
+        }),
+    )
     .await;
     match judged {
-        Ok(verdict) => verdict,
-        // `judge` panicked: a bug, not the model's; surface it as a panic here.
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        // The runtime is shutting down: nothing is stored then.
-        Err(_) => Err(Rejection {
-            reason: RejectReason::Schema,
-            location: None,
-            detail: "the worker stopped before the answer was validated".into(),
-        }),
+        Ok(Ok(done)) => Ok(done),
+        Err(_) => Err(Unjudged::OverBudget { limit: deadline }),
+        // The job panicked: a bug, not the model's; surface it as a panic here.
+        Ok(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Ok(Err(_)) => Err(Unjudged::ShuttingDown),
     }
 }
 
@@ -426,11 +508,22 @@ impl Verdict {
             Verdict::Repair(r) | Verdict::Exhausted(r) => Some(r),
         }
     }
+
+    /// The verdict on a judgement, with `repairs_spent` of `allowed` repair turns used.
+    pub(crate) fn of(judged: Result<Value, Rejection>, repairs_spent: u32, allowed: u32) -> Self {
+        match judged {
+            Ok(_) => Verdict::Accepted,
+            Err(r) if repairs_spent < allowed => Verdict::Repair(r),
+            Err(r) => Verdict::Exhausted(r),
+        }
+    }
 }
 
-/// The verdict on one answer: only a final one (no tool calls) is judged; `repairs_spent` are
-/// the repair turns the run already used, of `allowed`.
-pub async fn verdict(
+/// The verdict on one answer that needs no validator ([`needs_validator`]: tool calls, no
+/// schema, a cut answer, one over the schema's answer cap), judged at once: only a final one
+/// is judged; `repairs_spent` are the repair turns the run already used, of `allowed`. An
+/// answer that needs the validator is journaled first and judged by `agent::judging`.
+pub fn verdict(
     schema: Option<&OutputSchema>,
     message: &crate::conversation::AssistantMessage,
     stop_reason: &str,
@@ -442,11 +535,12 @@ pub async fn verdict(
         return Verdict::Accepted;
     }
     let text = message.text.as_deref().unwrap_or_default();
-    match judge_off_runtime(schema, text, stop_reason, output_cap).await {
-        Ok(_) => Verdict::Accepted,
-        Err(r) if repairs_spent < allowed => Verdict::Repair(r),
-        Err(r) => Verdict::Exhausted(r),
-    }
+    debug_assert!(!needs_validator(schema, text, stop_reason));
+    Verdict::of(
+        judge(schema, text, stop_reason, output_cap),
+        repairs_spent,
+        allowed,
+    )
 }
 
 fn pointer_or_root(p: &str) -> &str {
@@ -466,7 +560,7 @@ fn unfenced(text: &str) -> &str {
 
 /// The final answer as a process variable when no schema asks for more: parsed JSON when it is
 /// JSON (also inside a Markdown code fence), else the text.
-fn parse_answer(text: &str) -> Value {
+pub(crate) fn parse_answer(text: &str) -> Value {
     let unfenced = unfenced(text);
     match serde_json::from_str::<Value>(unfenced) {
         Ok(v) if !unfenced.is_empty() => v,
@@ -519,72 +613,7 @@ pub(crate) fn journaled_repair(data: &Value) -> Result<Option<JournaledRepair>, 
     }))
 }
 
-// ---- bounds -------------------------------------------------------------------------------
-
-/// Keywords whose value is one subschema.
-const ONE_SCHEMA: &[&str] = &[
-    "additionalProperties",
-    "not",
-    "if",
-    "then",
-    "else",
-    "contains",
-    "propertyNames",
-    "unevaluatedItems",
-    "unevaluatedProperties",
-    "additionalItems",
-    "contentSchema",
-];
-/// Keywords whose value is a list of subschemas.
-const LIST_OF_SCHEMAS: &[&str] = &["allOf", "anyOf", "oneOf", "prefixItems"];
-/// Keywords whose value maps names to subschemas.
-const MAP_OF_SCHEMAS: &[&str] = &[
-    "properties",
-    "patternProperties",
-    "$defs",
-    "definitions",
-    "dependentSchemas",
-];
-
-/// The subschemas of `schema`, with their JSON pointer segments.
-fn subschemas(schema: &Map<String, Value>) -> Vec<(String, &Value)> {
-    let mut out = Vec::new();
-    for (key, value) in schema {
-        let k = escape(key);
-        if ONE_SCHEMA.contains(&key.as_str()) {
-            out.push((k, value));
-        } else if LIST_OF_SCHEMAS.contains(&key.as_str()) {
-            if let Value::Array(items) = value {
-                out.extend(
-                    items
-                        .iter()
-                        .enumerate()
-                        .map(|(i, v)| (format!("{k}/{i}"), v)),
-                );
-            }
-        } else if MAP_OF_SCHEMAS.contains(&key.as_str()) {
-            if let Value::Object(map) = value {
-                out.extend(map.iter().map(|(n, v)| (format!("{k}/{}", escape(n)), v)));
-            }
-        } else if key == "items" {
-            match value {
-                Value::Array(items) => out.extend(
-                    items
-                        .iter()
-                        .enumerate()
-                        .map(|(i, v)| (format!("{k}/{i}"), v)),
-                ),
-                v => out.push((k, v)),
-            }
-        }
-    }
-    out
-}
-
-/// A JSON pointer segment.
-fn escape(segment: &str) -> String {
-    segment.replace('~', "~0").replace('/', "~1")
-}
+// ---- bounds ----------------------------------------------------------------------------------
 
 /// Checks the bounds; returns the schema's weight (subschemas with every `$ref` inlined, plus
 /// the values of the `enum`s among them).
@@ -603,18 +632,41 @@ fn check_bounds(schema: &Value) -> Result<usize, SchemaError> {
             limit: MAX_SCHEMA_BYTES,
         });
     }
-    let mut budget = MAX_EXPANDED_NODES;
-    let mut stack = Vec::new();
-    let mut enum_values = 0;
-    expand(
-        schema,
-        schema,
-        "",
-        &mut stack,
-        &mut budget,
-        &mut enum_values,
-    )?;
-    Ok(MAX_EXPANDED_NODES - budget + enum_values)
+    // Only keywords on the one list reach the walk below and the validator.
+    keywords::check(schema, "").map_err(SchemaError::from)?;
+    let mut walk = Walk {
+        root: schema,
+        stack: Vec::new(),
+        budget: MAX_EXPANDED_NODES,
+        enum_values: 0,
+    };
+    walk.expand(schema, "", "")?;
+    Ok(MAX_EXPANDED_NODES - walk.budget + walk.enum_values)
+}
+
+impl From<keywords::KeywordRefusal> for SchemaError {
+    fn from(refusal: keywords::KeywordRefusal) -> Self {
+        match refusal {
+            keywords::KeywordRefusal::Unknown { keyword, pointer } => {
+                SchemaError::UnknownKeyword { keyword, pointer }
+            }
+            keywords::KeywordRefusal::Refused {
+                keyword,
+                pointer,
+                why,
+            } => SchemaError::Unsupported {
+                keyword,
+                pointer,
+                why,
+            },
+            keywords::KeywordRefusal::NestedIdentifier { keyword, pointer } => {
+                SchemaError::Reference {
+                    pointer,
+                    what: format!("a nested {keyword}"),
+                }
+            }
+        }
+    }
 }
 
 /// How deep `v` nests, stopping one past the cap (a TOML agents file has no depth limit of its
@@ -634,82 +686,74 @@ fn document_depth(v: &Value, depth: usize) -> usize {
         .unwrap_or(depth)
 }
 
-/// Walks `node` (at `pointer`) with every `$ref` inlined, spending one of `budget` per
-/// subschema and counting the `enum` values met in `enum_values`; `stack` holds where the
-/// `$ref`s being inlined are (a reference to a node that contains one of them, or `pointer`,
-/// is recursion).
-fn expand(
-    root: &Value,
-    node: &Value,
-    pointer: &str,
-    stack: &mut Vec<String>,
-    budget: &mut usize,
-    enum_values: &mut usize,
-) -> Result<(), SchemaError> {
-    *budget = budget.checked_sub(1).ok_or(SchemaError::Expansion {
-        limit: MAX_EXPANDED_NODES,
-    })?;
-    let Value::Object(schema) = node else {
-        return Ok(());
-    };
-    if let Some(Value::Array(values)) = schema.get("enum") {
-        *enum_values = enum_values.saturating_add(values.len());
-    }
-    let at = || pointer_or_root(pointer).to_string();
-    for keyword in ["$dynamicRef", "$recursiveRef"] {
-        if schema.contains_key(keyword) {
-            return Err(SchemaError::Reference {
-                pointer: at(),
-                what: keyword.into(),
-            });
-        }
-    }
-    if !pointer.is_empty() && schema.contains_key("$id") {
-        return Err(SchemaError::Reference {
-            pointer: at(),
-            what: "a nested $id".into(),
-        });
-    }
-    if let Some(reference) = schema.get("$ref") {
-        let target = local_target(reference).ok_or_else(|| SchemaError::Reference {
-            pointer: at(),
-            what: format!("$ref {}", cut(&reference.to_string(), 80)),
-        })?;
-        // Recursion: the target contains a node on the way here (this `$ref`, or one of the
-        // `$ref`s being inlined).
-        let inside = |p: &str| p == target || p.starts_with(&format!("{target}/"));
-        if inside(pointer) || stack.iter().any(|site| inside(site)) {
-            return Err(SchemaError::Recursive {
-                pointer: at(),
-                target: pointer_or_root(&target).to_string(),
-            });
-        }
-        let resolved = root
-            .pointer(&target)
-            .ok_or_else(|| SchemaError::Reference {
-                pointer: at(),
-                what: format!("$ref {target:?}, which points nowhere"),
+/// The walk of a schema with every `$ref` inlined, by the keyword list: one of `budget` per
+/// subschema, the `enum` values met counted in `enum_values`; `stack` holds where the `$ref`s
+/// being inlined are (a reference to a node that contains one of them is recursion).
+struct Walk<'a> {
+    root: &'a Value,
+    stack: Vec<String>,
+    budget: usize,
+    enum_values: usize,
+}
+
+impl<'a> Walk<'a> {
+    /// Walks `node`, which is at `pointer` in the document and was reached along `via` (the
+    /// path from the root through every `$ref` followed, which the error names).
+    fn expand(&mut self, node: &'a Value, pointer: &str, via: &str) -> Result<(), SchemaError> {
+        self.budget = self
+            .budget
+            .checked_sub(1)
+            .ok_or_else(|| SchemaError::Expansion {
+                limit: MAX_EXPANDED_NODES,
+                via: cut(pointer_or_root(via), MAX_VIA_CHARS),
             })?;
-        stack.push(pointer.to_string());
-        let r = expand(root, resolved, &target, stack, budget, enum_values);
-        stack.pop();
-        r?;
-    }
-    for (segment, child) in subschemas(schema) {
-        // `$defs` are walked where they are used, not where they are defined.
-        if segment.starts_with("$defs/") || segment.starts_with("definitions/") {
-            continue;
+        let Value::Object(schema) = node else {
+            return Ok(());
+        };
+        if let Some(Value::Array(values)) = schema.get("enum") {
+            self.enum_values = self.enum_values.saturating_add(values.len());
         }
-        expand(
-            root,
-            child,
-            &format!("{pointer}/{segment}"),
-            stack,
-            budget,
-            enum_values,
-        )?;
+        let at = || pointer_or_root(pointer).to_string();
+        if let Some(reference) = schema.get("$ref") {
+            let target = local_target(reference).ok_or_else(|| SchemaError::Reference {
+                pointer: at(),
+                what: format!("$ref {}", cut(&reference.to_string(), 80)),
+            })?;
+            // Recursion: the target contains a node on the way here (this `$ref`, or one of
+            // the `$ref`s being inlined).
+            let below = format!("{target}/");
+            let inside = |p: &str| p == target || p.starts_with(&below);
+            if inside(pointer) || self.stack.iter().any(|site| inside(site)) {
+                return Err(SchemaError::Recursive {
+                    pointer: at(),
+                    target: pointer_or_root(&target).to_string(),
+                });
+            }
+            let resolved = self
+                .root
+                .pointer(&target)
+                .ok_or_else(|| SchemaError::Reference {
+                    pointer: at(),
+                    what: format!("$ref {target:?}, which points nowhere"),
+                })?;
+            self.stack.push(pointer.to_string());
+            let r = self.expand(resolved, &target, &format!("{via}/$ref"));
+            self.stack.pop();
+            r?;
+        }
+        for child in keywords::children(schema) {
+            // Definitions are walked where they are used, not where they are defined.
+            if child.shape == keywords::Shape::Definitions {
+                continue;
+            }
+            self.expand(
+                child.schema,
+                &format!("{pointer}/{}", child.segment),
+                &format!("{via}/{}", child.segment),
+            )?;
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// The JSON pointer of a `$ref` inside the document (`#` or `#/...`), unescaped of nothing
@@ -831,14 +875,14 @@ fn strict_node(
             "{at}: an enum of more than {STRICT_MAX_ENUM_VALUES} values"
         ));
     }
-    for (segment, child) in subschemas(schema) {
+    for child in keywords::children(schema) {
         // `additionalProperties: false`, checked above, is the one boolean schema allowed.
-        if segment == "additionalProperties" {
+        if child.segment == "additionalProperties" {
             continue;
         }
         strict_node(
-            child,
-            &format!("{pointer}/{segment}"),
+            child.schema,
+            &format!("{pointer}/{}", child.segment),
             object_depth,
             properties,
         )?;
@@ -1016,12 +1060,10 @@ mod tests {
         }
         defs.insert("l30".into(), json!({"type": "integer"}));
         let bomb = json!({"$ref": "#/$defs/l0", "$defs": defs});
-        assert_eq!(
+        assert!(matches!(
             OutputSchema::compile(&bomb).unwrap_err(),
-            SchemaError::Expansion {
-                limit: MAX_EXPANDED_NODES
-            }
-        );
+            SchemaError::Expansion { limit: MAX_EXPANDED_NODES, via } if via.starts_with("/$ref/allOf/0/$ref/allOf/0/$ref")
+        ));
         // Deep nesting.
         let mut deep = json!({"type": "string"});
         for _ in 0..200 {
@@ -1192,10 +1234,11 @@ mod tests {
             }
         });
         tokio::task::yield_now().await;
-        let validation =
-            tokio::spawn(
-                async move { judge_off_runtime(Some(&schema), &answer, "stop", None).await },
-            );
+        let validation = tokio::spawn(async move {
+            // No deadline here: this test moves the clock by hand, past any.
+            let never = std::time::Duration::from_secs(86_400);
+            judge_off_runtime(Some(&schema), &answer, "stop", None, never).await
+        });
         let mut beats_meanwhile = 0;
         while !validation.is_finished() {
             tokio::time::advance(std::time::Duration::from_millis(10)).await;
@@ -1204,7 +1247,7 @@ mod tests {
                 beats_meanwhile = beats.load(Ordering::SeqCst);
             }
         }
-        let verdict = validation.await.unwrap();
+        let verdict = validation.await.unwrap().unwrap();
         heartbeat.abort();
         assert_eq!(verdict.unwrap_err().reason, RejectReason::Schema);
         assert!(
@@ -1279,6 +1322,257 @@ mod tests {
             &after,
             false,
         );
+    }
+
+    /// The schema that crashed replicas: a chain of `anyOf`s of two `$ref`s to the next
+    /// level, `levels` deep (24: 1.5 KB), used under `keyword` (`then` and `else` beside an
+    /// `if`, `additionalItems` beside an `items` array).
+    pub(crate) fn chain_under(keyword: &str, levels: usize) -> Value {
+        let mut defs = Map::new();
+        for i in 0..levels {
+            let next = json!({"$ref": format!("#/$defs/l{}", i + 1)});
+            defs.insert(format!("l{i}"), json!({"anyOf": [next.clone(), next]}));
+        }
+        defs.insert(format!("l{levels}"), json!({"type": "integer"}));
+        let head = json!({"$ref": "#/$defs/l0"});
+        let mut schema = match keyword {
+            "dependencies" | "dependentSchemas" | "properties" | "patternProperties" => {
+                json!({keyword: {"a": head}})
+            }
+            "then" | "else" => json!({"if": {"type": "object"}, keyword: head}),
+            "additionalItems" => json!({"items": [{}], "additionalItems": head}),
+            "allOf" | "anyOf" | "oneOf" => json!({keyword: [head]}),
+            _ => json!({keyword: head}),
+        };
+        schema["$defs"] = Value::Object(defs);
+        schema
+    }
+
+    /// Every place the chain can hide is refused when the definition is read, naming where:
+    /// `dependencies` (which the walker once did not know: weight 1, then 3.1 GB to report an
+    /// error at 20 levels), and every other applicator (counted, and over the bound), and the
+    /// keywords refused outright.
+    #[test]
+    fn the_any_of_chain_is_refused_under_every_keyword_naming_where() {
+        for keyword in [
+            "dependencies",
+            "not",
+            "if",
+            "then",
+            "else",
+            "propertyNames",
+            "contains",
+            "additionalItems",
+            "unevaluatedItems",
+            "unevaluatedProperties",
+            "items",
+            "dependentSchemas",
+            "additionalProperties",
+            "allOf",
+            "oneOf",
+        ] {
+            let schema = chain_under(keyword, 24);
+            assert!(serde_json::to_vec(&schema).unwrap().len() < 2048);
+            let e = OutputSchema::compile(&schema).unwrap_err();
+            let named = format!("/{keyword}");
+            let message = e.to_string();
+            match &e {
+                SchemaError::Expansion { via, .. } => {
+                    assert!(via.starts_with(&named), "{keyword}: {e}");
+                }
+                SchemaError::Unsupported { keyword: k, .. } => assert_eq!(k, keyword),
+                other => panic!("{keyword}: {other}"),
+            }
+            assert!(message.contains(keyword), "{message}");
+        }
+        // An unknown keyword holding it is refused as unknown.
+        let hidden = chain_under("x-hidden", 24);
+        assert_eq!(
+            OutputSchema::compile(&hidden).unwrap_err(),
+            SchemaError::UnknownKeyword {
+                keyword: "x-hidden".into(),
+                pointer: "/".into()
+            }
+        );
+        // And a short chain, under the bound, still compiles.
+        assert!(OutputSchema::compile(&chain_under("dependencies", 4)).is_ok());
+    }
+
+    /// The reporting copy finds the error the schema's own validator reports first (same
+    /// places, same message), for every keyword it rewrites and the ones it leaves alone.
+    #[test]
+    fn the_reported_error_is_the_schemas_first_error() {
+        let cases = [
+            (routing(), json!({"decision": "maybe", "amountCents": 1})),
+            (
+                json!({"anyOf": [{"type": "string"}, {"type": "integer"}]}),
+                json!([1]),
+            ),
+            (
+                json!({"properties": {"a": {"anyOf": [{"$ref": "#/$defs/s"}, {"minimum": 3}]}},
+                       "$defs": {"s": {"type": "string"}}}),
+                json!({"a": 1}),
+            ),
+            (
+                json!({"items": {"anyOf": [{"$ref": "#/anyOf/0"}, {"type": "null"}]},
+                       "anyOf": [{"type": "array"}, {"type": "object"}]}),
+                json!([true]),
+            ),
+            (
+                json!({"properties": {"a": {"$ref": "#/$defs/n/oneOf/1"}},
+                       "$defs": {"n": {"oneOf": [{"type": "null"}, {"anyOf": [{"type": "integer"}]}]}}}),
+                json!({"a": "x"}),
+            ),
+            (
+                json!({"dependencies": {"a": {"required": ["b"]}, "c": ["d"]}}),
+                json!({"a": 1}),
+            ),
+            (
+                json!({"if": {"properties": {"k": {"const": 1}}}, "then": {"required": ["x"]}}),
+                json!({"k": 1}),
+            ),
+        ];
+        for (schema, answer) in cases {
+            let s = OutputSchema::compile(&schema).unwrap();
+            let expected = s.validator.validate(&answer).unwrap_err();
+            let (instance, path, message) = report::first_error(&s.reporter, &answer).unwrap();
+            assert_eq!(instance, expected.instance_path().as_str(), "{schema}");
+            assert_eq!(path, expected.schema_path().as_str(), "{schema}");
+            assert_eq!(message, expected.to_string(), "{schema}");
+        }
+        // A oneOf says what it can without its branches.
+        let s = OutputSchema::compile(&json!({"oneOf": [{"type": "integer"}, {"minimum": 0}]}))
+            .unwrap();
+        let r = judge(Some(&s), "3", "stop", None).unwrap_err();
+        assert_eq!(r.location.as_deref(), Some("instance /, schema /oneOf"));
+        assert!(r.detail.contains("none, or more than one"), "{r:?}");
+        // A not says so without quoting the copy's subschema.
+        let s = OutputSchema::compile(&json!({"not": {"anyOf": [{"type": "string"}]}})).unwrap();
+        let r = judge(Some(&s), "\"s\"", "stop", None).unwrap_err();
+        assert_eq!(r.location.as_deref(), Some("instance /, schema /not"));
+        assert!(r.detail.contains("matches the schema under 'not'"), "{r:?}");
+        assert!(!r.detail.contains("anyOf"), "{r:?}");
+    }
+
+    /// A failed `anyOf` costs one error to report, not one per branch: against a weight the
+    /// bounds allow, the schema's own validator builds an error tree of thousands of nodes for
+    /// one answer; the reporting copy, one error with one branch.
+    #[test]
+    fn a_failed_any_of_reports_one_error_not_its_branches() {
+        fn size(e: &jsonschema::ValidationError<'_>) -> usize {
+            use jsonschema::error::ValidationErrorKind as K;
+            let context = match e.kind() {
+                K::AnyOf { context }
+                | K::OneOfNotValid { context }
+                | K::OneOfMultipleValid { context } => context,
+                _ => return 1,
+            };
+            1 + context.iter().flatten().map(size).sum::<usize>()
+        }
+        // Six levels of two-branch anyOfs (weight about 2^8, under the bound), and an answer
+        // no branch takes: the full report doubles with every level.
+        let schema = chain_under("items", 6);
+        let s = OutputSchema::compile(&schema).unwrap();
+        let answer = json!(["no"]);
+        let full = s.validator.validate(&answer).unwrap_err();
+        let reported = s.reporter.validate(&answer).unwrap_err();
+        assert!(size(&full) >= 127, "{}", size(&full));
+        assert_eq!(size(&reported), 2);
+        let r = judge(Some(&s), "[\"no\"]", "stop", None).unwrap_err();
+        assert_eq!(
+            r.location.as_deref(),
+            Some("instance /0, schema /$defs/l0/anyOf")
+        );
+    }
+
+    /// The deepest chain of `$ref`s the bounds allow (each level `{"anyOf": [{...}, {"$ref":
+    /// next}]}`: about 165 levels) is read on a thread of tokio's default stack (2 MiB: the
+    /// runtime's and the blocking pool's) and judged on a blocking thread without overflowing it,
+    /// on the debug build (the largest frames): an answer that went down every level, and one
+    /// refused at the bottom (the reporting copy's path).
+    #[test]
+    fn the_deepest_chain_the_bounds_allow_fits_a_default_thread_stack() {
+        type Level = fn(Value) -> Value;
+        let shapes: [(&str, Level); 4] = [
+            // Down the answer too: 120 arrays deep (serde_json stops at 128).
+            ("items", |next| json!({"type": "array", "items": next})),
+            (
+                "anyOf",
+                |next| json!({"anyOf": [{"type": "string", "maxLength": 0}, next]}),
+            ),
+            ("$ref", |next| next),
+            ("allOf", |next| json!({"allOf": [next]})),
+        ];
+        for (shape, level) in shapes {
+            let chain = |levels: usize| {
+                let mut defs = Map::new();
+                for i in 0..levels {
+                    let next = json!({"$ref": format!("#/$defs/l{}", i + 1)});
+                    defs.insert(format!("l{i}"), level(next));
+                }
+                defs.insert(format!("l{levels}"), json!({"type": "integer"}));
+                json!({"type": "array", "items": {"$ref": "#/$defs/l0"}, "$defs": defs})
+            };
+            // The most levels the bounds take (they take every count below it).
+            let (mut levels, mut over) = (1, 600);
+            while over - levels > 1 {
+                let mid = (levels + over) / 2;
+                if check_bounds(&chain(mid)).is_ok() {
+                    levels = mid;
+                } else {
+                    over = mid;
+                }
+            }
+            let schema = chain(levels);
+            assert!(levels > 150, "{shape}: {levels}");
+            let verdicts = std::thread::Builder::new()
+                .stack_size(2 * 1024 * 1024)
+                .spawn(move || {
+                    let s = OutputSchema::compile(&schema).unwrap();
+                    let deep = format!("{}{}", "[".repeat(120), "]".repeat(120));
+                    let deep_off = format!("{}true{}", "[".repeat(120), "]".repeat(120));
+                    let (valid, refused) = if shape == "items" {
+                        (deep, deep_off)
+                    } else {
+                        ("[1, 2, 3]".to_string(), "[1, true]".to_string())
+                    };
+                    (
+                        judge(Some(&s), &valid, "stop", None),
+                        judge(Some(&s), &refused, "stop", None),
+                    )
+                })
+                .unwrap()
+                .join()
+                .unwrap();
+            assert!(verdicts.0.is_ok(), "{shape}: {verdicts:?}");
+            assert_eq!(verdicts.1.unwrap_err().reason, RejectReason::Schema);
+        }
+    }
+
+    /// A validation past its deadline is given up: the task gets `OverBudget` at the deadline
+    /// (on the paused clock, which does not move by itself while a blocking job runs), not when
+    /// the job ends; and the job keeps its permit until it does end.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_validation_past_its_deadline_is_given_up() {
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let deadline = std::time::Duration::from_secs(10);
+        let waiting = tokio::spawn(off_runtime(
+            move || {
+                let _ = held.recv();
+                "done"
+            },
+            deadline,
+        ));
+        tokio::task::yield_now().await;
+        tokio::time::advance(deadline - std::time::Duration::from_millis(1)).await;
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        tokio::time::advance(std::time::Duration::from_millis(2)).await;
+        assert_eq!(
+            waiting.await.unwrap(),
+            Err(Unjudged::OverBudget { limit: deadline })
+        );
+        release.send(()).unwrap();
     }
 
     #[test]

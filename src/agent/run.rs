@@ -378,7 +378,12 @@ impl<'a> Attempt<'a> {
         loop {
             self.scope.boundary()?;
             if let Some(answer) = self.state.final_answer.clone() {
-                return Err(self.complete(&answer).await);
+                // [judging] The stored value is the judged one (judged now if the journal holds
+                // no verdict yet); a rejection with a repair turn left asks the model again.
+                match self.judged_value(&answer).await? {
+                    Some(value) => return Err(self.complete(value)),
+                    None => continue,
+                }
             }
             if let Some(next) = self.state.pending.first().cloned() {
                 if self.boxed_gate(&next).await? {
@@ -420,25 +425,7 @@ impl<'a> Attempt<'a> {
             .map_err(|e| self.scope.technical(format!("internal journal error: {e}")))
     }
 
-    async fn complete(&self, answer: &str) -> Outcome {
-        // [output] The stored result is the validated value (a final answer journaled before
-        // schemas were enforced is judged here too), validated off the async runtime.
-        let value = match output::judge_off_runtime(
-            self.def.output_schema.as_ref(),
-            answer,
-            "",
-            None,
-        )
-        .await
-        {
-            Ok(v) => v,
-            Err(r) => {
-                return incident(
-                    "the agent's final answer cannot be stored",
-                    r.incident_details(&self.def.name, self.state.output_repairs),
-                );
-            }
-        };
+    fn complete(&self, value: Value) -> Outcome {
         let mut variables = Map::new();
         variables.insert(self.def.result_variable.clone(), value);
         let status = &self.def.approval_variables.status;
@@ -564,8 +551,23 @@ impl<'a> Attempt<'a> {
         if estimated {
             step.data["usageEstimated"] = json!(true);
         }
-        // [output] A final answer off the schema, or cut by the output limit, is journaled with
-        // the repair message the model reads next (a resumed run replays it), never stored.
+        // [judging] A final answer the validator must judge is journaled first, then judged
+        // (the verdict journaled after it): a validation that never ends cannot make the
+        // model be paid again and again.
+        let text = response.message.text.as_deref().unwrap_or_default();
+        if response.message.tool_calls.is_empty()
+            && output::needs_validator(self.def.output_schema.as_ref(), text, &response.stop_reason)
+        {
+            let answer = text.to_string();
+            self.record(step).await?;
+            return self
+                .judge_final_answer(&answer, super::judging::Pass::First)
+                .await
+                .map(|_| ());
+        }
+        // [output] Any other final answer off the schema, or cut by the output limit, is
+        // journaled with the repair message the model reads next (a resumed run replays it),
+        // never stored.
         let verdict = output::verdict(
             self.def.output_schema.as_ref(),
             &response.message,
@@ -573,8 +575,7 @@ impl<'a> Attempt<'a> {
             Some(cap),
             self.state.output_repairs,
             self.def.output_repair_turns,
-        )
-        .await;
+        );
         if let Some(rejection) = verdict.rejection() {
             step.data[output::JOURNAL_FIELD] = output::journal_record(rejection);
         }
@@ -583,7 +584,7 @@ impl<'a> Attempt<'a> {
     }
 
     /// [output] Counts a rejected final answer; the incident once no repair turn is left.
-    fn output_verdict(&self, verdict: output::Verdict) -> Step {
+    pub(super) fn output_verdict(&self, verdict: output::Verdict) -> Step {
         let agent = crate::metrics::labels::capped(&self.def.name);
         match verdict {
             output::Verdict::Accepted => Ok(()),

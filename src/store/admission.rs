@@ -34,6 +34,9 @@ const KIND_INPUT: &str = "input";
 const KIND_MODEL: &str = "model";
 const KIND_APPROVAL: &str = "approval";
 const STATE_REQUESTED: &str = "requested";
+/// A final answer judged a match (`agent::journal::KIND_OUTPUT`): the conversation is over.
+const KIND_OUTPUT: &str = "output";
+const STATE_ACCEPTED: &str = "accepted";
 
 /// SHA-256 of a task's rendered instructions and input: what makes two tasks' conversations the
 /// same conversation. Computed over the texts as the store keeps them (NUL as U+FFFD), the
@@ -131,6 +134,7 @@ impl Phase {
         match (kind, state) {
             (KIND_APPROVAL, STATE_REQUESTED) => Phase::AwaitsDecision,
             (KIND_MODEL, _) if tool_calls == 0 => Phase::Answered,
+            (KIND_OUTPUT, STATE_ACCEPTED) => Phase::Answered,
             _ => Phase::Working,
         }
     }
@@ -380,6 +384,12 @@ mod tests {
         );
         assert_eq!(Phase::of_last_step("model", "finished", 0), Phase::Answered);
         assert_eq!(Phase::of_last_step("model", "finished", 2), Phase::Working);
+        assert_eq!(
+            Phase::of_last_step("output", "accepted", 0),
+            Phase::Answered
+        );
+        assert_eq!(Phase::of_last_step("output", "judging", 0), Phase::Working);
+        assert_eq!(Phase::of_last_step("output", "rejected", 0), Phase::Working);
         assert_eq!(Phase::of_last_step("tool", "finished", 0), Phase::Working);
         assert_eq!(Phase::of_last_step("input", "finished", 0), Phase::Working);
     }

@@ -643,3 +643,37 @@ async fn behind_the_proxy_the_process_reads_need_the_process_read_permission() {
     worker.stop().await;
     stack.shutdown().await;
 }
+
+/// From the BPMN service task's `abada.agent.outputSchema` property: a schema hiding the chain
+/// of `anyOf`s that crashed every replica in turn (under `dependencies`, which the walker did
+/// not know, and every other place a subschema sits) is refused when the definition is read:
+/// an incident naming the keyword and where, and the process; no model is called. Each
+/// deployment is a new version, read at once.
+#[tokio::test]
+async fn a_schema_hiding_an_any_of_chain_in_the_bpmn_is_an_incident_naming_where() {
+    use crate::output::{HIDING_PLACES, chain_under, names_the_place};
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    stack.model.set_script("bpmn-v1", answer_script("bpmn-v1"));
+    let worker = stack.spawn_worker(WorkerOptions::new("w1", 1), settings(Duration::ZERO));
+    for keyword in HIDING_PLACES {
+        let schema = chain_under(keyword).to_string();
+        let mut properties = agent_properties("openai/bpmn-v1", "refundDecision");
+        properties.retain(|(name, _)| *name != "outputSchema");
+        properties.push(("outputSchema", &schema));
+        stack.engine.deploy_bpmn(
+            ProcessModel::refund_approval(None),
+            refund_bpmn(&properties),
+        );
+        let instance = start(&stack, "o-1");
+        let failed = wait_incident(&stack, &instance).await;
+        assert_eq!(failed.retries, Some(0));
+        let message = failed.error_message.unwrap_or_default();
+        assert!(
+            names_the_place(&message, keyword) && message.contains("\"refundApproval\""),
+            "{keyword}: {message}"
+        );
+    }
+    assert_eq!(stack.model.total_calls(), 0);
+    worker.stop().await;
+    stack.shutdown().await;
+}

@@ -1115,3 +1115,44 @@ async fn the_tasks_trace_context_reaches_every_engine_model_and_tool_call() {
     }
     stack.shutdown().await;
 }
+
+/// A SIGTERM while a validation runs: the task gives the validation up at its stop (released,
+/// `agent::judging`) and the worker winds down, but the process exit used to drop the runtime,
+/// which waits without a limit for every blocking thread, so one long validation held the exit
+/// past the grace period. The daemon now ends through `app::run_to_exit` (as `main` does): here
+/// a blocking job the daemon abandoned is still running, blocked for two minutes, and the
+/// runtime is gone within `EXIT_WAIT` all the same. (On the old exit this waits two minutes and
+/// fails at the one-minute bound.)
+#[test]
+fn the_exit_does_not_wait_for_a_validation_left_running() {
+    use abada_agent_worker::app;
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let (exited, exit) = std::sync::mpsc::channel();
+    let daemon = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let started = Instant::now();
+        app::run_to_exit(runtime, async move {
+            let (running, is_running) = tokio::sync::oneshot::channel();
+            // A validation whose task stopped waiting for it: its future is dropped, its thread
+            // runs on.
+            let job = tokio::task::spawn_blocking(move || {
+                let _ = running.send(());
+                let _ = held.recv_timeout(Duration::from_secs(120));
+            });
+            is_running.await.unwrap();
+            drop(job);
+        });
+        let _ = exited.send(started.elapsed());
+    });
+    let took = exit
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the exit waited for the blocking thread");
+    println!("exit with a blocking job still running: {took:?}");
+    assert!(took >= app::EXIT_WAIT, "{took:?}");
+    release.send(()).ok();
+    daemon.join().unwrap();
+}

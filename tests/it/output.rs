@@ -115,17 +115,25 @@ async fn an_off_schema_answer_is_repaired_in_one_turn_on_both_wire_formats() {
             route,
             &json!({"decision": "refund", "orderId": format!("Order o-{f}")})
         );
+        // Each answer journaled before it was judged, then its verdict.
         assert_eq!(
             step_kinds(view),
-            ["input/finished", "model/finished", "model/finished"]
+            [
+                "input/finished",
+                "model/finished",
+                "output/rejected",
+                "model/finished",
+                "output/accepted"
+            ]
         );
-        let repair = &view.journal[1]["data"]["outputRepair"];
+        let repair = &view.journal[2]["data"];
+        assert_eq!(repair["answerSeq"], 2, "{repair}");
         assert_eq!(repair["reason"], "schema", "{repair}");
         assert!(
             repair["message"].as_str().unwrap().contains("at /decision"),
             "{repair}"
         );
-        assert!(view.journal[2]["data"].get("outputRepair").is_none());
+        assert_eq!(view.journal[4]["data"], json!({"answerSeq": 4}));
     }
     // The model read what was wrong, as the last user message of the second call.
     let requests = requests_of(&s, "fixer");
@@ -172,10 +180,17 @@ async fn an_answer_still_off_schema_after_its_repair_is_an_incident_naming_the_p
             "{msg}"
         );
         assert!(view.result_variables.is_none(), "nothing was stored");
-        // Both answers journaled, each with its repair message: a retry resumes there.
+        // Both answers journaled, each with its verdict and repair message: a retry resumes
+        // there.
         assert_eq!(
             step_kinds(view),
-            ["input/finished", "model/finished", "model/finished"]
+            [
+                "input/finished",
+                "model/finished",
+                "output/rejected",
+                "model/finished",
+                "output/rejected"
+            ]
         );
     }
     assert_eq!(
@@ -355,7 +370,13 @@ async fn a_resumed_run_sends_the_journaled_repair_turn_again() {
     assert!(last_user_text(resumed).contains("not valid JSON"));
     assert_eq!(
         step_kinds(view),
-        ["input/finished", "model/finished", "model/finished"]
+        [
+            "input/finished",
+            "model/finished",
+            "output/rejected",
+            "model/finished",
+            "output/accepted"
+        ]
     );
     w2.stop().await;
     s.shutdown().await;
@@ -410,6 +431,228 @@ async fn hostile_answers_and_schemas_stay_bounded() {
         "{msg}"
     );
     assert_eq!(s.model.calls("bomb") + s.model.calls("remote"), 0);
+    w.stop().await;
+    s.shutdown().await;
+}
+
+// ---- schemas the worker cannot bound, from every source --------------------------------------
+
+/// The keywords the 1.8 KB chain was found to hide under: `dependencies` (the walker did not
+/// know it: the schema was compiled, and reporting one error cost 3.1 GB at 20 levels), and
+/// the other places a subschema may sit.
+pub(crate) const HIDING_PLACES: [&str; 10] = [
+    "dependencies",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "contains",
+    "additionalItems",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+];
+
+/// The schema that crashed every replica in turn: a chain of `anyOf`s of two `$ref`s to the
+/// next level, 24 levels deep (about 1.5 KB), used under `keyword` (`then` and `else` beside
+/// an `if`, `additionalItems` beside an `items` array).
+pub(crate) fn chain_under(keyword: &str) -> Value {
+    let levels = 24;
+    let mut defs = serde_json::Map::new();
+    for i in 0..levels {
+        let next = json!({"$ref": format!("#/$defs/l{}", i + 1)});
+        defs.insert(format!("l{i}"), json!({"anyOf": [next.clone(), next]}));
+    }
+    defs.insert(format!("l{levels}"), json!({"type": "integer"}));
+    let head = json!({"$ref": "#/$defs/l0"});
+    let mut schema = match keyword {
+        "dependencies" => json!({"type": "object", keyword: {"a": head}}),
+        "then" | "else" => json!({"if": {"type": "object"}, keyword: head}),
+        "additionalItems" => json!({"items": [{}], "additionalItems": head}),
+        _ => json!({keyword: head}),
+    };
+    schema["$defs"] = Value::Object(defs);
+    schema
+}
+
+/// Whether a refusal names where the chain hides: the keyword and its place (`/keyword`), or
+/// the keyword refused outright.
+pub(crate) fn names_the_place(message: &str, keyword: &str) -> bool {
+    message.contains("outputSchema")
+        && (message.contains(&format!("at /{keyword}"))
+            || message.contains(&format!("uses {keyword:?}")))
+}
+
+/// From an agent/1 engine's `agent` field: every hiding place is refused when the definition is
+/// read, an incident naming it, and no model is called. (Before: the `dependencies` chain was
+/// accepted, and the model's answer validated: `{}` passes, so here it completed; an answer
+/// that did not cost gigabytes.)
+#[tokio::test]
+async fn a_schema_hiding_an_any_of_chain_from_the_engine_is_refused_naming_where() {
+    let s = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    s.model
+        .set_script("chained", Script::new(vec![Turn::text("{}")]));
+    let ids = s.engine.create_tasks(
+        HIDING_PLACES.map(|k| spec(agent("openai/chained", Some(chain_under(k))), "o-1")),
+    );
+    let w = s.spawn_worker(WorkerOptions::new("w", 4), Stack::fast_agent_settings());
+    let views = wait_all_ended(&s, &ids, Duration::from_secs(30)).await;
+    for (view, keyword) in views.iter().zip(HIDING_PLACES) {
+        let msg = incident(view);
+        assert!(names_the_place(&msg, keyword), "{keyword}: {msg}");
+        assert!(msg.contains("\"router\""), "{msg}");
+    }
+    assert_eq!(s.model.calls("chained"), 0);
+    w.stop().await;
+    s.shutdown().await;
+}
+
+/// From the agents file: the worker does not start (exit code 2, before any call to the
+/// engine), and says which agent, which keyword, where.
+#[tokio::test]
+async fn a_schema_hiding_an_any_of_chain_in_the_agents_file_stops_the_start_naming_where() {
+    use crate::support::process::{WorkerProcess, stack_env};
+    let s = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let dir = crate::support::scratch::ScratchDir::new("schema-chains");
+    for keyword in HIDING_PLACES {
+        let mut router = agent("openai/chained", Some(chain_under(keyword)));
+        router.as_object_mut().unwrap().remove("name");
+        let text = toml::to_string(&json!({"agents": {"router": router}})).unwrap();
+        let file = dir.write(&format!("{keyword}.toml"), &text);
+        let mut env = stack_env(&s, "w-file");
+        env.push((
+            abada_agent_worker::config::ENV_AGENTS_FILE.into(),
+            file.display().to_string(),
+        ));
+        let mut worker = WorkerProcess::spawn_raw(&[], &env);
+        let exit = worker.wait(Duration::from_secs(20)).await;
+        // The reader of the pipe may lag the exit a little.
+        let mut stderr = String::new();
+        for _ in 0..500 {
+            stderr = worker.stderr().join("\n");
+            if stderr.contains("configuration error") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(exit.code(), Some(2), "{keyword}: {exit} {stderr}");
+        assert!(
+            stderr.contains("configuration error")
+                && stderr.contains("router")
+                && names_the_place(&stderr, keyword),
+            "{keyword}: {stderr}"
+        );
+    }
+    assert!(s.engine.calls().is_empty(), "nothing was fetched");
+    s.shutdown().await;
+}
+
+// ---- judging journaled: no crash loop ----------------------------------------------------------
+
+/// A journal step as JSON, for the emulator's `seed_journal`.
+fn step(seq: u64, kind: &str, state: &str, data: Value) -> Value {
+    json!({"seq": seq, "kind": kind, "state": state, "data": data})
+}
+
+/// Steps 1 and 2 of a run whose model answered `answer` as its final answer: journaled by an
+/// earlier attempt before it was judged.
+fn answered(answer: &str) -> Vec<Value> {
+    vec![
+        step(
+            1,
+            "input",
+            "finished",
+            json!({"instructions": "You route refund requests.", "input": "Order o-1"}),
+        ),
+        step(
+            2,
+            "model",
+            "finished",
+            json!({"model": "openai/judged", "message": {"text": answer, "toolCalls": []},
+                   "usage": {"inputTokens": 10, "outputTokens": 5}, "stopReason": "stop"}),
+        ),
+    ]
+}
+
+/// An attempt that died while validating left the answer journaled without a verdict: the next
+/// attempt does not pay the model again. It journals that it judges once more, then the
+/// verdict, then completes with the answer. (Before, the answer was journaled only after it was
+/// judged: a crash while validating lost it, and every attempt paid the model again.)
+#[tokio::test]
+async fn an_answer_journaled_before_its_verdict_is_judged_again_without_a_model_call() {
+    let s = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let id = s
+        .engine
+        .create_task(spec(agent("openai/judged", Some(routing_schema())), "o-1"));
+    s.engine
+        .seed_journal(&id, answered(r#"{"decision": "refund"}"#));
+    let w = s.spawn_worker(WorkerOptions::new("w", 1), Stack::fast_agent_settings());
+    let view = &wait_all_ended(&s, std::slice::from_ref(&id), Duration::from_secs(20)).await[0];
+    assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
+    assert_eq!(
+        view.result_variables.as_ref().unwrap()["route"],
+        json!({"decision": "refund"})
+    );
+    assert_eq!(
+        step_kinds(view),
+        [
+            "input/finished",
+            "model/finished",
+            "output/judging",
+            "output/accepted"
+        ]
+    );
+    assert_eq!(view.journal[2]["data"], json!({"answerSeq": 2, "pass": 2}));
+    assert_eq!(s.model.calls("judged"), 0);
+    w.stop().await;
+    s.shutdown().await;
+}
+
+/// The crash loop, made: two attempts began judging the answer and neither finished (the
+/// answer's own step, then an `output/judging`). The third does not validate a third time: an
+/// incident (retries 0) naming the agent and the schema, `output/unfinished` journaled, no
+/// model call. A retry of the incident gets its passes again: here the answer is fine, and the
+/// task completes. (Before, the journal's new steps did not exist: every attempt validated
+/// again, and crashed again.)
+#[tokio::test]
+async fn an_answer_whose_judging_never_finished_twice_is_an_incident_not_a_third_crash() {
+    let s = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let id = s
+        .engine
+        .create_task(spec(agent("openai/judged", Some(routing_schema())), "o-1"));
+    let mut steps = answered(r#"{"decision": "refund"}"#);
+    steps.push(step(
+        3,
+        "output",
+        "judging",
+        json!({"answerSeq": 2, "pass": 2}),
+    ));
+    s.engine.seed_journal(&id, steps);
+    let w = s.spawn_worker(WorkerOptions::new("w", 1), Stack::fast_agent_settings());
+    let view = &wait_all_ended(&s, std::slice::from_ref(&id), Duration::from_secs(20)).await[0];
+    let msg = incident(view);
+    assert!(
+        msg.contains("agent \"router\"")
+            && msg.contains("outputSchema of agent \"router\"")
+            && msg.contains("sha256")
+            && msg.contains("began 2 times and never finished"),
+        "{msg}"
+    );
+    assert_eq!(
+        step_kinds(view).last().map(String::as_str),
+        Some("output/unfinished")
+    );
+    assert_eq!(s.model.calls("judged"), 0);
+
+    // An operator retries it: two passes again; this one finishes.
+    assert!(s.engine.set_retries(&id, 1));
+    let view = &wait_all_ended(&s, std::slice::from_ref(&id), Duration::from_secs(20)).await[0];
+    assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
+    assert_eq!(
+        &step_kinds(view)[3..],
+        ["output/unfinished", "output/judging", "output/accepted"]
+    );
+    assert_eq!(s.model.calls("judged"), 0);
     w.stop().await;
     s.shutdown().await;
 }

@@ -103,7 +103,7 @@ const DELETE: Duration = Duration::ZERO;
 type Case = fn(Arc<dyn Subject>) -> Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Every case: its name, the retention it runs with, and the case.
-const CASES: [(&str, Duration, Case); 9] = [
+const CASES: [(&str, Duration, Case); 10] = [
     ("never_repeating_attempts", DELETE, |s| {
         Box::pin(never_repeating_attempts(s))
     }),
@@ -123,6 +123,7 @@ const CASES: [(&str, Duration, Case); 9] = [
     ("admission", KEEP, |s| Box::pin(admission(s))),
     ("racing_claims", KEEP, |s| Box::pin(racing_claims(s))),
     ("locate", KEEP, |s| Box::pin(locate(s))),
+    ("judged_answers", KEEP, |s| Box::pin(judged_answers(s))),
 ];
 
 /// Runs case `name` against PostgreSQL (a database of its own).
@@ -175,6 +176,7 @@ both!(
     admission,
     racing_claims,
     locate,
+    judged_answers,
 );
 
 // ---- steps and claimants --------------------------------------------------------------------
@@ -791,6 +793,65 @@ async fn admission(s: Arc<dyn Subject>) {
         .await
         .unwrap_err();
     assert_eq!(e.class(), ErrorClass::Fenced, "{e:?}");
+}
+
+/// An `output` step (`agent::judging`: a final answer judged after it was journaled).
+fn output(seq: u64, state: &str, data: serde_json::Value) -> JournalStep {
+    JournalStep {
+        seq,
+        kind: "output".into(),
+        state: state.into(),
+        key: None,
+        data,
+    }
+}
+
+/// A final answer journaled before its verdict: the store keeps the `output` steps like any
+/// step and hands them back to the task's next claim (so an attempt that died while judging
+/// is counted), and a visit's conversation is over only once its answer is judged a match:
+/// while it is being judged another task is held off, as by any working run; once accepted,
+/// the next task begins afresh.
+async fn judged_answers(s: Arc<dyn Subject>) {
+    let store = s.store();
+    let run = visit();
+    let mut t1 = store
+        .claim(&run, &by("w-a", "t-1"), Some(&input("refund o-1")))
+        .await
+        .unwrap()
+        .fence;
+    store.append(&mut t1, &answer(2, "{}")).await.unwrap();
+    let judging = output(3, "judging", json!({"answerSeq": 2, "pass": 2}));
+    store.append(&mut t1, &judging).await.unwrap();
+    let e = store
+        .claim(&run, &by("w-b", "t-2"), Some(&input("refund o-2")))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, StoreError::Refused { reason, .. }
+            if matches!(reason.as_ref(), ClaimRefusal::HeldByAnotherTask { holder, .. } if holder == "t-1")),
+        "{e:?}"
+    );
+    let own = store
+        .claim(&run, &by("w-c", "t-1"), Some(&input("refund o-1")))
+        .await
+        .unwrap();
+    assert!(!own.created);
+    assert_eq!(own.steps.len(), 3);
+    assert_eq!(own.steps[2], judging);
+    let mut t1 = own.fence;
+    store
+        .append(&mut t1, &output(4, "accepted", json!({"answerSeq": 2})))
+        .await
+        .unwrap();
+    let next = store
+        .claim(&run, &by("w-b", "t-2"), Some(&input("refund o-2")))
+        .await
+        .unwrap();
+    assert!(
+        next.created,
+        "an accepted answer ends the visit's conversation"
+    );
+    assert_eq!(next.steps, vec![input("refund o-2")]);
 }
 
 /// Claims racing: eight tokens claiming a new visit at once leave exactly one holder, the rest

@@ -838,3 +838,82 @@ async fn a_run_deferred_past_the_cap_ends_as_an_incident_naming_the_count() {
     stack.shutdown().await;
     db.drop().await;
 }
+
+/// The crash loop on a plain engine, where the run store keeps the journal: two earlier
+/// attempts journaled the final answer and began judging it (its model step, then an
+/// `output/judging`), and neither finished (the worker died while validating). The next
+/// attempt, reading the store, does not validate a third time: an incident (retries 0) naming
+/// the schema, `output/unfinished` journaled in the store, no model call.
+#[tokio::test]
+async fn a_run_whose_judging_never_finished_twice_in_the_store_is_an_incident() {
+    use crate::support::steps::{answer, input};
+    use abada_agent_worker::engine::JournalStep;
+    use abada_agent_worker::store::{Claimant, RunKey};
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let url = db.url.render();
+    let stack = Stack::start(ProtocolLevel::PlainV1).await.unwrap();
+    let id = stack
+        .engine
+        .create_task(spec(stack.refund_agent("openai/judged", &[]), "o-1"));
+    let dir = crate::support::scratch::ScratchDir::new("judged-store");
+    let agents = dir.write(
+        "agents.toml",
+        "[agents.\"abada:agent\"]\nmodel = \"openai/judged\"\ninstructions = \"You handle refunds.\"\n\
+         input = \"${orderId}\"\nresultVariable = \"refundDecision\"\n\
+         [agents.\"abada:agent\".outputSchema]\ntype = \"object\"\nrequired = [\"decision\"]\n",
+    );
+    let (store, _) = crate::store::connect(&crate::store::config(&db.url)).await;
+    let run = RunKey::for_task(&id).unwrap();
+    let earlier = Claimant {
+        worker_id: "earlier",
+        task_id: &id,
+        hold: Duration::from_secs(30),
+    };
+    let mut fence = store
+        .claim(&run, &earlier, Some(&input("o-1")))
+        .await
+        .unwrap()
+        .fence;
+    store
+        .append(&mut fence, &answer(2, r#"{"decision": "refunded"}"#))
+        .await
+        .unwrap();
+    let judging = JournalStep {
+        seq: 3,
+        kind: "output".into(),
+        state: "judging".into(),
+        key: None,
+        data: serde_json::json!({"answerSeq": 2, "pass": 2}),
+    };
+    store.append(&mut fence, &judging).await.unwrap();
+    drop(store);
+
+    let mut o = WorkerOptions::new("w", 1);
+    o.poll_interval = Duration::from_millis(50);
+    o.env = vec![
+        ("ABADA_AGENT_STORE_URL".into(), url),
+        (config::ENV_AGENTS_FILE.into(), agents.display().to_string()),
+    ];
+    let w = stack.spawn_worker(o, Stack::fast_agent_settings());
+    let view = &wait_all_ended(&stack, std::slice::from_ref(&id), Duration::from_secs(30)).await[0];
+    assert_eq!(view.status, TaskStatus::Failed, "{view:?}");
+    assert_eq!(view.retries, Some(0), "an incident");
+    let message = view.error_message.clone().unwrap_or_default();
+    assert!(
+        message.contains("began 2 times and never finished") && message.contains("sha256"),
+        "{message}"
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM abada_agent_steps WHERE kind = 'output' AND state = 'unfinished'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(stack.model.total_calls(), 0);
+    w.stop().await;
+    stack.shutdown().await;
+    db.drop().await;
+}
