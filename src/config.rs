@@ -433,12 +433,9 @@ fn parse_http_url(var: &str, raw: &str) -> Result<String, ConfigError> {
     match BaseUrl::parse(raw) {
         Ok(_) => Ok(raw.trim_end_matches('/').to_string()),
         Err(why) => {
-            // A value with credentials in it is not repeated in the message.
-            let shown = if raw.contains('@') {
-                "the value".to_string()
-            } else {
-                format!("{raw:?}")
-            };
+            // Shown without the parts that carry secrets (user information, query, fragment):
+            // the reason says which of them is at fault.
+            let shown = format!("{:?}", crate::redact::url(raw));
             Err(ConfigError::new(
                 var,
                 format!(
