@@ -49,6 +49,7 @@ use crate::engine::Task;
 use crate::engine::capabilities::EngineCapabilities;
 use crate::handler::{Outcome, TaskContext, TaskHandler};
 use crate::metrics::Metrics;
+use crate::metrics::labels::{OperatorNames, Vocabulary};
 use crate::provider::capacity::Capacity;
 use crate::provider::fallback::RetryPolicy;
 use crate::provider::{ModelRef, ProviderRegistry};
@@ -119,6 +120,10 @@ pub struct AgentRuntime {
     max_deferrals_per_run: u32,
     /// The models of the agents file's definitions: a task of any of them may be claimed.
     admission_models: Vec<ModelRef>,
+    /// The names the operator's files declare, which alone label metrics
+    /// ([`crate::metrics::labels`]).
+    operator_names: OperatorNames,
+    labels: Arc<Vocabulary>,
 }
 
 /// The run store as the agent runtime uses it.
@@ -142,15 +147,27 @@ impl AgentRuntime {
         ceilings: Ceilings,
     ) -> Self {
         let mut admission_models: Vec<ModelRef> = Vec::new();
+        let mut operator_names = OperatorNames::default();
         for (_, def) in agents_file.iter().flat_map(|f| f.definitions()) {
             for m in &def.models {
                 if !admission_models.contains(m) {
                     admission_models.push(m.clone());
                 }
             }
+            operator_names.agents.insert(def.name.clone());
+            operator_names.models.extend(
+                def.models
+                    .iter()
+                    .map(|m| (m.provider.clone(), m.model.clone())),
+            );
+            operator_names
+                .servers
+                .extend(def.tool_servers.iter().map(|s| s.name.clone()));
         }
         AgentRuntime {
             admission_models,
+            labels: Arc::new(Vocabulary::new(&operator_names)),
+            operator_names,
             providers,
             agents_file,
             bpmn: bpmn::BpmnDefinitions::new(settings.bpmn),
@@ -210,8 +227,17 @@ impl AgentRuntime {
     }
 
     pub(crate) fn with_tool_registry(mut self, registry: Arc<ToolRegistry>) -> Self {
+        self.operator_names
+            .servers
+            .extend(registry.names().map(str::to_string));
+        self.labels = Arc::new(Vocabulary::new(&self.operator_names));
         self.tool_registry = Some(registry);
         self
+    }
+
+    /// The operator's names past a metric label's cap, by label: they label as `other`.
+    pub(crate) fn label_overflow(&self) -> Vec<(&'static str, usize)> {
+        Vocabulary::overflow(&self.operator_names)
     }
 }
 
