@@ -24,6 +24,15 @@ pub fn url(raw: &str) -> String {
     if let Ok(mut parsed) = reqwest::Url::parse(raw)
         && parsed.has_host()
     {
+        // Nothing to drop: shown as written (an issuer URL's trailing slash, or its absence,
+        // is what an operator compares).
+        if parsed.username().is_empty()
+            && parsed.password().is_none()
+            && parsed.query().is_none()
+            && parsed.fragment().is_none()
+        {
+            return raw.to_string();
+        }
         let _ = parsed.set_username("");
         let _ = parsed.set_password(None);
         parsed.set_query(None);
@@ -138,6 +147,7 @@ mod tests {
                 "https://issuer.example/realms/x",
             ),
             ("http://engine:5601/api", "http://engine:5601/api"),
+            ("http://issuer:1", "http://issuer:1"),
             ("http://tok@127.0.0.1:9/mcp?key=1", "http://127.0.0.1:9/mcp"),
             ("not a url?secret=1", "not a url"),
             ("weird://a:b@host:x/p#f", "weird://host:x/p"),

@@ -40,4 +40,5 @@ mod store_tls;
 mod store_visits;
 mod support;
 mod tools;
+mod urls;
 mod window;
