@@ -28,6 +28,11 @@
 //! refresh when the server refuses it); `engine` is the agent/1 per-task credential. A credential
 //! is only ever looked up by the name of the server a session is opened to, whose URL is the
 //! registry's, and the tools' HTTP client follows no redirect: it reaches no other origin.
+//!
+//! URLs: a server is named by its name in every error, never by its URL. A registry URL holds
+//! no secret: user information, a query or a fragment in a server's `url` (user information in
+//! a `tokenUrl`) is refused at start-up, naming the server and the field (`parse_url`), since
+//! the libraries that report a failed request print the URL whole.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

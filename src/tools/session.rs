@@ -1,6 +1,9 @@
 //! One open MCP session with one tool server: opening it (rmcp client over streamable HTTP with
 //! the task's credential), its tool listing, calls, closing it, and the mapping of rmcp's errors
 //! to what a caller acts on.
+//!
+//! A session is named by its server's name in every line and error; what rmcp and reqwest say
+//! reaches a caller without the URLs in it (`crate::redact::text_without_urls`).
 
 use std::error::Error as StdError;
 use tokio_util::task::TaskTracker;
