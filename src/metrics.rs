@@ -1,6 +1,6 @@
 //! Every Prometheus metric of the worker, defined in one place (names, help, labels, buckets),
-//! and the text encoding served on `/metrics`. Model and tool label values come from
-//! [`labels::DeclaredNames`] only (a closed set).
+//! and the text encoding served on `/metrics`. Agent, model and tool label values come from
+//! [`labels::DeclaredNames`] only: the names the operator's files declare, each label capped.
 
 pub mod labels;
 

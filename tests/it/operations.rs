@@ -12,7 +12,9 @@ use abada_agent_worker::devkit::engine::{
     CallRecord, Disposition, EngineEmulator, Fault, Operation, ProtocolLevel, TaskStatus, TaskView,
 };
 use abada_agent_worker::devkit::model::{Fault as ModelFault, FaultTimes};
-use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions, refund_script};
+use abada_agent_worker::devkit::stack::{
+    DeclaredLabelNames, Stack, StackWorkers, WorkerOptions, refund_script,
+};
 use abada_agent_worker::handler::TaskEnd;
 use abada_agent_worker::runner::RunnerEvent;
 use serde_json::Value;
@@ -20,7 +22,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::agent::{FULL_REFUND_RUN, spec, step_kinds, wait_all_ended};
 use crate::support::process::{WorkerProcess, stack_env};
-use crate::support::scratch::{ScratchDir, declaring_label_names};
 use crate::support::wait::eventually;
 
 /// Waits until `check` holds on the emulator (re-checked on every request it answers).
@@ -690,9 +691,7 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
     let mut opts = WorkerOptions::new("w-metrics", 8);
     opts.lock_duration = lock;
     // The definitions are the engine's: the operator declares the names the metrics carry.
-    let declared = ScratchDir::new("metrics");
-    opts.env.push(declaring_label_names(
-        &declared,
+    let declared = DeclaredLabelNames::write(
         "refund-agent",
         &[
             "openai/refund",
@@ -701,7 +700,9 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
             "openai/slow",
         ],
         &[("orders", &stack.tools.url())],
-    ));
+    )
+    .unwrap();
+    opts.env.push(declared.env());
     let mut worker = stack.spawn_worker(opts, Stack::fast_agent_settings());
     let admin_stop = CancellationToken::new();
     let admin_addr: SocketAddr = admin::serve(
@@ -1096,14 +1097,9 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
 #[tokio::test]
 async fn sixty_engine_sent_agent_and_model_names_add_no_label_values() {
     let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
-    let declared = ScratchDir::new("labels");
+    let declared = DeclaredLabelNames::write("refund-agent", &["openai/refund"], &[]).unwrap();
     let mut opts = WorkerOptions::new("w-labels", 8);
-    opts.env.push(declaring_label_names(
-        &declared,
-        "refund-agent",
-        &["openai/refund"],
-        &[],
-    ));
+    opts.env.push(declared.env());
     stack.model.set_script("refund", refund_script());
     let mut specs = vec![spec(stack.refund_agent("openai/refund", &[]), "o-declared")];
     for i in 0..60 {

@@ -8,11 +8,10 @@ use std::time::Duration;
 
 use abada_agent_worker::devkit::engine::{ProtocolLevel, TaskStatus, TaskView};
 use abada_agent_worker::devkit::model::{Fault, FaultTimes, Script, Turn};
-use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
+use abada_agent_worker::devkit::stack::{DeclaredLabelNames, Stack, StackWorkers, WorkerOptions};
 use serde_json::{Value, json};
 
 use crate::agent::{spec, step_kinds, wait_all_ended};
-use crate::support::scratch::{ScratchDir, declaring_label_names};
 use crate::support::wait::eventually;
 
 /// A worker whose agents file declares the agent name `router` (only the operator's names label
@@ -20,16 +19,14 @@ use crate::support::wait::eventually;
 fn router_worker(
     s: &Stack,
     slots: u32,
-) -> (abada_agent_worker::devkit::stack::WorkerHandle, ScratchDir) {
-    let dir = ScratchDir::new("output");
+) -> (
+    abada_agent_worker::devkit::stack::WorkerHandle,
+    DeclaredLabelNames,
+) {
+    let names = DeclaredLabelNames::write("router", &["openai/fixer"], &[]).unwrap();
     let mut opts = WorkerOptions::new("w", slots);
-    opts.env.push(declaring_label_names(
-        &dir,
-        "router",
-        &["openai/fixer"],
-        &[],
-    ));
-    (s.spawn_worker(opts, Stack::fast_agent_settings()), dir)
+    opts.env.push(names.env());
+    (s.spawn_worker(opts, Stack::fast_agent_settings()), names)
 }
 
 /// A routing schema that is not strict-eligible (`orderId` is optional).

@@ -29,33 +29,3 @@ impl Drop for ScratchDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
-
-/// The variable and value that give a worker an agents file declaring the names its metrics
-/// may carry: the agent `agent`, its `models` (`provider/model`) and the tool `servers`
-/// (`(name, url)`). Only the operator's files declare label values (`metrics::labels`); the
-/// entry's key is no topic or activity, so no task uses it.
-pub fn declaring_label_names(
-    dir: &ScratchDir,
-    agent: &str,
-    models: &[&str],
-    servers: &[(&str, &str)],
-) -> (String, String) {
-    let fallbacks: Vec<String> = models[1..].iter().map(|m| format!("{m:?}")).collect();
-    let servers: Vec<String> = servers
-        .iter()
-        .map(|(name, url)| format!("{{ name = {name:?}, url = {url:?} }}"))
-        .collect();
-    let path = dir.write(
-        "declared-names.toml",
-        &format!(
-            "[agents.\"declared-label-names\"]\nname = {agent:?}\nmodel = {:?}\nfallbackModels = [{}]\ninput = \"unused\"\ntoolServers = [{}]\n",
-            models[0],
-            fallbacks.join(", "),
-            servers.join(", ")
-        ),
-    );
-    (
-        "ABADA_AGENT_AGENTS_FILE".to_string(),
-        path.display().to_string(),
-    )
-}
