@@ -104,7 +104,8 @@ COPY --from=build /build/out/abada-agent-worker /usr/local/bin/abada-agent-worke
 # Numeric, so Kubernetes' `runAsNonRoot: true` can verify it (a user *name* cannot be checked).
 USER 65532:65532
 
-# /healthz, /readyz and /metrics (ABADA_AGENT_HTTP_ADDR, default 0.0.0.0:9464). No HEALTHCHECK:
+# /healthz, /readyz and /metrics (ABADA_AGENT_HTTP_ADDR, default 127.0.0.1:9464: set 0.0.0.0:9464
+# to reach them from outside the container, as config/deployment.yaml does). No HEALTHCHECK:
 # Kubernetes probes those endpoints itself, and the image has no shell or curl to run one with.
 EXPOSE 9464
 

@@ -1,7 +1,9 @@
 //! The admin HTTP endpoints Kubernetes and Prometheus use: `/healthz` (the process and its poll
 //! loop are alive), `/readyz` (engine reachable and authenticated, the run store connected and
 //! answering when one is configured, not draining) and `/metrics`
-//! (Prometheus text). The router is built by a function so tests can call it in-process.
+//! (Prometheus text). The router is built by a function so tests can call it in-process. They
+//! listen where `ABADA_AGENT_HTTP_ADDR` says, loopback by default (`crate::config`): nothing
+//! here authenticates, and `/metrics` and `/readyz` say what the worker runs.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

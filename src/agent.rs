@@ -53,6 +53,7 @@ use crate::engine::Task;
 use crate::engine::capabilities::EngineCapabilities;
 use crate::handler::{Outcome, TaskContext, TaskHandler};
 use crate::metrics::Metrics;
+use crate::metrics::labels::{OperatorNames, Vocabulary};
 use crate::provider::capacity::Capacity;
 use crate::provider::fallback::RetryPolicy;
 use crate::provider::{ModelRef, ProviderRegistry};
@@ -125,6 +126,10 @@ pub struct AgentRuntime {
     admission_models: Vec<ModelRef>,
     /// The operator's per-provider model allow-list: every definition a task runs is checked.
     allowed_models: limits::ModelAllowList,
+    /// The names the operator's files declare, which alone label metrics
+    /// ([`crate::metrics::labels`]).
+    operator_names: OperatorNames,
+    labels: Arc<Vocabulary>,
 }
 
 /// The run store as the agent runtime uses it.
@@ -148,15 +153,27 @@ impl AgentRuntime {
         ceilings: Ceilings,
     ) -> Self {
         let mut admission_models: Vec<ModelRef> = Vec::new();
+        let mut operator_names = OperatorNames::default();
         for (_, def) in agents_file.iter().flat_map(|f| f.definitions()) {
             for m in &def.models {
                 if !admission_models.contains(m) {
                     admission_models.push(m.clone());
                 }
             }
+            operator_names.agents.insert(def.name.clone());
+            operator_names.models.extend(
+                def.models
+                    .iter()
+                    .map(|m| (m.provider.clone(), m.model.clone())),
+            );
+            operator_names
+                .servers
+                .extend(def.tool_servers.iter().map(|s| s.name.clone()));
         }
         AgentRuntime {
             admission_models,
+            labels: Arc::new(Vocabulary::new(&operator_names)),
+            operator_names,
             providers,
             agents_file,
             bpmn: bpmn::BpmnDefinitions::new(settings.bpmn),
@@ -172,7 +189,15 @@ impl AgentRuntime {
         }
     }
 
+    /// The runtime with the operator's per-provider model allow-list; its models are the
+    /// operator's names too, so they label metrics.
     pub(crate) fn with_allowed_models(mut self, allowed: limits::ModelAllowList) -> Self {
+        self.operator_names.models.extend(
+            allowed
+                .models()
+                .map(|(provider, model)| (provider.to_string(), model.to_string())),
+        );
+        self.labels = Arc::new(Vocabulary::new(&self.operator_names));
         self.allowed_models = allowed;
         self
     }
@@ -222,8 +247,17 @@ impl AgentRuntime {
     }
 
     pub(crate) fn with_tool_registry(mut self, registry: Arc<ToolRegistry>) -> Self {
+        self.operator_names
+            .servers
+            .extend(registry.names().map(str::to_string));
+        self.labels = Arc::new(Vocabulary::new(&self.operator_names));
         self.tool_registry = Some(registry);
         self
+    }
+
+    /// The operator's names past a metric label's cap, by label: they label as `other`.
+    pub(crate) fn label_overflow(&self) -> Vec<(&'static str, usize)> {
+        Vocabulary::overflow(&self.operator_names)
     }
 }
 

@@ -141,7 +141,13 @@ pub(crate) fn engine_http_client(config: &Config) -> Result<reqwest::Client, Sta
         .tcp_nodelay(true)
         .redirect(reqwest::redirect::Policy::none())
         .build()
-        .map_err(|e| StartError::Http(format!("{e} (engine {})", config.engine_url)))
+        .map_err(|e| {
+            StartError::Http(format!(
+                "{} (engine {})",
+                crate::redact::error_text(&e),
+                crate::redact::url(&config.engine_url)
+            ))
+        })
 }
 
 /// The shared HTTP client for model providers and tool servers.
@@ -304,10 +310,19 @@ pub(crate) fn agent_runtime(
     )
     .with_max_deferrals_per_run(config.max_deferrals_per_run)
     .with_allowed_models(allowed_models);
-    Ok(match tool_registry {
+    let runtime = match tool_registry {
         Some(registry) => runtime.with_tool_registry(registry),
         None => runtime,
-    })
+    };
+    for (label, past) in runtime.label_overflow() {
+        tracing::warn!(
+            label,
+            names = past,
+            cap = crate::metrics::labels::MAX_DISTINCT_VALUES,
+            "the agents and tools files name more values of a metric label than it takes; the names past the cap are labelled \"other\""
+        );
+    }
+    Ok(runtime)
 }
 
 /// Runs the tasks until `shutdown` fires and the drain is over, then writes the run finishes

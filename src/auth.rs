@@ -102,7 +102,9 @@ impl OidcSettings {
     }
 }
 
-/// Why no token could be had. Never carries the client secret or a token.
+/// Why no token could be had. Never carries the client secret or a token, and every URL in it
+/// (the issuer's, the token endpoint's, one inside a library's message) is shown through
+/// [`crate::redact`]: no user information, query or fragment.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
     #[error(
@@ -146,7 +148,11 @@ pub enum AuthError {
         description: String,
     },
     #[error("the token request to {token_url} failed: {reason}; the worker will try again")]
-    TokenEndpoint { token_url: String, reason: String },
+    TokenEndpoint {
+        /// Redacted ([`crate::redact::url`]).
+        token_url: String,
+        reason: String,
+    },
     #[error("no OIDC access token: {reason}; the worker will try again")]
     Unavailable { reason: String },
 }
@@ -224,15 +230,19 @@ impl OidcTokenProvider {
     /// Nothing is sent until the first [`TokenProvider::token`] call. Must be called within a
     /// tokio runtime (it starts the token actor).
     pub fn new(settings: OidcSettings, http: reqwest::ClientBuilder) -> Result<Self, AuthError> {
+        let shown = crate::redact::url(&settings.issuer_url);
         let issuer_url = IssuerUrl::new(settings.issuer_url.clone()).map_err(|e| {
             AuthError::InvalidIssuerUrl {
-                issuer_url: settings.issuer_url.clone(),
+                issuer_url: shown.clone(),
                 reason: e.to_string(),
             }
         })?;
         let http = IssuerHttpClient::new(http).map_err(|e| AuthError::IssuerUnreachable {
-            issuer_url: settings.issuer_url.clone(),
-            reason: format!("cannot build the HTTP client: {e}"),
+            issuer_url: shown.clone(),
+            reason: format!(
+                "cannot build the HTTP client: {}",
+                crate::redact::error_text(&e)
+            ),
         })?;
         let source = OidcSource {
             grant: ClientCredentials {
@@ -320,9 +330,9 @@ impl<'c> AsyncHttpClient<'c> for IssuerHttpClient {
 
     fn call(&'c self, request: HttpRequest) -> Self::Future {
         Box::pin(async move {
-            let request: reqwest::Request = request
-                .try_into()
-                .map_err(|e: reqwest::Error| IssuerHttpError::Request(e.to_string()))?;
+            let request: reqwest::Request = request.try_into().map_err(|e: reqwest::Error| {
+                IssuerHttpError::Request(crate::redact::error_text(&e))
+            })?;
             let url = request.url().clone();
             let response = self.0.execute(request).await?;
             let json = response
@@ -380,7 +390,7 @@ impl OidcSource {
         if let Some(token_url) = lock(&self.discovered).clone() {
             return Ok(token_url);
         }
-        let issuer = &self.settings.issuer_url;
+        let issuer = &crate::redact::url(&self.settings.issuer_url);
         let metadata = CoreProviderMetadata::discover_async(self.issuer_url.clone(), &self.http)
             .await
             .map_err(|e| discovery_error(issuer, e))?;
@@ -438,7 +448,7 @@ impl TokenSource for OidcSource {
                     description,
                 },
                 GrantError::Endpoint(reason) => AuthError::TokenEndpoint {
-                    token_url: token_url.as_str().to_string(),
+                    token_url: crate::redact::url(token_url.as_str()),
                     reason,
                 },
             })
@@ -513,19 +523,25 @@ impl ClientCredentials {
                         .unwrap_or_default(),
                 },
             }),
+            // reqwest writes the token URL, query included, into its message.
             Err(RequestTokenError::Request(e)) => {
-                Err(GrantError::Endpoint(crate::errors::chain(&e)))
+                Err(GrantError::Endpoint(crate::redact::error_text(&e)))
             }
             // The body is not quoted: a success response that fails to parse holds a token.
             Err(RequestTokenError::Parse(e, _body)) => Err(GrantError::Endpoint(format!(
                 "unreadable token response: {}",
                 e.path()
             ))),
-            Err(RequestTokenError::Other(message)) => Err(GrantError::Endpoint(message)),
+            Err(RequestTokenError::Other(message)) => {
+                Err(GrantError::Endpoint(crate::redact::text(&message)))
+            }
         }
     }
 }
 
+/// A failed discovery at `issuer_url` (already redacted). openidconnect's messages quote URLs
+/// (the issuer it expected and the one advertised, the JWKS URL): every reason goes through
+/// [`crate::redact`].
 fn discovery_error(
     issuer_url: &str,
     error: openidconnect::DiscoveryError<IssuerHttpError>,
@@ -535,23 +551,23 @@ fn discovery_error(
     match error {
         D::Request(e) => AuthError::IssuerUnreachable {
             issuer_url,
-            reason: crate::errors::chain(&e),
+            reason: crate::redact::error_text(&e),
         },
         D::Response(_, _, message) => AuthError::DiscoveryFailed {
             issuer_url,
-            reason: message,
+            reason: crate::redact::text(&message),
         },
         D::Parse(e) => AuthError::DiscoveryFailed {
             issuer_url,
-            reason: format!("unreadable discovery document or JWKS: {e}"),
+            reason: crate::redact::text(&format!("unreadable discovery document or JWKS: {e}")),
         },
         D::Validation(message) | D::Other(message) => AuthError::DiscoveryFailed {
             issuer_url,
-            reason: message,
+            reason: crate::redact::text(&message),
         },
         other => AuthError::DiscoveryFailed {
             issuer_url,
-            reason: other.to_string(),
+            reason: crate::redact::error_text(&other),
         },
     }
 }

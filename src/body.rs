@@ -77,7 +77,7 @@ pub(crate) enum ReadError {
     #[error(transparent)]
     TooLarge(#[from] TooLarge),
     /// The connection failed or timed out while the body arrived.
-    #[error("{}", crate::errors::chain(.0))]
+    #[error("{}", crate::redact::error_text(.0))]
     Http(#[from] reqwest::Error),
 }
 

@@ -12,7 +12,7 @@
 pub struct InsecureChannel {
     /// What would travel ("the OIDC client secret", "the credential for tool server orders").
     pub what: String,
-    /// The URL, redacted.
+    /// Where it would go: the URL's scheme, host and port ([`crate::redact::origin`]).
     pub url: String,
 }
 
@@ -30,7 +30,7 @@ pub enum Channel {
 pub fn check(url: &str, what: &str, allow_insecure: bool) -> Result<Channel, InsecureChannel> {
     let refused = || InsecureChannel {
         what: what.to_string(),
-        url: crate::redact::url(url),
+        url: crate::redact::origin(url),
     };
     let parsed = reqwest::Url::parse(url.trim()).map_err(|_| refused())?;
     match parsed.scheme() {
@@ -91,7 +91,10 @@ mod tests {
             false,
         )
         .unwrap_err();
-        assert_eq!(err.url, "http://orders:8080/mcp");
+        assert_eq!(
+            err.url, "http://orders:8080",
+            "the origin only: a path may be a key"
+        );
         let text = err.to_string();
         assert!(
             text.contains("the tool credential would travel in clear"),

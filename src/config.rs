@@ -25,6 +25,9 @@ pub const ENV_POLL_INTERVAL_MS: &str = "ABADA_AGENT_POLL_INTERVAL_MS";
 pub const ENV_LOCK_DURATION_MS: &str = "ABADA_AGENT_LOCK_DURATION_MS";
 pub const ENV_SHUTDOWN_GRACE_MS: &str = "ABADA_AGENT_SHUTDOWN_GRACE_MS";
 pub const ENV_HTTP_ADDR: &str = "ABADA_AGENT_HTTP_ADDR";
+/// Where the admin endpoints listen unless `ABADA_AGENT_HTTP_ADDR` says: loopback only.
+pub(crate) const DEFAULT_HTTP_ADDR: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 9464);
 const ENV_LOG_FORMAT: &str = "ABADA_AGENT_LOG_FORMAT";
 pub const ENV_ENGINE_TIMEOUT_MS: &str = "ABADA_AGENT_ENGINE_TIMEOUT_MS";
 const ENV_OIDC_ISSUER_URL: &str = "ABADA_AGENT_OIDC_ISSUER_URL";
@@ -209,12 +212,17 @@ impl Config {
             100,
             600_000,
         )?);
+        // Loopback unless the operator says otherwise: /metrics and /readyz tell whoever
+        // reaches them what the worker runs and for whom. A pod's probes and scraper need it
+        // on the pod's address: the deployment sets 0.0.0.0:9464 (config/deployment.yaml).
         let http_addr = match get(ENV_HTTP_ADDR) {
-            None => SocketAddr::from(([0, 0, 0, 0], 9464)),
+            None => DEFAULT_HTTP_ADDR,
             Some(v) => v.trim().parse().map_err(|_| {
                 ConfigError::new(
                     ENV_HTTP_ADDR,
-                    format!("{v:?} is not a socket address: use host:port, e.g. 0.0.0.0:9464"),
+                    format!(
+                        "{v:?} is not a socket address: use ip:port, e.g. 0.0.0.0:9464 for every interface"
+                    ),
                 )
             })?,
         };
@@ -469,12 +477,9 @@ fn parse_http_url(var: &str, raw: &str) -> Result<String, ConfigError> {
     match BaseUrl::parse(raw) {
         Ok(_) => Ok(raw.trim_end_matches('/').to_string()),
         Err(why) => {
-            // A value with credentials in it is not repeated in the message.
-            let shown = if raw.contains('@') {
-                "the value".to_string()
-            } else {
-                format!("{raw:?}")
-            };
+            // Shown without the parts that carry secrets (user information, query, fragment):
+            // the reason says which of them is at fault.
+            let shown = format!("{:?}", crate::redact::url(raw));
             Err(ConfigError::new(
                 var,
                 format!(
@@ -946,6 +951,22 @@ mod tests {
         }
     }
 
+    /// `/metrics` and `/readyz` say what the worker runs and for whom: unless the operator
+    /// sets `ABADA_AGENT_HTTP_ADDR`, they are reachable from this host only. The deployment
+    /// sets every interface for its probes and scraper (`.ci/config-check` holds it to that).
+    #[test]
+    fn the_admin_endpoints_listen_on_loopback_unless_the_operator_says_otherwise() {
+        let c = Config::from_env(&env(&base())).unwrap();
+        assert!(c.http_addr.ip().is_loopback(), "{}", c.http_addr);
+        assert_eq!(c.http_addr.port(), 9464);
+        for set in ["0.0.0.0:9464", "[::]:9464", "10.1.2.3:9000"] {
+            let mut pairs = base();
+            pairs.push((ENV_HTTP_ADDR, set));
+            let c = Config::from_env(&env(&pairs)).unwrap();
+            assert_eq!(c.http_addr, set.parse().unwrap());
+        }
+    }
+
     #[test]
     fn defaults() {
         let c = Config::from_env(&env(&base())).unwrap();
@@ -955,7 +976,11 @@ mod tests {
         assert_eq!(c.poll_interval, Duration::from_millis(1000));
         assert_eq!(c.lock_duration, Duration::from_millis(120_000));
         assert_eq!(c.shutdown_grace, Duration::from_millis(25_000));
-        assert_eq!(c.http_addr, "0.0.0.0:9464".parse().unwrap());
+        assert_eq!(
+            c.http_addr,
+            "127.0.0.1:9464".parse().unwrap(),
+            "the admin endpoints listen on loopback unless the operator says otherwise"
+        );
         assert_eq!(c.log_format, LogFormat::Json);
         assert!(c.oidc.is_none());
         assert!(c.providers.is_empty());

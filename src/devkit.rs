@@ -15,7 +15,7 @@ pub mod workers;
 /// The stand-ins started together ([`abada_devkit::stack`]) and the workers started against
 /// them ([`workers`]).
 pub mod stack {
-    pub use super::workers::{StackWorkers, WorkerHandle, WorkerOptions};
+    pub use super::workers::{DeclaredLabelNames, StackWorkers, WorkerHandle, WorkerOptions};
     pub use abada_devkit::stack::*;
 }
 pub mod sim;

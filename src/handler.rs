@@ -157,9 +157,13 @@ impl Outcome {
     }
 }
 
-/// The task's own `retries`, for failures that must not consume one (3 when the engine sent null).
+/// The task's own `retries`, for failures that must not consume one (a release, a deferral):
+/// the engine's value exactly as it sent it, odd ones included. Clamped, an engine's `-1` would
+/// go back as `0`, and `retries: 0` makes an incident of a task nobody failed (protocol.md A:
+/// "failure sets retries to the value sent"). Nothing is computed from it. 3 when the engine
+/// sent null (protocol.md B.5).
 pub(crate) fn retries_unchanged(task: &Task) -> i32 {
-    task_retries(task)
+    task.retries.unwrap_or(DEFAULT_RETRIES)
 }
 
 /// `retries - 1`, for a technical failure (protocol.md B.5: 3 when the engine sent null).
@@ -169,9 +173,11 @@ pub fn retries_consumed(task: &Task) -> i32 {
 
 pub(crate) const DEFAULT_RETRIES: i32 = 3;
 
-/// The most retries a failure reports. The engine's `retries` is outside input: a negative
-/// value (`i32::MIN` once wrapped to endless retries) counts as none left, and a huge one is
-/// brought down to this, so no arithmetic on it can overflow and no task retries without end.
+/// The most retries a failure that consumes one reports. The engine's `retries` is outside
+/// input: a negative value (`i32::MIN` once wrapped to endless retries) counts as none left, and
+/// a huge one is brought down to this, so no arithmetic on it can overflow and no task retries
+/// without end. (A failure that keeps the retries sends the engine's value back as it came:
+/// [`retries_unchanged`].)
 pub(crate) const MAX_RETRIES: i32 = 100;
 
 /// The task's `retries` as the worker counts with it: [`DEFAULT_RETRIES`] when the engine sent
@@ -470,8 +476,10 @@ mod tests {
         }
     }
 
-    /// Issue 23 (9): `retries` is the engine's, so outside input; `i32::MIN - 1` wrapped to
-    /// `i32::MAX` (endless retries) in a release build and panicked in a debug one.
+    /// `retries` is the engine's, so outside input: `i32::MIN - 1` wrapped to `i32::MAX`
+    /// (endless retries) in a release build and panicked in a debug one, so a consumed retry is
+    /// computed from a clamped value. A release or deferral computes nothing and sends the
+    /// engine's value back as it came: clamped, `-1` went back as `0`, an incident.
     #[test]
     fn retries_from_the_engine_are_clamped_before_any_arithmetic() {
         let cases = [
@@ -479,12 +487,12 @@ mod tests {
             (Some(3), 3, 2),
             (Some(1), 1, 0),
             (Some(0), 0, 0),
-            (Some(-1), 0, 0),
-            (Some(i32::MIN), 0, 0),
-            (Some(i32::MIN + 1), 0, 0),
+            (Some(-1), -1, 0),
+            (Some(i32::MIN), i32::MIN, 0),
+            (Some(i32::MIN + 1), i32::MIN + 1, 0),
             (Some(MAX_RETRIES), MAX_RETRIES, MAX_RETRIES - 1),
-            (Some(MAX_RETRIES + 1), MAX_RETRIES, MAX_RETRIES - 1),
-            (Some(i32::MAX), MAX_RETRIES, MAX_RETRIES - 1),
+            (Some(MAX_RETRIES + 1), MAX_RETRIES + 1, MAX_RETRIES - 1),
+            (Some(i32::MAX), i32::MAX, MAX_RETRIES - 1),
         ];
         for (retries, unchanged, consumed) in cases {
             let task = task_with_retries(retries);

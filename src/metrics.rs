@@ -1,6 +1,6 @@
 //! Every Prometheus metric of the worker, defined in one place (names, help, labels, buckets),
-//! and the text encoding served on `/metrics`. Model and tool label values come from
-//! [`labels::DeclaredNames`] only (a closed set).
+//! and the text encoding served on `/metrics`. Agent, model and tool label values come from
+//! [`labels::DeclaredNames`] only: the names the operator's files declare, each label capped.
 
 pub mod labels;
 
@@ -617,10 +617,21 @@ mod tests {
         }
     }
 
+    /// The names of a definition using `model` and `orders`, both declared by the operator.
+    fn names_declaring(model: &crate::provider::ModelRef) -> labels::DeclaredNames {
+        let operator = labels::OperatorNames {
+            agents: ["refund-agent".to_string()].into(),
+            models: [(model.provider.clone(), model.model.clone())].into(),
+            servers: ["orders".to_string()].into(),
+        };
+        let vocabulary = std::sync::Arc::new(labels::Vocabulary::new(&operator));
+        labels::DeclaredNames::of_definition(vocabulary, [model], ["orders"])
+    }
+
     #[test]
     fn a_model_the_definition_did_not_declare_is_other_in_every_model_family() {
         let declared = crate::provider::ModelRef::parse("openai/gpt-4.1-mini").unwrap();
-        let names = labels::DeclaredNames::of_definition([&declared], ["orders"]);
+        let names = names_declaring(&declared);
         let m = Metrics::new();
         // A fallback call and its tokens, to a model name the engine sent but nobody declared.
         m.observe_model_call(
@@ -651,7 +662,7 @@ mod tests {
     fn a_declared_model_name_is_cut_in_every_model_family() {
         let long = format!("openai/{}", "m".repeat(300));
         let declared = crate::provider::ModelRef::parse(&long).unwrap();
-        let names = labels::DeclaredNames::of_definition([&declared], ["orders"]);
+        let names = names_declaring(&declared);
         let m = Metrics::new();
         m.observe_model_call(&names, "refund-agent", &attempt(&long, 1));
         let text = m.encode();

@@ -6,7 +6,10 @@
 //! tool server's `instructions` and every notification at INFO, tokio-postgres logs statement
 //! parameters (prompts, tool arguments and results) at DEBUG. [`log_filter`] holds them at
 //! [`HELD_TARGETS`]' levels whatever `RUST_LOG` says, unless `RUST_LOG` names them
-//! (`RUST_LOG=debug,rmcp=debug`). Every field of a line is capped ([`cap`]).
+//! (`RUST_LOG=debug,rmcp=debug`). Every field of a line is capped ([`cap`]). A library's line
+//! that names a URL is dropped at every level ([`library_urls`]): rmcp prints a failed request's
+//! URL whole, query and user information included, and the worker reports the same failure
+//! naming the server instead.
 //!
 //! The JSON layer flattens the fields of every enclosing span into the line, so a line about a
 //! task carries `task_id`, `process_instance_id`, `activity_id`, `attempt` and `trace_id`, and
@@ -18,6 +21,7 @@
 //! layers never see those spans, so no span field reaches a log line.
 
 pub mod cap;
+mod library_urls;
 pub mod otel;
 pub mod spans;
 pub mod trace;
@@ -82,11 +86,13 @@ pub(crate) fn subscriber(
     rust_log: Option<&str>,
     tracer: Option<opentelemetry_sdk::trace::Tracer>,
 ) -> impl Subscriber + Send + Sync + for<'a> LookupSpan<'a> {
-    let logs = log_filter(rust_log).and(
-        Targets::new()
-            .with_default(LevelFilter::TRACE)
-            .with_target(spans::SPAN_TARGET, LevelFilter::OFF),
-    );
+    let logs = log_filter(rust_log)
+        .and(
+            Targets::new()
+                .with_default(LevelFilter::TRACE)
+                .with_target(spans::SPAN_TARGET, LevelFilter::OFF),
+        )
+        .and(library_urls::DropsLibraryUrls);
     let mut layers: Vec<BoxedLayer> = Vec::with_capacity(2);
     if let Some(tracer) = tracer {
         layers.push(
@@ -352,6 +358,50 @@ mod tests {
             !text.contains("HOSTILE") && !text.contains("our own debug line"),
             "{text}"
         );
+    }
+
+    /// The lines the worker's own subscriber stack ([`subscriber`], JSON) writes for `emit`.
+    fn worker_lines(rust_log: Option<&str>, emit: impl FnOnce()) -> String {
+        let buf: Arc<Mutex<Vec<u8>>> = Arc::new(Mutex::new(Vec::new()));
+        let stack = subscriber(JsonLayer::new(buf.clone(), "w-1").boxed(), rust_log, None);
+        tracing::subscriber::with_default(stack, emit);
+        String::from_utf8(buf.lock().unwrap().clone()).unwrap()
+    }
+
+    /// rmcp 3.11's own error lines (`transport/worker.rs`, `streamable_http_client.rs`) carry a
+    /// failed request's reqwest error, whose text holds the whole URL: dropped at every level,
+    /// even with rmcp named in `RUST_LOG`. A library line without a URL and the worker's own
+    /// lines (URLs redacted) are kept.
+    #[test]
+    fn a_librarys_line_naming_a_url_is_dropped_whatever_rust_log_says() {
+        let reqwest_text = "error sending request for url (http://svc:PASSMARK@127.0.0.1:9/mcp/PATHMARK?api_key=KEYMARK)";
+        let parsed = reqwest::Url::parse("http://h/x?api_key=KEYMARK").unwrap();
+        let emit = || {
+            tracing::error!(target: "rmcp::transport::worker", "worker quit with fatal: Client error: {reqwest_text}, when send initialize request");
+            tracing::error!(target: "rmcp::transport::streamable_http_client", session_id = "s-1", "fail to delete session: {reqwest_text}");
+            tracing::warn!(target: "rmcp::transport::streamable_http_client", error = reqwest_text, "sse stream error");
+            tracing::warn!(target: "rmcp::service", uri = ?parsed, "a parsed URL's Debug form");
+            tracing::warn!(target: "log", "from a log record: {reqwest_text}");
+            tracing::warn!(target: "rmcp::service", "rmcp line without a url");
+            tracing::warn!(url = %crate::redact::url("http://svc:PASSMARK@127.0.0.1:9/mcp?api_key=KEYMARK"), "our own line");
+        };
+        for rust_log in [
+            None,
+            Some("trace"),
+            Some("info,rmcp=trace"),
+            Some("warn,rmcp=debug,log=trace"),
+        ] {
+            let text = worker_lines(rust_log, emit);
+            for secret in ["PASSMARK", "KEYMARK", "PATHMARK"] {
+                assert!(!text.contains(secret), "{rust_log:?}: {secret} in {text}");
+            }
+            assert!(
+                text.contains("rmcp line without a url"),
+                "{rust_log:?}: {text}"
+            );
+            assert!(text.contains("our own line"), "{rust_log:?}: {text}");
+            assert_eq!(text.lines().count(), 2, "{rust_log:?}: {text}");
+        }
     }
 
     /// The metadata of the callsite at which `make` makes its span, taken under a bare

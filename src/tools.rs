@@ -81,65 +81,50 @@ pub trait CredentialSource: Send + Sync {
     }
 }
 
-/// Why a tool listing or call failed. Messages name the server, tool and URL, never a credential.
+/// Why a tool listing or call failed. Messages name the server by the name the definition and
+/// the registry give it, and the tool; never a URL (its path or query may be a secret: a key
+/// in a path, `?api_key=`), never a credential. What a library said is shown without the URLs
+/// in it ([`crate::redact::text_without_urls`]).
 #[derive(Debug, thiserror::Error)]
 pub enum ToolError {
     /// Connection refused, 5xx, 429, timeout, dropped connection, or a credential that could not be
     /// fetched for a transient reason. The caller retries a bounded number of times, then fails
     /// the task technically.
-    #[error("tool server {server} ({url}) is unavailable: {reason}; retry later")]
-    Unavailable {
-        server: String,
-        url: String,
-        reason: String,
-    },
+    #[error("tool server {server} is unavailable: {reason}; retry later")]
+    Unavailable { server: String, reason: String },
     /// The engine refused the credential: the lease is lost. Stop the task silently.
     #[error("the credential for tool server {server} was refused by the engine: the lease is lost")]
     CredentialRefused { server: String },
     /// The tool server answered 401/403 to the credential sent to it (after one refreshed
     /// credential, when its source had one).
     #[error(
-        "tool server {server} ({url}) rejected the credential sent to it; check the server's entry in ABADA_AGENT_TOOLS_FILE, or, for the engine's credential, that the engine and the server agree on credentials"
+        "tool server {server} rejected the credential sent to it; check the server's entry in ABADA_AGENT_TOOLS_FILE, or, for the engine's credential, that the engine and the server agree on credentials"
     )]
-    Unauthorized { server: String, url: String },
+    Unauthorized { server: String },
     /// The server's host name resolved to a link-local or cloud-metadata address, or, for a
     /// server the registry does not list, to a registered server's address and port
     /// ([`alias`]): nothing was sent. Retrying cannot help.
-    #[error("tool server {server} ({url}) is refused: {reason}")]
-    ForbiddenAddress {
-        server: String,
-        url: String,
-        reason: String,
-    },
+    #[error("tool server {server} is refused: {reason}")]
+    ForbiddenAddress { server: String, reason: String },
     /// The agent named a server its definition does not list.
     #[error("unknown tool server {server}; the agent definition lists: {known}")]
     UnknownServer { server: String, known: String },
     /// The server does not offer that tool.
-    #[error("tool server {server} ({url}) has no tool named {tool}")]
-    UnknownTool {
-        server: String,
-        url: String,
-        tool: String,
-    },
+    #[error("tool server {server} has no tool named {tool}")]
+    UnknownTool { server: String, tool: String },
     /// The server sent more than the worker reads (a response past its byte limit, a listing
     /// past its page or tool limit). Retrying cannot help: the task becomes an incident.
-    #[error("tool server {server} ({url}) sent {what}; retrying cannot help")]
-    TooLarge {
-        server: String,
-        url: String,
-        what: String,
-    },
+    #[error("tool server {server} sent {what}; retrying cannot help")]
+    TooLarge { server: String, what: String },
     /// The credential for this server would travel in clear (`crate::channel`): not asked for.
-    #[error("tool server {server}: {source}")]
-    InsecureChannel {
-        server: String,
-        source: crate::channel::InsecureChannel,
-    },
+    #[error(
+        "the credential for tool server {server} would travel in clear (its URL is http:// to a host that is not loopback); use https://, or set ABADA_AGENT_ALLOW_INSECURE_HTTP=true to allow it"
+    )]
+    InsecureChannel { server: String },
     /// The server broke the protocol or answered with a JSON-RPC error.
-    #[error("tool server {server} ({url}) failed{}: {reason}", tool.as_deref().map(|t| format!(" calling {t}")).unwrap_or_default())]
+    #[error("tool server {server} failed{}: {reason}", tool.as_deref().map(|t| format!(" calling {t}")).unwrap_or_default())]
     Protocol {
         server: String,
-        url: String,
         tool: Option<String>,
         reason: String,
     },
@@ -457,12 +442,10 @@ impl McpSessions {
             if !session.has_tool(tool) {
                 return Err(ToolError::UnknownTool {
                     server: server.into(),
-                    url: crate::redact::url(session.url()),
                     tool: tool.into(),
                 });
             }
             let refused = session.credential().cloned();
-            let url = session.url().to_owned();
             match session.call(tool, arguments.clone(), meta.clone()).await {
                 Ok(result) => return Ok(result),
                 Err(SessionFailure::Expired) if !reopened => {
@@ -476,13 +459,12 @@ impl McpSessions {
                     refreshed = true;
                     self.close_removed(server).await;
                     let next = match &refused {
-                        Some(refused) => self.rejected(server, &url, refused).await?,
+                        Some(refused) => self.rejected(server, refused).await?,
                         None => None,
                     };
                     if next.is_none() {
                         return Err(ToolError::Unauthorized {
                             server: server.into(),
-                            url,
                         });
                     }
                     tracing::info!(
@@ -492,7 +474,7 @@ impl McpSessions {
                     );
                 }
                 Err(failure) => {
-                    let error = failure.into_tool_error(server, &url, Some(tool));
+                    let error = failure.into_tool_error(server, Some(tool));
                     if matches!(
                         error,
                         ToolError::Unavailable { .. } | ToolError::Unauthorized { .. }
@@ -563,14 +545,14 @@ impl McpSessions {
                     .guard
                     .client_for(&server_ref.url, &self.http)
                     .await
-                    .map_err(|refusal| alias_error(refusal, server, &server_ref.url))?,
+                    .map_err(|refusal| alias_error(refusal, server))?,
                 _ => self.http.clone(),
             };
             let mut credential = self
                 .credentials
                 .credential(server)
                 .await
-                .map_err(|e| credential_error(e, &server_ref.url))?;
+                .map_err(credential_error)?;
             // A credential travels over TLS (or to loopback) only.
             if credential.is_some() {
                 crate::channel::check(
@@ -578,9 +560,8 @@ impl McpSessions {
                     &format!("the credential for tool server {server}"),
                     self.options.allow_insecure_http,
                 )
-                .map_err(|source| ToolError::InsecureChannel {
+                .map_err(|_| ToolError::InsecureChannel {
                     server: server.into(),
-                    source,
                 })?;
             }
             let mut refreshed = false;
@@ -597,18 +578,17 @@ impl McpSessions {
                     (Ok(session), _) => break session,
                     (Err(SessionFailure::Unauthorized), Some(refused)) if !refreshed => {
                         refreshed = true;
-                        match self.rejected(server, &server_ref.url, refused).await? {
+                        match self.rejected(server, refused).await? {
                             Some(next) => credential = Some(next),
                             None => {
                                 return Err(ToolError::Unauthorized {
                                     server: server.into(),
-                                    url: server_ref.url.clone(),
                                 });
                             }
                         }
                     }
                     (Err(failure), _) => {
-                        return Err(failure.into_tool_error(server, &server_ref.url, None));
+                        return Err(failure.into_tool_error(server, None));
                     }
                 }
             };
@@ -620,46 +600,39 @@ impl McpSessions {
 
 impl McpSessions {
     /// Asks the credential source for a credential other than `refused`.
-    async fn rejected(
-        &self,
-        server: &str,
-        url: &str,
-        refused: &Secret,
-    ) -> Result<Option<Secret>, ToolError> {
+    async fn rejected(&self, server: &str, refused: &Secret) -> Result<Option<Secret>, ToolError> {
         self.credentials
             .rejected(server, refused)
             .await
-            .map_err(|e| credential_error(e, url))
+            .map_err(credential_error)
     }
 }
 
 /// A session the alias guard did not open, as the tool error a task acts on: an incident
 /// unless a resolver or client may do better later.
-fn alias_error(refusal: alias::AliasRefusal, server: &str, url: &str) -> ToolError {
-    let (server, url) = (server.to_owned(), crate::redact::url(url));
+fn alias_error(refusal: alias::AliasRefusal, server: &str) -> ToolError {
+    let (server, reason) = (
+        server.to_owned(),
+        crate::redact::text_without_urls(&refusal.to_string()),
+    );
     if refusal.is_transient() {
-        ToolError::Unavailable {
-            server,
-            url,
-            reason: refusal.to_string(),
-        }
+        ToolError::Unavailable { server, reason }
     } else {
-        ToolError::ForbiddenAddress {
-            server,
-            url,
-            reason: refusal.to_string(),
-        }
+        ToolError::ForbiddenAddress { server, reason }
     }
 }
 
-/// A credential that could not be had, as the tool error a task acts on.
-fn credential_error(e: CredentialError, url: &str) -> ToolError {
+/// A credential that could not be had, as the tool error a task acts on. The reason is the
+/// credential source's (an issuer's error may name its token URL): shown without URLs.
+fn credential_error(e: CredentialError) -> ToolError {
     match e {
         CredentialError::LeaseLost { server } => ToolError::CredentialRefused { server },
         CredentialError::Transient { server, reason } => ToolError::Unavailable {
             server,
-            url: crate::redact::url(url),
-            reason: format!("no credential: {reason}"),
+            reason: format!(
+                "no credential: {}",
+                crate::redact::text_without_urls(&reason)
+            ),
         },
     }
 }

@@ -253,10 +253,12 @@ impl AgentDefinition {
                             "toolServers: {e}; give a registry name (\"orders\") or {{ name, url }}"
                         ))
                     })?;
+                    // The URL is not repeated: an error reaches the engine and the logs, and a
+                    // URL may carry a key (`crate::redact`).
                     if !(s.url.starts_with("http://") || s.url.starts_with("https://")) {
                         return Err(invalid(format!(
-                            "tool server {:?} has url {:?}, which is not http(s)",
-                            s.name, s.url
+                            "tool server {:?} has a url that is not http(s)",
+                            s.name
                         )));
                     }
                     NamedServer {

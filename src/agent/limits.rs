@@ -102,6 +102,14 @@ impl ModelAllowList {
         }
     }
 
+    /// Every `(provider, model)` the operator allows by name: operator-declared names, so they
+    /// may label metrics (`metrics::labels`).
+    pub(crate) fn models(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.by_provider
+            .iter()
+            .flat_map(|(p, models)| models.iter().map(move |m| (p.as_str(), m.as_str())))
+    }
+
     /// The first of `models` (a definition's chain) its provider's list does not hold.
     pub fn check(&self, models: &[ModelRef]) -> Result<(), ModelNotAllowed> {
         for m in models {

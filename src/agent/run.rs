@@ -330,8 +330,10 @@ impl<'a> Attempt<'a> {
             state.started_at_ms,
             std::time::SystemTime::now(),
         );
-        // Tool servers of the worker's registry, once it exists, are declared here too.
+        // Only what the operator's files declare labels metrics (the registry's servers, the
+        // agents file's agents, models and servers): this definition may be the engine's.
         let names = DeclaredNames::of_definition(
+            rt.labels.clone(),
             &def.models,
             def.tool_servers.iter().map(|s| s.name.as_str()),
         );
@@ -500,7 +502,7 @@ impl<'a> Attempt<'a> {
         request.max_output_tokens = Some(cap);
         let metrics = self.scope.rt.metrics.clone();
         let names = &self.tools.names;
-        let agent = crate::metrics::labels::capped(&self.def.name);
+        let agent = names.agent(&self.def.name);
         let mut unanswered = 0u32;
         let mut observe = |a: &CallAttempt| {
             metrics.observe_model_call(names, &agent, a);
@@ -585,7 +587,7 @@ impl<'a> Attempt<'a> {
 
     /// [output] Counts a rejected final answer; the incident once no repair turn is left.
     pub(super) fn output_verdict(&self, verdict: output::Verdict) -> Step {
-        let agent = crate::metrics::labels::capped(&self.def.name);
+        let agent = self.tools.names.agent(&self.def.name);
         match verdict {
             output::Verdict::Accepted => Ok(()),
             output::Verdict::Repair(r) => {

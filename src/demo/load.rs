@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use super::timeline::{Output, Timeline};
 use super::{Check, Crew, DemoError, DemoReport, refund_task, start_stack, timeout_error};
 use crate::devkit::engine::TaskStatus;
-use crate::devkit::stack::{Stack, StackWorkers, WorkerOptions};
+use crate::devkit::stack::{DeclaredLabelNames, Stack, StackWorkers, WorkerOptions};
 use crate::handler::TaskEnd;
 use crate::runner::RunnerEvent;
 
@@ -89,9 +89,18 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
         ),
         json!({"tasks": ids}),
     );
+    // Only an operator's names label metrics (the keyed writes are counted by tool): the
+    // workers' agents file declares the agent, its model and its tool server.
+    let names = DeclaredLabelNames::write(
+        "refund-agent",
+        &["openai/refund"],
+        &[(crate::devkit::stack::ORDERS_SERVER, &stack.tools.url())],
+    )
+    .map_err(|e| DemoError::Setup(format!("cannot write the declared label names: {e}")))?;
     let mut crew = Crew::new();
     for name in ["W1", "W2"] {
         let mut opts = WorkerOptions::new(name, SLOTS);
+        opts.env.push(names.env());
         // Tasks take about a second; a 30s lease is extended only when a task is very slow
         // (a heartbeat racing `complete` would make the runner count a lost lease: see the
         // runner's report path).

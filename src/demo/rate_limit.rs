@@ -18,7 +18,7 @@ use super::{
 };
 use crate::devkit::engine::{TaskStatus, TaskView};
 use crate::devkit::model::{Fault, FaultTimes};
-use crate::devkit::stack::{Stack, StackWorkers, WorkerOptions, refund_script};
+use crate::devkit::stack::{DeclaredLabelNames, Stack, StackWorkers, WorkerOptions, refund_script};
 use crate::handler::TaskEnd;
 
 const SCENARIO: &str = "rate-limit";
@@ -152,8 +152,15 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
         format!("{a} OPEN: refund order o-501"),
         json!({"task": a}),
     );
+    // Only an operator's names label metrics (the calls are counted by model): the worker's
+    // agents file declares the agent and both models.
+    let names =
+        DeclaredLabelNames::write("refund-agent", &[primary.as_str(), fallback.as_str()], &[])
+            .map_err(|e| DemoError::Setup(format!("cannot write the declared label names: {e}")))?;
+    let mut opts = WorkerOptions::new("W1", 2);
+    opts.env.push(names.env());
     let mut crew = Crew::new();
-    crew.add(stack.spawn_worker(WorkerOptions::new("W1", 2), Stack::fast_agent_settings()));
+    crew.add(stack.spawn_worker(opts, Stack::fast_agent_settings()));
     tl.emit(
         "demo",
         "worker_started",

@@ -98,6 +98,61 @@ pub fn fast_tuning() -> Tuning {
     }
 }
 
+/// The names an operator declares for the metrics' labels: only the operator's files declare
+/// label values (`metrics::labels`), and a stack's agents are the engine's. An agents file with
+/// one entry naming `agent`, its models and tool servers, keyed by no topic or activity (no task
+/// uses it), in a directory of its own that is removed when the value is dropped; keep it for
+/// the workers' life and give them [`DeclaredLabelNames::env`].
+#[derive(Debug)]
+pub struct DeclaredLabelNames {
+    dir: std::path::PathBuf,
+    path: std::path::PathBuf,
+}
+
+impl DeclaredLabelNames {
+    /// Declares `agent`, its `models` (`provider/model`, at least one) and tool `servers`
+    /// (`(name, url)`).
+    pub fn write(
+        agent: &str,
+        models: &[&str],
+        servers: &[(&str, &str)],
+    ) -> std::io::Result<DeclaredLabelNames> {
+        let (model, fallbacks) = models
+            .split_first()
+            .ok_or_else(|| std::io::Error::other("declare at least one model"))?;
+        let list = |items: Vec<String>| items.join(", ");
+        let text = format!(
+            "[agents.\"declared-label-names\"]\nname = {agent:?}\nmodel = {model:?}\nfallbackModels = [{}]\ninput = \"unused\"\ntoolServers = [{}]\n",
+            list(fallbacks.iter().map(|m| format!("{m:?}")).collect()),
+            list(
+                servers
+                    .iter()
+                    .map(|(name, url)| format!("{{ name = {name:?}, url = {url:?} }}"))
+                    .collect()
+            ),
+        );
+        let dir = std::env::temp_dir().join(format!("abada-labels-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("declared-label-names.toml");
+        std::fs::write(&path, text)?;
+        Ok(DeclaredLabelNames { dir, path })
+    }
+
+    /// The variable and value that give a worker the file.
+    pub fn env(&self) -> (String, String) {
+        (
+            config::ENV_AGENTS_FILE.to_string(),
+            self.path.display().to_string(),
+        )
+    }
+}
+
+impl Drop for DeclaredLabelNames {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// The whole `ABADA_AGENT_*` environment of a worker against `stack`: its engine emulator, the
 /// providers `openai` and `anthropic` (both served by the scripted model), and `opts`.
 pub fn worker_env(stack: &Stack, opts: &WorkerOptions) -> HashMap<String, String> {

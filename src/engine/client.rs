@@ -284,7 +284,7 @@ impl HttpEngine {
                     request_sent: false,
                     message: format!(
                         "the engine URL {:?} cannot be used ({why}); set ABADA_AGENT_ENGINE_URL to the engine's API root, e.g. http://abada-engine:5601/api",
-                        self.settings.engine_url
+                        crate::redact::url(&self.settings.engine_url)
                     ),
                 });
             }
@@ -642,7 +642,7 @@ fn describe_transport_error(e: &reqwest::Error, url: &str) -> String {
     };
     // The top error repeats the URL; its sources say what went wrong.
     let detail = std::error::Error::source(e)
-        .map(crate::errors::chain)
+        .map(crate::redact::error_text)
         .unwrap_or_default();
     format!("POST {} {what}: {detail}", crate::redact::url(url))
 }

@@ -135,8 +135,8 @@ pub(crate) enum AliasRefusal {
         "cannot resolve {host} to tell it from the registered servers: {reason}; nothing was sent"
     )]
     Unresolved { host: String, reason: String },
-    #[error("its URL {0} has no host or port")]
-    NoEndpoint(String),
+    #[error("its URL has no host or port")]
+    NoEndpoint,
     #[error("cannot build its HTTP client: {0}")]
     Client(String),
 }
@@ -184,10 +184,8 @@ impl AliasGuard {
         url: &str,
         shared: &reqwest::Client,
     ) -> Result<reqwest::Client, AliasRefusal> {
-        let parsed = reqwest::Url::parse(url.trim())
-            .map_err(|_| AliasRefusal::NoEndpoint(crate::redact::url(url)))?;
-        let endpoint = Endpoint::of(&parsed)
-            .ok_or_else(|| AliasRefusal::NoEndpoint(crate::redact::url(url)))?;
+        let parsed = reqwest::Url::parse(url.trim()).map_err(|_| AliasRefusal::NoEndpoint)?;
+        let endpoint = Endpoint::of(&parsed).ok_or(AliasRefusal::NoEndpoint)?;
         let addresses = self.addresses(&endpoint).await?;
         for (name, registered) in &self.registered {
             let Some(theirs) = Endpoint::of(registered) else {

@@ -28,6 +28,11 @@
 //! refresh when the server refuses it); `engine` is the agent/1 per-task credential. A credential
 //! is only ever looked up by the name of the server a session is opened to, whose URL is the
 //! registry's, and the tools' HTTP client follows no redirect: it reaches no other origin.
+//!
+//! URLs: a server is named by its name in every error, never by its URL. A registry URL holds
+//! no secret: user information, a query or a fragment in a server's `url` (user information in
+//! a `tokenUrl`) is refused at start-up, naming the server and the field (`parse_url`), since
+//! the libraries that report a failed request print the URL whole.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -273,7 +278,7 @@ fn parse_server(name: &str, value: toml::Value) -> Result<RegisteredServer, Fiel
         Some("url"),
         "is required, e.g. \"https://orders-mcp:8080/mcp\"".into(),
     ))?;
-    let url = parse_url(url).map_err(|p| (Some("url"), p))?;
+    let url = parse_url(url, UrlField::Server).map_err(|p| (Some("url"), p))?;
     let auth = wire.auth.as_deref().ok_or((
         Some("auth"),
         "is required: \"none\", \"bearer\", \"oauth2\" or \"engine\"".into(),
@@ -324,7 +329,8 @@ fn parse_server(name: &str, value: toml::Value) -> Result<RegisteredServer, Fiel
                 ))
             };
             let token_url = required("tokenUrl", wire.token_url)?;
-            let parsed = parse_url(&token_url).map_err(|p| (Some("tokenUrl"), p))?;
+            let parsed =
+                parse_url(&token_url, UrlField::TokenUrl).map_err(|p| (Some("tokenUrl"), p))?;
             let client_id = required("clientId", wire.client_id)?;
             let secret = required("clientSecretFile", wire.client_secret_file)?;
             let client_secret = secret_file(&secret).map_err(|p| (Some("clientSecretFile"), p))?;
@@ -379,11 +385,44 @@ fn parse_server(name: &str, value: toml::Value) -> Result<RegisteredServer, Fiel
     })
 }
 
-/// An http(s) URL with a host that is not link-local or a metadata service.
-fn parse_url(raw: &str) -> Result<reqwest::Url, String> {
-    let url = reqwest::Url::parse(raw.trim()).map_err(|e| format!("{raw:?} is not a URL: {e}"))?;
+/// Which URL of a server's entry is read: its own (`url`), or its issuer's (`tokenUrl`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum UrlField {
+    Server,
+    TokenUrl,
+}
+
+/// An http(s) URL with a host that is not link-local or a metadata service, and without the
+/// parts that carry secrets in a URL: user information (both fields) and, in a server's `url`,
+/// a query (an `api_key=`) or a fragment. A URL is an address, not a secret: the libraries that
+/// report a failed request (reqwest, rmcp) print it whole, so a credential belongs in `auth`.
+/// (A token endpoint keeps its query: some issuers select a policy by it, `?p=...`; it is shown
+/// only redacted.) The problem never repeats the URL: the error names the server and the field.
+fn parse_url(raw: &str, field: UrlField) -> Result<reqwest::Url, String> {
+    let url = reqwest::Url::parse(raw.trim()).map_err(|e| format!("is not a URL ({e})"))?;
     if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none_or(str::is_empty) {
-        return Err(format!("{raw:?} is not an http(s) URL with a host"));
+        return Err("is not an http(s) URL with a host".into());
+    }
+    let credential_instead =
+        "give the credential with auth = \"bearer\" (tokenFile) or \"oauth2\" instead";
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(format!(
+            "holds user information (`user:password@`), which is refused: it would be sent with every request and printed by the libraries that report a failed one; {}",
+            match field {
+                UrlField::Server => credential_instead,
+                UrlField::TokenUrl => "the client authenticates with clientId and clientSecretFile",
+            }
+        ));
+    }
+    if field == UrlField::Server {
+        if url.query().is_some() {
+            return Err(format!(
+                "has a query (`?...`), which is refused: a query is where a URL carries keys (`api_key=`), and the libraries that report a failed request print it whole; {credential_instead}"
+            ));
+        }
+        if url.fragment().is_some() {
+            return Err("has a fragment (`#...`), which is never sent: remove it".into());
+        }
     }
     address::check_url(&url).map_err(|e| e.to_string())?;
     Ok(url)
@@ -408,31 +447,19 @@ pub enum ServerResolutionError {
     )]
     NoRegistry { server: String },
     #[error(
-        "tool server {server:?}: the agent definition gives URL {definition_url}, but {VAR} registers it at {registry_url}; nothing was sent to either. Fix the definition or the registry"
+        "tool server {server:?}: the agent definition gives it a URL other than the one {VAR} registers; nothing was sent to either. Name the server without a URL in the definition (the registry's is used), or fix the registry"
     )]
-    UrlMismatch {
-        server: String,
-        definition_url: String,
-        registry_url: String,
-    },
+    UrlMismatch { server: String },
     #[error(
-        "tool server {server:?}: the agent definition gives URL {url}, which {VAR} registers as server {registered:?}; nothing was sent. Name the server {registered:?} in the definition: the registry's credential and approval then apply"
+        "tool server {server:?}: the agent definition gives it a URL which {VAR} registers as server {registered:?}; nothing was sent. Name the server {registered:?} in the definition: the registry's credential and approval then apply"
     )]
-    RegisteredUnderAnotherName {
-        server: String,
-        url: String,
-        registered: String,
-    },
+    RegisteredUnderAnotherName { server: String, registered: String },
     #[error(
-        "tool server {server:?} (URL {url}) is not in {VAR}, and {UNREGISTERED_VAR} is refuse (the default): a definition uses registered servers only; nothing was sent. Register the server, or set {UNREGISTERED_VAR}=allow"
+        "tool server {server:?} is not in {VAR}, and {UNREGISTERED_VAR} is refuse (the default): a definition uses registered servers only; nothing was sent. Register the server, or set {UNREGISTERED_VAR}=allow"
     )]
-    Unregistered { server: String, url: String },
-    #[error("tool server {server:?}: the definition's URL {url:?} is not usable: {reason}")]
-    BadUrl {
-        server: String,
-        url: String,
-        reason: String,
-    },
+    Unregistered { server: String },
+    #[error("tool server {server:?}: the definition's URL is not usable: {reason}")]
+    BadUrl { server: String, reason: String },
     #[error("tool server {server:?}: {source}")]
     Forbidden {
         server: String,
@@ -531,6 +558,11 @@ impl ToolRegistry {
         self
     }
 
+    /// The registered servers' names.
+    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
+        self.servers.keys().map(String::as_str)
+    }
+
     /// Number of registered servers.
     pub fn len(&self) -> usize {
         self.servers.len()
@@ -582,8 +614,6 @@ impl ToolRegistry {
                     if !same {
                         return Err(ServerResolutionError::UrlMismatch {
                             server: n.name.clone(),
-                            definition_url: url.clone(),
-                            registry_url: server.url.to_string(),
                         });
                     }
                     (server.url.to_string(), route.clone())
@@ -605,7 +635,6 @@ impl ToolRegistry {
                     let parsed = reqwest::Url::parse(url.trim()).map_err(|e| {
                         ServerResolutionError::BadUrl {
                             server: n.name.clone(),
-                            url: url.clone(),
                             reason: e.to_string(),
                         }
                     })?;
@@ -615,7 +644,6 @@ impl ToolRegistry {
                     if let Some(registered) = registry.and_then(|r| r.server_at(&parsed)) {
                         return Err(ServerResolutionError::RegisteredUnderAnotherName {
                             server: n.name.clone(),
-                            url: crate::redact::url(url),
                             registered: registered.to_string(),
                         });
                     }
@@ -631,7 +659,6 @@ impl ToolRegistry {
                         let Some(guard) = &r.unregistered else {
                             return Err(ServerResolutionError::Unregistered {
                                 server: n.name.clone(),
-                                url: crate::redact::url(url),
                             });
                         };
                         unregistered
@@ -777,12 +804,9 @@ enum ToolTokenError {
         error: String,
         description: String,
     },
-    #[error("the token request for tool server {server} to {token_url} failed: {reason}")]
-    Endpoint {
-        server: String,
-        token_url: String,
-        reason: String,
-    },
+    /// `reason` is shown without the URLs in it; the token URL is named by its field.
+    #[error("the token request for tool server {server} (its tokenUrl in {VAR}) failed: {reason}")]
+    Endpoint { server: String, reason: String },
     #[error("no token: {reason}")]
     Unavailable { reason: String },
 }
@@ -850,8 +874,7 @@ impl TokenSource for ServerTokenSource {
                 },
                 GrantError::Endpoint(reason) => ToolTokenError::Endpoint {
                     server,
-                    token_url: self.token_url.as_str().to_string(),
-                    reason,
+                    reason: crate::redact::text_without_urls(&reason),
                 },
             })
     }
@@ -953,7 +976,7 @@ mod tests {
             file.check_channels(path, false).unwrap();
             assert!(file.credentials_in_clear().is_empty(), "{ok}");
         }
-        let file = parse(&oauth2("http://u:pw@issuer:8080/token?k=1")).unwrap();
+        let file = parse(&oauth2("http://issuer:8080/token?k=pw")).unwrap();
         let e = file.check_channels(path, false).unwrap_err();
         let ToolsFileError::InsecureChannel { server, field, .. } = &e else {
             panic!("{e}")
@@ -962,7 +985,7 @@ mod tests {
         let text = e.to_string();
         assert!(
             text.starts_with(
-                "the tools file /etc/abada/tools.toml (ABADA_AGENT_TOOLS_FILE), server \"billing\", field tokenUrl: the OAuth 2.0 client secret of tool server billing would travel in clear to http://issuer:8080/token"
+                "the tools file /etc/abada/tools.toml (ABADA_AGENT_TOOLS_FILE), server \"billing\", field tokenUrl: the OAuth 2.0 client secret of tool server billing would travel in clear to http://issuer:8080 ("
             ),
             "{text}"
         );
@@ -1030,6 +1053,87 @@ mod tests {
             parse("[servers"),
             Err(ToolsFileError::Syntax { .. })
         ));
+    }
+
+    /// A registry URL with user information or a query (where URLs carry credentials) is
+    /// refused at start-up, naming the server and the field, and the message repeats none of
+    /// the URL: libraries print a URL whole, so it must hold nothing secret.
+    #[test]
+    fn a_registry_url_carrying_a_credential_is_refused_without_repeating_it() {
+        let (_dir, secret) = secret_path("s");
+        let oauth2 = |token_url: &str| {
+            format!(
+                "url = \"http://x/mcp\"\nauth = \"oauth2\"\ntokenUrl = \"{token_url}\"\nclientId = \"c\"\nclientSecretFile = \"{secret}\""
+            )
+        };
+        for (body, field, wanted) in [
+            (
+                "url = \"http://svc-user:PASSMARK@orders:8080/mcp\"\nauth = \"none\"".to_string(),
+                "url",
+                "user information",
+            ),
+            (
+                "url = \"http://svc-user@orders:8080/mcp\"\nauth = \"none\"".to_string(),
+                "url",
+                "user information",
+            ),
+            (
+                "url = \"https://orders:8080/mcp/PATHMARK?api_key=KEYMARK\"\nauth = \"none\""
+                    .to_string(),
+                "url",
+                "has a query",
+            ),
+            (
+                "url = \"https://orders:8080/mcp#KEYMARK\"\nauth = \"none\"".to_string(),
+                "url",
+                "fragment",
+            ),
+            (
+                "url = \"https://orders:PORTMARK/mcp?api_key=KEYMARK\"\nauth = \"none\""
+                    .to_string(),
+                "url",
+                "is not a URL",
+            ),
+            (
+                oauth2("https://u:PASSMARK@issuer/token"),
+                "tokenUrl",
+                "user information",
+            ),
+        ] {
+            let e = parse(&format!("[servers.orders]\n{body}\n")).unwrap_err();
+            let text = e.to_string();
+            let ToolsFileError::Server {
+                server,
+                field: f,
+                problem,
+                ..
+            } = e
+            else {
+                panic!("{text}")
+            };
+            assert_eq!(
+                (server.as_str(), f.as_deref()),
+                ("orders", Some(field)),
+                "{text}"
+            );
+            assert!(problem.contains(wanted), "{body}: {text}");
+            for part in [
+                "PASSMARK", "KEYMARK", "PATHMARK", "PORTMARK", "svc-user", "://",
+            ] {
+                assert!(!text.contains(part), "{part} repeated: {text}");
+            }
+        }
+        // A token endpoint keeps its query (an issuer's policy); it is shown redacted only.
+        let file = parse(&format!(
+            "[servers.orders]\n{}\n",
+            oauth2("https://issuer/token?p=b2c_policy")
+        ))
+        .unwrap();
+        assert_eq!(
+            file.credentials_in_clear(),
+            Vec::<String>::new(),
+            "https: nothing in clear"
+        );
     }
 
     #[test]
@@ -1238,7 +1342,6 @@ mod tests {
             e,
             ServerResolutionError::Unregistered {
                 server: "payments".into(),
-                url: "http://payments:1/mcp".into()
             }
         );
         let text = e.to_string();

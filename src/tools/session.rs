@@ -1,6 +1,9 @@
 //! One open MCP session with one tool server: opening it (rmcp client over streamable HTTP with
 //! the task's credential), its tool listing, calls, closing it, and the mapping of rmcp's errors
 //! to what a caller acts on.
+//!
+//! A session is named by its server's name in every line and error; what rmcp and reqwest say
+//! reaches a caller without the URLs in it (`crate::redact::text_without_urls`).
 
 use std::error::Error as StdError;
 use tokio_util::task::TaskTracker;
@@ -45,45 +48,45 @@ pub(crate) enum SessionFailure {
 }
 
 impl SessionFailure {
-    pub(crate) fn into_tool_error(self, server: &str, url: &str, tool: Option<&str>) -> ToolError {
-        // The server's words are bounded before they reach a log, the model or the engine, and
-        // the URL is shown without its secret parts.
-        let cut = |reason: String| body::truncate_text(&reason, body::TOOL_ERROR_MESSAGE_MAX_BYTES);
-        let (server, url) = (server.to_owned(), crate::redact::url(url));
+    /// The tool error of `server`. The server's words are bounded before they reach a log, the
+    /// model or the engine, and lose every URL in them (rmcp and reqwest write the whole URL,
+    /// query included, into their messages): the error names the server, never its URL.
+    pub(crate) fn into_tool_error(self, server: &str, tool: Option<&str>) -> ToolError {
+        let shown = |reason: String| {
+            crate::redact::text_without_urls(&body::truncate_text(
+                &reason,
+                body::TOOL_ERROR_MESSAGE_MAX_BYTES,
+            ))
+        };
+        let server = server.to_owned();
         match self {
-            SessionFailure::Unauthorized => ToolError::Unauthorized { server, url },
+            SessionFailure::Unauthorized => ToolError::Unauthorized { server },
             SessionFailure::Forbidden(reason) => ToolError::ForbiddenAddress {
                 server,
-                url,
-                reason,
+                reason: shown(reason),
             },
             SessionFailure::Unavailable(reason) => ToolError::Unavailable {
                 server,
-                url,
-                reason: cut(reason),
+                reason: shown(reason),
             },
             SessionFailure::Expired => ToolError::Unavailable {
                 server,
-                url,
                 reason: "the server expired the session again right after it was re-opened".into(),
             },
             SessionFailure::TooLarge(max) => ToolError::TooLarge {
                 server,
-                url,
                 what: format!("a response larger than the limit of {max} bytes (not read)"),
             },
-            SessionFailure::ListingTooLarge(what) => ToolError::TooLarge { server, url, what },
+            SessionFailure::ListingTooLarge(what) => ToolError::TooLarge { server, what },
             SessionFailure::LegacyOnly => ToolError::Protocol {
                 server,
-                url,
                 tool: tool.map(str::to_owned),
                 reason: "the server supports no protocol version this client speaks".into(),
             },
             SessionFailure::Protocol(reason) => ToolError::Protocol {
                 server,
-                url,
                 tool: tool.map(str::to_owned),
-                reason: cut(reason),
+                reason: shown(reason),
             },
         }
     }
@@ -91,7 +94,9 @@ impl SessionFailure {
 
 /// An open session and the tools it lists.
 pub(crate) struct Session {
-    url: String,
+    /// The server's name (the registry's, or the definition's for a server it does not list):
+    /// what every line about the session says, never its URL.
+    server: String,
     /// The credential the session was opened with (sent on each of its requests).
     credential: Option<Secret>,
     client: RunningService<RoleClient, ClientConfig>,
@@ -186,7 +191,7 @@ impl Session {
             connect(http, server, &credential, options, options.protocol).await?
         };
         let mut session = Session {
-            url: server.url.clone(),
+            server: server.name.clone(),
             credential,
             client,
             http: http.clone(),
@@ -220,10 +225,6 @@ impl Session {
             .filter_map(|tool| to_spec(&server.name, tool))
             .collect();
         Ok(session)
-    }
-
-    pub(crate) fn url(&self) -> &str {
-        &self.url
     }
 
     pub(crate) fn credential(&self) -> Option<&Secret> {
@@ -283,10 +284,10 @@ impl Session {
         {
             Ok(Some(_)) => {}
             Ok(None) => {
-                tracing::warn!(url = %crate::redact::url(&self.url), "closing a tool session timed out")
+                tracing::warn!(server = %self.server, "closing a tool session timed out")
             }
             Err(e) => {
-                tracing::warn!(url = %crate::redact::url(&self.url), error = %body::truncate_text(&e.to_string(), body::TOOL_ERROR_MESSAGE_MAX_BYTES), "closing a tool session failed")
+                tracing::warn!(server = %self.server, error = %crate::redact::text_without_urls(&body::truncate_text(&e.to_string(), body::TOOL_ERROR_MESSAGE_MAX_BYTES)), "closing a tool session failed")
             }
         }
     }
@@ -424,7 +425,7 @@ async fn connect(
         // `McpHttp::close_unclaimed`).
         Err(_) => {
             let auth = credential.as_ref().map(|c| c.expose().to_owned());
-            http.close_unclaimed(&server.url, auth, options.close_timeout)
+            http.close_unclaimed(&server.url, &server.name, auth, options.close_timeout)
                 .await
         }
     }
@@ -585,6 +586,8 @@ fn classify_http(error: &StreamableHttpError<reqwest::Error>) -> SessionFailure 
     }
 }
 
+/// A reqwest error by its kind and its sources: the top error only repeats the URL, which a
+/// tool error never shows (the caller names the server).
 fn describe_reqwest(e: &reqwest::Error) -> String {
     let kind = if e.is_connect() {
         "cannot connect"
@@ -593,7 +596,10 @@ fn describe_reqwest(e: &reqwest::Error) -> String {
     } else {
         "HTTP error"
     };
-    format!("{kind}: {}", crate::redact::reqwest_error_text(e))
+    match StdError::source(e) {
+        Some(cause) => format!("{kind}: {}", crate::redact::error_text(cause)),
+        None => kind.to_string(),
+    }
 }
 
 #[cfg(test)]

@@ -73,9 +73,11 @@ impl McpHttp {
 
     /// Deletes the session a failed opening left on the server, if it created one that no
     /// DELETE has been sent for: with the opening's credential, bounded by `timeout`.
+    /// `server` names the server in the log lines (never its URL).
     pub(crate) async fn close_unclaimed(
         &self,
         uri: &str,
+        server: &str,
         auth_header: Option<String>,
         timeout: Duration,
     ) {
@@ -88,20 +90,26 @@ impl McpHttp {
                 .delete_session(uri.into(), session_id, auth_header, HashMap::new()),
         )
         .await;
-        let url = crate::redact::url(uri);
         match deleted {
             Ok(Ok(())) => {
-                tracing::debug!(url = %url, "closed the session a failed opening left on the tool server")
+                tracing::debug!(
+                    server,
+                    "closed the session a failed opening left on the tool server"
+                )
             }
             Ok(Err(e)) => {
-                let error = match &e {
-                    StreamableHttpError::Client(e) => crate::redact::reqwest_error_text(e),
-                    other => other.to_string(),
-                };
-                tracing::warn!(url = %url, error = %crate::body::truncate_text(&error, crate::body::TOOL_ERROR_MESSAGE_MAX_BYTES), "could not close the session a failed opening left on the tool server; the server expires it")
+                let error = crate::redact::text_without_urls(&crate::body::truncate_text(
+                    &crate::errors::chain(&e),
+                    crate::body::TOOL_ERROR_MESSAGE_MAX_BYTES,
+                ));
+                tracing::warn!(server, error = %error, "could not close the session a failed opening left on the tool server; the server expires it")
             }
             Err(_) => {
-                tracing::warn!(url = %url, timeout_ms = timeout.as_millis() as u64, "closing the session a failed opening left on the tool server timed out; the server expires it")
+                tracing::warn!(
+                    server,
+                    timeout_ms = timeout.as_millis() as u64,
+                    "closing the session a failed opening left on the tool server timed out; the server expires it"
+                )
             }
         }
     }

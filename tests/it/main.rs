@@ -44,4 +44,5 @@ mod store_visits;
 mod support;
 mod tool_conformance;
 mod tools;
+mod urls;
 mod window;

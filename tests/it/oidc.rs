@@ -145,6 +145,8 @@ struct IssuerState {
     /// The host the discovery document names for the token endpoint (with the issuer's port),
     /// instead of the issuer's own loopback address.
     token_host: Option<String>,
+    /// The whole token endpoint the discovery document names, when set.
+    token_endpoint: Option<String>,
 }
 
 /// A minimal issuer on 127.0.0.1: discovery, an empty JWKS, and a token endpoint that checks the
@@ -154,9 +156,13 @@ async fn in_process_issuer(state: Arc<Mutex<IssuerState>>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let issuer = format!("http://{addr}");
-    let token_endpoint = match &state.lock().unwrap().token_host {
-        Some(host) => format!("http://{host}:{}/token", addr.port()),
-        None => format!("{issuer}/token"),
+    let token_endpoint = {
+        let s = state.lock().unwrap();
+        match (&s.token_endpoint, &s.token_host) {
+            (Some(endpoint), _) => endpoint.clone(),
+            (None, Some(host)) => format!("http://{host}:{}/token", addr.port()),
+            (None, None) => format!("{issuer}/token"),
+        }
     };
     let discovery = json!({
         "issuer": issuer,
@@ -366,7 +372,8 @@ async fn a_discovered_http_token_endpoint_off_loopback_is_refused_before_any_req
     );
     let p = OidcTokenProvider::new(settings.clone(), client()).unwrap();
     let e = p.token().await.unwrap_err();
-    let token_url = format!("http://token.example:{}/token", loopback.port());
+    // The refusal names where the secret would go: scheme, host and port.
+    let token_url = format!("http://token.example:{}", loopback.port());
     assert_eq!(
         e,
         AuthError::InsecureTokenEndpoint {
@@ -412,4 +419,35 @@ async fn a_discovered_http_token_endpoint_off_loopback_is_refused_before_any_req
         .unwrap();
     assert!(token.expose().starts_with("opaque-token-"));
     assert_eq!(state.lock().unwrap().token_requests, 1);
+}
+
+/// The token endpoint a discovery document names may carry a key (user information, a query),
+/// and a failed token request's error is reqwest's text, which quotes the URL whole: the error,
+/// its reason and the status `/readyz` reports show it redacted. The endpoint refuses the
+/// connection (a held loopback port), so the request fails on the wire.
+#[tokio::test]
+async fn a_failed_token_request_never_shows_the_token_endpoints_secrets() {
+    let (_held, refusing) = refusing_address();
+    let state = Arc::new(Mutex::new(IssuerState {
+        accepted_secret: "s3cr3t".to_string(),
+        token_endpoint: Some(format!(
+            "http://svc-user:PASSMARK@{refusing}/realms/x/token?tenant_key=KEYMARK#FRAGMARK"
+        )),
+        ..Default::default()
+    }));
+    let issuer = in_process_issuer(state).await;
+    let p = provider(&issuer, SecretSource::value("s3cr3t"), &[]);
+    let e = p.token().await.unwrap_err();
+    let AuthError::TokenEndpoint { token_url, reason } = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(*token_url, format!("http://{refusing}/realms/x/token"));
+    assert!(!reason.is_empty(), "{e}");
+    let status = p.status().to_string();
+    let shown = format!("{e} | {e:?} | {status}");
+    eprintln!("{shown}");
+    for secret in ["PASSMARK", "KEYMARK", "FRAGMARK", "svc-user", "s3cr3t"] {
+        assert!(!shown.contains(secret), "{secret} shown: {shown}");
+    }
+    assert!(!e.is_configuration_error());
 }

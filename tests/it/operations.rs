@@ -12,7 +12,9 @@ use abada_agent_worker::devkit::engine::{
     CallRecord, Disposition, EngineEmulator, Fault, Operation, ProtocolLevel, TaskStatus, TaskView,
 };
 use abada_agent_worker::devkit::model::{Fault as ModelFault, FaultTimes};
-use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions, refund_script};
+use abada_agent_worker::devkit::stack::{
+    DeclaredLabelNames, Stack, StackWorkers, WorkerOptions, refund_script,
+};
 use abada_agent_worker::handler::TaskEnd;
 use abada_agent_worker::runner::RunnerEvent;
 use serde_json::Value;
@@ -305,6 +307,37 @@ async fn sigterm_drains_finishes_short_tasks_releases_long_ones_and_a_second_wor
     assert_eq!(stack.model.calls("slow"), 8);
     assert_eq!(stack.tools.counters().await.writes_applied, 4);
     second.stop().await;
+    stack.shutdown().await;
+}
+
+/// The engine's `retries` go back unchanged when a shutdown releases a task, odd values
+/// included: a task the engine hands out with `retries: -1` is released with `-1`, `OPEN` and
+/// offered again. Clamped to `0`, the release made it an incident (`FAILED`) nobody failed.
+#[tokio::test]
+async fn a_shutdown_release_gives_the_engines_odd_retries_back_unchanged() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let worker_id = "proc-odd-retries";
+    stack.model.set_script(
+        "stuck",
+        refund_script().with_latency(Duration::from_secs(30)),
+    );
+    let mut task = spec(stack.refund_agent("openai/stuck", &[]), "o-1");
+    task.retries = Some(-1);
+    let id = stack.engine.create_task(task);
+    let mut worker = WorkerProcess::spawn(&env(
+        &stack,
+        worker_id,
+        &[("ABADA_AGENT_SHUTDOWN_GRACE_MS", "200")],
+    ))
+    .await;
+    wait_until(&stack, "the task to start", |e| {
+        e.task(&id).filter(|t| running_on(t, worker_id))
+    })
+    .await;
+    worker.signal("TERM");
+    let exit = worker.wait(Duration::from_secs(20)).await;
+    assert!(exit.success(), "exit code 0: {exit}");
+    assert_released(&stack.engine.task(&id).unwrap(), -1);
     stack.shutdown().await;
 }
 
@@ -657,6 +690,19 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
     );
     let mut opts = WorkerOptions::new("w-metrics", 8);
     opts.lock_duration = lock;
+    // The definitions are the engine's: the operator declares the names the metrics carry.
+    let declared = DeclaredLabelNames::write(
+        "refund-agent",
+        &[
+            "openai/refund",
+            "openai/steady",
+            "openai/limited",
+            "openai/slow",
+        ],
+        &[("orders", &stack.tools.url())],
+    )
+    .unwrap();
+    opts.env.push(declared.env());
     let mut worker = stack.spawn_worker(opts, Stack::fast_agent_settings());
     let admin_stop = CancellationToken::new();
     let admin_addr: SocketAddr = admin::serve(
@@ -1040,6 +1086,75 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
         assert_eq!(tools.calls_per_tool[tool], 4);
     }
     assert_eq!(m.sum("abada_agent_tool_calls_total", &[]), 8.0);
+    stack.shutdown().await;
+}
+
+/// A process author names what they like: 60 engine-sent definitions, each with an agent, a
+/// model and a fallback of its own, made 60 new values of each label (5,808 series). Only the
+/// operator's files declare label values now, each label capped: the 60 names add no value and
+/// the series do not grow with them; the one agent and model the agents file declares keep
+/// their names.
+#[tokio::test]
+async fn sixty_engine_sent_agent_and_model_names_add_no_label_values() {
+    let stack = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let declared = DeclaredLabelNames::write("refund-agent", &["openai/refund"], &[]).unwrap();
+    let mut opts = WorkerOptions::new("w-labels", 8);
+    opts.env.push(declared.env());
+    stack.model.set_script("refund", refund_script());
+    let mut specs = vec![spec(stack.refund_agent("openai/refund", &[]), "o-declared")];
+    for i in 0..60 {
+        let (model, fallback) = (format!("author-model-{i}"), format!("author-fallback-{i}"));
+        stack.model.set_script(&model, refund_script());
+        let mut agent = stack.refund_agent(
+            &format!("openai/{model}"),
+            &[&format!("anthropic/{fallback}")],
+        );
+        agent["name"] = format!("author-agent-{i}").into();
+        specs.push(spec(agent, &format!("o-{i}")));
+    }
+    let ids = stack.engine.create_tasks(specs);
+    let worker = stack.spawn_worker(opts, Stack::fast_agent_settings());
+    let views = wait_all_ended(&stack, &ids, Duration::from_secs(120)).await;
+    assert!(
+        views.iter().all(|v| v.status == TaskStatus::Completed),
+        "{views:?}"
+    );
+    let text = worker.metrics.encode();
+    worker.stop().await;
+    assert!(
+        !text.contains("author-"),
+        "an author's name became a label value"
+    );
+    let (_, samples) = parse_exposition(&text);
+    let mut values: BTreeMap<&str, std::collections::BTreeSet<&str>> = BTreeMap::new();
+    for s in &samples {
+        for label in ["agent", "model", "gen_ai_request_model", "server", "tool"] {
+            if let Some(v) = s.labels.get(label) {
+                values.entry(label).or_default().insert(v);
+            }
+        }
+    }
+    assert_eq!(values["agent"], ["other", "refund-agent"].into());
+    assert_eq!(values["model"], ["other", "refund"].into());
+    assert_eq!(values["gen_ai_request_model"], ["other", "refund"].into());
+    // The 60 authors' names collapse into one set of series, as many as the one declared
+    // model has: they do not grow with the tasks.
+    let series_of = |value: &str| {
+        samples
+            .iter()
+            .filter(|s| {
+                s.labels.get("model").map(String::as_str) == Some(value)
+                    || s.labels.get("gen_ai_request_model").map(String::as_str) == Some(value)
+            })
+            .count()
+    };
+    println!(
+        "61 tasks, 60 of them with an author's own agent and models: {} series in all; {} with model other, {} with the declared model",
+        samples.len(),
+        series_of("other"),
+        series_of("refund")
+    );
+    assert_eq!(series_of("other"), series_of("refund"));
     stack.shutdown().await;
 }
 

@@ -8,11 +8,26 @@ use std::time::Duration;
 
 use abada_agent_worker::devkit::engine::{ProtocolLevel, TaskStatus, TaskView};
 use abada_agent_worker::devkit::model::{Fault, FaultTimes, Script, Turn};
-use abada_agent_worker::devkit::stack::{Stack, StackWorkers, WorkerOptions};
+use abada_agent_worker::devkit::stack::{DeclaredLabelNames, Stack, StackWorkers, WorkerOptions};
 use serde_json::{Value, json};
 
 use crate::agent::{spec, step_kinds, wait_all_ended};
 use crate::support::wait::eventually;
+
+/// A worker whose agents file declares the agent name `router` (only the operator's names label
+/// metrics: `metrics::labels`).
+fn router_worker(
+    s: &Stack,
+    slots: u32,
+) -> (
+    abada_agent_worker::devkit::stack::WorkerHandle,
+    DeclaredLabelNames,
+) {
+    let names = DeclaredLabelNames::write("router", &["openai/fixer"], &[]).unwrap();
+    let mut opts = WorkerOptions::new("w", slots);
+    opts.env.push(names.env());
+    (s.spawn_worker(opts, Stack::fast_agent_settings()), names)
+}
 
 /// A routing schema that is not strict-eligible (`orderId` is optional).
 fn routing_schema() -> Value {
@@ -105,7 +120,7 @@ async fn an_off_schema_answer_is_repaired_in_one_turn_on_both_wire_formats() {
             &format!("o-{f}"),
         )
     }));
-    let w = s.spawn_worker(WorkerOptions::new("w", 2), Stack::fast_agent_settings());
+    let (w, _declared) = router_worker(&s, 2);
     let views = wait_all_ended(&s, &ids, Duration::from_secs(20)).await;
     for (view, f) in views.iter().zip(FORMATS) {
         assert_eq!(view.status, TaskStatus::Completed, "{view:?}");
@@ -170,7 +185,7 @@ async fn an_answer_still_off_schema_after_its_repair_is_an_incident_naming_the_p
             &format!("o-{f}"),
         )
     }));
-    let w = s.spawn_worker(WorkerOptions::new("w", 2), Stack::fast_agent_settings());
+    let (w, _declared) = router_worker(&s, 2);
     let views = wait_all_ended(&s, &ids, Duration::from_secs(20)).await;
     for view in &views {
         let msg = incident(view);
@@ -230,7 +245,7 @@ async fn a_cut_answer_is_never_stored_repaired_or_an_incident() {
         specs.push(spec(agent(&format!("{f}/cut-always"), None), "o-2"));
     }
     let ids = s.engine.create_tasks(specs);
-    let w = s.spawn_worker(WorkerOptions::new("w", 4), Stack::fast_agent_settings());
+    let (w, _declared) = router_worker(&s, 4);
     let views = wait_all_ended(&s, &ids, Duration::from_secs(20)).await;
     for pair in views.chunks(2) {
         let (repaired, failed) = (&pair[0], &pair[1]);

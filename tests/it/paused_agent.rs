@@ -366,7 +366,6 @@ impl ToolSessions for CountedSessions {
             tokio::time::sleep(TOOL_CALL_TIMEOUT).await;
             return Err(ToolError::Unavailable {
                 server: server.into(),
-                url: abada_agent_worker::devkit::world::tools::URL.into(),
                 reason: format!("timed out after {} ms", TOOL_CALL_TIMEOUT.as_millis()),
             });
         }

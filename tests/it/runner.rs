@@ -2,6 +2,7 @@
 //! fake engine: slots, refill, heartbeat cadence, lease loss, local expiry, supersession,
 //! shutdown and panics.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -948,6 +949,60 @@ async fn tasks_beyond_max_tasks_are_released_at_once_with_retries_unchanged() {
     assert_eq!(handler.most.load(Ordering::SeqCst), 2);
     r.shutdown.cancel();
     r.join.await.unwrap();
+}
+
+/// A release (a surplus task, a task cut by shutdown) gives the engine's `retries` back exactly
+/// as the engine sent them, odd values included. Clamped, an engine's `-1` went back as `0`, and
+/// `retries: 0` makes an incident of a task nobody failed (the real engine: status `FAILED`).
+#[tokio::test(start_paused = true)]
+async fn releases_send_the_engines_retries_back_as_they_came_odd_values_included() {
+    let odd = [
+        Some(-1),
+        Some(-7),
+        Some(i32::MIN),
+        Some(101),
+        Some(i32::MAX),
+        Some(0),
+        None,
+    ];
+    let engine = FakeEngine::default();
+    let mut running = task("running");
+    running.retries = Some(-1);
+    engine.push(running);
+    for (i, retries) in odd.iter().enumerate() {
+        let mut t = task(&format!("surplus-{i}"));
+        t.retries = *retries;
+        engine.push(t);
+    }
+    engine.state.lock().unwrap().surplus = odd.len();
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 1;
+    s.poll_interval = Duration::from_secs(3600);
+    let r = start(&engine, SleepHandler::new(Duration::from_secs(600)), s);
+    wait_until(
+        || engine.state.lock().unwrap().failures.len() == odd.len(),
+        Duration::from_millis(100),
+    )
+    .await;
+    // The running task, cut by the shutdown, is released too.
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    let st = engine.state.lock().unwrap();
+    let sent: HashMap<&str, i32> = st
+        .failures
+        .iter()
+        .map(|(id, report)| (id.as_str(), report.retries))
+        .collect();
+    assert_eq!(sent.get("running"), Some(&-1), "shutdown release: {sent:?}");
+    for (i, retries) in odd.iter().enumerate() {
+        // The engine's null is its default, 3 (protocol.md B.5).
+        let wanted = retries.unwrap_or(3);
+        assert_eq!(
+            sent.get(format!("surplus-{i}").as_str()),
+            Some(&wanted),
+            "surplus release of retries {retries:?}: {sent:?}"
+        );
+    }
 }
 
 /// An engine that answers a surplus and then stalls on every release holds the poll loop for

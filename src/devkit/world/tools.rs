@@ -71,7 +71,6 @@ impl WorldSessions {
     fn unavailable(&self, reason: &str) -> ToolError {
         ToolError::Unavailable {
             server: SERVER.into(),
-            url: URL.into(),
             reason: reason.into(),
         }
     }
@@ -90,7 +89,6 @@ impl WorldSessions {
                 CredentialError::LeaseLost { server } => ToolError::CredentialRefused { server },
                 CredentialError::Transient { server, reason } => ToolError::Unavailable {
                     server,
-                    url: URL.into(),
                     reason: format!("no credential: {reason}"),
                 },
             })?;
@@ -98,7 +96,6 @@ impl WorldSessions {
         if !issued {
             return Err(ToolError::Unauthorized {
                 server: SERVER.into(),
-                url: URL.into(),
             });
         }
         self.authorized = true;
@@ -144,7 +141,6 @@ impl ToolSessions for WorldSessions {
         if server != SERVER || !matches!(tool, "sim_lookup" | "sim_write") {
             return Err(ToolError::UnknownTool {
                 server: server.into(),
-                url: URL.into(),
                 tool: tool.into(),
             });
         }
