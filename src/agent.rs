@@ -25,6 +25,7 @@
 
 pub mod approval;
 mod approval_gate;
+mod approver;
 mod attempt;
 pub mod bpmn;
 mod canonical;
@@ -37,6 +38,7 @@ mod run_journal;
 pub mod run_key;
 mod scope;
 mod tool_call;
+mod tool_scope;
 mod window;
 
 use std::sync::Arc;

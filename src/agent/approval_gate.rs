@@ -56,7 +56,13 @@ impl Attempt<'_> {
             let needs = specs
                 .iter()
                 .find(|s| s.server == call.server && s.tool == call.tool)
-                .is_some_and(|spec| self.approval.needs_approval(spec, &call.arguments));
+                .is_some_and(|spec| {
+                    self.approval.needs_approval(
+                        spec,
+                        &call.arguments,
+                        &self.state.performed_without_approval,
+                    )
+                });
             if !needs {
                 // An unknown tool is answered by `run_tool_call` without performing anything.
                 return Ok(true);
@@ -116,6 +122,8 @@ impl Attempt<'_> {
                         ));
                     }
                 };
+                // The operator's approvers: the engine's record of who completed the task.
+                let decision = self.attest_decision(call, &request, decision).await?;
                 let seq = self.state.next_seq;
                 self.record(journal::approval_decided_step(seq, &decision))
                     .await?;

@@ -273,6 +273,9 @@ pub struct Replayed {
     pub(crate) consumed_requests: Vec<String>,
     /// How many times the run was deferred (`deferral` steps; run store only).
     pub deferrals: u32,
+    /// The calls finished without a person's decision on them, in order: an approval bound
+    /// holds for their total with the next call of the same tool (`agent::approval`).
+    pub(crate) performed_without_approval: Vec<ToolCall>,
     /// Final answers sent back to the model as off-schema or cut (`outputRepair` on their
     /// model steps): the repair turns spent (`agent::output`).
     pub(crate) output_repairs: u32,
@@ -430,6 +433,9 @@ impl Replayed {
                         .result
                         .ok_or_else(|| err("a finished tool step without a result".into()))?;
                     let done = self.pending.remove(0);
+                    if self.approval.is_none() {
+                        self.performed_without_approval.push(done.call.clone());
+                    }
                     self.approval = None;
                     self.messages.push(Message::ToolResult {
                         call: done.call,
@@ -763,6 +769,7 @@ mod tests {
             approved: false,
             comment: Some("no".into()),
             decided_by: "dana".into(),
+            engine_actor: Some("dana".into()),
         };
         let mut decided = steps.clone();
         decided.push(approval_decided_step(4, &decision));
