@@ -62,6 +62,17 @@ pub enum NodeKind {
         flows: Vec<ConditionalFlow>,
         default: Option<String>,
     },
+    /// A JavaScript script task, run by the engine inside the move that reaches it
+    /// (`ProcessInstance.executeScript`: the variables are bound, `variables.put(..)` writes
+    /// them back) and recording no history entry. `script` is its text (for the BPMN); what it
+    /// does is `writes`: each variable set to its value, where a string `"${a.b}"` is the value
+    /// at that path of the variables as the script found them (the little of JavaScript the
+    /// emulator runs).
+    ScriptTask {
+        script: String,
+        writes: Map<String, Value>,
+        next: String,
+    },
     End,
 }
 
@@ -148,11 +159,12 @@ pub(crate) enum Wait {
 /// instead of looping.
 const MAX_GATEWAY_HOPS: usize = 64;
 
-/// Follows the flow from `from` over gateways to the next node that waits.
+/// Follows the flow from `from` over gateways and script tasks (which write `variables`) to
+/// the next node that waits.
 pub(crate) fn walk(
     model: &ProcessModel,
     from: &str,
-    variables: &Map<String, Value>,
+    variables: &mut Map<String, Value>,
 ) -> Result<Wait, String> {
     let mut id = from.to_string();
     for _ in 0..MAX_GATEWAY_HOPS {
@@ -179,6 +191,13 @@ pub(crate) fn walk(
                 });
             }
             NodeKind::End => return Ok(Wait::End { activity_id: id }),
+            NodeKind::ScriptTask { writes, next, .. } => {
+                let found = variables.clone();
+                for (name, value) in writes {
+                    variables.insert(name.clone(), substitute(value, &found));
+                }
+                id = next.clone();
+            }
             NodeKind::ExclusiveGateway { flows, default } => {
                 let taken = flows
                     .iter()
@@ -197,10 +216,40 @@ pub(crate) fn walk(
     ))
 }
 
+/// `value` with every string `"${a.b}"` in it replaced by the value at that dotted path of
+/// `variables` (null when there is none).
+fn substitute(value: &Value, variables: &Map<String, Value>) -> Value {
+    match value {
+        Value::String(s) => match s.strip_prefix("${").and_then(|r| r.strip_suffix('}')) {
+            Some(path) => {
+                let mut parts = path.split('.');
+                let first = parts.next().and_then(|p| variables.get(p));
+                parts
+                    .try_fold(first, |v, p| Some(v.and_then(|v| v.get(p))))
+                    .flatten()
+                    .cloned()
+                    .unwrap_or(Value::Null)
+            }
+            None => value.clone(),
+        },
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| (k.clone(), substitute(v, variables)))
+                .collect(),
+        ),
+        Value::Array(items) => {
+            Value::Array(items.iter().map(|v| substitute(v, variables)).collect())
+        }
+        other => other.clone(),
+    }
+}
+
 /// The node after `activity_id` (a task's outgoing flow).
 pub(crate) fn next_of(model: &ProcessModel, activity_id: &str) -> Option<String> {
     match &model.node(activity_id)?.kind {
-        NodeKind::ServiceTask { next, .. } | NodeKind::UserTask { next, .. } => Some(next.clone()),
+        NodeKind::ServiceTask { next, .. }
+        | NodeKind::UserTask { next, .. }
+        | NodeKind::ScriptTask { next, .. } => Some(next.clone()),
         _ => None,
     }
 }
@@ -556,19 +605,19 @@ mod tests {
         let model = ProcessModel::refund_approval(None);
         let required = vars(json!({"agentStatus": "approval-required"}));
         assert!(matches!(
-            walk(&model, "agentOutcome", &required),
+            walk(&model, "agentOutcome", &mut required.clone()),
             Ok(Wait::User { ref activity_id, .. }) if activity_id == "approveRefund"
         ));
         for other in [json!({"agentStatus": "done"}), json!({})] {
             assert_eq!(
-                walk(&model, "agentOutcome", &vars(other)),
+                walk(&model, "agentOutcome", &mut vars(other)),
                 Ok(Wait::End {
                     activity_id: "end".into()
                 })
             );
         }
         assert!(matches!(
-            walk(&model, "approveRefund", &required),
+            walk(&model, "approveRefund", &mut required.clone()),
             Ok(Wait::User { .. })
         ));
         assert_eq!(
@@ -584,12 +633,12 @@ mod tests {
             *default = None;
         }
         assert_eq!(
-            walk(&model, "agentOutcome", &Map::new()),
+            walk(&model, "agentOutcome", &mut Map::new()),
             Err("No matching condition and no default flow for gateway agentOutcome".into())
         );
         if let NodeKind::ExclusiveGateway { default, .. } = &mut model.nodes[1].kind {
             *default = Some("agentOutcome".into());
         }
-        assert!(walk(&model, "agentOutcome", &Map::new()).is_err());
+        assert!(walk(&model, "agentOutcome", &mut Map::new()).is_err());
     }
 }
