@@ -53,10 +53,12 @@
 //! curl -s -XDELETE localhost:5601/admin/faults
 //! ```
 //!
-//! Processes: [`EngineEmulator::deploy`] a [`ProcessModel`] (service tasks, user tasks,
-//! exclusive gateways), start it (`POST /api/v1/processes/start?processId=`), and its external
-//! tasks appear, loop back and end as on the real engine; user tasks are served on the engine's
-//! `/api/v1/tasks` paths (module `process_api`, rules in `process`).
+//! Processes: [`EngineEmulator::deploy`] a [`ProcessModel`] (service tasks, user tasks, script
+//! tasks, exclusive gateways), start it (`POST /api/v1/processes/start?processId=`), and its
+//! external tasks appear, loop back and end as on the real engine; user tasks are served on the engine's
+//! `/api/v1/tasks` paths (module `process_api`, rules in `process`), and every instance's
+//! activity history, with who did what as the security mode establishes it, on
+//! `/api/v1/process-instances/{id}/history` (module `history`).
 //!
 //! Outage: while on, every `/api` request has its connection closed without an HTTP response
 //! (clients see a connection error, as with an engine pod that is gone); `/admin` still answers.

@@ -21,10 +21,14 @@
 //! and why. No decision at all: the same request is asked again; any other decision is an
 //! incident naming why, nothing performed.
 //!
-//! What the worker cannot know is who decided: `decidedBy` is whatever the process wrote, as
+//! Who decided is not in the decision: `decidedBy` is whatever the process wrote, as
 //! trustworthy as the process's own variable writes (whoever may complete the user task, run a
 //! script or service task, or PATCH the instance's variables). The `requestId` proves only that
-//! the decision was written after the request, for that request, once.
+//! the decision was written after the request, for that request, once. For a server whose
+//! registry entry names approvers, `agent::approver` asks the engine's activity history who
+//! completed the task. What a person reads of the model ([`approval_request`]'s summary) is
+//! labelled and capped; what the model reads of the person ([`refusal_result`]) is quoted data;
+//! a bound in a rule holds for the run's total too ([`ApprovalRules::needs_approval`]).
 
 use serde_json::{Map, Value, json};
 

@@ -1,7 +1,8 @@
 //! The approval gate of one attempt (`agent::approval` is the pure part): before a pending
 //! call runs, whether it needs a person's decision; the request journaled and the task
 //! completed asking for it; the decision read from the next task, checked against the request
-//! and journaled before it is acted on.
+//! (and, for a server with approvers, against the engine's record of who completed the task:
+//! `agent::approver`) and journaled before it is acted on.
 
 use tracing::Instrument;
 

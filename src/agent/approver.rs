@@ -15,9 +15,12 @@
 //! task writes `TASK_COMPLETED` with the completer as `actor` (nothing of its variables); the
 //! fetch that locks the answering task writes `EXTERNAL_TASK_LOCKED` with its id. A PATCH of
 //! variables writes `VARIABLES_UPDATED` naming them; another worker's completion,
-//! `EXTERNAL_TASK_COMPLETED` (and `EVENT_CORRELATED`). Script tasks, Java-class service tasks
-//! and gateway conditions run inside the engine's `advance` and write no entry: what they do
-//! after an approver's completion is out of the worker's sight (docs/THREAT_MODEL.md).
+//! `EXTERNAL_TASK_COMPLETED` (and `EVENT_CORRELATED`); a timer, `TIMER_JOB_COMPLETED` by
+//! `system`. Script tasks, Java-class service tasks and gateway conditions run inside the
+//! engine's `advance` (the move a completion, a message or a timer makes) and write no entry:
+//! so the approver's completion must be the last move before the answering task, and what the
+//! author's code does within that very move, on the path from the approval task to the agent,
+//! is out of the worker's sight (docs/THREAT_MODEL.md).
 
 use std::collections::VecDeque;
 
@@ -33,8 +36,11 @@ use crate::tools::server_scope::Approvers;
 /// entries, far more than a person's decision lets happen in between.
 const MAX_HISTORY_PAGES: u32 = 50;
 
-/// Entries that write no process variable, as the engine 0.11 records them. Every other
-/// entry (and any the worker does not know) may have written the decision.
+/// Entries that write no process variable and move no token, as the engine 0.11 records them.
+/// Every other entry (and any the worker does not know) may have written the decision: a
+/// completion or a message writes variables, and every move of the token may run the author's
+/// code (a script task, a Java-class service task, a JavaScript condition) that writes them out
+/// of the history's sight. `TIMER_JOB_COMPLETED` is such a move, by `system`, never an approver.
 const WRITES_NOTHING: &[&str] = &[
     "TASK_CREATED",
     "TASK_ASSIGNED",
@@ -45,7 +51,6 @@ const WRITES_NOTHING: &[&str] = &[
     "EXTERNAL_TASK_LOCK_EXTENDED",
     "EXTERNAL_TASK_FAILED",
     "EXTERNAL_TASK_RETRIES_SET",
-    "TIMER_JOB_COMPLETED",
     "TIMER_JOB_FAILED",
     "PROCESS_SUSPENDED",
     "PROCESS_RESUMED",
@@ -428,6 +433,13 @@ mod tests {
                 json!({"externalTaskId": "x"}),
             ),
             event("EVENT_CORRELATED", "mallory", "messageCatch", json!({})),
+            // A timer moved the token on its own: a script after it is out of sight.
+            event(
+                "TIMER_JOB_COMPLETED",
+                "system",
+                "wait",
+                json!({"jobId": "j"}),
+            ),
             event("SOMETHING_NEW", "mallory", "x", json!({})),
         ] {
             for history in [

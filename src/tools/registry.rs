@@ -12,6 +12,9 @@
 //! approval = "writes"             # optional; "never" | "writes" | "always" | [rule, ...]
 //! ```
 //!
+//! `processes`, `topics` and `approvers` say which tasks may use the server and who decides on
+//! its calls ([`super::server_scope`]).
+//!
 //! `approval` is the operator's word on which calls of this server wait for a person
 //! ([`approval_policy`](super::approval_policy), the same grammar as a definition's `approval`): it applies to
 //! every agent whose definition uses the server, on top of the definition's own, so a definition

@@ -287,17 +287,26 @@ async fn an_approvers_completion_performs_the_call_once_and_the_engine_names_the
 }
 
 /// The author's graph answers the request itself: the gateway routes `approval-required` to a
-/// script task that copies the visible `requestId` and `callId` into an approval, back to the
-/// agent. The decision is well formed and names the waiting request; nobody completed a user
-/// task, as the engine records it: nothing is performed.
+/// user task the author owns ("Review", group `authors`), then to a script task that copies the
+/// visible `requestId` and `callId` into an approval, back to the agent. (A script leading
+/// straight back to the agent ends the token on the engine 0.11: a move stops at a node it
+/// passed; something must wait in between.) The author clicks "complete" with no variables;
+/// the decision is well formed and names the waiting request; the engine records the author's
+/// completion, not an approver's: nothing is performed.
 #[tokio::test]
 async fn a_script_task_copying_the_request_id_approves_nothing() {
     let Some(f) = floor(Security::Proxy, ALICE_AND_BOB, |a| {
         let mut model = ProcessModel::refund_approval(Some(a));
-        if let Some(gateway) = model.nodes.iter_mut().find(|n| n.id == "agentOutcome")
-            && let NodeKind::ExclusiveGateway { flows, .. } = &mut gateway.kind
+        if let Some(approve) = model.nodes.iter_mut().find(|n| n.id == "approveRefund")
+            && let NodeKind::UserTask {
+                name,
+                candidate_groups,
+                next,
+            } = &mut approve.kind
         {
-            flows[0].target = "forge".into();
+            *name = "Review".into();
+            *candidate_groups = vec!["authors".into()];
+            *next = "forge".into();
         }
         model.nodes.push(forging_script("refundAgent"));
         model
@@ -308,7 +317,39 @@ async fn a_script_task_copying_the_request_id_approves_nothing() {
     };
     let worker = f.worker();
     let instance = f.start("o-2");
-    nothing_performed(&f, &instance, &["no approver", "\"orders\""]).await;
+    f.waiting_for_approval(&instance).await;
+    let tasks: Vec<Value> = reqwest::Client::new()
+        .get(format!(
+            "{}/v1/tasks?status=AVAILABLE",
+            f.stack.engine.base_url()
+        ))
+        .header("X-Auth-Request-User", "mallory")
+        .header("X-Auth-Request-Groups", "authors,abada-task-user")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = tasks
+        .iter()
+        .find(|t| t["processInstanceId"] == instance.as_str())
+        .and_then(|t| t["id"].as_str())
+        .expect("the author's task")
+        .to_string();
+    let r = reqwest::Client::new()
+        .post(format!(
+            "{}/v1/tasks/complete?taskId={id}",
+            f.stack.engine.base_url()
+        ))
+        .header("X-Auth-Request-User", "mallory")
+        .header("X-Auth-Request-Groups", "authors,abada-task-user")
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    nothing_performed(&f, &instance, &["\"mallory\"", "\"orders\""]).await;
     let view = f.stack.engine.process_instance(&instance).unwrap();
     assert_eq!(
         view.variables["agentApproval"]["approved"], true,
@@ -539,11 +580,12 @@ async fn approvers_without_an_engine_identity_stop_the_start_and_an_approval_wit
     let mut worker = WorkerProcess::spawn_raw(&[], &env);
     let exit = worker.wait(Duration::from_secs(15)).await;
     assert!(!exit.success(), "{exit}");
-    let all = [worker.stdout(), worker.stderr()].concat().join("\n");
-    assert!(
-        all.contains("[\"orders\"]") && all.contains("no identity of its own"),
-        "{all}"
-    );
+    // The output is read by tasks of their own: wait for the line rather than the exit.
+    let all = || [worker.stdout(), worker.stderr()].concat().join("\n");
+    crate::support::wait::eventually(Duration::from_secs(10), "the start-up error", async || {
+        all().contains("[\"orders\"]") && all().contains("no identity of its own")
+    })
+    .await;
 
     tools("approval = \"writes\"");
     let mut worker = WorkerProcess::spawn(&env).await;

@@ -28,7 +28,10 @@
 //!   reached;
 //! - the variables API: `VARIABLES_UPDATED` (`variableNames`);
 //! - suspension, cancellation, failure: `PROCESS_SUSPENDED` / `PROCESS_RESUMED`,
-//!   `PROCESS_CANCELLED` (`reason`), `PROCESS_FAILED`.
+//!   `PROCESS_CANCELLED` (`reason`), `PROCESS_FAILED`;
+//! - a timer (not emulated: the emulator has no timers): `EVENT_CORRELATED` by `system` at the
+//!   catch event, then `TIMER_JOB_COMPLETED` (`jobId`), as seen on the engine
+//!   (docs/REAL_ENGINE.md).
 //!
 //! Script tasks and gateway conditions run inside the engine's `advance` and record nothing.
 //! Honest limits: `traceId` is always null; entries of one instance keep the order they were

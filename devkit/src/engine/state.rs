@@ -1197,7 +1197,7 @@ impl EngineState {
             .get(process_id)
             .ok_or_else(|| format!("Unknown process ID: {process_id}"))?;
         let mut variables = variables;
-        let wait = process::walk(model, &model.start, &mut variables)?;
+        let wait = process::walk(model, &model.start, &mut variables, None)?;
         let start = model.start.clone();
         let instance = self.processes.new_instance_id();
         self.processes.instances.insert(
@@ -1252,7 +1252,7 @@ impl EngineState {
         }
         let next = process::next_of(model, activity_id)
             .ok_or_else(|| format!("Process {} has no task {activity_id}", model.id))?;
-        let wait = process::walk(model, &next, &mut merged)?;
+        let wait = process::walk(model, &next, &mut merged, Some(activity_id))?;
         Ok(Some(Advance {
             instance: instance.to_string(),
             variables: merged,
