@@ -25,7 +25,7 @@
 
 pub mod approval;
 mod approval_gate;
-mod approver;
+pub(crate) mod approver;
 mod attempt;
 pub mod bpmn;
 mod canonical;
