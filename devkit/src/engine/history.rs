@@ -35,7 +35,9 @@
 //!
 //! Script tasks and gateway conditions run inside the engine's `advance` and record nothing.
 //! Honest limits: `traceId` is always null; entries of one instance keep the order they were
-//! written in (the engine breaks `occurredAt` ties by a random id).
+//! written in (the engine breaks `occurredAt` ties by a random id); only instances started from
+//! a deployed model have a history (the instance a task created through the admin API names
+//! has none: the load harness creates hundreds of thousands).
 
 use std::collections::HashMap;
 

@@ -350,14 +350,21 @@ impl EngineState {
         self.now_ms = self.now_ms.max(now);
     }
 
-    /// Records a history entry of `instance` by the current actor.
+    /// Records a history entry of `instance` by the current actor: only for an instance started
+    /// from a deployed model (a task created through the admin API names an instance of its
+    /// own, and the load harness creates hundreds of thousands: their history would be memory
+    /// nobody reads).
     fn record(&mut self, instance: &str, event_type: &str, activity: Option<&str>, details: Value) {
-        let definition = self
+        let Some(definition) = self
             .processes
             .instances
             .get(instance)
             .and_then(|i| i.token.as_ref())
-            .map(|t| t.model.clone());
+            .map(|t| t.model.clone())
+        else {
+            return;
+        };
+        let definition = Some(definition);
         let actor = self.actor.clone();
         self.history.record(
             Event {
