@@ -27,6 +27,7 @@
 
 pub mod approval;
 mod approval_gate;
+pub(crate) mod approver;
 mod attempt;
 pub mod bpmn;
 mod canonical;
@@ -41,6 +42,7 @@ mod run_journal;
 pub mod run_key;
 mod scope;
 mod tool_call;
+mod tool_scope;
 mod window;
 
 use std::sync::Arc;

@@ -196,6 +196,10 @@ pub(crate) enum AgentSetupError {
         #[source]
         source: Box<crate::agent::limits::ModelNotAllowed>,
     },
+    #[error(
+        "tool servers {servers:?} list approvers in ABADA_AGENT_TOOLS_FILE, but the worker sends the engine no identity of its own (neither ABADA_AGENT_OIDC_ISSUER_URL nor ABADA_AGENT_ENGINE_HEADERS_FILE is set): an engine that serves it so is one whose security is off, where anyone names themselves as the approver. Give the worker an engine identity (with the operations:read scope, for the engine's activity history), or remove approvers"
+    )]
+    ApproversWithoutEngineIdentity { servers: Vec<String> },
 }
 
 /// The agent runtime a [`Config`] describes (its providers, agents file and tool registry),
@@ -259,6 +263,20 @@ pub(crate) fn agent_runtime(
                 registry = registry.allow_unregistered(clients, None);
             }
             tracing::info!(servers = registry.len(), "tool-server registry loaded");
+            // Approvers are checked against the engine's record of who completed the approval
+            // task: meaningless unless the engine checks identities, which it only can for a
+            // worker that has one.
+            let checked = registry.servers_with_approvers();
+            if !checked.is_empty() && config.oidc.is_none() && config.engine_headers.is_none() {
+                return Err(AgentSetupError::ApproversWithoutEngineIdentity { servers: checked });
+            }
+            let lowerable = registry.approvals_without_approvers();
+            if !lowerable.is_empty() {
+                tracing::warn!(
+                    servers = ?lowerable,
+                    "these tool servers have an approval in ABADA_AGENT_TOOLS_FILE but no approvers: a decision on their calls is whatever the process writes into its decision variable, so a process author can approve them (a script task copying the requestId). List approvers = {{ users = [...] }} for each, and scope them with processes = [...] to the processes you trust"
+                );
+            }
             Some(Arc::new(registry))
         }
     };

@@ -32,6 +32,33 @@ pub fn engine_process_instance(body: &[u8]) -> Result<String, String> {
     crate::engine::wire::decode_process_instance(body).map(|i| i.process_definition_id)
 }
 
+/// What a history page read to: its entries, its page count, and the approver it names.
+type JudgedPage = (usize, Option<u32>, Result<String, String>);
+
+/// A page of `GET /v1/process-instances/{id}/history` (JSON) with its `X-Total-Pages` header,
+/// and who the engine says completed a user task in it: the events read, the page count, and
+/// the approver judged from the page as a whole history (or why not).
+pub fn engine_history_page(body: &[u8], total_pages: Option<&str>) -> Result<JudgedPage, String> {
+    let page = crate::engine::wire::decode_history_page(body, total_pages)?;
+    let approvers = crate::tools::server_scope::Approvers {
+        users: vec!["alice".into()],
+    };
+    let judged = crate::agent::approver::judge(
+        "fuzz",
+        &page.events,
+        &crate::agent::approver::Witness {
+            server: "orders",
+            approvers: &approvers,
+            asking_task: "t1",
+            answering_task: "t2",
+            agent_activity: Some("agent"),
+            decision_variable: "agentApproval",
+        },
+    )
+    .map_err(|e| e.to_string());
+    Ok((page.events.len(), page.total_pages, judged))
+}
+
 /// A fetch-and-lock response body: the tasks read, and one problem per element skipped.
 pub fn engine_fetch_response(body: &[u8]) -> Result<(Vec<Task>, Vec<String>), String> {
     crate::engine::wire::decode_locked_tasks(body)

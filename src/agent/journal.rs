@@ -344,6 +344,9 @@ pub struct Replayed {
     pub(crate) consumed_requests: Vec<String>,
     /// How many times the run was deferred (`deferral` steps; run store only).
     pub deferrals: u32,
+    /// The calls finished without a person's decision on them, in order: an approval bound
+    /// holds for their total with the next call of the same tool (`agent::approval`).
+    pub(crate) performed_without_approval: Vec<ToolCall>,
     /// Final answers sent back to the model as off-schema or cut (`outputRepair` on their
     /// model steps, or `output/rejected` steps): the repair turns spent (`agent::output`).
     pub(crate) output_repairs: u32,
@@ -517,6 +520,9 @@ impl Replayed {
                         || matches!(self.approval, Some(ApprovalState::Decided { .. }))
                     {
                         self.keyed_results.insert(done.call.call_id.clone());
+                    }
+                    if self.approval.is_none() {
+                        self.performed_without_approval.push(done.call.clone());
                     }
                     self.approval = None;
                     self.messages.push(Message::ToolResult {
@@ -970,6 +976,7 @@ mod tests {
             approved: false,
             comment: Some("no".into()),
             decided_by: "dana".into(),
+            engine_actor: Some("dana".into()),
         };
         let mut decided = steps.clone();
         decided.push(approval_decided_step(4, &decision));

@@ -298,8 +298,10 @@ impl<'a> Attempt<'a> {
             }
             None => (def, approval),
         };
-        // Which servers, at which URL, with which credential: the registry decides; the
-        // definition only names them. Nothing is sent to a server that fails here.
+        // Which tasks may use each server (its scope in the registry), then which servers, at
+        // which URL, with which credential: the registry decides; the definition only names
+        // them. Nothing is sent to a server that fails here.
+        super::tool_scope::check(scope, &def).await?;
         let servers = ToolRegistry::resolve(
             rt.tool_registry.as_deref(),
             &def.tool_servers,

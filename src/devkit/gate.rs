@@ -17,9 +17,10 @@ use serde_json::{Map, Value};
 
 use crate::app::EngineWrapper;
 use crate::engine::{
-    AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
-    JournalStep, OP_PROCESS_DEFINITION, OP_PROCESS_INSTANCE, ProbeOutcome, ProcessDefinition,
-    ProcessInstance, Task, TaskRef, ToolCredential,
+    AnonymousAccess, AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport,
+    FetchRequest, HistoryPage, Journal, JournalStep, OP_PROCESS_DEFINITION, OP_PROCESS_HISTORY,
+    OP_PROCESS_INSTANCE, ProbeOutcome, ProcessDefinition, ProcessInstance, Task, TaskRef,
+    ToolCredential,
 };
 
 /// One engine call as a gate sees it, with what a gate may decide on.
@@ -38,7 +39,9 @@ pub enum Op<'a> {
     /// The reachability probe of the poll loop's backoff ([`Engine::probe`]).
     Probe,
     /// A read of the process API for an agent defined in the BPMN: the instance
-    /// ([`Engine::process_instance`]) or the definition ([`Engine::process_definition`]).
+    /// ([`Engine::process_instance`]) or the definition ([`Engine::process_definition`]); or
+    /// of an instance's activity history ([`Engine::process_history`], and its
+    /// [`Engine::anonymous_history_read`]), `id` the instance.
     ProcessRead {
         op: &'static str,
         id: &'a str,
@@ -181,6 +184,33 @@ impl<G: Gate + ?Sized> Engine for GatedEngine<G> {
         };
         self.gate.before(op, Some(task)).await;
         self.inner.process_definition(task, definition_id).await
+    }
+
+    async fn process_history(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+        page: u32,
+    ) -> Result<HistoryPage, EngineError> {
+        let op = Op::ProcessRead {
+            op: OP_PROCESS_HISTORY,
+            id: instance_id,
+        };
+        self.gate.before(op, Some(task)).await;
+        self.inner.process_history(task, instance_id, page).await
+    }
+
+    async fn anonymous_history_read(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+    ) -> Result<AnonymousAccess, EngineError> {
+        let op = Op::ProcessRead {
+            op: OP_PROCESS_HISTORY,
+            id: instance_id,
+        };
+        self.gate.before(op, Some(task)).await;
+        self.inner.anonymous_history_read(task, instance_id).await
     }
 
     async fn probe(&self) -> ProbeOutcome {

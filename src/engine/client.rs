@@ -29,8 +29,9 @@ use super::error::{EngineError, LeaseLostReason};
 use super::headers::EngineHeaders;
 use super::wire::{self, PROTOCOL_HEADER, PROTOCOL_VERSION};
 use super::{
-    AppendOutcome, BpmnErrorReport, Engine, FailureReport, FetchRequest, Journal, JournalStep,
-    OP_PROCESS_DEFINITION, OP_PROCESS_INSTANCE, ProbeOutcome, ProcessDefinition, ProcessInstance,
+    AnonymousAccess, AppendOutcome, BpmnErrorReport, Engine, FailureReport, FetchRequest,
+    HISTORY_PAGE_SIZE, HistoryPage, Journal, JournalStep, OP_PROCESS_DEFINITION,
+    OP_PROCESS_HISTORY, OP_PROCESS_INSTANCE, ProbeOutcome, ProcessDefinition, ProcessInstance,
     Task, TaskRef, ToolCredential, TraceParent,
 };
 use crate::auth::TokenProvider;
@@ -80,6 +81,8 @@ impl EngineClientSettings {
 const EXTERNAL_TASKS: &str = "/v1/external-tasks";
 /// Below the API root: the process API's reads (agents defined in the BPMN).
 const PROCESSES: &str = "/v1/processes";
+/// Below the API root: the operations API (an instance's activity history).
+const PROCESS_INSTANCES: &str = "/v1/process-instances";
 
 /// The engine over HTTP.
 pub struct HttpEngine {
@@ -130,6 +133,8 @@ enum Reading {
     /// A process definition with its BPMN XML, whole within
     /// `body::PROCESS_DEFINITION_MAX_BYTES`.
     Definition,
+    /// A page of activity history, whole within `body::HISTORY_PAGE_MAX_BYTES`.
+    History,
 }
 
 struct Answer {
@@ -187,7 +192,7 @@ impl HttpEngine {
     /// The call's URL, written out (for messages).
     fn url_of(&self, call: &Call<'_>) -> String {
         match &self.root {
-            Ok(root) => root.join(&call.path).to_string(),
+            Ok(root) => call_url(root, &call.path).to_string(),
             Err(_) => format!("{}{}", self.settings.engine_url, call.path),
         }
     }
@@ -277,7 +282,7 @@ impl HttpEngine {
             })?
             .expect("engine semaphore is never closed");
         let url = match &self.root {
-            Ok(root) => root.join(&call.path),
+            Ok(root) => call_url(root, &call.path),
             Err(why) => {
                 return Err(EngineError::Transient {
                     op: call.op,
@@ -388,6 +393,10 @@ impl HttpEngine {
                 let what = format!("the {} answer{subject}", call.op);
                 answer.body =
                     body::read_capped(resp, body::PROCESS_DEFINITION_MAX_BYTES, &what).await?;
+            }
+            Reading::History => {
+                let what = format!("the {} answer{subject}", call.op);
+                answer.body = body::read_capped(resp, body::HISTORY_PAGE_MAX_BYTES, &what).await?;
             }
             Reading::Tasks => {
                 let decoded = body::decode_streamed(
@@ -517,6 +526,19 @@ impl HttpEngine {
 }
 
 /// The `error.type` of an exchange that got no answer to classify.
+/// The root with the call's path set and, after a `?` in it, its query (a path of ours: its
+/// segments encoded, its query built from numbers).
+fn call_url(root: &BaseUrl, path: &str) -> reqwest::Url {
+    match path.split_once('?') {
+        Some((path, query)) => {
+            let mut url = root.join(path);
+            url.set_query(Some(query));
+            url
+        }
+        None => root.join(path),
+    }
+}
+
 fn exchange_error_type(e: &EngineError) -> &'static str {
     match e {
         EngineError::Transient { .. } => "transport",
@@ -1008,6 +1030,94 @@ impl Engine for HttpEngine {
                 detail: format!("process definition {definition_id:?}: {detail}"),
             }
         })
+    }
+
+    /// A read: retried like a command on transient errors, no key.
+    async fn process_history(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+        page: u32,
+    ) -> Result<HistoryPage, EngineError> {
+        let op = OP_PROCESS_HISTORY;
+        let id = usable_id(op, "processInstanceId", instance_id)?;
+        let answer = self
+            .command(Call {
+                op,
+                method: Method::GET,
+                task_id: Some(&task.task_id),
+                path: format!(
+                    "{PROCESS_INSTANCES}/{id}/history?page={page}&size={HISTORY_PAGE_SIZE}"
+                ),
+                body: Bytes::new(),
+                idempotency_key: None,
+                traceparent: Self::trace(task),
+                read: Reading::History,
+            })
+            .await?;
+        let total_pages = answer
+            .headers
+            .get("x-total-pages")
+            .map(|v| v.to_str().unwrap_or("(not text)"));
+        wire::decode_history_page(&answer.body, total_pages).map_err(|detail| {
+            EngineError::MalformedResponse {
+                op,
+                detail: format!("activity history of process instance {instance_id:?}: {detail}"),
+            }
+        })
+    }
+
+    /// Sent on the bare client: no token and none of the operator's headers, so the engine sees
+    /// a caller with no identity. Once, not retried: a transport error is the caller's to retry.
+    async fn anonymous_history_read(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+    ) -> Result<AnonymousAccess, EngineError> {
+        let op = OP_PROCESS_HISTORY;
+        let id = usable_id(op, "processInstanceId", instance_id)?;
+        let root = self.root.as_ref().map_err(|why| EngineError::Transient {
+            op,
+            request_sent: false,
+            message: format!("the engine URL cannot be used ({why})"),
+        })?;
+        let url = call_url(
+            root,
+            &format!("{PROCESS_INSTANCES}/{id}/history?page=0&size=1"),
+        );
+        let shown = url.to_string();
+        let sent = self
+            .http
+            .get(url)
+            .timeout(self.settings.request_timeout)
+            .header(reqwest::header::ACCEPT, "application/json")
+            .send()
+            .await;
+        let status = match sent {
+            Ok(resp) => resp.status(),
+            Err(e) => {
+                return Err(EngineError::Transient {
+                    op,
+                    request_sent: !e.is_connect(),
+                    message: format!(
+                        "an unauthenticated read of the activity history for task {}: {}",
+                        task.task_id,
+                        describe_transport_error(&e, &shown)
+                    ),
+                });
+            }
+        };
+        match status.as_u16() {
+            401 | 403 => Ok(AnonymousAccess::Refused),
+            200..=299 | 404 => Ok(AnonymousAccess::Answered),
+            other => Err(EngineError::Transient {
+                op,
+                request_sent: true,
+                message: format!(
+                    "an unauthenticated read of the activity history answered HTTP {other}"
+                ),
+            }),
+        }
     }
 
     async fn tool_credential(

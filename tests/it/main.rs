@@ -2,6 +2,7 @@
 
 mod agent;
 mod approval;
+mod approval_floor;
 mod bpmn;
 mod ceilings;
 mod checker;

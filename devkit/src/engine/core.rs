@@ -14,6 +14,10 @@ use super::http::parse_command_body;
 use super::process::{Caller, ProcessInstanceView, ProcessModel, UserTaskStatus, UserTaskView};
 use super::state::{EngineState, Operation, TaskSpec, TaskView};
 
+/// Who calls an engine without HTTP: no identity, as a request without `X-User` to an engine
+/// whose security is disabled (the history's `actor`).
+const ANONYMOUS: &str = "anonymous";
+
 /// An engine's refusal, as the HTTP layer would send it: status, error code and message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CoreRefusal {
@@ -40,6 +44,8 @@ pub struct CoreReply {
 pub struct EngineCore {
     state: EngineState,
     protocol: ProtocolLevel,
+    /// The latest "now" a call gave (the time of history entries of calls without one).
+    now_ms: i64,
 }
 
 impl EngineCore {
@@ -48,6 +54,7 @@ impl EngineCore {
         EngineCore {
             state: EngineState::new(protocol, credential_ttl_ms, 0),
             protocol,
+            now_ms: 0,
         }
     }
 
@@ -74,7 +81,8 @@ impl EngineCore {
         process_id: &str,
         variables: serde_json::Map<String, Value>,
     ) -> Result<String, String> {
-        self.state.start_process(process_id, variables)
+        self.state
+            .start_process(process_id, variables, ANONYMOUS, self.now_ms)
     }
 
     pub fn process_instance(&self, id: &str) -> Option<ProcessInstanceView> {
@@ -110,7 +118,8 @@ impl EngineCore {
             user: user.to_string(),
             groups: groups.to_vec(),
         };
-        self.state.complete_user_task(id, &caller, variables)
+        self.state
+            .complete_user_task(id, &caller, variables, self.now_ms)
     }
 
     /// One request of the worker protocol: `body` as the worker would send it, `key` its
@@ -140,7 +149,11 @@ impl EngineCore {
             return Err(refusal(super::wire::ApiError::not_found_resource()));
         }
         let command = parse_command_body(op, Some(body), false).map_err(refusal)?;
-        match self.state.run(op, task_id, key, &command, now_ms) {
+        self.now_ms = self.now_ms.max(now_ms);
+        match self
+            .state
+            .run(op, task_id, key, &command, now_ms, ANONYMOUS)
+        {
             Ok((reply, _)) => Ok(CoreReply {
                 status: reply.status.as_u16(),
                 body: reply.body,

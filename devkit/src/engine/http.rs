@@ -487,11 +487,13 @@ async fn pipeline(call: &ApiCall, op: Operation, parsed_body: Option<Value>) -> 
     };
     let key = header_str(&call.headers, "idempotency-key");
     let now = shared.clock.now_ms();
+    let actor = shared.caller(&call.headers).user;
     let mut state = shared.state();
-    let (result, disposition) = match state.run(op, call.task_id.as_deref(), key, &command, now) {
-        Ok((reply, disposition)) => (Ok(reply), disposition),
-        Err(error) => (Err(error), Disposition::Refused),
-    };
+    let (result, disposition) =
+        match state.run(op, call.task_id.as_deref(), key, &command, now, &actor) {
+            Ok((reply, disposition)) => (Ok(reply), disposition),
+            Err(error) => (Err(error), Disposition::Refused),
+        };
     Outcome {
         result,
         disposition,
@@ -576,7 +578,10 @@ pub(crate) fn parse_command_body(
             }
             Command::ToolCredentials(request)
         }
-        Operation::ProcessInstanceRead | Operation::ProcessDefinitionRead | Operation::Unknown => {
+        Operation::ProcessInstanceRead
+        | Operation::ProcessDefinitionRead
+        | Operation::ProcessHistoryRead
+        | Operation::Unknown => {
             return Err(ApiError::not_found_resource());
         }
     })
