@@ -27,7 +27,9 @@
 //!   backing off from a failed fetch): with every slot busy, during the idle wait after an
 //!   empty answer, or while a fetch was out. So a freed slot is refilled after one round trip,
 //!   and a partial answer (others fetching at the same moment) is followed by a fetch for the
-//!   rest at once.
+//!   rest at once. An empty answer right after tasks (another worker's fetch held the rows) is
+//!   fetched again after a short jittered pause, backing off to the poll interval (the
+//!   policy's rule).
 //! - One attempt of a task at a time: the engine handing out a task that still runs here
 //!   starts the newer attempt only once the older one has ended. An older attempt still at
 //!   work is stopped (its lease is superseded); one already reporting is left to read its
