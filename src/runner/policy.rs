@@ -5,24 +5,28 @@
 //! (instants come in), and its randomness is injected, so every rule is unit-tested below.
 //!
 //! The rules (design.md, Level 1; README.md Operations):
-//! - An empty answer means "nothing to do" unless it comes right after a full or partial one:
-//!   it waits the poll interval, stretched at random by up to `poll_jitter` (2 %) and never
-//!   shortened: an idle worker asks at most once per interval.
+//! - An empty answer means "nothing to do" unless it comes right after a full or partial one,
+//!   or is the worker's first: it waits the poll interval, stretched at random by up to
+//!   `poll_jitter` (2 %) and never shortened: an idle worker asks at most once per interval.
 //! - An empty answer right after a full or partial one (or after a run of such empties) is
-//!   contention, not an empty queue: another worker's fetch held the rows when ours ran. The
-//!   real engine 0.11 on H2 (its dev profile) locks every row its acquisition query matches,
-//!   not only the one it returns, until its fetch's transaction commits, so a fetch that starts
+//!   contention, not an empty queue: another worker's fetch held the rows when ours ran. So is
+//!   the worker's first answer, empty: a replica that starts beside busy ones on a backlog
+//!   meets their locks first, and waiting a poll interval per collision leaves it idle for
+//!   seconds (on the real engine one worker of four once got no task of a run). The real
+//!   engine 0.11 on H2 (its dev profile) locks every row its acquisition query matches, not
+//!   only the one it returns, until its fetch's transaction commits, so a fetch that starts
 //!   meanwhile answers empty on a deep backlog (the engine's fetch is one transaction, and H2
 //!   2.3's `Select` locks every row it reads for `FOR UPDATE` before it sorts and limits; the
-//!   devkit emulator's `engine/contention.rs` cites the sources and models it). Waiting the poll
-//!   interval then idles the free slots while tasks wait. So it fetches again after a short
-//!   pause instead: [`CONTENTION_PAUSE`] (25 ms), doubling with each empty answer in a row,
-//!   drawn at random between half and all of it (equal jitter, so workers that collided do not
-//!   collide again), for as long as the nominal pauses together fit in one poll interval (with
-//!   the default 1 s: 25, 50, 100, 200, 400 ms); the next empty answer waits the poll interval
-//!   as above, and the run of empties is over. So the retries after a queue really emptied
-//!   cost at most a few fetches (log2 of the poll interval over 25 ms), all within one poll
-//!   interval of the answer that had tasks, and an idle queue is still asked once per interval.
+//!   devkit emulator's `engine/contention.rs` cites the sources and models it). Waiting the
+//!   poll interval then idles the free slots while tasks wait. So it fetches again after a
+//!   short pause instead: [`CONTENTION_PAUSE`] (25 ms), doubling with each empty answer in a
+//!   row, drawn at random between half and all of it (`contention_backoff`, equal jitter, so
+//!   workers that collided do not collide again; the simulator turns the jitter off), for as
+//!   long as the nominal pauses together fit in one poll interval (with the default 1 s: 25,
+//!   50, 100, 200, 400 ms); the next empty answer waits the poll interval as above, and the run
+//!   of empties is over. So a queue that really emptied, and a worker's start on an empty
+//!   queue, cost at most a few more fetches (log2 of the poll interval over 25 ms), all within
+//!   one poll interval; an idle queue is otherwise asked once per interval.
 //! - Any other answer fetches again at once, for the slots still free (none free: once a task
 //!   ends). A full batch, of course; and a partial one too, because on a shared queue it means
 //!   others are fetching at the same moment (the engine's `FOR UPDATE SKIP LOCKED` skips the
@@ -123,12 +127,12 @@ pub(crate) fn admit(free: u32, capacity: Capacity, now: Instant) -> Admit {
 /// The shortest wait for capacity: a capacity said to return "now" cannot make the loop spin.
 const ADMISSION_RECHECK: Duration = Duration::from_millis(1);
 
-/// The first pause after an empty answer that came right after tasks (see the module docs):
+/// The first pause after an empty answer that may be contention (see the module docs):
 /// about a fetch's transaction on the real engine under load (9-35 ms measured per fetch in
 /// BENCHMARKS.md), so the fetch that held the rows has likely committed when ours runs again.
 pub(crate) const CONTENTION_PAUSE: Duration = Duration::from_millis(25);
 
-/// A run of empty answers that began right after an answer with tasks.
+/// A run of empty answers that began right after an answer with tasks, or at the start.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Contention {
     /// Empty answers in the run so far.
@@ -143,6 +147,7 @@ pub(crate) struct FetchPolicy {
     poll_jitter: f64,
     error_backoff: Backoff,
     throttle_backoff: Backoff,
+    contention_backoff: Backoff,
     random: Random,
     /// Consecutive failed fetches; 0 after a success.
     failures: u32,
@@ -151,8 +156,9 @@ pub(crate) struct FetchPolicy {
     fetch_at: Instant,
     /// When to probe the engine next; `None` unless backing off from a transient error.
     probe_at: Option<Instant>,
-    /// Set by an answer with tasks: an empty answer then is contention, not an empty queue.
-    /// `None` once such a run of empties has fallen back to the poll interval, or after an error.
+    /// Set at the start and by an answer with tasks: an empty answer then is contention, not an
+    /// empty queue. `None` once such a run of empties has fallen back to the poll interval, or
+    /// after an error.
     contention: Option<Contention>,
 }
 
@@ -164,12 +170,14 @@ impl FetchPolicy {
             poll_jitter: settings.poll_jitter,
             error_backoff: settings.error_backoff,
             throttle_backoff: settings.throttle_backoff,
+            contention_backoff: settings.contention_backoff,
             random,
             failures: 0,
             last_warned: None,
             fetch_at: now,
             probe_at: None,
-            contention: None,
+            // The first answer may meet other workers' locks too (see the module docs).
+            contention: Some(Contention::default()),
         }
     }
 
@@ -191,8 +199,8 @@ impl FetchPolicy {
     /// failures that was logged (say that fetching works again).
     ///
     /// A full or partial answer fetches again at once (see the module docs for why a partial
-    /// answer cannot make the loop spin); an empty one right after it fetches again after a
-    /// short pause, backing off; any other empty answer waits the poll interval.
+    /// answer cannot make the loop spin); an empty one right after it (or the first) fetches
+    /// again after a short pause, backing off; any other empty answer waits the poll interval.
     pub fn fetched(&mut self, now: Instant, got: usize) -> bool {
         self.failures = 0;
         self.probe_at = None;
@@ -206,20 +214,20 @@ impl FetchPolicy {
     }
 
     /// The wait after an empty answer: a contention pause while a run of empties that began
-    /// right after tasks lasts (see the module docs), else the poll interval.
+    /// right after tasks (or at the start) lasts (see the module docs), else the poll interval.
     fn after_empty(&mut self) -> Duration {
         if let Some(run) = self.contention.take() {
-            let nominal = CONTENTION_PAUSE
-                .saturating_mul(1u32.checked_shl(run.empties.min(30)).unwrap_or(u32::MAX));
+            let nominal = self.contention_backoff.delay_with(run.empties, 1.0);
             let paused = run.paused.saturating_add(nominal);
             if paused <= self.poll_interval {
                 self.contention = Some(Contention {
                     empties: run.empties + 1,
                     paused,
                 });
-                // Equal jitter: between half and all of the nominal pause.
-                let random = (self.random)().clamp(0.0, 1.0);
-                return nominal.mul_f64(0.5 + 0.5 * random);
+                // With the default jitter (0.5): between half and all of the nominal pause.
+                return self
+                    .contention_backoff
+                    .delay_with(run.empties, (self.random)());
             }
         }
         backoff::stretched_with(self.poll_interval, self.poll_jitter, (self.random)())
@@ -321,6 +329,13 @@ mod tests {
         )
     }
 
+    /// A policy past its start: its empty answers are an idle queue's, not contention.
+    fn idle(random: f64) -> (FetchPolicy, Instant) {
+        let (mut p, t0) = policy(random);
+        p.contention = None;
+        (p, t0)
+    }
+
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
     }
@@ -390,7 +405,7 @@ mod tests {
     #[test]
     fn an_empty_fetch_waits_the_poll_interval_stretched_by_at_most_two_percent() {
         for (random, wait) in [(0.0, ms(1000)), (0.5, ms(1010)), (1.0, ms(1020))] {
-            let (mut p, t0) = policy(random);
+            let (mut p, t0) = idle(random);
             p.fetched(t0, 0);
             assert_eq!(p.next(t0), Action::WaitUntil(t0 + wait), "{random}");
             assert_eq!(p.next(t0 + wait - ms(1)), Action::WaitUntil(t0 + wait));
@@ -511,8 +526,9 @@ mod tests {
                 );
             }
         }
-        // The first answer of all, empty, is no contention: the poll interval.
-        assert_eq!(waits_after(0.0, SECOND, &[0]), vec![SECOND]);
+        // The worker's first answer, empty, may be contention too: a replica starting beside
+        // busy ones meets their locks first.
+        assert_eq!(waits_after(0.0, SECOND, &[0]), vec![ms(12) + ms(1) / 2]);
     }
 
     /// Empty answers in a row back off: each pause doubles, for as long as the pauses together
@@ -558,37 +574,42 @@ mod tests {
             waits_after(1.0, SECOND, &[2, 0, 0, 1, 0]),
             [0, 25, 50, 0, 25].map(ms)
         );
+        // So do the worker's first empty answers.
+        assert_eq!(
+            waits_after(1.0, SECOND, &[0; 7]),
+            [25, 50, 100, 200, 400, 1020, 1020].map(ms)
+        );
     }
 
-    /// An idle queue is asked at most once per poll interval, as before; a queue that empties
-    /// costs a few more fetches, all within one poll interval of the last answer with tasks.
+    /// An idle queue is asked at most once per poll interval, as before, but for a few quick
+    /// fetches when the worker starts; a queue that empties costs a few more fetches too, all
+    /// within one poll interval of the last answer with tasks.
     #[test]
     fn an_idle_queue_is_still_asked_about_once_per_poll_interval() {
         for random in [0.0, 0.5, 1.0] {
-            // Never a task: every wait is at least the poll interval.
-            let waits = waits_after(random, SECOND, &[0; 100]);
-            assert!(waits.iter().all(|w| *w >= SECOND), "{random}: {waits:?}");
-            // A queue that empties after an answer with tasks: the fetches in the minute after
-            // it are the minute's 60 plus at most the 5 contention retries, and those 5 come
-            // within one poll interval of that answer.
-            let waits = waits_after(random, SECOND, &[[8].as_slice(), &[0; 100]].concat());
-            let mut at = Duration::ZERO;
-            let mut fetches = Vec::new();
-            for w in &waits {
-                at += *w;
-                fetches.push(at);
+            // Never a task, and a queue that empties after an answer with tasks: the fetches
+            // in the minute after the start (or that answer) are the minute's 60 plus at most
+            // the 5 contention retries, and those 5 come within one poll interval of it.
+            for answers in [vec![0; 100], [[8].as_slice(), &[0; 100]].concat()] {
+                let waits = waits_after(random, SECOND, &answers);
+                let mut at = Duration::ZERO;
+                let mut fetches = vec![at];
+                for w in &waits {
+                    at += *w;
+                    fetches.push(at);
+                }
+                let in_minute = fetches
+                    .iter()
+                    .filter(|t| **t <= Duration::from_secs(60))
+                    .count();
+                assert!(in_minute <= 60 + 5 + 1, "{random}: {in_minute}");
+                let soon = fetches.iter().filter(|t| **t < SECOND).count();
+                assert!(soon <= 7, "{random}: {fetches:?}");
+                assert!(
+                    fetches.windows(2).skip(7).all(|w| w[1] - w[0] >= SECOND),
+                    "{random}: {fetches:?}"
+                );
             }
-            let in_minute = fetches
-                .iter()
-                .filter(|t| **t <= Duration::from_secs(60))
-                .count();
-            assert!(in_minute <= 60 + 5 + 1, "{random}: {in_minute}");
-            let soon = fetches.iter().filter(|t| **t < SECOND).count();
-            assert!(soon <= 6, "{random}: {fetches:?}");
-            assert!(
-                fetches.windows(2).skip(6).all(|w| w[1] - w[0] >= SECOND),
-                "{random}: {fetches:?}"
-            );
         }
     }
 
@@ -615,7 +636,7 @@ mod tests {
 
     #[test]
     fn a_task_ending_during_the_idle_wait_fetches_at_once() {
-        let (mut p, t0) = policy(0.5);
+        let (mut p, t0) = idle(0.5);
         p.fetched(t0, 0);
         let ended = t0 + ms(300);
         assert!(matches!(p.next(ended), Action::WaitUntil(_)));

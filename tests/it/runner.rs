@@ -64,6 +64,7 @@ fn settings(lock: Duration) -> RunnerSettings {
     s.error_backoff = s.error_backoff.without_jitter();
     s.throttle_backoff = s.throttle_backoff.without_jitter();
     s.heartbeat.retry_backoff = s.heartbeat.retry_backoff.without_jitter();
+    s.contention_backoff = s.contention_backoff.without_jitter();
     s
 }
 
@@ -417,6 +418,34 @@ async fn an_empty_answer_after_a_full_one_fetches_again_soon() {
     assert!(took < Duration::from_secs(10), "took {took:?}");
 }
 
+/// A worker that starts beside busy ones on a backlog meets their locks first: its first
+/// answers are empty though tasks wait. That is contention too, so it joins after a few short
+/// pauses, not one poll interval (an hour here) per collision.
+#[tokio::test(start_paused = true)]
+async fn a_worker_whose_first_fetches_meet_locks_joins_within_a_few_pauses() {
+    let engine = FakeEngine::with_tasks(4);
+    engine.state.lock().unwrap().empty_answers = 2;
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 4;
+    s.poll_interval = Duration::from_secs(3600);
+    let started = Instant::now();
+    let mut r = start(&engine, SleepHandler::new(Duration::from_secs(1)), s);
+    let mut answers = Vec::new();
+    while answers.len() < 3 {
+        if let RunnerEvent::Fetched { requested, got } = next_event(&mut r.events).await {
+            answers.push((requested, got, Instant::now() - started));
+        }
+    }
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    assert_eq!(
+        answers.iter().map(|a| (a.0, a.1)).collect::<Vec<_>>(),
+        [(4, 0), (4, 0), (4, 4)]
+    );
+    // Pauses of 25 and 50 ms (no jitter here), 1 ms per fetch.
+    assert_eq!(answers[2].2, Duration::from_millis(25 + 50 + 3));
+}
+
 /// A task that ends while the loop waits out the poll interval after an empty answer frees its
 /// slot and fetches at once: its completion may have made the next task of its process.
 #[tokio::test(start_paused = true)]
@@ -558,12 +587,19 @@ async fn an_empty_fetch_waits_the_poll_interval_and_a_full_batch_fetches_again_a
         .into_iter()
         .filter(|c| c.op == "fetch-and-lock")
         .collect();
-    // t = 0, 2, 4, 6, 8, 10 (each plus 1 ms of fake latency): 6 fetches, 1 per poll interval.
-    assert_eq!(fetches.len(), 6);
-    for pair in fetches.windows(2) {
-        let gap = pair[1].at - pair[0].at;
+    // The first answer, empty, may be contention (a worker starting beside busy ones): 6
+    // quick retries, 25 ms doubling (1575 ms of the 2 s interval), each plus 1 ms of fake
+    // latency; then 1 fetch per poll interval: t = 3.58, 5.58, 7.58, 9.58 s.
+    let gaps: Vec<Duration> = fetches.windows(2).map(|w| w[1].at - w[0].at).collect();
+    assert_eq!(
+        gaps[..6],
+        [26, 51, 101, 201, 401, 801].map(Duration::from_millis),
+        "{gaps:?}"
+    );
+    assert_eq!(fetches.len(), 11, "{gaps:?}");
+    for gap in &gaps[6..] {
         assert!(
-            gap >= Duration::from_secs(2) && gap < Duration::from_millis(2010),
+            *gap >= Duration::from_secs(2) && *gap < Duration::from_millis(2010),
             "{gap:?}"
         );
     }
