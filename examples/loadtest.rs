@@ -77,6 +77,8 @@ usage: loadtest [FLAGS]
   --fetch-locks L       what a fetch's transaction locks: every-candidate (the engine on H2, a
                         fetch meanwhile answers empty; default) | returned-rows (on PostgreSQL)
   --workers N           backlog: N worker processes share the engine (1..=4), default 1
+  --backlog-first       with --workers: the backlog waits before the workers start together,
+                        instead of appearing once each has fetched from the empty queue
   --floor               backlog: also run the floor client with the same knobs, in the same run
   --scaling-slots LIST  scaling: slot counts, default 1,4,16,50
   --scaling-tasks LIST  scaling: backlog sizes, default 100,1000,10000
@@ -163,6 +165,10 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
     while let Some(flag) = it.next() {
         if flag == "--floor" {
             a.floor = true;
+            continue;
+        }
+        if flag == "--backlog-first" {
+            a.opts.backlog_first = true;
             continue;
         }
         let value = it

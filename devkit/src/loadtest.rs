@@ -96,6 +96,10 @@ pub struct LoadOptions {
     pub fetch_contention: Option<super::engine::FetchContention>,
     /// Worker processes sharing the engine (backlog only; 1 to [`MAX_WORKERS`]).
     pub workers: u32,
+    /// With several workers: the backlog is there before they start, and they start together
+    /// (replicas deployed onto a waiting queue), instead of appearing once each has fetched
+    /// from the empty queue (replicas idle when work arrives).
+    pub backlog_first: bool,
     /// The model's provider rate limit (issue 25): stated on every answer, 429 beyond.
     pub rate_limit: Option<super::model::RateLimit>,
 }
@@ -138,6 +142,7 @@ impl Default for LoadOptions {
             fetch_answer_cap: None,
             fetch_contention: None,
             workers: 1,
+            backlog_first: false,
             rate_limit: None,
         }
     }
@@ -1052,7 +1057,8 @@ const WORKER_TASKS: [&str; MAX_WORKERS as usize] = [
 
 /// A backlog shared by `opts.workers` worker processes of `opts.slots` slots each on one
 /// engine: each child starts on the empty queue; once all have fetched, the whole backlog is
-/// created at once and the run ends when every task is completed. Throughput, CPU per task,
+/// created at once (with [`LoadOptions::backlog_first`], it is there before they all start
+/// together) and the run ends when every task is completed. Throughput, CPU per task,
 /// slot use overall and per worker over the deep-backlog window, and the largest deviation of
 /// a worker's slot use from the mean.
 async fn shared_backlog(
@@ -1065,24 +1071,34 @@ async fn shared_backlog(
     let worker_ids: Vec<String> = (1..=opts.workers)
         .map(|i| format!("bench-worker-{i}"))
         .collect();
-    let mut children = Vec::new();
-    for id in &worker_ids {
-        let mut child = spawn_child(which, stack, opts, None, id)?;
-        wait_first_fetch(stack, &mut child, Some(id)).await?;
-        children.push(child);
-    }
     let cpu = |children: &[ChildGuard]| -> f64 {
         children
             .iter()
             .map(|c| cpu_seconds(c.pid(), ticks).unwrap_or(f64::NAN))
             .sum()
     };
-    let cpu0 = cpu(&children);
     let agent = bench_agent(stack, opts);
-    let ids = stack
-        .engine
-        .create_tasks((0..opts.tasks).map(|i| task_spec(&agent, i)));
-    let created_at = ms(&stack.engine.now());
+    let backlog = || {
+        let ids = stack
+            .engine
+            .create_tasks((0..opts.tasks).map(|i| task_spec(&agent, i)));
+        (ids, ms(&stack.engine.now()))
+    };
+    let mut children = Vec::new();
+    let (cpu0, (ids, created_at)) = if opts.backlog_first {
+        let created = backlog();
+        for id in &worker_ids {
+            children.push(spawn_child(which, stack, opts, None, id)?);
+        }
+        (cpu(&children), created)
+    } else {
+        for id in &worker_ids {
+            let mut child = spawn_child(which, stack, opts, None, id)?;
+            wait_first_fetch(stack, &mut child, Some(id)).await?;
+            children.push(child);
+        }
+        (cpu(&children), backlog())
+    };
     let created: Vec<(String, i64)> = ids.into_iter().map(|id| (id, created_at)).collect();
     let result = wait_all_done(stack, &mut children, opts, &created).await;
     let cpu1 = cpu(&children);
