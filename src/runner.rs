@@ -27,7 +27,9 @@
 //!   backing off from a failed fetch): with every slot busy, during the idle wait after an
 //!   empty answer, or while a fetch was out. So a freed slot is refilled after one round trip,
 //!   and a partial answer (others fetching at the same moment) is followed by a fetch for the
-//!   rest at once.
+//!   rest at once. An empty answer right after tasks, or the first (another worker's fetch
+//!   may have held the rows), is fetched again after a short jittered pause, backing off to
+//!   the poll interval (the policy's rule).
 //! - One attempt of a task at a time: the engine handing out a task that still runs here
 //!   starts the newer attempt only once the older one has ended. An older attempt still at
 //!   work is stopped (its lease is superseded); one already reporting is left to read its
@@ -90,6 +92,9 @@ pub struct RunnerSettings {
     /// Backoff after the engine asked to slow down (429/503 without Retry-After) or refused us
     /// (authentication, access).
     pub throttle_backoff: Backoff,
+    /// The pauses after an empty answer that may be contention (right after tasks, or the
+    /// first): `base` doubling, jittered; the poll interval bounds the run, not `max`.
+    pub contention_backoff: Backoff,
     pub heartbeat: HeartbeatSettings,
 }
 
@@ -106,6 +111,7 @@ impl RunnerSettings {
             stop_wait: Duration::from_millis(500),
             error_backoff: Backoff::new(Duration::from_millis(1000), Duration::from_secs(6)),
             throttle_backoff: Backoff::new(Duration::from_secs(2), Duration::from_secs(30)),
+            contention_backoff: Backoff::new(policy::CONTENTION_PAUSE, Duration::from_secs(3600)),
             heartbeat: HeartbeatSettings::new(lock_duration),
         }
     }

@@ -28,6 +28,7 @@
 //! | `DELETE /admin/faults` | | 204, every fault and the outage cleared |
 //! | `POST /admin/outage` | `{"enabled": true}` | 204 |
 //! | `POST /admin/fetch-answer-cap` | `{"maxTasks": 2}` (`null`: no cap) | 204: every fetch answers at most that many tasks, as concurrent fetches under `SKIP LOCKED` do |
+//! | `POST /admin/fetch-contention` | `{"transactionMs": 15, "locks": "everyCandidate"}` (`locks` optional, or `"returnedRows"`; `{"transactionMs": null}`: off) | 204: each fetch's transaction lasts that long and holds its row locks meanwhile, as on the real engine (module `contention`) |
 //! | `GET /admin/instances/{id}` | | `{"status": "RUNNING", "suspended": false}` ([`InstanceView`]), or 404 |
 //! | `POST /admin/instances/{id}` | `{"action": "suspend"}` (`resume`, `cancel`, `fail`) | 204, or 400 with the engine's message (cancelling an ended instance) |
 //! | `POST /admin/tool-credentials/verify` | `{"server": "orders", "token": ".."}` | `{"valid": true, "taskId": "t-000001", "attempt": 1}` or `{"valid": false}` |
@@ -50,6 +51,7 @@
 //! curl -s -XPOST localhost:5601/admin/instances/p-000001 -d '{"action": "suspend"}'
 //! curl -s -XPOST localhost:5601/admin/outage -d '{"enabled": true}'
 //! curl -s -XPOST localhost:5601/admin/fetch-answer-cap -d '{"maxTasks": 2}'
+//! curl -s -XPOST localhost:5601/admin/fetch-contention -d '{"transactionMs": 15}'
 //! curl -s -XDELETE localhost:5601/admin/faults
 //! ```
 //!
@@ -72,8 +74,17 @@
 //! a gateway that routes nowhere is emulated with [`Fault::Reject`]. Lease expiries carry nine
 //! fractional digits, and 400 and 500 answers close the connection (`Connection: close`), as
 //! Tomcat does under the real engine.
+//!
+//! Contention (off unless set, [`EngineEmulator::set_fetch_contention`]): by default each fetch
+//! runs alone at one instant, so fetches of several workers never overlap and each gets its
+//! own tasks, as on the real engine on PostgreSQL. The real engine on H2 (its `dev` profile,
+//! which every real-engine run here used) locks every row its acquisition query matches until
+//! its fetch's transaction commits, so a fetch that starts meanwhile answers empty on a deep
+//! backlog; [`FetchContention`] makes the emulator do so (the rule, and the engine's source
+//! files it comes from, are in the `contention` module).
 
 mod admin;
+mod contention;
 mod core;
 mod faults;
 mod history;
@@ -93,6 +104,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use axum::http::HeaderMap;
+pub use contention::{FetchContention, FetchLocks};
 pub use core::{CoreRefusal, CoreReply, EngineCore};
 pub use faults::{BadBody, Fault};
 pub use history::HistoryEntry;
@@ -567,6 +579,13 @@ impl EngineEmulator {
     /// lock, so concurrent fetches always get disjoint tasks; this cap makes them partial.
     pub fn set_fetch_answer_cap(&self, cap: Option<std::num::NonZeroU32>) {
         self.shared.state().set_answer_cap(cap);
+    }
+
+    /// Makes fetches contend as on the real engine (see the module docs and [`FetchContention`]):
+    /// each fetch's transaction lasts `transaction`, its answer comes when it ends, and the rows
+    /// it locked meanwhile are skipped by other fetches. `None`: each fetch runs alone.
+    pub fn set_fetch_contention(&self, contention: Option<FetchContention>) {
+        self.shared.state().set_fetch_contention(contention);
     }
 
     /// For tool servers: `Some((task id, attempt))` when `token` was issued for `server`, has

@@ -65,6 +65,7 @@ fn settings(lock: Duration) -> RunnerSettings {
     s.error_backoff = s.error_backoff.without_jitter();
     s.throttle_backoff = s.throttle_backoff.without_jitter();
     s.heartbeat.retry_backoff = s.heartbeat.retry_backoff.without_jitter();
+    s.contention_backoff = s.contention_backoff.without_jitter();
     s
 }
 
@@ -327,9 +328,12 @@ async fn a_partial_batch_is_followed_by_a_fetch_for_the_rest_before_any_poll_int
 }
 
 /// A queue that really holds fewer tasks than free slots is not a hot loop: 2, then 1, then an
-/// empty answer, which waits the poll interval.
+/// empty answer. Right after tasks that may be contention, so it fetches again after a short
+/// pause, backing off (25 ms doubling, jittered down to half), and once the pauses would pass
+/// the poll interval it waits the poll interval: 8 quick retries within one interval, then one
+/// fetch per interval.
 #[tokio::test(start_paused = true)]
-async fn a_short_queue_ends_in_an_empty_answer_that_waits_the_poll_interval() {
+async fn a_short_queue_ends_in_empty_answers_that_back_off_to_the_poll_interval() {
     let engine = FakeEngine::with_tasks(3);
     engine.state.lock().unwrap().answer_cap = Some(2);
     let handler = SleepHandler::new(Duration::from_secs(100));
@@ -339,7 +343,7 @@ async fn a_short_queue_ends_in_an_empty_answer_that_waits_the_poll_interval() {
     let started = Instant::now();
     let mut r = start(&engine, handler, s);
     let mut answers = Vec::new();
-    while answers.len() < 4 {
+    while answers.len() < 13 {
         if let RunnerEvent::Fetched { requested, got } = next_event(&mut r.events).await {
             answers.push((requested, got));
         }
@@ -347,12 +351,100 @@ async fn a_short_queue_ends_in_an_empty_answer_that_waits_the_poll_interval() {
     let fetches = fetch_times(&engine, started);
     r.shutdown.cancel();
     r.join.await.unwrap();
-    assert_eq!(answers, vec![(8, 2), (6, 1), (5, 0), (5, 0)]);
+    assert_eq!(answers[..3], [(8, 2), (6, 1), (5, 0)]);
+    assert!(answers[3..].iter().all(|a| *a == (5, 0)), "{answers:?}");
     assert!(fetches[2] < Duration::from_millis(5), "{fetches:?}");
+    // Each fetch takes 1 ms of the fake engine's time.
+    let gaps: Vec<Duration> = fetches.windows(2).map(|w| w[1] - w[0]).collect();
+    for (k, gap) in gaps[2..10].iter().enumerate() {
+        let nominal = Duration::from_millis(25 << k);
+        assert!(
+            *gap >= nominal / 2 && *gap <= nominal + Duration::from_millis(1),
+            "retry {k}: {gap:?} for a pause of {nominal:?}: {fetches:?}"
+        );
+    }
     assert!(
-        fetches[3] >= fetches[2] + Duration::from_secs(10),
-        "the empty answer waited the poll interval: {fetches:?}"
+        fetches[10] - fetches[2] < Duration::from_secs(7),
+        "the retries all within one poll interval: {fetches:?}"
     );
+    assert!(
+        gaps[10..].iter().all(|g| *g >= Duration::from_secs(10)),
+        "then the poll interval: {fetches:?}"
+    );
+}
+
+/// A fetch that met another worker's locks answers empty though tasks wait (the real engine
+/// on H2 locks every candidate row for the length of a fetch's transaction). Right after a
+/// full answer that is contention, not an empty queue: the worker fetches again soon and
+/// fills its slot, rather than idling it for the poll interval (an hour here).
+#[tokio::test(start_paused = true)]
+async fn an_empty_answer_after_a_full_one_fetches_again_soon() {
+    let engine = FakeEngine::with_tasks(10);
+    let handler = SleepHandler::new(Duration::from_millis(300));
+    let mut s = settings(Duration::from_secs(120));
+    // One slot: no other task's end can bring the next fetch.
+    s.max_tasks = 1;
+    s.poll_interval = Duration::from_secs(3600);
+    let started = Instant::now();
+    let mut r = start(&engine, handler.clone(), s);
+    // The first fetch is full; the next two, when its task has ended, meet locks.
+    loop {
+        if let RunnerEvent::Fetched { got, .. } = next_event(&mut r.events).await {
+            assert_eq!(got, 1);
+            break;
+        }
+    }
+    engine.state.lock().unwrap().empty_answers = 2;
+    let mut answers = Vec::new();
+    while answers.len() < 3 {
+        if let RunnerEvent::Fetched { requested, got } = next_event(&mut r.events).await {
+            answers.push((requested, got, Instant::now() - started));
+        }
+    }
+    let refilled = answers[2].2;
+    wait_until(|| completed(&engine) == 10, Duration::from_secs(600)).await;
+    let took = started.elapsed();
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    assert_eq!(
+        answers.iter().map(|a| (a.0, a.1)).collect::<Vec<_>>(),
+        [(1, 0), (1, 0), (1, 1)]
+    );
+    // The task ended at 301 ms; two pauses of at most 25 and 50 ms, 1 ms per fetch.
+    assert!(
+        refilled <= Duration::from_millis(301 + 25 + 50 + 3),
+        "the slot refilled at {refilled:?}"
+    );
+    // 10 tasks of 300 ms on one slot; never an hour's poll interval.
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+}
+
+/// A worker that starts beside busy ones on a backlog meets their locks first: its first
+/// answers are empty though tasks wait. That is contention too, so it joins after a few short
+/// pauses, not one poll interval (an hour here) per collision.
+#[tokio::test(start_paused = true)]
+async fn a_worker_whose_first_fetches_meet_locks_joins_within_a_few_pauses() {
+    let engine = FakeEngine::with_tasks(4);
+    engine.state.lock().unwrap().empty_answers = 2;
+    let mut s = settings(Duration::from_secs(120));
+    s.max_tasks = 4;
+    s.poll_interval = Duration::from_secs(3600);
+    let started = Instant::now();
+    let mut r = start(&engine, SleepHandler::new(Duration::from_secs(1)), s);
+    let mut answers = Vec::new();
+    while answers.len() < 3 {
+        if let RunnerEvent::Fetched { requested, got } = next_event(&mut r.events).await {
+            answers.push((requested, got, Instant::now() - started));
+        }
+    }
+    r.shutdown.cancel();
+    r.join.await.unwrap();
+    assert_eq!(
+        answers.iter().map(|a| (a.0, a.1)).collect::<Vec<_>>(),
+        [(4, 0), (4, 0), (4, 4)]
+    );
+    // Pauses of 25 and 50 ms (no jitter here), 1 ms per fetch.
+    assert_eq!(answers[2].2, Duration::from_millis(25 + 50 + 3));
 }
 
 /// A task that ends while the loop waits out the poll interval after an empty answer frees its
@@ -360,20 +452,22 @@ async fn a_short_queue_ends_in_an_empty_answer_that_waits_the_poll_interval() {
 #[tokio::test(start_paused = true)]
 async fn a_task_ending_during_the_idle_wait_triggers_a_fetch() {
     let engine = FakeEngine::with_tasks(1);
-    let handler = SleepHandler::new(Duration::from_secs(3));
+    let handler = SleepHandler::new(Duration::from_secs(8));
     let mut s = settings(Duration::from_secs(120));
     s.max_tasks = 2;
     s.poll_interval = Duration::from_secs(10);
     let started = Instant::now();
     let r = start(&engine, handler, s);
-    wait_until(|| completed(&engine) == 1, Duration::from_secs(5)).await;
+    wait_until(|| completed(&engine) == 1, Duration::from_secs(10)).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     r.shutdown.cancel();
     r.join.await.unwrap();
     let fetches = fetch_times(&engine, started);
-    // 1 of 2 at 0, the rest at once (empty: the idle wait starts), then the task's end at 3 s.
-    assert_eq!(fetches.len(), 3, "{fetches:?}");
+    // 1 of 2 at 0, the rest at once: empty, right after tasks, so 8 quick retries (25 ms
+    // doubling, under 6.4 s in all) before the idle wait starts; then the task's end at 8 s.
+    assert_eq!(fetches.len(), 11, "{fetches:?}");
     assert!(fetches[1] < Duration::from_millis(5), "{fetches:?}");
+    assert!(fetches[9] < Duration::from_millis(6_400), "{fetches:?}");
     let ended = engine
         .calls()
         .iter()
@@ -381,9 +475,9 @@ async fn a_task_ending_during_the_idle_wait_triggers_a_fetch() {
         .map(|c| c.at - started)
         .unwrap();
     assert!(
-        fetches[2] >= ended && fetches[2] <= ended + Duration::from_millis(5),
+        fetches[10] >= ended && fetches[10] <= ended + Duration::from_millis(5),
         "fetched {:?} after the task's end, in a 10 s idle wait",
-        fetches[2] - ended
+        fetches[10] - ended
     );
 }
 
@@ -494,12 +588,19 @@ async fn an_empty_fetch_waits_the_poll_interval_and_a_full_batch_fetches_again_a
         .into_iter()
         .filter(|c| c.op == "fetch-and-lock")
         .collect();
-    // t = 0, 2, 4, 6, 8, 10 (each plus 1 ms of fake latency): 6 fetches, 1 per poll interval.
-    assert_eq!(fetches.len(), 6);
-    for pair in fetches.windows(2) {
-        let gap = pair[1].at - pair[0].at;
+    // The first answer, empty, may be contention (a worker starting beside busy ones): 6
+    // quick retries, 25 ms doubling (1575 ms of the 2 s interval), each plus 1 ms of fake
+    // latency; then 1 fetch per poll interval: t = 3.58, 5.58, 7.58, 9.58 s.
+    let gaps: Vec<Duration> = fetches.windows(2).map(|w| w[1].at - w[0].at).collect();
+    assert_eq!(
+        gaps[..6],
+        [26, 51, 101, 201, 401, 801].map(Duration::from_millis),
+        "{gaps:?}"
+    );
+    assert_eq!(fetches.len(), 11, "{gaps:?}");
+    for gap in &gaps[6..] {
         assert!(
-            gap >= Duration::from_secs(2) && gap < Duration::from_millis(2010),
+            *gap >= Duration::from_secs(2) && *gap < Duration::from_millis(2010),
             "{gap:?}"
         );
     }

@@ -5,11 +5,14 @@
 //! journal's sequence, the process instance's moves).
 //!
 //! What the HTTP layer adds and this has not: authentication, injected faults (the simulator
-//! injects its own), the call log and the lease-time formatting of answers.
+//! injects its own), the call log and the lease-time formatting of answers. Fetch contention
+//! (module `contention`) is the state's, so it is here too; only the wait for a fetch's
+//! transaction before its answer is the caller's (the HTTP layer sleeps it).
 
 use serde_json::Value;
 
 use super::ProtocolLevel;
+use super::contention::FetchContention;
 use super::http::parse_command_body;
 use super::process::{Caller, ProcessInstanceView, ProcessModel, UserTaskStatus, UserTaskView};
 use super::state::{EngineState, Operation, TaskSpec, TaskView};
@@ -68,6 +71,20 @@ impl EngineCore {
 
     pub fn tasks(&self) -> Vec<TaskView> {
         self.state.task_views()
+    }
+
+    /// Makes fetches contend as on the real engine (module `contention`): the rows a fetch
+    /// locks stay locked for [`FetchContention::transaction`] after its `now_ms`, and other
+    /// fetches meanwhile skip them. The HTTP layer answers a fetch when its transaction ends;
+    /// a caller of [`EngineCore::call`] should hand the answer on as late, so that its worker
+    /// cannot fetch again inside its own transaction. `None`: each fetch runs alone.
+    pub fn set_fetch_contention(&mut self, contention: Option<FetchContention>) {
+        self.state.set_fetch_contention(contention);
+    }
+
+    /// How fetches contend now.
+    pub fn fetch_contention(&self) -> Option<FetchContention> {
+        self.state.fetch_contention()
     }
 
     /// Deploys `model` (its next version), as the engine's deployment does.

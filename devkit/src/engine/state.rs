@@ -29,6 +29,7 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::ProtocolLevel;
+use super::contention::{FetchContention, FetchLocks, RowLocks};
 use super::history::{Event, History, HistoryPage};
 use super::process::{self, Caller, InstanceStatus, ProcessModel, Processes, Wait};
 use super::wire::{self, ApiError, Command};
@@ -306,6 +307,10 @@ pub(crate) struct EngineState {
     actor: String,
     /// The latest emulator time a command ran at (history entries of calls without a clock).
     now_ms: i64,
+    /// How fetches contend (`contention` module): `None`, each fetch runs alone at its instant.
+    fetch_contention: Option<FetchContention>,
+    /// The rows the fetch transactions still open have locked.
+    row_locks: RowLocks,
 }
 
 /// The task id format: sortable, e.g. `t-000017`.
@@ -341,6 +346,8 @@ impl EngineState {
             history: History::default(),
             actor: "system".to_string(),
             now_ms: 0,
+            fetch_contention: None,
+            row_locks: RowLocks::default(),
         }
     }
 
@@ -395,6 +402,18 @@ impl EngineState {
     /// Caps every fetch answer at `cap` tasks (`None`: no cap), see [`EngineState::answer_cap`].
     pub fn set_answer_cap(&mut self, cap: Option<std::num::NonZeroU32>) {
         self.answer_cap = cap.map(|c| c.get() as usize);
+    }
+
+    /// Makes fetches contend as the real engine's do (`None` or a zero transaction: they never
+    /// overlap); see the `contention` module. Locks of fetches already answered stay as they
+    /// were taken.
+    pub fn set_fetch_contention(&mut self, contention: Option<FetchContention>) {
+        self.fetch_contention = contention.filter(|c| !c.transaction.is_zero());
+    }
+
+    /// How fetches contend now.
+    pub fn fetch_contention(&self) -> Option<FetchContention> {
+        self.fetch_contention
     }
 
     // ---- indexes -------------------------------------------------------------------------
@@ -740,15 +759,47 @@ impl EngineState {
         let max_tasks = (max_tasks as usize).min(self.answer_cap.unwrap_or(usize::MAX));
 
         self.promote_expired(now);
+        let contention = self.fetch_contention;
+        if contention.is_some() {
+            self.row_locks.release_ended(now);
+        }
+        // With contention: the rows this fetch's transaction locks (`contention` module), and
+        // the topics its selects have scanned so far (on H2 a topic's first select locks every
+        // candidate of the topic; its later ones lock the same rows again).
+        let mut ours: Vec<u64> = Vec::new();
+        let mut scanned: Vec<&str> = Vec::new();
         let mut locked = Vec::new();
         // The engine's loop: one task per topic per round, in the order the topics were sent.
         'rounds: while locked.len() < max_tasks {
             let mut acquired = false;
             for topic in topics {
-                let Some(number) = self.acquirable.get_mut(topic).and_then(|s| s.pop_first())
-                else {
+                let candidates = self.acquirable.get(topic.as_str());
+                let number = match contention {
+                    None => candidates.and_then(|s| s.first().copied()),
+                    Some(c) => {
+                        let row_locks = &self.row_locks;
+                        if c.locks == FetchLocks::EveryCandidate
+                            && !scanned.contains(&topic.as_str())
+                        {
+                            scanned.push(topic);
+                            ours.extend(
+                                candidates
+                                    .into_iter()
+                                    .flatten()
+                                    .filter(|n| !row_locks.is_held(**n)),
+                            );
+                        }
+                        // `order by id limit 1 ... skip locked`: the first row no other open
+                        // fetch holds.
+                        candidates.and_then(|s| s.iter().find(|n| !row_locks.is_held(**n)).copied())
+                    }
+                };
+                let Some(number) = number else {
                     continue;
                 };
+                if contention.is_some_and(|c| c.locks == FetchLocks::ReturnedRows) {
+                    ours.push(number);
+                }
                 self.unindex(number);
                 let Some(task) = self.tasks.get_mut(&number) else {
                     continue;
@@ -776,6 +827,10 @@ impl EngineState {
             if !acquired {
                 break;
             }
+        }
+        if let Some(c) = contention {
+            self.row_locks
+                .hold(ours, now.saturating_add(c.transaction_ms()));
         }
         Ok(Reply {
             status: StatusCode::OK,

@@ -144,6 +144,7 @@ impl SimWorker {
         rs.throttle_backoff =
             Backoff::new(Duration::from_millis(500), Duration::from_secs(4)).without_jitter();
         rs.heartbeat.retry_backoff = rs.heartbeat.retry_backoff.without_jitter();
+        rs.contention_backoff = rs.contention_backoff.without_jitter();
         let (tx, mut rx) = mpsc::unbounded_channel();
         let runner = Runner::new(engine, handler, rs, metrics.clone()).with_events(tx);
         let shutdown = CancellationToken::new();

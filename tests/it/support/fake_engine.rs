@@ -49,6 +49,10 @@ pub struct FakeState {
     /// When set, a fetch answers at most this many tasks, whatever it asked for: the partial
     /// answers of an engine whose concurrent fetches skip each other's locked rows.
     pub answer_cap: Option<usize>,
+    /// The next this many fetches answer empty whatever the queue holds: fetches that found
+    /// every row locked by another worker's fetch (the real engine on H2, devkit
+    /// `engine/contention.rs`).
+    pub empty_answers: usize,
     /// A slow engine: `complete` answers this long after it is called (recorded when called).
     pub complete_latency: Duration,
     /// An engine whose `failure` answer comes this long after the failure was applied.
@@ -142,6 +146,10 @@ impl Engine for FakeEngine {
             });
         }
         let mut out = Vec::new();
+        if s.empty_answers > 0 {
+            s.empty_answers -= 1;
+            return Ok(out);
+        }
         let most = (request.max_tasks as usize + s.surplus).min(s.answer_cap.unwrap_or(usize::MAX));
         while out.len() < most {
             let Some(t) = s.open.pop_front() else { break };
