@@ -81,7 +81,7 @@ impl Lease {
         if first {
             tracing::warn!(
                 task_id = %self.task.task_id,
-                attempt = ?self.task.attempt,
+                attempt = self.task.attempt,
                 reason = %reason,
                 "lease lost: the task stops and reports nothing"
             );

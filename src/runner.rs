@@ -795,7 +795,7 @@ async fn run_task(
         .observe(started.saturating_duration_since(acquired_at).as_secs_f64());
     let span = task_span(&shared.worker_span, &task);
     async {
-        tracing::info!(topic = %task.topic, retries = ?task.retries, "task started");
+        tracing::info!(topic = %task.topic, retries = task.retries, "task started");
         let ctx = TaskContext::new(shared.engine.clone(), lease.clone(), shared.stop.clone());
         let cleanup = ctx.cleanup().clone();
         let after_report = ctx.after_report_slot().clone();

@@ -486,7 +486,7 @@ impl HttpEngine {
             "the task is larger than the worker takes: at least {} bytes of variables and agent definition, over the limit of {} bytes; make its variables smaller",
             task.seen, task.limit
         );
-        tracing::error!(task_id = %task.id, attempt = ?task.attempt, seen_bytes = task.seen, limit_bytes = task.limit, "a fetched task is too large to take; reporting it as an incident");
+        tracing::error!(task_id = %task.id, attempt = task.attempt, seen_bytes = task.seen, limit_bytes = task.limit, "a fetched task is too large to take; reporting it as an incident");
         let call = Call {
             op: "failure",
             method: Method::POST,
