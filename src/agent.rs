@@ -57,6 +57,7 @@ use crate::metrics::labels::{OperatorNames, Vocabulary};
 use crate::provider::capacity::Capacity;
 use crate::provider::fallback::RetryPolicy;
 use crate::provider::{ModelRef, ProviderRegistry};
+use crate::random::Random;
 use crate::store::RunStore;
 use crate::tools::registry::ToolRegistry;
 use crate::tools::{McpConnector, ToolConnector, ToolSessionOptions};
@@ -130,6 +131,8 @@ pub struct AgentRuntime {
     /// ([`crate::metrics::labels`]).
     operator_names: OperatorNames,
     labels: Arc<Vocabulary>,
+    /// The worker's randomness: backoffs' jitter, approval request ids, span ids sent on.
+    random: Random,
 }
 
 /// The run store as the agent runtime uses it.
@@ -186,7 +189,15 @@ impl AgentRuntime {
             store: None,
             max_deferrals_per_run: DEFAULT_MAX_DEFERRALS_PER_RUN,
             allowed_models: limits::ModelAllowList::default(),
+            random: Random::os(),
         }
+    }
+
+    /// The runtime drawing its randomness from `random` (the worker's; its providers' too).
+    pub(crate) fn with_random(mut self, random: Random) -> Self {
+        self.providers = self.providers.with_random(random.clone());
+        self.random = random;
+        self
     }
 
     /// The runtime with the operator's per-provider model allow-list; its models are the
@@ -226,7 +237,7 @@ impl AgentRuntime {
 
     /// The runtime with `providers` instead of the ones it was built with (stand-ins).
     pub(crate) fn with_providers(mut self, providers: ProviderRegistry) -> Self {
-        self.providers = providers;
+        self.providers = providers.with_random(self.random.clone());
         self
     }
 

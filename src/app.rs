@@ -23,6 +23,7 @@ use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::handler::TaskHandler;
 use crate::metrics::Metrics;
 use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
+use crate::random::Random;
 use crate::runner::{Runner, RunnerEvent, RunnerSettings};
 use crate::store::{RunStore, StoreHandle, connect_backoff};
 use crate::tools::ToolConnector;
@@ -66,6 +67,9 @@ pub struct Seams {
     /// The run store. `None`: the PostgreSQL store of `ABADA_AGENT_STORE_URL`, if set; a store
     /// given here replaces it (nothing is connected, `/readyz` does not report it).
     pub store: Option<Arc<dyn RunStore>>,
+    /// Where the worker's randomness comes from (jitter, request ids, idempotency keys): the
+    /// operating system by default.
+    pub random: Random,
 }
 
 /// Timing no variable sets. The defaults are production's; a test that injects faults shortens
@@ -116,13 +120,18 @@ pub(crate) fn runner_settings(config: &Config, tuning: &Tuning) -> RunnerSetting
     s
 }
 
-/// The engine client settings a config and its tuning imply.
-fn engine_client_settings(config: &Config, tuning: &Tuning) -> EngineClientSettings {
+/// The engine client settings a config, its tuning and the worker's randomness imply.
+fn engine_client_settings(
+    config: &Config,
+    tuning: &Tuning,
+    random: &Random,
+) -> EngineClientSettings {
     let mut s = EngineClientSettings::new(config.engine_url.clone(), config.worker_id.clone());
     s.request_timeout = config.engine_timeout;
     s.outage_patience = config.lock_duration;
     s.command_attempts = tuning.command_attempts;
     s.command_backoff = tuning.command_backoff;
+    s.random = random.clone();
     s
 }
 
@@ -377,6 +386,7 @@ impl Worker {
                 connect_backoff(),
                 seams.tuning.store_idle_flush,
                 store_stop.clone(),
+                seams.random.clone(),
             )
         });
         if let Some(headers) = &config.engine_headers {
@@ -385,7 +395,7 @@ impl Worker {
         let client: Arc<dyn Engine> = Arc::new(
             HttpEngine::new(
                 engine_http_client(config)?,
-                engine_client_settings(config, &seams.tuning),
+                engine_client_settings(config, &seams.tuning, &seams.random),
                 token_provider(config)?,
                 metrics.clone(),
             )
@@ -405,7 +415,8 @@ impl Worker {
                     seams.agent,
                     metrics.clone(),
                 )
-                .map_err(|e| StartError::Setup(e.to_string()))?;
+                .map_err(|e| StartError::Setup(e.to_string()))?
+                .with_random(seams.random.clone());
                 credentials_in_clear.extend(runtime.tool_credentials_in_clear());
                 if let Some(providers) = seams.providers {
                     runtime = runtime.with_providers(providers);
@@ -432,7 +443,8 @@ impl Worker {
             handler,
             runner_settings(config, &seams.tuning),
             metrics.clone(),
-        );
+        )
+        .with_random(seams.random);
         if let Some(events) = seams.events {
             runner = runner.with_events(events);
         }

@@ -1223,6 +1223,7 @@ async fn a_task_woken_past_its_local_expiry_makes_no_call_even_before_the_schedu
         HeartbeatSettings::new(lock),
         Arc::new(Metrics::new()),
         None,
+        abada_agent_worker::random::Random::os(),
     );
     let lease = Lease::new(task("t-frozen").task_ref());
     scheduler.register(lease.clone(), Instant::now());
