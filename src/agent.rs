@@ -60,7 +60,7 @@ use crate::provider::{ModelRef, ProviderRegistry};
 use crate::random::Random;
 use crate::store::RunStore;
 use crate::tools::registry::ToolRegistry;
-use crate::tools::{McpConnector, ToolConnector, ToolSessionOptions};
+use crate::tools::{ToolConnector, ToolSessionOptions};
 use definition::AgentsFile;
 use limits::Ceilings;
 
@@ -147,10 +147,12 @@ struct RunStoreHome {
 }
 
 impl AgentRuntime {
-    pub fn new(
+    /// The runtime every task of a worker shares, built by the composition root alone
+    /// (`app::agent_runtime`): its models, definitions, tool connector, knobs and ceilings.
+    pub(crate) fn new(
         providers: ProviderRegistry,
         agents_file: Option<AgentsFile>,
-        tool_http: reqwest::Client,
+        tools: Arc<dyn ToolConnector>,
         settings: AgentSettings,
         metrics: Arc<Metrics>,
         ceilings: Ceilings,
@@ -181,7 +183,7 @@ impl AgentRuntime {
             agents_file,
             bpmn: bpmn::BpmnDefinitions::new(settings.bpmn),
             tool_registry: None,
-            tools: Arc::new(McpConnector::new(tool_http, settings.tool_sessions.clone())),
+            tools,
             settings,
             metrics,
             ceilings,
@@ -232,18 +234,6 @@ impl AgentRuntime {
             worker_id: worker_id.to_string(),
             patience,
         });
-        self
-    }
-
-    /// The runtime with `providers` instead of the ones it was built with (stand-ins).
-    pub(crate) fn with_providers(mut self, providers: ProviderRegistry) -> Self {
-        self.providers = providers.with_random(self.random.clone());
-        self
-    }
-
-    /// The runtime with its tool sessions opened by `tools` instead of MCP (a stand-in).
-    pub fn with_tool_connector(mut self, tools: Arc<dyn ToolConnector>) -> Self {
-        self.tools = tools;
         self
     }
 

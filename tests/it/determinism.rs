@@ -8,9 +8,14 @@
 //!   tasks waiting on one value (the runner and the task on a lease's expiry) would see it in
 //!   another order in each process.
 //! - No randomness in the worker's sources but through `random::Random`, the seam the
-//!   composition root injects (`app::Seams::random`): the operating system's in production.
+//!   composition root injects (`app::Seams::random`): the operating system's in production, a
+//!   generator seeded from the seed in the simulator.
+//! - A seed run in a new process (this test binary, started again) gives the trace hash it gives
+//!   here, the workers' log lines, span fields and metrics included: nothing of the process
+//!   (hash seeds, addresses, the OS's randomness, tokio's own) reaches a seed's run.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 /// Every `.rs` file under `dir`, with its text.
 fn sources(dir: &Path) -> Vec<(PathBuf, String)> {
@@ -195,4 +200,74 @@ fn no_randomness_in_the_worker_bypasses_its_random_seam() {
         "randomness drawn around the worker's `random::Random` (the simulator cannot seed it): \
          take the worker's `Random` instead: {found:#?}"
     );
+}
+
+/// The variable that makes [`prints_the_trace_hash_of_the_seeds_named`] run the seeds it names.
+const REPLAY_SEEDS: &str = "ABADA_TEST_REPLAY_SEEDS";
+
+/// Runs the seeds `ABADA_TEST_REPLAY_SEEDS` names (comma-separated) and prints each one's hash;
+/// without the variable it does nothing. [`a_seed_replayed_in_a_new_process_gives_the_same_trace`]
+/// starts this test binary again with it.
+#[test]
+fn prints_the_trace_hash_of_the_seeds_named() {
+    let Ok(seeds) = std::env::var(REPLAY_SEEDS) else {
+        return;
+    };
+    for seed in seeds.split(',') {
+        let seed: u64 = seed.trim().parse().expect("a seed is a number");
+        let report = crate::sim::seed(seed);
+        println!(
+            "replayed seed {seed}: hash {} lines {}",
+            report.hash, report.emitted_lines
+        );
+    }
+}
+
+/// Seeds 0 and 1 keep their journals in the engine and play approval round trips (their request
+/// ids are drawn from the workers' seeded randomness), seed 7 keeps them in the run store; in
+/// seed 4 a task and the runner meet its lease's local expiry at one instant (which of them
+/// sees it first once depended on tokio's random wake order).
+#[test]
+fn a_seed_replayed_in_a_new_process_gives_the_same_trace() {
+    let seeds = [0u64, 1, 4, 7];
+    let here: Vec<(u64, String, usize)> = seeds
+        .iter()
+        .map(|&s| {
+            let report = crate::sim::seed(s);
+            (s, report.hash, report.emitted_lines)
+        })
+        .collect();
+    for (seed, _, lines) in &here {
+        assert!(
+            *lines > 0,
+            "seed {seed}: the workers' lines are in the trace"
+        );
+    }
+    let list: Vec<String> = seeds.iter().map(u64::to_string).collect();
+    let child = Command::new(std::env::current_exe().expect("this test binary"))
+        .args([
+            "--exact",
+            "determinism::prints_the_trace_hash_of_the_seeds_named",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(REPLAY_SEEDS, list.join(","))
+        .output()
+        .expect("the test binary starts again");
+    let stdout = String::from_utf8_lossy(&child.stdout);
+    assert!(
+        child.status.success(),
+        "the replay failed: {stdout}\n{}",
+        String::from_utf8_lossy(&child.stderr)
+    );
+    for (seed, hash, lines) in &here {
+        let expected = format!("replayed seed {seed}: hash {hash} lines {lines}");
+        assert!(
+            // (libtest may print the test's name at the start of the first line.)
+            stdout.lines().any(|l| l.ends_with(&expected)),
+            "seed {seed} replayed in a new process gave another trace; here: {expected:?}, \
+             there: {stdout}"
+        );
+    }
 }
