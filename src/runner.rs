@@ -405,7 +405,8 @@ impl RunningTasks {
 }
 
 impl Runner {
-    pub fn new(
+    /// The runner of a worker, built by the composition root alone (`app::Worker::build`).
+    pub(crate) fn new(
         engine: Arc<dyn Engine>,
         handler: Arc<dyn TaskHandler>,
         settings: RunnerSettings,
