@@ -78,6 +78,12 @@ impl SeedReport {
 pub fn run_seed(runtime: tokio::runtime::Runtime, options: &SimOptions) -> SeedReport {
     #[cfg(feature = "sim-bugs")]
     crate::sim_bugs::select(options.bug);
+    // A second dispatcher, alive for the seed, before the capture's: with one registered alone,
+    // tracing decides whether a callsite first hit on another thread (another test of the same
+    // binary) is of interest from that thread's subscriber only and caches "never", and the
+    // capture misses that callsite's events on this thread for the rest of the seed. With two,
+    // every registered dispatcher is asked.
+    let _second = tracing::Dispatch::new(tracing_subscriber::registry());
     // Everything the workers log or put in a span, written down for the secret check.
     let capture = secrets::Capture::default();
     let subscriber = {
