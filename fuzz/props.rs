@@ -245,7 +245,7 @@ pub fn headers(data: &[u8]) {
                     .all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c)),
             "{trace_id}"
         );
-        let _ = tp.child_header();
+        let _ = tp.child_header(&abada_agent_worker::random::Random::os());
     }
 }
 

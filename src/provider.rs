@@ -317,6 +317,8 @@ pub struct ProviderRegistry {
     windows: context::ContextWindows,
     /// What each model may start now, as its provider says (fed by the adapters' answers).
     capacities: Arc<capacity::ModelCapacities>,
+    /// The worker's randomness: the jitter of the retry loop's backoffs.
+    random: crate::random::Random,
 }
 
 impl std::fmt::Debug for ProviderRegistry {
@@ -359,6 +361,17 @@ impl ProviderRegistry {
     pub fn with_context_window(mut self, name: impl Into<String>, tokens: u64) -> Self {
         self.windows.configure(name, tokens);
         self
+    }
+
+    /// The registry drawing its retry loop's jitter from `random` (the worker's).
+    pub fn with_random(mut self, random: crate::random::Random) -> Self {
+        self.random = random;
+        self
+    }
+
+    /// The worker's randomness, for the retry loop's backoffs.
+    pub(crate) fn random(&self) -> &crate::random::Random {
+        &self.random
     }
 
     /// The context window of each model, configured or known.

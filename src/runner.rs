@@ -69,6 +69,7 @@ use crate::handler::{
 use crate::heartbeat::{self, HeartbeatEvent, HeartbeatHandle, HeartbeatSettings};
 use crate::lease::Lease;
 use crate::metrics::{Metrics, OutcomeLabel, ReasonLabel, ResultLabel};
+use crate::random::Random;
 use policy::{Action, Admit, FetchPolicy, LogLevel};
 
 /// How the runner behaves (from [`crate::config::Config`]).
@@ -235,6 +236,8 @@ pub struct Runner {
     metrics: Arc<Metrics>,
     status: Arc<WorkerStatus>,
     events: Option<mpsc::UnboundedSender<RunnerEvent>>,
+    /// The worker's randomness: the poll loop's and the heartbeat retries' jitter.
+    random: Random,
 }
 
 /// What the running tasks share with the poll loop.
@@ -308,7 +311,10 @@ impl RunningTasks {
     /// and is forgotten ([`Change::Joined`]; its slot was given back before). Cancel-safe, so
     /// it can race the loop's waits in `select!`.
     async fn next_change(&mut self) -> Option<Change> {
+        // Biased, a freed slot first: a task gives its slot back before its future ends, so
+        // the two are seen in that order.
         tokio::select! {
+            biased;
             Some(()) = self.freed.recv() => Some(Change::SlotFreed),
             Some(joined) = self.set.join_next_with_id() => {
                 self.forget(joined);
@@ -405,7 +411,8 @@ impl RunningTasks {
 }
 
 impl Runner {
-    pub fn new(
+    /// The runner of a worker, built by the composition root alone (`app::Worker::build`).
+    pub(crate) fn new(
         engine: Arc<dyn Engine>,
         handler: Arc<dyn TaskHandler>,
         settings: RunnerSettings,
@@ -418,7 +425,14 @@ impl Runner {
             metrics,
             status: Arc::new(WorkerStatus::default()),
             events: None,
+            random: Random::os(),
         }
+    }
+
+    /// Draws the jitter of the poll loop and of the heartbeat retries from `random`.
+    pub(crate) fn with_random(mut self, random: Random) -> Self {
+        self.random = random;
+        self
     }
 
     /// Sends every [`RunnerEvent`] to `events`.
@@ -450,6 +464,7 @@ impl Runner {
             s.heartbeat.clone(),
             self.metrics.clone(),
             heartbeat_events,
+            self.random.clone(),
         );
         let (slot_freed, freed) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
@@ -496,7 +511,9 @@ impl Runner {
             self.status.tick();
             let step = Instant::now() + LIVENESS_TICK;
             let until = deadline.map_or(step, |d| d.min(step));
+            // Biased, an ended task first: one that ends at the deadline counts as ended.
             tokio::select! {
+                biased;
                 joined = tasks.join_next() => {
                     if joined.is_none() {
                         return true;
@@ -519,10 +536,11 @@ impl Runner {
         tasks: &mut RunningTasks,
         shutdown: &CancellationToken,
     ) {
+        let random = self.random.clone();
         let mut policy = FetchPolicy::new(
             &self.settings,
             Instant::now(),
-            Box::new(rand::random::<f64>),
+            Box::new(move || random.unit()),
         );
         loop {
             self.status.tick();
@@ -534,18 +552,22 @@ impl Runner {
                 Action::WaitUntil(until) => {
                     // A task ending meanwhile frees its slot: the policy fetches at once after
                     // an empty answer, and keeps a backoff.
+                    // Biased in every wait of the loop: the shutdown first (no fetch once it is
+                    // asked for), then a task's end, then the timer.
                     tokio::select! {
-                        _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
+                        biased;
+                        _ = shutdown.cancelled() => return,
                         Some(change) = tasks.next_change() => if change == Change::SlotFreed {
                             policy.task_ended(Instant::now())
                         },
-                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
                     }
                 }
                 Action::Probe => {
                     let outcome = tokio::select! {
-                        outcome = shared.engine.probe() => outcome,
+                        biased;
                         _ = shutdown.cancelled() => return,
+                        outcome = shared.engine.probe() => outcome,
                     };
                     if policy.probed(Instant::now(), outcome) {
                         tracing::info!("the engine answers again: fetching now");
@@ -556,10 +578,11 @@ impl Runner {
                     if free == 0 {
                         // A task's end frees its slot: refill it after one round trip.
                         tokio::select! {
+                            biased;
+                            _ = shutdown.cancelled() => return,
                             Some(change) = tasks.next_change() => if change == Change::SlotFreed {
                                 policy.task_ended(Instant::now())
                             },
-                            _ = shutdown.cancelled() => return,
                             _ = tokio::time::sleep(LIVENESS_TICK) => {}
                         }
                         continue;
@@ -570,11 +593,12 @@ impl Runner {
                         Admit::Fetch(n) => self.fetch(shared, tasks, &mut policy, n).await,
                         Admit::WaitUntil(until) => {
                             tokio::select! {
-                                _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
+                                biased;
+                                _ = shutdown.cancelled() => return,
                                 Some(change) = tasks.next_change() => if change == Change::SlotFreed {
                                     policy.task_ended(Instant::now())
                                 },
-                                _ = shutdown.cancelled() => return,
+                                _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
                             }
                         }
                     }

@@ -33,6 +33,7 @@
 use serde_json::{Map, Value, json};
 
 use crate::conversation::{ToolCall, ToolResult, ToolSpec};
+use crate::random::Random;
 
 /// The definition's default variable names.
 pub(crate) const DEFAULT_STATUS_VARIABLE: &str = "agentStatus";
@@ -150,12 +151,13 @@ pub struct PendingRequest {
 }
 
 impl PendingRequest {
-    /// A new request for `call`, stopped for by task `task_id`, under a fresh requestId.
-    pub fn new(call: &ToolCall, task_id: &str) -> Self {
+    /// A new request for `call`, stopped for by task `task_id`, under a fresh requestId drawn
+    /// from `random` (the worker's).
+    pub fn new(call: &ToolCall, task_id: &str, random: &Random) -> Self {
         PendingRequest {
             call_id: call.call_id.clone(),
             task_id: task_id.to_string(),
-            request_id: Some(new_request_id()),
+            request_id: Some(new_request_id(random)),
             call_digest: Some(call_digest(call)),
         }
     }
@@ -172,11 +174,12 @@ impl PendingRequest {
     }
 }
 
-/// A request's id: 128 bits from the thread's CSPRNG (ChaCha, seeded from the OS), in hex. It is
-/// in the request variable for the user task to copy into the decision; nobody can write a
-/// decision for a request before it exists, and each answers one request once.
-pub(crate) fn new_request_id() -> String {
-    let bytes: [u8; 16] = rand::random();
+/// A request's id: 128 bits from the worker's randomness (in production the thread's CSPRNG,
+/// ChaCha seeded from the OS), in hex. It is in the request variable for the user task to copy
+/// into the decision; nobody can write a decision for a request before it exists, and each
+/// answers one request once.
+pub(crate) fn new_request_id(random: &Random) -> String {
+    let bytes: [u8; 16] = random.bytes();
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -798,7 +801,7 @@ mod tests {
     fn waiting() -> PendingRequest {
         PendingRequest {
             request_id: Some("r-waiting".into()),
-            ..PendingRequest::new(&refund_call(42), "t-1")
+            ..PendingRequest::new(&refund_call(42), "t-1", &crate::random::Random::os())
         }
     }
 
@@ -838,14 +841,16 @@ mod tests {
 
     #[test]
     fn request_ids_are_128_random_bits_and_digests_bind_the_exact_call() {
-        let ids: std::collections::HashSet<String> = (0..1000).map(|_| new_request_id()).collect();
+        let ids: std::collections::HashSet<String> = (0..1000)
+            .map(|_| new_request_id(&crate::random::Random::os()))
+            .collect();
         assert_eq!(ids.len(), 1000);
         for id in &ids {
             assert_eq!(id.len(), 32, "16 bytes in hex: {id}");
             assert!(id.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
         }
-        let a = PendingRequest::new(&refund_call(42), "t-1");
-        let b = PendingRequest::new(&refund_call(42), "t-1");
+        let a = PendingRequest::new(&refund_call(42), "t-1", &crate::random::Random::os());
+        let b = PendingRequest::new(&refund_call(42), "t-1", &crate::random::Random::os());
         assert_ne!(a.request_id, b.request_id, "a new request, a new id");
         assert_eq!(a.call_digest, b.call_digest);
         let digest = call_digest(&refund_call(42));
@@ -1036,7 +1041,7 @@ mod tests {
         };
         let request = PendingRequest {
             request_id: Some("0123456789abcdef0123456789abcdef".into()),
-            ..PendingRequest::new(&call, "t-1")
+            ..PendingRequest::new(&call, "t-1", &crate::random::Random::os())
         };
         let digest = call_digest(&call);
         assert_eq!(
@@ -1107,7 +1112,7 @@ mod tests {
     #[test]
     fn the_summary_a_person_reads_is_labelled_as_the_models_and_capped() {
         let call = refund_call(900);
-        let request = PendingRequest::new(&call, "t-1");
+        let request = PendingRequest::new(&call, "t-1", &crate::random::Random::os());
         let long = "Approved by the CFO already, just click approve. ".repeat(500);
         let shown = approval_request(&call, &request, Some(&long), "k");
         let summary = shown["summary"].as_str().unwrap();

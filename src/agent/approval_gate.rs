@@ -156,7 +156,8 @@ impl Attempt<'_> {
                 ),
             ));
         }
-        let request = approval::PendingRequest::new(call, &self.scope.task.id);
+        let request =
+            approval::PendingRequest::new(call, &self.scope.task.id, &self.scope.rt.random);
         let seq = self.state.next_seq;
         self.record(journal::approval_requested_step(seq, &request))
             .await?;

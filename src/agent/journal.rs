@@ -949,7 +949,7 @@ mod tests {
     #[test]
     fn approval_steps_replay_in_order_and_out_of_order_ones_are_refused() {
         let refund = call("c2", "issue_refund");
-        let request = PendingRequest::new(&refund, "t-1");
+        let request = PendingRequest::new(&refund, "t-1", &crate::random::Random::os());
         let steps = vec![
             input_step(1, "sys", "o-1"),
             model_step(
@@ -1011,7 +1011,11 @@ mod tests {
         let mut other = steps[..2].to_vec();
         other.push(approval_requested_step(
             3,
-            &PendingRequest::new(&call("c9", "issue_refund"), "t-1"),
+            &PendingRequest::new(
+                &call("c9", "issue_refund"),
+                "t-1",
+                &crate::random::Random::os(),
+            ),
         ));
         assert!(Replayed::from_steps(&other).is_err());
         // A decided step answering another request than the journaled one is refused.
@@ -1033,7 +1037,10 @@ mod tests {
     #[test]
     fn a_request_without_a_request_id_is_superseded_by_one_with_it() {
         let refund = call("c2", "issue_refund");
-        let mut legacy = approval_requested_step(3, &PendingRequest::new(&refund, "t-1"));
+        let mut legacy = approval_requested_step(
+            3,
+            &PendingRequest::new(&refund, "t-1", &crate::random::Random::os()),
+        );
         legacy.data = json!({"callId": "c2", "taskId": "t-1"});
         let steps = vec![
             input_step(1, "sys", "o-1"),
@@ -1050,7 +1057,7 @@ mod tests {
         assert!(
             matches!(&r.approval, Some(ApprovalState::Requested(p)) if p.request_id.is_none() && p.call_digest.is_none())
         );
-        let fresh = PendingRequest::new(&refund, "t-2");
+        let fresh = PendingRequest::new(&refund, "t-2", &crate::random::Random::os());
         let mut again = steps.clone();
         again.push(approval_requested_step(4, &fresh));
         let r = Replayed::from_steps(&again).unwrap();

@@ -115,7 +115,9 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
         // or tool call in flight included: dropping the loop there is what a crash would do, and
         // the journal already holds every step that counts (a started keyed write keeps its key).
         let deadline = attempt.deadline;
+        // Biased, the attempt first: an outcome reached at the deadline's instant stands.
         let outcome = tokio::select! {
+            biased;
             r = attempt.drive() => match r {
                 Ok(()) => unreachable!("drive only ends with an outcome"),
                 Err(outcome) => outcome,
@@ -339,7 +341,10 @@ impl<'a> Attempt<'a> {
             &def.models,
             def.tool_servers.iter().map(|s| s.name.as_str()),
         );
-        let traceparent = task.trace_parent.as_ref().map(|t| t.child_header());
+        let traceparent = task
+            .trace_parent
+            .as_ref()
+            .map(|t| t.child_header(&rt.random));
         let sessions = rt.tools.sessions(TaskTools {
             servers: servers.servers,
             credentials: Arc::new(credentials),
@@ -512,7 +517,10 @@ impl<'a> Attempt<'a> {
                 unanswered += 1;
             }
         };
+        // Biased, the answer first: a model answer that came in as the worker stops is paid
+        // for; it is kept rather than asked again.
         let result = tokio::select! {
+            biased;
             r = call_models(
                 &self.scope.rt.providers,
                 &self.def.models,

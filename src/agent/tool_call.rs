@@ -49,7 +49,9 @@ impl Attempt<'_> {
         let mut tries = 0;
         let specs = loop {
             tries += 1;
+            // Biased, the answer first: a listing that came in as the worker stops is kept.
             let result = tokio::select! {
+                biased;
                 r = self.tools.sessions.tools() => r,
                 _ = self.scope.ctx.stopped() => return Err(self.scope.released()),
             };
@@ -84,11 +86,18 @@ impl Attempt<'_> {
             ));
         }
         if e.is_transient() && tries < self.scope.rt.settings.tool_attempts {
-            let wait = self.scope.rt.settings.tool_backoff.delay(tries - 1);
+            let wait = self
+                .scope
+                .rt
+                .settings
+                .tool_backoff
+                .delay(tries - 1, &self.scope.rt.random);
             tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "{what} failed; retrying");
+            // Biased, the stop first: no retry begins once the worker stops.
             tokio::select! {
-                _ = tokio::time::sleep(wait) => return Ok(()),
+                biased;
                 _ = self.scope.ctx.stopped() => return Err(self.scope.released()),
+                _ = tokio::time::sleep(wait) => return Ok(()),
             }
         }
         Err(self.scope.technical(format!("{what} failed: {e}")))
@@ -201,7 +210,10 @@ impl Attempt<'_> {
         let mut tries = 0;
         let result = loop {
             tries += 1;
+            // Biased, the answer first: a call answered as the worker stops is journaled, not
+            // sent again by the next attempt.
             let r = tokio::select! {
+                biased;
                 r = self.tools.sessions.call(&call.server, &call.tool, arguments.clone(), key.as_deref()) => r,
                 _ = self.scope.ctx.stopped() => return Err(self.scope.released()),
             };

@@ -39,6 +39,7 @@ use crate::backoff::Backoff;
 use crate::base_url::BaseUrl;
 use crate::body::{self, ReadError};
 use crate::metrics::Metrics;
+use crate::random::Random;
 use crate::secret::Secret;
 use crate::telemetry::spans;
 
@@ -61,6 +62,9 @@ pub struct EngineClientSettings {
     /// ([`crate::handler::TaskContext::fenced`]), so they stop the moment the lease is lost;
     /// this bound is for callers without a lease. Set it to the lock duration.
     pub outage_patience: Duration,
+    /// The worker's randomness: idempotency keys, the span ids of the trace context sent on,
+    /// the jitter of the command backoff.
+    pub random: Random,
 }
 
 impl EngineClientSettings {
@@ -73,6 +77,7 @@ impl EngineClientSettings {
             command_attempts: 6,
             command_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
             outage_patience: Duration::from_secs(120),
+            random: Random::os(),
         }
     }
 }
@@ -197,8 +202,8 @@ impl HttpEngine {
         }
     }
 
-    fn new_key() -> String {
-        uuid::Uuid::now_v7().to_string()
+    fn new_key(&self) -> String {
+        self.settings.random.uuid_v7().to_string()
     }
 
     /// One exchange, with one forced token refresh and one retry on 401.
@@ -247,8 +252,11 @@ impl HttpEngine {
         } else {
             tracing::Span::none()
         };
-        let traceparent = spans::traceparent_of(&span)
-            .or_else(|| call.traceparent.as_ref().map(TraceParent::child_header));
+        let traceparent = spans::traceparent_of(&span).or_else(|| {
+            call.traceparent
+                .as_ref()
+                .map(|t| t.child_header(&self.settings.random))
+        });
         let result = self
             .send_once(call, token, traceparent)
             .instrument(span.clone())
@@ -460,7 +468,10 @@ impl HttpEngine {
                     retry_after: Some(d),
                     ..
                 } => (*d).min(self.settings.command_backoff.max),
-                _ => self.settings.command_backoff.delay(attempt - 1),
+                _ => self
+                    .settings
+                    .command_backoff
+                    .delay(attempt - 1, &self.settings.random),
             };
             let wait = if riding_out_outage {
                 // Never past the patience.
@@ -500,7 +511,7 @@ impl HttpEngine {
                 retry_timeout: 0,
                 attempt: task.attempt,
             }),
-            idempotency_key: Some(Self::new_key()),
+            idempotency_key: Some(self.new_key()),
             traceparent: None,
             read: Reading::Buffered,
         };
@@ -761,8 +772,8 @@ impl Engine for HttpEngine {
                 lock_duration: request.lock_duration.as_millis() as u64,
                 max_tasks: request.max_tasks,
             }),
-            idempotency_key: Some(Self::new_key()),
-            traceparent: Some(TraceParent::new_root()),
+            idempotency_key: Some(self.new_key()),
+            traceparent: Some(TraceParent::new_root(&self.settings.random)),
             read: Reading::Tasks,
         };
         let started = Instant::now();
@@ -823,7 +834,7 @@ impl Engine for HttpEngine {
                 attempt: task.attempt,
             }),
             // Fresh per heartbeat: a reused key would be answered from storage and extend nothing.
-            idempotency_key: Some(Self::new_key()),
+            idempotency_key: Some(self.new_key()),
             traceparent: Self::trace(task),
             read: Reading::Buffered,
         };
@@ -850,7 +861,7 @@ impl Engine for HttpEngine {
                 variables,
                 attempt: task.attempt,
             }),
-            idempotency_key: Some(Self::new_key()),
+            idempotency_key: Some(self.new_key()),
             traceparent: Self::trace(task),
             read: Reading::Buffered,
         })
@@ -872,7 +883,7 @@ impl Engine for HttpEngine {
                 retry_timeout: report.retry_timeout.as_millis() as u64,
                 attempt: task.attempt,
             }),
-            idempotency_key: Some(Self::new_key()),
+            idempotency_key: Some(self.new_key()),
             traceparent: Self::trace(task),
             read: Reading::Buffered,
         })
@@ -897,7 +908,7 @@ impl Engine for HttpEngine {
                 variables: &report.variables,
                 attempt: task.attempt,
             }),
-            idempotency_key: Some(Self::new_key()),
+            idempotency_key: Some(self.new_key()),
             traceparent: Self::trace(task),
             read: Reading::Buffered,
         })
@@ -1137,7 +1148,7 @@ impl Engine for HttpEngine {
                     attempt: task.attempt,
                     server,
                 }),
-                idempotency_key: Some(Self::new_key()),
+                idempotency_key: Some(self.new_key()),
                 traceparent: Self::trace(task),
                 read: Reading::Buffered,
             })

@@ -301,7 +301,7 @@ impl FetchPolicy {
             // Jitter only lengthens the nominal delay here, so the number of fetches during an
             // outage is bounded (probes, not early fetches, detect the engine's return).
             _ => {
-                let nominal = self.error_backoff.without_jitter().delay(retry);
+                let nominal = self.error_backoff.without_jitter().delay_with(retry, 0.0);
                 let spread = 0.5
                     * self.error_backoff.jitter.clamp(0.0, 1.0)
                     * (self.random)().clamp(0.0, 1.0);

@@ -240,7 +240,7 @@ proptest! {
         flags in "[0-9a-f]{2}",
     ) {
         if let Some(tp) = decoders::trace_parent(&raw) {
-            let _ = tp.child_header();
+            let _ = tp.child_header(&abada_agent_worker::random::Random::os());
         }
         let header = format!("00-{trace}-{span}-{flags}");
         if trace.chars().any(|c| c != '0') && span.chars().any(|c| c != '0') {

@@ -9,6 +9,7 @@ mod checker;
 mod content_keys;
 mod core_http;
 mod demo;
+mod determinism;
 mod durable;
 mod emulator;
 mod engine_conformance;
