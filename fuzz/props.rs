@@ -310,6 +310,47 @@ pub fn template(data: &[u8]) {
     }
 }
 
+/// A model's final answer examined for a tool call written as text (`agent::answer_shape`); the
+/// first byte chooses `parse` (odd) or `repair`. Under `repair` nothing becomes a call: the
+/// answer is kept, or sent back with a reason. Under `parse` a call names an offered tool or an
+/// empty server (answered as unknown), and its arguments are an object or the raw text; an
+/// answer left whole has no reason.
+pub fn answer_shape(data: &[u8]) {
+    let Some((&first, rest)) = data.split_first() else {
+        return;
+    };
+    let text = String::from_utf8_lossy(rest);
+    let parse = first % 2 == 1;
+    let (calls, reason, kept) = decoders::answer_shape(&text, parse);
+    if !parse {
+        assert!(calls.is_empty(), "a call made of text under repair");
+        assert_eq!(
+            kept.as_deref(),
+            Some(&*text),
+            "the answer changed under repair"
+        );
+    }
+    for call in &calls {
+        assert!(
+            call.server.is_empty()
+                || (call.server == "orders"
+                    && (call.tool == "lookup_order" || call.tool == "issue_refund")),
+            "a call of a tool nobody offered: {call:?}"
+        );
+        assert!(
+            call.arguments.is_object() || call.arguments.is_string(),
+            "arguments neither an object nor text: {call:?}"
+        );
+    }
+    if calls.is_empty() && reason.is_none() {
+        assert_eq!(
+            kept.as_deref(),
+            Some(&*text),
+            "an answer kept whole changed"
+        );
+    }
+}
+
 /// A `tools/list` entry, and text cut at a limit (first byte): text within the limit is kept
 /// whole; longer text keeps its longest prefix within the limit that ends on a character
 /// boundary (at most 3 bytes short), followed by the note saying how much was shown.

@@ -259,6 +259,10 @@ impl<'a> Attempt<'a> {
                 return Err(self.complete(&answer).await);
             }
             if let Some(next) = self.state.pending.first().cloned() {
+                // [answer shape] A call repeated after its result is answered, not performed.
+                if self.boxed_repeat(&next).await? {
+                    continue;
+                }
                 if self.boxed_gate(&next).await? {
                     self.boxed_tool_call(next).await?;
                 }
@@ -274,6 +278,10 @@ impl<'a> Attempt<'a> {
     // loop (over a megabyte along one task's poll chain, past a test thread's 2 MiB).
     fn boxed_gate<'s>(&'s mut self, next: &'s PendingCall) -> StepFuture<'s, bool> {
         Box::pin(self.approval_gate(next))
+    }
+
+    fn boxed_repeat<'s>(&'s mut self, next: &'s PendingCall) -> StepFuture<'s, bool> {
+        Box::pin(self.answer_repeated_call(next))
     }
 
     fn boxed_tool_call(&mut self, next: PendingCall) -> StepFuture<'_, ()> {
@@ -404,10 +412,13 @@ impl<'a> Attempt<'a> {
             _ = self.scope.ctx.stopped() => return Err(self.scope.released()),
         };
         self.unanswered_model_calls += unanswered;
-        let (model, response) = match result {
+        let (model, mut response) = match result {
             Ok(answered) => answered,
             Err(e) => return Err(self.model_error(e).await),
         };
+        // [answer shape] A tool call written as text, an empty answer, a repeated call: parsed
+        // (the provider's `_TOOL_CALLS_IN_TEXT=parse`) or sent back, before any rule applies.
+        let shape = self.examine_answer(&model, &mut response);
         // Nothing of an answer over a limit is journaled or performed.
         let writes = self.keyed_writes_in(&response.message.tool_calls);
         self.limits
@@ -437,19 +448,25 @@ impl<'a> Attempt<'a> {
         }
         // [output] A final answer off the schema, or cut by the output limit, is journaled with
         // the repair message the model reads next (a resumed run replays it), never stored.
-        let verdict = output::verdict(
-            self.def.output_schema.as_ref(),
-            &response.message,
-            &response.stop_reason,
-            Some(cap),
-            self.state.output_repairs,
-            self.def.output_repair_turns,
-        )
-        .await;
+        let verdict = if shape.is_malformed() {
+            output::Verdict::Accepted
+        } else {
+            output::verdict(
+                self.def.output_schema.as_ref(),
+                &response.message,
+                &response.stop_reason,
+                Some(cap),
+                self.state.output_repairs,
+                self.def.output_repair_turns,
+            )
+            .await
+        };
         if let Some(rejection) = verdict.rejection() {
             step.data[output::JOURNAL_FIELD] = output::journal_record(rejection);
         }
+        shape.mark(&mut step);
         self.record(step).await?;
+        self.answer_shape_outcome(shape)?;
         self.output_verdict(verdict)
     }
 
