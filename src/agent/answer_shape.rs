@@ -15,7 +15,8 @@
 //!   journal). With or without an `outputSchema`: the answer is examined before it is judged.
 //! - **An empty final answer**: a repair turn.
 //! - **A write repeated after its result**: a write identical (server, tool, canonical
-//!   arguments) to one that already succeeded in this run, in an earlier answer. It is not
+//!   arguments, or the same with fields of its result folded in, as a small model writes it) to
+//!   one that already succeeded in this run, in an earlier answer. It is not
 //!   performed again: the model reads that it was done, and its earlier result. This is what
 //!   keeps a model that loops from issuing a refund twice. (Two identical writes in one answer
 //!   are both performed, as before; a repeated read is performed again, bounded by the limits:
@@ -456,7 +457,6 @@ pub(crate) fn repeat_of<'h>(
     if !spec.is_write() || !call.arguments.is_object() {
         return None;
     }
-    let key = canonical(&call.arguments);
     history.iter().rev().find_map(|m| match m {
         Message::ToolResult {
             call: earlier,
@@ -464,12 +464,42 @@ pub(crate) fn repeat_of<'h>(
         } if !result.is_error
             && earlier.server == call.server
             && earlier.tool == call.tool
-            && canonical(&earlier.arguments) == key =>
+            && same_write(&earlier.arguments, result, &call.arguments) =>
         {
             Some(result)
         }
         _ => None,
     })
+}
+
+/// Whether `arguments` ask for the write `earlier` asked for, which answered `result`: the
+/// same arguments (canonically), or the same with fields of the result folded in (what a small
+/// model does: `{"orderId": ..., "amountCents": ..., "refundId": "rf-1", "status": "issued"}`
+/// after the refund answered `refundId` and `status`).
+fn same_write(earlier: &Value, result: &ToolResult, arguments: &Value) -> bool {
+    if canonical(earlier) == canonical(arguments) {
+        return true;
+    }
+    let (Value::Object(before), Value::Object(now)) = (earlier, arguments) else {
+        return false;
+    };
+    let answered = result.structured_content.clone().or_else(|| {
+        serde_json::from_str::<Value>(&result.to_model_text())
+            .ok()
+            .filter(Value::is_object)
+    });
+    let Some(Value::Object(answered)) = answered else {
+        return false;
+    };
+    before
+        .iter()
+        .all(|(k, v)| now.get(k).is_some_and(|n| canonical(n) == canonical(v)))
+        && now.iter().all(|(k, v)| {
+            before.contains_key(k)
+                || answered
+                    .get(k)
+                    .is_some_and(|a| canonical(a) == canonical(v))
+        })
 }
 
 /// The conversation before the last model answer: what a pending call of that answer is
@@ -865,6 +895,9 @@ pub(super) struct AnswerShape {
     tolerated: Vec<Tolerated>,
     record: Option<Value>,
     pub(super) verdict: Verdict,
+    /// The answer's writes that repeat one already performed: answered, never sent, so no
+    /// keyed write for `maxKeyedWrites`.
+    pub(super) repeated_writes: u32,
 }
 
 impl AnswerShape {
@@ -907,9 +940,16 @@ impl Attempt<'_> {
         );
         let record = examined.tolerated_record();
         response.message = examined.message;
+        let repeated = response
+            .message
+            .tool_calls
+            .iter()
+            .filter(|c| repeat_of(&self.state.messages, c, specs).is_some())
+            .count();
         AnswerShape {
             tolerated: examined.tolerated,
             record,
+            repeated_writes: u32::try_from(repeated).unwrap_or(u32::MAX),
             verdict: Verdict::of(
                 examined.malformed,
                 self.state.answer_repairs,
@@ -1318,6 +1358,32 @@ mod tests {
         assert!(answered.is_error);
         assert!(answered.to_model_text().contains("refund rf-1 issued"));
         assert!(answered.to_model_text().contains("orders__issue_refund"));
+        // The same refund with the result's fields folded in (what the real model wrote after
+        // its refund): a repeat.
+        let folded = call(
+            "c6",
+            "orders",
+            "issue_refund",
+            json!({"order_id": "o-9", "amount": 25, "refundId": "rf-1", "status": "issued"}),
+        );
+        let structured = vec![Message::ToolResult {
+            call: refund.clone(),
+            result: ToolResult {
+                structured_content: Some(json!({"refundId": "rf-1", "status": "issued"})),
+                ..ok("refund rf-1 issued")
+            },
+        }];
+        assert!(repeat_of(&structured, &folded, &specs()).is_some());
+        // A field the result did not hold, or holds otherwise, makes another write.
+        let other_field = call(
+            "c7",
+            "orders",
+            "issue_refund",
+            json!({"order_id": "o-9", "amount": 25, "refundId": "rf-2"}),
+        );
+        assert!(repeat_of(&structured, &other_field, &specs()).is_none());
+        let dropped = call("c8", "orders", "issue_refund", json!({"order_id": "o-9"}));
+        assert!(repeat_of(&structured, &dropped, &specs()).is_none());
         // Another refund is no repeat; nor is a read repeated (a poll is performed again).
         let other = call(
             "c4",

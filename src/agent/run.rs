@@ -420,7 +420,10 @@ impl<'a> Attempt<'a> {
         // (the provider's `_TOOL_CALLS_IN_TEXT=parse`) or sent back, before any rule applies.
         let shape = self.examine_answer(&model, &mut response);
         // Nothing of an answer over a limit is journaled or performed.
-        let writes = self.keyed_writes_in(&response.message.tool_calls);
+        // [answer shape] A repeated write is answered, never sent: no keyed write.
+        let writes = self
+            .keyed_writes_in(&response.message.tool_calls)
+            .saturating_sub(shape.repeated_writes);
         self.limits
             .check_answer(&response.message, writes, &self.state.spent)
             .map_err(|e| limit_reached(&self.def, e))?;

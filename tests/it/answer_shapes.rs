@@ -352,8 +352,12 @@ async fn a_write_repeated_after_its_result_is_performed_once() {
         Script::new(vec![refund(), refund(), Turn::text(FINAL)]),
     );
     s.model.set_script("forever", Script::new(vec![refund()]));
+    // One keyed write allowed, as a refund agent would set it: the repeat is no second write
+    // (it is never sent), so it is a repair turn, not the limit.
+    let mut twice = agent(&s, "openai/twice", true);
+    twice["maxKeyedWrites"] = json!(1);
     let ids = s.engine.create_tasks([
-        spec(agent(&s, "openai/twice", true), "o-1"),
+        spec(twice, "o-1"),
         spec(agent(&s, "anthropic/forever", true), "o-2"),
     ]);
     let w = s.spawn_worker(worker_options("w", "repair"), Stack::fast_agent_settings());
@@ -485,6 +489,206 @@ async fn instructed_structured_output_sends_no_response_format() {
     assert!(
         system.contains("JSON Schema") && system.contains("\"refunded\""),
         "{system}"
+    );
+    w.stop().await;
+    s.shutdown().await;
+}
+
+// ---- what the real model sent -------------------------------------------------------------
+
+/// A captured answer of the real model: its wire format and the exact response body.
+fn capture(name: &str) -> (String, Turn) {
+    let path = format!(
+        "{}/tests/data/real_model/{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let v: Value = serde_json::from_str(&text).unwrap();
+    (
+        v["format"].as_str().unwrap().to_string(),
+        Turn::Raw(v["body"].as_str().unwrap().to_string()),
+    )
+}
+
+/// What the worker made of a captured answer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Became {
+    /// A repair turn for a malformed answer (`answerRepair`).
+    AnswerRepair(&'static str),
+    /// A repair turn of the output rules (`outputRepair`): a cut answer.
+    OutputRepair(&'static str),
+    /// The refund it wrote, performed once.
+    Refund,
+    /// A call of a tool nobody offered, answered as unknown, never sent.
+    UnknownTool,
+}
+
+/// Each captured answer as the first answer of a refund task, then the model's real answer; in
+/// its own wire format, the provider set to `policy`. Whatever the capture held, the stored
+/// result is the real answer, and what the worker made of the capture is `became`.
+async fn replay_first_answers(policy: &str, cases: &[(&str, Became)]) {
+    let s = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let mut specs = Vec::new();
+    for (name, _) in cases {
+        let (format, turn) = capture(name);
+        let model = format!("real-{name}");
+        s.model
+            .set_script(&model, Script::new(vec![turn, Turn::text(FINAL)]));
+        specs.push(spec(
+            agent(&s, &format!("{format}/{model}"), true),
+            &format!("o-{name}"),
+        ));
+    }
+    let ids = s.engine.create_tasks(specs);
+    let w = s.spawn_worker(worker_options("w", policy), Stack::fast_agent_settings());
+    let views = wait_all_ended(&s, &ids, Duration::from_secs(60)).await;
+    let mut refunds = 0;
+    for (v, (name, became)) in views.iter().zip(cases) {
+        assert_eq!(
+            decision(v),
+            json!({"decision": "refunded", "orderId": format!("o-{name}")}),
+            "{name}: only the real answer is stored"
+        );
+        let first = model_steps(v)[0];
+        let results: Vec<&Value> = v
+            .journal
+            .iter()
+            .filter(|s| s["kind"] == "tool" && s["state"] == "finished")
+            .collect();
+        match became {
+            Became::AnswerRepair(reason) => {
+                assert_eq!(first["data"]["answerRepair"]["reason"], *reason, "{name}");
+                assert!(results.is_empty(), "{name}: nothing performed");
+            }
+            Became::OutputRepair(reason) => {
+                assert_eq!(first["data"]["outputRepair"]["reason"], *reason, "{name}");
+                assert!(results.is_empty(), "{name}: nothing performed");
+            }
+            Became::Refund => {
+                refunds += 1;
+                assert!(first["data"]["toleratedAnswer"].is_object(), "{name}");
+                assert_eq!(results.len(), 1, "{name}");
+                assert_eq!(results[0]["data"]["tool"], "issue_refund", "{name}");
+                assert!(results[0]["key"].is_string(), "{name}: keyed");
+                assert_eq!(results[0]["data"]["result"]["isError"], false, "{name}");
+            }
+            Became::UnknownTool => {
+                assert_eq!(results.len(), 1, "{name}");
+                assert_eq!(results[0]["data"]["result"]["isError"], true, "{name}");
+                let said = results[0]["data"]["result"]["content"][0]["text"]
+                    .as_str()
+                    .unwrap();
+                assert!(said.starts_with("There is no tool"), "{name}: {said}");
+            }
+        }
+    }
+    let c = s.tools.counters().await;
+    assert_eq!(c.writes_applied, refunds, "{policy}");
+    assert_eq!(c.calls_per_tool.values().sum::<u64>(), refunds, "{policy}");
+    w.stop().await;
+    s.shutdown().await;
+}
+
+const REAL_SHAPES: [&str; 11] = [
+    "openai_fenced_call",
+    "openai_bare_call",
+    "anthropic_bare_call",
+    "anthropic_fenced_call",
+    "openai_unknown_name",
+    "openai_unclosed_call",
+    "anthropic_call_with_comments",
+    "anthropic_stray_bracket",
+    "openai_calls_cut",
+    "anthropic_calls_cut",
+    "anthropic_empty_answer",
+];
+
+/// The default: every call the real model wrote as text is sent back, none performed; the cut
+/// answers go to the output rules (never stored).
+#[tokio::test]
+async fn real_answers_written_as_calls_are_repaired_by_default_and_never_stored() {
+    let became = |name: &str| match name {
+        n if n.ends_with("_cut") => Became::OutputRepair("truncated"),
+        "anthropic_empty_answer" => Became::AnswerRepair("empty_answer"),
+        _ => Became::AnswerRepair("tool_call_as_text"),
+    };
+    let cases: Vec<(&str, Became)> = REAL_SHAPES.iter().map(|n| (*n, became(n))).collect();
+    replay_first_answers("repair", &cases).await;
+}
+
+/// `parse`: the refunds written as text are performed (keyed, once), the decision written as a
+/// call of a tool nobody offered is answered as unknown, what cannot be read is sent back.
+#[tokio::test]
+async fn real_answers_written_as_calls_under_parse_become_calls_under_every_rule() {
+    let became = |name: &str| match name {
+        "openai_fenced_call"
+        | "openai_bare_call"
+        | "anthropic_bare_call"
+        | "anthropic_fenced_call" => Became::Refund,
+        "openai_unknown_name" => Became::UnknownTool,
+        "anthropic_empty_answer" => Became::AnswerRepair("empty_answer"),
+        n if n.ends_with("_cut") => Became::OutputRepair("truncated"),
+        _ => Became::AnswerRepair("tool_call_as_text"),
+    };
+    let cases: Vec<(&str, Became)> = REAL_SHAPES.iter().map(|n| (*n, became(n))).collect();
+    replay_first_answers("parse", &cases).await;
+}
+
+/// The real model's refund, then the same refund again after its result (OpenAI format), and the
+/// same with the result's fields folded into its arguments (Anthropic format): each refund is
+/// performed once; the repeat is answered with the earlier result, and the model answers.
+#[tokio::test]
+async fn real_repeated_refunds_are_performed_once() {
+    let s = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    let (_, bare) = capture("openai_bare_call");
+    let (_, repeated) = capture("openai_repeated_call");
+    s.model.set_script(
+        "real-repeat",
+        Script::new(vec![bare, repeated, Turn::text(FINAL)]),
+    );
+    let (_, fenced) = capture("anthropic_fenced_call");
+    let (_, folded) = capture("anthropic_folded_result_call");
+    s.model.set_script(
+        "real-folded",
+        Script::new(vec![fenced, folded, Turn::text(FINAL)]),
+    );
+    let w = s.spawn_worker(worker_options("w", "parse"), Stack::fast_agent_settings());
+    // One after the other: the folded answer names refund rf-2, the server's second refund.
+    let mut views = Vec::new();
+    for (model, order) in [
+        ("openai/real-repeat", "o-1"),
+        ("anthropic/real-folded", "o-2"),
+    ] {
+        let mut a = agent(&s, model, true);
+        a["maxKeyedWrites"] = json!(1);
+        let id = s.engine.create_task(spec(a, order));
+        views.extend(wait_all_ended(&s, &[id], Duration::from_secs(60)).await);
+    }
+    for v in &views {
+        assert_eq!(decision(v)["decision"], "refunded");
+        assert_eq!(
+            model_steps(v)[1]["data"]["answerRepair"]["reason"],
+            "repeated_call",
+            "{v:?}"
+        );
+        let repeat = v
+            .journal
+            .iter()
+            .rfind(|s| s["kind"] == "tool" && s["state"] == "finished")
+            .unwrap();
+        assert!(repeat["key"].is_null(), "not sent");
+        assert!(
+            repeat["data"]["result"]["content"][0]["text"]
+                .as_str()
+                .unwrap()
+                .contains("already called orders__issue_refund")
+        );
+    }
+    let c = s.tools.counters().await;
+    assert_eq!(
+        (c.writes_applied, c.duplicates),
+        (2, 0),
+        "one refund per task"
     );
     w.stop().await;
     s.shutdown().await;
