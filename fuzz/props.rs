@@ -312,9 +312,8 @@ pub fn template(data: &[u8]) {
 
 /// A model's final answer examined for a tool call written as text (`agent::answer_shape`); the
 /// first byte chooses `parse` (odd) or `repair`. Under `repair` nothing becomes a call: the
-/// answer is kept, or sent back with a reason. Under `parse` a call names an offered tool or an
-/// empty server (answered as unknown), and its arguments are an object or the raw text; an
-/// answer left whole has no reason.
+/// answer is kept, or sent back with a reason. Under `parse` a call names an offered tool, and
+/// its arguments are an object or the raw text; an answer left whole has no reason.
 pub fn answer_shape(data: &[u8]) {
     let Some((&first, rest)) = data.split_first() else {
         return;
@@ -332,9 +331,7 @@ pub fn answer_shape(data: &[u8]) {
     }
     for call in &calls {
         assert!(
-            call.server.is_empty()
-                || (call.server == "orders"
-                    && (call.tool == "lookup_order" || call.tool == "issue_refund")),
+            call.server == "orders" && (call.tool == "lookup_order" || call.tool == "issue_refund"),
             "a call of a tool nobody offered: {call:?}"
         );
         assert!(

@@ -11,8 +11,11 @@
 //!   ([`TextToolCalls`], `ABADA_AGENT_PROVIDER_<NAME>_TOOL_CALLS_IN_TEXT`): a repair turn (the
 //!   default: the model reads how to call tools, nothing is performed), or a tolerant parse (the
 //!   calls become the answer's tool calls, named `text_call_{seq}_{i}`, and from there obey every
-//!   rule a tool call obeys: offered tools only, arguments, keyed writes, approval, limits, the
-//!   journal). With or without an `outputSchema`: the answer is examined before it is judged.
+//!   rule a tool call obeys: arguments, keyed writes, approval, limits, the journal). A call of a
+//!   name nobody offered, in markup or in the exact shape of a call (the real model writes its
+//!   decision so: `{"name": "refunded", "arguments": {...}}`), is sent back under either, naming
+//!   the tools there are. With or without an `outputSchema`: the answer is examined before it is
+//!   judged.
 //! - **An empty final answer**: a repair turn.
 //! - **A write repeated after its result**: a write identical (server, tool, canonical
 //!   arguments, or the same with fields of its result folded in, as a small model writes it) to
@@ -209,6 +212,22 @@ impl Malformed {
             })
             .collect();
         let called = names.join(", ");
+        // A name nobody offered: the model is told which tools there are.
+        let unknown: Vec<&str> = found
+            .calls
+            .iter()
+            .filter(|c| offered.resolve(&c.name).is_none())
+            .map(|c| c.name.as_str())
+            .collect();
+        let tools = if unknown.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " There is no tool {}: the tools offered are {}.",
+                unknown.join(", "),
+                offered.list()
+            )
+        };
         Malformed {
             reason: Reason::ToolCallAsText,
             detail: format!(
@@ -216,7 +235,7 @@ impl Malformed {
                 found.shape.described()
             ),
             message: Some(format!(
-                "Your answer is not a final answer: it holds a call of the tool {called} written as text ({}). A tool call written as text is not run. To call a tool, make a tool call (function calling) with its arguments as a JSON object, and write nothing else; to finish, answer without any tool call in your text.",
+                "Your answer is not a final answer: it holds a call of the tool {called} written as text ({}). A tool call written as text is not run.{tools} To call a tool, make a tool call (function calling) with its arguments as a JSON object, and write nothing else; to finish, answer without any tool call in your text.",
                 found.shape.described()
             )),
         }
@@ -407,37 +426,41 @@ pub(crate) fn examine(
     match calls_in_text(&text, &offered) {
         TextCalls::None => {}
         TextCalls::Unreadable => ex.malformed = Some(Malformed::unreadable(&text)),
-        TextCalls::Found(found) => match policy {
-            TextToolCalls::Repair => {
-                ex.malformed = Some(Malformed::call_as_text(&found, &offered));
-            }
-            TextToolCalls::Parse => {
-                let calls: Vec<ToolCall> = found
+        // Under `parse` only calls of offered tools are taken: a call of a name nobody offered
+        // (the decision written as a call, `{"name": "refunded", ...}`) cannot be performed, and
+        // is sent back naming the tools there are.
+        TextCalls::Found(found)
+            if policy == TextToolCalls::Repair
+                || found
                     .calls
                     .iter()
-                    .enumerate()
-                    .map(|(i, c)| {
-                        let (server, tool) = match offered.resolve(&c.name) {
-                            Some(spec) => (spec.server.clone(), spec.tool.clone()),
-                            None => (String::new(), c.name.clone()),
-                        };
-                        ToolCall {
-                            call_id: format!("text_call_{seq}_{i}"),
-                            server,
-                            tool,
-                            arguments: c.arguments.clone(),
-                        }
+                    .any(|c| offered.resolve(&c.name).is_none()) =>
+        {
+            ex.malformed = Some(Malformed::call_as_text(&found, &offered));
+        }
+        TextCalls::Found(found) => {
+            let calls: Vec<ToolCall> = found
+                .calls
+                .iter()
+                .enumerate()
+                .filter_map(|(i, c)| {
+                    let spec = offered.resolve(&c.name)?;
+                    Some(ToolCall {
+                        call_id: format!("text_call_{seq}_{i}"),
+                        server: spec.server.clone(),
+                        tool: spec.tool.clone(),
+                        arguments: c.arguments.clone(),
                     })
-                    .collect();
-                ex.tolerated.push(Tolerated::CallInText(found.shape));
-                ex.written = Some(text);
-                ex.message = AssistantMessage {
-                    text: Some(found.rest).filter(|t| !t.is_empty()),
-                    tool_calls: calls,
-                };
-                ex.malformed = repeated_calls(&ex.message.tool_calls, history, &offered);
-            }
-        },
+                })
+                .collect();
+            ex.tolerated.push(Tolerated::CallInText(found.shape));
+            ex.written = Some(text);
+            ex.message = AssistantMessage {
+                text: Some(found.rest).filter(|t| !t.is_empty()),
+                tool_calls: calls,
+            };
+            ex.malformed = repeated_calls(&ex.message.tool_calls, history, &offered);
+        }
     }
     ex
 }
@@ -541,6 +564,15 @@ impl<'a> Offered<'a> {
 
     fn function_name(&self, spec: &ToolSpec) -> String {
         self.names.function_name(&spec.server, &spec.tool)
+    }
+
+    /// The tools by the names the model sees, comma-separated.
+    fn list(&self) -> String {
+        self.specs
+            .iter()
+            .map(|s| self.function_name(s))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// The offered tool `name` means: its function name exactly, else the one tool whose
@@ -799,7 +831,7 @@ fn call_of(map: &Map<String, Value>, offered: &Offered, in_markup: bool) -> Opti
     }
     // Outside markup, a name nobody offered is a call only in the exact shape of one (name and
     // arguments, nothing else): `{"name": "Bob"}` is data, `{"name": "hello", "arguments": {}}`
-    // is a model imitating a call (which, parsed, is answered as an unknown tool).
+    // is a model imitating a call (sent back naming the tools there are).
     if !in_markup && args_key.is_none() && offered.resolve(name).is_none() {
         return None;
     }
@@ -1176,17 +1208,25 @@ mod tests {
             }
         }
         // A call of a tool nobody offered, in markup or in the exact shape of a call (what the
-        // real model answered to "Say hello."): a call, which the tool call answers as unknown
-        // (offered tools only); never the answer.
+        // real model answered to "Say hello.", and its decision written as a call): never the
+        // answer, never performed; sent back under either policy, naming the tools there are.
         for answer in [
             "<tool_call>{\"name\": \"drop_tables\", \"arguments\": {}}</tool_call>",
             "{\"arguments\":{\"message\":\"Hello!\"},\"name\":\"drop_tables\"}",
+            "{\"name\": \"refunded\", \"arguments\": {\"orderId\": \"o-9\"}}",
         ] {
-            let ex = examine_text(answer, TextToolCalls::Parse);
-            assert_eq!(ex.message.tool_calls[0].server, "", "{answer}");
-            assert_eq!(ex.message.tool_calls[0].tool, "drop_tables");
-            let ex = examine_text(answer, TextToolCalls::Repair);
-            assert_eq!(ex.malformed.unwrap().reason, Reason::ToolCallAsText);
+            for policy in [TextToolCalls::Repair, TextToolCalls::Parse] {
+                let ex = examine_text(answer, policy);
+                assert!(ex.message.tool_calls.is_empty(), "{answer}");
+                let m = ex.malformed.unwrap();
+                assert_eq!(m.reason, Reason::ToolCallAsText);
+                let said = m.message.unwrap();
+                assert!(
+                    said.contains("There is no tool")
+                        && said.contains("orders__lookup_order, orders__issue_refund"),
+                    "{said}"
+                );
+            }
         }
     }
 
