@@ -580,7 +580,7 @@ async fn replay_first_answers(policy: &str, cases: &[(&str, Became)]) {
     s.shutdown().await;
 }
 
-const REAL_SHAPES: [&str; 11] = [
+const REAL_SHAPES: [&str; 12] = [
     "openai_fenced_call",
     "openai_bare_call",
     "anthropic_bare_call",
@@ -592,6 +592,7 @@ const REAL_SHAPES: [&str; 11] = [
     "openai_calls_cut",
     "anthropic_calls_cut",
     "anthropic_empty_answer",
+    "openai_call_with_text",
 ];
 
 /// The default: every call the real model wrote as text is sent back, none performed; the cut
@@ -615,7 +616,8 @@ async fn real_answers_written_as_calls_under_parse_become_calls_under_every_rule
         "openai_fenced_call"
         | "openai_bare_call"
         | "anthropic_bare_call"
-        | "anthropic_fenced_call" => Became::Refund,
+        | "anthropic_fenced_call"
+        | "openai_call_with_text" => Became::Refund,
         "openai_unknown_name" => Became::AnswerRepair("tool_call_as_text"),
         "anthropic_empty_answer" => Became::AnswerRepair("empty_answer"),
         n if n.ends_with("_cut") => Became::OutputRepair("truncated"),
