@@ -686,3 +686,73 @@ async fn real_repeated_refunds_are_performed_once() {
     w.stop().await;
     s.shutdown().await;
 }
+
+/// Tool calls of the wire format that real models get slightly wrong: a name in another case
+/// (`Lookup_Order`), arguments with a closing brace after the object. Under `parse` each is the
+/// call the model meant, performed; under `repair` each is answered with an error naming the
+/// tools as offered, nothing performed.
+#[tokio::test]
+async fn wire_calls_with_a_name_in_another_case_or_trailing_text_are_tolerated_only_under_parse() {
+    let s = Stack::start(ProtocolLevel::AgentV1).await.unwrap();
+    s.model.set_script(
+        "sloppy",
+        Script::new(vec![
+            Turn::call("Lookup_Order", json!({"orderId": "${input}"})),
+            Turn::call(
+                "issue_refund",
+                json!("{\"orderId\": \"${input}\", \"amountCents\": 2500}}"),
+            ),
+            Turn::text(FINAL),
+        ]),
+    );
+    let mut ids = Vec::new();
+    for (policy, f) in [("parse", "openai"), ("repair", "anthropic")] {
+        let id = s.engine.create_task(spec(
+            agent(&s, &format!("{f}/sloppy"), true),
+            &format!("o-{policy}"),
+        ));
+        ids.push(id);
+    }
+    // One worker per policy, each claiming its own format's task: the policies are per provider.
+    let mut opts = worker_options("w", "parse");
+    opts.env[1].1 = "repair".into();
+    let w = s.spawn_worker(opts, Stack::fast_agent_settings());
+    let views = wait_all_ended(&s, &ids, Duration::from_secs(30)).await;
+    let results = |v: &TaskView| -> Vec<Value> {
+        v.journal
+            .iter()
+            .filter(|s| s["kind"] == "tool" && s["state"] == "finished")
+            .map(|s| s["data"]["result"].clone())
+            .collect()
+    };
+    // parse (OpenAI): both performed.
+    let parsed = &views[0];
+    assert_eq!(decision(parsed)["decision"], "refunded");
+    assert!(
+        results(parsed).iter().all(|r| r["isError"] == false),
+        "{:?}",
+        results(parsed)
+    );
+    assert_eq!(
+        model_steps(parsed)[0]["data"]["toleratedAnswer"]["tolerated"],
+        json!(["tool_name"])
+    );
+    assert_eq!(
+        model_steps(parsed)[1]["data"]["toleratedAnswer"]["tolerated"],
+        json!(["arguments_text"])
+    );
+    // repair (Anthropic): both answered as errors, naming what the model can call.
+    let repaired = &views[1];
+    assert_eq!(decision(repaired)["decision"], "refunded");
+    let r = results(repaired);
+    assert!(r.iter().all(|r| r["isError"] == true), "{r:?}");
+    let said = r[0]["content"][0]["text"].as_str().unwrap();
+    assert!(
+        said.contains("There is no tool \"Lookup_Order\"") && said.contains("orders__lookup_order"),
+        "{said}"
+    );
+    let c = s.tools.counters().await;
+    assert_eq!(c.writes_applied, 1, "the parsed refund only");
+    w.stop().await;
+    s.shutdown().await;
+}
