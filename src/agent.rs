@@ -2,6 +2,8 @@
 //! run (a conversation with a model that calls MCP tools), durable through the task's journal,
 //! ending in exactly one outcome of protocol.md B.5.
 //!
+//! - `answer_shape`: a model's answer examined before it is acted on: a tool call written as
+//!   text (repaired or parsed, per provider), an empty answer, a call repeated after its result;
 //! - `approval`: which tool calls wait for a person's approval, and the decision variables;
 //! - `bpmn`: agent definitions written on the BPMN service task (`abada.agent.*` properties);
 //! - `definition`: agent definitions, the agents file, `${name}` templates;
@@ -25,6 +27,7 @@
 //! sessions and their credentials, its journal state and budget. Where a task's journal lives is
 //! decided in one place, `run_journal::Journal::open`.
 
+pub(crate) mod answer_shape;
 pub mod approval;
 mod approval_gate;
 pub(crate) mod approver;

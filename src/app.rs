@@ -265,6 +265,7 @@ pub(crate) fn agent_runtime(
             api_key: p.api_key.clone(),
             max_concurrency: p.max_concurrency,
             request_timeout: p.request_timeout,
+            structured_output: p.structured_output,
         });
     }
     let agents_file = config
@@ -367,6 +368,7 @@ pub(crate) fn agent_runtime(
         if let Some(tokens) = p.context_window {
             providers = providers.with_context_window(p.name.clone(), tokens);
         }
+        providers = providers.with_text_tool_calls(p.name.clone(), p.tool_calls_in_text);
     }
     let runtime = AgentRuntime::new(
         providers,

@@ -183,6 +183,44 @@ pub fn output_answer(schema: &Value, answer: &str, stop_reason: &str) -> Result<
         .map_err(|r| r.repair_message())
 }
 
+/// A model's final answer examined for the shapes of `agent::answer_shape` (a tool call written
+/// as text, markup, an empty answer), two tools offered (`orders__lookup_order`, read-only, and
+/// `orders__issue_refund`, a write), under `parse` or `repair`: the tool calls the answer now
+/// holds, why it is sent back (if it is), and its text.
+pub fn answer_shape(
+    text: &str,
+    parse: bool,
+) -> (
+    Vec<crate::conversation::ToolCall>,
+    Option<&'static str>,
+    Option<String>,
+) {
+    let spec = |tool: &str, read_only: bool| crate::conversation::ToolSpec {
+        server: "orders".into(),
+        tool: tool.into(),
+        description: String::new(),
+        input_schema: serde_json::json!({"type": "object"}),
+        read_only,
+        destructive: false,
+    };
+    let specs = [spec("lookup_order", true), spec("issue_refund", false)];
+    let policy = if parse {
+        crate::provider::TextToolCalls::Parse
+    } else {
+        crate::provider::TextToolCalls::Repair
+    };
+    let answer = crate::conversation::AssistantMessage {
+        text: Some(text.to_string()),
+        tool_calls: Vec::new(),
+    };
+    let ex = crate::agent::answer_shape::examine(answer, "stop", &specs, &[], policy, 2);
+    (
+        ex.message.tool_calls,
+        ex.malformed.map(|m| m.reason.as_str()),
+        ex.message.text,
+    )
+}
+
 /// A `${name}` template rendered with process variables.
 pub fn render_template(template: &str, variables: &Map<String, Value>) -> Result<String, String> {
     definition::render_template(template, variables)

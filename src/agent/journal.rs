@@ -356,6 +356,10 @@ pub struct Replayed {
     pub(crate) keyed_results: std::collections::HashSet<String>,
     /// The judging of [`Self::final_answer`], when there is one.
     pub(crate) judging: Option<Judging>,
+    /// Answers sent back to the model as malformed (`answerRepair` on their model steps: a tool
+    /// call written as text, an empty answer, a repeated call): the repair turns spent
+    /// (`agent::answer_shape`).
+    pub(crate) answer_repairs: u32,
 }
 
 #[derive(Deserialize)]
@@ -456,6 +460,11 @@ impl Replayed {
                 if repair.is_some() && !d.message.tool_calls.is_empty() {
                     return Err(err("an output repair on an answer with tool calls".into()));
                 }
+                // [answer shape] An answer sent back as malformed (a tool call written as text,
+                // an empty answer, a repeated call) is no final answer either; the model read its
+                // repair message next, or its calls' results told it.
+                let shape_repair =
+                    super::answer_shape::journaled_repair(&step.data).map_err(err)?;
                 self.turns = self.turns.saturating_add(1);
                 self.usage += d.usage;
                 let calls = u32::try_from(d.message.tool_calls.len()).unwrap_or(u32::MAX);
@@ -469,7 +478,8 @@ impl Replayed {
                         started_key: None,
                     })
                     .collect();
-                self.final_answer = if d.message.tool_calls.is_empty() && repair.is_none() {
+                let final_answer = d.message.tool_calls.is_empty();
+                self.final_answer = if final_answer && repair.is_none() && shape_repair.is_none() {
                     Some(d.message.text.clone().unwrap_or_default())
                 } else {
                     None
@@ -480,6 +490,12 @@ impl Replayed {
                     accepted: false,
                 });
                 self.messages.push(Message::Assistant(d.message));
+                if let Some(shape) = shape_repair {
+                    self.answer_repairs = self.answer_repairs.saturating_add(1);
+                    if let Some(text) = shape.message.filter(|_| final_answer) {
+                        self.messages.push(Message::User { text });
+                    }
+                }
                 if let Some(repair) = repair {
                     self.output_repairs = self.output_repairs.saturating_add(1);
                     self.messages.push(Message::User {

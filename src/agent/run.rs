@@ -395,6 +395,10 @@ impl<'a> Attempt<'a> {
                 }
             }
             if let Some(next) = self.state.pending.first().cloned() {
+                // [answer shape] A call repeated after its result is answered, not performed.
+                if self.boxed_repeat(&next).await? {
+                    continue;
+                }
                 if self.boxed_gate(&next).await? {
                     self.boxed_tool_call(next).await?;
                 }
@@ -410,6 +414,10 @@ impl<'a> Attempt<'a> {
     // loop (over a megabyte along one task's poll chain, past a test thread's 2 MiB).
     fn boxed_gate<'s>(&'s mut self, next: &'s PendingCall) -> StepFuture<'s, bool> {
         Box::pin(self.approval_gate(next))
+    }
+
+    fn boxed_repeat<'s>(&'s mut self, next: &'s PendingCall) -> StepFuture<'s, bool> {
+        Box::pin(self.answer_repeated_call(next))
     }
 
     fn boxed_tool_call(&mut self, next: PendingCall) -> StepFuture<'_, ()> {
@@ -532,12 +540,18 @@ impl<'a> Attempt<'a> {
             _ = self.scope.ctx.stopped() => return Err(self.scope.released()),
         };
         self.unanswered_model_calls += unanswered;
-        let (model, response) = match result {
+        let (model, mut response) = match result {
             Ok(answered) => answered,
             Err(e) => return Err(self.model_error(e).await),
         };
+        // [answer shape] A tool call written as text, an empty answer, a repeated call: parsed
+        // (the provider's `_TOOL_CALLS_IN_TEXT=parse`) or sent back, before any rule applies.
+        let shape = self.examine_answer(&model, &mut response);
         // Nothing of an answer over a limit is journaled or performed.
-        let writes = self.keyed_writes_in(&response.message.tool_calls);
+        // [answer shape] A repeated write is answered, never sent: no keyed write.
+        let writes = self
+            .keyed_writes_in(&response.message.tool_calls)
+            .saturating_sub(shape.repeated_writes);
         self.limits
             .check_answer(&response.message, writes, &self.state.spent)
             .map_err(|e| limit_reached(&self.def, e))?;
@@ -567,7 +581,8 @@ impl<'a> Attempt<'a> {
         // (the verdict journaled after it): a validation that never ends cannot make the
         // model be paid again and again.
         let text = response.message.text.as_deref().unwrap_or_default();
-        if response.message.tool_calls.is_empty()
+        if !shape.is_malformed()
+            && response.message.tool_calls.is_empty()
             && output::needs_validator(self.def.output_schema.as_ref(), text, &response.stop_reason)
         {
             let answer = text.to_string();
@@ -580,18 +595,24 @@ impl<'a> Attempt<'a> {
         // [output] Any other final answer off the schema, or cut by the output limit, is
         // journaled with the repair message the model reads next (a resumed run replays it),
         // never stored.
-        let verdict = output::verdict(
-            self.def.output_schema.as_ref(),
-            &response.message,
-            &response.stop_reason,
-            Some(cap),
-            self.state.output_repairs,
-            self.def.output_repair_turns,
-        );
+        let verdict = if shape.is_malformed() {
+            output::Verdict::Accepted
+        } else {
+            output::verdict(
+                self.def.output_schema.as_ref(),
+                &response.message,
+                &response.stop_reason,
+                Some(cap),
+                self.state.output_repairs,
+                self.def.output_repair_turns,
+            )
+        };
         if let Some(rejection) = verdict.rejection() {
             step.data[output::JOURNAL_FIELD] = output::journal_record(rejection);
         }
+        shape.mark(&mut step);
         self.record(step).await?;
+        self.answer_shape_outcome(shape)?;
         self.output_verdict(verdict)
     }
 

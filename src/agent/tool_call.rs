@@ -147,12 +147,14 @@ impl Attempt<'_> {
                 call.arguments.as_object().cloned().unwrap_or_default()
             }
             (_, None) => {
+                // The names as the model sees them (`server__tool`): a name it can call.
+                let names = crate::provider::tool_names::ToolNames::new(&specs);
                 let offered: Vec<String> = specs
                     .iter()
-                    .map(|s| format!("{}/{}", s.server, s.tool))
+                    .map(|s| names.function_name(&s.server, &s.tool))
                     .collect();
                 let result = ToolResult::error_text(format!(
-                    "There is no tool {:?}{}. The tools offered are: {}.",
+                    "There is no tool {:?}{}. Tool names are exact (case and prefix included): the tools offered are {}.",
                     call.tool,
                     if call.server.is_empty() {
                         String::new()

@@ -966,6 +966,7 @@ fn arb_agent_property() -> impl Strategy<Value = String> {
             "loopCounterVariable",
             "outputSchema",
             "outputRepairTurns",
+            "answerRepairTurns",
         ])
         .prop_map(str::to_string),
         "[a-zA-Z.]{0,12}",

@@ -1,6 +1,7 @@
 //! The integration test binary (one binary keeps link time down): one module per area.
 
 mod agent;
+mod answer_shapes;
 mod approval;
 mod approval_floor;
 mod bpmn;
