@@ -22,6 +22,7 @@ use crate::engine::Engine;
 use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::handler::TaskHandler;
 use crate::metrics::Metrics;
+use crate::provider::capacity::ModelCapacities;
 use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
 use crate::runner::{Runner, RunnerEvent, RunnerSettings};
 use crate::store::{RunStore, StoreHandle, connect_backoff};
@@ -267,7 +268,11 @@ pub(crate) fn agent_runtime(
     let mut agent_settings = agent_settings;
     agent_settings.tool_sessions.allow_insecure_http = config.allow_insecure_http;
     agent_settings.model_retry.capacity_wait_max = config.model_wait_max;
-    let mut providers = ProviderRegistry::new(settings, http);
+    let mut providers = ProviderRegistry::with_capacity_policy(
+        settings,
+        http,
+        crate::provider::capacity::CapacityPolicy::with_max_wait(config.model_wait_max),
+    );
     for p in &config.providers {
         if let Some(tokens) = p.context_window {
             providers = providers.with_context_window(p.name.clone(), tokens);
@@ -315,6 +320,9 @@ pub struct Worker {
     /// configuration's URLs and the tools file's token endpoints, URLs redacted), for the one
     /// warning at start-up.
     pub credentials_in_clear: Vec<String>,
+    /// The models' pacers (the agent runtime's): which are held, and why, for `/readyz` and
+    /// the metrics.
+    pub models: Option<Arc<ModelCapacities>>,
 }
 
 impl Worker {
@@ -359,6 +367,7 @@ impl Worker {
             None => client,
         };
         let mut credentials_in_clear = config.credentials_in_clear();
+        let mut models = None;
         let handler: Arc<dyn TaskHandler> = match seams.handler {
             Some(handler) => handler,
             None => {
@@ -387,6 +396,7 @@ impl Worker {
                     runtime =
                         runtime.with_store(run_store, &config.worker_id, config.lock_duration);
                 }
+                models = Some(runtime.capacities().clone());
                 Arc::new(runtime)
             }
         };
@@ -406,6 +416,7 @@ impl Worker {
             store,
             store_stop,
             credentials_in_clear,
+            models,
         })
     }
 
@@ -422,6 +433,7 @@ impl Worker {
         let state = crate::admin::AdminState {
             status: self.runner.status(),
             store: self.store.clone(),
+            models: self.models.clone(),
             metrics: self.metrics.clone(),
             stall_limit: (poll_interval * 3).max(Duration::from_secs(30)) + Duration::from_secs(30),
         };

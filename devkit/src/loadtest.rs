@@ -90,7 +90,8 @@ pub struct LoadOptions {
     pub fetch_answer_cap: Option<std::num::NonZeroU32>,
     /// Worker processes sharing the engine (backlog only; 1 to [`MAX_WORKERS`]).
     pub workers: u32,
-    /// The model's provider rate limit (issue 25): stated on every answer, 429 beyond.
+    /// The model's provider rate limit ([`super::model::RateLimit`]): stated per minute,
+    /// enforced a second's worth per second, 429 beyond. With several workers, they share it.
     pub rate_limit: Option<super::model::RateLimit>,
 }
 
@@ -163,7 +164,7 @@ pub enum LoadError {
     Metrics(String),
     #[error(
         "{workers} workers asked for: a run starts 1 to {MAX_WORKERS}, the worker binary only, \
-         on a backlog without a run store"
+         on a backlog"
     )]
     Workers { workers: u32 },
 }
@@ -490,7 +491,6 @@ pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, Lo
     if opts.workers != 1
         && (!(1..=MAX_WORKERS).contains(&opts.workers)
             || opts.scenario != Scenario::Backlog
-            || opts.store.is_some()
             || !matches!(which, ChildProgram::Worker(_)))
     {
         return Err(LoadError::Workers {
@@ -524,7 +524,7 @@ pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, Lo
         None => None,
     };
     let result = if opts.workers > 1 {
-        shared_backlog(which, opts, &stack, ticks).await
+        shared_backlog(which, opts, &stack, files.as_ref(), ticks).await
     } else {
         run_on(which, opts, &stack, files.as_ref(), ticks).await
     };
@@ -579,7 +579,7 @@ async fn run_on(
     result.map(|()| figures)
 }
 
-/// Issue 25: how well the worker used the provider's rate limit. The share of the limit used
+/// How well the workers used the provider's rate limit. The share of the limit used
 /// (the calls let through over the most the limit allowed from the first call to the last),
 /// 429s as a share of the model requests, tasks deferred (a `failure` reported for a task,
 /// which the engine records), and claims given back (tasks locked by a fetch beyond the one
@@ -1051,6 +1051,7 @@ async fn shared_backlog(
     which: &ChildProgram,
     opts: &LoadOptions,
     stack: &Stack,
+    files: Option<&StoreFiles>,
     ticks: f64,
 ) -> Result<Figures, LoadError> {
     inject_engine_latency(stack, opts);
@@ -1059,7 +1060,7 @@ async fn shared_backlog(
         .collect();
     let mut children = Vec::new();
     for id in &worker_ids {
-        let mut child = spawn_child(which, stack, opts, None, id)?;
+        let mut child = spawn_child(which, stack, opts, files, id)?;
         wait_first_fetch(stack, &mut child, Some(id)).await?;
         children.push(child);
     }
@@ -1113,6 +1114,9 @@ async fn shared_backlog(
     figures.put("lease_expiries", "count", a.lease_expiries as f64);
     figures.put("rss_busy_max", "MB", rss_max);
     figures.put("child_warn_error_lines", "lines", problems as f64);
+    if opts.rate_limit.is_some() {
+        rate_limit_figures(stack, &mut figures);
+    }
     Ok(figures)
 }
 
