@@ -53,6 +53,10 @@ usage: loadtest [FLAGS]
   --quantization Q      ratelimit: window (a second's worth per second window, default) |
                         bucket (a bucket of a second's worth, refilled evenly)
   --stated yes|no       ratelimit: whether answers state the limit (no: like vLLM), default yes
+  --store-url URL       backlog, ratelimit: the workers keep their journals in this run store
+                        (a plain v1 engine, an agents file) and pace model calls together in it
+                        (ABADA_AGENT_STORE_SHARED_PACING), e.g. $ABADA_TEST_DATABASE_URL
+  --no-shared-pacing    with --store-url: each worker paces alone (ABADA_AGENT_STORE_SHARED_PACING=false)
   --slots N             worker slots (MAX_TASKS), default 50
   --tasks N             tasks per run (backlog size, or tasks created one by one for pickup), default 1000
   --model-latency-ms N  scripted model latency per call, default 100
@@ -138,6 +142,9 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
             a.floor = true;
             continue;
         }
+        if flag == "--no-shared-pacing" {
+            continue;
+        }
         let value = it
             .next()
             .ok_or_else(|| format!("{flag} needs a value"))?
@@ -164,6 +171,13 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
                 )
             }
             "--workers" => a.workers = Some(num()? as u32),
+            "--store-url" => {
+                a.opts.store = Some(loadtest::StoreTarget {
+                    url: value.to_string(),
+                    pool_size: None,
+                    shared_pacing: !args.iter().any(|x| x == "--no-shared-pacing"),
+                })
+            }
             "--rpm" | "--tpm" | "--quantization" | "--stated" => {
                 let limit = a.opts.rate_limit.get_or_insert(RateLimit::per_minute(120));
                 match flag.as_str() {

@@ -396,7 +396,15 @@ impl Worker {
                     runtime =
                         runtime.with_store(run_store, &config.worker_id, config.lock_duration);
                 }
-                models = Some(runtime.capacities().clone());
+                let capacities = runtime.capacities().clone();
+                // Replicas sharing a store pace their model calls as one queue in it.
+                if let Some(handle) = store
+                    .as_ref()
+                    .filter(|_| config.store.as_ref().is_some_and(|s| s.shared_pacing))
+                {
+                    capacities.share_pace(Arc::new(handle.clone()));
+                }
+                models = Some(capacities);
                 Arc::new(runtime)
             }
         };

@@ -105,6 +105,8 @@ pub struct StoreTarget {
     pub url: String,
     /// `ABADA_AGENT_STORE_POOL_SIZE`; `None` keeps the worker's default.
     pub pool_size: Option<u32>,
+    /// `ABADA_AGENT_STORE_SHARED_PACING`: the workers pace model calls together in the store.
+    pub shared_pacing: bool,
 }
 
 impl std::fmt::Debug for StoreTarget {
@@ -112,6 +114,7 @@ impl std::fmt::Debug for StoreTarget {
         f.debug_struct("StoreTarget")
             .field("url", &"<redacted>")
             .field("pool_size", &self.pool_size)
+            .field("shared_pacing", &self.shared_pacing)
             .finish()
     }
 }
@@ -399,6 +402,10 @@ fn spawn_child(
                 if let Some(size) = store.pool_size {
                     cmd.env("ABADA_AGENT_STORE_POOL_SIZE", size.to_string());
                 }
+                cmd.env(
+                    "ABADA_AGENT_STORE_SHARED_PACING",
+                    store.shared_pacing.to_string(),
+                );
             }
             cmd
         }
@@ -579,8 +586,9 @@ async fn run_on(
     result.map(|()| figures)
 }
 
-/// How well the workers used the provider's rate limit. The share of the limit used
-/// (the calls let through over the most the limit allowed from the first call to the last),
+/// How well the workers used the provider's rate limit. The share of the limit used (the
+/// rate calls were let through at, from the first let through to the last, over the limit's
+/// rate), the most requests within any 100 ms (a herd),
 /// 429s as a share of the model requests, tasks deferred (a `failure` reported for a task,
 /// which the engine records), and claims given back (tasks locked by a fetch beyond the one
 /// lock that completed them).
@@ -588,6 +596,11 @@ fn rate_limit_figures(stack: &Stack, figures: &mut Figures) {
     if let Some(u) = stack.model.rate_limit_use(BENCH_MODEL) {
         let requests = (u.admitted + u.refused) as f64;
         figures.put("limit_share_used", "%", u.share_used * 100.0);
+        figures.put(
+            "model_requests_most_in_100ms",
+            "req",
+            u.most_in_100ms as f64,
+        );
         figures.put("model_requests", "req", requests);
         figures.put("model_429", "req", u.refused as f64);
         figures.put(

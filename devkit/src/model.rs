@@ -267,11 +267,18 @@ pub enum Quantization {
 pub struct RateLimitUse {
     pub admitted: u64,
     pub refused: u64,
-    /// The requests let through over the most the quantized limit allowed from the first
-    /// request to the last one let through (0..=1): for windows, a second's worth in each
-    /// window touched; for the bucket, a second's worth at the start and the refill since.
+    /// The rate requests were let through at, over the limit's rate: the requests let through
+    /// after the first one, over the limit's rate times the time from the first one let
+    /// through to the last (a pace of exactly the limit is 1; counting from the first request
+    /// let through leaves out the fencepost and a run's first and last partial windows).
     pub share_used: f64,
+    /// The most requests that arrived within any 100 ms: a crowd sent at once (a herd at the
+    /// end of a wait) shows here.
+    pub most_in_100ms: u64,
 }
+
+/// Arrivals remembered per model for [`RateLimitUse::most_in_100ms`].
+const MAX_ARRIVALS: usize = 100_000;
 
 /// One per-minute budget and its per-second enforcement.
 #[derive(Clone, Copy, Debug)]
@@ -373,9 +380,11 @@ struct LimitState {
     refused: u64,
     /// Requests let through.
     admitted: u64,
-    /// When the first request came, and the last one let through.
-    first: Option<tokio::time::Instant>,
+    /// When the first request let through came, and the last.
+    first_admitted: Option<tokio::time::Instant>,
     last_admitted: Option<tokio::time::Instant>,
+    /// When each request came, in order (at most [`MAX_ARRIVALS`]).
+    arrivals: Vec<tokio::time::Instant>,
 }
 
 /// The tokens budget stated when none binds: large.
@@ -398,8 +407,9 @@ impl LimitState {
             at: now,
             refused: 0,
             admitted: 0,
-            first: None,
+            first_admitted: None,
             last_admitted: None,
+            arrivals: Vec::new(),
         }
     }
 
@@ -409,7 +419,9 @@ impl LimitState {
         self.requests.refill(elapsed);
         self.tokens.refill(elapsed);
         self.at = now;
-        self.first.get_or_insert(now);
+        if self.arrivals.len() < MAX_ARRIVALS {
+            self.arrivals.push(now);
+        }
         let secs = now.saturating_duration_since(self.origin).as_secs_f64();
         let shape = self.limit.quantization;
         let tokens = tokens as f64;
@@ -421,6 +433,7 @@ impl LimitState {
             self.requests.take(1.0, secs);
             self.tokens.take(tokens, secs);
             self.admitted += 1;
+            self.first_admitted.get_or_insert(now);
             self.last_admitted = Some(now);
             None
         } else {
@@ -477,26 +490,27 @@ impl LimitState {
         }
     }
 
+    fn most_in_100ms(&self) -> u64 {
+        let mut most = 0;
+        let mut from = 0;
+        for (i, at) in self.arrivals.iter().enumerate() {
+            while self.arrivals[from] + Duration::from_millis(100) <= *at {
+                from += 1;
+            }
+            most = most.max(i + 1 - from);
+        }
+        most as u64
+    }
+
     fn share_used(&self) -> f64 {
-        let (Some(first), Some(last)) = (self.first, self.last_admitted) else {
+        let (Some(first), Some(last)) = (self.first_admitted, self.last_admitted) else {
             return 0.0;
         };
-        let per_second = self.requests.per_second();
-        let allowed = match self.limit.quantization {
-            Quantization::SecondWindow => {
-                let window = |t: tokio::time::Instant| {
-                    t.saturating_duration_since(self.origin)
-                        .as_secs_f64()
-                        .floor()
-                };
-                (window(last) - window(first) + 1.0) * self.requests.window_cap(1.0)
-            }
-            Quantization::SecondBucket => {
-                self.requests.second_cap()
-                    + per_second * last.saturating_duration_since(first).as_secs_f64()
-            }
-        };
-        self.admitted as f64 / allowed
+        let span = last.saturating_duration_since(first).as_secs_f64();
+        if span <= 0.0 {
+            return 0.0;
+        }
+        self.admitted.saturating_sub(1) as f64 / (self.requests.per_second() * span)
     }
 }
 
@@ -748,6 +762,7 @@ impl ScriptedModel {
             admitted: l.admitted,
             refused: l.refused,
             share_used: l.share_used(),
+            most_in_100ms: l.most_in_100ms(),
         })
     }
 

@@ -22,13 +22,19 @@
 //! joined its model's queue count against their topic's models until it does (or
 //! [`CapacityPolicy::claim_ttl`] passes).
 //!
+//! **Many replicas, one quota.** With a [`SharedPace`] (the run store's PostgreSQL), a call the
+//! pacer releases also reserves its start in the fleet's one queue of the model, spaced by the
+//! pacer's increment, and waits for it (within the wait it has left): the replicas' calls are
+//! then spaced as one worker's. A shared pace that fails or is slow is left alone for
+//! [`SHARED_PAUSE`], the replica pacing from its own view meanwhile.
+//!
 //! Everything here is outside input: a value that does not parse is ignored, numbers saturate,
 //! every figure and hold expires within [`CapacityPolicy::max_wait`] (see [`super::pacer`]).
 //! Memory is bounded: at most [`CapacityPolicy::max_models`] models, [`MAX_TOPICS`] topics of
 //! [`MAX_MODELS_PER_TOPIC`] models each, and [`CapacityPolicy::max_starts`] claims.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use reqwest::header::HeaderMap;
@@ -55,6 +61,8 @@ pub struct CapacityPolicy {
     pub(crate) decrease: f64,
     /// How long the additive increase takes to win back one decrease.
     pub(crate) recovery: Duration,
+    /// How long a learned rate lasts after the 429 that last lowered it.
+    pub(crate) learned_ttl: Duration,
     /// The share of a stated rate the pacer uses: a provider's clock and ours, and the network
     /// between, put a call a few milliseconds early or late.
     pub(crate) margin: f64,
@@ -76,6 +84,7 @@ impl Default for CapacityPolicy {
             probe_timeout: Duration::from_secs(10),
             decrease: 0.7,
             recovery: Duration::from_secs(10),
+            learned_ttl: Duration::from_secs(60),
             margin: 0.98,
             max_models: 1024,
             max_starts: 4096,
@@ -283,13 +292,57 @@ struct Claim {
     expires: Instant,
 }
 
+/// The start a call got in the fleet's shared pace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SharedTurn {
+    /// Reserved: start after this wait.
+    In(Duration),
+    /// Nothing reserved: the next start is this far off, later than the call may wait.
+    Beyond(Duration),
+}
+
+/// What the replicas of a fleet share to pace the calls of a model as one queue: in production
+/// the run store ([`crate::store::StoreHandle`], `store::pace`).
+#[async_trait::async_trait]
+pub trait SharedPace: Send + Sync {
+    /// Reserves the next start of a call of `model` (`provider/model`), `spacing` after the
+    /// one reserved before it by any replica, if it comes within `within`.
+    async fn reserve(
+        &self,
+        model: &str,
+        spacing: Duration,
+        within: Duration,
+    ) -> Result<SharedTurn, String>;
+}
+
+/// The longest a reservation in the shared pace may take; slower, the replica paces alone.
+pub(crate) const SHARED_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a replica paces alone after the shared pace failed.
+pub(crate) const SHARED_PAUSE: Duration = Duration::from_secs(10);
+/// The spacing a probe asks of the shared pace when no pace is known yet (a model's first call
+/// in each replica): replicas starting together probe one after another, not in a crowd.
+pub(crate) const SHARED_PROBE_SPACING: Duration = Duration::from_secs(1);
+
 /// Every model's capacity, shared by the tasks of the worker (held by the provider registry).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct ModelCapacities {
     policy: CapacityPolicy,
     state: Mutex<State>,
     /// Woken whenever a pacer may let another call go (a release, an end, a call giving up).
     changed: Notify,
+    /// The fleet's shared pace, when the replicas share one (set once, at start-up).
+    shared: OnceLock<Arc<dyn SharedPace>>,
+    /// When the shared pace last failed: left alone for [`SHARED_PAUSE`] after.
+    shared_failed: Mutex<Option<Instant>>,
+}
+
+impl std::fmt::Debug for ModelCapacities {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelCapacities")
+            .field("policy", &self.policy)
+            .field("shared", &self.shared.get().is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -299,6 +352,23 @@ struct State {
     /// By requester (the task).
     claims: HashMap<String, Claim>,
     topics: HashMap<String, TopicModels>,
+}
+
+/// A call released but waiting for its start in the shared pace; dropped before (its task
+/// dropped) it ends the call in its pacer, so a probe cannot outlive it.
+struct Starting<'a> {
+    capacities: &'a ModelCapacities,
+    model: &'a ModelRef,
+    release: Release,
+    armed: bool,
+}
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.capacities.ended(self.model, &self.release);
+        }
+    }
 }
 
 /// A call waiting in a model's queue; dropped before its turn (its task dropped, its wait
@@ -330,9 +400,14 @@ impl ModelCapacities {
     pub fn new(policy: CapacityPolicy) -> Self {
         ModelCapacities {
             policy,
-            state: Mutex::new(State::default()),
-            changed: Notify::new(),
+            ..ModelCapacities::default()
         }
+    }
+
+    /// Paces every model with the other replicas through `shared` from now on (once; a second
+    /// call is ignored).
+    pub fn share_pace(&self, shared: Arc<dyn SharedPace>) {
+        let _ = self.shared.set(shared);
     }
 
     pub fn policy(&self) -> &CapacityPolicy {
@@ -415,6 +490,7 @@ impl ModelCapacities {
                         at: now,
                         probe: false,
                         ticket,
+                        spacing: Duration::ZERO,
                     });
                 }
             }
@@ -443,13 +519,14 @@ impl ModelCapacities {
                         at: now,
                         probe: false,
                         ticket,
+                        spacing: Duration::ZERO,
                     });
                 }
                 Some(Turn::Go(release)) => {
                     waiting.done = true;
                     // The next in line computes its own turn now.
                     self.changed.notify_waiters();
-                    return Ok(release);
+                    return self.shared_start(model, release, wait_left).await;
                 }
                 Some(Turn::Wait { until, why }) => (until, why),
             };
@@ -465,6 +542,75 @@ impl ModelCapacities {
                 _ = &mut notified => {}
             }
             *wait_left = wait_left.saturating_sub(Instant::now().saturating_duration_since(now));
+        }
+    }
+
+    /// The start of a call the pacer released, in the fleet's shared pace when there is one
+    /// (and the model has a pace): reserved and waited for, within `wait_left`.
+    async fn shared_start(
+        &self,
+        model: &ModelRef,
+        mut release: Release,
+        wait_left: &mut Duration,
+    ) -> Result<Release, Instant> {
+        let Some(shared) = self.shared.get() else {
+            return Ok(release);
+        };
+        let since = Instant::now();
+        let paused = self
+            .shared_failed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|at| at + SHARED_PAUSE > since);
+        // A model with no pace is not paced together either, but its probes are.
+        let spacing = match (release.spacing, release.probe) {
+            (s, true) => s.max(SHARED_PROBE_SPACING),
+            (s, false) => s,
+        };
+        if spacing.is_zero() || paused {
+            return Ok(release);
+        }
+        let mut starting = Starting {
+            capacities: self,
+            model,
+            release,
+            armed: true,
+        };
+        let reserved = tokio::time::timeout(
+            SHARED_TIMEOUT.min(*wait_left).max(Duration::from_millis(1)),
+            shared.reserve(&model.to_string(), spacing, *wait_left),
+        )
+        .await;
+        *wait_left = wait_left.saturating_sub(since.elapsed());
+        match reserved {
+            Ok(Ok(SharedTurn::In(wait))) => {
+                let wait = wait.min(*wait_left);
+                tokio::time::sleep(wait).await;
+                *wait_left = wait_left.saturating_sub(wait);
+                starting.armed = false;
+                release.at = Instant::now();
+                Ok(release)
+            }
+            Ok(Ok(SharedTurn::Beyond(wait))) => Err(Instant::now() + wait),
+            failed => {
+                let why = match failed {
+                    Ok(Err(why)) => why,
+                    _ => format!("no answer within {} ms", SHARED_TIMEOUT.as_millis()),
+                };
+                let first = self
+                    .shared_failed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .replace(Instant::now())
+                    .is_none_or(|at| at + SHARED_PAUSE * 2 < Instant::now());
+                if first {
+                    tracing::warn!(model = %model, error = %why, pause_ms = SHARED_PAUSE.as_millis() as u64, "the fleet's shared pace of model calls failed; this replica paces alone meanwhile");
+                } else {
+                    tracing::debug!(model = %model, error = %why, "the fleet's shared pace failed again");
+                }
+                starting.armed = false;
+                Ok(release)
+            }
         }
     }
 
@@ -1094,5 +1240,86 @@ mod tests {
             Capacity::Unbounded,
             "too many models"
         );
+    }
+
+    /// A fleet's shared pace stand-in: answers from a script, records what it was asked.
+    struct Script {
+        answers: Mutex<Vec<Result<SharedTurn, String>>>,
+        asked: Mutex<Vec<(String, Duration, Duration)>>,
+    }
+
+    #[async_trait::async_trait]
+    impl SharedPace for Script {
+        async fn reserve(
+            &self,
+            model: &str,
+            spacing: Duration,
+            within: Duration,
+        ) -> Result<SharedTurn, String> {
+            self.asked
+                .lock()
+                .unwrap()
+                .push((model.to_string(), spacing, within));
+            let mut answers = self.answers.lock().unwrap();
+            if answers.is_empty() {
+                Ok(SharedTurn::In(Duration::ZERO))
+            } else {
+                answers.remove(0)
+            }
+        }
+    }
+
+    /// With a shared pace, a released call reserves its start there and waits for it; a start
+    /// beyond its wait is not waited for (and its probe does not hold the model); a shared pace
+    /// that fails is left alone for a while, the replica pacing alone meanwhile.
+    #[tokio::test(start_paused = true)]
+    async fn a_shared_pace_spaces_the_calls_with_the_other_replicas() {
+        let c = ModelCapacities::new(CapacityPolicy::default());
+        let script = Arc::new(Script {
+            answers: Mutex::new(vec![
+                Ok(SharedTurn::In(ms(700))),
+                Ok(SharedTurn::Beyond(Duration::from_secs(90))),
+                Err("the store is down".into()),
+            ]),
+            asked: Mutex::new(Vec::new()),
+        });
+        c.share_pace(script.clone());
+        let m = model("a");
+        // The first call (a probe, no pace known) asks the fleet for a probe's spacing.
+        let start = Instant::now();
+        let first = turn(&c, &m, "t0").await.unwrap();
+        assert_eq!(start.elapsed(), ms(700), "waited for the reserved start");
+        assert_eq!(first.at, Instant::now(), "released when it starts");
+        assert_eq!(script.asked.lock().unwrap()[0].1, SHARED_PROBE_SPACING);
+        c.observe(
+            &m,
+            first.at,
+            first.at,
+            &RateLimits {
+                requests: Budget {
+                    limit: Some(120),
+                    remaining: Some(119),
+                    reset: Some(ms(500)),
+                },
+                ..RateLimits::default()
+            },
+        );
+        c.answered(&m, &first, Instant::now());
+        // The next start is 90 s off: not waited for, and nothing of this call holds the model.
+        let err = turn(&c, &m, "t1").await.unwrap_err();
+        assert_eq!(err, Instant::now() + Duration::from_secs(90));
+        let (_, spacing, within) = script.asked.lock().unwrap()[1].clone();
+        assert_eq!(spacing, Duration::from_secs_f64(0.5 / c.policy().margin));
+        assert!(within <= c.policy().max_wait);
+        assert!(!c.probing(&m));
+        // The shared pace fails: this call goes on the local pace, and the next calls do not
+        // ask the shared pace until the pause is over.
+        assert!(turn(&c, &m, "t2").await.is_ok());
+        let asked = script.asked.lock().unwrap().len();
+        assert!(turn(&c, &m, "t3").await.is_ok());
+        assert_eq!(script.asked.lock().unwrap().len(), asked, "paused");
+        tokio::time::advance(SHARED_PAUSE).await;
+        assert!(turn(&c, &m, "t4").await.is_ok());
+        assert_eq!(script.asked.lock().unwrap().len(), asked + 1, "asked again");
     }
 }

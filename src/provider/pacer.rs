@@ -49,7 +49,8 @@
 //! lasts until its reset when that is readable, else [`CapacityPolicy::figure_ttl`] after it was
 //! seen, and neither ever more than [`CapacityPolicy::max_wait`]; a stated rate lasts
 //! `max_wait`; the increment is at most `max_wait`; the learned rate never falls below one call
-//! per `max_wait`. So no value a provider sends (huge, negative, NaN, unitless, absent, `-1`)
+//! per `max_wait`, and is forgotten [`CapacityPolicy::learned_ttl`] after the 429 that last
+//! lowered it (the next 429 teaches it again). So no value a provider sends (huge, negative, NaN, unitless, absent, `-1`)
 //! can stop a model for longer than `max_wait`, and after any hold one probe call may go.
 
 use std::collections::{BTreeSet, VecDeque};
@@ -176,6 +177,9 @@ pub struct Release {
     pub(crate) probe: bool,
     /// Its place in the queue, kept when it is retried after a 429.
     pub(crate) ticket: u64,
+    /// The pace's increment for this call (zero: no pace known): the spacing it asks of the
+    /// fleet's shared pace.
+    pub(crate) spacing: Duration,
 }
 
 /// One stated budget, as of the send of the call whose answer carried it.
@@ -322,7 +326,7 @@ impl Pacer {
     /// The increment a call of `cost` adds to the pace at `now` (zero: no pace known).
     fn increment(&self, cost: &CallCost, now: Instant, policy: &CapacityPolicy) -> Duration {
         let mut secs: f64 = 0.0;
-        if let Some(r) = self.learned {
+        if let Some(r) = self.learned_at(now, policy) {
             secs = secs.max(1.0 / r);
         }
         for d in Dimension::ALL {
@@ -339,6 +343,16 @@ impl Pacer {
         } else {
             policy.max_wait
         }
+    }
+
+    /// The learned rate, while the last 429 is recent: a model that answered no 429 for
+    /// [`CapacityPolicy::learned_ttl`] goes back to its stated rate (or none), and its next 429
+    /// teaches it again. Memory, like a figure, expires.
+    fn learned_at(&self, now: Instant, policy: &CapacityPolicy) -> Option<f64> {
+        self.learned.filter(|_| {
+            self.decreased_at
+                .is_some_and(|d| d + policy.learned_ttl > now)
+        })
     }
 
     /// What the calls since `sent` spent of dimension `d`.
@@ -461,6 +475,7 @@ impl Pacer {
             at: now,
             probe,
             ticket,
+            spacing: increment,
         })
     }
 
@@ -493,7 +508,8 @@ impl Pacer {
     /// The call of `release` was answered at `now`: the learned rate rises.
     pub(crate) fn answered(&mut self, release: &Release, now: Instant, policy: &CapacityPolicy) {
         self.end_probe(release);
-        let Some(r) = self.learned else {
+        let Some(r) = self.learned_at(now, policy) else {
+            self.learned = None;
             return;
         };
         let cap = self.rates[Dimension::Requests.index()]
@@ -509,8 +525,8 @@ impl Pacer {
     }
 
     /// The call of `release` was refused with `status` (429 or 503) at `now`, asking for
-    /// `retry_after`: the pace drops (AIMD), and a wait asked for holds the model. Returns when
-    /// the next call may start.
+    /// `retry_after`: a 429 lowers the pace (AIMD), and a wait asked for (or a 503) holds the
+    /// model. Returns when the next call may start.
     pub(crate) fn throttled(
         &mut self,
         release: &Release,
@@ -520,7 +536,8 @@ impl Pacer {
         policy: &CapacityPolicy,
     ) -> Instant {
         self.end_probe(release);
-        if self.decreased_at.is_none_or(|d| release.at >= d) {
+        // A 429 is the rate limit speaking; a 503 is an outage, which says nothing of the pace.
+        if status == 429 && self.decreased_at.is_none_or(|d| release.at >= d) {
             let current = self.current_rate(now, policy);
             self.learned_from = current;
             self.learned = Some((current * policy.decrease).max(Self::floor_rate(policy)));
@@ -882,6 +899,9 @@ mod tests {
         let mut rates = vec![lowered];
         let mut back_at = None;
         for t in 3..200 {
+            if back_at.is_some() {
+                break;
+            }
             p.enqueue(t);
             if let Turn::Wait { until, .. } = p.poll(t, &COST, now, &policy) {
                 now = until;
@@ -1107,5 +1127,33 @@ mod tests {
         assert_eq!(wait(p.poll(2, &COST, at, &policy)).1, WaitReason::Queue);
         assert!(p.leave(1));
         go(p.poll(2, &COST, at, &policy));
+    }
+
+    /// What a 429 taught is forgotten a while after the last one: a model rate-limited once
+    /// at low traffic is not paced slowly for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_learned_rate_is_forgotten_after_a_quiet_while() {
+        let policy = policy();
+        let t0 = Instant::now();
+        let mut p = Pacer::new(t0);
+        p.enqueue(0);
+        let first = go(p.poll(0, &COST, t0, &policy));
+        p.throttled(&first, 429, None, t0 + ms(10), &policy);
+        let slow = Duration::from_secs_f64(1.0 / p.learned().unwrap());
+        p.enqueue(1);
+        let r = go(p.poll(1, &COST, t0 + slow + ms(10), &policy));
+        p.answered(&r, r.at + ms(10), &policy);
+        p.enqueue(2);
+        assert_eq!(
+            wait(p.poll(2, &COST, r.at + ms(20), &policy)).1,
+            WaitReason::Pace
+        );
+        let later = t0 + policy.learned_ttl + ms(20);
+        assert!(matches!(p.poll(2, &COST, later, &policy), Turn::Go(_)));
+        p.enqueue(3);
+        assert!(
+            matches!(p.poll(3, &COST, later, &policy), Turn::Go(_)),
+            "no pace left: the next call goes at once"
+        );
     }
 }

@@ -32,6 +32,11 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         name: "0002_run_attempts",
         sql: include_str!("../../migrations/0002_run_attempts.sql"),
     },
+    Migration {
+        version: 3,
+        name: "0003_model_pace",
+        sql: include_str!("../../migrations/0003_model_pace.sql"),
+    },
 ];
 
 /// The advisory lock every starting worker takes before looking at the schema: a fixed key,

@@ -30,6 +30,8 @@ pub(super) enum Operation {
     Append,
     Finish,
     Sweep,
+    /// A model call's start reserved in the fleet's shared pace (`pace`).
+    Pace,
 }
 
 impl Operation {
@@ -39,6 +41,7 @@ impl Operation {
             Operation::Append => "append",
             Operation::Finish => "finish",
             Operation::Sweep => "sweep",
+            Operation::Pace => "pace",
         }
     }
 }
