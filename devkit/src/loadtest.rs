@@ -601,6 +601,11 @@ fn rate_limit_figures(stack: &Stack, figures: &mut Figures) {
             "req",
             u.most_in_100ms as f64,
         );
+        figures.put(
+            "model_requests_closest",
+            "ms",
+            u.closest.map_or(f64::NAN, |d| d.as_secs_f64() * 1000.0),
+        );
         figures.put("model_requests", "req", requests);
         figures.put("model_429", "req", u.refused as f64);
         figures.put(

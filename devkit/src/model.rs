@@ -275,6 +275,9 @@ pub struct RateLimitUse {
     /// The most requests that arrived within any 100 ms: a crowd sent at once (a herd at the
     /// end of a wait) shows here.
     pub most_in_100ms: u64,
+    /// The shortest time between two requests, one after the other (`None` below two): how
+    /// evenly they were spaced.
+    pub closest: Option<Duration>,
 }
 
 /// Arrivals remembered per model for [`RateLimitUse::most_in_100ms`].
@@ -763,6 +766,11 @@ impl ScriptedModel {
             refused: l.refused,
             share_used: l.share_used(),
             most_in_100ms: l.most_in_100ms(),
+            closest: l
+                .arrivals
+                .windows(2)
+                .map(|w| w[1].saturating_duration_since(w[0]))
+                .min(),
         })
     }
 

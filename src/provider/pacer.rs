@@ -23,16 +23,17 @@
 //! **The rate** (the increment is the largest of these, each per call):
 //! - *stated*: from each budget the provider states (requests, tokens, input and output tokens)
 //!   the refill rate of its bucket, `(limit - remaining) / reset` (OpenAI's and Anthropic's
-//!   reset is the time until the bucket is full again), times [`CapacityPolicy::margin`]. A
-//!   tokens budget paces by the call's estimated tokens. The stated rate is a ceiling: headers
-//!   set it when they are tighter than what was learned;
+//!   reset is the time until the bucket is full again), narrowed over the answers because
+//!   `remaining` is rounded down (`StatedRate`), times [`CapacityPolicy::margin`]. A tokens
+//!   budget paces by the call's estimated tokens. The stated rate is a ceiling: headers set it
+//!   when they are tighter than what was learned;
 //! - *learned* (AIMD, additive increase and multiplicative decrease, as TCP congestion control
 //!   and AWS's adaptive client rate limiting do): a 429 multiplies the current rate by
 //!   [`CapacityPolicy::decrease`], at most once per round (a 429 for a call released before the
-//!   last decrease tells of the old rate); each answer adds `(1 - decrease) * r0 / recovery`
-//!   calls per second per second of answers (`r0` the rate before the last decrease), so the
-//!   rate is back where it was after [`CapacityPolicy::recovery`], capped by a fresh stated
-//!   rate. Why AIMD rather than an estimate of the provider's bucket from the answers: the
+//!   last decrease tells of the old rate, and a second passes between two decreases); each answer adds `(1 - decrease) * r0 / recovery`
+//!   calls per second per second of answers (`r0` the stated rate, else the highest rate a
+//!   decrease started from), so one decrease is won back within [`CapacityPolicy::recovery`]
+//!   however many came before, capped by a fresh stated rate. Why AIMD rather than an estimate of the provider's bucket from the answers: the
 //!   stated figures already give the bucket's refill rate exactly when there are any, and what
 //!   they hide (OpenAI enforces a per-minute limit quantized, a second's worth per second, so a
 //!   burst is refused while `remaining` shows plenty; several replicas share one quota) shows
@@ -223,11 +224,42 @@ impl Figure {
     }
 }
 
-/// A stated refill rate, the pacer's ceiling while fresh.
+/// A stated refill rate, the pacer's ceiling while fresh: the interval the answers seen so far
+/// leave it in. Providers state `remaining` as a whole number (the bucket's level rounded down)
+/// and the reset to the millisecond, so one answer says only that the rate is within
+/// `[(limit - remaining - 1) / reset, (limit - remaining) / reset]`: right after a call, a
+/// bucket refilled to 119.96 of 120 and spent to 118.96 states 118 and 0.52 s, 3.85 a second
+/// at most for a true 2. Each answer narrows the interval; an answer outside it (the limit
+/// changed) starts it again. The pacer goes by its top, `per_second`.
 #[derive(Clone, Copy, Debug)]
 struct StatedRate {
+    low: f64,
     per_second: f64,
     expires: Instant,
+}
+
+impl StatedRate {
+    /// The interval narrowed by one more answer's, or that answer's when they do not meet.
+    fn narrowed(
+        old: Option<StatedRate>,
+        low: f64,
+        high: f64,
+        expires: Instant,
+        now: Instant,
+    ) -> StatedRate {
+        match old.filter(|o| o.expires > now && low <= o.per_second && high >= o.low) {
+            Some(o) => StatedRate {
+                low: o.low.max(low),
+                per_second: o.per_second.min(high),
+                expires,
+            },
+            None => StatedRate {
+                low,
+                per_second: high,
+                expires,
+            },
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -251,6 +283,8 @@ const ADMISSION_HORIZON: Duration = Duration::from_secs(1);
 const PROBE_RECHECK: Duration = Duration::from_millis(50);
 /// The window of releases the first decrease of a model without a pace measures.
 const MEASURE_WINDOW: Duration = Duration::from_secs(1);
+/// The least time between two decreases of the pace.
+const DECREASE_GAP: Duration = Duration::from_secs(1);
 /// Weight of the newest call in the running mean of call costs.
 const COST_WEIGHT: f64 = 0.2;
 
@@ -265,8 +299,10 @@ pub(crate) struct Pacer {
     last_release: Option<(Instant, CallCost)>,
     /// Calls per second, learned from 429s and answers; `None` before the first 429.
     learned: Option<f64>,
-    /// The rate before the last decrease: the additive increase's yardstick.
-    learned_from: f64,
+    /// The highest rate a decrease started from since the pacer began learning: without a
+    /// stated rate, the additive increase's yardstick (a run of decreases must not slow the
+    /// recovery too).
+    peak: f64,
     decreased_at: Option<Instant>,
     figures: [Option<Figure>; 4],
     rates: [Option<StatedRate>; 4],
@@ -291,7 +327,7 @@ impl Pacer {
             next_release: None,
             last_release: None,
             learned: None,
-            learned_from: 0.0,
+            peak: 0.0,
             decreased_at: None,
             figures: [None; 4],
             rates: [None; 4],
@@ -519,7 +555,7 @@ impl Pacer {
             return;
         }
         let recovery = policy.recovery.as_secs_f64().max(0.001);
-        let alpha = (1.0 - policy.decrease) * self.learned_from / recovery;
+        let alpha = (1.0 - policy.decrease) * cap.unwrap_or(self.peak) / recovery;
         let raised = r + alpha / r.max(Self::floor_rate(policy));
         self.learned = Some(raised.min(cap.unwrap_or(f64::INFINITY)));
     }
@@ -537,9 +573,20 @@ impl Pacer {
     ) -> Instant {
         self.end_probe(release);
         // A 429 is the rate limit speaking; a 503 is an outage, which says nothing of the pace.
-        if status == 429 && self.decreased_at.is_none_or(|d| release.at >= d) {
+        // Once per round: not for a call released before the last decrease (it tells of the
+        // old pace), and not within a second of it (replicas pacing alone can draw several
+        // 429s in a row by bad luck; each would compound the decrease).
+        let round_over = self
+            .decreased_at
+            .is_none_or(|d| release.at >= d && now >= d + DECREASE_GAP);
+        if status == 429 && round_over {
             let current = self.current_rate(now, policy);
-            self.learned_from = current;
+            let learning = self.learned_at(now, policy).is_some();
+            self.peak = if learning {
+                self.peak.max(current)
+            } else {
+                current
+            };
             self.learned = Some((current * policy.decrease).max(Self::floor_rate(policy)));
             self.decreased_at = Some(now);
         }
@@ -605,11 +652,19 @@ impl Pacer {
                 }
                 _ => None,
             };
-            if let Some(per_second) = refill.filter(|r| r.is_finite() && *r > 0.0) {
-                self.rates[d.index()] = Some(StatedRate {
-                    per_second,
-                    expires: now + policy.max_wait,
-                });
+            if let (Some(high), Some(l), Some(r)) = (
+                refill.filter(|r| r.is_finite() && *r > 0.0),
+                limit,
+                readable,
+            ) {
+                let low = ((l - remaining - 1.0).max(0.0) / r.as_secs_f64()).min(high);
+                self.rates[d.index()] = Some(StatedRate::narrowed(
+                    self.rates[d.index()],
+                    low,
+                    high,
+                    now + policy.max_wait,
+                    now,
+                ));
             }
             if lasts.is_zero() {
                 // Full again now: nothing to hold the next call to.
@@ -887,7 +942,7 @@ mod tests {
         let stated = 2.0 * policy.margin;
         let lowered = p.learned().expect("learned");
         assert!(
-            (lowered - stated * policy.decrease).abs() < 1e-9,
+            (lowered - stated * policy.decrease).abs() < 1e-6,
             "{lowered}"
         );
         assert_eq!(next, t2 + ms(10) + Duration::from_secs_f64(1.0 / lowered));
@@ -1155,5 +1210,27 @@ mod tests {
             matches!(p.poll(3, &COST, later, &policy), Turn::Go(_)),
             "no pace left: the next call goes at once"
         );
+    }
+
+    /// `remaining` is stated rounded down: one answer right after a call can suggest nearly
+    /// twice the true rate; the answers together narrow it to the truth, and the pace never
+    /// follows the loose one.
+    #[tokio::test(start_paused = true)]
+    async fn the_stated_rate_is_narrowed_over_the_answers() {
+        let policy = policy();
+        let t0 = Instant::now();
+        let mut p = Pacer::new(t0);
+        // 2 a second really; a bucket at 118.96 of 120 states 118, full in 0.52 s.
+        p.observe(&requests(120, 118, ms(520)), t0, t0, &policy);
+        let loose = p.rates[0].unwrap();
+        assert!(loose.per_second > 3.8 && loose.low < 2.0, "{loose:?}");
+        // Then 119 left, full in 0.5 s (a bucket at exactly 119): at most 2 a second.
+        p.observe(&requests(120, 119, ms(500)), t0, t0 + ms(100), &policy);
+        let tight = p.rates[0].unwrap();
+        assert!((tight.per_second - 2.0).abs() < 1e-9, "{tight:?}");
+        assert!(tight.low > 1.9, "{tight:?}");
+        // The limit changed (30 a minute now): an answer outside the interval starts it again.
+        p.observe(&requests(30, 29, ms(2000)), t0, t0 + ms(200), &policy);
+        assert!((p.rates[0].unwrap().per_second - 0.5).abs() < 1e-9);
     }
 }

@@ -1835,3 +1835,78 @@ async fn a_first_model_call_dropped_before_its_answer_does_not_hold_the_model_fo
         "the runner would wait forever to claim a task for the model"
     );
 }
+
+/// On the wire, through each adapter: the rate-limit headers of a 200 reach the model's pacer
+/// as figures that end (Azure's reset in plain seconds, Anthropic's RFC 3339 reset of its
+/// output-tokens budget), and a `retry-after` on a 200 holds nothing.
+#[tokio::test]
+async fn rate_limit_headers_of_each_wire_format_reach_the_pacer_and_a_200_holds_nothing() {
+    use abada_agent_worker::provider::capacity::HoldReason;
+    let reset = (chrono::Utc::now() + chrono::Duration::seconds(3))
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let cases: [(ProviderKind, &str, Vec<(&'static str, String)>, Option<(HoldReason, u64)>); 3] = [
+        (
+            ProviderKind::OpenAi,
+            "openai/response_text.json",
+            vec![
+                ("x-ratelimit-remaining-requests", "0".into()),
+                ("x-ratelimit-reset-requests", "6".into()),
+            ],
+            Some((HoldReason::RequestsExhausted, 6)),
+        ),
+        (
+            ProviderKind::Anthropic,
+            "anthropic/response_text.json",
+            vec![
+                ("anthropic-ratelimit-output-tokens-remaining", "0".into()),
+                ("anthropic-ratelimit-output-tokens-reset", reset),
+            ],
+            Some((HoldReason::TokensExhausted, 3)),
+        ),
+        (
+            ProviderKind::OpenAi,
+            "openai/response_text.json",
+            vec![
+                ("retry-after", "3600".into()),
+                ("retry-after-ms", "3600000".into()),
+            ],
+            None,
+        ),
+    ];
+    for (kind, body, headers, expected) in cases {
+        let server = FixtureServer::start(Reply {
+            status: 200,
+            headers,
+            body: fixture(body),
+        })
+        .await;
+        let registry =
+            ProviderRegistry::new(vec![settings(kind, server.base_url(kind), None)], reqwest::Client::new());
+        let models = vec![ModelRef::parse(&format!("{}/m", kind.as_str())).unwrap()];
+        let waiting = RetryPolicy {
+            capacity_wait_max: Duration::from_secs(60),
+            ..policy()
+        };
+        let request = ModelRequest {
+            max_output_tokens: Some(100),
+            ..request()
+        };
+        call_models(&registry, &models, &request, &waiting, "t1", &mut |_| {})
+            .await
+            .unwrap();
+        let now = tokio::time::Instant::now();
+        let held = registry.capacities().held(now);
+        match expected {
+            None => assert!(held.is_empty(), "{kind:?}: {held:?}"),
+            Some((reason, secs)) => {
+                assert_eq!(held.len(), 1, "{kind:?}: {held:?}");
+                assert_eq!(held[0].1.reason, reason, "{kind:?}");
+                let left = held[0].1.until.saturating_duration_since(now);
+                assert!(
+                    left <= Duration::from_secs(secs) && left > Duration::from_secs(secs - 2),
+                    "{kind:?}: {left:?}"
+                );
+            }
+        }
+    }
+}
