@@ -22,13 +22,15 @@
 //! cargo run --release --example loadtest -- --scenario contention
 //! ```
 //!
-//! A provider rate limit (issue 25): the scripted model allows 2 requests/s (a bucket of 2),
-//! states it on every answer (`x-ratelimit-*`) and answers 429 with `retry-after-ms` beyond;
-//! one worker of 8 slots, 30 one-call tasks; prints the share of the limit used, 429s, tasks
+//! A provider rate limit: the scripted model states 120 requests a minute on every answer
+//! (`x-ratelimit-*`, as OpenAI does) and enforces it quantized, a second's worth (2) in each
+//! second, answering 429 with `retry-after-ms` beyond; one worker of 8 slots, 30 one-call tasks,
+//! or several workers sharing the quota; prints the share of the limit used, 429s, tasks
 //! deferred and claims given back:
 //!
 //! ```text
-//! cargo run --release --example loadtest -- --scenario ratelimit --rps 2 --tasks 30 --slots 8
+//! cargo run --release --example loadtest -- --scenario ratelimit --rpm 120 --tasks 30 --slots 8
+//! cargo run --release --example loadtest -- --scenario ratelimit --workers 4 --tasks 100
 //! ```
 //!
 //! The same program is the floor client when started with `--floor-client` (the harness does
@@ -43,7 +45,7 @@ use abada_agent_worker::devkit::engine::{FetchContention, FetchLocks};
 use abada_agent_worker::devkit::loadtest::{
     self, ChildProgram, Figures, FloorOptions, LoadOptions, Scenario,
 };
-use abada_agent_worker::devkit::model::RateLimit;
+use abada_agent_worker::devkit::model::{Quantization, RateLimit};
 
 const USAGE: &str = "\
 usage: loadtest [FLAGS]
@@ -56,11 +58,19 @@ usage: loadtest [FLAGS]
                         transactions last --fetch-transaction-ms, locking --fetch-locks; its
                         defaults: --workers 4 --slots 8 --tasks 800 --model-latency-ms 500
                         --fetch-transaction-ms 15 --fetch-locks every-candidate
-                        ratelimit: a backlog against a model allowing --rps requests/s (a bucket
-                        of --burst), stated in x-ratelimit-* headers, 429 beyond; its defaults:
-                        --slots 8 --tasks 30 --model-latency-ms 100 --rps 2
-  --rps N               ratelimit: requests per second the model allows, default 2
-  --burst N             ratelimit: the bucket's size, default --rps rounded up
+                        ratelimit: a backlog against a model allowing --rpm requests a minute,
+                        stated in x-ratelimit-* headers, enforced a second's worth per second,
+                        429 beyond; its defaults: --slots 8 --tasks 30 --model-latency-ms 100
+                        --rpm 120 (with --workers N, N workers share the quota)
+  --rpm N               ratelimit: requests per minute the model allows, default 120
+  --tpm N               ratelimit: tokens per minute it allows too, default: none binding
+  --quantization Q      ratelimit: window (a second's worth per second window, default) |
+                        bucket (a bucket of a second's worth, refilled evenly)
+  --stated yes|no       ratelimit: whether answers state the limit (no: like vLLM), default yes
+  --store-url URL       backlog, ratelimit: the workers keep their journals in this run store
+                        (a plain v1 engine, an agents file) and pace model calls together in it
+                        (ABADA_AGENT_STORE_SHARED_PACING), e.g. $ABADA_TEST_DATABASE_URL
+  --no-shared-pacing    with --store-url: each worker paces alone (ABADA_AGENT_STORE_SHARED_PACING=false)
   --slots N             worker slots (MAX_TASKS), default 50
   --tasks N             tasks per run (backlog size, or tasks created one by one for pickup), default 1000
   --model-latency-ms N  scripted model latency per call, default 100
@@ -132,10 +142,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
             slots: 8,
             tasks: 30,
             model_latency: Duration::from_millis(100),
-            rate_limit: Some(RateLimit {
-                per_second: 2.0,
-                burst: 2,
-            }),
+            rate_limit: Some(RateLimit::per_minute(120)),
             ..LoadOptions::default()
         }
     } else if partial {
@@ -169,6 +176,9 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
         }
         if flag == "--backlog-first" {
             a.opts.backlog_first = true;
+            continue;
+        }
+        if flag == "--no-shared-pacing" {
             continue;
         }
         let value = it
@@ -224,24 +234,37 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
                     .map_or(Duration::from_millis(15), |c| c.transaction);
                 a.opts.fetch_contention = Some(FetchContention { locks, transaction });
             }
-            "--rps" | "--burst" => {
-                let limit = a.opts.rate_limit.get_or_insert(RateLimit {
-                    per_second: 2.0,
-                    burst: 2,
-                });
-                let v: f64 = value
-                    .parse()
-                    .map_err(|e| format!("{flag} {value:?}: {e}"))?;
-                if !(v.is_finite() && v > 0.0) {
-                    return Err(format!("{flag} must be above 0"));
-                }
-                if flag == "--rps" {
-                    limit.per_second = v;
-                    if !args.iter().any(|x| x == "--burst") {
-                        limit.burst = v.ceil() as u32;
+            "--store-url" => {
+                a.opts.store = Some(loadtest::StoreTarget {
+                    url: value.to_string(),
+                    pool_size: None,
+                    shared_pacing: !args.iter().any(|x| x == "--no-shared-pacing"),
+                })
+            }
+            "--rpm" | "--tpm" | "--quantization" | "--stated" => {
+                let limit = a.opts.rate_limit.get_or_insert(RateLimit::per_minute(120));
+                match flag.as_str() {
+                    "--rpm" => {
+                        limit.requests_per_minute = u32::try_from(num()?)
+                            .ok()
+                            .filter(|n| *n > 0)
+                            .ok_or_else(|| format!("{flag} must be 1 or more"))?
                     }
-                } else {
-                    limit.burst = v.ceil() as u32;
+                    "--tpm" => limit.tokens_per_minute = Some(num()?.max(1)),
+                    "--quantization" => {
+                        limit.quantization = match value {
+                            "window" => Quantization::SecondWindow,
+                            "bucket" => Quantization::SecondBucket,
+                            other => return Err(format!("{flag} {other:?}: window or bucket")),
+                        }
+                    }
+                    _ => {
+                        limit.stated = match value {
+                            "yes" => true,
+                            "no" => false,
+                            other => return Err(format!("{flag} {other:?}: yes or no")),
+                        }
+                    }
                 }
             }
             "--scaling-slots" => a.scaling_slots = parse_list(value)?,

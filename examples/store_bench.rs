@@ -172,6 +172,7 @@ async fn seed_check(seed: Seed, url: String) -> Result<(), loadtest::LoadError> 
                 store: Some(StoreTarget {
                     url: url.clone(),
                     pool_size: seed.pool,
+                    shared_pacing: true,
                 }),
                 ..LoadOptions::default()
             };

@@ -4,6 +4,11 @@
 //! (Prometheus text). The router is built by a function so tests can call it in-process. They
 //! listen where `ABADA_AGENT_HTTP_ADDR` says, loopback by default (`crate::config`): nothing
 //! here authenticates, and `/metrics` and `/readyz` say what the worker runs.
+//!
+//! `/readyz` also names every model held now, why and for how long (a line each after the
+//! status). A held model does not make the worker unready: it stops only the calls of that
+//! model and the fetches of the topics whose tasks use it, and every hold ends by itself within
+//! `ABADA_AGENT_MODEL_WAIT_MAX_MS`. `/metrics` counts them (`abada_agent_models_held`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,6 +22,7 @@ use axum::routing::get;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use crate::provider::capacity::ModelCapacities;
 use crate::runner::WorkerStatus;
 use crate::store::StoreHandle;
 
@@ -26,6 +32,8 @@ pub struct AdminState {
     pub status: Arc<WorkerStatus>,
     /// The run store, when one is configured: ready only while it answers.
     pub store: Option<StoreHandle>,
+    /// The models' pacers, when the worker runs agents: which are held and why.
+    pub models: Option<Arc<ModelCapacities>>,
     pub metrics: Arc<Metrics>,
     /// A poll loop that has not gone round for this long is stalled: `/healthz` fails.
     pub stall_limit: Duration,
@@ -57,7 +65,7 @@ async fn healthz(State(s): State<AdminState>) -> impl IntoResponse {
 async fn readyz(State(s): State<AdminState>) -> impl IntoResponse {
     let store_problem = s.store.as_ref().and_then(StoreHandle::problem);
     if s.status.is_ready() && store_problem.is_none() {
-        (StatusCode::OK, "ready\n".to_string())
+        (StatusCode::OK, format!("ready\n{}", held_models(&s)))
     } else {
         let why = s
             .status
@@ -71,7 +79,32 @@ async fn readyz(State(s): State<AdminState>) -> impl IntoResponse {
     }
 }
 
+/// A line per model held now: which, why, since when and until when.
+fn held_models(s: &AdminState) -> String {
+    let Some(models) = &s.models else {
+        return String::new();
+    };
+    let now = tokio::time::Instant::now();
+    models
+        .held(now)
+        .into_iter()
+        .map(|(model, h)| {
+            format!(
+                "model {model} held: {} ({}), for {} ms more, since {} ms ago\n",
+                h.reason.describe(),
+                h.reason.as_str(),
+                h.until.saturating_duration_since(now).as_millis(),
+                now.saturating_duration_since(h.since).as_millis(),
+            )
+        })
+        .collect()
+}
+
 async fn metrics(State(s): State<AdminState>) -> impl IntoResponse {
+    if let Some(models) = &s.models {
+        s.metrics
+            .set_models_held(&models.held(tokio::time::Instant::now()));
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -123,6 +156,7 @@ mod tests {
     fn state(stall_limit: Duration) -> AdminState {
         AdminState {
             store: None,
+            models: None,
             status: Arc::new(WorkerStatus::default()),
             metrics: Arc::new(Metrics::new()),
             stall_limit,

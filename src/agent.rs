@@ -59,9 +59,9 @@ use crate::engine::capabilities::EngineCapabilities;
 use crate::handler::{Outcome, TaskContext, TaskHandler};
 use crate::metrics::Metrics;
 use crate::metrics::labels::{OperatorNames, Vocabulary};
+use crate::provider::ProviderRegistry;
 use crate::provider::capacity::Capacity;
 use crate::provider::fallback::RetryPolicy;
-use crate::provider::{ModelRef, ProviderRegistry};
 use crate::random::Random;
 use crate::store::RunStore;
 use crate::tools::registry::ToolRegistry;
@@ -128,8 +128,6 @@ pub struct AgentRuntime {
     /// Deferrals of one run in the run store before it ends as an incident
     /// (`ABADA_AGENT_MAX_DEFERRALS_PER_RUN`).
     max_deferrals_per_run: u32,
-    /// The models of the agents file's definitions: a task of any of them may be claimed.
-    admission_models: Vec<ModelRef>,
     /// The operator's per-provider model allow-list: every definition a task runs is checked.
     allowed_models: limits::ModelAllowList,
     /// The names the operator's files declare, which alone label metrics
@@ -162,14 +160,8 @@ impl AgentRuntime {
         metrics: Arc<Metrics>,
         ceilings: Ceilings,
     ) -> Self {
-        let mut admission_models: Vec<ModelRef> = Vec::new();
         let mut operator_names = OperatorNames::default();
         for (_, def) in agents_file.iter().flat_map(|f| f.definitions()) {
-            for m in &def.models {
-                if !admission_models.contains(m) {
-                    admission_models.push(m.clone());
-                }
-            }
             operator_names.agents.insert(def.name.clone());
             operator_names.models.extend(
                 def.models
@@ -181,7 +173,6 @@ impl AgentRuntime {
                 .extend(def.tool_servers.iter().map(|s| s.name.clone()));
         }
         AgentRuntime {
-            admission_models,
             labels: Arc::new(Vocabulary::new(&operator_names)),
             operator_names,
             providers,
@@ -242,6 +233,11 @@ impl AgentRuntime {
         self
     }
 
+    /// The models' pacers, shared by every task (`/readyz` and the metrics read which are held).
+    pub(crate) fn capacities(&self) -> &Arc<crate::provider::capacity::ModelCapacities> {
+        self.providers.capacities()
+    }
+
     /// The runtime with the operator's tool-server registry.
     /// What the operator's tool-server registry sends in clear (its `oauth2` token endpoints
     /// allowed over `http://`), for the start-up warning; nothing without a registry.
@@ -273,21 +269,17 @@ impl TaskHandler for AgentRuntime {
         run::run(self, &task, &ctx).await
     }
 
-    /// What the models of the agents can start now: the agents file's models and every model
-    /// a task of this worker has called (an agent sent by the engine or in the BPMN names its
-    /// own), summed; no bound while one of them states no limit.
-    fn admission(&self, now: tokio::time::Instant) -> Capacity {
-        let capacities = self.providers.capacities();
-        let mut models = capacities.tracked_models();
-        for m in &self.admission_models {
-            if !models.contains(m) {
-                models.push(m.clone());
-            }
-        }
-        capacities.admission(&models, now)
+    /// What the models the tasks of `topic` were seen to use can start soon, summed; no bound
+    /// for a topic whose models are not known (a definition in the BPMN or sent by the engine
+    /// names its own, learned from each task: `ModelCapacities::attribute`), nor while one of
+    /// them has no bound.
+    fn admission(&self, topic: &str, now: tokio::time::Instant) -> Capacity {
+        self.providers.capacities().admission(topic, now)
     }
 
-    fn claimed(&self, n: u32, now: tokio::time::Instant) {
-        self.providers.capacities().claimed(n, now);
+    fn claimed(&self, tasks: &[Task], now: tokio::time::Instant) {
+        self.providers
+            .capacities()
+            .claimed(tasks.iter().map(|t| (t.id.as_str(), t.topic.as_str())), now);
     }
 }

@@ -25,6 +25,7 @@ use crate::engine::Engine;
 use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::handler::TaskHandler;
 use crate::metrics::Metrics;
+use crate::provider::capacity::ModelCapacities;
 use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
 use crate::random::Random;
 use crate::runner::{Runner, RunnerEvent, RunnerSettings};
@@ -359,9 +360,11 @@ pub(crate) fn agent_runtime(
     };
     let mut providers = match stand_ins.providers {
         Some(providers) => providers,
-        None => ProviderRegistry::new(
+        // A stand-in registry (the simulator's, a test's) comes with its own capacity policy.
+        None => ProviderRegistry::with_capacity_policy(
             settings,
             outbound_http_client(config).map_err(|e| AgentSetupError::Http(e.to_string()))?,
+            crate::provider::capacity::CapacityPolicy::with_max_wait(config.model_wait_max),
         ),
     };
     for p in &config.providers {
@@ -423,6 +426,9 @@ pub struct Worker {
     /// configuration's URLs and the tools file's token endpoints, URLs redacted), for the one
     /// warning at start-up.
     pub credentials_in_clear: Vec<String>,
+    /// The models' pacers (the agent runtime's): which are held, and why, for `/readyz` and
+    /// the metrics.
+    pub models: Option<Arc<ModelCapacities>>,
 }
 
 impl Worker {
@@ -474,6 +480,7 @@ impl Worker {
             None => engine,
         };
         let mut credentials_in_clear = config.credentials_in_clear();
+        let mut models = None;
         let handler: Arc<dyn TaskHandler> = match seams.handler {
             Some(handler) => handler,
             None => {
@@ -500,6 +507,15 @@ impl Worker {
                     runtime =
                         runtime.with_store(run_store, &config.worker_id, config.lock_duration);
                 }
+                let capacities = runtime.capacities().clone();
+                // Replicas sharing a store pace their model calls as one queue in it.
+                if let Some(handle) = store
+                    .as_ref()
+                    .filter(|_| config.store.as_ref().is_some_and(|s| s.shared_pacing))
+                {
+                    capacities.share_pace(Arc::new(handle.clone()));
+                }
+                models = Some(capacities);
                 Arc::new(runtime)
             }
         };
@@ -520,6 +536,7 @@ impl Worker {
             store,
             store_stop,
             credentials_in_clear,
+            models,
         })
     }
 
@@ -536,6 +553,7 @@ impl Worker {
         let state = crate::admin::AdminState {
             status: self.runner.status(),
             store: self.store.clone(),
+            models: self.models.clone(),
             metrics: self.metrics.clone(),
             stall_limit: (poll_interval * 3).max(Duration::from_secs(30)) + Duration::from_secs(30),
         };

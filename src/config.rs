@@ -47,6 +47,7 @@ const ENV_STORE_TRANSACTION_TIMEOUT_MS: &str = "ABADA_AGENT_STORE_TRANSACTION_TI
 const ENV_STORE_RETENTION: &str = "ABADA_AGENT_STORE_RETENTION";
 const ENV_STORE_ABANDONED_AFTER: &str = "ABADA_AGENT_STORE_ABANDONED_AFTER";
 pub(crate) const ENV_STORE_ALLOW_INSECURE: &str = "ABADA_AGENT_STORE_ALLOW_INSECURE";
+pub const ENV_STORE_SHARED_PACING: &str = "ABADA_AGENT_STORE_SHARED_PACING";
 pub const ENV_ENGINE_HEADERS_FILE: &str = "ABADA_AGENT_ENGINE_HEADERS_FILE";
 pub const ENV_TOOLS_FILE: &str = "ABADA_AGENT_TOOLS_FILE";
 pub const ENV_TOOLS_UNREGISTERED: &str = "ABADA_AGENT_TOOLS_UNREGISTERED";
@@ -617,6 +618,7 @@ fn parse_store(
             ENV_STORE_RETENTION,
             ENV_STORE_ABANDONED_AFTER,
             ENV_STORE_ALLOW_INSECURE,
+            ENV_STORE_SHARED_PACING,
         ] {
             if get(var).is_some() {
                 return Err(ConfigError::new(
@@ -668,6 +670,9 @@ fn parse_store(
             )?),
         };
     }
+    // On unless turned off: replicas sharing a store share their providers' quotas too.
+    store.shared_pacing =
+        get(ENV_STORE_SHARED_PACING).is_none() || parse_bool(&get, ENV_STORE_SHARED_PACING)?;
     store.ca_file = ca_file;
     Ok(Some(store))
 }
@@ -1228,6 +1233,25 @@ mod tests {
         assert_eq!(store.transaction_timeout, Duration::from_millis(900));
         assert_eq!(store.retention, Duration::from_secs(900));
         assert_eq!(store.abandoned_after, None);
+    }
+
+    /// Replicas sharing a store pace their model calls together in it unless told not to;
+    /// the switch needs a store.
+    #[test]
+    fn shared_pacing_is_on_with_a_store_and_can_be_turned_off() {
+        let url = "postgres://abada:p@127.0.0.1:5432/runs?sslmode=disable";
+        let with = |extra: &[(&str, &str)]| {
+            let mut vars = vec![(ENV_ENGINE_URL, "http://e/api"), (ENV_STORE_URL, url)];
+            vars.extend_from_slice(extra);
+            Config::from_env(&env(&vars))
+        };
+        assert!(with(&[]).unwrap().store.unwrap().shared_pacing);
+        let off = with(&[(ENV_STORE_SHARED_PACING, "false")]).unwrap();
+        assert!(!off.store.unwrap().shared_pacing);
+        let e = with(&[(ENV_STORE_SHARED_PACING, "sometimes")]).unwrap_err();
+        assert_eq!(e.var, ENV_STORE_SHARED_PACING);
+        let e = err(&[(ENV_STORE_SHARED_PACING, "true")]);
+        assert_eq!(e.var, ENV_STORE_URL);
     }
 
     #[test]

@@ -195,16 +195,17 @@ pub(crate) fn task_retries(task: &Task) -> i32 {
 pub trait TaskHandler: Send + Sync + 'static {
     async fn handle(&self, task: Arc<Task>, ctx: TaskContext) -> Outcome;
 
-    /// How many tasks could start their work at `now`, the free slots aside: for the agent
-    /// runtime, the calls its models' providers allow now (issue 25; `provider::capacity`).
-    /// The runner claims no more. No bound by default.
-    fn admission(&self, _now: tokio::time::Instant) -> Capacity {
+    /// How many tasks of `topic` could start their work at `now`, the free slots aside: for the
+    /// agent runtime, the calls the models its tasks of that topic use can start soon
+    /// (`provider::capacity`). The runner claims no more, and leaves a topic with none out of
+    /// its fetch. No bound by default, nor for a topic whose models are not known.
+    fn admission(&self, _topic: &str, _now: tokio::time::Instant) -> Capacity {
         Capacity::Unbounded
     }
 
-    /// The runner claimed `n` tasks at `now`: they count against [`TaskHandler::admission`]
+    /// The runner claimed `tasks` at `now`: they count against [`TaskHandler::admission`]
     /// until their work starts.
-    fn claimed(&self, _n: u32, _now: tokio::time::Instant) {}
+    fn claimed(&self, _tasks: &[Task], _now: tokio::time::Instant) {}
 }
 
 /// What a task leaves to do once the runner has reported how it ended (or found it could not):

@@ -92,6 +92,13 @@ pub(crate) struct GenAiDurationLabels {
     pub error_type: String,
 }
 
+/// A configured provider's name (a closed set, the operator's) and why its models are held.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct HeldLabels {
+    pub provider: String,
+    pub reason: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct ModelRefLabels {
     pub provider: String,
@@ -178,6 +185,9 @@ pub struct Metrics {
     pub(crate) model_capacity: Family<ModelRefLabels, Gauge>,
     /// How long each model call waited for its model's capacity before it went out.
     pub(crate) model_capacity_wait: Family<ModelRefLabels, Histogram, fn() -> Histogram>,
+    /// Models held now (a 429 with retry-after, a 503, a stated budget at zero), by provider
+    /// and reason; set when scraped.
+    pub(crate) models_held: Family<HeldLabels, Gauge>,
     pub tool_calls: Family<ToolLabels, Counter>,
     /// Approval stops and decisions; a label per event only: agents and tools are on the
     /// journal and the logs, and the stops of one agent are few.
@@ -246,6 +256,7 @@ impl Metrics {
             model_capacity_wait: Family::new_with_constructor(
                 latency_histogram as fn() -> Histogram,
             ),
+            models_held: Family::default(),
             tool_calls: Family::default(),
             approvals: Family::default(),
             output_repairs: Family::default(),
@@ -363,6 +374,11 @@ impl Metrics {
             m.model_capacity_wait.clone(),
         );
         registry.register(
+            "abada_agent_models_held",
+            "Models whose calls cannot start now, by provider and reason (rate_limited: a 429 with retry-after; unavailable: a 503; requests_exhausted, tokens_exhausted: a stated budget at zero); each hold ends within ABADA_AGENT_MODEL_WAIT_MAX_MS, /readyz names the models",
+            m.models_held.clone(),
+        );
+        registry.register(
             "abada_agent_tool_calls",
             "Tool calls by server, tool and outcome",
             m.tool_calls.clone(),
@@ -457,6 +473,23 @@ impl Metrics {
             m.genai_operation_duration.clone(),
         );
         Metrics { registry, ..m }
+    }
+
+    /// Sets `abada_agent_models_held` to the models held now (the series of reasons no longer
+    /// held drop out).
+    pub(crate) fn set_models_held(
+        &self,
+        held: &[(crate::provider::ModelRef, crate::provider::capacity::Held)],
+    ) {
+        self.models_held.clear();
+        for (model, h) in held {
+            self.models_held
+                .get_or_create(&HeldLabels {
+                    provider: labels::capped(&model.provider),
+                    reason: h.reason.as_str(),
+                })
+                .inc();
+        }
     }
 
     /// The Prometheus text exposition of every metric.

@@ -20,6 +20,7 @@ pub mod context;
 pub mod fallback;
 mod http;
 pub mod openai;
+pub mod pacer;
 pub mod tool_names;
 
 /// Which wire format a provider speaks.
@@ -413,7 +414,20 @@ impl std::fmt::Debug for ProviderRegistry {
 impl ProviderRegistry {
     /// Builds one adapter per setting, all sharing the one HTTP client (connection pool).
     pub fn new(settings: Vec<ProviderSettings>, http: reqwest::Client) -> Self {
-        let mut registry = ProviderRegistry::default();
+        Self::with_capacity_policy(settings, http, capacity::CapacityPolicy::default())
+    }
+
+    /// [`ProviderRegistry::new`] with the models' pacing bounded by `policy` (its `max_wait` is
+    /// `ABADA_AGENT_MODEL_WAIT_MAX_MS`).
+    pub fn with_capacity_policy(
+        settings: Vec<ProviderSettings>,
+        http: reqwest::Client,
+        policy: capacity::CapacityPolicy,
+    ) -> Self {
+        let mut registry = ProviderRegistry {
+            capacities: Arc::new(capacity::ModelCapacities::new(policy)),
+            ..ProviderRegistry::default()
+        };
         for s in settings {
             let name = s.name.clone();
             let capacities = registry.capacities.clone();
@@ -512,7 +526,7 @@ pub struct CallAttempt {
     pub duration: Duration,
     /// This call's outcome opened the model's circuit: unavailable for every task now.
     pub circuit_opened: bool,
-    /// How long the call waited for its model's capacity (the provider's rate limit) first.
+    /// How long the call waited for its turn in its model's pacer (the provider's rate limit).
     pub capacity_wait: Duration,
     /// Calls the model may start just after this one by its provider's stated rate limit;
     /// `None` when it states none.

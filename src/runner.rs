@@ -7,8 +7,9 @@
 //!
 //! - A semaphore of `MAX_TASKS` slots. Each fetch asks for exactly the free slots, and none when
 //!   none is free: the worker never holds work it cannot start. Nor more than the handler's
-//!   admission allows (its models' provider capacity, issue 25): none allowed, no fetch until
-//!   the capacity returns or a task ends. Tasks an answer holds beyond
+//!   admission allows (per topic: the pace of the models its tasks use): a topic allowed none
+//!   is left out of the fetch, and with none allowed at all no fetch until one returns or a
+//!   task ends. Tasks an answer holds beyond
 //!   that are released at once, as at shutdown, rather than left locked until they expire.
 //! - Each task runs as its own spawned future owning its slot permit, in the loop's `JoinSet`
 //!   beside the lease it runs under. A slot is the task's work: its conversation, its tool
@@ -69,6 +70,7 @@ use crate::handler::{
 use crate::heartbeat::{self, HeartbeatEvent, HeartbeatHandle, HeartbeatSettings};
 use crate::lease::Lease;
 use crate::metrics::{Metrics, OutcomeLabel, ReasonLabel, ResultLabel};
+use crate::provider::capacity::Capacity;
 use crate::random::Random;
 use policy::{Action, Admit, FetchPolicy, LogLevel};
 
@@ -542,6 +544,8 @@ impl Runner {
             Instant::now(),
             Box::new(move || random.unit()),
         );
+        // When a fetch of one task is due even with every topic's models held (admission).
+        let mut admission_probe_at = Instant::now();
         loop {
             self.status.tick();
             if shutdown.is_cancelled() {
@@ -587,10 +591,22 @@ impl Runner {
                         }
                         continue;
                     }
-                    // Issue 25: no more tasks than the models behind them can start now.
+                    // No more tasks than the models behind them can start soon, and no topic
+                    // whose models can start none.
                     let now = Instant::now();
-                    match policy::admit(free, shared.handler.admission(now), now) {
-                        Admit::Fetch(n) => self.fetch(shared, tasks, &mut policy, n).await,
+                    let topics: Vec<(String, Capacity)> = self
+                        .settings
+                        .topics
+                        .iter()
+                        .map(|t| (t.clone(), shared.handler.admission(t, now)))
+                        .collect();
+                    match policy::admit(free, &topics, now, admission_probe_at) {
+                        Admit::Fetch { max, topics, probe } => {
+                            if probe {
+                                admission_probe_at = now + self.settings.poll_interval;
+                            }
+                            self.fetch(shared, tasks, &mut policy, max, topics).await
+                        }
                         Admit::WaitUntil(until) => {
                             tokio::select! {
                                 biased;
@@ -614,6 +630,7 @@ impl Runner {
         tasks: &mut RunningTasks,
         policy: &mut FetchPolicy,
         free: u32,
+        topics: Vec<String>,
     ) {
         let s = &self.settings;
         tasks.forget_freed();
@@ -624,7 +641,7 @@ impl Runner {
             .expect("only the poll loop takes permits, so the free ones are there");
         let acquired_at = Instant::now();
         let request = FetchRequest {
-            topics: s.topics.clone(),
+            topics,
             lock_duration: s.lock_duration,
             max_tasks: free,
         };
@@ -655,7 +672,7 @@ impl Runner {
                 let mut locked = locked;
                 let surplus = locked.split_off(locked.len().min(free as usize));
                 if !locked.is_empty() {
-                    shared.handler.claimed(locked.len() as u32, Instant::now());
+                    shared.handler.claimed(&locked, Instant::now());
                 }
                 let mut batch = batch;
                 for task in locked {

@@ -32,7 +32,8 @@
 //! reported to `/readyz`), `url` (the one reading of the URL, the TLS rules, the redacted form),
 //! `tls` (rustls per `sslmode`),
 //! `pool` (connections and the transaction wrapper), `migrate` (the schema), `runs` (the SQL of
-//! claims, appends, finishes and sweeps), `finishes` (the finishes waiting for a transaction),
+//! claims, appends, finishes and sweeps), `pace` (the fleet's shared pace of model calls),
+//! `finishes` (the finishes waiting for a transaction),
 //! `admission` (which claim may take a run), `error` (classes), `outage` (one log line per
 //! outage).
 
@@ -42,6 +43,7 @@ mod finishes;
 mod handle;
 mod migrate;
 mod outage;
+mod pace;
 mod pool;
 mod runs;
 mod settings;
@@ -385,6 +387,25 @@ impl PgRunStore {
             .pool
             .transaction(Operation::Locate, |mut conn| async move {
                 let result = runs::locate(conn.conn(), &store, lookup).await;
+                (conn, result)
+            })
+            .await
+    }
+
+    /// Reserves the next start of a call of `model` in the fleet's shared pace (`pace`),
+    /// `spacing` after the one reserved before it, if it comes within `within`.
+    pub async fn reserve_start(
+        &self,
+        model: &str,
+        spacing: Duration,
+        within: Duration,
+    ) -> Result<crate::provider::capacity::SharedTurn, StoreError> {
+        let store = self.inner.pool.store();
+        self.inner
+            .pool
+            .transaction(Operation::Pace, |mut conn| async move {
+                let result =
+                    pace::reserve(&conn.conn().client, &store, model, spacing, within).await;
                 (conn, result)
             })
             .await

@@ -100,7 +100,8 @@ pub struct LoadOptions {
     /// (replicas deployed onto a waiting queue), instead of appearing once each has fetched
     /// from the empty queue (replicas idle when work arrives).
     pub backlog_first: bool,
-    /// The model's provider rate limit (issue 25): stated on every answer, 429 beyond.
+    /// The model's provider rate limit ([`super::model::RateLimit`]): stated per minute,
+    /// enforced a second's worth per second, 429 beyond. With several workers, they share it.
     pub rate_limit: Option<super::model::RateLimit>,
 }
 
@@ -114,6 +115,8 @@ pub struct StoreTarget {
     pub url: String,
     /// `ABADA_AGENT_STORE_POOL_SIZE`; `None` keeps the worker's default.
     pub pool_size: Option<u32>,
+    /// `ABADA_AGENT_STORE_SHARED_PACING`: the workers pace model calls together in the store.
+    pub shared_pacing: bool,
 }
 
 impl std::fmt::Debug for StoreTarget {
@@ -121,6 +124,7 @@ impl std::fmt::Debug for StoreTarget {
         f.debug_struct("StoreTarget")
             .field("url", &"<redacted>")
             .field("pool_size", &self.pool_size)
+            .field("shared_pacing", &self.shared_pacing)
             .finish()
     }
 }
@@ -175,7 +179,7 @@ pub enum LoadError {
     Metrics(String),
     #[error(
         "{workers} workers asked for: a run starts 1 to {MAX_WORKERS}, the worker binary only, \
-         on a backlog without a run store"
+         on a backlog"
     )]
     Workers { workers: u32 },
 }
@@ -410,6 +414,10 @@ fn spawn_child(
                 if let Some(size) = store.pool_size {
                     cmd.env("ABADA_AGENT_STORE_POOL_SIZE", size.to_string());
                 }
+                cmd.env(
+                    "ABADA_AGENT_STORE_SHARED_PACING",
+                    store.shared_pacing.to_string(),
+                );
             }
             cmd
         }
@@ -502,7 +510,6 @@ pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, Lo
     if opts.workers != 1
         && (!(1..=MAX_WORKERS).contains(&opts.workers)
             || opts.scenario != Scenario::Backlog
-            || opts.store.is_some()
             || !matches!(which, ChildProgram::Worker(_)))
     {
         return Err(LoadError::Workers {
@@ -537,7 +544,7 @@ pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, Lo
         None => None,
     };
     let result = if opts.workers > 1 {
-        shared_backlog(which, opts, &stack, ticks).await
+        shared_backlog(which, opts, &stack, files.as_ref(), ticks).await
     } else {
         run_on(which, opts, &stack, files.as_ref(), ticks).await
     };
@@ -592,8 +599,9 @@ async fn run_on(
     result.map(|()| figures)
 }
 
-/// Issue 25: how well the worker used the provider's rate limit. The share of the limit used
-/// (the calls let through over the most the limit allowed from the first call to the last),
+/// How well the workers used the provider's rate limit. The share of the limit used (the
+/// rate calls were let through at, from the first let through to the last, over the limit's
+/// rate), the most requests within any 100 ms (a herd),
 /// 429s as a share of the model requests, tasks deferred (a `failure` reported for a task,
 /// which the engine records), and claims given back (tasks locked by a fetch beyond the one
 /// lock that completed them).
@@ -601,6 +609,16 @@ fn rate_limit_figures(stack: &Stack, figures: &mut Figures) {
     if let Some(u) = stack.model.rate_limit_use(BENCH_MODEL) {
         let requests = (u.admitted + u.refused) as f64;
         figures.put("limit_share_used", "%", u.share_used * 100.0);
+        figures.put(
+            "model_requests_most_in_100ms",
+            "req",
+            u.most_in_100ms as f64,
+        );
+        figures.put(
+            "model_requests_closest",
+            "ms",
+            u.closest.map_or(f64::NAN, |d| d.as_secs_f64() * 1000.0),
+        );
         figures.put("model_requests", "req", requests);
         figures.put("model_429", "req", u.refused as f64);
         figures.put(
@@ -1065,6 +1083,7 @@ async fn shared_backlog(
     which: &ChildProgram,
     opts: &LoadOptions,
     stack: &Stack,
+    files: Option<&StoreFiles>,
     ticks: f64,
 ) -> Result<Figures, LoadError> {
     inject_engine_latency(stack, opts);
@@ -1088,12 +1107,12 @@ async fn shared_backlog(
     let (cpu0, (ids, created_at)) = if opts.backlog_first {
         let created = backlog();
         for id in &worker_ids {
-            children.push(spawn_child(which, stack, opts, None, id)?);
+            children.push(spawn_child(which, stack, opts, files, id)?);
         }
         (cpu(&children), created)
     } else {
         for id in &worker_ids {
-            let mut child = spawn_child(which, stack, opts, None, id)?;
+            let mut child = spawn_child(which, stack, opts, files, id)?;
             wait_first_fetch(stack, &mut child, Some(id)).await?;
             children.push(child);
         }
@@ -1150,6 +1169,9 @@ async fn shared_backlog(
     figures.put("lease_expiries", "count", a.lease_expiries as f64);
     figures.put("rss_busy_max", "MB", rss_max);
     figures.put("child_warn_error_lines", "lines", problems as f64);
+    if opts.rate_limit.is_some() {
+        rate_limit_figures(stack, &mut figures);
+    }
     Ok(figures)
 }
 

@@ -183,6 +183,9 @@ pub enum Fault {
     RateLimited { retry_after: Option<Duration> },
     /// 503.
     ServiceUnavailable,
+    /// 503 with a `retry-after` (OpenAI: and `retry-after-ms`): the provider down for a while,
+    /// an outage (a 429 is a busy limit, waited out inside the task).
+    Outage { retry_after: Duration },
     /// 529 `overloaded_error`.
     Overloaded,
     /// 500.
@@ -201,16 +204,66 @@ pub enum Fault {
     LlamaCppContextExceeded,
 }
 
-/// A provider's rate limit, as OpenAI and Anthropic run theirs: a token bucket of `burst`
-/// requests refilled evenly at `per_second`. Every answer states it (OpenAI
-/// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`, the reset as a Go duration;
-/// Anthropic `anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`, the reset as an
-/// RFC 3339 instant); a request beyond it is answered 429 with `retry-after-ms` and
-/// `retry-after` (whole seconds, rounded up). A request counts when it arrives.
+/// A provider's rate limit, modelled on what OpenAI and Anthropic document, not on what the
+/// worker expects:
+///
+/// - **Stated per minute.** Every answer, 200 or 429, states the per-minute budgets: OpenAI
+///   `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`, the reset a Go duration, "the time
+///   until the rate limit resets to its initial state" (the bucket full again); Anthropic
+///   `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{limit,remaining,reset}`,
+///   the reset an RFC 3339 instant when the bucket is full again
+///   (<https://platform.openai.com/docs/guides/rate-limits>,
+///   <https://docs.anthropic.com/en/api/rate-limits>). The per-minute buckets refill
+///   continuously ("token bucket ... continuously replenished", Anthropic) and a request counts
+///   when it arrives and is let through; a refused one costs nothing. `limit` is the per-minute
+///   figure: no burst is stated that the providers do not state.
+/// - **Enforced quantized.** "Rate limits may be quantized, meaning they are enforced over
+///   shorter periods of time in proportion to your rate limit" (OpenAI: 60,000 requests a
+///   minute "may be enforced as 1,000 requests/second"; Anthropic the same with 60 RPM as 1 a
+///   second). So a burst is refused while `remaining` still shows plenty. The documents do not
+///   say in what shape the second's worth is enforced, so both are here ([`Quantization`]): a
+///   fixed window per second of the provider's clock (harsher: two calls 10 ms apart across a
+///   window's edge pass, three in one window do not, whatever their spacing), or a bucket
+///   holding a second's worth, refilled evenly. Benchmarks measure against the window.
+/// - **Refused with a wait.** Beyond either, 429 with the figures, a `rate_limit_exceeded` /
+///   `rate_limit_error` body and the wait until a request would pass: OpenAI `retry-after-ms`
+///   and `retry-after` (whole seconds, rounded up), Anthropic `retry-after` (whole seconds,
+///   rounded up).
+/// - **Or stating nothing** ([`RateLimit::stated`] false): vLLM, Ollama and llama.cpp send no
+///   rate-limit headers; only their refusals (429, here without a wait) teach a client.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RateLimit {
-    pub per_second: f64,
-    pub burst: u32,
+    /// Requests per minute: the stated `limit`.
+    pub requests_per_minute: u32,
+    /// Tokens per minute (input and the request's output cap, as OpenAI counts them at
+    /// arrival); `None`: a large budget stated that never binds.
+    pub tokens_per_minute: Option<u64>,
+    /// How the per-minute limits are enforced over each second.
+    pub quantization: Quantization,
+    /// Whether answers state the figures (OpenAI, Anthropic) or nothing (vLLM, Ollama).
+    pub stated: bool,
+}
+
+impl RateLimit {
+    /// `requests_per_minute`, stated, enforced as a second's worth per second window.
+    pub fn per_minute(requests_per_minute: u32) -> Self {
+        RateLimit {
+            requests_per_minute,
+            tokens_per_minute: None,
+            quantization: Quantization::SecondWindow,
+            stated: true,
+        }
+    }
+}
+
+/// How a per-minute limit is enforced over each second (see [`RateLimit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quantization {
+    /// At most a second's worth (rounded down, at least 1) arrives in each window
+    /// `[k s, (k + 1) s)` of the provider's clock.
+    SecondWindow,
+    /// A bucket holding a second's worth, refilled evenly, full at the start.
+    SecondBucket,
 }
 
 /// What a model's rate limit saw ([`ScriptedModel::rate_limit_use`]).
@@ -218,26 +271,130 @@ pub struct RateLimit {
 pub struct RateLimitUse {
     pub admitted: u64,
     pub refused: u64,
-    /// 0..=1.
+    /// The rate requests were let through at, over the limit's rate: the requests let through
+    /// after the first one, over the limit's rate times the time from the first one let
+    /// through to the last (a pace of exactly the limit is 1; counting from the first request
+    /// let through leaves out the fencepost and a run's first and last partial windows).
     pub share_used: f64,
+    /// The most requests that arrived within any 100 ms: a crowd sent at once (a herd at the
+    /// end of a wait) shows here.
+    pub most_in_100ms: u64,
+    /// The shortest time between two requests, one after the other (`None` below two): how
+    /// evenly they were spaced.
+    pub closest: Option<Duration>,
+}
+
+/// Arrivals remembered per model for [`RateLimitUse::most_in_100ms`].
+const MAX_ARRIVALS: usize = 100_000;
+
+/// One per-minute budget and its per-second enforcement.
+#[derive(Clone, Copy, Debug)]
+struct Quota {
+    per_minute: f64,
+    /// The per-minute bucket (what is stated).
+    level: f64,
+    /// The second's-worth bucket ([`Quantization::SecondBucket`]).
+    second_level: f64,
+    /// The window ([`Quantization::SecondWindow`]) and what arrived in it.
+    window: i64,
+    in_window: f64,
+}
+
+impl Quota {
+    fn new(per_minute: f64) -> Self {
+        Quota {
+            per_minute,
+            level: per_minute,
+            second_level: (per_minute / 60.0).max(1.0),
+            window: i64::MIN,
+            in_window: 0.0,
+        }
+    }
+
+    fn per_second(&self) -> f64 {
+        self.per_minute / 60.0
+    }
+
+    /// The most a window lets through: a second's worth, at least one request's cost.
+    fn window_cap(&self, cost: f64) -> f64 {
+        self.per_second().floor().max(cost)
+    }
+
+    /// The second's-worth bucket's size: at least one request.
+    fn second_cap(&self) -> f64 {
+        self.per_second().max(1.0)
+    }
+
+    fn refill(&mut self, elapsed: f64) {
+        self.level = (self.level + elapsed * self.per_second()).min(self.per_minute);
+        self.second_level =
+            (self.second_level + elapsed * self.per_second()).min(self.second_cap());
+    }
+
+    /// The wait before `cost` would pass at `secs` on the provider's clock (zero: now).
+    fn wait(&self, cost: f64, secs: f64, shape: Quantization) -> f64 {
+        let rate = self.per_second().max(1e-9);
+        let minute = ((cost.min(self.per_minute) - self.level) / rate).max(0.0);
+        let second = match shape {
+            // A request larger than the bucket passes when it is full.
+            Quantization::SecondBucket => {
+                ((cost.min(self.second_cap()) - self.second_level) / rate).max(0.0)
+            }
+            Quantization::SecondWindow => {
+                let window = secs.floor() as i64;
+                let used = if window == self.window {
+                    self.in_window
+                } else {
+                    0.0
+                };
+                if used + cost <= self.window_cap(cost) {
+                    0.0
+                } else {
+                    (window + 1) as f64 - secs
+                }
+            }
+        };
+        minute.max(second)
+    }
+
+    fn take(&mut self, cost: f64, secs: f64) {
+        self.level -= cost.min(self.level);
+        self.second_level -= cost.min(self.second_level);
+        let window = secs.floor() as i64;
+        if window != self.window {
+            self.window = window;
+            self.in_window = 0.0;
+        }
+        self.in_window += cost;
+    }
+
+    /// Until the per-minute bucket is full again.
+    fn until_full(&self) -> Duration {
+        ceil_ms(((self.per_minute - self.level) / self.per_second().max(1e-9)).max(0.0))
+    }
 }
 
 /// The state of one model's rate limit.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct LimitState {
     limit: RateLimit,
-    level: f64,
+    requests: Quota,
+    tokens: Quota,
+    /// The provider's clock: its second windows start at whole seconds since this.
+    origin: tokio::time::Instant,
     at: tokio::time::Instant,
     /// Requests answered 429 by the limit.
     refused: u64,
     /// Requests let through.
     admitted: u64,
-    /// When the first request came, and the last one let through.
-    first: Option<tokio::time::Instant>,
+    /// When the first request let through came, and the last.
+    first_admitted: Option<tokio::time::Instant>,
     last_admitted: Option<tokio::time::Instant>,
+    /// When each request came, in order (at most [`MAX_ARRIVALS`]).
+    arrivals: Vec<tokio::time::Instant>,
 }
 
-/// The tokens budget stated beside the requests one: large, never the binding limit here.
+/// The tokens budget stated when none binds: large.
 const STATED_TOKENS_LIMIT: u64 = 1_000_000;
 
 /// What the rate limit decided for one request: the headers to state, and whether it is over.
@@ -248,66 +405,119 @@ struct LimitVerdict {
 }
 
 impl LimitState {
-    fn take(&mut self, format: WireFormat, now: tokio::time::Instant) -> LimitVerdict {
-        let rate = self.limit.per_second.max(1e-6);
-        let burst = f64::from(self.limit.burst.max(1));
+    fn new(limit: RateLimit, now: tokio::time::Instant) -> Self {
+        LimitState {
+            limit,
+            requests: Quota::new(f64::from(limit.requests_per_minute.max(1))),
+            tokens: Quota::new(limit.tokens_per_minute.unwrap_or(STATED_TOKENS_LIMIT) as f64),
+            origin: now,
+            at: now,
+            refused: 0,
+            admitted: 0,
+            first_admitted: None,
+            last_admitted: None,
+            arrivals: Vec::new(),
+        }
+    }
+
+    /// A request costing `tokens` arrives at `now`.
+    fn take(&mut self, format: WireFormat, tokens: u64, now: tokio::time::Instant) -> LimitVerdict {
         let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
-        self.level = (self.level + elapsed * rate).min(burst);
+        self.requests.refill(elapsed);
+        self.tokens.refill(elapsed);
         self.at = now;
-        self.first.get_or_insert(now);
-        let retry_after = if self.level >= 1.0 {
-            self.level -= 1.0;
+        if self.arrivals.len() < MAX_ARRIVALS {
+            self.arrivals.push(now);
+        }
+        let secs = now.saturating_duration_since(self.origin).as_secs_f64();
+        let shape = self.limit.quantization;
+        let tokens = tokens as f64;
+        let mut wait = self.requests.wait(1.0, secs, shape);
+        if self.limit.tokens_per_minute.is_some() {
+            wait = wait.max(self.tokens.wait(tokens, secs, shape));
+        }
+        let retry_after = if wait <= 0.0 {
+            self.requests.take(1.0, secs);
+            self.tokens.take(tokens, secs);
             self.admitted += 1;
+            self.first_admitted.get_or_insert(now);
             self.last_admitted = Some(now);
             None
         } else {
             self.refused += 1;
-            Some(ceil_ms((1.0 - self.level) / rate))
+            Some(ceil_ms(wait))
         };
-        let remaining = self.level.floor() as u64;
-        let to_full = ceil_ms(((burst - self.level) / rate).max(0.0));
-        let limit = self.limit.burst.max(1);
-        let headers = match format {
-            WireFormat::OpenAi => vec![
-                ("x-ratelimit-limit-requests", limit.to_string()),
-                ("x-ratelimit-remaining-requests", remaining.to_string()),
-                ("x-ratelimit-reset-requests", go_duration(to_full)),
-                ("x-ratelimit-limit-tokens", STATED_TOKENS_LIMIT.to_string()),
-                (
-                    "x-ratelimit-remaining-tokens",
-                    STATED_TOKENS_LIMIT.to_string(),
-                ),
-                ("x-ratelimit-reset-tokens", "0s".to_string()),
-            ],
-            WireFormat::Anthropic => {
-                let full_at = chrono::Utc::now()
-                    + chrono::Duration::from_std(to_full).unwrap_or(chrono::Duration::zero());
-                let stamp = full_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-                let now_stamp =
-                    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-                vec![
-                    ("anthropic-ratelimit-requests-limit", limit.to_string()),
-                    (
-                        "anthropic-ratelimit-requests-remaining",
-                        remaining.to_string(),
-                    ),
-                    ("anthropic-ratelimit-requests-reset", stamp),
-                    (
-                        "anthropic-ratelimit-tokens-limit",
-                        STATED_TOKENS_LIMIT.to_string(),
-                    ),
-                    (
-                        "anthropic-ratelimit-tokens-remaining",
-                        STATED_TOKENS_LIMIT.to_string(),
-                    ),
-                    ("anthropic-ratelimit-tokens-reset", now_stamp),
-                ]
-            }
+        let headers = if self.limit.stated {
+            self.headers(format)
+        } else {
+            Vec::new()
         };
         LimitVerdict {
             headers,
             retry_after,
         }
+    }
+
+    fn headers(&self, format: WireFormat) -> Vec<(&'static str, String)> {
+        let figures = |q: &Quota| {
+            (
+                (q.per_minute as u64).to_string(),
+                (q.level.max(0.0).floor() as u64).to_string(),
+                q.until_full(),
+            )
+        };
+        let (rl, rr, rt) = figures(&self.requests);
+        let (tl, tr, tt) = figures(&self.tokens);
+        match format {
+            WireFormat::OpenAi => vec![
+                ("x-ratelimit-limit-requests", rl),
+                ("x-ratelimit-remaining-requests", rr),
+                ("x-ratelimit-reset-requests", go_duration(rt)),
+                ("x-ratelimit-limit-tokens", tl),
+                ("x-ratelimit-remaining-tokens", tr),
+                ("x-ratelimit-reset-tokens", go_duration(tt)),
+            ],
+            WireFormat::Anthropic => {
+                let stamp = |d: Duration| {
+                    (chrono::Utc::now() + chrono::Duration::from_std(d).unwrap_or_default())
+                        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+                };
+                vec![
+                    ("anthropic-ratelimit-requests-limit", rl),
+                    ("anthropic-ratelimit-requests-remaining", rr),
+                    ("anthropic-ratelimit-requests-reset", stamp(rt)),
+                    ("anthropic-ratelimit-tokens-limit", tl.clone()),
+                    ("anthropic-ratelimit-tokens-remaining", tr.clone()),
+                    ("anthropic-ratelimit-tokens-reset", stamp(tt)),
+                    ("anthropic-ratelimit-input-tokens-limit", tl),
+                    ("anthropic-ratelimit-input-tokens-remaining", tr),
+                    ("anthropic-ratelimit-input-tokens-reset", stamp(tt)),
+                ]
+            }
+        }
+    }
+
+    fn most_in_100ms(&self) -> u64 {
+        let mut most = 0;
+        let mut from = 0;
+        for (i, at) in self.arrivals.iter().enumerate() {
+            while self.arrivals[from] + Duration::from_millis(100) <= *at {
+                from += 1;
+            }
+            most = most.max(i + 1 - from);
+        }
+        most as u64
+    }
+
+    fn share_used(&self) -> f64 {
+        let (Some(first), Some(last)) = (self.first_admitted, self.last_admitted) else {
+            return 0.0;
+        };
+        let span = last.saturating_duration_since(first).as_secs_f64();
+        if span <= 0.0 {
+            return 0.0;
+        }
+        self.admitted.saturating_sub(1) as f64 / (self.requests.per_second() * span)
     }
 }
 
@@ -404,6 +614,8 @@ struct Shared {
     requests: Vec<RecordedRequest>,
     /// Rate limits by model.
     limits: HashMap<String, LimitState>,
+    /// Headers every answer of a model carries, whatever it is (a hostile provider's).
+    answer_headers: HashMap<String, Vec<(String, String)>>,
 }
 
 struct Inner {
@@ -536,20 +748,13 @@ impl ScriptedModel {
         });
     }
 
-    /// Puts `model` under `limit` (its bucket full now): every answer states it, a request
-    /// beyond it is answered 429 with `retry-after-ms`.
+    /// Puts `model` under `limit` (its buckets full now, its second windows starting now):
+    /// answers state it (unless it states nothing), a request beyond it is answered 429 with
+    /// the wait (see [`RateLimit`]).
     pub fn set_rate_limit(&self, model: impl Into<String>, limit: RateLimit) {
         lock(&self.inner.shared).limits.insert(
             model.into(),
-            LimitState {
-                limit,
-                level: f64::from(limit.burst.max(1)),
-                at: tokio::time::Instant::now(),
-                refused: 0,
-                admitted: 0,
-                first: None,
-                last_admitted: None,
-            },
+            LimitState::new(limit, tokio::time::Instant::now()),
         );
     }
 
@@ -560,16 +765,31 @@ impl ScriptedModel {
     pub fn rate_limit_use(&self, model: &str) -> Option<RateLimitUse> {
         let shared = lock(&self.inner.shared);
         let l = shared.limits.get(model)?;
-        let span = match (l.first, l.last_admitted) {
-            (Some(first), Some(last)) => last.saturating_duration_since(first).as_secs_f64(),
-            _ => 0.0,
-        };
-        let allowed = f64::from(l.limit.burst.max(1)) + l.limit.per_second * span;
         Some(RateLimitUse {
             admitted: l.admitted,
             refused: l.refused,
-            share_used: l.admitted as f64 / allowed,
+            share_used: l.share_used(),
+            most_in_100ms: l.most_in_100ms(),
+            closest: l
+                .arrivals
+                .windows(2)
+                .map(|w| w[1].saturating_duration_since(w[0]))
+                .min(),
         })
+    }
+
+    /// Every answer of `model` (200, 429 or any other) carries `headers`, set last: what a
+    /// hostile or broken provider (or gateway) states, e.g. `x-ratelimit-remaining-requests: 0`
+    /// with a reset in plain seconds, as Azure-style gateways send. Values that are no valid
+    /// header are dropped.
+    pub fn set_answer_headers(&self, model: &str, headers: &[(&str, &str)]) {
+        lock(&self.inner.shared).answer_headers.insert(
+            model.to_string(),
+            headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
     }
 
     /// Removes the faults of `model`, its requests' faults included.
@@ -645,7 +865,32 @@ struct Conversation {
     offered_tools: Vec<String>,
 }
 
+/// [`answer_request`], with the headers set for the model ([`ScriptedModel::set_answer_headers`])
+/// on whatever it answers.
 async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: Bytes) -> Response {
+    let model = serde_json::from_slice::<Value>(&raw)
+        .ok()
+        .and_then(|b| b.get("model").and_then(Value::as_str).map(str::to_string))
+        .unwrap_or_default();
+    let extra = lock(&inner.shared).answer_headers.get(&model).cloned();
+    let mut response = answer_request(inner, format, headers, raw).await;
+    for (name, value) in extra.unwrap_or_default() {
+        if let (Ok(n), Ok(v)) = (
+            axum::http::HeaderName::from_bytes(name.as_bytes()),
+            axum::http::HeaderValue::from_str(&value),
+        ) {
+            response.headers_mut().insert(n, v);
+        }
+    }
+    response
+}
+
+async fn answer_request(
+    inner: Arc<Inner>,
+    format: WireFormat,
+    headers: HeaderMap,
+    raw: Bytes,
+) -> Response {
     let Ok(body) = serde_json::from_slice::<Value>(&raw) else {
         return error(format, 400, "invalid_request_error", "the body is not JSON");
     };
@@ -681,21 +926,25 @@ async fn handle(inner: Arc<Inner>, format: WireFormat, headers: HeaderMap, raw: 
                 })
                 .collect(),
         });
+        // Tokens as OpenAI counts them when a request arrives: its prompt and its output cap.
+        let tokens = prompt_tokens(&body).saturating_add(output_cap(&body));
         let verdict = shared
             .limits
             .get_mut(&model)
-            .map(|l| l.take(format, tokio::time::Instant::now()));
+            .map(|l| l.take(format, tokens, tokio::time::Instant::now()));
         if let Some(LimitVerdict {
             headers,
             retry_after: Some(retry_after),
         }) = verdict
         {
+            let stated = shared.limits.get(&model).is_none_or(|l| l.limit.stated);
             drop(shared);
             let mut response = fault_response(
                 format,
                 &model,
                 &Fault::RateLimited {
-                    retry_after: Some(retry_after),
+                    // A server that states nothing says no wait either.
+                    retry_after: stated.then_some(retry_after),
                 },
                 None,
                 &body,
@@ -868,10 +1117,13 @@ fn fault_response(
             };
             let mut response = json_response(429, &body);
             if let Some(ra) = retry_after {
+                // OpenAI sends both; Anthropic whole seconds only.
                 let h = response.headers_mut();
                 let millis = u64::try_from(ra.as_millis()).unwrap_or(u64::MAX);
                 h.insert("retry-after", millis.div_ceil(1000).into());
-                h.insert("retry-after-ms", millis.into());
+                if !anthropic {
+                    h.insert("retry-after-ms", millis.into());
+                }
             }
             response
         }
@@ -885,6 +1137,25 @@ fn fault_response(
             },
             "The service is temporarily unavailable.",
         ),
+        Fault::Outage { retry_after } => {
+            let mut response = error(
+                format,
+                503,
+                if anthropic {
+                    "api_error"
+                } else {
+                    "server_error"
+                },
+                "The service is temporarily unavailable.",
+            );
+            let h = response.headers_mut();
+            let millis = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
+            h.insert("retry-after", millis.div_ceil(1000).into());
+            if !anthropic {
+                h.insert("retry-after-ms", millis.into());
+            }
+            response
+        }
         Fault::Overloaded => error(
             format,
             529,
@@ -1322,5 +1593,85 @@ mod tests {
             "used up"
         );
         assert_eq!(take_fault(&mut shared, "m"), Some(Fault::Overloaded));
+    }
+
+    fn header<'a>(v: &'a LimitVerdict, name: &str) -> Option<&'a str> {
+        v.headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// OpenAI's documented shape: 120 a minute stated, a second's worth (2) let through in
+    /// each second window while `remaining` still shows plenty, a refused request costing
+    /// nothing and told when the next window opens.
+    #[test]
+    fn a_per_minute_limit_is_stated_and_enforced_a_seconds_worth_per_window() {
+        let t0 = tokio::time::Instant::now();
+        let mut l = LimitState::new(RateLimit::per_minute(120), t0);
+        let a = l.take(WireFormat::OpenAi, 10, t0);
+        assert_eq!(a.retry_after, None);
+        assert_eq!(header(&a, "x-ratelimit-limit-requests"), Some("120"));
+        assert_eq!(header(&a, "x-ratelimit-remaining-requests"), Some("119"));
+        assert_eq!(header(&a, "x-ratelimit-reset-requests"), Some("500ms"));
+        let b = l.take(WireFormat::OpenAi, 10, t0 + Duration::from_millis(10));
+        assert_eq!(b.retry_after, None);
+        let c = l.take(WireFormat::OpenAi, 10, t0 + Duration::from_millis(20));
+        assert_eq!(
+            c.retry_after,
+            Some(Duration::from_millis(980)),
+            "the third in a window"
+        );
+        assert_eq!(
+            header(&c, "x-ratelimit-remaining-requests"),
+            Some("118"),
+            "refused while the minute shows plenty, and free"
+        );
+        // The next window lets two more through, however close to the last.
+        let d = l.take(WireFormat::OpenAi, 10, t0 + Duration::from_millis(1000));
+        assert_eq!(d.retry_after, None);
+        assert_eq!((l.admitted, l.refused), (3, 1));
+    }
+
+    /// The bucket shape: a second's worth at most at once, refilled evenly.
+    #[test]
+    fn the_bucket_shape_lets_a_seconds_worth_through_then_the_refill() {
+        let t0 = tokio::time::Instant::now();
+        let limit = RateLimit {
+            quantization: Quantization::SecondBucket,
+            ..RateLimit::per_minute(120)
+        };
+        let mut l = LimitState::new(limit, t0);
+        assert_eq!(l.take(WireFormat::OpenAi, 1, t0).retry_after, None);
+        assert_eq!(l.take(WireFormat::OpenAi, 1, t0).retry_after, None);
+        assert_eq!(
+            l.take(WireFormat::OpenAi, 1, t0).retry_after,
+            Some(Duration::from_millis(500))
+        );
+        let later = t0 + Duration::from_millis(500);
+        assert_eq!(l.take(WireFormat::OpenAi, 1, later).retry_after, None);
+    }
+
+    /// Anthropic states every budget with RFC 3339 resets; a server like vLLM states nothing.
+    #[test]
+    fn anthropic_states_rfc3339_resets_and_a_local_server_nothing() {
+        let t0 = tokio::time::Instant::now();
+        let mut l = LimitState::new(RateLimit::per_minute(60), t0);
+        let v = l.take(WireFormat::Anthropic, 10, t0);
+        assert_eq!(header(&v, "anthropic-ratelimit-requests-limit"), Some("60"));
+        let reset = header(&v, "anthropic-ratelimit-requests-reset").unwrap();
+        assert!(
+            chrono::DateTime::parse_from_rfc3339(reset).is_ok(),
+            "{reset}"
+        );
+        assert!(header(&v, "x-ratelimit-limit-requests").is_none());
+        let quiet = RateLimit {
+            stated: false,
+            ..RateLimit::per_minute(60)
+        };
+        let mut l = LimitState::new(quiet, t0);
+        assert!(l.take(WireFormat::OpenAi, 10, t0).headers.is_empty());
+        let refused = l.take(WireFormat::OpenAi, 10, t0);
+        assert!(refused.retry_after.is_some() && refused.headers.is_empty());
     }
 }

@@ -73,6 +73,11 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
             return outcome;
         }
     };
+    // Admission learns which models the tasks of this topic use: a model held then gates the
+    // fetches of its own topics only.
+    rt.providers
+        .capacities()
+        .attribute(&task.topic, &def.models, tokio::time::Instant::now());
     // Which calls wait for a person: the definition's approval and that of each tool server it
     // uses in the operator's registry. Approval needs a place for the conversation to wait
     // across tasks (agent::approval): the run store, nothing else.

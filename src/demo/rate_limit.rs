@@ -1,7 +1,9 @@
 //! Scenario `rate-limit`: the primary model answers 429 and the fallback model finishes the
-//! task; then every model is unavailable and the attempt is deferred without consuming a retry
-//! (a `failure` with the task's retries unchanged and `retryTimeout` from Retry-After), and the
-//! task completes once the provider recovers.
+//! task (a call does not wait for a busy model while a later one can take it); then the
+//! provider is down (503, an outage: a busy limit alone is waited out inside the task), every
+//! model is unavailable and the attempt is deferred without consuming a retry (a `failure`
+//! with the task's retries unchanged and `retryTimeout` from Retry-After), and the task
+//! completes once the provider recovers.
 //!
 //! The scripted model keys faults by model name, so the two providers serve the refund script
 //! under two names, `refund-primary` (OpenAI wire format) and `refund-fallback` (Anthropic).
@@ -189,22 +191,25 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
         }),
     );
 
-    // 2. Every model unavailable: deferred, retries kept.
-    stack.model.inject_fault(
-        FALLBACK,
-        Fault::RateLimited {
-            retry_after: Some(RETRY_AFTER),
-        },
-        FaultTimes::Always,
-    );
+    // 2. The provider down: every model unavailable, deferred, retries kept.
+    stack.model.clear_faults(PRIMARY);
+    for model in [PRIMARY, FALLBACK] {
+        stack.model.inject_fault(
+            model,
+            Fault::Outage {
+                retry_after: RETRY_AFTER,
+            },
+            FaultTimes::Always,
+        );
+    }
     tl.emit(
         "model",
-        "rate_limited",
+        "down",
         format!(
-            "{fallback} answers 429 (Retry-After {}s) too: every model is unavailable",
+            "the provider is down: {primary} and {fallback} answer 503 (Retry-After {}s), an outage: every model is unavailable",
             RETRY_AFTER.as_secs()
         ),
-        json!({"model": fallback}),
+        json!({"models": [primary, fallback]}),
     );
     let b = stack.engine.create_task(refund_task(agent, "o-502"));
     tl.emit(

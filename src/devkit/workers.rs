@@ -28,6 +28,7 @@ use crate::backoff::Backoff;
 use crate::config::{self, Config};
 use crate::engine::Engine;
 use crate::metrics::Metrics;
+use crate::provider::capacity::ModelCapacities;
 use crate::provider::fallback::RetryPolicy;
 use crate::runner::{RunnerEvent, WorkerStatus};
 
@@ -69,6 +70,8 @@ pub struct WorkerHandle {
     pub status: Arc<WorkerStatus>,
     /// The worker's engine client, behind its decorator if it was given one.
     pub engine: Arc<dyn Engine>,
+    /// The models' pacers (what `/readyz` reads: which models are held, and why).
+    pub models: Option<Arc<ModelCapacities>>,
     join: tokio::task::JoinHandle<()>,
 }
 
@@ -298,6 +301,7 @@ pub fn start(config: &Config, mut seams: Seams) -> WorkerHandle {
         metrics: worker.metrics,
         status,
         engine: worker.engine,
+        models: worker.models,
         join,
     }
 }

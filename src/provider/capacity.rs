@@ -1,50 +1,80 @@
-//! Each model's capacity as its provider states it: how many calls may start now, and when the
-//! next one may. The runner claims no more tasks than this allows (admission), and a call that
-//! would exceed it waits inside its task, within a bound, instead of being sent to a 429.
+//! Each model's capacity, shared by every task of the worker: what its provider states
+//! ([`RateLimits::parse`]), the pacer that decides when its next call may start
+//! ([`super::pacer`]), and what the runner may claim for it (admission).
 //!
-//! What it learns from (every answer, success or not, parsed by [`RateLimits::parse`]):
-//! - OpenAI: `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`, the reset as a duration
-//!   (`1s`, `6m0s`, `20ms`, `1h2m3.5s`);
-//! - Anthropic: `anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`, the reset as an
-//!   RFC 3339 instant;
-//! - `retry-after-ms`, `retry-after` (seconds or an HTTP date) on a 429;
-//! - for a provider that sends none of these: the 429s themselves ([`ModelCapacities::throttled`]).
+//! What it learns from:
+//! - every answer's headers, success or not: OpenAI `x-ratelimit-{limit,remaining,reset}-
+//!   {requests,tokens}`, the reset a Go duration (`1s`, `6m0s`, `20ms`); Anthropic
+//!   `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{limit,remaining,reset}`,
+//!   the reset an RFC 3339 instant; a reset in plain seconds (`6`, as Azure-style gateways send)
+//!   is read as seconds. These are figures: they pace calls, never hold a model;
+//! - 429s and 503s ([`ModelCapacities::throttled`]), with their `retry-after-ms`/`retry-after`:
+//!   the only answers that hold a model.
 //!
-//! The requests budget is a token bucket, as both vendors describe theirs: `remaining` calls at
-//! the instant the answer came, refilled evenly up to `limit` by the reset. Calls this worker
-//! started after the call that carried the figure are not in it yet and are counted against it
-//! (the provider counts a request when it arrives). Without a `limit` the figure holds until its
-//! reset, then nothing is known. A tokens budget at zero holds every call until it refills.
+//! A call waits for its turn inside its task ([`ModelCapacities::wait_turn`]), at most the
+//! wait it has left; the pacer releases the waiting calls of a model one at a time.
+//!
+//! **Admission.** The runner asks, per topic it fetches, how many tasks could start now
+//! ([`ModelCapacities::admission`]). A topic is gated only by the models its tasks were seen to
+//! use ([`ModelCapacities::attribute`], learned from each task's definition, forgotten after
+//! [`ATTRIBUTION_TTL`]): a topic whose models are not known is never gated, so a model held
+//! stops the fetches of its own topics and of no other. Tasks claimed whose first call has not
+//! joined its model's queue count against their topic's models until it does (or
+//! [`CapacityPolicy::claim_ttl`] passes).
+//!
+//! **Many replicas, one quota.** With a [`SharedPace`] (the run store's PostgreSQL), a call the
+//! pacer releases also reserves its start in the fleet's one queue of the model, spaced by the
+//! pacer's increment, and waits for it (within the wait it has left): the replicas' calls are
+//! then spaced as one worker's. A shared pace that fails or is slow is left alone for
+//! [`SHARED_PAUSE`], the replica pacing from its own view meanwhile.
 //!
 //! Everything here is outside input: a value that does not parse is ignored, numbers saturate,
-//! and no wait the provider asks for is longer than [`CapacityPolicy::max_wait`]. The state is
-//! pure (every operation takes the instant, `tokio::time::Instant` so the paused clock drives
-//! the tests) and bounded: at most [`CapacityPolicy::max_models`] models, and per model at most
-//! [`CapacityPolicy::max_starts`] call starts remembered.
+//! every figure and hold expires within [`CapacityPolicy::max_wait`] (see [`super::pacer`]).
+//! Memory is bounded: at most [`CapacityPolicy::max_models`] models, [`MAX_TOPICS`] topics of
+//! [`MAX_MODELS_PER_TOPIC`] models each, and [`CapacityPolicy::max_starts`] claims.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use reqwest::header::HeaderMap;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::ModelRef;
+pub use super::pacer::{CallCost, Held, HoldReason, Release};
+use super::pacer::{Pacer, Turn, WaitReason};
 
-/// The bounds of what a provider can make the worker believe.
+/// The bounds of what a provider can make the worker believe, and the pacer's constants.
 #[derive(Clone, Debug)]
 pub struct CapacityPolicy {
-    /// A 429 without `Retry-After` holds the model this long, doubled for each further 429 in a
-    /// row (up to `max_wait`).
+    /// A 503 without `Retry-After` holds the model this long.
     pub(crate) throttle_default: Duration,
-    /// The longest a reset, a `Retry-After` or a throttle holds a model.
+    /// The longest any figure, hold, pace increment or `Retry-After` holds a model: the model
+    /// wait (`ABADA_AGENT_MODEL_WAIT_MAX_MS`).
     pub(crate) max_wait: Duration,
+    /// How long a figure whose reset is absent or unreadable lasts after it was seen.
+    pub(crate) figure_ttl: Duration,
+    /// How long the other calls wait for a probe's answer at most.
+    pub(crate) probe_timeout: Duration,
+    /// The factor a 429 multiplies the pace by (AIMD's multiplicative decrease).
+    pub(crate) decrease: f64,
+    /// How long the additive increase takes to win back one decrease.
+    pub(crate) recovery: Duration,
+    /// How long a learned rate lasts after the 429 that last lowered it.
+    pub(crate) learned_ttl: Duration,
+    /// The share of a stated rate the pacer uses: a provider's clock and ours, the network
+    /// between and the scheduling of a busy host put a call some milliseconds early or late.
+    /// Against a provider enforcing a second's worth per second window, 3 % spare absorbs about
+    /// 30 ms of such jitter between two calls (measured at 15 to 40 ms on a loaded 2-core host,
+    /// BENCHMARKS.md).
+    pub(crate) margin: f64,
     /// Models tracked at most; past that a new model is not tracked (no bound known).
     pub(crate) max_models: usize,
-    /// Call starts remembered per model (those after the freshest figure).
+    /// Calls remembered per model, and claims at most.
     pub(crate) max_starts: usize,
-    /// How long a claimed task counts against the capacity before its first call starts
-    /// ([`ModelCapacities::claimed`]); a task that never calls stops counting after this.
+    /// How long a claimed task counts against its topic's models before its first call joins a
+    /// queue; a task that never calls stops counting after this.
     pub(crate) claim_ttl: Duration,
 }
 
@@ -52,10 +82,29 @@ impl Default for CapacityPolicy {
     fn default() -> Self {
         CapacityPolicy {
             throttle_default: Duration::from_secs(1),
-            max_wait: Duration::from_secs(600),
+            max_wait: Duration::from_secs(60),
+            figure_ttl: Duration::from_secs(1),
+            probe_timeout: Duration::from_secs(10),
+            decrease: 0.7,
+            recovery: Duration::from_secs(10),
+            learned_ttl: Duration::from_secs(60),
+            margin: 0.97,
             max_models: 1024,
             max_starts: 4096,
             claim_ttl: Duration::from_secs(5),
+        }
+    }
+}
+
+impl CapacityPolicy {
+    /// The policy whose every wait ends within `max_wait` (`ABADA_AGENT_MODEL_WAIT_MAX_MS`).
+    pub fn with_max_wait(max_wait: Duration) -> Self {
+        let d = CapacityPolicy::default();
+        CapacityPolicy {
+            max_wait,
+            figure_ttl: d.figure_ttl.min(max_wait),
+            probe_timeout: d.probe_timeout.min(max_wait),
+            ..d
         }
     }
 }
@@ -65,7 +114,7 @@ impl Default for CapacityPolicy {
 pub struct Budget {
     pub limit: Option<u64>,
     pub remaining: Option<u64>,
-    /// Until the budget is full again, from the answer.
+    /// Until the budget is full again, from the answer; `None` when absent or unreadable.
     pub reset: Option<Duration>,
 }
 
@@ -75,24 +124,26 @@ impl Budget {
     }
 }
 
-/// What one answer's headers say about the model's limits.
+/// What one answer's headers state about the model's budgets. (A `retry-after` is not a
+/// figure: it is read only on the 429 or 503 it came with, see [`ModelCapacities::throttled`].)
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct RateLimits {
     pub requests: Budget,
+    /// Tokens of any kind (OpenAI; Anthropic's combined budget).
     pub tokens: Budget,
-    /// `retry-after-ms` or `Retry-After`.
-    pub retry_after: Option<Duration>,
+    /// Anthropic's input-tokens budget.
+    pub input_tokens: Budget,
+    /// Anthropic's output-tokens budget.
+    pub output_tokens: Budget,
 }
-
-/// How often a call waiting for the first answer of a model looks again.
-const PROBE_POLL: Duration = Duration::from_millis(20);
 
 /// The largest count believed (a `remaining` of 10^30 is a hostile or broken provider).
 const MAX_COUNT: u64 = 1 << 40;
 
 impl RateLimits {
-    /// Reads the headers of an answer received at `now` (wall clock, for RFC 3339 and HTTP
-    /// dates). Values that do not parse are ignored; none of them can panic.
+    /// Reads the headers of an answer received at `now` (wall clock, for RFC 3339 instants).
+    /// Values that do not parse are ignored; none of them can panic; resets are capped at
+    /// `max_wait`.
     pub fn parse(headers: &HeaderMap, now: SystemTime, max_wait: Duration) -> RateLimits {
         let text = |name: &str| {
             headers
@@ -101,40 +152,67 @@ impl RateLimits {
                 .map(str::trim)
         };
         let count = |name: &str| text(name).and_then(parse_count);
+        let reset = |name: &str| {
+            text(name)
+                .and_then(|v| parse_reset(v, now))
+                .map(|d| d.min(max_wait))
+        };
         let openai = |kind: &str| Budget {
             limit: count(&format!("x-ratelimit-limit-{kind}")),
             remaining: count(&format!("x-ratelimit-remaining-{kind}")),
-            reset: text(&format!("x-ratelimit-reset-{kind}"))
-                .and_then(parse_go_duration)
-                .map(|d| d.min(max_wait)),
+            reset: reset(&format!("x-ratelimit-reset-{kind}")),
         };
         let anthropic = |kind: &str| Budget {
             limit: count(&format!("anthropic-ratelimit-{kind}-limit")),
             remaining: count(&format!("anthropic-ratelimit-{kind}-remaining")),
-            reset: text(&format!("anthropic-ratelimit-{kind}-reset"))
-                .and_then(|v| parse_rfc3339_from(v, now))
-                .map(|d| d.min(max_wait)),
+            reset: reset(&format!("anthropic-ratelimit-{kind}-reset")),
         };
         let pick = |a: Budget, b: Budget| if a.is_empty() { b } else { a };
         RateLimits {
             requests: pick(openai("requests"), anthropic("requests")),
             tokens: pick(openai("tokens"), anthropic("tokens")),
-            retry_after: super::parse_retry_after(headers, now).map(|d| d.min(max_wait)),
+            input_tokens: anthropic("input-tokens"),
+            output_tokens: anthropic("output-tokens"),
         }
     }
 
-    /// Whether the headers said anything at all.
+    /// Whether the headers stated anything at all.
     pub fn is_empty(&self) -> bool {
-        self.requests.is_empty() && self.tokens.is_empty() && self.retry_after.is_none()
+        self.requests.is_empty()
+            && self.tokens.is_empty()
+            && self.input_tokens.is_empty()
+            && self.output_tokens.is_empty()
     }
 }
 
 fn parse_count(v: &str) -> Option<u64> {
-    // Only plain digits: no sign, no fraction, no exponent. Saturated, not refused, when huge.
+    // Only plain digits: no sign (Azure's `-1` is no count), no fraction, no exponent.
+    // Saturated, not refused, when huge.
     if v.is_empty() || v.len() > 64 || !v.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
     Some(v.parse::<u64>().unwrap_or(u64::MAX).min(MAX_COUNT))
+}
+
+/// A reset as providers send it: a Go duration (OpenAI), plain seconds (Azure-style gateways),
+/// or an RFC 3339 instant (Anthropic). None for anything else.
+fn parse_reset(v: &str, now: SystemTime) -> Option<Duration> {
+    parse_go_duration(v)
+        .or_else(|| parse_seconds(v))
+        .or_else(|| parse_rfc3339_from(v, now))
+}
+
+/// Plain non-negative seconds, `6` or `0.5`: no sign, no exponent, nothing after.
+fn parse_seconds(v: &str) -> Option<Duration> {
+    if v.is_empty()
+        || v.len() > 32
+        || !v.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+        || !v.bytes().any(|b| b.is_ascii_digit())
+    {
+        return None;
+    }
+    let secs: f64 = v.parse().ok()?;
+    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs.min(1e9)))
 }
 
 /// A Go `time.Duration` string as OpenAI sends it: `1s`, `6m0s`, `20ms`, `1h2m3.5s`, `0.5s`.
@@ -183,7 +261,7 @@ fn parse_rfc3339_from(v: &str, now: SystemTime) -> Option<Duration> {
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
-/// How many calls of a model (or of a set of models) may start now.
+/// How many calls of a model (or tasks of a topic) may start now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Capacity {
     /// Nothing known bounds it.
@@ -194,144 +272,145 @@ pub enum Capacity {
     Until(Instant),
 }
 
-/// The freshest requests budget of a model.
-#[derive(Clone, Copy, Debug)]
-struct Bucket {
-    /// When the call that carried the figure was sent: calls started after it are not in it.
-    sent: Instant,
-    /// When the figure held (the send: see [`ModelCapacities::observe`]).
-    at: Instant,
-    remaining: f64,
-    limit: Option<f64>,
-    /// Calls per second regained (0 without a limit or a reset).
-    refill: f64,
-    /// When it is full again.
-    full_at: Option<Instant>,
-}
+/// Topics remembered for admission, at most.
+pub(crate) const MAX_TOPICS: usize = 256;
+/// Models remembered per topic; a topic whose tasks use more is not gated at all.
+pub(crate) const MAX_MODELS_PER_TOPIC: usize = 16;
+/// How long a topic stays attributed to a model after a task of it last named the model.
+pub(crate) const ATTRIBUTION_TTL: Duration = Duration::from_secs(600);
 
-impl Bucket {
-    fn new(sent: Instant, at: Instant, b: &Budget) -> Option<Bucket> {
-        let remaining = b.remaining? as f64;
-        let limit = b.limit.map(|l| (l as f64).max(remaining));
-        let full_at = b.reset.map(|r| at + r);
-        let refill = match (limit, b.reset) {
-            (Some(l), Some(r)) if r > Duration::ZERO && l > remaining => {
-                (l - remaining) / r.as_secs_f64()
-            }
-            _ => 0.0,
-        };
-        Some(Bucket {
-            sent,
-            at,
-            remaining,
-            limit,
-            refill,
-            full_at,
-        })
-    }
-
-    /// Calls the provider allows at `now`, before this worker's own starts are counted;
-    /// `None` once a bucket without a limit has reset (nothing known).
-    fn level(&self, now: Instant) -> Option<f64> {
-        let past = now.saturating_duration_since(self.at);
-        match self.limit {
-            Some(limit) if self.full_at.is_some_and(|f| now >= f) => Some(limit),
-            Some(limit) => Some((self.remaining + self.refill * past.as_secs_f64()).min(limit)),
-            None if self.full_at.is_some_and(|f| now >= f) => None,
-            None => Some(self.remaining),
-        }
-    }
-
-    /// When the level reaches `needed` (not before `now`).
-    fn reaches(&self, needed: f64, now: Instant, max_wait: Duration) -> Instant {
-        if self.refill > 0.0 {
-            let secs = ((needed - self.remaining) / self.refill).max(0.0);
-            let at = self.at + Duration::from_secs_f64(secs.min(max_wait.as_secs_f64()));
-            return at.max(now).min(self.full_at.unwrap_or(at).max(now));
-        }
-        self.full_at.unwrap_or(now + max_wait).max(now)
-    }
-}
-
-/// One model's capacity.
+/// The models the tasks of one topic were seen to use.
 #[derive(Debug, Default)]
-struct ModelState {
-    requests: Option<Bucket>,
-    /// The tokens budget is spent: held until then.
-    tokens_until: Option<Instant>,
-    /// A `Retry-After` or a 429: held until then.
-    held_until: Option<Instant>,
-    /// 429s in a row without a `Retry-After`.
-    throttles: u32,
-    /// A call of this model has ended (answered or not) since it was tracked: until then its
-    /// first call goes alone, so a worker does not open on a provider with a burst of calls
-    /// its limit refuses before the first answer tells it the limit.
-    known: bool,
-    /// Call starts not yet in the freshest figure, oldest first.
-    starts: VecDeque<Instant>,
-    last_used: Option<Instant>,
+struct TopicModels {
+    /// Each model with when a task of the topic last named it.
+    models: Vec<(ModelRef, Instant)>,
+    /// More models than remembered were named: the topic cannot be attributed until then.
+    overflow_until: Option<Instant>,
 }
 
-impl ModelState {
-    fn capacity(&self, now: Instant, policy: &CapacityPolicy) -> Capacity {
-        let held = [self.held_until, self.tokens_until]
-            .into_iter()
-            .flatten()
-            .filter(|u| *u > now)
-            .max();
-        if let Some(until) = held {
-            return Capacity::Until(until);
-        }
-        if !self.known && !self.starts.is_empty() {
-            return Capacity::Until(now + PROBE_POLL);
-        }
-        let Some(bucket) = &self.requests else {
-            return Capacity::Unbounded;
-        };
-        let Some(level) = bucket.level(now) else {
-            return Capacity::Unbounded;
-        };
-        let used = self.starts.iter().filter(|s| **s > bucket.sent).count() as f64;
-        let free = (level - used).floor();
-        if free >= 1.0 {
-            Capacity::Now(free.min(u32::MAX as f64) as u32)
-        } else {
-            Capacity::Until(bucket.reaches(used + 1.0, now, policy.max_wait))
-        }
-    }
-
-    fn prune(&mut self, max_starts: usize) {
-        if let Some(b) = &self.requests {
-            while self.starts.front().is_some_and(|s| *s <= b.sent) {
-                self.starts.pop_front();
-            }
-        }
-        while self.starts.len() > max_starts {
-            self.starts.pop_front();
-        }
-    }
+/// A task claimed whose first call has not joined its model's queue yet.
+#[derive(Debug)]
+struct Claim {
+    topic: String,
+    expires: Instant,
 }
+
+/// The start a call got in the fleet's shared pace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SharedTurn {
+    /// Reserved: start after this wait.
+    In(Duration),
+    /// Nothing reserved: the next start is this far off, later than the call may wait.
+    Beyond(Duration),
+}
+
+/// What the replicas of a fleet share to pace the calls of a model as one queue: in production
+/// the run store ([`crate::store::StoreHandle`], `store::pace`).
+#[async_trait::async_trait]
+pub trait SharedPace: Send + Sync {
+    /// Reserves the next start of a call of `model` (`provider/model`), `spacing` after the
+    /// one reserved before it by any replica, if it comes within `within`.
+    async fn reserve(
+        &self,
+        model: &str,
+        spacing: Duration,
+        within: Duration,
+    ) -> Result<SharedTurn, String>;
+}
+
+/// The longest a reservation in the shared pace may take; slower, the replica paces alone.
+pub(crate) const SHARED_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a replica paces alone after the shared pace failed.
+pub(crate) const SHARED_PAUSE: Duration = Duration::from_secs(10);
+/// The spacing a probe asks of the shared pace when no pace is known yet (a model's first call
+/// in each replica): replicas starting together probe one after another, not in a crowd.
+pub(crate) const SHARED_PROBE_SPACING: Duration = Duration::from_secs(1);
 
 /// Every model's capacity, shared by the tasks of the worker (held by the provider registry).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct ModelCapacities {
     policy: CapacityPolicy,
     state: Mutex<State>,
+    /// Woken whenever a pacer may let another call go (a release, an end, a call giving up).
+    changed: Notify,
+    /// The fleet's shared pace, when the replicas share one (set once, at start-up).
+    shared: OnceLock<Arc<dyn SharedPace>>,
+    /// When the shared pace last failed: left alone for [`SHARED_PAUSE`] after.
+    shared_failed: Mutex<Option<Instant>>,
+}
+
+impl std::fmt::Debug for ModelCapacities {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelCapacities")
+            .field("policy", &self.policy)
+            .field("shared", &self.shared.get().is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug, Default)]
 struct State {
-    models: HashMap<ModelRef, ModelState>,
-    /// Tasks claimed whose first call has not started, each until it expires.
-    claims: VecDeque<Instant>,
+    models: HashMap<ModelRef, Pacer>,
+    next_ticket: u64,
+    /// By requester (the task).
+    claims: HashMap<String, Claim>,
+    topics: HashMap<String, TopicModels>,
+}
+
+/// A call released but waiting for its start in the shared pace; dropped before (its task
+/// dropped) it ends the call in its pacer, so a probe cannot outlive it.
+struct Starting<'a> {
+    capacities: &'a ModelCapacities,
+    model: &'a ModelRef,
+    release: Release,
+    armed: bool,
+}
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.capacities.ended(self.model, &self.release);
+        }
+    }
+}
+
+/// A call waiting in a model's queue; dropped before its turn (its task dropped, its wait
+/// given up) it leaves the queue.
+struct Waiting<'a> {
+    capacities: &'a ModelCapacities,
+    model: &'a ModelRef,
+    ticket: u64,
+    done: bool,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let left = self
+                .capacities
+                .lock()
+                .models
+                .get_mut(self.model)
+                .is_some_and(|p| p.leave(self.ticket));
+            if left {
+                self.capacities.changed.notify_waiters();
+            }
+        }
+    }
 }
 
 impl ModelCapacities {
     pub fn new(policy: CapacityPolicy) -> Self {
         ModelCapacities {
             policy,
-            state: Mutex::new(State::default()),
+            ..ModelCapacities::default()
         }
+    }
+
+    /// Paces every model with the other replicas through `shared` from now on (once; a second
+    /// call is ignored).
+    pub fn share_pace(&self, shared: Arc<dyn SharedPace>) {
+        let _ = self.shared.set(shared);
     }
 
     pub fn policy(&self) -> &CapacityPolicy {
@@ -343,19 +422,21 @@ impl ModelCapacities {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The pacer of `model`, created (and the idle one unused longest forgotten when the table
+    /// is full); `None` when every tracked model is busy and the table is full.
     fn entry<'a>(
         &self,
         state: &'a mut State,
         model: &ModelRef,
         now: Instant,
-    ) -> Option<&'a mut ModelState> {
+    ) -> Option<&'a mut Pacer> {
         if !state.models.contains_key(model) {
             if state.models.len() >= self.policy.max_models {
-                // Forget the model unused longest.
                 let oldest = state
                     .models
                     .iter()
-                    .min_by_key(|(_, s)| s.last_used)
+                    .filter(|(_, p)| p.idle(now))
+                    .min_by_key(|(_, p)| p.last_used)
                     .map(|(m, _)| m.clone());
                 if let Some(m) = oldest {
                     state.models.remove(&m);
@@ -364,188 +445,342 @@ impl ModelCapacities {
             if state.models.len() >= self.policy.max_models {
                 return None;
             }
-            state.models.insert(model.clone(), ModelState::default());
+            state.models.insert(model.clone(), Pacer::new(now));
         }
-        let s = state.models.get_mut(model)?;
-        s.last_used = Some(now);
-        Some(s)
+        let p = state.models.get_mut(model)?;
+        p.last_used = now;
+        Some(p)
     }
 
-    /// How many calls of `model` may start at `now`.
-    pub fn capacity(&self, model: &ModelRef, now: Instant) -> Capacity {
-        self.lock()
-            .models
-            .get(model)
-            .map_or(Capacity::Unbounded, |s| s.capacity(now, &self.policy))
-    }
-
-    /// Takes one call of `model` at `now`, or says when one may start.
-    pub(crate) fn try_start(&self, model: &ModelRef, now: Instant) -> Result<(), Instant> {
-        let mut state = self.lock();
-        let policy = &self.policy;
-        if let Some(s) = self.entry(&mut state, model, now) {
-            if let Capacity::Until(at) = s.capacity(now, policy) {
-                return Err(at);
-            }
-            s.starts.push_back(now);
-            s.prune(policy.max_starts);
-        }
-        // A claimed task's first call: no longer only claimed.
-        state.claims.pop_front();
-        Ok(())
-    }
-
-    /// What an answer of `model` said, for a call sent at `sent` and answered at `now`. A
-    /// figure older than the one held (an earlier send answered later) is not taken.
+    /// What an answer of `model` stated, for a call sent at `sent` and answered at `now`.
     pub fn observe(&self, model: &ModelRef, sent: Instant, now: Instant, limits: &RateLimits) {
         if limits.is_empty() {
             return;
         }
         let mut state = self.lock();
-        let Some(s) = self.entry(&mut state, model, now) else {
-            return;
-        };
-        s.known = true;
-        // The provider counts a request, and states its figure, when the request arrives: the
-        // figure holds as of the send (a provider that answers it later is only seen as
-        // fuller than it was a moment ago, and the starts since are counted either way).
-        if let Some(b) = Bucket::new(sent, sent, &limits.requests)
-            && s.requests.is_none_or(|old| old.sent <= sent)
-        {
-            s.requests = Some(b);
+        if let Some(p) = self.entry(&mut state, model, now) {
+            p.observe(limits, sent, now, &self.policy);
         }
-        if limits.tokens.remaining == Some(0)
-            && let Some(reset) = limits.tokens.reset
-        {
-            let until = now + reset.max(Duration::from_millis(1));
-            s.tokens_until = Some(s.tokens_until.map_or(until, |u| u.max(until)));
-        }
-        if let Some(ra) = limits.retry_after {
-            let until = now + ra;
-            s.held_until = Some(s.held_until.map_or(until, |u| u.max(until)));
-        }
-        s.prune(self.policy.max_starts);
+        drop(state);
+        self.changed.notify_waiters();
     }
 
-    /// `model` answered a call with a 429 at `now`, with `retry_after` if it said: held for
-    /// that long, or (a provider that says nothing) for `throttle_default` doubled per 429 in a
-    /// row. Returns until when.
-    pub fn throttled(
+    /// Waits for the turn of a call of `model` made for `requester`, expected to spend `cost`,
+    /// at most `wait_left` (less what it waited, on return). `ticket`: the call's place from an
+    /// earlier turn (a call retried after a 429 keeps it). Returns the release to give back when
+    /// the call ends, or, when its turn comes only after the wait it has left, when it would.
+    pub(crate) async fn wait_turn(
         &self,
         model: &ModelRef,
+        requester: &str,
+        cost: &CallCost,
+        wait_left: &mut Duration,
+        ticket: Option<u64>,
+    ) -> Result<Release, Instant> {
+        let now = Instant::now();
+        let ticket = {
+            let mut state = self.lock();
+            state.claims.remove(requester);
+            let ticket = ticket.unwrap_or_else(|| {
+                state.next_ticket += 1;
+                state.next_ticket
+            });
+            match self.entry(&mut state, model, now) {
+                Some(p) => p.enqueue(ticket),
+                // Not tracked (the table is full of busy models): nothing bounds it.
+                None => {
+                    return Ok(Release {
+                        at: now,
+                        probe: false,
+                        ticket,
+                        spacing: Duration::ZERO,
+                    });
+                }
+            }
+            ticket
+        };
+        let mut waiting = Waiting {
+            capacities: self,
+            model,
+            ticket,
+            done: false,
+        };
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let now = Instant::now();
+            let turn = self
+                .lock()
+                .models
+                .get_mut(model)
+                .map(|p| p.poll(ticket, cost, now, &self.policy));
+            let (until, why) = match turn {
+                None => {
+                    waiting.done = true;
+                    return Ok(Release {
+                        at: now,
+                        probe: false,
+                        ticket,
+                        spacing: Duration::ZERO,
+                    });
+                }
+                Some(Turn::Go(release)) => {
+                    waiting.done = true;
+                    // The next in line computes its own turn now.
+                    self.changed.notify_waiters();
+                    return self.shared_start(model, release, wait_left).await;
+                }
+                Some(Turn::Wait { until, why }) => (until, why),
+            };
+            // Strictly: a wait longer than what is left is not begun (a probe's answer may come
+            // any moment, so that one is waited for until the budget is spent).
+            let wait = until.saturating_duration_since(now);
+            if wait_left.is_zero() || (why != WaitReason::Probe && wait > *wait_left) {
+                return Err(until);
+            }
+            let deadline = now + wait.min(*wait_left);
+            // Biased: either branch only ends the wait (the turn is computed again), so the
+            // order is for replayable runs, not for the outcome.
+            tokio::select! {
+                biased;
+                _ = &mut notified => {}
+                _ = tokio::time::sleep_until(deadline) => {}
+            }
+            *wait_left = wait_left.saturating_sub(Instant::now().saturating_duration_since(now));
+        }
+    }
+
+    /// The start of a call the pacer released, in the fleet's shared pace when there is one
+    /// (and the model has a pace): reserved and waited for, within `wait_left`.
+    async fn shared_start(
+        &self,
+        model: &ModelRef,
+        mut release: Release,
+        wait_left: &mut Duration,
+    ) -> Result<Release, Instant> {
+        let Some(shared) = self.shared.get() else {
+            return Ok(release);
+        };
+        let since = Instant::now();
+        let paused = self
+            .shared_failed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|at| at + SHARED_PAUSE > since);
+        // A model with no pace is not paced together either, but its probes are.
+        let spacing = match (release.spacing, release.probe) {
+            (s, true) => s.max(SHARED_PROBE_SPACING),
+            (s, false) => s,
+        };
+        if spacing.is_zero() || paused {
+            return Ok(release);
+        }
+        let mut starting = Starting {
+            capacities: self,
+            model,
+            release,
+            armed: true,
+        };
+        let reserved = tokio::time::timeout(
+            SHARED_TIMEOUT.min(*wait_left).max(Duration::from_millis(1)),
+            shared.reserve(&model.to_string(), spacing, *wait_left),
+        )
+        .await;
+        *wait_left = wait_left.saturating_sub(since.elapsed());
+        match reserved {
+            Ok(Ok(SharedTurn::In(wait))) => {
+                let wait = wait.min(*wait_left);
+                tokio::time::sleep(wait).await;
+                *wait_left = wait_left.saturating_sub(wait);
+                starting.armed = false;
+                release.at = Instant::now();
+                Ok(release)
+            }
+            Ok(Ok(SharedTurn::Beyond(wait))) => Err(Instant::now() + wait),
+            failed => {
+                let why = match failed {
+                    Ok(Err(why)) => why,
+                    _ => format!("no answer within {} ms", SHARED_TIMEOUT.as_millis()),
+                };
+                let first = self
+                    .shared_failed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .replace(Instant::now())
+                    .is_none_or(|at| at + SHARED_PAUSE * 2 < Instant::now());
+                if first {
+                    tracing::warn!(model = %model, error = %why, pause_ms = SHARED_PAUSE.as_millis() as u64, "the fleet's shared pace of model calls failed; this replica paces alone meanwhile");
+                } else {
+                    tracing::debug!(model = %model, error = %why, "the fleet's shared pace failed again");
+                }
+                starting.armed = false;
+                Ok(release)
+            }
+        }
+    }
+
+    /// The call of `release` was answered at `now`.
+    pub(crate) fn answered(&self, model: &ModelRef, release: &Release, now: Instant) {
+        if let Some(p) = self.lock().models.get_mut(model) {
+            p.answered(release, now, &self.policy);
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// The call of `release` was refused with `status` (429 or 503) at `now`, asking for
+    /// `retry_after`: the pace drops, and a wait asked for holds the model (at most the model
+    /// wait). Returns when the next call may start.
+    pub(crate) fn throttled(
+        &self,
+        model: &ModelRef,
+        release: &Release,
+        status: u16,
         retry_after: Option<Duration>,
         now: Instant,
     ) -> Instant {
-        let policy = &self.policy;
-        let mut state = self.lock();
-        let Some(s) = self.entry(&mut state, model, now) else {
-            return now;
-        };
-        s.known = true;
-        let wait = match retry_after {
-            Some(d) => {
-                s.throttles = 0;
-                d
-            }
-            None => {
-                s.throttles = s.throttles.saturating_add(1);
-                policy
-                    .throttle_default
-                    .saturating_mul(2u32.saturating_pow((s.throttles - 1).min(20)))
-            }
-        }
-        .min(policy.max_wait);
-        let until = now + wait;
-        let until = s.held_until.map_or(until, |u| u.max(until));
-        s.held_until = Some(until);
+        let until = self.lock().models.get_mut(model).map_or(now, |p| {
+            p.throttled(release, status, retry_after, now, &self.policy)
+        });
+        self.changed.notify_waiters();
         until
     }
 
-    /// A call of `model` ended, `answered` or not: its first call is over (see `known`), and
-    /// an answer ends a run of 429s without `Retry-After`.
-    pub fn ended(&self, model: &ModelRef, answered: bool) {
-        if let Some(s) = self.lock().models.get_mut(model) {
-            s.known = true;
-            if answered {
-                s.throttles = 0;
-            }
+    /// The call of `release` ended otherwise: failed, or dropped before its answer.
+    pub(crate) fn ended(&self, model: &ModelRef, release: &Release) {
+        if let Some(p) = self.lock().models.get_mut(model) {
+            p.ended(release);
         }
+        self.changed.notify_waiters();
     }
 
-    /// Whether `model`'s first call is still out, the others waiting for what it tells.
-    pub fn probing(&self, model: &ModelRef) -> bool {
+    /// How many calls of `model` could start soon (within the admission horizon), beyond those
+    /// waiting already.
+    pub fn capacity(&self, model: &ModelRef, now: Instant) -> Capacity {
         self.lock()
             .models
             .get(model)
-            .is_some_and(|s| !s.known && !s.starts.is_empty())
+            .map_or(Capacity::Unbounded, |p| p.capacity(0, now, &self.policy))
     }
 
-    /// The runner claimed `n` tasks at `now`: they count against the capacity until their first
-    /// call starts (or `claim_ttl` passes), so the next fetch does not claim the same calls.
-    pub fn claimed(&self, n: u32, now: Instant) {
-        let mut state = self.lock();
-        let until = now + self.policy.claim_ttl;
-        for _ in 0..n.min(self.policy.max_starts as u32) {
-            state.claims.push_back(until);
-        }
-        while state.claims.len() > self.policy.max_starts {
-            state.claims.pop_front();
-        }
+    /// Whether `model`'s probe call is out, the others waiting for what it tells.
+    pub fn probing(&self, model: &ModelRef) -> bool {
+        let now = Instant::now();
+        self.lock()
+            .models
+            .get(model)
+            .is_some_and(|p| p.probing(now, &self.policy))
     }
 
-    /// How many tasks whose calls go to `models` may be claimed at `now`: the sum of what each
-    /// may start, less the tasks claimed that have not called yet. `Unbounded` when a model's
-    /// capacity is not known (a task may use any of them).
-    pub fn admission(&self, models: &[ModelRef], now: Instant) -> Capacity {
+    /// A task of `topic` runs a definition naming `models`: the topic's fetches are gated by
+    /// them (and by every other model its tasks named lately).
+    pub fn attribute(&self, topic: &str, models: &[ModelRef], now: Instant) {
         let mut state = self.lock();
-        while state.claims.front().is_some_and(|until| *until <= now) {
-            state.claims.pop_front();
+        if !state.topics.contains_key(topic) && state.topics.len() >= MAX_TOPICS {
+            return;
         }
-        let pending = state.claims.len() as u64;
-        let mut free = 0u64;
-        let mut next: Option<Instant> = state.claims.front().copied();
+        let entry = state.topics.entry(topic.to_string()).or_default();
+        entry
+            .models
+            .retain(|(_, seen)| *seen + ATTRIBUTION_TTL > now);
         for m in models {
-            let capacity = state
-                .models
-                .get(m)
-                .map_or(Capacity::Unbounded, |s| s.capacity(now, &self.policy));
-            match capacity {
+            if let Some((_, seen)) = entry.models.iter_mut().find(|(known, _)| known == m) {
+                *seen = now;
+            } else if entry.models.len() < MAX_MODELS_PER_TOPIC {
+                entry.models.push((m.clone(), now));
+            } else {
+                entry.overflow_until = Some(now + ATTRIBUTION_TTL);
+            }
+        }
+    }
+
+    /// The models a task of `topic` may use, if they are known: none known, or more than
+    /// remembered, and the topic cannot be gated.
+    fn topic_models(state: &State, topic: &str, now: Instant) -> Option<Vec<ModelRef>> {
+        let entry = state.topics.get(topic)?;
+        if entry.overflow_until.is_some_and(|u| u > now) {
+            return None;
+        }
+        let models: Vec<ModelRef> = entry
+            .models
+            .iter()
+            .filter(|(_, seen)| *seen + ATTRIBUTION_TTL > now)
+            .map(|(m, _)| m.clone())
+            .collect();
+        (!models.is_empty()).then_some(models)
+    }
+
+    /// The runner claimed tasks (requester, topic) at `now`: each counts against its topic's
+    /// models until its first call joins a queue (or `claim_ttl` passes), so the next fetch
+    /// does not claim the same calls.
+    pub fn claimed<'a>(&self, tasks: impl IntoIterator<Item = (&'a str, &'a str)>, now: Instant) {
+        let mut state = self.lock();
+        let expires = now + self.policy.claim_ttl;
+        state.claims.retain(|_, c| c.expires > now);
+        for (requester, topic) in tasks {
+            if state.claims.len() >= self.policy.max_starts {
+                break;
+            }
+            state.claims.insert(
+                requester.to_string(),
+                Claim {
+                    topic: topic.to_string(),
+                    expires,
+                },
+            );
+        }
+    }
+
+    /// How many tasks of `topic` may be claimed at `now`: the sum of what its models can start
+    /// soon, less the tasks claimed for them that have not called yet. `Unbounded` when the
+    /// topic's models are not known, or one of them is not bounded.
+    pub fn admission(&self, topic: &str, now: Instant) -> Capacity {
+        let mut state = self.lock();
+        state.claims.retain(|_, c| c.expires > now);
+        let Some(models) = Self::topic_models(&state, topic, now) else {
+            return Capacity::Unbounded;
+        };
+        let mut free = 0u64;
+        let mut next: Option<Instant> = None;
+        for m in &models {
+            let Some(pacer) = state.models.get(m) else {
+                return Capacity::Unbounded;
+            };
+            // Claims of every topic whose tasks may call this model.
+            let pending = state
+                .claims
+                .values()
+                .filter(|c| {
+                    c.topic == topic
+                        || Self::topic_models(&state, &c.topic, now)
+                            .is_some_and(|ms| ms.contains(m))
+                })
+                .count() as u32;
+            match pacer.capacity(pending, now, &self.policy) {
                 Capacity::Unbounded => return Capacity::Unbounded,
-                Capacity::Now(n) => {
-                    free += u64::from(n);
-                    // One more call of this model needs its next refill.
-                    if let Some(s) = state.models.get(m)
-                        && let Some(b) = &s.requests
-                    {
-                        let used = s.starts.iter().filter(|t| **t > b.sent).count() as f64;
-                        let at = b.reaches(used + f64::from(n) + 1.0, now, self.policy.max_wait);
-                        next = Some(next.map_or(at, |x| x.min(at)));
-                    }
-                }
+                Capacity::Now(n) => free += u64::from(n),
                 Capacity::Until(at) => next = Some(next.map_or(at, |x| x.min(at))),
             }
         }
-        if models.is_empty() {
-            return Capacity::Unbounded;
-        }
-        match free.saturating_sub(pending) {
-            0 => Capacity::Until(next.unwrap_or(now + self.policy.claim_ttl).max(now)),
+        match free {
+            0 => Capacity::Until(
+                next.unwrap_or(now + self.policy.claim_ttl)
+                    .max(now + Duration::from_millis(1)),
+            ),
             n => Capacity::Now(n.min(u64::from(u32::MAX)) as u32),
         }
     }
 
-    /// The models tracked, with what each may start at `now` (the capacity gauge).
-    pub fn snapshot(&self, now: Instant) -> Vec<(ModelRef, Capacity)> {
-        self.lock()
+    /// The models held at `now`, and why (`/readyz`, `abada_agent_models_held`).
+    pub fn held(&self, now: Instant) -> Vec<(ModelRef, Held)> {
+        let mut held: Vec<(ModelRef, Held)> = self
+            .lock()
             .models
             .iter()
-            .map(|(m, s)| (m.clone(), s.capacity(now, &self.policy)))
-            .collect()
-    }
-
-    /// The models tracked: every model called lately.
-    pub(crate) fn tracked_models(&self) -> Vec<ModelRef> {
-        self.lock().models.keys().cloned().collect()
+            .filter_map(|(m, p)| p.held(now, &self.policy).map(|h| (m.clone(), h)))
+            .collect();
+        held.sort_by_key(|a| a.0.to_string());
+        held
     }
 
     /// How many models are tracked (tests).
@@ -557,7 +792,7 @@ impl ModelCapacities {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reqwest::header::HeaderValue;
+    use reqwest::header::{HeaderName, HeaderValue};
 
     fn model(name: &str) -> ModelRef {
         ModelRef::parse(&format!("p/{name}")).unwrap()
@@ -567,15 +802,22 @@ mod tests {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
             h.insert(
-                reqwest::header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
                 HeaderValue::from_str(v).unwrap(),
             );
         }
         h
     }
 
-    const MAX: Duration = Duration::from_secs(600);
-    const MS: fn(u64) -> Duration = Duration::from_millis;
+    const MAX: Duration = Duration::from_secs(60);
+    const COST: CallCost = CallCost {
+        input_tokens: 10,
+        output_tokens: 10,
+    };
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
 
     fn epoch() -> SystemTime {
         SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000)
@@ -591,7 +833,7 @@ mod tests {
             ("x-ratelimit-remaining-tokens", "149984"),
             ("x-ratelimit-reset-tokens", "6m0s"),
         ]);
-        let l = RateLimits::parse(&h, epoch(), MAX);
+        let l = RateLimits::parse(&h, epoch(), Duration::from_secs(600));
         assert_eq!(
             l.requests,
             Budget {
@@ -602,9 +844,9 @@ mod tests {
         );
         assert_eq!(l.tokens.reset, Some(Duration::from_secs(360)));
         for (text, d) in [
-            ("20ms", MS(20)),
-            ("1h2m3.5s", Duration::from_millis(3_723_500)),
-            ("0.5s", MS(500)),
+            ("20ms", ms(20)),
+            ("1h2m3.5s", ms(3_723_500)),
+            ("0.5s", ms(500)),
             ("7m12s", Duration::from_secs(432)),
             ("0s", Duration::ZERO),
             ("1500us", Duration::from_micros(1500)),
@@ -614,7 +856,7 @@ mod tests {
     }
 
     #[test]
-    fn anthropic_headers_are_read_with_rfc3339_resets() {
+    fn anthropic_headers_are_read_with_rfc3339_resets_for_each_budget() {
         let reset = chrono::DateTime::<chrono::Utc>::from(epoch() + Duration::from_secs(3))
             .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
         let h = headers(&[
@@ -623,6 +865,12 @@ mod tests {
             ("anthropic-ratelimit-requests-reset", &reset),
             ("anthropic-ratelimit-tokens-remaining", "0"),
             ("anthropic-ratelimit-tokens-reset", "2000-01-01T00:00:00Z"),
+            ("anthropic-ratelimit-input-tokens-limit", "40000"),
+            ("anthropic-ratelimit-input-tokens-remaining", "39000"),
+            ("anthropic-ratelimit-input-tokens-reset", &reset),
+            ("anthropic-ratelimit-output-tokens-limit", "8000"),
+            ("anthropic-ratelimit-output-tokens-remaining", "7900"),
+            ("anthropic-ratelimit-output-tokens-reset", &reset),
             ("retry-after", "4"),
         ]);
         let l = RateLimits::parse(&h, epoch(), MAX);
@@ -635,10 +883,14 @@ mod tests {
             }
         );
         assert_eq!(l.tokens.reset, Some(Duration::ZERO), "a past reset is now");
-        assert_eq!(l.retry_after, Some(Duration::from_secs(4)));
+        assert_eq!(l.input_tokens.remaining, Some(39_000));
+        assert_eq!(l.output_tokens.limit, Some(8_000));
+        assert_eq!(l.output_tokens.reset, Some(Duration::from_secs(3)));
     }
 
-    /// Issue 25: the headers are outside input; no value panics or is believed past its bounds.
+    /// The headers are outside input: no value panics or is believed past its bounds; a
+    /// reset in plain seconds is read as Azure-style gateways mean it; Azure's `-1` is no
+    /// count.
     #[test]
     fn hostile_header_values_are_ignored_or_bounded_without_panic() {
         let hostile = [
@@ -663,6 +915,9 @@ mod tests {
             "2024-13-45T99:99:99Z",
             "9999-12-31T23:59:59Z",
             "Tue, 01 Dec 2026 19:00:00 GMT",
+            "6",
+            "0",
+            ".",
         ];
         let names = [
             "x-ratelimit-limit-requests",
@@ -672,52 +927,41 @@ mod tests {
             "x-ratelimit-reset-tokens",
             "anthropic-ratelimit-requests-remaining",
             "anthropic-ratelimit-requests-reset",
-            "retry-after",
-            "retry-after-ms",
+            "anthropic-ratelimit-output-tokens-reset",
         ];
-        let now = Instant::now();
-        let c = ModelCapacities::new(CapacityPolicy::default());
-        let m = model("a");
         for v in hostile {
             for n in names {
                 let Ok(value) = HeaderValue::from_str(v) else {
                     continue;
                 };
                 let mut h = HeaderMap::new();
-                h.insert(
-                    reqwest::header::HeaderName::from_bytes(n.as_bytes()).unwrap(),
-                    value,
-                );
+                h.insert(HeaderName::from_bytes(n.as_bytes()).unwrap(), value);
                 let l = RateLimits::parse(&h, epoch(), MAX);
-                for d in [l.requests.reset, l.tokens.reset, l.retry_after]
-                    .into_iter()
-                    .flatten()
-                {
-                    assert!(d <= MAX, "{n}: {v} -> {d:?}");
-                }
-                for x in [l.requests.limit, l.requests.remaining, l.tokens.remaining]
-                    .into_iter()
-                    .flatten()
-                {
-                    assert!(x <= MAX_COUNT, "{n}: {v} -> {x}");
-                }
-                c.observe(&m, now, now, &l);
-                if let Capacity::Until(at) = c.capacity(&m, now) {
-                    assert!(at <= now + MAX, "{n}: {v}");
+                for b in [l.requests, l.tokens, l.input_tokens, l.output_tokens] {
+                    assert!(b.reset.is_none_or(|d| d <= MAX), "{n}: {v}");
+                    for x in [b.limit, b.remaining].into_iter().flatten() {
+                        assert!(x <= MAX_COUNT, "{n}: {v} -> {x}");
+                    }
                 }
             }
         }
-        // Huge counts saturate; signs and garbage are no counts.
         assert_eq!(parse_count("99999999999999999999999"), Some(MAX_COUNT));
-        assert_eq!(parse_count("-1"), None);
+        assert_eq!(parse_count("-1"), None, "Azure's -1 is no count");
         assert_eq!(parse_count("1.5"), None);
         assert_eq!(parse_go_duration("-5s"), None);
-        assert_eq!(parse_go_duration("5"), None);
+        assert_eq!(
+            parse_reset("6", epoch()),
+            Some(Duration::from_secs(6)),
+            "Azure seconds"
+        );
+        assert_eq!(parse_reset("0.25", epoch()), Some(ms(250)));
+        for bad in ["NaN", "inf", "-6", "1e3", ".", "6 s"] {
+            assert_eq!(parse_reset(bad, epoch()), None, "{bad}");
+        }
         assert_eq!(
             parse_go_duration("999999999999999999999h"),
             Some(Duration::from_secs_f64(1e9))
         );
-        // Bytes that are no UTF-8 are no value.
         let mut h = HeaderMap::new();
         h.insert(
             "x-ratelimit-remaining-requests",
@@ -726,189 +970,245 @@ mod tests {
         assert!(RateLimits::parse(&h, epoch(), MAX).is_empty());
     }
 
-    fn limits(limit: u64, remaining: u64, reset: Duration) -> RateLimits {
-        RateLimits {
-            requests: Budget {
-                limit: Some(limit),
-                remaining: Some(remaining),
-                reset: Some(reset),
+    /// Takes a turn with the whole model wait, as a call does.
+    async fn turn(c: &ModelCapacities, m: &ModelRef, who: &str) -> Result<Release, Instant> {
+        let mut left = c.policy().max_wait;
+        c.wait_turn(m, who, &COST, &mut left, None).await
+    }
+
+    /// Each hostile figure, stated on a 200 (Azure's `-1` with a reset of `0`, unitless,
+    /// huge, negative, NaN, absent, a limit of 0, `retry-after` on a 200): the next call of the
+    /// model starts within the model wait, and one after it too; nothing holds it for ever.
+    #[tokio::test(start_paused = true)]
+    async fn each_hostile_figure_on_a_200_ends_within_the_model_wait() {
+        let cases: &[&[(&str, &str)]] = &[
+            &[
+                ("x-ratelimit-remaining-requests", "0"),
+                ("x-ratelimit-reset-requests", "6"),
+            ],
+            &[
+                ("x-ratelimit-remaining-requests", "0"),
+                ("x-ratelimit-reset-requests", "NaN"),
+            ],
+            &[
+                ("x-ratelimit-remaining-requests", "0"),
+                ("x-ratelimit-reset-requests", "-3s"),
+            ],
+            &[
+                ("x-ratelimit-remaining-requests", "0"),
+                ("x-ratelimit-reset-requests", "99999999h"),
+            ],
+            &[("x-ratelimit-remaining-requests", "0")],
+            &[
+                ("x-ratelimit-limit-requests", "-1"),
+                ("x-ratelimit-remaining-requests", "-1"),
+                ("x-ratelimit-reset-requests", "0"),
+            ],
+            &[
+                ("x-ratelimit-limit-requests", "0"),
+                ("x-ratelimit-remaining-requests", "0"),
+                ("x-ratelimit-reset-requests", "1s"),
+            ],
+            &[
+                ("x-ratelimit-remaining-tokens", "0"),
+                ("x-ratelimit-reset-tokens", "6m0s"),
+            ],
+            &[
+                ("anthropic-ratelimit-requests-remaining", "0"),
+                ("anthropic-ratelimit-requests-reset", "9999-12-31T23:59:59Z"),
+            ],
+            &[
+                ("anthropic-ratelimit-output-tokens-limit", "0"),
+                ("anthropic-ratelimit-output-tokens-remaining", "0"),
+            ],
+            &[("retry-after", "86400"), ("retry-after-ms", "86400000")],
+        ];
+        let max_wait = Duration::from_secs(10);
+        for case in cases {
+            let c = ModelCapacities::new(CapacityPolicy::with_max_wait(max_wait));
+            let m = model("a");
+            let first = turn(&c, &m, "t0").await.expect("the first call goes");
+            let now = Instant::now();
+            let limits = RateLimits::parse(&headers(case), SystemTime::now(), max_wait);
+            c.observe(&m, first.at, now, &limits);
+            c.answered(&m, &first, now);
+            let start = Instant::now();
+            for who in ["t1", "t2"] {
+                let r = turn(&c, &m, who).await.unwrap_or_else(|until| {
+                    panic!("{case:?}: held until {:?} from now", until - Instant::now())
+                });
+                c.answered(&m, &r, Instant::now());
+            }
+            assert!(
+                start.elapsed() <= max_wait * 2,
+                "{case:?}: two calls took {:?}",
+                start.elapsed()
+            );
+            assert!(
+                !matches!(c.capacity(&m, Instant::now() + max_wait), Capacity::Until(at) if at > Instant::now() + max_wait * 2),
+                "{case:?}"
+            );
+        }
+    }
+
+    /// Waits compare strictly and end when the budget is spent: a turn that comes later than
+    /// the wait left is not waited for at all, one that comes within it is.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_longer_than_the_budget_is_not_begun() {
+        let c = ModelCapacities::new(CapacityPolicy::default());
+        let m = model("a");
+        let first = turn(&c, &m, "t0").await.unwrap();
+        let now = Instant::now();
+        c.throttled(&m, &first, 429, Some(Duration::from_secs(5)), now);
+        let mut left = Duration::from_secs(4);
+        let start = Instant::now();
+        let err = c.wait_turn(&m, "t1", &COST, &mut left, None).await;
+        assert_eq!(err, Err(now + Duration::from_secs(5)));
+        assert_eq!(start.elapsed(), Duration::ZERO, "nothing waited");
+        assert_eq!(left, Duration::from_secs(4));
+        let mut left = Duration::from_secs(5);
+        let r = c.wait_turn(&m, "t1", &COST, &mut left, None).await.unwrap();
+        assert!(r.probe, "the first call after a hold goes alone");
+        assert_eq!(left, Duration::ZERO);
+        // A probe out: the next waits for its answer while its budget lasts, then gives up.
+        let mut left = ms(300);
+        let start = Instant::now();
+        assert!(c.wait_turn(&m, "t2", &COST, &mut left, None).await.is_err());
+        assert_eq!(start.elapsed(), ms(300));
+        assert_eq!(left, Duration::ZERO);
+    }
+
+    /// Calls waiting in one model's queue go one at a time, in the order they came, at the
+    /// stated pace; a call dropped while waiting leaves the queue.
+    #[tokio::test(start_paused = true)]
+    async fn waiting_calls_go_one_at_a_time_in_arrival_order() {
+        let c = std::sync::Arc::new(ModelCapacities::new(CapacityPolicy::default()));
+        let m = model("a");
+        let first = turn(&c, &m, "t0").await.unwrap();
+        let t0 = Instant::now();
+        c.observe(
+            &m,
+            t0,
+            t0,
+            &RateLimits {
+                requests: Budget {
+                    limit: Some(120),
+                    remaining: Some(119),
+                    reset: Some(ms(500)),
+                },
+                ..RateLimits::default()
             },
-            ..RateLimits::default()
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_model_without_figures_is_unbounded() {
-        let c = ModelCapacities::new(CapacityPolicy::default());
-        let m = model("a");
-        assert_eq!(c.capacity(&m, Instant::now()), Capacity::Unbounded);
-        // Its first call goes alone: the others wait for what its answer tells.
-        assert_eq!(c.try_start(&m, Instant::now()), Ok(()));
-        assert!(c.probing(&m));
-        assert_eq!(
-            c.try_start(&m, Instant::now()),
-            Err(Instant::now() + PROBE_POLL)
         );
-        // An answer that states nothing: no bound.
-        c.ended(&m, true);
-        assert!(!c.probing(&m));
-        for _ in 0..100 {
-            assert_eq!(c.try_start(&m, Instant::now()), Ok(()));
+        let order = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let mut joins = Vec::new();
+        for i in 0..6u32 {
+            let (c, m, order) = (c.clone(), m.clone(), order.clone());
+            joins.push(tokio::spawn(async move {
+                let r = turn(&c, &m, &format!("t{i}")).await.unwrap();
+                order.lock().unwrap().push((i, r.at));
+                c.answered(&m, &r, Instant::now());
+            }));
+            // They join the queue in this order.
+            tokio::task::yield_now().await;
         }
-        c.observe(&m, Instant::now(), Instant::now(), &RateLimits::default());
-        assert_eq!(c.capacity(&m, Instant::now()), Capacity::Unbounded);
+        // One more joins and is dropped while waiting.
+        let dropped = {
+            let (c, m) = (c.clone(), m.clone());
+            tokio::spawn(async move { turn(&c, &m, "gone").await })
+        };
+        tokio::task::yield_now().await;
+        dropped.abort();
+        c.answered(&m, &first, t0);
+        for j in joins {
+            j.await.unwrap();
+        }
+        let order = order.lock().unwrap().clone();
+        assert_eq!(
+            order.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            vec![0, 1, 2, 3, 4, 5]
+        );
+        let inc = Duration::from_secs_f64(0.5 / c.policy().margin);
+        for w in order.windows(2) {
+            assert!(w[1].1 - w[0].1 >= inc - ms(1), "{:?}", w[1].1 - w[0].1);
+        }
+        assert!(
+            c.lock().models[&m].idle(Instant::now()),
+            "nobody left in the queue"
+        );
     }
 
+    /// Admission gates a topic only by the models its tasks use: a model held stops its own
+    /// topic, not another topic's, nor a topic whose models are not known.
     #[tokio::test(start_paused = true)]
-    async fn calls_started_after_the_figure_count_against_it_and_the_bucket_refills() {
+    async fn admission_gates_only_the_topics_of_a_held_model() {
         let c = ModelCapacities::new(CapacityPolicy::default());
-        let m = model("a");
-        let t0 = Instant::now();
-        // 2 per second: 1 left, full again in 500 ms (one call regained every 500 ms).
-        c.observe(&m, t0, t0, &limits(2, 1, MS(500)));
-        assert_eq!(c.capacity(&m, t0), Capacity::Now(1));
-        tokio::time::advance(MS(1)).await;
-        let t1 = Instant::now();
-        assert_eq!(c.try_start(&m, t1), Ok(()));
-        // Spent: the next call may start once one call is regained, at 500 ms.
-        assert_eq!(c.capacity(&m, t1), Capacity::Until(t0 + MS(500)));
-        assert_eq!(c.try_start(&m, t1), Err(t0 + MS(500)));
-        assert_eq!(c.capacity(&m, t0 + MS(500)), Capacity::Now(1));
-        // A figure from a call sent before t1 does not count the t1 call yet: still counted.
-        c.observe(&m, t0, t0 + MS(2), &limits(2, 1, MS(500)));
-        assert!(matches!(c.capacity(&m, t1 + MS(1)), Capacity::Until(_)));
-        // The answer to the t1 call: 0 left as of its send, and the t1 start is in it now.
-        c.observe(&m, t1, t1 + MS(10), &limits(2, 0, MS(1000)));
-        assert_eq!(c.capacity(&m, t1 + MS(10)), Capacity::Until(t1 + MS(500)));
-        assert_eq!(c.capacity(&m, t1 + MS(1000)), Capacity::Now(2));
+        let (a, b) = (model("a"), model("b"));
+        let now = Instant::now();
+        c.attribute("refunds", std::slice::from_ref(&a), now);
+        c.attribute("triage", std::slice::from_ref(&b), now);
+        let r = turn(&c, &a, "t0").await.unwrap();
+        let until = c.throttled(&a, &r, 429, Some(Duration::from_secs(30)), now);
+        assert_eq!(c.admission("refunds", now), Capacity::Until(until));
+        assert_eq!(
+            c.admission("triage", now),
+            Capacity::Unbounded,
+            "b never called"
+        );
+        assert_eq!(c.admission("unknown", now), Capacity::Unbounded);
+        let held = c.held(now);
+        assert_eq!(held.len(), 1);
+        assert_eq!(held[0].0, a);
+        assert_eq!(held[0].1.reason, HoldReason::RateLimited);
+        assert_eq!(held[0].1.until, until);
+        // A topic whose tasks also use b is not gated by a alone.
+        c.attribute("refunds", std::slice::from_ref(&b), now);
+        assert_eq!(c.admission("refunds", now), Capacity::Unbounded);
+        // Attributions fade.
+        let later = now + ATTRIBUTION_TTL + Duration::from_secs(1);
+        assert_eq!(c.admission("refunds", later), Capacity::Unbounded);
     }
 
+    /// Tasks claimed count against their topic's models until their first call joins a queue.
     #[tokio::test(start_paused = true)]
-    async fn without_a_limit_the_figure_holds_until_its_reset() {
+    async fn claims_count_until_the_first_call_joins_the_queue() {
         let c = ModelCapacities::new(CapacityPolicy::default());
-        let m = model("a");
-        let t0 = Instant::now();
-        let l = RateLimits {
+        let a = model("a");
+        let now = Instant::now();
+        c.attribute("t", std::slice::from_ref(&a), now);
+        let first = turn(&c, &a, "t0").await.unwrap();
+        let stated = RateLimits {
             requests: Budget {
-                limit: None,
-                remaining: Some(0),
-                reset: Some(Duration::from_secs(2)),
+                limit: Some(600),
+                remaining: Some(599),
+                reset: Some(ms(100)),
             },
             ..RateLimits::default()
         };
-        c.observe(&m, t0, t0, &l);
-        assert_eq!(
-            c.capacity(&m, t0 + MS(1999)),
-            Capacity::Until(t0 + Duration::from_secs(2))
-        );
-        assert_eq!(
-            c.capacity(&m, t0 + Duration::from_secs(2)),
-            Capacity::Unbounded
-        );
-    }
-
-    /// Issue 25: a provider that sends nothing is throttled by the 429s it answers.
-    #[tokio::test(start_paused = true)]
-    async fn a_provider_that_sends_nothing_is_throttled_by_its_429s() {
-        let c = ModelCapacities::new(CapacityPolicy::default());
-        let m = model("quiet");
-        let t0 = Instant::now();
-        assert_eq!(c.try_start(&m, t0), Ok(()));
-        assert_eq!(c.throttled(&m, None, t0), t0 + Duration::from_secs(1));
-        assert_eq!(
-            c.try_start(&m, t0 + MS(999)),
-            Err(t0 + Duration::from_secs(1))
-        );
-        assert_eq!(
-            c.admission(std::slice::from_ref(&m), t0 + MS(10)),
-            Capacity::Until(t0 + Duration::from_secs(1))
-        );
-        // Another 429 in a row: twice as long; an answer ends the run.
-        let t1 = t0 + Duration::from_secs(1);
-        assert_eq!(c.try_start(&m, t1), Ok(()));
-        assert_eq!(c.throttled(&m, None, t1), t1 + Duration::from_secs(2));
-        c.ended(&m, true);
-        let t2 = t1 + Duration::from_secs(2);
-        assert_eq!(c.throttled(&m, None, t2), t2 + Duration::from_secs(1));
-        // A Retry-After is taken as said, bounded.
-        let t3 = t2 + Duration::from_secs(5);
-        assert_eq!(c.throttled(&m, Some(MS(250)), t3), t3 + MS(250));
-        assert_eq!(
-            c.throttled(&m, Some(Duration::from_secs(1 << 40)), t3),
-            t3 + MAX
-        );
-    }
-
-    /// Issue 25: admission never claims more than the models can start, counting the tasks
-    /// claimed that have not called yet.
-    #[tokio::test(start_paused = true)]
-    async fn admission_never_exceeds_capacity_and_counts_claims_not_yet_started() {
-        let c = ModelCapacities::new(CapacityPolicy::default());
-        let (a, b) = (model("a"), model("b"));
-        let both = [a.clone(), b.clone()];
-        let t0 = Instant::now();
-        let sent = t0 - MS(1);
-        assert_eq!(c.admission(&both, t0), Capacity::Unbounded);
-        c.observe(&a, sent, t0, &limits(10, 3, Duration::from_secs(7)));
-        assert_eq!(c.admission(&both, t0), Capacity::Unbounded, "b unknown");
-        c.observe(&b, sent, t0, &limits(10, 2, Duration::from_secs(8)));
-        assert_eq!(c.admission(&both, t0), Capacity::Now(5));
-        c.claimed(4, t0);
-        assert_eq!(c.admission(&both, t0), Capacity::Now(1));
-        c.claimed(1, t0);
-        // Full: the next is when one more call is regained (a: 1 per second).
-        assert_eq!(
-            c.admission(&both, t0),
-            Capacity::Until(sent + Duration::from_secs(1))
-        );
-        // The claimed tasks start their calls: the claims turn into starts, no double count.
-        for _ in 0..3 {
-            assert_eq!(c.try_start(&a, t0), Ok(()));
-        }
-        for _ in 0..2 {
-            assert_eq!(c.try_start(&b, t0), Ok(()));
-        }
-        assert!(matches!(c.admission(&both, t0), Capacity::Until(_)));
-        assert!(c.try_start(&a, t0).is_err());
-        // A claim that never calls stops counting after its TTL.
-        let t1 = t0 + Duration::from_secs(1);
-        assert_eq!(c.admission(&both, t1), Capacity::Now(2));
-        c.claimed(2, t1);
-        assert!(matches!(c.admission(&both, t1), Capacity::Until(_)));
-        let t2 = t1 + Duration::from_secs(5);
-        assert!(matches!(c.admission(&both, t2), Capacity::Now(n) if n >= 1));
-        // Driven like the runner does, admission never lets more calls start than allowed:
-        // 3 + 2 at once, then one per second of each.
-        let c = ModelCapacities::new(CapacityPolicy::default());
-        let t0 = Instant::now();
-        let sent = t0 - MS(1);
-        c.observe(&a, sent, t0, &limits(10, 3, Duration::from_secs(7)));
-        c.observe(&b, sent, t0, &limits(10, 2, Duration::from_secs(8)));
-        let mut started = 0u32;
-        let mut now = t0;
-        while now < sent + Duration::from_secs(5) {
-            match c.admission(&both, now) {
-                Capacity::Now(n) => {
-                    c.claimed(n, now);
-                    for _ in 0..n {
-                        let ok = c.try_start(&a, now).or_else(|_| c.try_start(&b, now));
-                        assert!(ok.is_ok(), "admitted a task that cannot start at {now:?}");
-                        started += 1;
-                    }
-                }
-                Capacity::Until(at) => {
-                    assert!(at > now);
-                    now = at;
-                }
-                Capacity::Unbounded => panic!("known models"),
-            }
-        }
-        // a: 3, then 4 regained before 5 s (at 1, 2, 3, 4 s); b: 2, then 4 the same.
-        assert_eq!(
-            started,
-            3 + 4 + 2 + 4,
-            "every regained call used, none more"
-        );
+        c.observe(&a, first.at, now, &stated);
+        c.answered(&a, &first, now);
+        // 10 a second (with the margin, a little less): about 10 within the horizon.
+        let Capacity::Now(n) = c.admission("t", now) else {
+            panic!("{:?}", c.admission("t", now));
+        };
+        assert!((9..=11).contains(&n), "{n}");
+        let ids: Vec<String> = (0..n).map(|i| format!("k{i}")).collect();
+        c.claimed(ids.iter().map(|id| (id.as_str(), "t")), now);
+        assert!(matches!(c.admission("t", now), Capacity::Until(_)));
+        // Their calls join the queue: claims become waiters, no double count.
+        let c = std::sync::Arc::new(c);
+        let waiting = {
+            let (c, a) = (c.clone(), a.clone());
+            tokio::spawn(async move { turn(&c, &a, "k1").await })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(c.lock().claims.len() as u32, n - 1);
+        assert!(matches!(c.admission("t", now), Capacity::Until(_)));
+        waiting.abort();
+        // Claims that never call stop counting.
+        assert!(matches!(
+            c.admission("t", now + c.policy().claim_ttl + Duration::from_secs(1)),
+            Capacity::Now(_)
+        ));
     }
 
     #[tokio::test(start_paused = true)]
@@ -922,15 +1222,110 @@ mod tests {
         let now = Instant::now();
         for i in 0..100 {
             let m = model(&format!("m{i}"));
-            c.observe(&m, now, now, &limits(10, 5, Duration::from_secs(1)));
-            for _ in 0..50 {
-                let _ = c.try_start(&m, now);
-            }
-            c.claimed(1000, now);
+            let r = turn(&c, &m, "t").await.unwrap();
+            c.answered(&m, &r, now);
+            c.claimed((0..50).map(|_| ("x", "topic")), now);
+            let ids: Vec<String> = (0..50).map(|k| format!("{i}-{k}")).collect();
+            c.claimed(ids.iter().map(|id| (id.as_str(), "topic")), now);
+            let many: Vec<ModelRef> = (0..40).map(|k| model(&format!("x{k}"))).collect();
+            c.attribute(&format!("topic{i}"), &many, now);
         }
         assert_eq!(c.tracked(), 4);
         let state = c.lock();
-        assert!(state.models.values().all(|s| s.starts.len() <= 8));
         assert!(state.claims.len() <= 8);
+        assert!(state.topics.len() <= MAX_TOPICS);
+        assert!(
+            state
+                .topics
+                .values()
+                .all(|t| t.models.len() <= MAX_MODELS_PER_TOPIC)
+        );
+        drop(state);
+        assert_eq!(
+            c.admission("topic3", now),
+            Capacity::Unbounded,
+            "too many models"
+        );
+    }
+
+    /// A fleet's shared pace stand-in: answers from a script, records what it was asked.
+    struct Script {
+        answers: Mutex<Vec<Result<SharedTurn, String>>>,
+        asked: Mutex<Vec<(String, Duration, Duration)>>,
+    }
+
+    #[async_trait::async_trait]
+    impl SharedPace for Script {
+        async fn reserve(
+            &self,
+            model: &str,
+            spacing: Duration,
+            within: Duration,
+        ) -> Result<SharedTurn, String> {
+            self.asked
+                .lock()
+                .unwrap()
+                .push((model.to_string(), spacing, within));
+            let mut answers = self.answers.lock().unwrap();
+            if answers.is_empty() {
+                Ok(SharedTurn::In(Duration::ZERO))
+            } else {
+                answers.remove(0)
+            }
+        }
+    }
+
+    /// With a shared pace, a released call reserves its start there and waits for it; a start
+    /// beyond its wait is not waited for (and its probe does not hold the model); a shared pace
+    /// that fails is left alone for a while, the replica pacing alone meanwhile.
+    #[tokio::test(start_paused = true)]
+    async fn a_shared_pace_spaces_the_calls_with_the_other_replicas() {
+        let c = ModelCapacities::new(CapacityPolicy::default());
+        let script = Arc::new(Script {
+            answers: Mutex::new(vec![
+                Ok(SharedTurn::In(ms(700))),
+                Ok(SharedTurn::Beyond(Duration::from_secs(90))),
+                Err("the store is down".into()),
+            ]),
+            asked: Mutex::new(Vec::new()),
+        });
+        c.share_pace(script.clone());
+        let m = model("a");
+        // The first call (a probe, no pace known) asks the fleet for a probe's spacing.
+        let start = Instant::now();
+        let first = turn(&c, &m, "t0").await.unwrap();
+        assert_eq!(start.elapsed(), ms(700), "waited for the reserved start");
+        assert_eq!(first.at, Instant::now(), "released when it starts");
+        assert_eq!(script.asked.lock().unwrap()[0].1, SHARED_PROBE_SPACING);
+        c.observe(
+            &m,
+            first.at,
+            first.at,
+            &RateLimits {
+                requests: Budget {
+                    limit: Some(120),
+                    remaining: Some(119),
+                    reset: Some(ms(500)),
+                },
+                ..RateLimits::default()
+            },
+        );
+        c.answered(&m, &first, Instant::now());
+        // The next start is 90 s off: not waited for, and nothing of this call holds the model.
+        let err = turn(&c, &m, "t1").await.unwrap_err();
+        assert_eq!(err, Instant::now() + Duration::from_secs(90));
+        let (_, spacing, within) = script.asked.lock().unwrap()[1].clone();
+        assert_eq!(spacing, Duration::from_secs_f64(0.5 / c.policy().margin));
+        assert!(within <= c.policy().max_wait);
+        assert!(!c.probing(&m));
+        // The shared pace fails: this call goes on the local pace, and the next calls do not
+        // ask the shared pace until the pause is over.
+        assert!(turn(&c, &m, "t2").await.is_ok());
+        let asked = script.asked.lock().unwrap().len();
+        assert!(turn(&c, &m, "t3").await.is_ok());
+        assert_eq!(script.asked.lock().unwrap().len(), asked, "paused");
+        tokio::time::advance(SHARED_PAUSE).await;
+        assert!(turn(&c, &m, "t4").await.is_ok());
+        assert_eq!(script.asked.lock().unwrap().len(), asked + 1, "asked again");
     }
 }

@@ -1,9 +1,13 @@
 //! The per-model circuit, shared by every task of the worker: whether a model is unavailable
 //! for everyone now, as opposed to failing one request.
 //!
+//! The circuit is for outages. A 429 is a rate limit, not an outage: it never opens the
+//! circuit; the model's pacer ([`super::pacer`]) slows down and holds the model instead, and a
+//! task waits its turn within its wait.
+//!
 //! What opens a model's circuit, from the calls of any task:
-//! - the provider says it is busy (429, 503, 529, "overloaded", no free concurrency slot): open
-//!   for its `Retry-After` (at least [`CircuitPolicy::min_open`], at most
+//! - the provider says it is overloaded (503, 529, "overloaded", no free concurrency slot):
+//!   open for its `Retry-After` (at least [`CircuitPolicy::min_open`], at most
 //!   [`CircuitPolicy::max_open`]), or for `open_for` when it gave none (the retry policy's
 //!   `unavailable_default`, given with each record);
 //! - the provider cannot be reached (the connection failed): open for `open_for`;
@@ -67,13 +71,15 @@ pub enum Signal {
     Answered,
     /// The model refused this request (a 4xx, the context too long): it is serving.
     Refused,
-    /// The provider is busy (429, 503, 529, overloaded), for `retry_after` if it said.
+    /// The provider is overloaded (503, 529, overloaded, no concurrency slot), for
+    /// `retry_after` if it said.
     Busy { retry_after: Option<Duration> },
     /// The provider could not be reached (the connection failed).
     Unreachable,
     /// The call failed otherwise (another 5xx, a timeout): one requester's failure.
     Failed,
-    /// Says nothing about the model (a malformed or oversized answer, a local setup error).
+    /// Says nothing about the model's availability (a 429, a malformed or oversized answer, a
+    /// local setup error).
     Neutral,
 }
 
@@ -81,6 +87,10 @@ impl Signal {
     /// What a call's failure says.
     pub fn of(error: &ProviderError) -> Signal {
         match error {
+            // A rate limit: the pacer's, never an outage.
+            ProviderError::Unavailable {
+                status: Some(429), ..
+            } => Signal::Neutral,
             ProviderError::Unavailable { retry_after, .. } => Signal::Busy {
                 retry_after: *retry_after,
             },

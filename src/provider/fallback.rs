@@ -3,27 +3,31 @@
 //! Every call feeds the model's circuit ([`super::circuit`]), shared by the tasks of the
 //! worker; a model whose circuit is open is not called.
 //!
-//! Before each call the model's capacity is taken ([`super::capacity::ModelCapacities`]): a call
-//! the provider's stated rate limit would refuse waits here until it may start, up to
-//! [`RetryPolicy::capacity_wait_max`] in all, instead of being sent to a 429; a model whose
-//! capacity comes back only later is skipped like an open circuit (issue 25).
+//! Before each call the call waits for its turn in its model's pacer
+//! ([`super::capacity::ModelCapacities::wait_turn`], [`super::pacer`]): one at a time, at the
+//! pace the provider states and the 429s taught, up to [`RetryPolicy::capacity_wait_max`] in
+//! all for one model call, instead of being sent to a 429. A model whose turn comes only later
+//! than that (or later than a later model of the chain could take the call) is skipped like an
+//! open circuit.
 //!
 //! | failure | what happens |
 //! | --- | --- |
-//! | a 429 whose wait fits the capacity wait | the same model again once its capacity allows ([`super::capacity`]); the circuit is not touched |
-//! | `Unavailable` (other 429s, 503, 529, overloaded) | next model at once; the circuit opens for its Retry-After |
+//! | a 429 | the pace drops and its `retry-after` holds the model; the same call waits for its turn again while that fits the wait it has left, keeping its place in the queue; never the circuit (a busy limit is no outage) |
+//! | a 429 whose wait does not fit | next model at once; the model counts as unavailable (a deferral when every model is) |
+//! | `Unavailable` (503, 529, overloaded, no concurrency slot) | next model at once; the circuit opens for its Retry-After (a 503 also holds the model in its pacer) |
 //! | `Transient`, `Malformed` | same model again after a backoff, `transient_retries` times (unless its circuit opened meanwhile), then next model |
 //! | `ContextTooLong`, `Setup` | next model |
 //! | `Rejected` | stop: a hard error of the task |
 //!
-//! When no model answered, in this order (issue 23, finding 6: a deferral is for an outage,
-//! never for one request):
+//! When no model answered, in this order (a deferral is for an outage, or for a rate limit
+//! whose wait exceeds what the call may wait, never for one request; protocol.md B.5):
 //! 1. a technical failure (malformed answers after retries, an unreadable key):
 //!    [`ModelCallError::Technical`];
 //! 2. a model said the conversation is too long for it: [`ModelCallError::ContextTooLong`],
 //!    an end with that reason, never a deferral;
-//! 3. every model of the chain is unavailable for everyone (its circuit is open):
-//!    [`ModelCallError::AllUnavailable`], until the earliest circuit may close;
+//! 3. every model of the chain is unavailable for everyone (its circuit is open, or its turn
+//!    comes later than the call may wait): [`ModelCallError::AllUnavailable`], until the
+//!    earliest may take a call;
 //! 4. else a model failed this request while it serves others (or no other task has shown
 //!    otherwise yet): [`ModelCallError::Technical`], the task's own failure (a retry consumed).
 
@@ -32,7 +36,7 @@ use std::time::Duration;
 use crate::random::Random;
 use tracing::Instrument;
 
-use super::capacity::{Capacity, ModelCapacities};
+use super::capacity::{CallCost, Capacity, ModelCapacities, Release};
 use super::circuit::{Change, Signal};
 use super::{CallAttempt, ModelRef, ModelRequest, ModelResponse, ProviderError, ProviderRegistry};
 use crate::telemetry::spans;
@@ -50,21 +54,15 @@ pub struct RetryPolicy {
     pub jitter: f64,
     /// The deferral when every model was unavailable and none said for how long.
     pub unavailable_default: Duration,
-    /// How long one model call may wait for its model's capacity (the provider's rate limit,
-    /// [`super::capacity`]) in all, before the model counts as unavailable
-    /// (`ABADA_AGENT_PROVIDER_WAIT_MAX`). The task's lease is kept by heartbeats meanwhile.
+    /// How long one model call may wait for its turn in its model's pacer (the provider's rate
+    /// limit, [`super::pacer`]) in all, 429s waited out included, before the model counts as
+    /// unavailable (`ABADA_AGENT_MODEL_WAIT_MAX_MS`). The task's lease is kept by heartbeats
+    /// meanwhile.
     pub capacity_wait_max: Duration,
 }
 
 /// The default of [`RetryPolicy::capacity_wait_max`].
 pub(crate) const DEFAULT_CAPACITY_WAIT_MAX: Duration = Duration::from_secs(60);
-
-/// 429s of one model waited out within one call, at most: the next one counts as the model
-/// being unavailable (its circuit opens, as before issue 25). A rate limit tracked from the
-/// provider's headers rarely answers 429 at all; a provider answering nothing else is in an
-/// outage, and its task is deferred rather than held. Nor can a provider asking for no wait at
-/// all make a task spin on it.
-const RATE_LIMITED_RETRIES: u32 = 2;
 
 impl Default for RetryPolicy {
     fn default() -> Self {
@@ -185,6 +183,12 @@ pub async fn call_models(
     let capacities = registry.capacities();
     let mut wait_left = policy.capacity_wait_max;
     let mut req = request.clone();
+    // What the call spends of a stated tokens budget, as providers count it at arrival: the
+    // request's input and its output cap.
+    let cost = CallCost {
+        input_tokens: crate::agent::limits::estimate_request_tokens(request),
+        output_tokens: u64::from(request.max_output_tokens.unwrap_or(0)),
+    };
     let mut technical = 0usize;
     let mut too_long = 0usize;
     // Models found unavailable for everyone on this call (circuit open, held by their rate
@@ -207,7 +211,8 @@ pub async fn call_models(
         }
         req.model = model.model.clone();
         let mut retries = 0u32;
-        let mut rate_limited = 0u32;
+        // The call's place in the model's queue, kept across its 429s.
+        let mut ticket: Option<u64> = None;
         let provider_name = provider.semconv_name().unwrap_or(&model.provider);
         loop {
             // A later model of the chain that can take the call now is not made to wait.
@@ -224,22 +229,26 @@ pub async fn call_models(
                 wait_left
             };
             let mut left = wait_left_here;
-            let waited = wait_for_capacity(capacities, model, &mut left).await;
+            let waiting_since = tokio::time::Instant::now();
+            let turn = capacities
+                .wait_turn(model, requester, &cost, &mut left, ticket)
+                .await;
             wait_left = wait_left.saturating_sub(wait_left_here - left);
-            let waited = match waited {
-                Ok(waited) => waited,
+            let waited = waiting_since.elapsed();
+            let release = match turn {
+                Ok(release) => release,
                 Err(until) => {
                     let now = tokio::time::Instant::now();
-                    tracing::debug!(model = %model, free_in_ms = duration_ms(until - now), "the model's rate limit allows no call within the capacity wait: not called");
+                    tracing::debug!(model = %model, free_in_ms = duration_ms(until.saturating_duration_since(now)), "the model's rate limit allows no call within the capacity wait: not called");
                     last = Some(ProviderError::Unavailable {
                         provider: model.provider.clone(),
                         model: model.model.clone(),
                         status: None,
                         message: format!(
                             "its rate limit allows no call for {} ms (a call waits at most ABADA_AGENT_MODEL_WAIT_MAX_MS in all, and not while a later model of the chain can take it)",
-                            duration_ms(until - now)
+                            duration_ms(until.saturating_duration_since(now))
                         ),
-                        retry_after: Some(until - now),
+                        retry_after: Some(until.saturating_duration_since(now)),
                     });
                     unavailable += 1;
                     break;
@@ -258,9 +267,11 @@ pub async fn call_models(
             // task's own context goes on.
             req.traceparent = spans::traceparent_of(&span).or_else(|| request.traceparent.clone());
             let started = tokio::time::Instant::now();
+            ticket = Some(release.ticket);
             let in_flight = CallInFlight {
                 capacities,
                 model,
+                release,
                 answered: false,
             };
             let result = provider.complete(&req).instrument(span.clone()).await;
@@ -282,21 +293,26 @@ pub async fn call_models(
             drop(span);
             let duration = started.elapsed();
             let now = tokio::time::Instant::now();
-            // A 429 is the rate limit speaking: the model is held for what it asked, and this
-            // call waits for it when that fits, without opening the circuit for every task.
-            capacities.ended(model, result.is_ok());
+            // A 429 is the rate limit speaking: the pace drops and the model is held for what it
+            // asked; this call waits for its turn again when that fits, without opening the
+            // circuit (the circuit is for outages). A 503 holds the model and is an outage too.
             let wait_again = match &result {
-                Ok(_) => false,
+                Ok(_) => {
+                    capacities.answered(model, &release, now);
+                    false
+                }
                 Err(ProviderError::Unavailable {
-                    status: Some(429),
+                    status: Some(status @ (429 | 503)),
                     retry_after,
                     ..
                 }) => {
-                    let until = capacities.throttled(model, *retry_after, now);
-                    rate_limited += 1;
-                    rate_limited <= RATE_LIMITED_RETRIES && until - now <= wait_left
+                    let until = capacities.throttled(model, &release, *status, *retry_after, now);
+                    *status == 429 && until.saturating_duration_since(now) <= wait_left
                 }
-                Err(_) => false,
+                Err(_) => {
+                    capacities.ended(model, &release);
+                    false
+                }
             };
             let signal = match &result {
                 Ok(_) => Signal::Answered,
@@ -420,6 +436,7 @@ pub async fn call_models(
 struct CallInFlight<'a> {
     capacities: &'a ModelCapacities,
     model: &'a ModelRef,
+    release: Release,
     answered: bool,
 }
 
@@ -433,32 +450,7 @@ impl CallInFlight<'_> {
 impl Drop for CallInFlight<'_> {
     fn drop(&mut self) {
         if !self.answered {
-            self.capacities.ended(self.model, false);
-        }
-    }
-}
-
-/// Takes one call of `model`'s capacity, waiting for it while `wait_left` allows (and
-/// deducting the wait). Returns how long it waited, or, when the capacity comes back only
-/// later than that, when it does.
-async fn wait_for_capacity(
-    capacities: &ModelCapacities,
-    model: &ModelRef,
-    wait_left: &mut Duration,
-) -> Result<Duration, tokio::time::Instant> {
-    let mut waited = Duration::ZERO;
-    loop {
-        let now = tokio::time::Instant::now();
-        match capacities.try_start(model, now) {
-            Ok(()) => return Ok(waited),
-            Err(until) if until - now <= *wait_left => {
-                // At least a millisecond: a capacity due "now" cannot make this spin.
-                let wait = (until - now).max(Duration::from_millis(1));
-                tokio::time::sleep(wait).await;
-                *wait_left = wait_left.saturating_sub(wait);
-                waited += wait;
-            }
-            Err(until) => return Err(until),
+            self.capacities.ended(self.model, &self.release);
         }
     }
 }

@@ -54,11 +54,18 @@
 //!   poll interval of the engine's return. An engine that cannot be probed is waited out.
 //! - An error is logged at warn the first time, at debug while it repeats word for word; the
 //!   first success after a warning says so.
-//! - Admission (issue 25, in the spirit of Temporal's slot suppliers): a fetch asks for the free
-//!   slots, but no more than the task handler says can start now (the capacity its models'
-//!   providers state, less the tasks claimed that have not called yet). None can: no fetch, a
-//!   wait until the capacity returns (or a task ends). A task claimed that cannot start would
-//!   only wait for the provider or be deferred, a failure the engine records.
+//! - Admission (in the spirit of Temporal's slot suppliers): the task handler says, per topic,
+//!   how many tasks could start soon (the pace of the models the topic's tasks use, less the
+//!   tasks claimed that have not called yet; no bound for a topic whose models are not known).
+//!   A fetch asks for the free slots, no more than the topics it asks for can start, and leaves
+//!   out a topic that can start none, so a model held stops its own topics, not the others.
+//!   No topic can: a wait until the earliest returns (or a task ends), never shorter than
+//!   [`ADMISSION_RECHECK`], so a capacity due "now" again and again cannot make the loop spin;
+//!   but once per poll interval a fetch of one task of every topic still goes out: what a
+//!   topic's tasks use is learned from the tasks seen, and the next one may name a model not
+//!   seen yet (a task of the held model claimed so waits inside its task, within the model
+//!   wait). A task claimed that cannot start would only wait for the provider or be deferred,
+//!   a failure the engine records.
 
 use std::time::Duration;
 
@@ -103,29 +110,74 @@ pub struct FetchFailed {
 }
 
 /// What a fetch may ask for, by admission.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Admit {
-    /// Ask for this many tasks (at least 1).
-    Fetch(u32),
-    /// No task could start before this instant: do not fetch until then (or a task's end).
+    /// Ask for this many tasks (at least 1) of these topics (at least one); `probe`: every
+    /// topic was held, and this is the one task a poll interval (the next is due a poll
+    /// interval later).
+    Fetch {
+        max: u32,
+        topics: Vec<String>,
+        probe: bool,
+    },
+    /// No task of any topic could start before this instant: do not fetch until then (or a
+    /// task's end).
     WaitUntil(Instant),
 }
 
-/// Admission: with `free` slots (at least 1) and the handler's `capacity` at `now`, how many
-/// tasks a fetch asks for (see the module docs).
-pub(crate) fn admit(free: u32, capacity: Capacity, now: Instant) -> Admit {
-    match capacity {
-        Capacity::Unbounded => Admit::Fetch(free),
-        Capacity::Now(n) if n > 0 => Admit::Fetch(free.min(n)),
-        // A capacity due now (or `Now(0)`, which the handler should not say) is checked again
-        // a moment later rather than fetched for: no claim above what can start.
-        Capacity::Now(_) => Admit::WaitUntil(now + ADMISSION_RECHECK),
-        Capacity::Until(at) => Admit::WaitUntil(at.max(now + ADMISSION_RECHECK)),
+/// Admission: with `free` slots (at least 1) and the handler's capacity for each topic at
+/// `now`, which topics a fetch asks for and how many tasks (see the module docs). `probe_at`:
+/// when a fetch of one task is due even with every topic held.
+pub(crate) fn admit(
+    free: u32,
+    topics: &[(String, Capacity)],
+    now: Instant,
+    probe_at: Instant,
+) -> Admit {
+    let mut open = Vec::new();
+    let mut max: Option<u64> = Some(0);
+    let mut earliest: Option<Instant> = None;
+    for (topic, capacity) in topics {
+        match capacity {
+            Capacity::Unbounded => {
+                open.push(topic.clone());
+                max = None;
+            }
+            Capacity::Now(n) if *n > 0 => {
+                open.push(topic.clone());
+                max = max.map(|m| m + u64::from(*n));
+            }
+            // A capacity due now (or `Now(0)`, which the handler should not say) is checked
+            // again a moment later rather than fetched for: no claim above what can start.
+            Capacity::Now(_) => earliest = Some(earliest.map_or(now, |e| e.min(now))),
+            Capacity::Until(at) => earliest = Some(earliest.map_or(*at, |e| e.min(*at))),
+        }
+    }
+    if open.is_empty() {
+        if probe_at <= now && !topics.is_empty() {
+            return Admit::Fetch {
+                max: 1,
+                topics: topics.iter().map(|(t, _)| t.clone()).collect(),
+                probe: true,
+            };
+        }
+        let at = earliest
+            .unwrap_or(now)
+            .min(probe_at)
+            .max(now + ADMISSION_RECHECK);
+        return Admit::WaitUntil(at);
+    }
+    let max = max.map_or(free, |m| u64::from(free).min(m) as u32);
+    Admit::Fetch {
+        max,
+        topics: open,
+        probe: false,
     }
 }
 
-/// The shortest wait for capacity: a capacity said to return "now" cannot make the loop spin.
-const ADMISSION_RECHECK: Duration = Duration::from_millis(1);
+/// The shortest wait for capacity: a capacity said to return "now", again and again (a
+/// provider stating a limit of 0, a figure due this instant), cannot make the loop spin.
+pub(crate) const ADMISSION_RECHECK: Duration = Duration::from_millis(25);
 
 /// The first pause after an empty answer that may be contention (see the module docs):
 /// about a fetch's transaction on the real engine under load (9-35 ms measured per fetch in
@@ -356,36 +408,117 @@ mod tests {
         }
     }
 
-    /// Issue 25: admission never asks for more tasks than the models can start, nor more than
-    /// the free slots, and waits for capacity rather than fetching for none.
+    fn one(capacity: Capacity) -> Vec<(String, Capacity)> {
+        vec![("t".to_string(), capacity)]
+    }
+
+    fn fetch(max: u32, topics: &[&str]) -> Admit {
+        Admit::Fetch {
+            max,
+            topics: topics.iter().map(|t| t.to_string()).collect(),
+            probe: false,
+        }
+    }
+
+    /// No probe fetch due for a minute.
+    fn no_probe(now: Instant) -> Instant {
+        now + ms(60_000)
+    }
+
+    /// Admission never asks for more tasks than the models can start, nor more than the free
+    /// slots, and waits for capacity rather than fetching for none.
     #[test]
     fn admission_asks_for_the_free_slots_within_the_capacity() {
         let now = Instant::now();
-        assert_eq!(admit(8, Capacity::Unbounded, now), Admit::Fetch(8));
-        assert_eq!(admit(8, Capacity::Now(3), now), Admit::Fetch(3));
-        assert_eq!(admit(2, Capacity::Now(30), now), Admit::Fetch(2));
+        assert_eq!(
+            admit(8, &one(Capacity::Unbounded), now, no_probe(now)),
+            fetch(8, &["t"])
+        );
+        assert_eq!(
+            admit(8, &one(Capacity::Now(3)), now, no_probe(now)),
+            fetch(3, &["t"])
+        );
+        assert_eq!(
+            admit(2, &one(Capacity::Now(30)), now, no_probe(now)),
+            fetch(2, &["t"])
+        );
         let later = now + ms(400);
         assert_eq!(
-            admit(8, Capacity::Until(later), now),
+            admit(8, &one(Capacity::Until(later)), now, no_probe(now)),
             Admit::WaitUntil(later)
-        );
-        // Never a wait in the past or of zero: no spin.
-        assert_eq!(
-            admit(8, Capacity::Until(now), now),
-            Admit::WaitUntil(now + ADMISSION_RECHECK)
-        );
-        assert_eq!(
-            admit(8, Capacity::Now(0), now),
-            Admit::WaitUntil(now + ADMISSION_RECHECK)
         );
         for free in 1..=50 {
             for cap in 1..=50 {
-                let Admit::Fetch(n) = admit(free, Capacity::Now(cap), now) else {
+                let Admit::Fetch { max, .. } =
+                    admit(free, &one(Capacity::Now(cap)), now, no_probe(now))
+                else {
                     panic!("{free} {cap}");
                 };
-                assert!(n >= 1 && n <= free && n <= cap, "{free} {cap} -> {n}");
+                assert!(
+                    max >= 1 && max <= free && max <= cap,
+                    "{free} {cap} -> {max}"
+                );
             }
         }
+    }
+
+    /// A capacity said to return now, or `Now(0)`, again and again (a provider stating a limit
+    /// of 0 did this with a 1 ms recheck: the poll loop spun): never a wait shorter than the
+    /// recheck, so at most 40 looks a second.
+    #[test]
+    fn admission_never_waits_less_than_the_recheck() {
+        let now = Instant::now();
+        for capacity in [
+            Capacity::Until(now),
+            Capacity::Now(0),
+            Capacity::Until(now + ms(1)),
+        ] {
+            assert_eq!(
+                admit(8, &one(capacity), now, no_probe(now)),
+                Admit::WaitUntil(now + ADMISSION_RECHECK),
+                "{capacity:?}"
+            );
+        }
+        assert!(ADMISSION_RECHECK >= ms(25));
+    }
+
+    /// A topic whose models are held is left out of the fetch; the others are fetched, for no
+    /// more than they can start (an unbounded topic: the free slots).
+    #[test]
+    fn a_topic_that_can_start_nothing_is_left_out_and_the_others_fetched() {
+        let now = Instant::now();
+        let held = ("held".to_string(), Capacity::Until(now + ms(60_000)));
+        let paced = ("paced".to_string(), Capacity::Now(2));
+        let free = ("free".to_string(), Capacity::Unbounded);
+        assert_eq!(
+            admit(8, &[held.clone(), paced.clone()], now, no_probe(now)),
+            fetch(2, &["paced"])
+        );
+        assert_eq!(
+            admit(8, &[held.clone(), paced, free], now, no_probe(now)),
+            fetch(8, &["paced", "free"])
+        );
+        let sooner = ("sooner".to_string(), Capacity::Until(now + ms(300)));
+        assert_eq!(
+            admit(8, &[held.clone(), sooner.clone()], now, no_probe(now)),
+            Admit::WaitUntil(now + ms(300)),
+            "the earliest topic back"
+        );
+        // Every topic held: once a poll interval, one task of any of them is fetched, so a
+        // task naming a model not seen yet is found; never more often.
+        assert_eq!(
+            admit(8, &[held.clone(), sooner.clone()], now, now),
+            Admit::Fetch {
+                max: 1,
+                topics: vec!["held".into(), "sooner".into()],
+                probe: true
+            }
+        );
+        assert_eq!(
+            admit(8, std::slice::from_ref(&held), now, now + ms(100)),
+            Admit::WaitUntil(now + ms(100)),
+            "waits for the next probe when it comes before the capacity"
+        );
     }
 
     #[test]

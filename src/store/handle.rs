@@ -185,6 +185,24 @@ impl RunStore for StoreHandle {
     }
 }
 
+/// The fleet's shared pace of model calls (`pace`): reserved in the store once it is connected;
+/// an error before (the caller paces alone meanwhile).
+#[async_trait::async_trait]
+impl crate::provider::capacity::SharedPace for StoreHandle {
+    async fn reserve(
+        &self,
+        model: &str,
+        spacing: Duration,
+        within: Duration,
+    ) -> Result<crate::provider::capacity::SharedTurn, String> {
+        let store = self.get().map_err(|e| e.to_string())?;
+        store
+            .reserve_start(model, spacing, within)
+            .await
+            .map_err(|e| e.to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

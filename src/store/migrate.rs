@@ -37,6 +37,11 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         name: "0003_open_runs",
         sql: include_str!("../../migrations/0003_open_runs.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_model_pace",
+        sql: include_str!("../../migrations/0004_model_pace.sql"),
+    },
 ];
 
 /// The advisory lock every starting worker takes before looking at the schema: a fixed key,

@@ -31,6 +31,8 @@ pub(super) enum Operation {
     Finish,
     Sweep,
     Locate,
+    /// A model call's start reserved in the fleet's shared pace (`pace`).
+    Pace,
 }
 
 impl Operation {
@@ -41,6 +43,7 @@ impl Operation {
             Operation::Finish => "finish",
             Operation::Sweep => "sweep",
             Operation::Locate => "locate",
+            Operation::Pace => "pace",
         }
     }
 }

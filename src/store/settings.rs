@@ -35,6 +35,9 @@ pub struct StoreConfig {
     /// reached without verified TLS (`sslmode=disable`, `prefer`, `require`) or with a weak
     /// `channel_binding` (see `crate::store::StoreUrl`). Off: refused.
     pub allow_insecure: bool,
+    /// `ABADA_AGENT_STORE_SHARED_PACING`: the replicas pace each model's calls as one queue in
+    /// the store (`store::pace`). On by default.
+    pub shared_pacing: bool,
 }
 
 impl StoreConfig {
@@ -50,6 +53,7 @@ impl StoreConfig {
             sweep_batch: 100,
             ca_file: None,
             allow_insecure: false,
+            shared_pacing: true,
         }
     }
 }

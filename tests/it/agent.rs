@@ -240,22 +240,18 @@ mod outcomes {
         w.stop().await;
     }
 
-    /// Issue 25: a provider allowing 2 requests/s and saying so in `x-ratelimit-*` headers,
-    /// 429 beyond: the worker uses its limit without claiming tasks that cannot start, nor
-    /// sending calls the limit refuses, nor deferring a task (a failure the engine records).
+    /// A provider stating 240 requests a minute in `x-ratelimit-*` headers and enforcing a
+    /// second's worth (4) per second window, 429 beyond: the worker paces its calls without
+    /// claiming tasks that cannot start, without herds of calls the limit refuses, and without
+    /// deferring a task (a failure the engine records).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_rate_limited_provider_is_used_to_its_limit_without_deferrals() {
         use abada_agent_worker::devkit::model::RateLimit;
         let s = stack().await;
         s.model
             .set_script("limited", super::super::agent::refund_like());
-        s.model.set_rate_limit(
-            "limited",
-            RateLimit {
-                per_second: 4.0,
-                burst: 2,
-            },
-        );
+        s.model
+            .set_rate_limit("limited", RateLimit::per_minute(240));
         let agent = s.refund_agent("openai/limited", &[]);
         let ids = s
             .engine

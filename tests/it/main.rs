@@ -27,6 +27,7 @@ mod oidc;
 mod operations;
 mod otel;
 mod output;
+mod pacing;
 mod paused_agent;
 mod paused_engine_client;
 mod provider;

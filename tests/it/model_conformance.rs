@@ -657,13 +657,8 @@ async fn errors(s: &Subject, format: WireFormat) -> Verdict {
 async fn rate_limit_headers(s: &Subject, format: WireFormat) -> Verdict {
     s.model
         .set_script("m-limited", Script::new(vec![Turn::text("ok")]));
-    s.model.set_rate_limit(
-        "m-limited",
-        RateLimit {
-            per_second: 1.0,
-            burst: 5,
-        },
-    );
+    s.model
+        .set_rate_limit("m-limited", RateLimit::per_minute(60));
     let a = s.post(format, request(format, "m-limited")).await;
     answer_document(format, &a)?;
     let (limit, remaining, reset) = match format {

@@ -680,10 +680,12 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
         refund_script().with_latency(Duration::from_millis(1000)),
     );
     stack.model.set_script("limited", refund_script());
+    // Down (503 with a long Retry-After): an outage, deferred at once. (A 429 would be waited
+    // out inside the task.)
     stack.model.inject_fault(
         "limited",
-        ModelFault::RateLimited {
-            retry_after: Some(Duration::from_secs(600)),
+        ModelFault::Outage {
+            retry_after: Duration::from_secs(600),
         },
         FaultTimes::Always,
     );
@@ -712,6 +714,7 @@ async fn metrics_match_what_the_emulator_model_and_tool_server_recorded() {
         SocketAddr::from(([127, 0, 0, 1], 0)),
         AdminState {
             store: None,
+            models: None,
             status: worker.status.clone(),
             metrics: worker.metrics.clone(),
             stall_limit: Duration::from_secs(60),

@@ -49,7 +49,7 @@ use tokio::time::Instant;
 struct Model {
     inner: WorldModel,
     name: &'static str,
-    unavailable: Mutex<Option<(Duration, u32)>>,
+    unavailable: Mutex<Option<(u16, Duration, u32)>>,
     latency: Duration,
     /// A latency of its own for the tasks whose script (`ModelScript::task`) is named here.
     latency_of: Mutex<HashMap<String, Duration>>,
@@ -78,7 +78,12 @@ impl Model {
 
     /// The next `times` calls answer 429 with `Retry-After: retry_after`.
     fn rate_limit(&self, retry_after: Duration, times: u32) {
-        *self.unavailable.lock().unwrap() = Some((retry_after, times));
+        *self.unavailable.lock().unwrap() = Some((429, retry_after, times));
+    }
+
+    /// The next `times` calls answer 503 with `Retry-After: retry_after`: an outage.
+    fn go_down(&self, retry_after: Duration, times: u32) {
+        *self.unavailable.lock().unwrap() = Some((503, retry_after, times));
     }
 
     fn recover(&self) {
@@ -102,19 +107,19 @@ impl ModelProvider for Model {
         let limited = {
             let mut fault = self.unavailable.lock().unwrap();
             match fault.as_mut() {
-                Some((after, times)) if *times > 0 => {
+                Some((status, after, times)) if *times > 0 => {
                     *times -= 1;
-                    Some(*after)
+                    Some((*status, *after))
                 }
                 _ => None,
             }
         };
-        if let Some(retry_after) = limited {
+        if let Some((status, retry_after)) = limited {
             return Err(ProviderError::Unavailable {
                 provider: self.name.into(),
                 model: req.model.clone(),
-                status: Some(429),
-                message: "rate limited by the test".into(),
+                status: Some(status),
+                message: "refused by the test".into(),
                 retry_after: Some(retry_after),
             });
         }
@@ -461,9 +466,11 @@ async fn a_lost_lease_stops_the_agent_task_reports_nothing_and_closes_its_sessio
 /// after the report, so only `1 s < hidden <= 4 s` could be asserted). On the paused clock the
 /// report and the read are at the same instant, so the bound is tight: the task is hidden for
 /// the earliest `Retry-After` (4 s) minus the moments the calls took, never the 1 s default nor
-/// the primary's 7 s.
+/// the primary's 7 s. And a busy limit is no outage: every model answering 429 with a wait
+/// that fits the model wait, the task waits inside and completes, never deferred; only every
+/// model down (503) defers it.
 #[tokio::test(start_paused = true)]
-async fn a_rate_limited_primary_falls_back_and_every_model_unavailable_defers() {
+async fn a_rate_limited_primary_falls_back_a_busy_limit_is_waited_out_and_an_outage_defers() {
     let s = Setup::new(Duration::from_secs(30), Duration::ZERO);
     // First: the primary is rate-limited once, the fallback finishes the task.
     s.primary.rate_limit(Duration::from_secs(5), 1);
@@ -481,9 +488,21 @@ async fn a_rate_limited_primary_falls_back_and_every_model_unavailable_defers() 
         v.journal
     );
 
-    // Then every model unavailable: deferred, retries unchanged, timeout from Retry-After.
-    s.primary.rate_limit(Duration::from_secs(7), u32::MAX);
-    s.fallback.rate_limit(Duration::from_secs(4), u32::MAX);
+    // Every model rate-limited, each a few times: waited out inside the task, never deferred.
+    s.primary.rate_limit(Duration::from_secs(7), 3);
+    s.fallback.rate_limit(Duration::from_secs(4), 3);
+    let busy = s.create_task("o-busy", "r");
+    s.wait_task(&busy, Duration::from_secs(120), |v| {
+        v.status == TaskStatus::Completed
+    })
+    .await;
+    let v = s.task(&busy);
+    assert_eq!(v.counters.failures, 0, "a busy limit never defers: {v:#?}");
+    assert_eq!(v.counters.acquisitions, 1);
+
+    // Then every model down (an outage): deferred, retries unchanged, timeout from Retry-After.
+    s.primary.go_down(Duration::from_secs(7), u32::MAX);
+    s.fallback.go_down(Duration::from_secs(4), u32::MAX);
     let id = s.create_task("o-2", "r");
     s.wait_task(&id, Duration::from_secs(20), |v| {
         v.hidden && v.counters.failures == 1

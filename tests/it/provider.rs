@@ -1035,8 +1035,33 @@ async fn all_unavailable_defers_by_the_earliest_retry_after() {
         other => panic!("{other}"),
     }
 
+    // 429s that asked for no wait (and a call that may not wait): the task comes back once
+    // the lowered pace lets a call go, not after a made-up outage.
     let a = Fake::new(vec![Err(unavailable(None))]);
     let b = Fake::new(vec![Err(unavailable(None))]);
+    let (r, models) = two(&a, &b);
+    let err = call_with_fallback(&r, &models, &request(), &policy())
+        .await
+        .unwrap_err();
+    match err {
+        ModelCallError::AllUnavailable { retry_after, .. } => {
+            assert!(
+                retry_after > Duration::ZERO && retry_after < Duration::from_secs(5),
+                "{retry_after:?}"
+            )
+        }
+        other => panic!("{other}"),
+    }
+    // 503s without a wait are an outage: the circuit's default.
+    let unavailable_503 = || ProviderError::Unavailable {
+        provider: "f".into(),
+        model: "m".into(),
+        status: Some(503),
+        message: "down".into(),
+        retry_after: None,
+    };
+    let a = Fake::new(vec![Err(unavailable_503())]);
+    let b = Fake::new(vec![Err(unavailable_503())]);
     let (r, models) = two(&a, &b);
     let err = call_with_fallback(&r, &models, &request(), &policy())
         .await
@@ -1431,8 +1456,13 @@ async fn scripted_faults_reach_the_adapters_classified() {
             let err = p.complete(&req).await.unwrap_err();
             assert_eq!(err.outcome(), *expect, "{model}: {err}");
             if let Fault::RateLimited { .. } = fault {
+                // OpenAI says `retry-after-ms`; Anthropic whole seconds, rounded up.
+                let said = match kind {
+                    ProviderKind::OpenAi => Duration::from_millis(2500),
+                    ProviderKind::Anthropic => Duration::from_secs(3),
+                };
                 assert!(
-                    matches!(err, ProviderError::Unavailable { retry_after: Some(d), .. } if d == Duration::from_millis(2500)),
+                    matches!(err, ProviderError::Unavailable { retry_after: Some(d), .. } if d == said),
                     "{err:?}"
                 );
             }
@@ -1498,8 +1528,9 @@ async fn fallback_through_real_adapters_skips_a_rate_limited_model() {
     assert_eq!(devkit.calls_in_format("busy", WireFormat::OpenAi), 1);
     assert_eq!(devkit.calls_in_format("spare", WireFormat::Anthropic), 1);
 
-    // Its circuit holds it off for the Retry-After: a task that has only it is deferred until
-    // then, without another call.
+    // Its pacer holds it off for the Retry-After (its circuit stays closed: a busy limit is no
+    // outage): a task that has only it and cannot wait is deferred until then, without
+    // another call.
     let only_busy = [models[0].clone()];
     match call_with_fallback(&registry, &only_busy, &request(), &policy()).await {
         Err(ModelCallError::AllUnavailable { retry_after, .. }) => {
@@ -1515,10 +1546,11 @@ async fn fallback_through_real_adapters_skips_a_rate_limited_model() {
 }
 
 /// A hostile (or broken) provider's Retry-After is outside input: 11 days would hide the
-/// deferred task from every worker for that long. The circuit holds a model open for at most
-/// 10 minutes, and the deferral asks the engine to wait no longer.
+/// deferred task from every worker for that long. A 429 holds a model for at most the model
+/// wait (`ABADA_AGENT_MODEL_WAIT_MAX_MS`, 60 s by default), and the deferral asks the engine to
+/// wait no longer.
 #[tokio::test]
-async fn a_hostile_retry_after_defers_for_at_most_ten_minutes() {
+async fn a_hostile_retry_after_holds_and_defers_for_at_most_the_model_wait() {
     let devkit = ScriptedModel::start().await.unwrap();
     devkit.set_script("slow", Script::new(vec![Turn::text("never")]));
     devkit.inject_fault(
@@ -1539,8 +1571,8 @@ async fn a_hostile_retry_after_defers_for_at_most_ten_minutes() {
     let models = [ModelRef::parse("openai/slow").unwrap()];
     match call_with_fallback(&registry, &models, &request(), &policy()).await {
         Err(ModelCallError::AllUnavailable { retry_after, .. }) => {
-            assert!(retry_after <= Duration::from_secs(600), "{retry_after:?}");
-            assert!(retry_after > Duration::from_secs(590), "{retry_after:?}");
+            assert!(retry_after <= Duration::from_secs(60), "{retry_after:?}");
+            assert!(retry_after > Duration::from_secs(50), "{retry_after:?}");
         }
         other => panic!("{other:?}"),
     }
@@ -1665,20 +1697,38 @@ async fn a_rate_limited_call_waits_for_its_retry_after_instead_of_deferring() {
             .open_until(&models[0], tokio::time::Instant::now()),
         None
     );
-    // A provider answering nothing but 429s is an outage after all: deferred, bounded.
-    let b = Fake::new((0..10).map(|_| Err(unavailable(Some(1)))).collect());
+    // A provider answering nothing but 429s: each lowers the pace (the waits grow, never a
+    // spin), every one is waited out while it fits the wait, the circuit never opens, and
+    // the call gives up (a deferral, the limit busy beyond its wait) within the wait.
+    let b = Fake::new((0..100).map(|_| Err(unavailable(Some(1)))).collect());
     let mut r = ProviderRegistry::default();
     r.insert("a", b.clone());
     let start = tokio::time::Instant::now();
-    let err = call_models(&r, &models, &request(), &waiting, "t2", &mut |_| {})
-        .await
-        .unwrap_err();
+    let mut log: Vec<CallAttempt> = Vec::new();
+    let err = call_models(&r, &models, &request(), &waiting, "t2", &mut |c| {
+        log.push(c.clone())
+    })
+    .await
+    .unwrap_err();
     assert!(
         matches!(err, ModelCallError::AllUnavailable { .. }),
         "{err}"
     );
-    assert_eq!(b.calls(), 3, "two 429s waited out, the third defers");
-    assert!(start.elapsed() <= Duration::from_secs(2));
+    assert!(
+        start.elapsed() <= Duration::from_secs(60),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(b.calls() >= 5 && b.calls() < 20, "{} calls", b.calls());
+    let waits: Vec<Duration> = log.iter().skip(1).map(|c| c.capacity_wait).collect();
+    assert!(
+        waits.windows(2).all(|w| w[1] > w[0]),
+        "the pace falls: {waits:?}"
+    );
+    assert!(
+        !log.iter().any(|c| c.circuit_opened),
+        "a busy limit is no outage"
+    );
 }
 
 /// Issue 25: a call the provider's stated limit would refuse waits inside the task until the
@@ -1715,26 +1765,32 @@ async fn a_call_beyond_the_stated_limit_waits_and_is_sent_only_when_allowed() {
     .unwrap();
     assert_eq!(waits, vec![Duration::from_millis(500)]);
     assert_eq!(now.elapsed(), Duration::from_millis(500));
-    // Held for longer than the call may wait: not sent at all.
-    let b = Fake::new(vec![answer("never")]);
+    // Held (another task's 429 asked for 120 s, held for the model wait, 60 s) for longer than
+    // the call may wait (30 s here): not sent at all, and deferred for what is left of the hold.
+    let b = Fake::new(vec![Err(unavailable(Some(120))), answer("never")]);
     let mut r = ProviderRegistry::default();
     r.insert("a", b.clone());
-    let now = tokio::time::Instant::now();
-    let long = RateLimits {
-        retry_after: Some(Duration::from_secs(120)),
-        ..RateLimits::default()
+    let no_wait = RetryPolicy {
+        capacity_wait_max: Duration::ZERO,
+        ..policy()
     };
-    r.capacities().observe(&model, now, now, &long);
-    let err = call_models(&r, &models, &request(), &waiting, "t1", &mut |_| {})
+    let _ = call_models(&r, &models, &request(), &no_wait, "t0", &mut |_| {}).await;
+    assert_eq!(b.calls(), 1);
+    let now = tokio::time::Instant::now();
+    let half = RetryPolicy {
+        capacity_wait_max: Duration::from_secs(30),
+        ..policy()
+    };
+    let err = call_models(&r, &models, &request(), &half, "t1", &mut |_| {})
         .await
         .unwrap_err();
     match err {
         ModelCallError::AllUnavailable { retry_after, .. } => {
-            assert_eq!(retry_after, Duration::from_secs(120))
+            assert_eq!(retry_after, Duration::from_secs(60))
         }
         other => panic!("{other}"),
     }
-    assert_eq!(b.calls(), 0, "no call sent to a certain 429");
+    assert_eq!(b.calls(), 1, "no call sent to a certain 429");
     assert_eq!(
         now.elapsed(),
         Duration::ZERO,
@@ -1776,7 +1832,92 @@ async fn a_first_model_call_dropped_before_its_answer_does_not_hold_the_model_fo
     );
     let later = tokio::time::Instant::now() + Duration::from_secs(600);
     assert!(
-        !matches!(capacities.admission(&models, later), Capacity::Until(_)),
+        !matches!(capacities.capacity(&models[0], later), Capacity::Until(_)),
         "the runner would wait forever to claim a task for the model"
     );
+}
+
+/// On the wire, through each adapter: the rate-limit headers of a 200 reach the model's pacer
+/// as figures that end (Azure's reset in plain seconds, Anthropic's RFC 3339 reset of its
+/// output-tokens budget), and a `retry-after` on a 200 holds nothing.
+#[tokio::test]
+async fn rate_limit_headers_of_each_wire_format_reach_the_pacer_and_a_200_holds_nothing() {
+    use abada_agent_worker::provider::capacity::HoldReason;
+    let reset = (chrono::Utc::now() + chrono::Duration::seconds(3))
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    /// The wire format, its answer, the headers sent with it, and the hold expected (why, and
+    /// for about how many seconds).
+    type Case = (
+        ProviderKind,
+        &'static str,
+        Vec<(&'static str, String)>,
+        Option<(HoldReason, u64)>,
+    );
+    let cases: [Case; 3] = [
+        (
+            ProviderKind::OpenAi,
+            "openai/response_text.json",
+            vec![
+                ("x-ratelimit-remaining-requests", "0".into()),
+                ("x-ratelimit-reset-requests", "6".into()),
+            ],
+            Some((HoldReason::RequestsExhausted, 6)),
+        ),
+        (
+            ProviderKind::Anthropic,
+            "anthropic/response_text.json",
+            vec![
+                ("anthropic-ratelimit-output-tokens-remaining", "0".into()),
+                ("anthropic-ratelimit-output-tokens-reset", reset),
+            ],
+            Some((HoldReason::TokensExhausted, 3)),
+        ),
+        (
+            ProviderKind::OpenAi,
+            "openai/response_text.json",
+            vec![
+                ("retry-after", "3600".into()),
+                ("retry-after-ms", "3600000".into()),
+            ],
+            None,
+        ),
+    ];
+    for (kind, body, headers, expected) in cases {
+        let server = FixtureServer::start(Reply {
+            status: 200,
+            headers,
+            body: fixture(body),
+        })
+        .await;
+        let registry = ProviderRegistry::new(
+            vec![settings(kind, server.base_url(kind), None)],
+            reqwest::Client::new(),
+        );
+        let models = vec![ModelRef::parse(&format!("{}/m", kind.as_str())).unwrap()];
+        let waiting = RetryPolicy {
+            capacity_wait_max: Duration::from_secs(60),
+            ..policy()
+        };
+        let request = ModelRequest {
+            max_output_tokens: Some(100),
+            ..request()
+        };
+        call_models(&registry, &models, &request, &waiting, "t1", &mut |_| {})
+            .await
+            .unwrap();
+        let now = tokio::time::Instant::now();
+        let held = registry.capacities().held(now);
+        match expected {
+            None => assert!(held.is_empty(), "{kind:?}: {held:?}"),
+            Some((reason, secs)) => {
+                assert_eq!(held.len(), 1, "{kind:?}: {held:?}");
+                assert_eq!(held[0].1.reason, reason, "{kind:?}");
+                let left = held[0].1.until.saturating_duration_since(now);
+                assert!(
+                    left <= Duration::from_secs(secs) && left > Duration::from_secs(secs - 2),
+                    "{kind:?}: {left:?}"
+                );
+            }
+        }
+    }
 }

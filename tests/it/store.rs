@@ -167,7 +167,8 @@ impl TestDb {
                 "CREATE ROLE {role} LOGIN PASSWORD '{password}';
                  REVOKE CREATE ON SCHEMA public FROM PUBLIC;
                  GRANT SELECT, INSERT, UPDATE, DELETE
-                    ON abada_agent_runs, abada_agent_steps, abada_agent_store_migrations TO {role};
+                    ON abada_agent_runs, abada_agent_steps, abada_agent_model_pace,
+                       abada_agent_store_migrations TO {role};
                  GRANT USAGE ON SEQUENCE abada_agent_run_attempts TO {role};"
             ))
             .await
@@ -404,13 +405,18 @@ async fn twenty_replicas_starting_at_once_migrate_once() {
         .collect();
     assert_eq!(
         applied,
-        ["0001_run_store", "0002_run_attempts", "0003_open_runs"],
+        [
+            "0001_run_store",
+            "0002_run_attempts",
+            "0003_open_runs",
+            "0004_model_pace"
+        ],
         "exactly one replica migrated"
     );
     assert_eq!(
         db.count("SELECT count(*) FROM abada_agent_store_migrations")
             .await,
-        3
+        4
     );
     // Every replica works on the schema it found.
     for (i, store) in stores.iter().enumerate() {
@@ -1600,5 +1606,92 @@ async fn append_latency_figures() {
     );
     assert_eq!(db.count("SELECT count(*) FROM abada_agent_runs").await, 0);
     drop(store);
+    db.drop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fleet's shared pace of model calls
+
+/// Replicas reserving starts of one model in the store get distinct starts, each the spacing
+/// after the one reserved before, whoever reserved it, as one queue; a start later than the
+/// wait left is not reserved (and says how far off it is); another model has its own queue.
+/// On the store's clock: only waits travel, so the replicas' clocks never meet.
+#[tokio::test]
+async fn replicas_reserving_model_starts_are_spaced_as_one_queue() {
+    use abada_agent_worker::provider::capacity::SharedTurn;
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let (a, _) = connect(&config(&db.url)).await;
+    let (b, _) = connect(&config(&db.url)).await;
+    let spacing = Duration::from_millis(500);
+    let within = Duration::from_secs(60);
+    // Eight replicas' worth of reservations at once, from two stores (two pools).
+    let mut joins = Vec::new();
+    for i in 0..8 {
+        let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+        joins.push(tokio::spawn(async move {
+            store.reserve_start("openai/m", spacing, within).await
+        }));
+    }
+    let mut waits = Vec::new();
+    for j in joins {
+        match j.await.unwrap().unwrap() {
+            SharedTurn::In(wait) => waits.push(wait),
+            other => panic!("{other:?}"),
+        }
+    }
+    waits.sort();
+    // Taken within moments of each other, they are a spacing apart: never two starts closer.
+    for w in waits.windows(2) {
+        let gap = w[1].saturating_sub(w[0]);
+        assert!(
+            gap >= Duration::from_millis(400) && gap <= Duration::from_millis(600),
+            "{waits:?}"
+        );
+    }
+    assert!(waits[7] >= Duration::from_millis(3000), "{waits:?}");
+    // Beyond the wait left: nothing reserved, and the next start is named.
+    let next = a
+        .reserve_start("openai/m", spacing, Duration::from_millis(100))
+        .await
+        .unwrap();
+    let SharedTurn::Beyond(far) = next else {
+        panic!("{next:?}");
+    };
+    assert!(far >= Duration::from_millis(3000), "{far:?}");
+    let SharedTurn::In(after) = a.reserve_start("openai/m", spacing, within).await.unwrap() else {
+        panic!("reserved within the wait");
+    };
+    // The start named (less the moments since), not one a spacing later: the refused
+    // reservation took no start.
+    assert!(
+        after <= far && after + Duration::from_millis(400) > far,
+        "{far:?} then {after:?}"
+    );
+    // Another model is another queue: its first start is now.
+    assert_eq!(
+        b.reserve_start("anthropic/other", spacing, within)
+            .await
+            .unwrap(),
+        SharedTurn::In(Duration::ZERO)
+    );
+    // A hostile model name (long, any characters) is a key like any other, bounded.
+    let odd = format!(
+        "x/{}'; DROP TABLE abada_agent_runs; --{}",
+        "é".repeat(400),
+        "z".repeat(600)
+    );
+    assert!(matches!(
+        a.reserve_start(&odd, spacing, within).await.unwrap(),
+        SharedTurn::In(_)
+    ));
+    assert_eq!(db.count("SELECT count(*) FROM abada_agent_runs").await, 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM abada_agent_model_pace")
+            .await,
+        3
+    );
+    drop((a, b));
     db.drop().await;
 }
