@@ -342,6 +342,21 @@ impl RunningTasks {
                 a.ended.clone()
             })
             .collect();
+        // SIM-BUG (feature `sim-bugs`, selected at run time): every older attempt superseded,
+        // reporting or not, and the newer started at once.
+        #[cfg(feature = "sim-bugs")]
+        let older = if crate::sim_bugs::active(crate::sim_bugs::Bug::SupersedeReporting) {
+            for a in self
+                .attempts
+                .values()
+                .filter(|a| a.lease.task().task_id == lease.task().task_id)
+            {
+                a.lease.mark_lost(LeaseLostReason::Superseded);
+            }
+            Vec::new()
+        } else {
+            older
+        };
         let ended = CancellationToken::new();
         let on_end = ended.clone().drop_guard();
         let handle = self.set.spawn(async move {

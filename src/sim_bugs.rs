@@ -20,15 +20,24 @@ pub enum Bug {
     /// A person's decision is matched to the waiting call by its `callId` only: its
     /// `requestId` (missing, forged, stale or consumed) and its `callDigest` are not checked.
     ApprovalByCallId,
+    /// The runner, handed a task that still runs here, supersedes every older attempt at
+    /// once, one already waiting for its report's answer included, and starts the newer one
+    /// without waiting: an accepted report ends `lease_lost`.
+    SupersedeReporting,
+    /// The run store's `Fenced` refusal is not taken as a lost lease: the fenced holder goes
+    /// on, and reports for a task whose run another attempt holds.
+    StoreFenceIgnored,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 5] = [
+    pub const ALL: [Bug; 7] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
         Bug::StoreFinishBeforeComplete,
         Bug::ApprovalByCallId,
+        Bug::SupersedeReporting,
+        Bug::StoreFenceIgnored,
     ];
 
     pub fn name(self) -> &'static str {
@@ -38,6 +47,22 @@ impl Bug {
             Bug::KeyedWriteWithoutKey => "keyed-write-without-key",
             Bug::StoreFinishBeforeComplete => "store-finish-before-complete",
             Bug::ApprovalByCallId => "approval-by-call-id",
+            Bug::SupersedeReporting => "supersede-reporting",
+            Bug::StoreFenceIgnored => "store-fence-ignored",
+        }
+    }
+
+    /// The invariant of the simulator that must catch it (`devkit::sim::invariants`).
+    pub fn caught_by(self) -> &'static str {
+        use crate::devkit::sim::invariants as i;
+        match self {
+            Bug::FenceRemoved => i::AFTER_LOSS,
+            Bug::HeartbeatAfterExpiry => i::LOCAL_EXPIRY,
+            Bug::KeyedWriteWithoutKey => i::KEYED_WRITE_ONCE,
+            Bug::StoreFinishBeforeComplete => i::MODEL_REPAID,
+            Bug::ApprovalByCallId => i::GATED_CALL_DECIDED,
+            Bug::SupersedeReporting => i::ENDS_AGREE,
+            Bug::StoreFenceIgnored => i::AFTER_LOSS,
         }
     }
 
@@ -50,26 +75,21 @@ static SELECTED: AtomicU8 = AtomicU8::new(0);
 
 /// Selects the bug of the runs that follow (`None`: the worker as it is).
 pub fn select(bug: Option<Bug>) {
-    let code = match bug {
-        None => 0,
-        Some(Bug::FenceRemoved) => 1,
-        Some(Bug::HeartbeatAfterExpiry) => 2,
-        Some(Bug::KeyedWriteWithoutKey) => 3,
-        Some(Bug::StoreFinishBeforeComplete) => 4,
-        Some(Bug::ApprovalByCallId) => 5,
-    };
+    let code = bug.map_or(0, |b| b.code());
     SELECTED.store(code, Ordering::SeqCst);
 }
 
 /// Whether `bug` is selected now.
 pub fn active(bug: Bug) -> bool {
-    let code = SELECTED.load(Ordering::SeqCst);
-    matches!(
-        (code, bug),
-        (1, Bug::FenceRemoved)
-            | (2, Bug::HeartbeatAfterExpiry)
-            | (3, Bug::KeyedWriteWithoutKey)
-            | (4, Bug::StoreFinishBeforeComplete)
-            | (5, Bug::ApprovalByCallId)
-    )
+    SELECTED.load(Ordering::SeqCst) == bug.code()
+}
+
+impl Bug {
+    /// Its code in [`SELECTED`]: its place in [`Bug::ALL`], from 1 (0: none).
+    fn code(self) -> u8 {
+        Bug::ALL
+            .iter()
+            .position(|b| *b == self)
+            .map_or(0, |i| i as u8 + 1)
+    }
 }

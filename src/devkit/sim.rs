@@ -111,11 +111,18 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         let tasks = schedule.tasks.clone();
         tokio::spawn(async move {
             let start = tokio::time::Instant::now();
-            let mut tasks = tasks;
-            tasks.sort_by_key(|t| t.at);
-            for t in tasks {
-                tokio::time::sleep_until(start + Duration::from_millis(t.at)).await;
-                arrive(&world, &people, &t);
+            // Each planned task, and the twin token of each parallel shape, at its time.
+            let mut arrivals: Vec<(u64, &TaskPlan, bool)> = Vec::new();
+            for t in &tasks {
+                arrivals.push((t.at, t, false));
+                if let Shape::Parallel { twin_after, .. } = &t.shape {
+                    arrivals.push((t.at + twin_after, t, true));
+                }
+            }
+            arrivals.sort_by_key(|(at, _, _)| *at);
+            for (at, t, twin) in arrivals {
+                tokio::time::sleep_until(start + Duration::from_millis(at)).await;
+                arrive(&world, &people, t, twin);
             }
         })
     };
@@ -242,8 +249,8 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
     }
 }
 
-/// A planned task's arrival in its shape.
-fn arrive(world: &World, people: &Mutex<People>, t: &TaskPlan) {
+/// A planned task's arrival in its shape; `twin`: the second token of a parallel shape.
+fn arrive(world: &World, people: &Mutex<People>, t: &TaskPlan, twin: bool) {
     let script = |task: String, steps: &str| ModelScript {
         task,
         steps: steps.to_string(),
@@ -280,8 +287,9 @@ fn arrive(world: &World, people: &Mutex<People>, t: &TaskPlan) {
                 },
             );
         }
-        Shape::Parallel { twin_steps } => {
-            process::start_parallel(world, &first, &script(format!("{}t", t.key), twin_steps));
+        Shape::Parallel { twin_steps, .. } => {
+            let second = twin.then(|| script(format!("{}t", t.key), twin_steps));
+            process::start_parallel(world, &first, second.as_ref());
         }
     }
 }

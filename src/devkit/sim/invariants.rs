@@ -51,6 +51,36 @@ impl std::fmt::Display for Violation {
     }
 }
 
+/// The names of the invariants, each the `invariant` of its violations.
+pub const ONE_COMPLETION: &str = "one accepted completion per task";
+pub const STALE_APPEND: &str = "no engine journal append by a stale attempt accepted";
+pub const STALE_STORE_APPEND: &str = "no run-store append by a stale attempt accepted";
+pub const LOCAL_EXPIRY: &str = "no engine call after the local lease expired";
+pub const AFTER_LOSS: &str = "no call after the engine or the run store said the lease is lost";
+pub const ENDS_AGREE: &str = "a worker's end agrees with what the engine accepted";
+pub const SLOTS: &str = "running tasks, fetches and reports within the slots";
+pub const ALL_ENDED: &str = "every task ends once faults stop";
+pub const MODEL_REPAID: &str = "at most one model call re-paid per interruption";
+pub const KEYED_WRITE_ONCE: &str = "every keyed write applied at most once";
+pub const GATED_CALL_DECIDED: &str = "no gated call performed without the matching decision";
+pub const NO_SECRET: &str = "no secret in any log line, span or metric";
+
+/// Every invariant [`check`] judges, in its order.
+pub const INVARIANTS: &[&str] = &[
+    ONE_COMPLETION,
+    STALE_APPEND,
+    STALE_STORE_APPEND,
+    LOCAL_EXPIRY,
+    AFTER_LOSS,
+    ENDS_AGREE,
+    SLOTS,
+    ALL_ENDED,
+    MODEL_REPAID,
+    KEYED_WRITE_ONCE,
+    GATED_CALL_DECIDED,
+    NO_SECRET,
+];
+
 /// What the checks read.
 pub struct Facts<'a> {
     pub trace: &'a Trace,
@@ -72,6 +102,7 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(no_stale_store_append(facts));
     v.extend(no_call_after_local_expiry(facts));
     v.extend(no_call_after_refusal(facts));
+    v.extend(ends_agree(facts));
     v.extend(slots(facts));
     v.extend(all_ended(facts));
     v.extend(model_repaid(facts));
@@ -140,7 +171,7 @@ pub fn one_completion(facts: &Facts<'_>) -> Vec<Violation> {
                     .unwrap_or(*t);
                 if sent_at >= *first_at {
                     out.push(violation(
-                        "one accepted completion per task",
+                        ONE_COMPLETION,
                         format!(
                             "task {task}: {op} by {worker} attempt {attempt:?} sent at {} and accepted at {}, after {first_op} by {w} attempt {a:?} was accepted at {}",
                             at(sent_at),
@@ -172,7 +203,7 @@ pub fn no_stale_append(facts: &Facts<'_>) -> Vec<Violation> {
             let latest = holders.get(task);
             if latest != Some(&(worker.clone(), *attempt)) {
                 out.push(violation(
-                    "no append by a stale attempt accepted",
+                    STALE_APPEND,
                     format!(
                         "task {task}: journal append by {worker} attempt {attempt} accepted at {} while the latest acquisition is {latest:?}",
                         at(*t)
@@ -193,7 +224,7 @@ pub fn no_stale_store_append(facts: &Facts<'_>) -> Vec<Violation> {
     // The store's side: the attempt of each run's latest claim, as executed.
     let mut claimed: BTreeMap<&str, u64> = BTreeMap::new();
     // The engine's side: who acquired each task last, and when; when each worker last sent an
-    // append about a run (the simulator keys runs by task id).
+    // append about a task's run.
     let mut holders: BTreeMap<&str, (&str, u64)> = BTreeMap::new();
     let mut sent: BTreeMap<(&str, &str, u64), u64> = BTreeMap::new();
     let mut out = Vec::new();
@@ -207,11 +238,11 @@ pub fn no_stale_store_append(facts: &Facts<'_>) -> Vec<Violation> {
             Event::StoreCall {
                 worker,
                 op: "append",
-                run,
+                task,
                 seq: Some(seq),
                 ..
             } => {
-                sent.insert((worker, run, *seq), *t);
+                sent.insert((worker, task, *seq), *t);
             }
             Event::StoreAnswer {
                 op: "claim",
@@ -226,6 +257,7 @@ pub fn no_stale_store_append(facts: &Facts<'_>) -> Vec<Violation> {
                 worker,
                 op: "append",
                 run,
+                task,
                 attempt: Some(attempt),
                 seq: Some(seq),
                 answer,
@@ -233,22 +265,23 @@ pub fn no_stale_store_append(facts: &Facts<'_>) -> Vec<Violation> {
                 let latest = claimed.get(run.as_str()).copied();
                 if latest != Some(*attempt) {
                     out.push(violation(
-                        "no append by a stale attempt accepted",
+                        STALE_STORE_APPEND,
                         format!(
-                            "task {run}: step {seq} appended to the run store by {worker} with run attempt {attempt} accepted ({answer}) at {} while the run's latest claim is attempt {latest:?}",
+                            "task {task}: step {seq} appended to run {run} by {worker} with run attempt {attempt} accepted ({answer}) at {} while the run's latest claim is attempt {latest:?}",
                             at(*t)
                         ),
                     ));
                 }
-                let sent_at = sent.get(&(worker.as_str(), run.as_str(), *seq)).copied();
-                if let (Some((holder, since)), Some(sent_at)) = (holders.get(run.as_str()), sent_at)
+                let sent_at = sent.get(&(worker.as_str(), task.as_str(), *seq)).copied();
+                if let (Some((holder, since)), Some(sent_at)) =
+                    (holders.get(task.as_str()), sent_at)
                     && holder != worker
                     && sent_at > *since
                 {
                     out.push(violation(
-                        "no append by a stale attempt accepted",
+                        STALE_STORE_APPEND,
                         format!(
-                            "task {run}: step {seq} appended to the run store by {worker} (sent at {}) accepted at {}, after the engine gave the task to {holder} at {}",
+                            "task {task}: step {seq} appended to run {run} by {worker} (sent at {}) accepted at {}, after the engine gave the task to {holder} at {}",
                             at(sent_at),
                             at(*t),
                             at(*since)
@@ -294,18 +327,18 @@ pub fn no_call_after_local_expiry(facts: &Facts<'_>) -> Vec<Violation> {
             // A finish runs after the engine accepted the task's end, fenced by the run's
             // attempt alone: no lease is left to expire.
             Event::StoreCall {
-                worker, op, run, ..
+                worker, op, task, ..
             } if *op != "finish" => {
-                let Some(&attempt) = acquired.get(&(worker.as_str(), run.as_str())) else {
+                let Some(&attempt) = acquired.get(&(worker.as_str(), task.as_str())) else {
                     continue;
                 };
-                if let Some(&deadline) = expiry.get(&(worker.as_str(), run.as_str(), attempt))
+                if let Some(&deadline) = expiry.get(&(worker.as_str(), task.as_str(), attempt))
                     && *t > deadline
                 {
                     out.push(violation(
-                        "no engine call after the local lease expired",
+                        LOCAL_EXPIRY,
                         format!(
-                            "task {run}: run-store {op} by {worker} (acquisition {attempt}) sent at {}, after its lease expired by the worker's own clock at {}",
+                            "task {task}: run-store {op} by {worker} (acquisition {attempt}) sent at {}, after its lease expired by the worker's own clock at {}",
                             at(*t),
                             at(deadline)
                         ),
@@ -323,7 +356,7 @@ pub fn no_call_after_local_expiry(facts: &Facts<'_>) -> Vec<Violation> {
                     && *t > deadline
                 {
                     out.push(violation(
-                        "no engine call after the local lease expired",
+                        LOCAL_EXPIRY,
                         format!(
                             "task {task}: {op} by {worker} attempt {attempt} sent at {}, after its lease expired by the worker's own clock at {}",
                             at(*t),
@@ -396,18 +429,18 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
             Event::StoreAnswer {
                 worker,
                 op,
-                run,
+                task,
                 answer: "fenced",
                 ..
             } => {
-                if let Some(attempt) = held.get(&(worker.as_str(), run.as_str())) {
+                if let Some(attempt) = held.get(&(worker.as_str(), task.as_str())) {
                     let op = match *op {
                         "claim" => "run-store claim",
                         "append" => "run-store append",
                         "finish" => "run-store finish",
                         _ => "run-store call",
                     };
-                    lost.entry((worker, run, *attempt)).or_insert((op, *t));
+                    lost.entry((worker, task, *attempt)).or_insert((op, *t));
                 }
             }
             Event::EngineCall {
@@ -434,11 +467,196 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
                     && *t > learned(refused_op, *refused_at)
                 {
                     out.push(violation(
-                        "no call after the engine or the run store said the lease is lost",
+                        AFTER_LOSS,
                         format!(
                             "task {task}: {op} by {worker} attempt {attempt} sent at {} after {refused_op} was refused as not ours at {}",
                             at(*t),
                             at(*refused_at)
+                        ),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The ops that report a task's end.
+fn is_report(op: &str) -> bool {
+    matches!(op, "complete" | "failure" | "bpmn-error")
+}
+
+/// One attempt of one worker: (worker, task, attempt).
+type AttemptKey<'a> = (&'a str, &'a str, u32);
+
+pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
+    let lock = facts.schedule.lock_duration.as_millis() as u64;
+    let margin = facts.safety_margin.as_millis() as u64;
+    // When each late answer reached its worker (`u64::MAX`: never), by (worker, op, task,
+    // attempt, executed at).
+    let mut delivered: BTreeMap<(&str, &str, &str, u32, u64), u64> = BTreeMap::new();
+    for (t, e) in &facts.trace.events {
+        match e {
+            Event::Late {
+                worker,
+                op,
+                task: Some(task),
+                attempt: Some(attempt),
+            } => {
+                delivered
+                    .entry((worker, op, task, *attempt, *t))
+                    .or_insert(u64::MAX);
+            }
+            Event::Delivered {
+                worker,
+                op,
+                task: Some(task),
+                attempt: Some(attempt),
+                executed,
+            } => {
+                delivered.insert((worker, op, task, *attempt, *executed), *t);
+            }
+            _ => {}
+        }
+    }
+    let mut fetch_started: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut beat_sent: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
+    // Per attempt: its expiry at acquisition, and each extension as (reached the worker at,
+    // new expiry), in the order they reached it.
+    let mut expiries: BTreeMap<AttemptKey<'_>, (u64, Vec<(u64, u64)>)> = BTreeMap::new();
+    let mut accepted: BTreeMap<AttemptKey<'_>, (&str, u64)> = BTreeMap::new();
+    let mut lost: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
+    let mut held: BTreeMap<(&str, &str), u32> = BTreeMap::new();
+    let mut unended: BTreeMap<(&str, &str), std::collections::VecDeque<u32>> = BTreeMap::new();
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        match e {
+            Event::EngineCall {
+                worker,
+                op: "fetch-and-lock",
+                ..
+            } => {
+                fetch_started.insert(worker, *t);
+            }
+            Event::Fetched { worker, tasks, .. } => {
+                let sent = fetch_started.get(worker.as_str()).copied().unwrap_or(*t);
+                for (task, attempt) in tasks {
+                    expiries.insert((worker, task, *attempt), (sent + lock - margin, Vec::new()));
+                    held.insert((worker, task), *attempt);
+                    unended
+                        .entry((worker, task))
+                        .or_default()
+                        .push_back(*attempt);
+                }
+            }
+            Event::EngineCall {
+                worker,
+                op: "heartbeat",
+                task: Some(task),
+                attempt: Some(attempt),
+            } => {
+                beat_sent.insert((worker, task, *attempt), *t);
+            }
+            Event::EngineAnswer {
+                worker,
+                op,
+                task: Some(task),
+                attempt: Some(attempt),
+                answer,
+            } => {
+                let key = (worker.as_str(), task.as_str(), *attempt);
+                let reached = delivered
+                    .get(&(worker.as_str(), *op, task.as_str(), *attempt, *t))
+                    .copied()
+                    .unwrap_or(*t + 1);
+                match answer {
+                    Answer::Ok if *op == "heartbeat" => {
+                        if let (Some(sent), Some((_, ext))) =
+                            (beat_sent.get(&key), expiries.get_mut(&key))
+                        {
+                            ext.push((reached, sent + lock - margin));
+                        }
+                    }
+                    Answer::Ok if is_report(op) => {
+                        accepted.entry(key).or_insert((op, *t));
+                    }
+                    a if lease_lost(a) => {
+                        lost.entry(key).or_insert(*t);
+                    }
+                    _ => {}
+                }
+            }
+            Event::StoreAnswer {
+                worker,
+                task,
+                answer: "fenced",
+                ..
+            } => {
+                if let Some(attempt) = held.get(&(worker.as_str(), task.as_str())) {
+                    lost.entry((worker, task, *attempt)).or_insert(*t);
+                }
+            }
+            Event::TaskEnded {
+                worker,
+                task,
+                attempt,
+                outcome,
+            } => {
+                // A plain v1 engine sends no attempt (the trace counts its acquisitions): a
+                // worker runs one attempt of a task at a time, so its ends come in the order
+                // of its acquisitions.
+                let running = unended.entry((worker, task)).or_default();
+                let attempt = match attempt {
+                    Some(a) => {
+                        running.retain(|r| r != a);
+                        *a
+                    }
+                    None => match running.pop_front() {
+                        Some(a) => a,
+                        None => continue,
+                    },
+                };
+                let attempt = &attempt;
+                let key = (worker.as_str(), task.as_str(), *attempt);
+                let report = accepted.get(&key).copied();
+                if outcome != "lease_lost" && outcome != "report_failed" {
+                    if report.is_none() {
+                        out.push(violation(
+                            ENDS_AGREE,
+                            format!(
+                                "task {task}: {worker} attempt {attempt} ended {outcome} at {}, but the engine accepted no report of it",
+                                at(*t)
+                            ),
+                        ));
+                    }
+                    continue;
+                }
+                let Some((op, accepted_at)) = report else {
+                    continue;
+                };
+                if outcome != "lease_lost" || lost.get(&key).is_some_and(|l| *l <= *t) {
+                    continue;
+                }
+                // The expiry the worker's own clock kept at the end: its extensions that reached
+                // it in time, in order.
+                let Some((mut expiry, extensions)) = expiries.get(&key).cloned() else {
+                    continue;
+                };
+                for (reached, until) in extensions {
+                    if reached <= *t && reached <= expiry {
+                        expiry = expiry.max(until);
+                    }
+                }
+                // A millisecond of slack: the trace's times are whole milliseconds.
+                if *t + 1 < expiry {
+                    out.push(violation(
+                        ENDS_AGREE,
+                        format!(
+                            "task {task}: {worker} attempt {attempt} ended lease_lost at {}, though the engine accepted its {op} at {} and its lease ran until {} by its own clock, and nothing said it was lost",
+                            at(*t),
+                            at(accepted_at),
+                            at(expiry)
                         ),
                     ));
                 }
@@ -467,9 +685,9 @@ pub fn slots(facts: &Facts<'_>) -> Vec<Violation> {
                 let busy = running.get(worker.as_str()).map_or(0, BTreeSet::len) as u32;
                 if *requested + busy > slots {
                     out.push(violation(
-                        "no fetch above the free slots",
+                        SLOTS,
                         format!(
-                            "worker {worker} asked for {requested} tasks at {} with {busy} of {slots} slots busy",
+                            "no fetch above the free slots: worker {worker} asked for {requested} tasks at {} with {busy} of {slots} slots busy",
                             at(*t)
                         ),
                     ));
@@ -485,9 +703,9 @@ pub fn slots(facts: &Facts<'_>) -> Vec<Violation> {
                 let slots = slots_of.get(worker.as_str()).copied().unwrap_or(0);
                 if set.len() as u32 > slots {
                     out.push(violation(
-                        "running tasks never above the slots",
+                        SLOTS,
                         format!(
-                            "task {task}: started by {worker} at {} with {} tasks running on {slots} slots",
+                            "running tasks above the slots: task {task} started by {worker} at {} with {} tasks running on {slots} slots",
                             at(*t),
                             set.len()
                         ),
@@ -507,9 +725,9 @@ pub fn slots(facts: &Facts<'_>) -> Vec<Violation> {
                 let slots = slots_of.get(worker.as_str()).copied().unwrap_or(0);
                 if set.len() as u32 > slots {
                     out.push(violation(
-                        "reports in flight never above the slots",
+                        SLOTS,
                         format!(
-                            "task {task}: {worker} gave its slot back at {} with {} reports in flight on {slots} slots",
+                            "reports in flight above the slots: task {task}: {worker} gave its slot back at {} with {} reports in flight on {slots} slots",
                             at(*t),
                             set.len()
                         ),
@@ -544,7 +762,7 @@ pub fn all_ended(facts: &Facts<'_>) -> Vec<Violation> {
         .filter(|v| !super::ended(v))
         .map(|v| {
             violation(
-                "every task ends once faults stop",
+                ALL_ENDED,
                 format!(
                     "task {}: still {:?} (attempt {}, {} journal steps) {} s after the faults stopped at {}",
                     v.id,
@@ -562,8 +780,19 @@ pub fn all_ended(facts: &Facts<'_>) -> Vec<Violation> {
 pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
     let mut paid: BTreeMap<&str, BTreeMap<usize, u32>> = BTreeMap::new();
     let mut acquisitions: BTreeMap<&str, u32> = BTreeMap::new();
+    // Tasks whose run another task's claim took over (a second token at the node, its holder
+    // silent past the hold): their conversation begins again, paid again, as documented.
+    let mut taken_over: BTreeSet<&str> = BTreeSet::new();
     for (_, e) in &facts.trace.events {
         match e {
+            Event::StoreAnswer {
+                task,
+                answer: "fenced",
+                op,
+                ..
+            } if *op != "finish" => {
+                taken_over.insert(task);
+            }
             Event::ModelCall {
                 task, turn, answer, ..
             } if matches!(*answer, "tool" | "final") => {
@@ -582,6 +811,9 @@ pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
         let Some(ids) = facts.keys.get(key) else {
             continue;
         };
+        if ids.iter().any(|id| taken_over.contains(id.as_str())) {
+            continue;
+        }
         // A task of a round trip that resumes the conversation is no interruption; each
         // acquisition of a task past its first is.
         let interruptions: u32 = ids
@@ -599,7 +831,7 @@ pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
         if repaid > interruptions {
             let worst = turns.iter().max_by_key(|(_, n)| **n).map(|(t, _)| *t);
             out.push(violation(
-                "at most one model call re-paid per interruption",
+                MODEL_REPAID,
                 format!(
                     "task {id}: {repaid} model answers paid again (most at turn {worst:?}) over {interruptions} interruptions"
                 ),
@@ -644,7 +876,7 @@ pub fn keyed_write_once(facts: &Facts<'_>) -> Vec<Violation> {
             .map(|(t, w, k)| format!("{} by {w} with key {k:?}", at(*t)))
             .collect();
         out.push(violation(
-            "every keyed write applied at most once",
+            KEYED_WRITE_ONCE,
             format!(
                 "task {id}: write {n} applied {} times: {}",
                 times.len(),
@@ -659,6 +891,11 @@ pub fn keyed_write_once(facts: &Facts<'_>) -> Vec<Violation> {
 /// (its revisits and its twin included).
 fn gated_scripts(schedule: &Schedule) -> BTreeSet<String> {
     let mut gated = BTreeSet::new();
+    if schedule.store_journal {
+        // A plain engine sends no definition: every task runs the agents file's, which asks
+        // no one.
+        return gated;
+    }
     for t in &schedule.tasks {
         match &t.shape {
             Shape::Task => {}
@@ -748,7 +985,7 @@ pub fn gated_call_decided(facts: &Facts<'_>) -> Vec<Violation> {
                     .get(&(task.as_str(), *n))
                     .map_or("none".to_string(), |d| d.join(", "));
                 out.push(violation(
-                    "no gated call performed without the matching decision",
+                    GATED_CALL_DECIDED,
                     format!(
                         "task {id} (script {task}): write {n}, the call of turn {n}, performed at {} by {worker} without an approval of the request it waited on (decisions on it: {decided})",
                         at(*t)
@@ -774,7 +1011,7 @@ pub fn no_secret_leaked(facts: &Facts<'_>) -> Vec<Violation> {
             // The message names the secret and shows the line with it masked: a report of
             // a leak is no second leak.
             out.push(violation(
-                "no secret in any log line, span or metric",
+                NO_SECRET,
                 format!(
                     "{what}: in what the workers emitted at {}: {}",
                     at(*t),

@@ -40,9 +40,18 @@ pub enum Shape {
         preset: bool,
         revisits: Vec<String>,
     },
-    /// Two tasks of one instance at the agent node at once (two tokens): this one and a twin
-    /// (task `{key}t`, with `twin_steps`), both gated as above; nothing decides their requests.
-    Parallel { twin_steps: String },
+    /// Two tasks of one instance at the agent node (two tokens): this one and a twin (task
+    /// `{key}t`, with `twin_steps`) reaching the node `twin_after` ms later (its branch had
+    /// other work first), both gated as above; nothing decides their requests. A twin that
+    /// comes while the first holder has been silent for longer than the hold (a long model
+    /// call, a freeze) takes the run, and fences the holder.
+    /// `first_long`: the first task's first answer comes after a long generation (its
+    /// script begins with `R`, see `ModelScript`).
+    Parallel {
+        twin_steps: String,
+        twin_after: u64,
+        first_long: bool,
+    },
 }
 
 /// A worker killed at `at`; a fresh one (new id) takes its place `restart_after` later.
@@ -107,8 +116,16 @@ impl Schedule {
             })
             .collect();
         for t in &mut tasks {
-            t.shape = draw_shape(&mut shapes);
-            if !matches!(t.shape, Shape::Task) && !t.steps.contains('w') {
+            t.shape = draw_shape(&mut shapes, lock_ms);
+            if let Shape::Parallel {
+                first_long: true, ..
+            } = t.shape
+            {
+                // The first holder's first answer comes after a long generation: a twin
+                // arriving meanwhile finds its run silent past the hold.
+                t.steps.insert(0, 'R');
+            }
+            if !matches!(t.shape, Shape::Task) && !t.steps.to_ascii_lowercase().contains('w') {
                 // A gated shape asks a person at least once.
                 t.steps.push('w');
             }
@@ -193,6 +210,11 @@ impl Schedule {
             faults.store_slow_max = Duration::from_millis(rng.random_range(10..=lock_ms));
             faults.store_answer_lost = odds(&mut rng, 0.1);
         }
+        // What came after the run store, from a source of its own likewise.
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x1a7e_a45e_7e4c);
+        faults.engine_answer_late = odds(&mut rng, 0.15);
+        faults.engine_late_max = Duration::from_millis(rng.random_range(500..=lock_ms));
+        faults.model_stall = odds(&mut rng, 0.15);
         Schedule {
             seed,
             workers,
@@ -215,7 +237,7 @@ fn draw_steps(rng: &mut StdRng, max: usize) -> String {
 
 /// A task's shape: mostly one task, else an approval round trip (its people's manners, a preset
 /// decision, re-entries) or two tokens at once.
-fn draw_shape(rng: &mut StdRng) -> Shape {
+fn draw_shape(rng: &mut StdRng, lock_ms: u64) -> Shape {
     let roll: f64 = rng.random();
     if roll < 0.55 {
         return Shape::Task;
@@ -250,7 +272,15 @@ fn draw_shape(rng: &mut StdRng) -> Shape {
             revisits,
         };
     }
+    let twin_steps = draw_steps(rng, 2);
+    let twin_after = if rng.random_bool(1.0 / 3.0) {
+        0
+    } else {
+        rng.random_range(lock_ms..=lock_ms * 2)
+    };
     Shape::Parallel {
-        twin_steps: draw_steps(rng, 2),
+        twin_steps,
+        twin_after,
+        first_long: rng.random_bool(0.5),
     }
 }

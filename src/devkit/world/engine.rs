@@ -77,6 +77,20 @@ impl WorldEngine {
         key: Option<&str>,
         body: Value,
     ) -> Result<CoreReply, EngineError> {
+        self.exchange_timed(name, op, task, key, body)
+            .await
+            .map(|(reply, _)| reply)
+    }
+
+    /// [`Self::exchange_keyed`], with the world's time at which the engine executed the call.
+    async fn exchange_timed(
+        &self,
+        name: &'static str,
+        op: Operation,
+        task: Option<&TaskRef>,
+        key: Option<&str>,
+        body: Value,
+    ) -> Result<(CoreReply, u64), EngineError> {
         let answer = self.exchange_at_engine(name, op, task, key, body).await;
         tokio::time::sleep(Duration::from_millis(1)).await;
         answer
@@ -90,7 +104,7 @@ impl WorldEngine {
         task: Option<&TaskRef>,
         key: Option<&str>,
         body: Value,
-    ) -> Result<CoreReply, EngineError> {
+    ) -> Result<(CoreReply, u64), EngineError> {
         let task_id = task.map(|t| t.task_id.clone());
         let attempt = task.and_then(|t| t.attempt).or_else(|| {
             let acquired = self.acquired.lock().unwrap_or_else(|e| e.into_inner());
@@ -137,7 +151,7 @@ impl WorldEngine {
                 true,
             ));
         }
-        let (slow, slow_max, p5xx, p409, lost, refused) = {
+        let (slow, slow_max, p5xx, p409, lost, refused, late, late_max) = {
             let f = self.world.faults();
             let p = &f.plan;
             if f.active(now) {
@@ -148,9 +162,11 @@ impl WorldEngine {
                     p.engine_409,
                     p.engine_answer_lost,
                     p.refused,
+                    p.engine_answer_late,
+                    p.engine_late_max,
                 )
             } else {
-                (0.0, Duration::ZERO, 0.0, 0.0, 0.0, 0.0)
+                (0.0, Duration::ZERO, 0.0, 0.0, 0.0, 0.0, 0.0, Duration::ZERO)
             }
         };
         if slow > 0.0 && self.world.draw() < slow {
@@ -206,7 +222,27 @@ impl WorldEngine {
                     ));
                 }
                 self.world.record(answer(Answer::Ok));
-                Ok(reply)
+                let executed = self.world.elapsed_ms();
+                if late > 0.0 && self.world.draw() < late {
+                    // Executed now; the answer reaches the worker only later, if it still waits.
+                    self.world.faults().count("engine answer late");
+                    self.world.record(Event::Late {
+                        worker: self.worker_id.clone(),
+                        op: name,
+                        task: task_id.clone(),
+                        attempt,
+                    });
+                    tokio::time::sleep(late_max.mul_f64(self.world.draw())).await;
+                    self.thaw().await;
+                    self.world.record(Event::Delivered {
+                        worker: self.worker_id.clone(),
+                        op: name,
+                        task: task_id.clone(),
+                        attempt,
+                        executed,
+                    });
+                }
+                Ok((reply, executed))
             }
             Err(refusal) => {
                 self.world.record(answer(Answer::Refused {
@@ -258,8 +294,8 @@ impl Engine for WorldEngine {
             "lockDuration": request.lock_duration.as_millis() as u64,
             "maxTasks": request.max_tasks,
         });
-        let reply = self
-            .exchange(op, Operation::FetchAndLock, None, body)
+        let (reply, executed) = self
+            .exchange_timed(op, Operation::FetchAndLock, None, None, body)
             .await?;
         let bytes = reply.body.unwrap_or(Value::Null).to_string();
         let (tasks, rejected) =
@@ -281,11 +317,16 @@ impl Engine for WorldEngine {
                 (t.id.clone(), attempt)
             })
             .collect();
-        self.world.record(Event::Fetched {
-            worker: self.worker_id.clone(),
-            asked: request.max_tasks,
-            tasks: tasks_seen,
-        });
+        // Stamped when the engine handed the tasks out (the trace is sorted by time): a late
+        // answer's tasks were this worker's from then on.
+        self.world.trace().push(
+            executed,
+            Event::Fetched {
+                worker: self.worker_id.clone(),
+                asked: request.max_tasks,
+                tasks: tasks_seen,
+            },
+        );
         Ok(tasks)
     }
 

@@ -40,6 +40,11 @@ pub struct FaultPlan {
     pub(crate) engine_5xx: f64,
     pub(crate) engine_409: f64,
     pub(crate) engine_answer_lost: f64,
+    /// Odds per engine call of an answer that comes late: executed at once, its answer held up
+    /// to `engine_late_max` on the way back (a report accepted while the worker still waits,
+    /// and meanwhile the task offered again after its retry timeout).
+    pub(crate) engine_answer_late: f64,
+    pub(crate) engine_late_max: Duration,
     /// Odds per heartbeat, journal call or completion of a refusal the engine's state does not
     /// back (403 `WORKER_LOCK_NOT_OWNED`, 409 `STALE_ATTEMPT`): the worker must stop, the task
     /// expires and is fetched again.
@@ -52,6 +57,9 @@ pub struct FaultPlan {
     pub(crate) model_5xx: f64,
     pub(crate) model_slow: f64,
     pub(crate) model_slow_max: Duration,
+    /// Odds per model call of a long generation: one to two lock durations (the task's
+    /// heartbeats keep its lease meanwhile; a visit's run it holds goes silent past the hold).
+    pub(crate) model_stall: f64,
     /// Odds per tool call of a 5xx, a delay of up to `tool_slow_max`, and (writes) of the write
     /// applied with its answer lost.
     pub(crate) tool_5xx: f64,

@@ -1,5 +1,6 @@
 //! The world's scripted models: a [`ModelProvider`] that plays, for each task, the script its
-//! input names (`sim:{task}:{steps}:{style}`): one answer per step, each a tool call: `u` a tool
+//! input names (`sim:{task}:{steps}:{style}`): one answer per step, each a tool call (a step in
+//! capitals comes after a long generation, one and a half lock durations): `u` a tool
 //! nobody offers (the agent answers it with an error result, performing nothing), `r` the
 //! world's read-only lookup, `w` the world's keyed write number `n` (its turn); then a final
 //! answer naming the task. The `hostile` style sends malformed arguments to the unknown tool. Faults: 429
@@ -97,18 +98,29 @@ impl ModelProvider for WorldModel {
         // Held while the worker is frozen, like its engine calls.
         self.world.hold(&self.worker_id).await;
         let now = self.world.elapsed_ms();
-        let (p429, p5xx, slow, slow_max) = {
+        let (p429, p5xx, slow, slow_max, stall) = {
             let f = self.world.faults();
             if f.active(now) {
                 let p = &f.plan;
-                (p.model_429, p.model_5xx, p.model_slow, p.model_slow_max)
+                (
+                    p.model_429,
+                    p.model_5xx,
+                    p.model_slow,
+                    p.model_slow_max,
+                    p.model_stall,
+                )
             } else {
-                (0.0, 0.0, 0.0, Duration::ZERO)
+                (0.0, 0.0, 0.0, Duration::ZERO, 0.0)
             }
         };
         if slow > 0.0 && self.world.draw() < slow {
             self.world.faults().count("model slow");
             tokio::time::sleep(slow_max.mul_f64(self.world.draw())).await;
+        }
+        if stall > 0.0 && self.world.draw() < stall {
+            self.world.faults().count("model stall");
+            let lock = self.world.lock_duration;
+            tokio::time::sleep(lock + lock.mul_f64(self.world.draw())).await;
         }
         if p429 > 0.0 && self.world.draw() < p429 {
             self.world.faults().count("model 429");
@@ -133,7 +145,13 @@ impl ModelProvider for WorldModel {
         }
         // A model takes a moment to answer.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let (message, answer) = match script.steps.as_bytes().get(turn) {
+        let step = script.steps.as_bytes().get(turn).copied();
+        if step.is_some_and(|s| s.is_ascii_uppercase()) {
+            // A long generation: the task's heartbeats keep its lease meanwhile.
+            self.world.faults().count("model long generation");
+            tokio::time::sleep(self.world.lock_duration.mul_f64(1.5)).await;
+        }
+        let (message, answer) = match step.map(|s| s.to_ascii_lowercase()) {
             Some(step) => {
                 let (server, tool, arguments) = match step {
                     b'r' => (

@@ -143,23 +143,21 @@ pub fn start(world: &World, script: &ModelScript, preset: bool) -> Result<String
     world.core().start_process(PROCESS_ID, variables)
 }
 
-/// Two tasks of one instance at the agent node at once (two tokens, as after a parallel
-/// gateway): the same process instance and activity, hence the same run key; each its script.
+/// A task of one instance at the agent node, beside another token's (two tokens, as after a
+/// parallel gateway): the same process instance and activity as `first`'s, hence the same run
+/// key. `None`: `first`'s own task; `Some(twin)`: the twin's, with its script. The task's id.
 pub(crate) fn start_parallel(
     world: &World,
     first: &ModelScript,
-    second: &ModelScript,
-) -> [String; 2] {
+    twin: Option<&ModelScript>,
+) -> String {
     let instance = format!("par-{}", first.task);
-    let mut core = world.core();
-    [first, second].map(|script| {
-        core.create_task(TaskSpec {
-            variables: input_variables(script),
-            agent: Some(agent_definition(true)),
-            retries: Some(3),
-            activity_id: Some(AGENT_NODE.into()),
-            process_instance_id: Some(instance.clone()),
-            ..TaskSpec::default()
-        })
+    world.core().create_task(TaskSpec {
+        variables: input_variables(twin.unwrap_or(first)),
+        agent: Some(agent_definition(true)),
+        retries: Some(3),
+        activity_id: Some(AGENT_NODE.into()),
+        process_instance_id: Some(instance),
+        ..TaskSpec::default()
     })
 }

@@ -22,6 +22,10 @@ const STORE: &str = "memory://world";
 pub(crate) struct WorldStore {
     world: Arc<World>,
     worker_id: String,
+    /// The engine task of each attempt this worker's claims took (attempts never repeat), so
+    /// a fence's calls name the task they are about: a visit's run is keyed by its process
+    /// visit, not by the task holding it.
+    tasks: std::sync::Mutex<std::collections::BTreeMap<u64, String>>,
 }
 
 impl WorldStore {
@@ -29,7 +33,18 @@ impl WorldStore {
         WorldStore {
             world,
             worker_id: worker_id.into(),
+            tasks: Default::default(),
         }
+    }
+
+    /// The engine task whose claim took `attempt`.
+    fn task_of(&self, attempt: u64) -> String {
+        self.tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&attempt)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// A call's way to the store: recorded, held while frozen, refused in an outage, slowed.
@@ -38,6 +53,7 @@ impl WorldStore {
         &self,
         op: &'static str,
         run: &RunKey,
+        task: &str,
         attempt: Option<u64>,
         seq: Option<u64>,
     ) -> Result<(), StoreError> {
@@ -48,6 +64,7 @@ impl WorldStore {
             worker: self.worker_id.clone(),
             op,
             run: run.to_string(),
+            task: task.to_string(),
             attempt,
             seq,
         });
@@ -57,7 +74,7 @@ impl WorldStore {
             // A refused connection takes a moment: no loop spins at one instant.
             tokio::time::sleep(Duration::from_millis(5)).await;
             self.world.faults().count("store outage");
-            self.answered(op, run, attempt, seq, "outage");
+            self.answered(op, run, task, attempt, seq, "outage");
             return Err(unavailable("connection refused (simulated outage)"));
         }
         let (slow, slow_max) = {
@@ -78,10 +95,12 @@ impl WorldStore {
     }
 
     /// The answer's way back: recorded as executed, maybe lost, and 1 ms on the wire.
+    #[allow(clippy::too_many_arguments)]
     async fn answer<T>(
         &self,
         op: &'static str,
         run: &RunKey,
+        task: &str,
         attempt: Option<u64>,
         seq: Option<u64>,
         result: Result<T, StoreError>,
@@ -93,7 +112,7 @@ impl WorldStore {
         };
         // A claim that went ahead was recorded with the attempt it handed out (`claim`).
         if op != "claim" || result.is_err() {
-            self.answered(op, run, attempt, seq, answer);
+            self.answered(op, run, task, attempt, seq, answer);
         }
         let odds = {
             let f = self.world.faults();
@@ -105,7 +124,7 @@ impl WorldStore {
         };
         let result = if odds > 0.0 && self.world.draw() < odds {
             self.world.faults().count("store answer lost");
-            self.answered(op, run, attempt, seq, "answer-lost");
+            self.answered(op, run, task, attempt, seq, "answer-lost");
             Err(unavailable(
                 "the connection closed after the commit (simulated)",
             ))
@@ -120,6 +139,7 @@ impl WorldStore {
         &self,
         op: &'static str,
         run: &RunKey,
+        task: &str,
         attempt: Option<u64>,
         seq: Option<u64>,
         answer: &'static str,
@@ -128,6 +148,7 @@ impl WorldStore {
             worker: self.worker_id.clone(),
             op,
             run: run.to_string(),
+            task: task.to_string(),
             attempt,
             seq,
             answer,
@@ -150,19 +171,25 @@ impl RunStore for WorldStore {
         claimant: &Claimant<'_>,
         first_step: Option<&JournalStep>,
     ) -> Result<Claim, StoreError> {
-        self.send("claim", run_key, None, None).await?;
+        let task = claimant.task_id;
+        self.send("claim", run_key, task, None, None).await?;
         let result = self.world.store.claim(run_key, claimant, first_step).await;
         if let Ok(claim) = &result {
+            self.tasks
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(claim.fence.attempt(), task.to_string());
             // Recorded as executed, with the attempt it handed out, before any loss.
             self.answered(
                 "claim",
                 run_key,
+                task,
                 Some(claim.fence.attempt()),
                 None,
                 "claimed",
             );
         }
-        self.answer("claim", run_key, None, None, result, |_| "claimed")
+        self.answer("claim", run_key, task, None, None, result, |_| "claimed")
             .await
     }
 
@@ -172,7 +199,9 @@ impl RunStore for WorldStore {
         step: &JournalStep,
     ) -> Result<AppendOutcome, StoreError> {
         let (run, attempt, seq) = (fence.run_key().clone(), fence.attempt(), step.seq);
-        self.send("append", &run, Some(attempt), Some(seq)).await?;
+        let task = self.task_of(attempt);
+        self.send("append", &run, &task, Some(attempt), Some(seq))
+            .await?;
         // The fence advances on the store's answer only: a lost answer leaves the caller's
         // fence where it was, as a lost acknowledgement does.
         let mut executed = fence.clone();
@@ -181,6 +210,7 @@ impl RunStore for WorldStore {
             .answer(
                 "append",
                 &run,
+                &task,
                 Some(attempt),
                 Some(seq),
                 result,
@@ -198,10 +228,20 @@ impl RunStore for WorldStore {
 
     async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError> {
         let (run, attempt) = (fence.run_key().clone(), fence.attempt());
-        self.send("finish", &run, Some(attempt), None).await?;
+        let task = self.task_of(attempt);
+        self.send("finish", &run, &task, Some(attempt), None)
+            .await?;
         let result = self.world.store.finish(fence, end).await;
-        self.answer("finish", &run, Some(attempt), None, result, |_| "finished")
-            .await
+        self.answer(
+            "finish",
+            &run,
+            &task,
+            Some(attempt),
+            None,
+            result,
+            |_| "finished",
+        )
+        .await
     }
 
     /// A read that changes nothing: passed to the world's store without a fault of its own (a

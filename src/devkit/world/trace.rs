@@ -22,19 +22,38 @@ pub enum Event {
         attempt: Option<u32>,
         answer: Answer,
     },
+    /// The answer just recorded ([`Event::EngineAnswer`], at the engine's execution) is late:
+    /// it reaches the worker at its [`Event::Delivered`], or never (the worker gave up the call
+    /// first). Every other answer reaches its worker 1 ms after its `EngineAnswer`.
+    Late {
+        worker: String,
+        op: &'static str,
+        task: Option<String>,
+        attempt: Option<u32>,
+    },
+    /// A late answer the engine executed at `executed` reached the worker now.
+    Delivered {
+        worker: String,
+        op: &'static str,
+        task: Option<String>,
+        attempt: Option<u32>,
+        executed: u64,
+    },
     /// A fetch's answer: the tasks and attempts handed to `worker`, of `asked`.
     Fetched {
         worker: String,
         asked: u32,
         tasks: Vec<(String, u32)>,
     },
-    /// A worker started a run-store call (`claim`, `append`, `finish`) about run `run` (the
-    /// simulator keys runs by task id), with its fence's attempt (none for a claim) and `seq`
-    /// (an append's step).
+    /// A worker started a run-store call (`claim`, `append`, `finish`) about run `run` for
+    /// engine task `task` (a task's run is keyed by the task's id; a visit's run, which the
+    /// tasks of one process visit share, by the instance and the node), with its fence's
+    /// attempt (none for a claim) and `seq` (an append's step).
     StoreCall {
         worker: String,
         op: &'static str,
         run: String,
+        task: String,
         attempt: Option<u64>,
         seq: Option<u64>,
     },
@@ -46,6 +65,7 @@ pub enum Event {
         worker: String,
         op: &'static str,
         run: String,
+        task: String,
         attempt: Option<u64>,
         seq: Option<u64>,
         answer: &'static str,
