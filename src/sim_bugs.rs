@@ -1,6 +1,13 @@
 //! Feature `sim-bugs` (test builds only, never production): bugs this worker once had or
 //! could have, each reintroduced only when selected at run time, so the deterministic simulator
-//! (`devkit::sim`) can show that its invariants catch it. Each call site is marked `SIM-BUG`.
+//! (`devkit::sim`) can show that its invariants catch it, each by the invariant it names
+//! ([`Bug::caught_by`]). Each call site is marked `SIM-BUG`.
+//!
+//! Two invariants judge the peers' fencing, not the worker's: an engine that accepts a journal
+//! append of a stale attempt, a run store that accepts one of a stale claim. No worker can make
+//! a correct peer do that, so their bugs are flaws of the world's engine and store
+//! ([`Bug::EngineAcceptsStaleAppend`], [`Bug::StoreUnfenced`]), as the conformance suites'
+//! flaws are.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -27,10 +34,28 @@ pub enum Bug {
     /// The run store's `Fenced` refusal is not taken as a lost lease: the fenced holder goes
     /// on, and reports for a task whose run another attempt holds.
     StoreFenceIgnored,
+    /// A report that failed transiently (a `complete` the engine did not answer) is sent again
+    /// every half second, unfenced, until the engine takes it: past the lease, after another
+    /// holder completed the task (the engine answers the stale `complete` 200, a no-op).
+    ReportRetriedPastLease,
+    /// A finished task gives its slot back as its report goes out even when every report
+    /// permit is taken: slow reports pile up above the slots.
+    ReportPermitIgnored,
+    /// The slot of a task whose report failed is never given back: the worker fetches for
+    /// fewer slots, then none.
+    SlotLeakedOnReportFailure,
+    /// The engine's tool credential is logged (debug) as it is received.
+    CredentialLogged,
+    /// A flaw of the world's engine: a journal append is accepted from any attempt (as if the
+    /// task's holder sent it).
+    EngineAcceptsStaleAppend,
+    /// A flaw of the world's run store: an append's compare-and-set checks neither the attempt
+    /// nor the version (only the next `seq`), as if the run's holder sent it.
+    StoreUnfenced,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 7] = [
+    pub const ALL: [Bug; 13] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
@@ -38,6 +63,12 @@ impl Bug {
         Bug::ApprovalByCallId,
         Bug::SupersedeReporting,
         Bug::StoreFenceIgnored,
+        Bug::ReportRetriedPastLease,
+        Bug::ReportPermitIgnored,
+        Bug::SlotLeakedOnReportFailure,
+        Bug::CredentialLogged,
+        Bug::EngineAcceptsStaleAppend,
+        Bug::StoreUnfenced,
     ];
 
     pub fn name(self) -> &'static str {
@@ -49,6 +80,12 @@ impl Bug {
             Bug::ApprovalByCallId => "approval-by-call-id",
             Bug::SupersedeReporting => "supersede-reporting",
             Bug::StoreFenceIgnored => "store-fence-ignored",
+            Bug::ReportRetriedPastLease => "report-retried-past-lease",
+            Bug::ReportPermitIgnored => "report-permit-ignored",
+            Bug::SlotLeakedOnReportFailure => "slot-leaked-on-report-failure",
+            Bug::CredentialLogged => "credential-logged",
+            Bug::EngineAcceptsStaleAppend => "engine-accepts-stale-append",
+            Bug::StoreUnfenced => "store-unfenced",
         }
     }
 
@@ -63,6 +100,12 @@ impl Bug {
             Bug::ApprovalByCallId => i::GATED_CALL_DECIDED,
             Bug::SupersedeReporting => i::ENDS_AGREE,
             Bug::StoreFenceIgnored => i::AFTER_LOSS,
+            Bug::ReportRetriedPastLease => i::ONE_COMPLETION,
+            Bug::ReportPermitIgnored => i::SLOTS,
+            Bug::SlotLeakedOnReportFailure => i::ALL_ENDED,
+            Bug::CredentialLogged => i::NO_SECRET,
+            Bug::EngineAcceptsStaleAppend => i::STALE_APPEND,
+            Bug::StoreUnfenced => i::STALE_STORE_APPEND,
         }
     }
 

@@ -47,8 +47,10 @@ pub struct SeedReport {
     pub violations: Vec<Violation>,
     /// The trace as text, when asked for.
     pub trace: Option<String>,
-    /// Faults injected, by kind.
+    /// Faults injected, by kind (`world::faults::KINDS`).
     pub injected: BTreeMap<&'static str, u64>,
+    /// Per invariant, how many events (or tasks) it judged.
+    pub judged: BTreeMap<&'static str, usize>,
     pub events: usize,
     /// The world's time when the run ended.
     pub sim_time: Duration,
@@ -103,6 +105,9 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         store_journal: schedule.store_journal,
     });
     process::deploy(&world);
+    if schedule.faults.engine_clock_jump.is_some() {
+        world.faults().count("engine clock step");
+    }
     let people = Arc::new(Mutex::new(People::default()));
     // Tasks arrive on their schedule, each in its shape.
     let creator = {
@@ -170,6 +175,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
                 workers[n] = Some(w);
             }
         } else if let Some(w) = workers[n].take() {
+            world.faults().count("worker kill");
             w.kill(&world);
         }
     }
@@ -227,6 +233,14 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         safety_margin: world.safety_margin,
         secrets: &secrets,
     });
+    let judged = invariants::judged(&invariants::Facts {
+        trace: &trace,
+        views: &views,
+        keys: &keys,
+        schedule: &schedule,
+        safety_margin: world.safety_margin,
+        secrets: &secrets,
+    });
     let injected = world.faults().injected.clone();
     for w in workers.into_iter().flatten() {
         w.kill(&world);
@@ -241,6 +255,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         }
     }
     SeedReport {
+        judged,
         store_journal: schedule.store_journal,
         decisions,
         secrets: secrets.len(),
@@ -324,6 +339,7 @@ fn report(
         violations,
         trace: options.keep_trace.then(|| trace.render()),
         injected,
+        judged: BTreeMap::new(),
         events: trace.events.len(),
         sim_time,
         store_journal: false,

@@ -38,8 +38,16 @@ fn seed(seed: u64) -> abada_agent_worker::devkit::sim::SeedReport {
 fn fifty_seeds_hold_every_invariant() {
     let mut decisions = BTreeMap::new();
     let (mut secrets, mut lines) = (0, 0);
+    let mut judged: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut drawn: BTreeMap<&str, u64> = BTreeMap::new();
     for s in 0..50 {
         let report = seed(s);
+        for (invariant, n) in &report.judged {
+            *judged.entry(invariant).or_default() += n;
+        }
+        for (kind, n) in &report.injected {
+            *drawn.entry(kind).or_default() += n;
+        }
         assert!(
             report.violations.is_empty(),
             "seed {s}: {:#?}\nreplay: {}",
@@ -66,6 +74,19 @@ fn fifty_seeds_hold_every_invariant() {
         secrets > 0 && lines > 1000,
         "{secrets} secrets, {lines} lines"
     );
+    // Every invariant had events to judge, and every kind of fault was drawn.
+    for invariant in invariants::INVARIANTS {
+        assert!(
+            judged.get(invariant).copied().unwrap_or(0) > 0,
+            "invariant {invariant:?} judged nothing in 50 seeds: {judged:#?}"
+        );
+    }
+    for kind in abada_agent_worker::devkit::world::faults::KINDS {
+        assert!(
+            drawn.get(kind).copied().unwrap_or(0) > 0,
+            "no {kind:?} fault in 50 seeds: {drawn:#?}"
+        );
+    }
 }
 
 /// The capture the simulator installs for a seed writes down a real event's fields and a real

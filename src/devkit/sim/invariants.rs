@@ -112,6 +112,64 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v
 }
 
+/// Per invariant, how many events (or tasks) it had to judge: an invariant that judged
+/// nothing over many seeds checks nothing.
+pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
+    let gated = gated_scripts(facts.schedule);
+    let mut n: BTreeMap<&'static str, usize> = INVARIANTS.iter().map(|i| (*i, 0)).collect();
+    let mut add = |i: &'static str| *n.entry(i).or_default() += 1;
+    for (_, e) in &facts.trace.events {
+        match e {
+            Event::EngineAnswer {
+                op, answer, task, ..
+            } => {
+                match (*op, answer) {
+                    ("complete" | "bpmn-error", Answer::Ok) => add(ONE_COMPLETION),
+                    ("journal-append", Answer::Ok) => add(STALE_APPEND),
+                    _ => {}
+                }
+                if task.is_some() && lease_lost(answer) {
+                    add(AFTER_LOSS);
+                }
+            }
+            Event::StoreAnswer {
+                op: "append",
+                answer,
+                ..
+            } if store_accepted(answer) => add(STALE_STORE_APPEND),
+            Event::StoreAnswer {
+                answer: "fenced", ..
+            } => add(AFTER_LOSS),
+            Event::EngineCall {
+                attempt: Some(_), ..
+            } => add(LOCAL_EXPIRY),
+            Event::StoreCall { op, .. } if *op != "finish" => add(LOCAL_EXPIRY),
+            Event::TaskEnded { .. } => add(ENDS_AGREE),
+            Event::RunnerFetched { .. } | Event::TaskStarted { .. } | Event::SlotFreed { .. } => {
+                add(SLOTS)
+            }
+            Event::ModelCall { answer, .. } if matches!(*answer, "tool" | "final") => {
+                add(MODEL_REPAID)
+            }
+            Event::ToolCall {
+                write: Some(_),
+                answer,
+                task,
+                ..
+            } if answer.starts_with("applied") => {
+                add(KEYED_WRITE_ONCE);
+                if gated.contains(task.as_str()) {
+                    add(GATED_CALL_DECIDED);
+                }
+            }
+            Event::Log { .. } if !facts.secrets.is_empty() => add(NO_SECRET),
+            _ => {}
+        }
+    }
+    *n.entry(ALL_ENDED).or_default() += facts.views.len();
+    n
+}
+
 fn at(ms: u64) -> String {
     format!("{}.{:03} s", ms / 1000, ms % 1000)
 }

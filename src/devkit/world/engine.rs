@@ -119,144 +119,36 @@ impl WorldEngine {
             task: task_id.clone(),
             attempt,
         });
-        self.thaw().await;
-        let answer = |a: Answer| Event::EngineAnswer {
-            worker: self.worker_id.clone(),
-            op: name,
-            task: task_id.clone(),
+        // On the wire from here: the engine executes the call whatever becomes of the caller
+        // (a worker that gives the call up, at its lease's expiry or at shutdown, does not take
+        // back a request already sent).
+        let sent = tokio::spawn(at_engine(
+            self.world.clone(),
+            self.worker_id.clone(),
+            name,
+            op,
+            task_id.clone(),
             attempt,
-            answer: a,
+            key.map(str::to_string),
+            body,
+        ));
+        let (reply, executed, late) = match sent.await {
+            Ok(result) => result?,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
         };
-        let transient = |message: &str, request_sent: bool| EngineError::Transient {
-            op: name,
-            message: message.to_string(),
-            request_sent,
-        };
-        let now = self.world.elapsed_ms();
-        if self.world.faults().engine_down(now) {
-            // A refused connection takes a moment, not nothing: no loop spins at one instant.
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            self.world.faults().count("engine outage");
-            self.world.record(answer(Answer::Fault("outage")));
-            return Err(transient("connection refused (simulated outage)", false));
-        }
-        let hung_until = self.world.faults().engine_hung_until(now);
-        if let Some(end) = hung_until {
-            // Accepted, never answered: held to the hang's end (or dropped by the worker first).
-            self.world.faults().count("engine hang");
-            tokio::time::sleep(Duration::from_millis(end.saturating_sub(now).max(1))).await;
-            self.world.record(answer(Answer::Fault("hang")));
-            return Err(transient(
-                "no answer within the request timeout (simulated hang)",
-                true,
-            ));
-        }
-        let (slow, slow_max, p5xx, p409, lost, refused, late, late_max) = {
-            let f = self.world.faults();
-            let p = &f.plan;
-            if f.active(now) {
-                (
-                    p.engine_slow,
-                    p.engine_slow_max,
-                    p.engine_5xx,
-                    p.engine_409,
-                    p.engine_answer_lost,
-                    p.refused,
-                    p.engine_answer_late,
-                    p.engine_late_max,
-                )
-            } else {
-                (0.0, Duration::ZERO, 0.0, 0.0, 0.0, 0.0, 0.0, Duration::ZERO)
-            }
-        };
-        if slow > 0.0 && self.world.draw() < slow {
-            let delay = slow_max.mul_f64(self.world.draw());
-            self.world.faults().count("engine slow");
+        if let Some(delay) = late {
+            // Executed; the answer reaches the worker only now, if it still waits.
             tokio::time::sleep(delay).await;
             self.thaw().await;
+            self.world.record(Event::Delivered {
+                worker: self.worker_id.clone(),
+                op: name,
+                task: task_id.clone(),
+                attempt,
+                executed,
+            });
         }
-        if p5xx > 0.0 && self.world.draw() < p5xx {
-            self.world.faults().count("engine 5xx");
-            self.world.record(answer(Answer::Fault("5xx")));
-            return Err(transient("HTTP 502 (simulated)", true));
-        }
-        if p409 > 0.0 && op != Operation::FetchAndLock && self.world.draw() < p409 {
-            self.world.faults().count("engine 409");
-            self.world.record(answer(Answer::Fault("409")));
-            return Err(EngineError::ConcurrentModification { op: name });
-        }
-        let refusable = matches!(
-            op,
-            Operation::Heartbeat
-                | Operation::JournalAppend
-                | Operation::JournalRead
-                | Operation::Complete
-        );
-        if refused > 0.0 && refusable && self.world.draw() < refused {
-            self.world.faults().count("refused");
-            self.world.record(answer(Answer::Fault("refused")));
-            let (status, code) = if op == Operation::Heartbeat {
-                (403, "WORKER_LOCK_NOT_OWNED")
-            } else {
-                (409, "STALE_ATTEMPT")
-            };
-            return Err(classify(
-                name,
-                task_id.as_deref(),
-                status,
-                &json!({"code": code, "message": "simulated refusal"}),
-            ));
-        }
-        let result = self
-            .world
-            .core()
-            .call(op, task_id.as_deref(), key, body, self.world.now_ms());
-        match result {
-            Ok(reply) => {
-                if lost > 0.0 && self.world.draw() < lost {
-                    self.world.faults().count("engine answer lost");
-                    self.world.record(answer(Answer::Fault("answer-lost")));
-                    return Err(transient(
-                        "connection reset after the request (simulated)",
-                        true,
-                    ));
-                }
-                self.world.record(answer(Answer::Ok));
-                let executed = self.world.elapsed_ms();
-                if late > 0.0 && self.world.draw() < late {
-                    // Executed now; the answer reaches the worker only later, if it still waits.
-                    self.world.faults().count("engine answer late");
-                    self.world.record(Event::Late {
-                        worker: self.worker_id.clone(),
-                        op: name,
-                        task: task_id.clone(),
-                        attempt,
-                    });
-                    tokio::time::sleep(late_max.mul_f64(self.world.draw())).await;
-                    self.thaw().await;
-                    self.world.record(Event::Delivered {
-                        worker: self.worker_id.clone(),
-                        op: name,
-                        task: task_id.clone(),
-                        attempt,
-                        executed,
-                    });
-                }
-                Ok((reply, executed))
-            }
-            Err(refusal) => {
-                self.world.record(answer(Answer::Refused {
-                    status: refusal.status,
-                    code: refusal.code.clone(),
-                }));
-                Err(classify(
-                    name,
-                    task_id.as_deref(),
-                    refusal.status,
-                    &refusal.body(),
-                ))
-            }
-        }
+        Ok((reply, executed))
     }
 
     fn owned_body(&self, task: &TaskRef) -> Map<String, Value> {
@@ -266,6 +158,167 @@ impl WorldEngine {
             body.insert("attempt".into(), a.into());
         }
         body
+    }
+}
+
+/// The engine's side of one call already sent: held while its worker is frozen, faulted,
+/// executed, recorded. Its answer: the reply, when the engine executed it, and how long the
+/// answer is late on its way back (`None`: on time).
+#[allow(clippy::too_many_arguments)]
+async fn at_engine(
+    world: Arc<World>,
+    worker: String,
+    name: &'static str,
+    op: Operation,
+    task_id: Option<String>,
+    attempt: Option<u32>,
+    key: Option<String>,
+    body: Value,
+) -> Result<(CoreReply, u64, Option<Duration>), EngineError> {
+    world.hold(&worker).await;
+    let answer = |a: Answer| Event::EngineAnswer {
+        worker: worker.clone(),
+        op: name,
+        task: task_id.clone(),
+        attempt,
+        answer: a,
+    };
+    let transient = |message: &str, request_sent: bool| EngineError::Transient {
+        op: name,
+        message: message.to_string(),
+        request_sent,
+    };
+    let now = world.elapsed_ms();
+    if world.faults().engine_down(now) {
+        // A refused connection takes a moment, not nothing: no loop spins at one instant.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        world.faults().count("engine outage");
+        world.record(answer(Answer::Fault("outage")));
+        return Err(transient("connection refused (simulated outage)", false));
+    }
+    let hung_until = world.faults().engine_hung_until(now);
+    if let Some(end) = hung_until {
+        // Accepted, never answered: held to the hang's end (or dropped by the worker first).
+        world.faults().count("engine hang");
+        tokio::time::sleep(Duration::from_millis(end.saturating_sub(now).max(1))).await;
+        world.record(answer(Answer::Fault("hang")));
+        return Err(transient(
+            "no answer within the request timeout (simulated hang)",
+            true,
+        ));
+    }
+    let (slow, slow_max, p5xx, p409, lost, refused, late, late_max) = {
+        let f = world.faults();
+        let p = &f.plan;
+        if f.active(now) {
+            (
+                p.engine_slow,
+                p.engine_slow_max,
+                p.engine_5xx,
+                p.engine_409,
+                p.engine_answer_lost,
+                p.refused,
+                p.engine_answer_late,
+                p.engine_late_max,
+            )
+        } else {
+            (0.0, Duration::ZERO, 0.0, 0.0, 0.0, 0.0, 0.0, Duration::ZERO)
+        }
+    };
+    if slow > 0.0 && world.draw() < slow {
+        let delay = slow_max.mul_f64(world.draw());
+        world.faults().count("engine slow");
+        tokio::time::sleep(delay).await;
+        world.hold(&worker).await;
+    }
+    if p5xx > 0.0 && world.draw() < p5xx {
+        world.faults().count("engine 5xx");
+        world.record(answer(Answer::Fault("5xx")));
+        return Err(transient("HTTP 502 (simulated)", true));
+    }
+    if p409 > 0.0 && op != Operation::FetchAndLock && world.draw() < p409 {
+        world.faults().count("engine 409");
+        world.record(answer(Answer::Fault("409")));
+        return Err(EngineError::ConcurrentModification { op: name });
+    }
+    let refusable = matches!(
+        op,
+        Operation::Heartbeat
+            | Operation::JournalAppend
+            | Operation::JournalRead
+            | Operation::Complete
+    );
+    if refused > 0.0 && refusable && world.draw() < refused {
+        world.faults().count("refused");
+        world.record(answer(Answer::Fault("refused")));
+        let (status, code) = if op == Operation::Heartbeat {
+            (403, "WORKER_LOCK_NOT_OWNED")
+        } else {
+            (409, "STALE_ATTEMPT")
+        };
+        return Err(classify(
+            name,
+            task_id.as_deref(),
+            status,
+            &json!({"code": code, "message": "simulated refusal"}),
+        ));
+    }
+    // SIM-BUG (feature `sim-bugs`, selected at run time): an engine that takes a journal
+    // append from any attempt, as if its holder sent it.
+    #[cfg(feature = "sim-bugs")]
+    let body = match (op, task_id.as_deref(), body) {
+        (Operation::JournalAppend, Some(id), mut body)
+            if crate::sim_bugs::active(crate::sim_bugs::Bug::EngineAcceptsStaleAppend) =>
+        {
+            if let Some(view) = world.core().task(id) {
+                body["attempt"] = view.attempt.into();
+                if let Some(holder) = view.worker_id {
+                    body["workerId"] = holder.into();
+                }
+            }
+            body
+        }
+        (_, _, body) => body,
+    };
+    let result = world
+        .core()
+        .call(op, task_id.as_deref(), key.as_deref(), body, world.now_ms());
+    match result {
+        Ok(reply) => {
+            if lost > 0.0 && world.draw() < lost {
+                world.faults().count("engine answer lost");
+                world.record(answer(Answer::Fault("answer-lost")));
+                return Err(transient(
+                    "connection reset after the request (simulated)",
+                    true,
+                ));
+            }
+            world.record(answer(Answer::Ok));
+            let executed = world.elapsed_ms();
+            let late = (late > 0.0 && world.draw() < late).then(|| {
+                world.faults().count("engine answer late");
+                world.record(Event::Late {
+                    worker: worker.clone(),
+                    op: name,
+                    task: task_id.clone(),
+                    attempt,
+                });
+                late_max.mul_f64(world.draw())
+            });
+            Ok((reply, executed, late))
+        }
+        Err(refusal) => {
+            world.record(answer(Answer::Refused {
+                status: refusal.status,
+                code: refusal.code.clone(),
+            }));
+            Err(classify(
+                name,
+                task_id.as_deref(),
+                refusal.status,
+                &refusal.body(),
+            ))
+        }
     }
 }
 

@@ -78,6 +78,33 @@ pub struct FaultPlan {
     pub freezes: BTreeMap<String, Vec<Window>>,
 }
 
+/// Every kind of fault the world injects, as the report counts them: the fifty-seed test
+/// requires each to have been drawn.
+pub const KINDS: &[&str] = &[
+    "engine outage",
+    "engine hang",
+    "engine slow",
+    "engine 5xx",
+    "engine 409",
+    "engine answer lost",
+    "engine answer late",
+    "engine clock step",
+    "refused",
+    "model 429",
+    "model 5xx",
+    "model slow",
+    "model stall",
+    "model long generation",
+    "tool 5xx",
+    "tool slow",
+    "tool write answer lost",
+    "store outage",
+    "store slow",
+    "store answer lost",
+    "worker freeze",
+    "worker kill",
+];
+
 /// The live fault state: the plan, and counts of what was injected (for the report).
 #[derive(Debug)]
 pub struct Faults {
@@ -96,7 +123,9 @@ impl Faults {
         }
     }
 
+    /// Counts one injected fault of kind `what` (one of [`KINDS`]).
     pub fn count(&mut self, what: &'static str) {
+        debug_assert!(KINDS.contains(&what), "fault kind {what:?} is not in KINDS");
         *self.injected.entry(what).or_default() += 1;
     }
 
