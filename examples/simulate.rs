@@ -205,7 +205,12 @@ fn every_bug(args: &Args) -> ExitCode {
     let started = Instant::now();
     let mut missed = Vec::new();
     let mut ran = 0u64;
-    for bug in Bug::ALL {
+    // `--bug NAME` narrows the run to that bug.
+    let only = args.bug.as_deref();
+    for bug in Bug::ALL
+        .into_iter()
+        .filter(|b| only.is_none_or(|name| name == b.name()))
+    {
         let invariant = bug.caught_by();
         let mut caught = None;
         for seed in args.first..args.first + limit {

@@ -52,10 +52,20 @@ pub enum Bug {
     /// A flaw of the world's run store: an append's compare-and-set checks neither the attempt
     /// nor the version (only the next `seq`), as if the run's holder sent it.
     StoreUnfenced,
+    /// The task's run is not looked up before its definition is read, and a task carrying a
+    /// decision for a conversation it cannot find begins a new one: the latest definition
+    /// decides where the run lives, so after a redeployment that dropped approval the task
+    /// carrying a person's decision begins a new conversation on the new definition, and the
+    /// approved call is dropped (the redeployment hole found on the real engine 0.11, without
+    /// its loop).
+    RunHomeFromLatest,
+    /// The same, and `agentStatus` is rewritten only by a definition that may stop: the stale
+    /// `approval-required` sends the token back to the person (the hole whole).
+    RedeployHole,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 13] = [
+    pub const ALL: [Bug; 15] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
@@ -69,6 +79,8 @@ impl Bug {
         Bug::CredentialLogged,
         Bug::EngineAcceptsStaleAppend,
         Bug::StoreUnfenced,
+        Bug::RunHomeFromLatest,
+        Bug::RedeployHole,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,6 +98,8 @@ impl Bug {
             Bug::CredentialLogged => "credential-logged",
             Bug::EngineAcceptsStaleAppend => "engine-accepts-stale-append",
             Bug::StoreUnfenced => "store-unfenced",
+            Bug::RunHomeFromLatest => "run-home-from-latest",
+            Bug::RedeployHole => "redeploy-hole",
         }
     }
 
@@ -106,6 +120,8 @@ impl Bug {
             Bug::CredentialLogged => i::NO_SECRET,
             Bug::EngineAcceptsStaleAppend => i::STALE_APPEND,
             Bug::StoreUnfenced => i::STALE_STORE_APPEND,
+            Bug::RunHomeFromLatest => i::APPROVED_PERFORMED,
+            Bug::RedeployHole => i::NO_LOOP,
         }
     }
 

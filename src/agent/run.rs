@@ -49,6 +49,15 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
         Ok(placed) => placed,
         Err(outcome) => return outcome,
     };
+    // SIM-BUG (feature `sim-bugs`, selected at run time): the latest definition decides.
+    #[cfg(feature = "sim-bugs")]
+    let placed = if crate::sim_bugs::active(crate::sim_bugs::Bug::RunHomeFromLatest)
+        || crate::sim_bugs::active(crate::sim_bugs::Bug::RedeployHole)
+    {
+        super::run_home::Placed::default()
+    } else {
+        placed
+    };
     let pinned = placed
         .run
         .as_ref()
@@ -431,10 +440,14 @@ impl<'a> Attempt<'a> {
         let mut variables = Map::new();
         variables.insert(self.def.result_variable.clone(), value);
         let status = &self.def.approval_variables.status;
-        if self.approval.may_stop()
-            || !self.state.consumed_requests.is_empty()
-            || self.scope.task.variables.contains_key(status)
-        {
+        let ever_stopped = !self.state.consumed_requests.is_empty()
+            || self.scope.task.variables.contains_key(status);
+        // SIM-BUG (feature `sim-bugs`, selected at run time): written only by a definition
+        // that may stop.
+        #[cfg(feature = "sim-bugs")]
+        let ever_stopped =
+            ever_stopped && !crate::sim_bugs::active(crate::sim_bugs::Bug::RedeployHole);
+        if self.approval.may_stop() || ever_stopped {
             // Written on every completion of a node that may stop, or ever did (this run, or an
             // earlier visit: the variable is there): the engine keeps the last value, and a
             // stale "approval-required" would route the token back to the person.

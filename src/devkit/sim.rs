@@ -125,9 +125,29 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
                 }
             }
             arrivals.sort_by_key(|(at, _, _)| *at);
+            // The instance of each parallel shape's first token, for its twin.
+            let mut instances = BTreeMap::new();
             for (at, t, twin) in arrivals {
                 tokio::time::sleep_until(start + Duration::from_millis(at)).await;
-                arrive(&world, &people, t, twin);
+                arrive(&world, &people, t, twin, &mut instances);
+            }
+        })
+    };
+    // The process author redeploys the gated processes on the schedule's times.
+    let redeploying = {
+        let world = world.clone();
+        let redeploys = schedule.redeploys.clone();
+        tokio::spawn(async move {
+            let start = tokio::time::Instant::now();
+            for (n, r) in redeploys.iter().enumerate() {
+                tokio::time::sleep_until(start + Duration::from_millis(r.at)).await;
+                let version = n as u32 + 2;
+                process::redeploy(&world, version, r.keeps_approval);
+                world.faults().count("redeploy");
+                world.record(Event::Redeployed {
+                    version,
+                    approval: r.keeps_approval,
+                });
             }
         })
     };
@@ -180,6 +200,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         }
     }
     let _ = creator.await;
+    let _ = redeploying.await;
     // Until every task ended and no person has anything left to do, or the bound after the
     // faults stopped.
     let deadline = start + Duration::from_millis(schedule.faults.quiet_at) + END_BOUND;
@@ -264,8 +285,17 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
     }
 }
 
-/// A planned task's arrival in its shape; `twin`: the second token of a parallel shape.
-fn arrive(world: &World, people: &Mutex<People>, t: &TaskPlan, twin: bool) {
+/// A planned task's arrival in its shape; `twin`: the second token of a parallel shape. On a
+/// plain engine every task belongs to a process instance (the real engine has no other), and
+/// its definition comes from the BPMN or the agents file; on an agent/1 engine it comes with
+/// the task.
+fn arrive(
+    world: &World,
+    people: &Mutex<People>,
+    t: &TaskPlan,
+    twin: bool,
+    instances: &mut BTreeMap<String, String>,
+) {
     let script = |task: String, steps: &str| ModelScript {
         task,
         steps: steps.to_string(),
@@ -273,6 +303,9 @@ fn arrive(world: &World, people: &Mutex<People>, t: &TaskPlan, twin: bool) {
     };
     let first = script(t.key.clone(), &t.steps);
     match &t.shape {
+        Shape::Task if world.store_journal => {
+            let _ = process::start_task(world, &first);
+        }
         Shape::Task => {
             world.core().create_task(TaskSpec {
                 variables: process::input_variables(&first),
@@ -302,9 +335,19 @@ fn arrive(world: &World, people: &Mutex<People>, t: &TaskPlan, twin: bool) {
                 },
             );
         }
+        Shape::Parallel { twin_steps, .. } if world.store_journal => {
+            if twin {
+                if let Some(instance) = instances.get(&t.key) {
+                    let second = script(format!("{}t", t.key), twin_steps);
+                    process::start_parallel(world, &first, Some(&second), Some(instance));
+                }
+            } else if let Ok(instance) = process::start_parallel_instance(world, &first) {
+                instances.insert(t.key.clone(), instance);
+            }
+        }
         Shape::Parallel { twin_steps, .. } => {
             let second = twin.then(|| script(format!("{}t", t.key), twin_steps));
-            process::start_parallel(world, &first, second.as_ref());
+            process::start_parallel(world, &first, second.as_ref(), None);
         }
     }
 }

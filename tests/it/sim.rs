@@ -423,6 +423,7 @@ fn a_call_after_a_refusal_fires_and_one_at_its_instant_does_not() {
                 Answer::Refused {
                     status: 409,
                     code: w("STALE_ATTEMPT"),
+                    message: w("stale attempt"),
                 },
             ),
         )
@@ -539,6 +540,7 @@ fn an_accepted_report_ended_lease_lost_in_its_lease_fires_and_one_past_its_expir
                 Answer::Refused {
                     status: 403,
                     code: w("WORKER_LOCK_NOT_OWNED"),
+                    message: w("not owned"),
                 },
             ),
         )
@@ -793,6 +795,78 @@ fn a_gated_write_performed_without_its_approval_fires_and_an_approved_one_does_n
     let (ms, e) = performed(6_000);
     p = p.at(ms, e);
     assert!(invariants::gated_call_decided(&p.facts()).is_empty());
+}
+
+/// A redeployment's hole: a person approved write 1 of k0's first visit, and nothing performed
+/// it, and no incident said so; then the instance came back to the person for the same call.
+/// The same approval followed by the call (or by an incident naming it) passes; decisions that
+/// approved nothing may be asked again.
+#[test]
+fn an_approved_call_dropped_and_an_instance_that_asks_again_fire() {
+    let approval = |p: Played| {
+        let mut p = p;
+        p.schedule.tasks[0].shape = Shape::Approval {
+            decisions: Vec::new(),
+            preset: false,
+            revisits: Vec::new(),
+        };
+        p.keys.insert(w("k0"), vec![w("t-000001"), w("t-000002")]);
+        p
+    };
+    let decision = |written: serde_json::Value, manner: &'static str| Event::Decision {
+        instance: w("pi-000001"),
+        task: w("k0"),
+        write: Some(1),
+        request_id: Some(w("3f2a")),
+        call_id: Some(w("call-1")),
+        call_digest: Some(w("sha256:aa")),
+        written: Some(written),
+        manner,
+    };
+    let honest = serde_json::json!({"requestId": "3f2a", "callId": "call-1", "callDigest": "sha256:aa", "approved": true, "decidedBy": "ann"});
+    let refused = serde_json::json!({"requestId": "3f2a", "callId": "call-1", "approved": false, "decidedBy": "ann"});
+    let performed = Event::ToolCall {
+        worker: w("w1"),
+        task: w("k0"),
+        write: Some(1),
+        key: Some(w("abada:t-000002:7")),
+        answer: "applied",
+    };
+    let p = approval(Played::new()).at(5_000, decision(honest.clone(), "approve"));
+    fires(
+        invariants::approved_performed(&p.facts()),
+        invariants::APPROVED_PERFORMED,
+        "task t-000001, t-000002 (script k0): write 1, approved by a person at 5.000 s, was never performed",
+    );
+    let p = approval(Played::new())
+        .at(5_000, decision(honest.clone(), "approve"))
+        .at(6_000, performed);
+    assert!(invariants::approved_performed(&p.facts()).is_empty());
+    let p = approval(Played::new())
+        .at(5_000, decision(honest.clone(), "approve"))
+        .at(
+            6_000,
+            Event::TaskEnded {
+                worker: w("w1"),
+                task: w("t-000002"),
+                attempt: Some(1),
+                outcome: w("incident"),
+            },
+        );
+    assert!(invariants::approved_performed(&p.facts()).is_empty());
+    // The loop: asked again for the approved call.
+    let p = approval(Played::new())
+        .at(5_000, decision(honest.clone(), "approve"))
+        .at(7_000, decision(honest, "approve"));
+    fires(
+        invariants::no_loop(&p.facts()),
+        invariants::NO_LOOP,
+        "instance pi-000001 (script k0): write 1 was approved at 5.000 s and the instance came back to the person for it at 7.000 s",
+    );
+    let p = approval(Played::new())
+        .at(5_000, decision(refused.clone(), "refuse"))
+        .at(7_000, decision(refused, "refuse"));
+    assert!(invariants::no_loop(&p.facts()).is_empty());
 }
 
 #[test]

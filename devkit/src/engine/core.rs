@@ -11,7 +11,9 @@ use serde_json::Value;
 
 use super::ProtocolLevel;
 use super::http::parse_command_body;
-use super::process::{Caller, ProcessInstanceView, ProcessModel, UserTaskStatus, UserTaskView};
+use super::process::{
+    Caller, ProcessDefinitionView, ProcessInstanceView, ProcessModel, UserTaskStatus, UserTaskView,
+};
 use super::state::{EngineState, Operation, TaskSpec, TaskView};
 
 /// An engine's refusal, as the HTTP layer would send it: status, error code and message.
@@ -77,8 +79,19 @@ impl EngineCore {
         self.state.start_process(process_id, variables)
     }
 
+    /// Deploys `model` (its next version) with the BPMN XML the process API serves for it, as
+    /// [`super::EngineEmulator::deploy_bpmn`] does.
+    pub fn deploy_bpmn(&mut self, model: ProcessModel, bpmn_xml: String) {
+        self.state.deploy(model, Some(bpmn_xml));
+    }
+
     pub fn process_instance(&self, id: &str) -> Option<ProcessInstanceView> {
         self.state.process_instance(id)
+    }
+
+    /// `GET /api/v1/processes/{id}`: the latest deployed version of a process, with its XML.
+    pub fn process_definition(&self, id: &str) -> Option<ProcessDefinitionView> {
+        self.state.process_definition(id)
     }
 
     /// The open user tasks `user` of `groups` may see, with their instance's variables.

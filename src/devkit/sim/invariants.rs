@@ -64,6 +64,9 @@ pub const MODEL_REPAID: &str = "at most one model call re-paid per interruption"
 pub const KEYED_WRITE_ONCE: &str = "every keyed write applied at most once";
 pub const GATED_CALL_DECIDED: &str = "no gated call performed without the matching decision";
 pub const NO_SECRET: &str = "no secret in any log line, span or metric";
+pub const APPROVED_PERFORMED: &str =
+    "an approved call is performed or an incident is raised, never dropped";
+pub const NO_LOOP: &str = "the instance does not loop back to a person for an approved call";
 
 /// Every invariant [`check`] judges, in its order.
 pub const INVARIANTS: &[&str] = &[
@@ -78,6 +81,8 @@ pub const INVARIANTS: &[&str] = &[
     MODEL_REPAID,
     KEYED_WRITE_ONCE,
     GATED_CALL_DECIDED,
+    APPROVED_PERFORMED,
+    NO_LOOP,
     NO_SECRET,
 ];
 
@@ -108,6 +113,8 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(model_repaid(facts));
     v.extend(keyed_write_once(facts));
     v.extend(gated_call_decided(facts));
+    v.extend(approved_performed(facts));
+    v.extend(no_loop(facts));
     v.extend(no_secret_leaked(facts));
     v
 }
@@ -163,10 +170,12 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
                 }
             }
             Event::Log { .. } if !facts.secrets.is_empty() => add(NO_SECRET),
+            Event::Decision { .. } => add(NO_LOOP),
             _ => {}
         }
     }
     *n.entry(ALL_ENDED).or_default() += facts.views.len();
+    *n.entry(APPROVED_PERFORMED).or_default() += genuine_approvals(facts).len();
     n
 }
 
@@ -448,15 +457,26 @@ pub fn no_call_after_local_expiry(facts: &Facts<'_>) -> Vec<Violation> {
 /// Whether an answer says the lease of that attempt is no longer ours.
 fn lease_lost(answer: &Answer) -> bool {
     match answer {
-        Answer::Refused { status, code } => matches!(
-            (*status, code.as_str()),
-            (403, "WORKER_LOCK_NOT_OWNED")
-                | (
-                    409,
-                    "WORKER_LOCK_EXPIRED" | "STALE_ATTEMPT" | "JOURNAL_CONFLICT"
-                )
-                | (400, "ENGINE_COMMAND_REJECTED")
-        ),
+        Answer::Refused {
+            status,
+            code,
+            message,
+        } => {
+            matches!(
+                (*status, code.as_str()),
+                (403, "WORKER_LOCK_NOT_OWNED")
+                    | (
+                        409,
+                        "WORKER_LOCK_EXPIRED" | "STALE_ATTEMPT" | "JOURNAL_CONFLICT"
+                    )
+            ) || (*status == 400
+                && code == "ENGINE_COMMAND_REJECTED"
+                // Only these say the task is not ours (protocol.md A.2); another rejection (a
+                // suspended instance, one already ended) refuses the command, and the worker
+                // reports that outcome once as an incident.
+                && (message.starts_with("External task is not locked")
+                    || message.starts_with("External task not found")))
+        }
         Answer::Fault(kind) => *kind == "refused",
         _ => false,
     }
@@ -587,6 +607,7 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
     let mut lost: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
     let mut held: BTreeMap<(&str, &str), u32> = BTreeMap::new();
     let mut unended: BTreeMap<(&str, &str), std::collections::VecDeque<u32>> = BTreeMap::new();
+    let mut reporting: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
     let mut out = Vec::new();
     for (t, e) in &facts.trace.events {
         match e {
@@ -615,6 +636,16 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
                 attempt: Some(attempt),
             } => {
                 beat_sent.insert((worker, task, *attempt), *t);
+            }
+            Event::EngineCall {
+                worker,
+                op,
+                task: Some(task),
+                attempt: Some(attempt),
+            } if is_report(op) => {
+                // The heartbeats stop as the report goes out: an extension answered later is
+                // not applied.
+                reporting.entry((worker, task, *attempt)).or_insert(*t);
             }
             Event::EngineAnswer {
                 worker,
@@ -701,8 +732,9 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
                 let Some((mut expiry, extensions)) = expiries.get(&key).cloned() else {
                     continue;
                 };
+                let released = reporting.get(&key).copied().unwrap_or(u64::MAX);
                 for (reached, until) in extensions {
-                    if reached <= *t && reached <= expiry {
+                    if reached <= *t && reached <= expiry && reached <= released {
                         expiry = expiry.max(until);
                     }
                 }
@@ -949,11 +981,6 @@ pub fn keyed_write_once(facts: &Facts<'_>) -> Vec<Violation> {
 /// (its revisits and its twin included).
 fn gated_scripts(schedule: &Schedule) -> BTreeSet<String> {
     let mut gated = BTreeSet::new();
-    if schedule.store_journal {
-        // A plain engine sends no definition: every task runs the agents file's, which asks
-        // no one.
-        return gated;
-    }
     for t in &schedule.tasks {
         match &t.shape {
             Shape::Task => {}
@@ -1051,6 +1078,103 @@ pub fn gated_call_decided(facts: &Facts<'_>) -> Vec<Violation> {
                 ));
             }
             _ => {}
+        }
+    }
+    out
+}
+
+/// The genuine approvals of the trace, in order: (when, script, write, the person).
+fn genuine_approvals<'a>(facts: &'a Facts<'_>) -> Vec<(u64, &'a str, u64)> {
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        if let Event::Decision {
+            task,
+            write: Some(n),
+            request_id,
+            call_id,
+            call_digest,
+            written: Some(written),
+            ..
+        } = e
+            && genuine_approval(
+                written,
+                request_id.as_deref(),
+                call_id.as_deref(),
+                call_digest.as_deref(),
+            )
+        {
+            out.push((*t, task.as_str(), *n));
+        }
+    }
+    out
+}
+
+pub fn approved_performed(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for (approved_at, script, n) in genuine_approvals(facts) {
+        let ids = facts.keys.get(script).cloned().unwrap_or_default();
+        // Judged once the script's tasks have all ended (one still open is another breach).
+        let ended = ids.iter().all(|id| {
+            facts
+                .views
+                .iter()
+                .find(|v| &v.id == id)
+                .is_none_or(super::ended)
+        });
+        if !ended {
+            continue;
+        }
+        let performed = facts.trace.events.iter().any(|(t, e)| {
+            *t >= approved_at
+                && matches!(e, Event::ToolCall { task, write: Some(w), answer, .. }
+                    if task == script && *w == n
+                        && (answer.starts_with("applied") || *answer == "deduplicated"))
+        });
+        let incident = facts.trace.events.iter().any(|(t, e)| {
+            *t >= approved_at
+                && matches!(e, Event::TaskEnded { task, outcome, .. }
+                    if outcome == "incident" && ids.contains(task))
+        });
+        if !performed && !incident {
+            out.push(violation(
+                APPROVED_PERFORMED,
+                format!(
+                    "task {} (script {script}): write {n}, approved by a person at {}, was never performed, and no incident says so",
+                    ids.join(", "),
+                    at(approved_at)
+                ),
+            ));
+        }
+    }
+    out
+}
+
+pub fn no_loop(facts: &Facts<'_>) -> Vec<Violation> {
+    let approvals = genuine_approvals(facts);
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        let Event::Decision {
+            task,
+            write: Some(n),
+            instance,
+            manner,
+            ..
+        } = e
+        else {
+            continue;
+        };
+        if let Some((approved_at, _, _)) = approvals
+            .iter()
+            .find(|(a, script, w)| *a < *t && *script == task.as_str() && *w == *n)
+        {
+            out.push(violation(
+                NO_LOOP,
+                format!(
+                    "instance {instance} (script {task}): write {n} was approved at {} and the instance came back to the person for it at {} ({manner})",
+                    at(*approved_at),
+                    at(*t)
+                ),
+            ));
         }
     }
     out

@@ -54,6 +54,14 @@ pub enum Shape {
     },
 }
 
+/// The process author deploys the next version of the gated processes at `at` (ms): its
+/// agent performs no writes, and waits for a person (`keeps_approval`) or not.
+#[derive(Clone, Debug)]
+pub struct Redeploy {
+    pub at: u64,
+    pub keeps_approval: bool,
+}
+
 /// A worker killed at `at`; a fresh one (new id) takes its place `restart_after` later.
 #[derive(Clone, Debug)]
 pub struct Kill {
@@ -75,6 +83,8 @@ pub struct Schedule {
     pub faults: FaultPlan,
     /// The journals live in the run store (the engine speaks plain v1): a third of the seeds.
     pub store_journal: bool,
+    /// Redeployments of the gated processes, in time order.
+    pub redeploys: Vec<Redeploy>,
 }
 
 /// The worker id of worker slot `n` in its `generation` (a restarted worker is a new process).
@@ -215,6 +225,27 @@ impl Schedule {
         faults.engine_answer_late = odds(&mut rng, 0.15);
         faults.engine_late_max = Duration::from_millis(rng.random_range(500..=lock_ms));
         faults.model_stall = odds(&mut rng, 0.15);
+        // Redeployments: at any time, or while an approval round trip's first request waits
+        // for its person (its arrival, then a moment).
+        let waits: Vec<u64> = tasks
+            .iter()
+            .filter(|t| matches!(t.shape, Shape::Approval { .. }))
+            .map(|t| t.at)
+            .collect();
+        let mut redeploys: Vec<Redeploy> = (0..rng.random_range(0..=2))
+            .map(|_| {
+                let at = if !waits.is_empty() && rng.random_bool(0.5) {
+                    waits[rng.random_range(0..waits.len())] + rng.random_range(50..=1_500)
+                } else {
+                    rng.random_range(0..quiet_at)
+                };
+                Redeploy {
+                    at: at.min(quiet_at),
+                    keeps_approval: rng.random_bool(0.5),
+                }
+            })
+            .collect();
+        redeploys.sort_by_key(|r| r.at);
         Schedule {
             seed,
             workers,
@@ -225,6 +256,7 @@ impl Schedule {
             kills,
             faults,
             store_journal,
+            redeploys,
         }
     }
 }

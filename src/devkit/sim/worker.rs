@@ -109,6 +109,12 @@ impl SimWorker {
                 .without_jitter(),
             store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(1))
                 .without_jitter(),
+            // A redeployment reaches new tasks within a tenth of a second (scenarios are
+            // short, and a person's decision comes within one or two).
+            bpmn: crate::agent::bpmn::BpmnSettings {
+                latest_for: Duration::from_millis(100),
+                ..Default::default()
+            },
             ..AgentSettings::default()
         };
         let runtime = AgentRuntime::new(

@@ -25,7 +25,8 @@ use super::trace::{Answer, Event};
 use crate::engine::client::{classify_answer, journal_append_key, journal_append_refusal};
 use crate::engine::{
     AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
-    JournalStep, ProbeOutcome, Task, TaskRef, ToolCredential, wire,
+    JournalStep, OP_PROCESS_DEFINITION, OP_PROCESS_INSTANCE, ProbeOutcome, ProcessDefinition,
+    ProcessInstance, Task, TaskRef, ToolCredential, wire,
 };
 
 /// One worker's view of the world's engine.
@@ -149,6 +150,88 @@ impl WorldEngine {
             });
         }
         Ok((reply, executed))
+    }
+
+    /// A read of the process API (`GET /v1/processes/...`): recorded, held while frozen,
+    /// refused in an outage, held through a hang, then `read` on the engine's state; `None` is
+    /// the engine's 404. Not written, so on the wire only while its caller waits.
+    async fn read_process<T>(
+        &self,
+        op: &'static str,
+        task: &TaskRef,
+        read: impl FnOnce(&abada_devkit::engine::EngineCore) -> Option<T>,
+    ) -> Result<T, EngineError> {
+        let task_id = Some(task.task_id.clone());
+        let attempt = task.attempt.or_else(|| {
+            let acquired = self.acquired.lock().unwrap_or_else(|e| e.into_inner());
+            acquired.get(&task.task_id).copied()
+        });
+        if self.world.faults().killed.contains(&self.worker_id) {
+            std::future::pending::<()>().await;
+        }
+        self.world.record(Event::EngineCall {
+            worker: self.worker_id.clone(),
+            op,
+            task: task_id.clone(),
+            attempt,
+        });
+        self.thaw().await;
+        let answer = |a: Answer| Event::EngineAnswer {
+            worker: self.worker_id.clone(),
+            op,
+            task: task_id.clone(),
+            attempt,
+            answer: a,
+        };
+        let now = self.world.elapsed_ms();
+        let (down, hung_until) = {
+            let f = self.world.faults();
+            (f.engine_down(now), f.engine_hung_until(now))
+        };
+        let result = if down {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            self.world.faults().count("engine outage");
+            self.world.record(answer(Answer::Fault("outage")));
+            Err(EngineError::Transient {
+                op,
+                message: "connection refused (simulated outage)".into(),
+                request_sent: false,
+            })
+        } else if let Some(end) = hung_until {
+            self.world.faults().count("engine hang");
+            tokio::time::sleep(Duration::from_millis(end.saturating_sub(now).max(1))).await;
+            self.world.record(answer(Answer::Fault("hang")));
+            Err(EngineError::Transient {
+                op,
+                message: "no answer within the request timeout (simulated hang)".into(),
+                request_sent: true,
+            })
+        } else {
+            let found = read(&self.world.core());
+            match found {
+                Some(value) => {
+                    self.world.record(answer(Answer::Ok));
+                    Ok(value)
+                }
+                None => {
+                    // As the engine answers (`devkit::engine::process_api`).
+                    let code = "RESOURCE_NOT_FOUND";
+                    self.world.record(answer(Answer::Refused {
+                        status: 404,
+                        code: code.into(),
+                        message: "not found".into(),
+                    }));
+                    Err(classify(
+                        op,
+                        Some(&task.task_id),
+                        404,
+                        &json!({"code": code, "message": "not found"}),
+                    ))
+                }
+            }
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        result
     }
 
     fn owned_body(&self, task: &TaskRef) -> Map<String, Value> {
@@ -311,6 +394,7 @@ async fn at_engine(
             world.record(answer(Answer::Refused {
                 status: refusal.status,
                 code: refusal.code.clone(),
+                message: refusal.message.clone(),
             }));
             Err(classify(
                 name,
@@ -495,6 +579,37 @@ impl Engine for WorldEngine {
         }
         wire::decode_tool_credential(body.to_string().as_bytes())
             .ok_or_else(|| malformed(op, "a tool credential without a token".into()))
+    }
+
+    async fn process_instance(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+    ) -> Result<ProcessInstance, EngineError> {
+        self.read_process(OP_PROCESS_INSTANCE, task, |core| {
+            core.process_instance(instance_id)
+                .map(|view| ProcessInstance {
+                    id: view.id,
+                    process_definition_id: view.process_definition_id,
+                })
+        })
+        .await
+    }
+
+    async fn process_definition(
+        &self,
+        task: &TaskRef,
+        definition_id: &str,
+    ) -> Result<ProcessDefinition, EngineError> {
+        self.read_process(OP_PROCESS_DEFINITION, task, |core| {
+            core.process_definition(definition_id)
+                .map(|view| ProcessDefinition {
+                    id: view.id,
+                    version: Some(view.version),
+                    bpmn_xml: view.bpmn_xml,
+                })
+        })
+        .await
     }
 
     async fn probe(&self) -> ProbeOutcome {

@@ -103,6 +103,7 @@ pub const KINDS: &[&str] = &[
     "store answer lost",
     "worker freeze",
     "worker kill",
+    "redeploy",
 ];
 
 /// The live fault state: the plan, and counts of what was injected (for the report).

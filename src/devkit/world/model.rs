@@ -151,7 +151,13 @@ impl ModelProvider for WorldModel {
             self.world.faults().count("model long generation");
             tokio::time::sleep(self.world.lock_duration.mul_f64(1.5)).await;
         }
-        let (message, answer) = match step.map(|s| s.to_ascii_lowercase()) {
+        // Told to perform no writes (a redeployed definition), the model reads instead.
+        let no_writes = req.system.contains(super::process::NO_WRITES);
+        let step = step.map(|s| match s.to_ascii_lowercase() {
+            b'w' if no_writes => b'r',
+            s => s,
+        });
+        let (message, answer) = match step {
             Some(step) => {
                 let (server, tool, arguments) = match step {
                     b'r' => (

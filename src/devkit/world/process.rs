@@ -2,6 +2,17 @@
 //! re-entered nodes run on, deployed in the engine's own process state machine
 //! (`abada_devkit::engine::ProcessModel`), and the tasks of two tokens at the agent node at once.
 //!
+//! Each model is deployed with its BPMN XML, the agent written on the service task as
+//! `abada.agent.*` properties ([`bpmn_xml`]), as a process author writes it: a plain v1 engine
+//! (the real engine 0.11) sends no definition with its tasks, and the workers read it from the
+//! process API (`agent::bpmn`). Three processes: `simProcess` (below), `simParallel` (the
+//! gated agent node, then the end: its instance holds two tokens at the node) and `simTask`
+//! (one agent node whose service task defines no agent: the agents file's entry for the topic
+//! runs it). A redeployment ([`redeploy`]) deploys the next version of the two gated ones:
+//! instructions that perform no writes, with or without approval, so a run that began on the
+//! earlier version and waits for a person must keep its own (journaled) definition to perform
+//! the call the person approved.
+//!
 //! The model (`simProcess`):
 //!
 //! ```text
@@ -24,7 +35,12 @@ use super::World;
 use super::model::ModelScript;
 
 const PROCESS_ID: &str = "simProcess";
+const PARALLEL_ID: &str = "simParallel";
+const TASK_PROCESS_ID: &str = "simTask";
 const AGENT_NODE: &str = "agentNode";
+/// What a redeployed agent's instructions say: the world's model then plays every write of its
+/// script as a read (`model`), as a model told so would.
+pub(crate) const NO_WRITES: &str = "Perform no writes.";
 pub(crate) const APPROVE_NODE: &str = "approve";
 pub(crate) const REVIEW_NODE: &str = "review";
 /// The candidate groups of the two user tasks.
@@ -34,6 +50,15 @@ pub(crate) const REVIEWERS: &str = "sim-reviewers";
 pub(crate) const AGAIN_VARIABLE: &str = "simAgain";
 /// The variable the agent's input renders (its script, see `ModelScript`).
 pub(crate) const INPUT_VARIABLE: &str = "simInput";
+
+/// The agent definition of version `version` of the gated processes (1: as first deployed;
+/// later: redeployed, instructions that perform no writes, approval kept as `approval` says).
+pub fn redeployed_definition(version: u32, approval: bool) -> Value {
+    let mut def = agent_definition(approval);
+    def["instructions"] =
+        format!("Play the script your input names. {NO_WRITES} (version {version})").into();
+    def
+}
 
 /// The agent definition every simulated task carries (agent/1 `agent`); `gated`: its keyed
 /// writes wait for a person's decision.
@@ -51,6 +76,97 @@ pub fn agent_definition(gated: bool) -> Value {
         def["approval"] = json!("writes");
     }
     def
+}
+
+/// The BPMN XML of `model`, each service task carrying its agent (if any) as `abada.agent.*`
+/// properties, as an author writes them: its tool servers by their registry names.
+pub fn bpmn_xml(model: &ProcessModel) -> String {
+    let escape = |s: &str| {
+        s.replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;")
+            .replace('"', "&quot;")
+    };
+    let mut tasks = String::new();
+    for node in &model.nodes {
+        let NodeKind::ServiceTask { topic, agent, .. } = &node.kind else {
+            continue;
+        };
+        let mut properties = String::new();
+        for (key, value) in agent
+            .as_ref()
+            .and_then(Value::as_object)
+            .into_iter()
+            .flatten()
+        {
+            let text = match (key.as_str(), value) {
+                ("toolServers", Value::Array(servers)) => servers
+                    .iter()
+                    .filter_map(|s| s.get("name").and_then(Value::as_str))
+                    .collect::<Vec<_>>()
+                    .join(","),
+                (_, Value::String(t)) => t.clone(),
+                (_, other) => other.to_string(),
+            };
+            properties.push_str(&format!(
+                "          <camunda:property name=\"abada.agent.{key}\" value=\"{}\"/>\n",
+                escape(&text)
+            ));
+        }
+        let extension = if properties.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "\n      <bpmn:extensionElements>\n        <camunda:properties>\n{properties}        </camunda:properties>\n      </bpmn:extensionElements>\n    "
+            )
+        };
+        tasks.push_str(&format!(
+            "    <bpmn:serviceTask id=\"{}\" camunda:type=\"external\" camunda:topic=\"{}\">{extension}</bpmn:serviceTask>\n",
+            escape(&node.id),
+            escape(topic)
+        ));
+    }
+    format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<bpmn:definitions xmlns:bpmn=\"http://www.omg.org/spec/BPMN/20100524/MODEL\" xmlns:camunda=\"http://camunda.org/schema/1.0/bpmn\" id=\"defs\" targetNamespace=\"http://abada.example/sim\">\n  <bpmn:process id=\"{}\" name=\"{}\" isExecutable=\"true\">\n{tasks}  </bpmn:process>\n</bpmn:definitions>\n",
+        escape(&model.id),
+        escape(&model.name)
+    )
+}
+
+/// A process of one agent node carrying `agent`: `simTask` (no agent on the node: the agents
+/// file's), then the end; `simParallel` (gated), whose two tokens then wait at a join nobody
+/// completes (the engine's process model has one token per instance: an end reached by the
+/// first token would end the instance under the second).
+fn single_node(id: &str, agent: Option<Value>) -> ProcessModel {
+    let joined = id == PARALLEL_ID;
+    let mut nodes = vec![ProcessNode {
+        id: AGENT_NODE.into(),
+        kind: NodeKind::ServiceTask {
+            topic: abada_devkit::engine::AGENT_TOPIC.into(),
+            agent,
+            next: if joined { "join" } else { "end" }.into(),
+        },
+    }];
+    if joined {
+        nodes.push(ProcessNode {
+            id: "join".into(),
+            kind: NodeKind::UserTask {
+                name: "The branches join".into(),
+                candidate_groups: vec!["sim-nobody".into()],
+                next: "end".into(),
+            },
+        });
+    }
+    nodes.push(ProcessNode {
+        id: "end".into(),
+        kind: NodeKind::End,
+    });
+    ProcessModel {
+        id: id.into(),
+        name: format!("Simulated agent node ({id})"),
+        start: AGENT_NODE.into(),
+        nodes,
+    }
 }
 
 /// The process model of the module header, its agent node carrying `agent`.
@@ -123,9 +239,51 @@ pub(crate) fn input_variables(script: &ModelScript) -> Map<String, Value> {
     variables
 }
 
-/// Deploys the model in the world's engine (once, before any instance starts).
+/// Deploys the processes in the world's engine (once, before any instance starts), each with
+/// its BPMN XML.
 pub fn deploy(world: &World) {
-    world.core().deploy(model(agent_definition(true)));
+    let mut core = world.core();
+    for model in [
+        model(agent_definition(true)),
+        single_node(PARALLEL_ID, Some(agent_definition(true))),
+        single_node(TASK_PROCESS_ID, None),
+    ] {
+        let xml = bpmn_xml(&model);
+        core.deploy_bpmn(model, xml);
+    }
+}
+
+/// Deploys version `version` of the gated processes: instructions that perform no writes,
+/// approval kept or dropped. Instances that started keep routing on their version; the
+/// process API serves this one from now on.
+pub fn redeploy(world: &World, version: u32, approval: bool) {
+    let agent = redeployed_definition(version, approval);
+    let mut core = world.core();
+    for model in [
+        model(agent.clone()),
+        single_node(PARALLEL_ID, Some(agent.clone())),
+    ] {
+        let xml = bpmn_xml(&model);
+        core.deploy_bpmn(model, xml);
+    }
+}
+
+/// Starts an instance of `simTask` running `script`: one task whose definition comes from the
+/// agents file (the topic's entry), on an engine that sends none.
+pub(crate) fn start_task(world: &World, script: &ModelScript) -> Result<String, String> {
+    world
+        .core()
+        .start_process(TASK_PROCESS_ID, input_variables(script))
+}
+
+/// Starts an instance of `simParallel` running `script` at its agent node (the first token).
+pub(crate) fn start_parallel_instance(
+    world: &World,
+    script: &ModelScript,
+) -> Result<String, String> {
+    world
+        .core()
+        .start_process(PARALLEL_ID, input_variables(script))
 }
 
 /// Starts an instance of the model running `script`; `preset`: a
@@ -145,16 +303,23 @@ pub fn start(world: &World, script: &ModelScript, preset: bool) -> Result<String
 
 /// A task of one instance at the agent node, beside another token's (two tokens, as after a
 /// parallel gateway): the same process instance and activity as `first`'s, hence the same run
-/// key. `None`: `first`'s own task; `Some(twin)`: the twin's, with its script. The task's id.
+/// key. `None`: `first`'s own task; `Some(twin)`: the twin's, with its script. `instance`: the
+/// `simParallel` instance of a plain engine's first token (its tasks carry no definition); on
+/// an agent/1 engine the tasks carry theirs and belong to no process the engine routes. The
+/// task's id.
 pub(crate) fn start_parallel(
     world: &World,
     first: &ModelScript,
     twin: Option<&ModelScript>,
+    instance: Option<&str>,
 ) -> String {
-    let instance = format!("par-{}", first.task);
+    let (instance, agent) = match instance {
+        Some(i) => (i.to_string(), None),
+        None => (format!("par-{}", first.task), Some(agent_definition(true))),
+    };
     world.core().create_task(TaskSpec {
         variables: input_variables(twin.unwrap_or(first)),
-        agent: Some(agent_definition(true)),
+        agent,
         retries: Some(3),
         activity_id: Some(AGENT_NODE.into()),
         process_instance_id: Some(instance),

@@ -139,6 +139,12 @@ pub enum Event {
         instance: String,
         again: Option<String>,
     },
+    /// The process author deployed `version` of the gated processes: instructions that
+    /// perform no writes, their calls waiting for a person or not (`approval`).
+    Redeployed {
+        version: u32,
+        approval: bool,
+    },
     /// A line logged by the workers (kept for the secret check, not hashed: its wording is not
     /// a behaviour).
     Log {
@@ -151,8 +157,13 @@ pub enum Event {
 pub enum Answer {
     /// Executed (or replayed as a no-op by the engine) and answered.
     Ok,
-    /// Refused by the engine's rules: status and code.
-    Refused { status: u16, code: String },
+    /// Refused by the engine's rules: status, code and message (an `ENGINE_COMMAND_REJECTED`
+    /// says the lease is gone only by its message).
+    Refused {
+        status: u16,
+        code: String,
+        message: String,
+    },
     /// An injected fault: `outage`, `5xx`, `409`, `refused`, `answer-lost` (executed, then the
     /// answer was lost).
     Fault(&'static str),
