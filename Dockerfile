@@ -2,7 +2,7 @@
 # non-root final stage that only runs it. The binary is the production build: without the cargo
 # feature `devkit` (no demo, no engine emulator, no JWT validator, no MCP tool server).
 #
-#   docker build -t abada-agent-worker .                          # release build (the default)
+#   docker build -t abada-agent-worker .                          # `dist` build (the default)
 #   docker build --build-arg PROFILE=dev -t abada-agent-worker .  # debug build, faster to compile
 #
 # No Docker engine runs on the project's development and CI machines. `.ci/dockerfile-check`
@@ -38,8 +38,9 @@
 # (`rust:1.95.0-slim-bookworm@sha256:...`) in a registry that mirrors images.
 FROM rust:1.95.0-slim-bookworm AS build
 
-# `release` (default) for images that ship; `dev` compiles faster and is what CI's check uses.
-ARG PROFILE=release
+# `dist` (default) for images that ship: the release profile with whole-program (fat) LTO and one
+# codegen unit (Cargo.toml); `dev` compiles faster and is what CI's check uses.
+ARG PROFILE=dist
 
 # No incremental compilation: a container build starts from nothing every time the layer is
 # invalidated, so incremental state is pure overhead (release has it off already).
@@ -59,17 +60,19 @@ RUN cc --version && cargo --version
 # Dependencies first, in their own layer: build them against an empty crate, so a change to src/
 # rebuilds only this crate, not its ~250 dependencies (most of a build's time). --locked: the
 # image is built from exactly the committed Cargo.lock, or not at all. --no-default-features:
-# the production build, without the devkit. The workspace's other member, devkit/, is only
-# loaded, never compiled (nothing depends on it without the feature): cargo needs its manifest
-# and a target, so its stub stays, and its sources never enter the image's build.
+# the production build, without the devkit. The workspace's other members (devkit/, proofs/) are
+# only loaded, never compiled (nothing the binary needs depends on them): cargo needs each
+# manifest and a target, so their stubs stay, and their sources never enter the image's build.
 # If Cargo.toml ever names explicit [[bin]]/[[test]]/[[bench]]/[[example]] paths, stub those
 # files here too (cargo checks that they exist when it reads the manifest).
 COPY Cargo.toml Cargo.lock ./
 COPY devkit/Cargo.toml devkit/
-RUN mkdir -p src devkit/src \
+COPY proofs/Cargo.toml proofs/
+RUN mkdir -p src devkit/src proofs/src \
  && echo 'fn main() {}' > src/main.rs \
  && : > src/lib.rs \
  && : > devkit/src/lib.rs \
+ && : > proofs/src/lib.rs \
  && cargo build --profile "$PROFILE" --locked --no-default-features \
  && rm -rf src
 

@@ -1,9 +1,11 @@
 //! The refund agent's peers, standalone on loopback, for running a release worker against an
 //! engine that is not the emulator (docs/REAL_ENGINE.md): the devkit's scripted model (OpenAI and
-//! Anthropic wire formats) and its `orders` MCP tool server with the keyed-write ledger, which
-//! accepts exactly one bearer token, read from a file. A read-only `/stats` endpoint reports what
-//! both received, so a run can be checked from outside (calls per model, writes applied,
-//! duplicates, and whether every tool call carried the expected token; the token itself is never
+//! Anthropic wire formats) and two MCP tool servers with the keyed-write ledger, `orders` and
+//! `billing` (the same tools; a second server for a redeployed version of a process to move its
+//! agent to), each accepting exactly one bearer token, read from a file. A read-only `/stats`
+//! endpoint reports what they received, so a run can be checked from outside: calls per model,
+//! with each request's instructions and the tools it offered; per tool server, writes applied,
+//! duplicates, and whether every tool call carried the expected token (the token itself is never
 //! printed).
 //!
 //! `cargo run --release --example agent_peers -- --token-file /tmp/orders-token [--slow-ms 6000]`
@@ -68,17 +70,21 @@ fn parse_args() -> Result<Args, String> {
     Ok(Args { token_file, slow })
 }
 
+/// The name of the second tool server.
+const BILLING_SERVER: &str = "billing";
+
 #[derive(Clone)]
 struct Peers {
     model: ScriptedModel,
     orders: ToolServer,
+    billing: ToolServer,
     token: Arc<str>,
 }
 
-async fn stats(State(peers): State<Peers>) -> axum::Json<Value> {
-    let c = peers.orders.counters().await;
-    let calls: Vec<Value> = peers
-        .orders
+/// What one tool server received.
+async fn server_stats(server: &ToolServer, token: &str) -> Value {
+    let c = server.counters().await;
+    let calls: Vec<Value> = server
         .calls()
         .into_iter()
         .map(|call| {
@@ -87,28 +93,60 @@ async fn stats(State(peers): State<Peers>) -> axum::Json<Value> {
                 "arguments": call.arguments,
                 "idempotencyKey": call.idempotency_key,
                 "traceparent": call.traceparent,
-                "expectedToken": call.token.as_deref() == Some(&*peers.token),
+                "expectedToken": call.token.as_deref() == Some(token),
             })
         })
         .collect();
+    json!({
+        "writesApplied": c.writes_applied,
+        "writesUnkeyed": c.writes_unkeyed,
+        "duplicates": c.duplicates,
+        "duplicatesPerKey": c.duplicates_per_key,
+        "callsPerTool": c.calls_per_tool,
+        "sessionsOpened": c.sessions_opened,
+        "sessionsClosed": c.sessions_closed,
+        "sessionsOpen": c.sessions_open,
+        "unauthorized": c.unauthorized,
+        "calls": calls,
+    })
+}
+
+async fn stats(State(peers): State<Peers>) -> axum::Json<Value> {
     let per_model: serde_json::Map<String, Value> = MODELS
         .iter()
         .map(|m| (m.to_string(), json!(peers.model.calls(m))))
         .collect();
+    // What each model request carried that tells which definition sent it: its instructions
+    // (OpenAI's `system` messages, Anthropic's `system`) and the names of the tools offered.
+    let requests: Vec<Value> = peers
+        .model
+        .requests()
+        .into_iter()
+        .map(|r| {
+            let system: Vec<Value> = match r.body.get("system") {
+                Some(system) => vec![system.clone()],
+                None => r.body["messages"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|m| m["role"] == "system" || m["role"] == "developer")
+                    .map(|m| m["content"].clone())
+                    .collect(),
+            };
+            let tools: Vec<Value> = r.body["tools"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                // OpenAI nests the name under `function`; Anthropic does not.
+                .map(|t| t.get("function").unwrap_or(t)["name"].clone())
+                .collect();
+            json!({"model": r.model, "system": system, "tools": tools})
+        })
+        .collect();
     axum::Json(json!({
-        "model": {"calls": per_model, "total": peers.model.total_calls()},
-        "orders": {
-            "writesApplied": c.writes_applied,
-            "writesUnkeyed": c.writes_unkeyed,
-            "duplicates": c.duplicates,
-            "duplicatesPerKey": c.duplicates_per_key,
-            "callsPerTool": c.calls_per_tool,
-            "sessionsOpened": c.sessions_opened,
-            "sessionsClosed": c.sessions_closed,
-            "sessionsOpen": c.sessions_open,
-            "unauthorized": c.unauthorized,
-            "calls": calls,
-        },
+        "model": {"calls": per_model, "total": peers.model.total_calls(), "requests": requests},
+        "orders": server_stats(&peers.orders, &peers.token).await,
+        "billing": server_stats(&peers.billing, &peers.token).await,
     }))
 }
 
@@ -158,17 +196,23 @@ async fn main() -> ExitCode {
     model.set_script("refund-approval", refund_amount_script());
     model.set_script("refund-repair", refund_repair_script());
     model.set_script("null-answer", Script::new(vec![Turn::text("null")]));
-    let orders = match ToolServer::start(ToolServerOptions::new(
-        ORDERS_SERVER,
-        Arc::new(StaticTokens::new([token.clone()])),
-    ))
-    .await
-    {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("agent_peers: the tool server cannot start: {e}");
-            return ExitCode::FAILURE;
+    let mut servers = Vec::new();
+    for name in [ORDERS_SERVER, BILLING_SERVER] {
+        match ToolServer::start(ToolServerOptions::new(
+            name,
+            Arc::new(StaticTokens::new([token.clone()])),
+        ))
+        .await
+        {
+            Ok(t) => servers.push(t),
+            Err(e) => {
+                eprintln!("agent_peers: the tool server {name} cannot start: {e}");
+                return ExitCode::FAILURE;
+            }
         }
+    }
+    let (Some(billing), Some(orders)) = (servers.pop(), servers.pop()) else {
+        return ExitCode::FAILURE;
     };
     let listener = match tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await
     {
@@ -185,6 +229,7 @@ async fn main() -> ExitCode {
     let peers = Peers {
         model: model.clone(),
         orders: orders.clone(),
+        billing: billing.clone(),
         token: token.into(),
     };
     println!(
@@ -193,6 +238,7 @@ async fn main() -> ExitCode {
             "openaiBaseUrl": model.base_url_openai(),
             "anthropicBaseUrl": model.base_url_anthropic(),
             "ordersUrl": orders.url(),
+            "billingUrl": billing.url(),
             "statsUrl": format!("http://{stats_addr}/stats"),
             "models": MODELS,
         })
@@ -204,6 +250,7 @@ async fn main() -> ExitCode {
         .with_graceful_shutdown(shutdown_signal())
         .await;
     orders.shutdown().await;
+    billing.shutdown().await;
     model.shutdown().await;
     match served {
         Ok(()) => ExitCode::SUCCESS,

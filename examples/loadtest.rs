@@ -13,6 +13,15 @@
 //! cargo run --release --example loadtest -- --scenario partial
 //! ```
 //!
+//! Fetch contention: an engine whose fetch transactions hold every candidate row for 15 ms,
+//! as the real engine on H2 does (a fetch meanwhile answers empty); 4 workers of 8 slots, 800
+//! tasks of 500 ms; prints each worker's tasks and slot use, their spread around the mean, the
+//! share of the ceiling and the fetches answered empty:
+//!
+//! ```text
+//! cargo run --release --example loadtest -- --scenario contention
+//! ```
+//!
 //! A provider rate limit (issue 25): the scripted model allows 2 requests/s (a bucket of 2),
 //! states it on every answer (`x-ratelimit-*`) and answers 429 with `retry-after-ms` beyond;
 //! one worker of 8 slots, 30 one-call tasks; prints the share of the limit used, 429s, tasks
@@ -30,6 +39,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use abada_agent_worker::devkit::engine::{FetchContention, FetchLocks};
 use abada_agent_worker::devkit::loadtest::{
     self, ChildProgram, Figures, FloorOptions, LoadOptions, Scenario,
 };
@@ -38,10 +48,14 @@ use abada_agent_worker::devkit::model::RateLimit;
 const USAGE: &str = "\
 usage: loadtest [FLAGS]
 
-  --scenario S          backlog (default) | pickup | idle | scaling | partial | ratelimit
+  --scenario S          backlog (default) | pickup | idle | scaling | partial | contention | ratelimit
                         partial: a backlog on an engine answering at most --fetch-cap tasks per
                         fetch, run with 1 worker, then 2 sharing the engine (or --workers N);
                         its defaults: --slots 8 --tasks 160 --model-latency-ms 200 --fetch-cap 2
+                        contention: a backlog shared by --workers on an engine whose fetch
+                        transactions last --fetch-transaction-ms, locking --fetch-locks; its
+                        defaults: --workers 4 --slots 8 --tasks 800 --model-latency-ms 500
+                        --fetch-transaction-ms 15 --fetch-locks every-candidate
                         ratelimit: a backlog against a model allowing --rps requests/s (a bucket
                         of --burst), stated in x-ratelimit-* headers, 429 beyond; its defaults:
                         --slots 8 --tasks 30 --model-latency-ms 100 --rps 2
@@ -58,7 +72,13 @@ usage: loadtest [FLAGS]
   --idle-secs N         idle scenario length, default 20
   --runs N              repeat each measurement N times and print medians, default 1
   --fetch-cap N         the engine answers at most N tasks per fetch, default: as asked
+  --fetch-transaction-ms N  each fetch's transaction lasts N ms, holding its row locks and
+                        answering at its end (the real engine's contention), default 0: none
+  --fetch-locks L       what a fetch's transaction locks: every-candidate (the engine on H2, a
+                        fetch meanwhile answers empty; default) | returned-rows (on PostgreSQL)
   --workers N           backlog: N worker processes share the engine (1..=4), default 1
+  --backlog-first       with --workers: the backlog waits before the workers start together,
+                        instead of appearing once each has fetched from the empty queue
   --floor               backlog: also run the floor client with the same knobs, in the same run
   --scaling-slots LIST  scaling: slot counts, default 1,4,16,50
   --scaling-tasks LIST  scaling: backlog sizes, default 100,1000,10000
@@ -95,7 +115,19 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
     let ratelimit = args
         .windows(2)
         .any(|w| w[0] == "--scenario" && w[1] == "ratelimit");
-    let opts = if ratelimit {
+    let contention = args
+        .windows(2)
+        .any(|w| w[0] == "--scenario" && w[1] == "contention");
+    let opts = if contention {
+        LoadOptions {
+            slots: 8,
+            tasks: 800,
+            model_latency: Duration::from_millis(500),
+            fetch_contention: Some(FetchContention::h2(Duration::from_millis(15))),
+            workers: 4,
+            ..LoadOptions::default()
+        }
+    } else if ratelimit {
         LoadOptions {
             slots: 8,
             tasks: 30,
@@ -135,6 +167,10 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
             a.floor = true;
             continue;
         }
+        if flag == "--backlog-first" {
+            a.opts.backlog_first = true;
+            continue;
+        }
         let value = it
             .next()
             .ok_or_else(|| format!("{flag} needs a value"))?
@@ -161,6 +197,33 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
                 )
             }
             "--workers" => a.workers = Some(num()? as u32),
+            "--fetch-transaction-ms" => {
+                let locks = a
+                    .opts
+                    .fetch_contention
+                    .map_or_else(FetchLocks::default, |c| c.locks);
+                a.opts.fetch_contention = Some(FetchContention {
+                    locks,
+                    transaction: Duration::from_millis(num()?),
+                })
+                .filter(|c| !c.transaction.is_zero());
+            }
+            "--fetch-locks" => {
+                let locks = match value {
+                    "every-candidate" => FetchLocks::EveryCandidate,
+                    "returned-rows" => FetchLocks::ReturnedRows,
+                    other => {
+                        return Err(format!(
+                            "{flag} {other:?}: every-candidate or returned-rows"
+                        ));
+                    }
+                };
+                let transaction = a
+                    .opts
+                    .fetch_contention
+                    .map_or(Duration::from_millis(15), |c| c.transaction);
+                a.opts.fetch_contention = Some(FetchContention { locks, transaction });
+            }
             "--rps" | "--burst" => {
                 let limit = a.opts.rate_limit.get_or_insert(RateLimit {
                     per_second: 2.0,
@@ -279,9 +342,14 @@ async fn run(a: Args) -> Result<(), loadtest::LoadError> {
     }
     println!("knobs: {opts:?}, runs {}", a.runs);
     match a.scenario.as_str() {
-        "partial" => {
+        "partial" | "contention" => {
             opts.scenario = Scenario::Backlog;
-            for workers in a.workers.map_or(vec![1, 2], |w| vec![w]) {
+            let default_workers = if a.scenario == "partial" {
+                vec![1, 2]
+            } else {
+                vec![opts.workers]
+            };
+            for workers in a.workers.map_or(default_workers, |w| vec![w]) {
                 let o = LoadOptions {
                     workers,
                     ..opts.clone()

@@ -245,7 +245,7 @@ pub fn headers(data: &[u8]) {
                     .all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c)),
             "{trace_id}"
         );
-        let _ = tp.child_header();
+        let _ = tp.child_header(&abada_agent_worker::random::Random::os());
     }
 }
 
@@ -316,6 +316,44 @@ pub fn template(data: &[u8]) {
     }
 }
 
+/// A model's final answer examined for a tool call written as text (`agent::answer_shape`); the
+/// first byte chooses `parse` (odd) or `repair`. Under `repair` nothing becomes a call: the
+/// answer is kept, or sent back with a reason. Under `parse` a call names an offered tool, and
+/// its arguments are an object or the raw text; an answer left whole has no reason.
+pub fn answer_shape(data: &[u8]) {
+    let Some((&first, rest)) = data.split_first() else {
+        return;
+    };
+    let text = String::from_utf8_lossy(rest);
+    let parse = first % 2 == 1;
+    let (calls, reason, kept) = decoders::answer_shape(&text, parse);
+    if !parse {
+        assert!(calls.is_empty(), "a call made of text under repair");
+        assert_eq!(
+            kept.as_deref(),
+            Some(&*text),
+            "the answer changed under repair"
+        );
+    }
+    for call in &calls {
+        assert!(
+            call.server == "orders" && (call.tool == "lookup_order" || call.tool == "issue_refund"),
+            "a call of a tool nobody offered: {call:?}"
+        );
+        assert!(
+            call.arguments.is_object() || call.arguments.is_string(),
+            "arguments neither an object nor text: {call:?}"
+        );
+    }
+    if calls.is_empty() && reason.is_none() {
+        assert_eq!(
+            kept.as_deref(),
+            Some(&*text),
+            "an answer kept whole changed"
+        );
+    }
+}
+
 /// A `tools/list` entry, and text cut at a limit (first byte): text within the limit is kept
 /// whole; longer text keeps its longest prefix within the limit that ends on a character
 /// boundary (at most 3 bytes short), followed by the note saying how much was shown.
@@ -379,6 +417,11 @@ pub fn decodes(target: &str, data: &[u8]) -> Result<(), String> {
     };
     match target {
         "agent_definition" => decoders::agent_definition(&json()?).map(|_| ()),
+        "answer_shape" => {
+            let (&first, rest) = data.split_first().ok_or("empty: no mode byte")?;
+            let text = std::str::from_utf8(rest).map_err(|e| format!("not UTF-8: {e}"))?;
+            non_empty(decoders::answer_shape(text, first % 2 == 1).0.len(), "call")
+        }
         "agents_file" => decoders::agents_file(text()?).map(|_| ()),
         "bpmn_agents" => non_empty(decoders::bpmn_agents(text()?)?.len(), "agent"),
         "config" => {

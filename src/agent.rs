@@ -2,6 +2,8 @@
 //! run (a conversation with a model that calls MCP tools), durable through the task's journal,
 //! ending in exactly one outcome of protocol.md B.5.
 //!
+//! - `answer_shape`: a model's answer examined before it is acted on: a tool call written as
+//!   text (repaired or parsed, per provider), an empty answer, a call repeated after its result;
 //! - `approval`: which tool calls wait for a person's approval, and the decision variables;
 //! - `bpmn`: agent definitions written on the BPMN service task (`abada.agent.*` properties);
 //! - `definition`: agent definitions, the agents file, `${name}` templates;
@@ -25,8 +27,10 @@
 //! sessions and their credentials, its journal state and budget. Where a task's journal lives is
 //! decided in one place, `run_journal::Journal::open`.
 
+pub(crate) mod answer_shape;
 pub mod approval;
 mod approval_gate;
+pub(crate) mod approver;
 mod attempt;
 pub mod bpmn;
 mod canonical;
@@ -41,6 +45,7 @@ mod run_journal;
 pub mod run_key;
 mod scope;
 mod tool_call;
+mod tool_scope;
 mod window;
 
 use std::sync::Arc;
@@ -57,9 +62,10 @@ use crate::metrics::labels::{OperatorNames, Vocabulary};
 use crate::provider::capacity::Capacity;
 use crate::provider::fallback::RetryPolicy;
 use crate::provider::{ModelRef, ProviderRegistry};
+use crate::random::Random;
 use crate::store::RunStore;
 use crate::tools::registry::ToolRegistry;
-use crate::tools::{McpConnector, ToolConnector, ToolSessionOptions};
+use crate::tools::{ToolConnector, ToolSessionOptions};
 use definition::AgentsFile;
 use limits::Ceilings;
 
@@ -130,6 +136,8 @@ pub struct AgentRuntime {
     /// ([`crate::metrics::labels`]).
     operator_names: OperatorNames,
     labels: Arc<Vocabulary>,
+    /// The worker's randomness: backoffs' jitter, approval request ids, span ids sent on.
+    random: Random,
 }
 
 /// The run store as the agent runtime uses it.
@@ -144,10 +152,12 @@ struct RunStoreHome {
 }
 
 impl AgentRuntime {
-    pub fn new(
+    /// The runtime every task of a worker shares, built by the composition root alone
+    /// (`app::agent_runtime`): its models, definitions, tool connector, knobs and ceilings.
+    pub(crate) fn new(
         providers: ProviderRegistry,
         agents_file: Option<AgentsFile>,
-        tool_http: reqwest::Client,
+        tools: Arc<dyn ToolConnector>,
         settings: AgentSettings,
         metrics: Arc<Metrics>,
         ceilings: Ceilings,
@@ -178,7 +188,7 @@ impl AgentRuntime {
             agents_file,
             bpmn: bpmn::BpmnDefinitions::new(settings.bpmn),
             tool_registry: None,
-            tools: Arc::new(McpConnector::new(tool_http, settings.tool_sessions.clone())),
+            tools,
             settings,
             metrics,
             ceilings,
@@ -186,7 +196,15 @@ impl AgentRuntime {
             store: None,
             max_deferrals_per_run: DEFAULT_MAX_DEFERRALS_PER_RUN,
             allowed_models: limits::ModelAllowList::default(),
+            random: Random::os(),
         }
+    }
+
+    /// The runtime drawing its randomness from `random` (the worker's; its providers' too).
+    pub(crate) fn with_random(mut self, random: Random) -> Self {
+        self.providers = self.providers.with_random(random.clone());
+        self.random = random;
+        self
     }
 
     /// The runtime with the operator's per-provider model allow-list; its models are the
@@ -221,18 +239,6 @@ impl AgentRuntime {
             worker_id: worker_id.to_string(),
             patience,
         });
-        self
-    }
-
-    /// The runtime with `providers` instead of the ones it was built with (stand-ins).
-    pub(crate) fn with_providers(mut self, providers: ProviderRegistry) -> Self {
-        self.providers = providers;
-        self
-    }
-
-    /// The runtime with its tool sessions opened by `tools` instead of MCP (a stand-in).
-    pub fn with_tool_connector(mut self, tools: Arc<dyn ToolConnector>) -> Self {
-        self.tools = tools;
         self
     }
 

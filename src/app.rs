@@ -3,8 +3,11 @@
 //! shutdown around it.
 //!
 //! Every worker is wired here, by [`Worker::build`]: the production daemon
-//! ([`Worker::from_config`]), the devkit's in-process workers and the tests' alike, so the tests
-//! run the production wiring. What they change goes through the seams, never around them.
+//! ([`Worker::from_config`]), the devkit's in-process workers, the simulator's workers and the
+//! paused-clock tests' alike, so they all run the production wiring, every setting read from one
+//! [`Config`]. What they change goes through the seams, never around them: a seam replaces a
+//! whole part (the engine, the models, the tool connector, the run store, the randomness), and
+//! the production part is then not built at all.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -23,12 +26,13 @@ use crate::engine::client::{EngineClientSettings, HttpEngine};
 use crate::handler::TaskHandler;
 use crate::metrics::Metrics;
 use crate::provider::{ProviderKind, ProviderRegistry, ProviderSettings};
+use crate::random::Random;
 use crate::runner::{Runner, RunnerEvent, RunnerSettings};
 use crate::store::{RunStore, StoreHandle, connect_backoff};
-use crate::tools::ToolConnector;
 use crate::tools::registry::{
     ServerResolutionError, ToolRegistry, ToolsFile, ToolsFileError, UnregisteredPolicy,
 };
+use crate::tools::{McpConnector, ToolConnector};
 
 /// Why the worker could not start.
 #[derive(Debug, thiserror::Error)]
@@ -41,15 +45,19 @@ pub enum StartError {
     Setup(String),
 }
 
-/// Puts the engine client behind a decorator (e.g. the devkit's gated engine).
+/// Puts the worker's engine behind a decorator (e.g. the devkit's gated engine).
 pub(crate) type EngineWrapper = Box<dyn FnOnce(Arc<dyn Engine>) -> Arc<dyn Engine> + Send>;
 
 /// What a worker is built from besides its [`Config`]: the parts an operator never sets, which
-/// the devkit and the tests replace. `Seams::default()` is the production worker.
+/// the devkit, the simulator and the tests replace. `Seams::default()` is the production worker.
 #[derive(Default)]
 pub struct Seams {
-    /// Wraps the engine client before the runner and the handler see it.
-    pub engine: Option<EngineWrapper>,
+    /// The engine. `None`: the HTTP client of `ABADA_AGENT_ENGINE_URL` (with the OIDC token and
+    /// the extra headers when configured). A stand-in replaces it: no client is built.
+    pub engine: Option<Arc<dyn Engine>>,
+    /// Puts the engine (the client or the stand-in) behind a decorator before the runner and
+    /// the handler see it.
+    pub decorate_engine: Option<EngineWrapper>,
     /// Runs each task. `None`: the agent runtime the config describes (providers, agents file).
     pub handler: Option<Arc<dyn TaskHandler>>,
     /// The agent runtime's retry and backoff knobs; the devkit shortens them.
@@ -58,7 +66,10 @@ pub struct Seams {
     pub tuning: Tuning,
     /// Receives the runner's events (the tests, the demo's timeline).
     pub events: Option<mpsc::UnboundedSender<RunnerEvent>>,
-    /// The agent runtime's model providers. `None`: the ones `ABADA_AGENT_PROVIDER_*` configure.
+    /// The agent runtime's model providers. `None`: the adapters `ABADA_AGENT_PROVIDER_*`
+    /// configure. A stand-in registry replaces the adapters (none is built, nor their HTTP
+    /// client); what the configuration says of each provider still applies (its context window,
+    /// its allowed models).
     pub providers: Option<ProviderRegistry>,
     /// Opens each task's tool sessions. `None`: MCP over HTTP to the servers the definitions
     /// and the registry name.
@@ -66,6 +77,9 @@ pub struct Seams {
     /// The run store. `None`: the PostgreSQL store of `ABADA_AGENT_STORE_URL`, if set; a store
     /// given here replaces it (nothing is connected, `/readyz` does not report it).
     pub store: Option<Arc<dyn RunStore>>,
+    /// Where the worker's randomness comes from (jitter, request ids, idempotency keys): the
+    /// operating system by default; the simulator gives a generator seeded from its seed.
+    pub random: Random,
 }
 
 /// Timing no variable sets. The defaults are production's; a test that injects faults shortens
@@ -80,6 +94,11 @@ pub struct Tuning {
     pub error_backoff: Backoff,
     /// The poll loop's backoff after the engine asked to slow down or refused the worker.
     pub throttle_backoff: Backoff,
+    /// The heartbeat scheduler's backoff between retries of a failed extension.
+    pub heartbeat_retry: Backoff,
+    /// The poll loop's pauses after an empty answer that may be contention (right after tasks,
+    /// or a worker's first): short, doubling, jittered, within one poll interval.
+    pub contention_backoff: Backoff,
     /// Fraction by which an idle wait is stretched at random (0 in tests that count fetches).
     pub poll_jitter: f64,
     /// How long a queued run finish waits for a claim to carry it before an idle worker flushes
@@ -97,6 +116,8 @@ impl Default for Tuning {
             command_backoff: client.command_backoff,
             error_backoff: runner.error_backoff,
             throttle_backoff: runner.throttle_backoff,
+            heartbeat_retry: runner.heartbeat.retry_backoff,
+            contention_backoff: runner.contention_backoff,
             poll_jitter: runner.poll_jitter,
             store_idle_flush: crate::store::IDLE_FLUSH_AFTER,
         }
@@ -113,16 +134,23 @@ pub(crate) fn runner_settings(config: &Config, tuning: &Tuning) -> RunnerSetting
     s.poll_jitter = tuning.poll_jitter;
     s.error_backoff = tuning.error_backoff;
     s.throttle_backoff = tuning.throttle_backoff;
+    s.heartbeat.retry_backoff = tuning.heartbeat_retry;
+    s.contention_backoff = tuning.contention_backoff;
     s
 }
 
-/// The engine client settings a config and its tuning imply.
-fn engine_client_settings(config: &Config, tuning: &Tuning) -> EngineClientSettings {
+/// The engine client settings a config, its tuning and the worker's randomness imply.
+fn engine_client_settings(
+    config: &Config,
+    tuning: &Tuning,
+    random: &Random,
+) -> EngineClientSettings {
     let mut s = EngineClientSettings::new(config.engine_url.clone(), config.worker_id.clone());
     s.request_timeout = config.engine_timeout;
     s.outage_patience = config.lock_duration;
     s.command_attempts = tuning.command_attempts;
     s.command_backoff = tuning.command_backoff;
+    s.random = random.clone();
     s
 }
 
@@ -196,15 +224,30 @@ pub(crate) enum AgentSetupError {
         #[source]
         source: Box<crate::agent::limits::ModelNotAllowed>,
     },
+    #[error(
+        "tool servers {servers:?} list approvers in ABADA_AGENT_TOOLS_FILE, but the worker sends the engine no identity of its own (neither ABADA_AGENT_OIDC_ISSUER_URL nor ABADA_AGENT_ENGINE_HEADERS_FILE is set): an engine that serves it so is one whose security is off, where anyone names themselves as the approver. Give the worker an engine identity (with the operations:read scope, for the engine's activity history), or remove approvers"
+    )]
+    ApproversWithoutEngineIdentity { servers: Vec<String> },
+}
+
+/// The parts of the agent runtime a seam replaces ([`Seams::providers`], [`Seams::tools`]):
+/// `None` builds production's.
+#[derive(Default)]
+pub(crate) struct AgentStandIns {
+    pub providers: Option<ProviderRegistry>,
+    pub tools: Option<Arc<dyn ToolConnector>>,
 }
 
 /// The agent runtime a [`Config`] describes (its providers, agents file and tool registry),
-/// with `agent_settings`. Everything an operator's mistake can break here fails at start-up.
+/// with `agent_settings`, its model adapters and tool connector replaced by `stand_ins`, its
+/// randomness drawn from `random`. Everything an operator's mistake can break here fails at
+/// start-up, stand-ins or not.
 pub(crate) fn agent_runtime(
     config: &Config,
-    http: reqwest::Client,
     agent_settings: AgentSettings,
     metrics: Arc<Metrics>,
+    stand_ins: AgentStandIns,
+    random: &Random,
 ) -> Result<AgentRuntime, AgentSetupError> {
     let mut settings = Vec::new();
     for p in &config.providers {
@@ -222,6 +265,7 @@ pub(crate) fn agent_runtime(
             api_key: p.api_key.clone(),
             max_concurrency: p.max_concurrency,
             request_timeout: p.request_timeout,
+            structured_output: p.structured_output,
         });
     }
     let agents_file = config
@@ -259,6 +303,20 @@ pub(crate) fn agent_runtime(
                 registry = registry.allow_unregistered(clients, None);
             }
             tracing::info!(servers = registry.len(), "tool-server registry loaded");
+            // Approvers are checked against the engine's record of who completed the approval
+            // task: meaningless unless the engine checks identities, which it only can for a
+            // worker that has one.
+            let checked = registry.servers_with_approvers();
+            if !checked.is_empty() && config.oidc.is_none() && config.engine_headers.is_none() {
+                return Err(AgentSetupError::ApproversWithoutEngineIdentity { servers: checked });
+            }
+            let lowerable = registry.approvals_without_approvers();
+            if !lowerable.is_empty() {
+                tracing::warn!(
+                    servers = ?lowerable,
+                    "these tool servers have an approval in ABADA_AGENT_TOOLS_FILE but no approvers: a decision on their calls is whatever the process writes into its decision variable, so a process author can approve them (a script task copying the requestId). List approvers = {{ users = [...] }} for each, and scope them with processes = [...] to the processes you trust"
+                );
+            }
             Some(Arc::new(registry))
         }
     };
@@ -289,27 +347,40 @@ pub(crate) fn agent_runtime(
             )?;
         }
     }
-    let tool_http =
-        crate::tools::http_client(tls()?).map_err(|e| AgentSetupError::Http(e.to_string()))?;
     let mut agent_settings = agent_settings;
     agent_settings.tool_sessions.allow_insecure_http = config.allow_insecure_http;
     agent_settings.model_retry.capacity_wait_max = config.model_wait_max;
-    let mut providers = ProviderRegistry::new(settings, http);
+    let tools: Arc<dyn ToolConnector> = match stand_ins.tools {
+        Some(tools) => tools,
+        None => Arc::new(McpConnector::new(
+            crate::tools::http_client(tls()?).map_err(|e| AgentSetupError::Http(e.to_string()))?,
+            agent_settings.tool_sessions.clone(),
+        )),
+    };
+    let mut providers = match stand_ins.providers {
+        Some(providers) => providers,
+        None => ProviderRegistry::new(
+            settings,
+            outbound_http_client(config).map_err(|e| AgentSetupError::Http(e.to_string()))?,
+        ),
+    };
     for p in &config.providers {
         if let Some(tokens) = p.context_window {
             providers = providers.with_context_window(p.name.clone(), tokens);
         }
+        providers = providers.with_text_tool_calls(p.name.clone(), p.tool_calls_in_text);
     }
     let runtime = AgentRuntime::new(
         providers,
         agents_file,
-        tool_http,
+        tools,
         agent_settings,
         metrics,
         config.ceilings,
     )
     .with_max_deferrals_per_run(config.max_deferrals_per_run)
-    .with_allowed_models(allowed_models);
+    .with_allowed_models(allowed_models)
+    .with_random(random.clone());
     let runtime = match tool_registry {
         Some(registry) => runtime.with_tool_registry(registry),
         None => runtime,
@@ -361,10 +432,11 @@ impl Worker {
         Worker::build(config, Seams::default())
     }
 
-    /// Wires a worker: the engine client (behind the engine seam), the run store when one is
-    /// configured (connected and swept in the background: an outage at start-up is waited out
-    /// like any other), the task handler (the agent runtime unless the seam gives one), and the
-    /// runner around them. Must be called on a tokio runtime.
+    /// Wires a worker: the engine (the client unless the seam gives one, behind the seam's
+    /// decorator), the run store when one is configured (connected and swept in the
+    /// background: an outage at start-up is waited out like any other), the task handler (the
+    /// agent runtime unless the seam gives one), and the runner around them. Must be called on
+    /// a tokio runtime.
     pub fn build(config: &Config, seams: Seams) -> Result<Worker, StartError> {
         let metrics = Arc::new(Metrics::new());
         let store_stop = CancellationToken::new();
@@ -377,23 +449,29 @@ impl Worker {
                 connect_backoff(),
                 seams.tuning.store_idle_flush,
                 store_stop.clone(),
+                seams.random.clone(),
             )
         });
-        if let Some(headers) = &config.engine_headers {
-            tracing::info!(names = ?headers.names(), "extra engine request headers from ABADA_AGENT_ENGINE_HEADERS_FILE (values not shown)");
-        }
-        let client: Arc<dyn Engine> = Arc::new(
-            HttpEngine::new(
-                engine_http_client(config)?,
-                engine_client_settings(config, &seams.tuning),
-                token_provider(config)?,
-                metrics.clone(),
-            )
-            .with_headers(config.engine_headers.clone()),
-        );
-        let engine = match seams.engine {
-            Some(wrap) => wrap(client),
-            None => client,
+        let engine: Arc<dyn Engine> = match seams.engine {
+            Some(engine) => engine,
+            None => {
+                if let Some(headers) = &config.engine_headers {
+                    tracing::info!(names = ?headers.names(), "extra engine request headers from ABADA_AGENT_ENGINE_HEADERS_FILE (values not shown)");
+                }
+                Arc::new(
+                    HttpEngine::new(
+                        engine_http_client(config)?,
+                        engine_client_settings(config, &seams.tuning, &seams.random),
+                        token_provider(config)?,
+                        metrics.clone(),
+                    )
+                    .with_headers(config.engine_headers.clone()),
+                )
+            }
+        };
+        let engine = match seams.decorate_engine {
+            Some(wrap) => wrap(engine),
+            None => engine,
         };
         let mut credentials_in_clear = config.credentials_in_clear();
         let handler: Arc<dyn TaskHandler> = match seams.handler {
@@ -401,18 +479,16 @@ impl Worker {
             None => {
                 let mut runtime = agent_runtime(
                     config,
-                    outbound_http_client(config)?,
                     seams.agent,
                     metrics.clone(),
+                    AgentStandIns {
+                        providers: seams.providers,
+                        tools: seams.tools,
+                    },
+                    &seams.random,
                 )
                 .map_err(|e| StartError::Setup(e.to_string()))?;
                 credentials_in_clear.extend(runtime.tool_credentials_in_clear());
-                if let Some(providers) = seams.providers {
-                    runtime = runtime.with_providers(providers);
-                }
-                if let Some(tools) = seams.tools {
-                    runtime = runtime.with_tool_connector(tools);
-                }
                 let run_store = match stand_in_store {
                     Some(store) => Some(store),
                     None => store
@@ -432,7 +508,8 @@ impl Worker {
             handler,
             runner_settings(config, &seams.tuning),
             metrics.clone(),
-        );
+        )
+        .with_random(seams.random);
         if let Some(events) = seams.events {
             runner = runner.with_events(events);
         }

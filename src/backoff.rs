@@ -1,7 +1,10 @@
 //! Exponential backoff with full jitter, one policy type for every retry loop of the worker
-//! (engine calls, the poll loop, heartbeat retries). Jitter can be switched off for tests.
+//! (engine calls, the poll loop, heartbeat retries). Jitter can be switched off for tests; its
+//! draws come from the worker's [`Random`].
 
 use std::time::Duration;
+
+use crate::random::Random;
 
 /// How a retry loop waits: `base * 2^n`, capped at `max`, then jittered.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -26,9 +29,15 @@ impl Backoff {
         self
     }
 
-    /// The delay before retry number `attempt` (0-based).
-    pub fn delay(&self, attempt: u32) -> Duration {
-        self.delay_with(attempt, rand::random::<f64>())
+    /// The delay before retry number `attempt` (0-based), its jitter drawn from `random` (no
+    /// draw without jitter).
+    pub fn delay(&self, attempt: u32, random: &Random) -> Duration {
+        let unit = if self.jitter > 0.0 {
+            random.unit()
+        } else {
+            0.0
+        };
+        self.delay_with(attempt, unit)
     }
 
     /// [`Backoff::delay`] with the random draw given (`unit` in `0.0..1.0`), for callers whose
@@ -50,8 +59,8 @@ impl Backoff {
 
 /// Stretches a periodic wait by up to `fraction` (never shortens it): replicas drift apart,
 /// yet no wait is shorter than `period`, so an idle worker asks at most once per period.
-pub(crate) fn stretched(period: Duration, fraction: f64) -> Duration {
-    stretched_with(period, fraction, rand::random::<f64>())
+pub(crate) fn stretched(period: Duration, fraction: f64, random: &Random) -> Duration {
+    stretched_with(period, fraction, random.unit())
 }
 
 /// [`stretched`] with the random draw given (`unit` in `0.0..1.0`).
@@ -69,23 +78,23 @@ mod tests {
     #[test]
     fn grows_exponentially_and_caps() {
         let b = Backoff::new(Duration::from_millis(100), Duration::from_secs(2)).without_jitter();
-        assert_eq!(b.delay(0), Duration::from_millis(100));
-        assert_eq!(b.delay(1), Duration::from_millis(200));
-        assert_eq!(b.delay(3), Duration::from_millis(800));
-        assert_eq!(b.delay(10), Duration::from_secs(2));
-        assert_eq!(b.delay(u32::MAX), Duration::from_secs(2));
+        assert_eq!(b.delay(0, &Random::os()), Duration::from_millis(100));
+        assert_eq!(b.delay(1, &Random::os()), Duration::from_millis(200));
+        assert_eq!(b.delay(3, &Random::os()), Duration::from_millis(800));
+        assert_eq!(b.delay(10, &Random::os()), Duration::from_secs(2));
+        assert_eq!(b.delay(u32::MAX, &Random::os()), Duration::from_secs(2));
     }
 
     #[test]
     fn jitter_stays_within_bounds() {
         let b = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
         for n in 0..8 {
-            let d = b.delay(n);
+            let d = b.delay(n, &Random::os());
             let cap = Duration::from_millis(100 * (1 << n)).min(Duration::from_secs(2));
             assert!(d <= cap && d >= cap / 2, "{d:?} vs {cap:?}");
         }
         for _ in 0..100 {
-            let d = stretched(Duration::from_secs(1), 0.02);
+            let d = stretched(Duration::from_secs(1), 0.02, &Random::os());
             assert!(d >= Duration::from_secs(1) && d <= Duration::from_millis(1020));
         }
     }

@@ -44,6 +44,8 @@ pub const JOURNAL_MAX_STEPS: usize = 4096;
 /// A process definition answer (`GET /v1/processes/{id}`): its BPMN XML, escaped in JSON. A
 /// model with an agent on every task stays far below; the XML parser gets no more than this.
 pub const PROCESS_DEFINITION_MAX_BYTES: usize = 4 * 1024 * 1024;
+/// One page of an instance's activity history (100 entries, each a few hundred bytes).
+pub(crate) const HISTORY_PAGE_MAX_BYTES: usize = 1024 * 1024;
 /// Any other engine answer (errors, tool credentials, empty successes).
 pub(crate) const ENGINE_ANSWER_MAX_BYTES: usize = 64 * 1024;
 /// An OIDC issuer's documents: discovery, JWKS, token answers.

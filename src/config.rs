@@ -104,6 +104,12 @@ pub struct ProviderConfig {
     /// `_MODELS`: the only models of this provider a definition may name (comma-separated);
     /// empty: any model.
     pub models: Vec<String>,
+    /// `_TOOL_CALLS_IN_TEXT`: what a tool call its models write as text becomes (`repair`, the
+    /// default, or `parse`).
+    pub tool_calls_in_text: crate::provider::TextToolCalls,
+    /// `_STRUCTURED_OUTPUT`: how an `outputSchema` is asked (`native`, the default, or
+    /// `instructed`).
+    pub structured_output: crate::provider::StructuredOutput,
 }
 
 pub use crate::store::StoreConfig;
@@ -826,6 +832,20 @@ fn parse_providers(env: &dyn EnvSource) -> Result<Vec<ProviderConfig>, ConfigErr
                 models
             }
         };
+        let tool_calls_in_text = get("TOOL_CALLS_IN_TEXT")
+            .map(|v| {
+                crate::provider::TextToolCalls::parse(&v)
+                    .map_err(|e| ConfigError::new(var("TOOL_CALLS_IN_TEXT"), e.to_string()))
+            })
+            .transpose()?
+            .unwrap_or_default();
+        let structured_output = get("STRUCTURED_OUTPUT")
+            .map(|v| {
+                crate::provider::StructuredOutput::parse(&v)
+                    .map_err(|e| ConfigError::new(var("STRUCTURED_OUTPUT"), e.to_string()))
+            })
+            .transpose()?
+            .unwrap_or_default();
         providers.push(ProviderConfig {
             name,
             kind,
@@ -835,6 +855,8 @@ fn parse_providers(env: &dyn EnvSource) -> Result<Vec<ProviderConfig>, ConfigErr
             request_timeout,
             context_window,
             models,
+            tool_calls_in_text,
+            structured_output,
         });
     }
     Ok(providers)
@@ -1062,6 +1084,51 @@ mod tests {
             assert_eq!(e.var, "ABADA_AGENT_PROVIDER_OPENAI_CONTEXT_WINDOW", "{bad}");
             assert!(e.to_string().contains("allowed 256..=10000000"), "{e}");
         }
+    }
+
+    #[test]
+    fn a_providers_tool_calls_in_text_and_structured_output_have_safe_defaults() {
+        let c = Config::from_env(&env(&[
+            (ENV_ENGINE_URL, "https://e/api"),
+            (ENV_PROVIDERS, "openai,local"),
+            ("ABADA_AGENT_PROVIDER_LOCAL_KIND", "openai"),
+            ("ABADA_AGENT_PROVIDER_LOCAL_TOOL_CALLS_IN_TEXT", " Parse "),
+        ]))
+        .unwrap();
+        use crate::provider::TextToolCalls;
+        assert_eq!(c.providers[0].tool_calls_in_text, TextToolCalls::Repair);
+        assert_eq!(c.providers[1].tool_calls_in_text, TextToolCalls::Parse);
+        assert_eq!(
+            c.providers[0].structured_output,
+            crate::provider::StructuredOutput::Native
+        );
+        for bad in ["yes", "tolerant", "1"] {
+            let e = err(&[
+                (ENV_PROVIDERS, "openai"),
+                ("ABADA_AGENT_PROVIDER_OPENAI_TOOL_CALLS_IN_TEXT", bad),
+            ]);
+            assert_eq!(
+                e.var, "ABADA_AGENT_PROVIDER_OPENAI_TOOL_CALLS_IN_TEXT",
+                "{bad}"
+            );
+            assert!(e.to_string().contains("repair (the default"), "{e}");
+        }
+        let c = Config::from_env(&env(&[
+            (ENV_ENGINE_URL, "https://e/api"),
+            (ENV_PROVIDERS, "local"),
+            ("ABADA_AGENT_PROVIDER_LOCAL_KIND", "openai"),
+            ("ABADA_AGENT_PROVIDER_LOCAL_STRUCTURED_OUTPUT", "Instructed"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            c.providers[0].structured_output,
+            crate::provider::StructuredOutput::Instructed
+        );
+        let e = err(&[
+            (ENV_PROVIDERS, "openai"),
+            ("ABADA_AGENT_PROVIDER_OPENAI_STRUCTURED_OUTPUT", "grammar"),
+        ]);
+        assert_eq!(e.var, "ABADA_AGENT_PROVIDER_OPENAI_STRUCTURED_OUTPUT");
     }
 
     #[test]

@@ -32,6 +32,33 @@ pub fn engine_process_instance(body: &[u8]) -> Result<String, String> {
     crate::engine::wire::decode_process_instance(body).map(|i| i.process_definition_id)
 }
 
+/// What a history page read to: its entries, its page count, and the approver it names.
+type JudgedPage = (usize, Option<u32>, Result<String, String>);
+
+/// A page of `GET /v1/process-instances/{id}/history` (JSON) with its `X-Total-Pages` header,
+/// and who the engine says completed a user task in it: the events read, the page count, and
+/// the approver judged from the page as a whole history (or why not).
+pub fn engine_history_page(body: &[u8], total_pages: Option<&str>) -> Result<JudgedPage, String> {
+    let page = crate::engine::wire::decode_history_page(body, total_pages)?;
+    let approvers = crate::tools::server_scope::Approvers {
+        users: vec!["alice".into()],
+    };
+    let judged = crate::agent::approver::judge(
+        "fuzz",
+        &page.events,
+        &crate::agent::approver::Witness {
+            server: "orders",
+            approvers: &approvers,
+            asking_task: "t1",
+            answering_task: "t2",
+            agent_activity: Some("agent"),
+            decision_variable: "agentApproval",
+        },
+    )
+    .map_err(|e| e.to_string());
+    Ok((page.events.len(), page.total_pages, judged))
+}
+
 /// A fetch-and-lock response body: the tasks read, and one problem per element skipped.
 pub fn engine_fetch_response(body: &[u8]) -> Result<(Vec<Task>, Vec<String>), String> {
     crate::engine::wire::decode_locked_tasks(body)
@@ -154,6 +181,44 @@ pub fn output_answer(schema: &Value, answer: &str, stop_reason: &str) -> Result<
     let schema = crate::agent::output::OutputSchema::compile(schema).map_err(|e| e.to_string())?;
     crate::agent::output::judge(Some(&schema), answer, stop_reason, Some(100))
         .map_err(|r| r.repair_message())
+}
+
+/// A model's final answer examined for the shapes of `agent::answer_shape` (a tool call written
+/// as text, markup, an empty answer), two tools offered (`orders__lookup_order`, read-only, and
+/// `orders__issue_refund`, a write), under `parse` or `repair`: the tool calls the answer now
+/// holds, why it is sent back (if it is), and its text.
+pub fn answer_shape(
+    text: &str,
+    parse: bool,
+) -> (
+    Vec<crate::conversation::ToolCall>,
+    Option<&'static str>,
+    Option<String>,
+) {
+    let spec = |tool: &str, read_only: bool| crate::conversation::ToolSpec {
+        server: "orders".into(),
+        tool: tool.into(),
+        description: String::new(),
+        input_schema: serde_json::json!({"type": "object"}),
+        read_only,
+        destructive: false,
+    };
+    let specs = [spec("lookup_order", true), spec("issue_refund", false)];
+    let policy = if parse {
+        crate::provider::TextToolCalls::Parse
+    } else {
+        crate::provider::TextToolCalls::Repair
+    };
+    let answer = crate::conversation::AssistantMessage {
+        text: Some(text.to_string()),
+        tool_calls: Vec::new(),
+    };
+    let ex = crate::agent::answer_shape::examine(answer, "stop", &specs, &[], policy, 2);
+    (
+        ex.message.tool_calls,
+        ex.malformed.map(|m| m.reason.as_str()),
+        ex.message.text,
+    )
 }
 
 /// A `${name}` template rendered with process variables.

@@ -752,7 +752,9 @@ pub(crate) async fn pump_until(
 ) -> Result<(), DemoError> {
     let deadline = tokio::time::Instant::now() + limit;
     while !done(crew) {
+        // Biased, the workers' events first: the timeline tells them before a timeout.
         tokio::select! {
+            biased;
             Some((i, event)) = crew.rx.recv() => {
                 crew.absorb(i, &event);
                 let name = crew.workers[i].name.clone();

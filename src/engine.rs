@@ -137,6 +137,45 @@ pub struct ProcessDefinition {
     pub bpmn_xml: String,
 }
 
+/// The operation name of the activity-history read (metrics, spans, errors).
+pub(crate) const OP_PROCESS_HISTORY: &str = "process-history";
+/// Entries per page of an activity-history read: the engine's largest page
+/// (`Pagination.MAX_PAGE_SIZE`).
+pub(crate) const HISTORY_PAGE_SIZE: u32 = 100;
+
+/// One entry of a process instance's activity history (`GET
+/// /v1/process-instances/{id}/history`, the engine's `ActivityHistoryDto`), as far as the
+/// worker reads it. The engine writes one per event it records (`ActivityHistoryService`):
+/// the `actor` is the caller's identity as its security mode establishes it (`system` when
+/// there is no request, `anonymous` when a request names nobody).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HistoryEvent {
+    /// `TASK_COMPLETED`, `EXTERNAL_TASK_COMPLETED`, `VARIABLES_UPDATED`, ...
+    pub event_type: String,
+    pub actor: String,
+    pub activity_id: Option<String>,
+    pub details: Map<String, Value>,
+}
+
+/// One page of an instance's activity history, oldest first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HistoryPage {
+    pub events: Vec<HistoryEvent>,
+    /// The engine's `X-Total-Pages`; `None` when it sent none.
+    pub total_pages: Option<u32>,
+}
+
+/// Whether the engine answered a read of an instance's history made with no identity at all
+/// (see [`Engine::anonymous_history_read`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AnonymousAccess {
+    /// 401 or 403: the engine checks who calls; the actors it records are its own word.
+    Refused,
+    /// It answered (the history, or 404 about the instance): its security is off, and every
+    /// actor it records is whatever a caller claimed (`X-User`).
+    Answered,
+}
+
 /// What a cheap reachability probe of the engine found (see [`Engine::probe`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProbeOutcome {
@@ -201,6 +240,39 @@ pub trait Engine: Send + Sync + 'static {
             op: OP_PROCESS_DEFINITION,
             code: String::new(),
             message: "this engine serves no process API".into(),
+        })
+    }
+
+    /// `GET /v1/process-instances/{id}/history?page=&size=` (needs `operations:read`): one
+    /// page of the instance's activity history, oldest first, [`HISTORY_PAGE_SIZE`] entries.
+    /// The default is an engine without it (404).
+    async fn process_history(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+        page: u32,
+    ) -> Result<HistoryPage, EngineError> {
+        let _ = (task, instance_id, page);
+        Err(EngineError::NotFound {
+            op: OP_PROCESS_HISTORY,
+            code: String::new(),
+            message: "this engine serves no activity history".into(),
+        })
+    }
+
+    /// The same read of one entry sent with no credential and none of the operator's headers:
+    /// whether the engine's security is on, so that the actors it records are its own word and
+    /// not a caller's claim. The default is an engine without it (404).
+    async fn anonymous_history_read(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+    ) -> Result<AnonymousAccess, EngineError> {
+        let _ = (task, instance_id);
+        Err(EngineError::NotFound {
+            op: OP_PROCESS_HISTORY,
+            code: String::new(),
+            message: "this engine serves no activity history".into(),
         })
     }
 

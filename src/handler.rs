@@ -18,8 +18,9 @@ use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::{
-    AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, Journal, JournalStep,
-    LeaseLostReason, ProcessDefinition, ProcessInstance, Task, TaskRef, ToolCredential,
+    AnonymousAccess, AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport,
+    HistoryPage, Journal, JournalStep, LeaseLostReason, ProcessDefinition, ProcessInstance, Task,
+    TaskRef, ToolCredential,
 };
 use crate::lease::Lease;
 use crate::provider::capacity::Capacity;
@@ -360,6 +361,31 @@ impl TaskContext {
     pub async fn process_instance(&self, instance_id: &str) -> Result<ProcessInstance, TaskError> {
         self.fenced(self.engine.process_instance(self.lease.task(), instance_id))
             .await
+    }
+
+    /// One page of a process instance's activity history (who did what, as the engine says).
+    pub async fn process_history(
+        &self,
+        instance_id: &str,
+        page: u32,
+    ) -> Result<HistoryPage, TaskError> {
+        self.fenced(
+            self.engine
+                .process_history(self.lease.task(), instance_id, page),
+        )
+        .await
+    }
+
+    /// Whether the engine answers a history read made with no identity (its security off).
+    pub async fn anonymous_history_read(
+        &self,
+        instance_id: &str,
+    ) -> Result<AnonymousAccess, TaskError> {
+        self.fenced(
+            self.engine
+                .anonymous_history_read(self.lease.task(), instance_id),
+        )
+        .await
     }
 
     /// The latest deployed version of a process definition, with its XML.

@@ -22,6 +22,7 @@ use crate::backoff::Backoff;
 use crate::engine::{Engine, EngineError, LeaseLostReason};
 use crate::lease::{Lease, LeaseId};
 use crate::metrics::Metrics;
+use crate::random::Random;
 
 /// How the scheduler behaves.
 #[derive(Clone, Debug)]
@@ -140,14 +141,18 @@ struct Actor {
     timers: BTreeSet<(Instant, LeaseId)>,
     in_flight: JoinSet<(LeaseId, Instant, Result<(), EngineError>)>,
     permits: Arc<Semaphore>,
+    /// The worker's randomness: the jitter of the retries' backoff.
+    random: Random,
 }
 
-/// Starts the scheduler actor; it stops when every handle is dropped.
+/// Starts the scheduler actor; it stops when every handle is dropped. Its retries' jitter is
+/// drawn from `random` (the worker's).
 pub fn spawn(
     engine: Arc<dyn Engine>,
     settings: HeartbeatSettings,
     metrics: Arc<Metrics>,
     events: Option<mpsc::UnboundedSender<HeartbeatEvent>>,
+    random: Random,
 ) -> HeartbeatHandle {
     let (tx, rx) = mpsc::unbounded_channel();
     let expires_after = settings
@@ -162,6 +167,7 @@ pub fn spawn(
         entries: HashMap::new(),
         timers: BTreeSet::new(),
         in_flight: JoinSet::new(),
+        random,
     };
     tokio::spawn(actor.run(rx));
     HeartbeatHandle { tx, expires_after }
@@ -339,7 +345,7 @@ impl Actor {
                 let wait = self
                     .settings
                     .retry_backoff
-                    .delay(entry.failures - 1)
+                    .delay(entry.failures - 1, &self.random)
                     .min(room.max(Duration::from_millis(1)));
                 entry.due = now + wait;
                 tracing::warn!(

@@ -7,9 +7,9 @@
 //! [`Lease::mark_lost`]; from then on the task makes no further call about the task.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use tokio::sync::watch;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -38,7 +38,24 @@ pub struct Lease {
     /// lease). Read by the task before each call, so that a process paused past it (SIGSTOP, a
     /// stalled VM) makes no call on waking even if the scheduler has not run yet, and watched
     /// by [`Lease::lost_or_expired`] (a lease released from the scheduler still expires).
-    valid_until: Arc<watch::Sender<Option<Instant>>>,
+    valid_until: Arc<ValidUntil>,
+}
+
+/// The local expiry and the waiters for its moves. Not a `tokio::sync::watch`: a watch wakes
+/// its receivers in a random order (each waits on one of eight notifiers picked by tokio's
+/// unseeded generator), and the task and the runner both wait here, so which of them saw the
+/// expiry first would differ from run to run. A `Notify` wakes its waiters in the order they
+/// began to wait.
+#[derive(Debug, Default)]
+struct ValidUntil {
+    at: Mutex<Option<Instant>>,
+    moved: Notify,
+}
+
+impl ValidUntil {
+    fn get(&self) -> Option<Instant> {
+        *self.at.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl Lease {
@@ -48,21 +65,26 @@ impl Lease {
             task: Arc::new(task),
             lost: CancellationToken::new(),
             reason: Arc::new(OnceLock::new()),
-            valid_until: Arc::new(watch::Sender::new(None)),
+            valid_until: Arc::new(ValidUntil::default()),
         }
     }
 
     /// Records the lease's local expiry (the heartbeat scheduler's, on registration and on each
     /// accepted extension).
     pub(crate) fn set_valid_until(&self, at: Instant) {
-        self.valid_until.send_replace(Some(at));
+        *self
+            .valid_until
+            .at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(at);
+        self.valid_until.moved.notify_waiters();
     }
 
     /// True once the worker's own clock is past the lease's local expiry, whether or not the
     /// scheduler has noticed yet.
     pub fn expired_locally(&self) -> bool {
         self.valid_until
-            .borrow()
+            .get()
             .is_some_and(|at| Instant::now() >= at)
     }
 
@@ -81,7 +103,7 @@ impl Lease {
         if first {
             tracing::warn!(
                 task_id = %self.task.task_id,
-                attempt = ?self.task.attempt,
+                attempt = self.task.attempt,
                 reason = %reason,
                 "lease lost: the task stops and reports nothing"
             );
@@ -114,9 +136,12 @@ impl Lease {
         if crate::sim_bugs::active(crate::sim_bugs::Bug::HeartbeatAfterExpiry) {
             return self.lost().await;
         }
-        let mut expiry = self.valid_until.subscribe();
         loop {
-            let until = *expiry.borrow_and_update();
+            // Waiting for a move before the expiry is read: a move in between is not missed.
+            let moved = self.valid_until.moved.notified();
+            tokio::pin!(moved);
+            moved.as_mut().enable();
+            let until = self.valid_until.get();
             if until.is_some_and(|at| Instant::now() >= at) {
                 self.mark_lost(LeaseLostReason::LocalExpiry);
                 return;
@@ -131,7 +156,7 @@ impl Lease {
                 biased;
                 _ = self.lost() => return,
                 // Moved (an extension) or set (the registration): look again.
-                _ = expiry.changed() => {}
+                _ = moved => {}
                 _ = at_expiry => {}
             }
         }

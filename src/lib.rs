@@ -29,6 +29,7 @@ pub mod heartbeat;
 pub mod lease;
 pub mod metrics;
 pub mod provider;
+pub mod random;
 pub mod redact;
 pub mod runner;
 pub mod secret;

@@ -162,13 +162,15 @@ async fn watch_signals(shutdown: CancellationToken) {
         tracing::error!("cannot install signal handlers; stop the worker with SIGKILL");
         return;
     };
-    let first = tokio::select! { _ = term.recv() => "SIGTERM", _ = int.recv() => "SIGINT" };
+    // Biased, SIGTERM first: when both are pending, the orchestrator's is the one named.
+    let first = tokio::select! { biased; _ = term.recv() => "SIGTERM", _ = int.recv() => "SIGINT" };
     tracing::info!(
         signal = first,
         "shutdown requested: no more fetches, draining running tasks"
     );
     shutdown.cancel();
-    let second = tokio::select! { _ = term.recv() => "SIGTERM", _ = int.recv() => "SIGINT" };
+    let second =
+        tokio::select! { biased; _ = term.recv() => "SIGTERM", _ = int.recv() => "SIGINT" };
     tracing::warn!(signal = second, "second signal: exiting at once");
     std::process::exit(130);
 }

@@ -186,6 +186,13 @@ pub struct Metrics {
     pub(crate) output_repairs: Family<OutputLabels, Counter>,
     /// Final answers still rejected with no repair turn left: the task became an incident.
     pub(crate) output_failures: Family<OutputLabels, Counter>,
+    /// Answers sent back to the model as malformed (a tool call written as text, an empty
+    /// answer, a repeated call: `agent::answer_shape`).
+    pub(crate) answer_repairs: Family<OutputLabels, Counter>,
+    /// Malformed answers with no repair turn left: the task became an incident.
+    pub(crate) answer_failures: Family<OutputLabels, Counter>,
+    /// What a tolerant parse accepted (`_TOOL_CALLS_IN_TEXT=parse`).
+    pub(crate) tolerated_answers: Family<OutputLabels, Counter>,
     pub(crate) backoff_seconds: Gauge<f64, AtomicU64>,
     pub(crate) store_transaction_duration:
         Family<StoreOperationLabel, Histogram, fn() -> Histogram>,
@@ -243,6 +250,9 @@ impl Metrics {
             approvals: Family::default(),
             output_repairs: Family::default(),
             output_failures: Family::default(),
+            answer_repairs: Family::default(),
+            answer_failures: Family::default(),
+            tolerated_answers: Family::default(),
             backoff_seconds: Gauge::default(),
             store_transaction_duration: Family::new_with_constructor(
                 store_histogram as fn() -> Histogram,
@@ -371,6 +381,21 @@ impl Metrics {
             "abada_agent_output_failures",
             "Final answers still rejected after the repair turns (the task became an incident), by agent and reason",
             m.output_failures.clone(),
+        );
+        registry.register(
+            "abada_agent_answer_repairs",
+            "Malformed answers sent back to the model for a repair turn, by agent and reason (tool_call_as_text, empty_answer, repeated_call)",
+            m.answer_repairs.clone(),
+        );
+        registry.register(
+            "abada_agent_answer_failures",
+            "Malformed answers with no repair turn left (the task became an incident), by agent and reason",
+            m.answer_failures.clone(),
+        );
+        registry.register(
+            "abada_agent_tolerated_answers",
+            "Answers taken by the tolerant parse of a provider set to TOOL_CALLS_IN_TEXT=parse, by agent and reason (bare_json, fenced_json, tagged, with_text, tool_name, arguments_text)",
+            m.tolerated_answers.clone(),
         );
         registry.register(
             "abada_agent_backoff_seconds",
@@ -577,6 +602,29 @@ impl Metrics {
             &self.output_failures
         };
         family
+            .get_or_create(&OutputLabels {
+                agent: agent.to_string(),
+                reason,
+            })
+            .inc();
+    }
+
+    pub(crate) fn count_answer_repair(&self, agent: &str, reason: &'static str, repaired: bool) {
+        let family = if repaired {
+            &self.answer_repairs
+        } else {
+            &self.answer_failures
+        };
+        family
+            .get_or_create(&OutputLabels {
+                agent: agent.to_string(),
+                reason,
+            })
+            .inc();
+    }
+
+    pub(crate) fn count_tolerated_answer(&self, agent: &str, reason: &'static str) {
+        self.tolerated_answers
             .get_or_create(&OutputLabels {
                 agent: agent.to_string(),
                 reason,

@@ -78,6 +78,82 @@ pub struct ProviderSettings {
     pub max_concurrency: Option<usize>,
     /// Bounds one request, and separately the wait for a concurrency permit.
     pub request_timeout: Duration,
+    /// How an `outputSchema` is asked of this provider's models (`_STRUCTURED_OUTPUT`).
+    pub structured_output: StructuredOutput,
+}
+
+/// How an agent's `outputSchema` is asked of a provider's models
+/// (`ABADA_AGENT_PROVIDER_<NAME>_STRUCTURED_OUTPUT`). The worker validates every final answer
+/// either way (`agent::output`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StructuredOutput {
+    /// The wire format's own structured output where it has one (OpenAI `response_format`
+    /// `json_schema`), the instruction in the system prompt besides unless the schema is strict.
+    #[default]
+    Native,
+    /// Only the instruction in the system prompt: for a server that turns `response_format`
+    /// into a grammar of the whole answer, leaving the model no way to call a tool (llama.cpp's
+    /// `llama-server`, whose parser is the schema alone once `response_format` is set).
+    Instructed,
+}
+
+/// A `_STRUCTURED_OUTPUT` value that is neither `native` nor `instructed`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0:?} is not allowed: native (the default: the wire format's structured output, OpenAI response_format) or instructed (the schema asked in the system prompt only)"
+)]
+pub struct UnknownStructuredOutput(pub String);
+
+impl StructuredOutput {
+    /// Parses `native` or `instructed`, case-insensitively, surrounding blanks ignored.
+    pub fn parse(value: &str) -> Result<Self, UnknownStructuredOutput> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "native" => Ok(StructuredOutput::Native),
+            "instructed" => Ok(StructuredOutput::Instructed),
+            _ => Err(UnknownStructuredOutput(value.to_string())),
+        }
+    }
+}
+
+/// What the worker makes of a tool call that a model of this provider wrote as text instead of
+/// a tool call of its wire format (`{"name": ..., "arguments": {...}}` bare, in a Markdown fence
+/// or in tags; `<tool_call>` markup in the content): never a final answer, whichever is chosen
+/// (`agent::answer_shape`). `ABADA_AGENT_PROVIDER_<NAME>_TOOL_CALLS_IN_TEXT`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TextToolCalls {
+    /// The model is told how to call tools and asked again (a repair turn, bounded by the
+    /// definition's `answerRepairTurns`): nothing written as text is performed.
+    #[default]
+    Repair,
+    /// The call is taken as the model's tool call (a tolerant parse, as vLLM's and Ollama's tool
+    /// parsers do), then obeys every rule a tool call obeys: offered tools only, arguments, keys,
+    /// approval, limits, the journal.
+    Parse,
+}
+
+/// A `_TOOL_CALLS_IN_TEXT` value that is neither `repair` nor `parse`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0:?} is not allowed: repair (the default: the model is told how to call tools and asked again) or parse (the call written as text is taken as a tool call)"
+)]
+pub struct UnknownTextToolCalls(pub String);
+
+impl TextToolCalls {
+    /// Parses `repair` or `parse`, case-insensitively, surrounding blanks ignored.
+    pub fn parse(value: &str) -> Result<Self, UnknownTextToolCalls> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "repair" => Ok(TextToolCalls::Repair),
+            "parse" => Ok(TextToolCalls::Parse),
+            _ => Err(UnknownTextToolCalls(value.to_string())),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TextToolCalls::Repair => "repair",
+            TextToolCalls::Parse => "parse",
+        }
+    }
 }
 
 /// A model named `provider/model`; the model part may itself contain `/`.
@@ -315,8 +391,13 @@ pub struct ProviderRegistry {
     providers: HashMap<String, Arc<dyn ModelProvider>>,
     circuits: Arc<circuit::ModelCircuits>,
     windows: context::ContextWindows,
+    /// What a tool call written as text becomes, per provider (`_TOOL_CALLS_IN_TEXT`); the
+    /// default, [`TextToolCalls::Repair`], for a provider not listed.
+    text_tool_calls: HashMap<String, TextToolCalls>,
     /// What each model may start now, as its provider says (fed by the adapters' answers).
     capacities: Arc<capacity::ModelCapacities>,
+    /// The worker's randomness: the jitter of the retry loop's backoffs.
+    random: crate::random::Random,
 }
 
 impl std::fmt::Debug for ProviderRegistry {
@@ -359,6 +440,32 @@ impl ProviderRegistry {
     pub fn with_context_window(mut self, name: impl Into<String>, tokens: u64) -> Self {
         self.windows.configure(name, tokens);
         self
+    }
+
+    /// The registry drawing its retry loop's jitter from `random` (the worker's).
+    pub fn with_random(mut self, random: crate::random::Random) -> Self {
+        self.random = random;
+        self
+    }
+
+    /// The worker's randomness, for the retry loop's backoffs.
+    pub(crate) fn random(&self) -> &crate::random::Random {
+        &self.random
+    }
+
+    /// The registry with the models of provider `name` treating a tool call written as text as
+    /// `policy` says (`ABADA_AGENT_PROVIDER_<NAME>_TOOL_CALLS_IN_TEXT`).
+    pub fn with_text_tool_calls(mut self, name: impl Into<String>, policy: TextToolCalls) -> Self {
+        self.text_tool_calls.insert(name.into(), policy);
+        self
+    }
+
+    /// What a tool call written as text by a model of `provider` becomes.
+    pub(crate) fn text_tool_calls(&self, provider: &str) -> TextToolCalls {
+        self.text_tool_calls
+            .get(provider)
+            .copied()
+            .unwrap_or_default()
     }
 
     /// The context window of each model, configured or known.

@@ -27,7 +27,9 @@
 //!   backing off from a failed fetch): with every slot busy, during the idle wait after an
 //!   empty answer, or while a fetch was out. So a freed slot is refilled after one round trip,
 //!   and a partial answer (others fetching at the same moment) is followed by a fetch for the
-//!   rest at once.
+//!   rest at once. An empty answer right after tasks, or the first (another worker's fetch
+//!   may have held the rows), is fetched again after a short jittered pause, backing off to
+//!   the poll interval (the policy's rule).
 //! - One attempt of a task at a time: the engine handing out a task that still runs here
 //!   starts the newer attempt only once the older one has ended. An older attempt still at
 //!   work is stopped (its lease is superseded); one already reporting is left to read its
@@ -67,6 +69,7 @@ use crate::handler::{
 use crate::heartbeat::{self, HeartbeatEvent, HeartbeatHandle, HeartbeatSettings};
 use crate::lease::Lease;
 use crate::metrics::{Metrics, OutcomeLabel, ReasonLabel, ResultLabel};
+use crate::random::Random;
 use policy::{Action, Admit, FetchPolicy, LogLevel};
 
 /// How the runner behaves (from [`crate::config::Config`]).
@@ -90,6 +93,9 @@ pub struct RunnerSettings {
     /// Backoff after the engine asked to slow down (429/503 without Retry-After) or refused us
     /// (authentication, access).
     pub throttle_backoff: Backoff,
+    /// The pauses after an empty answer that may be contention (right after tasks, or the
+    /// first): `base` doubling, jittered; the poll interval bounds the run, not `max`.
+    pub contention_backoff: Backoff,
     pub heartbeat: HeartbeatSettings,
 }
 
@@ -106,6 +112,7 @@ impl RunnerSettings {
             stop_wait: Duration::from_millis(500),
             error_backoff: Backoff::new(Duration::from_millis(1000), Duration::from_secs(6)),
             throttle_backoff: Backoff::new(Duration::from_secs(2), Duration::from_secs(30)),
+            contention_backoff: Backoff::new(policy::CONTENTION_PAUSE, Duration::from_secs(3600)),
             heartbeat: HeartbeatSettings::new(lock_duration),
         }
     }
@@ -229,6 +236,8 @@ pub struct Runner {
     metrics: Arc<Metrics>,
     status: Arc<WorkerStatus>,
     events: Option<mpsc::UnboundedSender<RunnerEvent>>,
+    /// The worker's randomness: the poll loop's and the heartbeat retries' jitter.
+    random: Random,
 }
 
 /// What the running tasks share with the poll loop.
@@ -302,7 +311,10 @@ impl RunningTasks {
     /// and is forgotten ([`Change::Joined`]; its slot was given back before). Cancel-safe, so
     /// it can race the loop's waits in `select!`.
     async fn next_change(&mut self) -> Option<Change> {
+        // Biased, a freed slot first: a task gives its slot back before its future ends, so
+        // the two are seen in that order.
         tokio::select! {
+            biased;
             Some(()) = self.freed.recv() => Some(Change::SlotFreed),
             Some(joined) = self.set.join_next_with_id() => {
                 self.forget(joined);
@@ -414,7 +426,8 @@ impl RunningTasks {
 }
 
 impl Runner {
-    pub fn new(
+    /// The runner of a worker, built by the composition root alone (`app::Worker::build`).
+    pub(crate) fn new(
         engine: Arc<dyn Engine>,
         handler: Arc<dyn TaskHandler>,
         settings: RunnerSettings,
@@ -427,7 +440,14 @@ impl Runner {
             metrics,
             status: Arc::new(WorkerStatus::default()),
             events: None,
+            random: Random::os(),
         }
+    }
+
+    /// Draws the jitter of the poll loop and of the heartbeat retries from `random`.
+    pub(crate) fn with_random(mut self, random: Random) -> Self {
+        self.random = random;
+        self
     }
 
     /// Sends every [`RunnerEvent`] to `events`.
@@ -459,6 +479,7 @@ impl Runner {
             s.heartbeat.clone(),
             self.metrics.clone(),
             heartbeat_events,
+            self.random.clone(),
         );
         let (slot_freed, freed) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
@@ -505,7 +526,9 @@ impl Runner {
             self.status.tick();
             let step = Instant::now() + LIVENESS_TICK;
             let until = deadline.map_or(step, |d| d.min(step));
+            // Biased, an ended task first: one that ends at the deadline counts as ended.
             tokio::select! {
+                biased;
                 joined = tasks.join_next() => {
                     if joined.is_none() {
                         return true;
@@ -528,10 +551,11 @@ impl Runner {
         tasks: &mut RunningTasks,
         shutdown: &CancellationToken,
     ) {
+        let random = self.random.clone();
         let mut policy = FetchPolicy::new(
             &self.settings,
             Instant::now(),
-            Box::new(rand::random::<f64>),
+            Box::new(move || random.unit()),
         );
         loop {
             self.status.tick();
@@ -543,18 +567,22 @@ impl Runner {
                 Action::WaitUntil(until) => {
                     // A task ending meanwhile frees its slot: the policy fetches at once after
                     // an empty answer, and keeps a backoff.
+                    // Biased in every wait of the loop: the shutdown first (no fetch once it is
+                    // asked for), then a task's end, then the timer.
                     tokio::select! {
-                        _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
+                        biased;
+                        _ = shutdown.cancelled() => return,
                         Some(change) = tasks.next_change() => if change == Change::SlotFreed {
                             policy.task_ended(Instant::now())
                         },
-                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
                     }
                 }
                 Action::Probe => {
                     let outcome = tokio::select! {
-                        outcome = shared.engine.probe() => outcome,
+                        biased;
                         _ = shutdown.cancelled() => return,
+                        outcome = shared.engine.probe() => outcome,
                     };
                     if policy.probed(Instant::now(), outcome) {
                         tracing::info!("the engine answers again: fetching now");
@@ -565,10 +593,11 @@ impl Runner {
                     if free == 0 {
                         // A task's end frees its slot: refill it after one round trip.
                         tokio::select! {
+                            biased;
+                            _ = shutdown.cancelled() => return,
                             Some(change) = tasks.next_change() => if change == Change::SlotFreed {
                                 policy.task_ended(Instant::now())
                             },
-                            _ = shutdown.cancelled() => return,
                             _ = tokio::time::sleep(LIVENESS_TICK) => {}
                         }
                         continue;
@@ -579,11 +608,12 @@ impl Runner {
                         Admit::Fetch(n) => self.fetch(shared, tasks, &mut policy, n).await,
                         Admit::WaitUntil(until) => {
                             tokio::select! {
-                                _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
+                                biased;
+                                _ = shutdown.cancelled() => return,
                                 Some(change) = tasks.next_change() => if change == Change::SlotFreed {
                                     policy.task_ended(Instant::now())
                                 },
-                                _ = shutdown.cancelled() => return,
+                                _ = tokio::time::sleep_until(until.min(now + LIVENESS_TICK)) => {}
                             }
                         }
                     }
@@ -804,7 +834,7 @@ async fn run_task(
         .observe(started.saturating_duration_since(acquired_at).as_secs_f64());
     let span = task_span(&shared.worker_span, &task);
     async {
-        tracing::info!(topic = %task.topic, retries = ?task.retries, "task started");
+        tracing::info!(topic = %task.topic, retries = task.retries, "task started");
         let ctx = TaskContext::new(shared.engine.clone(), lease.clone(), shared.stop.clone());
         let cleanup = ctx.cleanup().clone();
         let after_report = ctx.after_report_slot().clone();

@@ -493,14 +493,21 @@ impl PgRunStore {
     }
 
     /// Runs [`PgRunStore::sweep`] every [`PgRunStore::sweep_interval`] (stretched by up to 10 %,
-    /// so replicas spread out) until `stop` is cancelled. A failed pass is retried at the next
-    /// tick; the outage log has said what failed.
-    pub fn spawn_sweeper(&self, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
+    /// so replicas spread out, drawn from `random`) until `stop` is cancelled. A failed pass is
+    /// retried at the next tick; the outage log has said what failed.
+    pub fn spawn_sweeper(
+        &self,
+        stop: CancellationToken,
+        random: crate::random::Random,
+    ) -> tokio::task::JoinHandle<()> {
         let store = self.clone();
         tokio::spawn(async move {
             loop {
-                let wait = crate::backoff::stretched(store.sweep_interval(), 0.1);
+                let wait = crate::backoff::stretched(store.sweep_interval(), 0.1, &random);
+                // Biased, the stop first (here and in every background loop of the store): no
+                // pass begins once the worker stops.
                 tokio::select! {
+                    biased;
                     _ = stop.cancelled() => return,
                     _ = tokio::time::sleep(wait) => {}
                 }

@@ -19,6 +19,7 @@ pub mod address;
 pub mod alias;
 pub mod approval_policy;
 pub mod registry;
+pub mod server_scope;
 mod session;
 mod transport;
 

@@ -28,6 +28,7 @@
 //! | `DELETE /admin/faults` | | 204, every fault and the outage cleared |
 //! | `POST /admin/outage` | `{"enabled": true}` | 204 |
 //! | `POST /admin/fetch-answer-cap` | `{"maxTasks": 2}` (`null`: no cap) | 204: every fetch answers at most that many tasks, as concurrent fetches under `SKIP LOCKED` do |
+//! | `POST /admin/fetch-contention` | `{"transactionMs": 15, "locks": "everyCandidate"}` (`locks` optional, or `"returnedRows"`; `{"transactionMs": null}`: off) | 204: each fetch's transaction lasts that long and holds its row locks meanwhile, as on the real engine (module `contention`) |
 //! | `GET /admin/instances/{id}` | | `{"status": "RUNNING", "suspended": false}` ([`InstanceView`]), or 404 |
 //! | `POST /admin/instances/{id}` | `{"action": "suspend"}` (`resume`, `cancel`, `fail`) | 204, or 400 with the engine's message (cancelling an ended instance) |
 //! | `POST /admin/tool-credentials/verify` | `{"server": "orders", "token": ".."}` | `{"valid": true, "taskId": "t-000001", "attempt": 1}` or `{"valid": false}` |
@@ -50,13 +51,16 @@
 //! curl -s -XPOST localhost:5601/admin/instances/p-000001 -d '{"action": "suspend"}'
 //! curl -s -XPOST localhost:5601/admin/outage -d '{"enabled": true}'
 //! curl -s -XPOST localhost:5601/admin/fetch-answer-cap -d '{"maxTasks": 2}'
+//! curl -s -XPOST localhost:5601/admin/fetch-contention -d '{"transactionMs": 15}'
 //! curl -s -XDELETE localhost:5601/admin/faults
 //! ```
 //!
-//! Processes: [`EngineEmulator::deploy`] a [`ProcessModel`] (service tasks, user tasks,
-//! exclusive gateways), start it (`POST /api/v1/processes/start?processId=`), and its external
-//! tasks appear, loop back and end as on the real engine; user tasks are served on the engine's
-//! `/api/v1/tasks` paths (module `process_api`, rules in `process`).
+//! Processes: [`EngineEmulator::deploy`] a [`ProcessModel`] (service tasks, user tasks, script
+//! tasks, exclusive gateways), start it (`POST /api/v1/processes/start?processId=`), and its
+//! external tasks appear, loop back and end as on the real engine; user tasks are served on the engine's
+//! `/api/v1/tasks` paths (module `process_api`, rules in `process`), and every instance's
+//! activity history, with who did what as the security mode establishes it, on
+//! `/api/v1/process-instances/{id}/history` (module `history`).
 //!
 //! Outage: while on, every `/api` request has its connection closed without an HTTP response
 //! (clients see a connection error, as with an engine pod that is gone); `/admin` still answers.
@@ -70,10 +74,20 @@
 //! a gateway that routes nowhere is emulated with [`Fault::Reject`]. Lease expiries carry nine
 //! fractional digits, and 400 and 500 answers close the connection (`Connection: close`), as
 //! Tomcat does under the real engine.
+//!
+//! Contention (off unless set, [`EngineEmulator::set_fetch_contention`]): by default each fetch
+//! runs alone at one instant, so fetches of several workers never overlap and each gets its
+//! own tasks, as on the real engine on PostgreSQL. The real engine on H2 (its `dev` profile,
+//! which every real-engine run here used) locks every row its acquisition query matches until
+//! its fetch's transaction commits, so a fetch that starts meanwhile answers empty on a deep
+//! backlog; [`FetchContention`] makes the emulator do so (the rule, and the engine's source
+//! files it comes from, are in the `contention` module).
 
 mod admin;
+mod contention;
 mod core;
 mod faults;
+mod history;
 mod http;
 mod process;
 mod process_api;
@@ -90,8 +104,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use axum::http::HeaderMap;
+pub use contention::{FetchContention, FetchLocks};
 pub use core::{CoreRefusal, CoreReply, EngineCore};
 pub use faults::{BadBody, Fault};
+pub use history::HistoryEntry;
 pub use process::{
     ConditionalFlow, InstanceStatus, NodeKind, ProcessInstanceView, ProcessModel, ProcessNode,
     UserTaskStatus, UserTaskView,
@@ -151,6 +167,30 @@ pub trait Authorizer: Send + Sync {
     /// same rule as [`Authorizer::authorize`].
     fn authorize_process_read(&self, headers: &HeaderMap) -> Result<(), AuthRejection> {
         self.authorize(headers)
+    }
+
+    /// Whether the caller may read the operations API (`GET /api/v1/process-instances/**`, an
+    /// instance's activity history), which the engine guards with `operations:read` (or the
+    /// operator and admin roles). The default applies [`Authorizer::authorize`].
+    fn authorize_operations_read(&self, headers: &HeaderMap) -> Result<(), AuthRejection> {
+        self.authorize(headers)
+    }
+
+    /// Whether the caller may use the user-task API (`/api/v1/tasks/**`: `task:read` to list,
+    /// `task:write` to claim and complete, or the task-user and admin roles). The default lets
+    /// every caller through, as the emulator did before it emulated this rule.
+    fn authorize_user_tasks(&self, headers: &HeaderMap, write: bool) -> Result<(), AuthRejection> {
+        let _ = (headers, write);
+        Ok(())
+    }
+
+    /// Who the caller is, as the engine's `IdentityContextInterceptor` establishes it in this
+    /// security mode: the user and groups the user-task API checks, and the `actor` of the
+    /// history entries the request writes. `None`: the `disabled` mode's rule (`X-User`, else
+    /// `anonymous`; groups from `X-Groups`).
+    fn identity(&self, headers: &HeaderMap) -> Option<(String, Vec<String>)> {
+        let _ = headers;
+        None
     }
 }
 
@@ -279,6 +319,31 @@ impl Shared {
     fn record_call(&self, record: CallRecord) {
         self.state().record_call(record);
         self.changed.notify_waiters();
+    }
+
+    /// The caller's identity ([`Authorizer::identity`], else the `disabled` mode's headers).
+    fn caller(&self, headers: &HeaderMap) -> process::Caller {
+        if let Some((user, groups)) = self.authorizer.as_ref().and_then(|a| a.identity(headers)) {
+            return process::Caller { user, groups };
+        }
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+        };
+        process::Caller {
+            user: header("x-user").unwrap_or("anonymous").to_string(),
+            groups: header("x-groups")
+                .map(|g| {
+                    g.split(',')
+                        .map(|s| s.trim().to_string())
+                        .filter(|s| !s.is_empty())
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
     }
 }
 
@@ -435,9 +500,19 @@ impl EngineEmulator {
         process_id: &str,
         variables: serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, String> {
-        let result = self.shared.state().start_process(process_id, variables);
+        let now = self.shared.clock.now_ms();
+        let result = self
+            .shared
+            .state()
+            .start_process(process_id, variables, "anonymous", now);
         self.shared.changed.notify_waiters();
         result
+    }
+
+    /// The activity history of process instance `id`, oldest first, as the engine's
+    /// `GET /v1/process-instances/{id}/history` pages it.
+    pub fn history(&self, id: &str) -> Vec<HistoryEntry> {
+        self.shared.state().history(id)
     }
 
     /// A process instance started from a deployed model, as the engine's API shows it.
@@ -504,6 +579,13 @@ impl EngineEmulator {
     /// lock, so concurrent fetches always get disjoint tasks; this cap makes them partial.
     pub fn set_fetch_answer_cap(&self, cap: Option<std::num::NonZeroU32>) {
         self.shared.state().set_answer_cap(cap);
+    }
+
+    /// Makes fetches contend as on the real engine (see the module docs and [`FetchContention`]):
+    /// each fetch's transaction lasts `transaction`, its answer comes when it ends, and the rows
+    /// it locked meanwhile are skipped by other fetches. `None`: each fetch runs alone.
+    pub fn set_fetch_contention(&self, contention: Option<FetchContention>) {
+        self.shared.state().set_fetch_contention(contention);
     }
 
     /// For tool servers: `Some((task id, attempt))` when `token` was issued for `server`, has

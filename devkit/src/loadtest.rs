@@ -11,11 +11,15 @@
 //!   free; pickup latency is creation to the task's first request (its journal read).
 //! - [`Scenario::Idle`]: no tasks; requests per second and RSS of an idle worker.
 //!
-//! Two knobs model a queue shared with other workers: [`LoadOptions::fetch_answer_cap`] makes
+//! Three knobs model a queue shared with other workers: [`LoadOptions::fetch_answer_cap`] makes
 //! the emulator answer at most that many tasks per fetch (the partial answers concurrent fetches
-//! get under `FOR UPDATE SKIP LOCKED`), and [`LoadOptions::workers`] runs a backlog with that
-//! many worker processes on the one engine, each with `slots` slots, reporting each worker's
-//! slot use (`worker_N_slot_utilisation`) and their spread around the mean.
+//! get under `FOR UPDATE SKIP LOCKED`), [`LoadOptions::fetch_contention`] makes its fetches
+//! contend as the real engine's do (each fetch's transaction holds its row locks for a while; on
+//! H2 every candidate row, so a fetch meanwhile answers empty), and [`LoadOptions::workers`]
+//! runs a backlog with that many worker processes on the one engine, each with `slots` slots,
+//! reporting each worker's slot use (`worker_N_slot_utilisation`) and tasks, their spreads
+//! around the mean, the share of the ceiling (all slots over the model latency) and the fetches
+//! answered empty.
 //!
 //! With [`LoadOptions::store`] set, the engine is the plain v1 engine (the emulator's 0.11 mode:
 //! no agent/1, no definition on tasks), the agent comes from an agents file and its tool server
@@ -88,8 +92,14 @@ pub struct LoadOptions {
     pub store: Option<StoreTarget>,
     /// The most tasks the engine answers per fetch, whatever was asked (`None`: as asked).
     pub fetch_answer_cap: Option<std::num::NonZeroU32>,
+    /// How the engine's fetches contend (`None`: each runs alone at its instant).
+    pub fetch_contention: Option<super::engine::FetchContention>,
     /// Worker processes sharing the engine (backlog only; 1 to [`MAX_WORKERS`]).
     pub workers: u32,
+    /// With several workers: the backlog is there before they start, and they start together
+    /// (replicas deployed onto a waiting queue), instead of appearing once each has fetched
+    /// from the empty queue (replicas idle when work arrives).
+    pub backlog_first: bool,
     /// The model's provider rate limit (issue 25): stated on every answer, 429 beyond.
     pub rate_limit: Option<super::model::RateLimit>,
 }
@@ -130,7 +140,9 @@ impl Default for LoadOptions {
             tool_latency: Duration::ZERO,
             store: None,
             fetch_answer_cap: None,
+            fetch_contention: None,
             workers: 1,
+            backlog_first: false,
             rate_limit: None,
         }
     }
@@ -499,6 +511,7 @@ pub async fn run(which: &ChildProgram, opts: &LoadOptions) -> Result<Figures, Lo
     }
     let stack = Stack::start(protocol).await?;
     stack.engine.set_fetch_answer_cap(opts.fetch_answer_cap);
+    stack.engine.set_fetch_contention(opts.fetch_contention);
     stack.model.set_script(BENCH_MODEL, bench_script(opts));
     if let Some(limit) = opts.rate_limit {
         stack.model.set_rate_limit(BENCH_MODEL, limit);
@@ -1044,7 +1057,8 @@ const WORKER_TASKS: [&str; MAX_WORKERS as usize] = [
 
 /// A backlog shared by `opts.workers` worker processes of `opts.slots` slots each on one
 /// engine: each child starts on the empty queue; once all have fetched, the whole backlog is
-/// created at once and the run ends when every task is completed. Throughput, CPU per task,
+/// created at once (with [`LoadOptions::backlog_first`], it is there before they all start
+/// together) and the run ends when every task is completed. Throughput, CPU per task,
 /// slot use overall and per worker over the deep-backlog window, and the largest deviation of
 /// a worker's slot use from the mean.
 async fn shared_backlog(
@@ -1057,24 +1071,34 @@ async fn shared_backlog(
     let worker_ids: Vec<String> = (1..=opts.workers)
         .map(|i| format!("bench-worker-{i}"))
         .collect();
-    let mut children = Vec::new();
-    for id in &worker_ids {
-        let mut child = spawn_child(which, stack, opts, None, id)?;
-        wait_first_fetch(stack, &mut child, Some(id)).await?;
-        children.push(child);
-    }
     let cpu = |children: &[ChildGuard]| -> f64 {
         children
             .iter()
             .map(|c| cpu_seconds(c.pid(), ticks).unwrap_or(f64::NAN))
             .sum()
     };
-    let cpu0 = cpu(&children);
     let agent = bench_agent(stack, opts);
-    let ids = stack
-        .engine
-        .create_tasks((0..opts.tasks).map(|i| task_spec(&agent, i)));
-    let created_at = ms(&stack.engine.now());
+    let backlog = || {
+        let ids = stack
+            .engine
+            .create_tasks((0..opts.tasks).map(|i| task_spec(&agent, i)));
+        (ids, ms(&stack.engine.now()))
+    };
+    let mut children = Vec::new();
+    let (cpu0, (ids, created_at)) = if opts.backlog_first {
+        let created = backlog();
+        for id in &worker_ids {
+            children.push(spawn_child(which, stack, opts, None, id)?);
+        }
+        (cpu(&children), created)
+    } else {
+        for id in &worker_ids {
+            let mut child = spawn_child(which, stack, opts, None, id)?;
+            wait_first_fetch(stack, &mut child, Some(id)).await?;
+            children.push(child);
+        }
+        (cpu(&children), backlog())
+    };
     let created: Vec<(String, i64)> = ids.into_iter().map(|id| (id, created_at)).collect();
     let result = wait_all_done(stack, &mut children, opts, &created).await;
     let cpu1 = cpu(&children);
@@ -1108,12 +1132,36 @@ async fn shared_backlog(
         .map(|w| (w.0 - mean).abs() / mean)
         .fold(0.0, f64::max);
     figures.put("slot_use_max_deviation_from_mean", "%", spread * 100.0);
+    let tasks_mean = n / shares.per_worker.len() as f64;
+    let tasks_spread = shares
+        .per_worker
+        .iter()
+        .map(|w| (w.1 as f64 - tasks_mean).abs() / tasks_mean)
+        .fold(0.0, f64::max);
+    figures.put("tasks_max_deviation_from_mean", "%", tasks_spread * 100.0);
+    // All slots busy with nothing but the model call: slots x workers per model latency.
+    let ceiling = f64::from(opts.slots * opts.workers) / opts.model_latency.as_secs_f64().max(1e-6);
+    figures.put("share_of_ceiling", "%", n / a.span_s / ceiling * 100.0);
     figures.put("requests_per_task", "req", a.requests_per_task);
     figures.put("fetches_per_task", "req", a.fetches as f64 / n);
+    let (fetches, empty) = fetch_answers(&calls);
+    figures.put("fetches", "req", fetches as f64);
+    figures.put("fetches_empty", "req", empty as f64);
     figures.put("lease_expiries", "count", a.lease_expiries as f64);
     figures.put("rss_busy_max", "MB", rss_max);
     figures.put("child_warn_error_lines", "lines", problems as f64);
     Ok(figures)
+}
+
+/// The fetches the engine ran over the run, and how many of them answered no task.
+fn fetch_answers(calls: &[CallRecord]) -> (usize, usize) {
+    let ran: Vec<&CallRecord> = calls
+        .iter()
+        .filter(|c| c.operation == Operation::FetchAndLock)
+        .filter(|c| c.disposition == Disposition::Executed && c.status == 200)
+        .collect();
+    let empty = ran.iter().filter(|c| c.task_ids.is_empty()).count();
+    (ran.len(), empty)
 }
 
 /// Slot use of a shared run over its deep-backlog window (first lock to the last lock).

@@ -60,6 +60,10 @@ pub enum Turn {
     /// answered with OpenAI's `finish_reason: "length"` or Anthropic's `stop_reason:
     /// "max_tokens"`.
     Cut(String),
+    /// The response body exactly as given, whichever format was asked (status 200, JSON): a
+    /// real server's answer captured byte for byte (the worker's `tests/data/real_model/`),
+    /// replayed on the wire.
+    Raw(String),
 }
 
 impl Turn {
@@ -980,6 +984,15 @@ fn answer(
     request: &Value,
     call_index: u64,
 ) -> Response {
+    let turns = conversation(format, request).assistant_turns;
+    if let Some(Turn::Raw(body)) = script.turns.get(turns).or(script.turns.last()) {
+        return (
+            StatusCode::OK,
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body.clone(),
+        )
+            .into_response();
+    }
     json_response(
         200,
         &answer_body(format, model, script, request, call_index),
@@ -1147,7 +1160,7 @@ fn answer_body(
         Turn::Text(t) => (Some(t.as_str()), &[][..]),
         Turn::ToolCalls(calls) => (None, calls.as_slice()),
         Turn::Say(t, calls) => (Some(t.as_str()), calls.as_slice()),
-        Turn::Cut(t) => (Some(t.as_str()), &[][..]),
+        Turn::Cut(t) | Turn::Raw(t) => (Some(t.as_str()), &[][..]),
     };
     let cut = matches!(turn, Turn::Cut(_));
     let text = text.map(|t| render(t, &conv, call_index));

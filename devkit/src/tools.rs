@@ -200,6 +200,19 @@ struct Shared {
     records: Mutex<Records>,
     faults: Faults,
     sessions: Arc<LocalSessionManager>,
+    /// The tools offered ([`ToolServer::offer_only`]); all of them when `None`.
+    offered: Mutex<Option<HashSet<String>>>,
+}
+
+impl Shared {
+    /// The tools listed now.
+    fn tools(&self) -> Vec<Tool> {
+        let offered = self.offered.lock().unwrap_or_else(|p| p.into_inner());
+        tool_list()
+            .into_iter()
+            .filter(|t| offered.as_ref().is_none_or(|o| o.contains(t.name.as_ref())))
+            .collect()
+    }
 }
 
 impl Shared {
@@ -234,6 +247,7 @@ impl ToolServer {
             records: Mutex::new(Records::default()),
             faults: Faults::default(),
             sessions: Arc::new(LocalSessionManager::default()),
+            offered: Mutex::new(None),
         });
         let stop = CancellationToken::new();
         let handler = OrderTools {
@@ -312,6 +326,18 @@ impl ToolServer {
     /// already open get 503. Up again with `false`.
     pub fn set_down(&self, down: bool) {
         self.shared.faults.down.store(down, Ordering::SeqCst);
+    }
+
+    /// Offers only `tools` from now on (listed and callable; a call of another is answered as
+    /// an unknown tool), as a server exposing fewer tools would: an agent that should see a
+    /// lookup and a write, and nothing else.
+    pub fn offer_only(&self, tools: &[&str]) {
+        *self
+            .shared
+            .offered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) =
+            Some(tools.iter().map(|t| t.to_string()).collect());
     }
 
     /// Delay before answering every `tools/call`.
@@ -758,11 +784,11 @@ impl ServerHandler for OrderTools {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        Ok(ListToolsResult::with_all_items(tool_list()))
+        Ok(ListToolsResult::with_all_items(self.shared.tools()))
     }
 
     fn get_tool(&self, name: &str) -> Option<Tool> {
-        tool_list().into_iter().find(|t| t.name == name)
+        self.shared.tools().into_iter().find(|t| t.name == name)
     }
 
     async fn call_tool(
@@ -804,6 +830,12 @@ impl ServerHandler for OrderTools {
                 "injected failure: the order service is unavailable",
             )])
             .into());
+        }
+        if !self.shared.tools().iter().any(|t| t.name == request.name) {
+            return Err(ErrorData::invalid_params(
+                format!("unknown tool {}", request.name),
+                None,
+            ));
         }
         let mut result = match request.name.as_ref() {
             "lookup_order" => match arguments.get("orderId").and_then(Value::as_str) {

@@ -1,7 +1,8 @@
 //! The approval gate of one attempt (`agent::approval` is the pure part): before a pending
 //! call runs, whether it needs a person's decision; the request journaled and the task
 //! completed asking for it; the decision read from the next task, checked against the request
-//! and journaled before it is acted on.
+//! (and, for a server with approvers, against the engine's record of who completed the task:
+//! `agent::approver`) and journaled before it is acted on.
 
 use tracing::Instrument;
 
@@ -58,7 +59,13 @@ impl Attempt<'_> {
             let needs = specs
                 .iter()
                 .find(|s| s.server == call.server && s.tool == call.tool)
-                .is_some_and(|spec| self.approval.needs_approval(spec, &call.arguments));
+                .is_some_and(|spec| {
+                    self.approval.needs_approval(
+                        spec,
+                        &call.arguments,
+                        &self.state.performed_without_approval,
+                    )
+                });
             if !needs {
                 // An unknown tool is answered by `run_tool_call` without performing anything.
                 return Ok(true);
@@ -118,6 +125,8 @@ impl Attempt<'_> {
                         ));
                     }
                 };
+                // The operator's approvers: the engine's record of who completed the task.
+                let decision = self.attest_decision(call, &request, decision).await?;
                 let seq = self.state.next_seq;
                 self.record(journal::approval_decided_step(seq, &decision))
                     .await?;
@@ -147,7 +156,8 @@ impl Attempt<'_> {
                 ),
             ));
         }
-        let request = approval::PendingRequest::new(call, &self.scope.task.id);
+        let request =
+            approval::PendingRequest::new(call, &self.scope.task.id, &self.scope.rt.random);
         let seq = self.state.next_seq;
         self.record(journal::approval_requested_step(seq, &request))
             .await?;

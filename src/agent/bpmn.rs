@@ -76,6 +76,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("loopCounterVariable", Kind::Text),
     ("outputSchema", Kind::Json),
     ("outputRepairTurns", Kind::Integer),
+    ("answerRepairTurns", Kind::Integer),
 ];
 
 #[derive(Clone, Copy, Debug)]
@@ -953,6 +954,7 @@ mod tests {
                 "{&quot;type&quot;:&quot;object&quot;,&quot;required&quot;:[&quot;decision&quot;]}",
             ),
             prop("outputRepairTurns", "2"),
+            prop("answerRepairTurns", "3"),
         ]
         .concat());
         let from_bpmn = agent(&xml).unwrap();
@@ -977,6 +979,7 @@ approval = ["issue_refund"]
 loopCounterVariable = "round"
 outputSchema = { type = "object", required = ["decision"] }
 outputRepairTurns = 2
+answerRepairTurns = 3
 [agents.refundAgent.approvalVariables]
 status = "refundStatus"
 "#,
@@ -993,6 +996,7 @@ status = "refundStatus"
             Some(json!({"type": "object", "required": ["decision"]}))
         );
         assert_eq!(from_bpmn.output_repair_turns, 2);
+        assert_eq!(from_bpmn.answer_repair_turns, 3);
         let origin = from_bpmn.origin.as_ref().unwrap();
         assert_eq!(
             (

@@ -64,6 +64,11 @@ pub struct AgentDefinition {
     /// the model with what is wrong, before it is an incident (default 1, at most
     /// [`output::MAX_REPAIR_TURNS`]).
     pub(crate) output_repair_turns: u32,
+    /// `answerRepairTurns`: how many times a malformed answer (a tool call written as text, an
+    /// empty answer, a call repeated after its result) is sent back to the model with what is
+    /// wrong, before it is an incident (default 2, at most
+    /// [`answer_shape::MAX_REPAIR_TURNS`](super::answer_shape::MAX_REPAIR_TURNS)).
+    pub(crate) answer_repair_turns: u32,
     /// Where a definition written on the BPMN service task came from, with the raw definition
     /// the run journals so a resumed run keeps it (`agent::bpmn`); `None` for the task's own
     /// `agent` and the agents file.
@@ -187,6 +192,8 @@ struct AgentWire {
     output_schema: Option<Value>,
     #[serde(default, alias = "output_repair_turns")]
     output_repair_turns: Option<u32>,
+    #[serde(default, alias = "answer_repair_turns")]
+    answer_repair_turns: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -382,6 +389,15 @@ impl AgentDefinition {
                 output::MAX_REPAIR_TURNS
             )));
         }
+        let answer_repair_turns = wire
+            .answer_repair_turns
+            .unwrap_or(super::answer_shape::DEFAULT_REPAIR_TURNS);
+        if answer_repair_turns > super::answer_shape::MAX_REPAIR_TURNS {
+            return Err(invalid(format!(
+                "answerRepairTurns must be 0..={} (it is {answer_repair_turns}): each repair is one more model call",
+                super::answer_shape::MAX_REPAIR_TURNS
+            )));
+        }
         Ok(AgentDefinition {
             name,
             models,
@@ -406,6 +422,7 @@ impl AgentDefinition {
             loop_counter_variable,
             output_schema,
             output_repair_turns,
+            answer_repair_turns,
             origin: None,
             source: None,
         })
@@ -475,6 +492,8 @@ const KNOWN_FIELDS: &[&str] = &[
     "output_schema",
     "outputRepairTurns",
     "output_repair_turns",
+    "answerRepairTurns",
+    "answer_repair_turns",
 ];
 
 /// Replaces every `${name}` by the variable: strings as they are, other values as JSON. `$${`
@@ -1004,6 +1023,18 @@ mod tests {
         assert!(e.contains("nothing is fetched"), "{e}");
         let e = err(json!({"outputRepairTurns": 6}));
         assert!(e.contains("outputRepairTurns must be 0..=5"), "{e}");
+        assert_eq!(
+            none.answer_repair_turns,
+            super::super::answer_shape::DEFAULT_REPAIR_TURNS
+        );
+        let e = err(json!({"answerRepairTurns": 6}));
+        assert!(e.contains("answerRepairTurns must be 0..=5"), "{e}");
+        let zero = AgentDefinition::from_value(
+            &json!({"model": "p/m", "input": "x", "answerRepairTurns": 0}),
+            "a",
+        )
+        .unwrap();
+        assert_eq!(zero.answer_repair_turns, 0);
         // The agents file spells the schema as a table.
         let file = AgentsFile::parse_str(
             "[agents.a]\nmodel = \"p/m\"\ninput = \"x\"\noutputRepairTurns = 2\n[agents.a.outputSchema]\ntype = \"object\"\nrequired = [\"decision\"]\n",

@@ -344,6 +344,9 @@ pub struct Replayed {
     pub(crate) consumed_requests: Vec<String>,
     /// How many times the run was deferred (`deferral` steps; run store only).
     pub deferrals: u32,
+    /// The calls finished without a person's decision on them, in order: an approval bound
+    /// holds for their total with the next call of the same tool (`agent::approval`).
+    pub(crate) performed_without_approval: Vec<ToolCall>,
     /// Final answers sent back to the model as off-schema or cut (`outputRepair` on their
     /// model steps, or `output/rejected` steps): the repair turns spent (`agent::output`).
     pub(crate) output_repairs: u32,
@@ -353,6 +356,10 @@ pub struct Replayed {
     pub(crate) keyed_results: std::collections::HashSet<String>,
     /// The judging of [`Self::final_answer`], when there is one.
     pub(crate) judging: Option<Judging>,
+    /// Answers sent back to the model as malformed (`answerRepair` on their model steps: a tool
+    /// call written as text, an empty answer, a repeated call): the repair turns spent
+    /// (`agent::answer_shape`).
+    pub(crate) answer_repairs: u32,
 }
 
 #[derive(Deserialize)]
@@ -453,6 +460,11 @@ impl Replayed {
                 if repair.is_some() && !d.message.tool_calls.is_empty() {
                     return Err(err("an output repair on an answer with tool calls".into()));
                 }
+                // [answer shape] An answer sent back as malformed (a tool call written as text,
+                // an empty answer, a repeated call) is no final answer either; the model read its
+                // repair message next, or its calls' results told it.
+                let shape_repair =
+                    super::answer_shape::journaled_repair(&step.data).map_err(err)?;
                 self.turns = self.turns.saturating_add(1);
                 self.usage += d.usage;
                 let calls = u32::try_from(d.message.tool_calls.len()).unwrap_or(u32::MAX);
@@ -466,7 +478,8 @@ impl Replayed {
                         started_key: None,
                     })
                     .collect();
-                self.final_answer = if d.message.tool_calls.is_empty() && repair.is_none() {
+                let final_answer = d.message.tool_calls.is_empty();
+                self.final_answer = if final_answer && repair.is_none() && shape_repair.is_none() {
                     Some(d.message.text.clone().unwrap_or_default())
                 } else {
                     None
@@ -477,6 +490,12 @@ impl Replayed {
                     accepted: false,
                 });
                 self.messages.push(Message::Assistant(d.message));
+                if let Some(shape) = shape_repair {
+                    self.answer_repairs = self.answer_repairs.saturating_add(1);
+                    if let Some(text) = shape.message.filter(|_| final_answer) {
+                        self.messages.push(Message::User { text });
+                    }
+                }
                 if let Some(repair) = repair {
                     self.output_repairs = self.output_repairs.saturating_add(1);
                     self.messages.push(Message::User {
@@ -517,6 +536,9 @@ impl Replayed {
                         || matches!(self.approval, Some(ApprovalState::Decided { .. }))
                     {
                         self.keyed_results.insert(done.call.call_id.clone());
+                    }
+                    if self.approval.is_none() {
+                        self.performed_without_approval.push(done.call.clone());
                     }
                     self.approval = None;
                     self.messages.push(Message::ToolResult {
@@ -943,7 +965,7 @@ mod tests {
     #[test]
     fn approval_steps_replay_in_order_and_out_of_order_ones_are_refused() {
         let refund = call("c2", "issue_refund");
-        let request = PendingRequest::new(&refund, "t-1");
+        let request = PendingRequest::new(&refund, "t-1", &crate::random::Random::os());
         let steps = vec![
             input_step(1, "sys", "o-1"),
             model_step(
@@ -970,6 +992,7 @@ mod tests {
             approved: false,
             comment: Some("no".into()),
             decided_by: "dana".into(),
+            engine_actor: Some("dana".into()),
         };
         let mut decided = steps.clone();
         decided.push(approval_decided_step(4, &decision));
@@ -1004,7 +1027,11 @@ mod tests {
         let mut other = steps[..2].to_vec();
         other.push(approval_requested_step(
             3,
-            &PendingRequest::new(&call("c9", "issue_refund"), "t-1"),
+            &PendingRequest::new(
+                &call("c9", "issue_refund"),
+                "t-1",
+                &crate::random::Random::os(),
+            ),
         ));
         assert!(Replayed::from_steps(&other).is_err());
         // A decided step answering another request than the journaled one is refused.
@@ -1026,7 +1053,10 @@ mod tests {
     #[test]
     fn a_request_without_a_request_id_is_superseded_by_one_with_it() {
         let refund = call("c2", "issue_refund");
-        let mut legacy = approval_requested_step(3, &PendingRequest::new(&refund, "t-1"));
+        let mut legacy = approval_requested_step(
+            3,
+            &PendingRequest::new(&refund, "t-1", &crate::random::Random::os()),
+        );
         legacy.data = json!({"callId": "c2", "taskId": "t-1"});
         let steps = vec![
             input_step(1, "sys", "o-1"),
@@ -1043,7 +1073,7 @@ mod tests {
         assert!(
             matches!(&r.approval, Some(ApprovalState::Requested(p)) if p.request_id.is_none() && p.call_digest.is_none())
         );
-        let fresh = PendingRequest::new(&refund, "t-2");
+        let fresh = PendingRequest::new(&refund, "t-2", &crate::random::Random::os());
         let mut again = steps.clone();
         again.push(approval_requested_step(4, &fresh));
         let r = Replayed::from_steps(&again).unwrap();

@@ -83,7 +83,9 @@ impl Attempt<'_> {
             self.record(step).await?;
         }
         let schema = self.def.output_schema.as_ref();
+        // Biased, the verdict first: a validation that ended as the worker stops is kept.
         let judged = tokio::select! {
+            biased;
             judged = output::judge_off_runtime(schema, answer, "", None, output::VALIDATION_DEADLINE) => judged,
             // Shutting down: the validation is abandoned (its thread ends by itself, bounded),
             // the task released; the next attempt judges again (a pass counted).

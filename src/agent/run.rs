@@ -124,7 +124,9 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
         // or tool call in flight included: dropping the loop there is what a crash would do, and
         // the journal already holds every step that counts (a started keyed write keeps its key).
         let deadline = attempt.deadline;
+        // Biased, the attempt first: an outcome reached at the deadline's instant stands.
         let outcome = tokio::select! {
+            biased;
             r = attempt.drive() => match r {
                 Ok(()) => unreachable!("drive only ends with an outcome"),
                 Err(outcome) => outcome,
@@ -307,8 +309,10 @@ impl<'a> Attempt<'a> {
             }
             None => (def, approval),
         };
-        // Which servers, at which URL, with which credential: the registry decides; the
-        // definition only names them. Nothing is sent to a server that fails here.
+        // Which tasks may use each server (its scope in the registry), then which servers, at
+        // which URL, with which credential: the registry decides; the definition only names
+        // them. Nothing is sent to a server that fails here.
+        super::tool_scope::check(scope, &def).await?;
         let servers = ToolRegistry::resolve(
             rt.tool_registry.as_deref(),
             &def.tool_servers,
@@ -346,7 +350,10 @@ impl<'a> Attempt<'a> {
             &def.models,
             def.tool_servers.iter().map(|s| s.name.as_str()),
         );
-        let traceparent = task.trace_parent.as_ref().map(|t| t.child_header());
+        let traceparent = task
+            .trace_parent
+            .as_ref()
+            .map(|t| t.child_header(&rt.random));
         let sessions = rt.tools.sessions(TaskTools {
             servers: servers.servers,
             credentials: Arc::new(credentials),
@@ -397,6 +404,10 @@ impl<'a> Attempt<'a> {
                 }
             }
             if let Some(next) = self.state.pending.first().cloned() {
+                // [answer shape] A call repeated after its result is answered, not performed.
+                if self.boxed_repeat(&next).await? {
+                    continue;
+                }
                 if self.boxed_gate(&next).await? {
                     self.boxed_tool_call(next).await?;
                 }
@@ -412,6 +423,10 @@ impl<'a> Attempt<'a> {
     // loop (over a megabyte along one task's poll chain, past a test thread's 2 MiB).
     fn boxed_gate<'s>(&'s mut self, next: &'s PendingCall) -> StepFuture<'s, bool> {
         Box::pin(self.approval_gate(next))
+    }
+
+    fn boxed_repeat<'s>(&'s mut self, next: &'s PendingCall) -> StepFuture<'s, bool> {
+        Box::pin(self.answer_repeated_call(next))
     }
 
     fn boxed_tool_call(&mut self, next: PendingCall) -> StepFuture<'_, ()> {
@@ -523,7 +538,10 @@ impl<'a> Attempt<'a> {
                 unanswered += 1;
             }
         };
+        // Biased, the answer first: a model answer that came in as the worker stops is paid
+        // for; it is kept rather than asked again.
         let result = tokio::select! {
+            biased;
             r = call_models(
                 &self.scope.rt.providers,
                 &self.def.models,
@@ -535,12 +553,18 @@ impl<'a> Attempt<'a> {
             _ = self.scope.ctx.stopped() => return Err(self.scope.released()),
         };
         self.unanswered_model_calls += unanswered;
-        let (model, response) = match result {
+        let (model, mut response) = match result {
             Ok(answered) => answered,
             Err(e) => return Err(self.model_error(e).await),
         };
+        // [answer shape] A tool call written as text, an empty answer, a repeated call: parsed
+        // (the provider's `_TOOL_CALLS_IN_TEXT=parse`) or sent back, before any rule applies.
+        let shape = self.examine_answer(&model, &mut response);
         // Nothing of an answer over a limit is journaled or performed.
-        let writes = self.keyed_writes_in(&response.message.tool_calls);
+        // [answer shape] A repeated write is answered, never sent: no keyed write.
+        let writes = self
+            .keyed_writes_in(&response.message.tool_calls)
+            .saturating_sub(shape.repeated_writes);
         self.limits
             .check_answer(&response.message, writes, &self.state.spent)
             .map_err(|e| limit_reached(&self.def, e))?;
@@ -570,7 +594,8 @@ impl<'a> Attempt<'a> {
         // (the verdict journaled after it): a validation that never ends cannot make the
         // model be paid again and again.
         let text = response.message.text.as_deref().unwrap_or_default();
-        if response.message.tool_calls.is_empty()
+        if !shape.is_malformed()
+            && response.message.tool_calls.is_empty()
             && output::needs_validator(self.def.output_schema.as_ref(), text, &response.stop_reason)
         {
             let answer = text.to_string();
@@ -583,18 +608,24 @@ impl<'a> Attempt<'a> {
         // [output] Any other final answer off the schema, or cut by the output limit, is
         // journaled with the repair message the model reads next (a resumed run replays it),
         // never stored.
-        let verdict = output::verdict(
-            self.def.output_schema.as_ref(),
-            &response.message,
-            &response.stop_reason,
-            Some(cap),
-            self.state.output_repairs,
-            self.def.output_repair_turns,
-        );
+        let verdict = if shape.is_malformed() {
+            output::Verdict::Accepted
+        } else {
+            output::verdict(
+                self.def.output_schema.as_ref(),
+                &response.message,
+                &response.stop_reason,
+                Some(cap),
+                self.state.output_repairs,
+                self.def.output_repair_turns,
+            )
+        };
         if let Some(rejection) = verdict.rejection() {
             step.data[output::JOURNAL_FIELD] = output::journal_record(rejection);
         }
+        shape.mark(&mut step);
         self.record(step).await?;
+        self.answer_shape_outcome(shape)?;
         self.output_verdict(verdict)
     }
 

@@ -307,6 +307,7 @@ impl Journal {
             fence: run.fence,
             end,
             backoff: scope.rt.settings.store_backoff,
+            random: scope.rt.random.clone(),
         }));
     }
 }
@@ -340,6 +341,7 @@ struct FinishRun {
     fence: Fence,
     end: RunEnd,
     backoff: crate::backoff::Backoff,
+    random: crate::random::Random,
 }
 
 #[async_trait]
@@ -357,7 +359,7 @@ impl AfterReport for FinishRun {
             match self.store.finish(&self.fence, self.end).await {
                 Ok(()) => return,
                 Err(e) if e.is_transient() && tries < 2 => {
-                    tokio::time::sleep(self.backoff.delay(tries)).await;
+                    tokio::time::sleep(self.backoff.delay(tries, &self.random)).await;
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "the task ended but its run could not be finished in the run store; the sweeper deletes it once it is idle for ABADA_AGENT_STORE_ABANDONED_AFTER");
@@ -609,20 +611,22 @@ async fn store_retry(
                 error_message: "the run store is unavailable; the attempt is deferred".into(),
                 error_details: format!("{what}: {e}"),
                 retries: retries_unchanged(task),
-                retry_timeout: rt.settings.technical_retry.delay(0),
+                retry_timeout: rt.settings.technical_retry.delay(0, &rt.random),
             },
         });
     }
-    let wait = rt.settings.store_backoff.delay(*tries);
+    let wait = rt.settings.store_backoff.delay(*tries, &rt.random);
     *tries = tries.saturating_add(1);
     tracing::debug!(error = %e, retry_in_ms = wait.as_millis() as u64, "{what} failed; retrying");
+    // Biased: a lost lease first (silence outranks a release), then the stop, then the retry.
     tokio::select! {
-        _ = tokio::time::sleep(wait) => Ok(()),
+        biased;
         _ = ctx.lease().lost() => Err(Outcome::Abandoned),
         _ = ctx.stopped() => Err(Outcome::released(
             task,
             "the worker shut down before the agent finished; another worker resumes it from the run store",
         )),
+        _ = tokio::time::sleep(wait) => Ok(()),
     }
 }
 

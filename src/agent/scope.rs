@@ -34,7 +34,7 @@ impl Scope<'_> {
             .rt
             .settings
             .technical_retry
-            .delay(earlier_failures(self.task));
+            .delay(earlier_failures(self.task), &self.rt.random);
         tracing::warn!(details = %details, retry_in_ms = retry_timeout.as_millis() as u64, "technical failure: one retry consumed");
         Outcome::Failure {
             kind: FailureKind::Technical,

@@ -53,7 +53,9 @@ impl Attempt<'_> {
         let mut tries = 0;
         let specs = loop {
             tries += 1;
+            // Biased, the answer first: a listing that came in as the worker stops is kept.
             let result = tokio::select! {
+                biased;
                 r = self.tools.sessions.tools() => r,
                 _ = self.scope.ctx.stopped() => return Err(self.scope.released()),
             };
@@ -88,11 +90,18 @@ impl Attempt<'_> {
             ));
         }
         if e.is_transient() && tries < self.scope.rt.settings.tool_attempts {
-            let wait = self.scope.rt.settings.tool_backoff.delay(tries - 1);
+            let wait = self
+                .scope
+                .rt
+                .settings
+                .tool_backoff
+                .delay(tries - 1, &self.scope.rt.random);
             tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "{what} failed; retrying");
+            // Biased, the stop first: no retry begins once the worker stops.
             tokio::select! {
-                _ = tokio::time::sleep(wait) => return Ok(()),
+                biased;
                 _ = self.scope.ctx.stopped() => return Err(self.scope.released()),
+                _ = tokio::time::sleep(wait) => return Ok(()),
             }
         }
         Err(self.scope.technical(format!("{what} failed: {e}")))
@@ -142,12 +151,14 @@ impl Attempt<'_> {
                 call.arguments.as_object().cloned().unwrap_or_default()
             }
             (_, None) => {
+                // The names as the model sees them (`server__tool`): a name it can call.
+                let names = crate::provider::tool_names::ToolNames::new(&specs);
                 let offered: Vec<String> = specs
                     .iter()
-                    .map(|s| format!("{}/{}", s.server, s.tool))
+                    .map(|s| names.function_name(&s.server, &s.tool))
                     .collect();
                 let result = ToolResult::error_text(format!(
-                    "There is no tool {:?}{}. The tools offered are: {}.",
+                    "There is no tool {:?}{}. Tool names are exact (case and prefix included): the tools offered are {}.",
                     call.tool,
                     if call.server.is_empty() {
                         String::new()
@@ -205,7 +216,10 @@ impl Attempt<'_> {
         let mut tries = 0;
         let result = loop {
             tries += 1;
+            // Biased, the answer first: a call answered as the worker stops is journaled, not
+            // sent again by the next attempt.
             let r = tokio::select! {
+                biased;
                 r = self.tools.sessions.call(&call.server, &call.tool, arguments.clone(), key.as_deref()) => r,
                 _ = self.scope.ctx.stopped() => return Err(self.scope.released()),
             };

@@ -267,11 +267,11 @@ struct Actor<S: TokenSource> {
 impl<S: TokenSource> Actor<S> {
     async fn run(mut self, mut requests: mpsc::UnboundedReceiver<Request>) {
         loop {
+            // Biased, a finished grant first: a request arriving as it ends is answered with its
+            // token, not queued behind a grant that is over (and the order is the same on every
+            // run, not tokio's random pick).
             tokio::select! {
-                request = requests.recv() => match request {
-                    Some(request) => self.on_request(request),
-                    None => break,
-                },
+                biased;
                 Some(done) = self.grant.join_next(), if !self.grant.is_empty() => {
                     let (received_at, result) = done.unwrap_or_else(|_| {
                         (Instant::now(), Err(S::Error::unavailable(
@@ -280,6 +280,10 @@ impl<S: TokenSource> Actor<S> {
                     });
                     self.on_grant(received_at, result);
                 }
+                request = requests.recv() => match request {
+                    Some(request) => self.on_request(request),
+                    None => break,
+                },
             }
         }
         self.grant.abort_all();

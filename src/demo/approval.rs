@@ -246,7 +246,9 @@ async fn scenario(
     let answer = r.done.variables["refundDecision"].to_string();
     checks.push(Check::new(
         "refused: the model told the customer who refused and why",
-        answer.contains("erin refused it") && answer.contains("already refunded"),
+        answer.contains("refusedBy")
+            && answer.contains("erin")
+            && answer.contains("already refunded"),
         format!("answer {answer}"),
     ));
     let r_calls = model_calls(&r.order);

@@ -148,7 +148,10 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
             .filter_map(|p| p.since)
             .min()
             .map(|s| s + MERGE_WINDOW);
+        // Biased, in the order written: the workers' events, the engine's end, the flush of a
+        // stale row, the timeout.
         tokio::select! {
+            biased;
             Some((i, event)) = crew.rx.recv() => {
                 crew.absorb(i, &event);
                 on_event(&mut tl, &crew, &mut board, &mut pending, i, event);

@@ -1,6 +1,6 @@
-//! The deterministic simulator (issue 24): N production workers (runner, heartbeat actor, agent
-//! runtime) against the in-memory [`world`](super::world) on tokio's current-thread runtime with
-//! a paused clock. A seed is a whole scenario ([`schedule`]): tasks, workers, outages, freezes,
+//! The deterministic simulator: N production workers (built by the composition root, as the
+//! daemon's are: [`worker`]) against the in-memory [`world`](super::world) on tokio's
+//! current-thread runtime with a paused clock. A seed is a whole scenario ([`schedule`]): tasks, workers, outages, freezes,
 //! kills and the odds of per-call faults. After the run the [`invariants`] are checked on the
 //! trace and the engine's final state; the trace's hash makes a seed's run comparable.
 //!
@@ -80,6 +80,12 @@ impl SeedReport {
 pub fn run_seed(runtime: tokio::runtime::Runtime, options: &SimOptions) -> SeedReport {
     #[cfg(feature = "sim-bugs")]
     crate::sim_bugs::select(options.bug);
+    // A second dispatcher, alive for the seed, before the capture's: with one registered alone,
+    // tracing decides whether a callsite first hit on another thread (another test of the same
+    // binary) is of interest from that thread's subscriber only and caches "never", and the
+    // capture misses that callsite's events on this thread for the rest of the seed. With two,
+    // every registered dispatcher is asked.
+    let _second = tracing::Dispatch::new(tracing_subscriber::registry());
     // Everything the workers log or put in a span, written down for the secret check.
     let capture = secrets::Capture::default();
     let subscriber = {
@@ -158,6 +164,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         .map(|n| {
             Some(SimWorker::start(
                 &world,
+                options.seed,
                 &worker_id(n, 0),
                 schedule.slots,
                 schedule.lock_duration,
@@ -186,6 +193,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
                 generations[n] += 1;
                 let w = SimWorker::start(
                     &world,
+                    options.seed,
                     &worker_id(n, generations[n]),
                     schedule.slots,
                     schedule.lock_duration,
@@ -234,7 +242,12 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
     }
     let now = world.elapsed_ms();
     for (id, m) in &metrics {
-        for line in m.encode().lines() {
+        // In a fixed order: the encoder lists a metric's label sets in the order of a hash map
+        // seeded anew by each process.
+        let text = m.encode();
+        let mut lines: Vec<&str> = text.lines().collect();
+        lines.sort_unstable();
+        for line in lines {
             world.trace().push(
                 now,
                 Event::Log {

@@ -1,11 +1,17 @@
-//! In-process workers against a devkit [`Stack`]: real workers, wired by the composition root
-//! ([`Worker::build`]) from a [`Config`] that names the stack's engine emulator and scripted
-//! model, running on the caller's runtime over real HTTP on loopback. The demo, the integration
-//! tests and the benchmarks start them through [`StackWorkers`].
+//! In-process workers, wired by the composition root ([`Worker::build`]) from a [`Config`]
+//! parsed the production way from an environment map, running on the caller's runtime:
+//!
+//! - against a devkit [`Stack`], over real HTTP on loopback: the configuration names the stack's
+//!   engine emulator and scripted model. The demo, the integration tests and the benchmarks
+//!   start them through [`StackWorkers`];
+//! - against the simulator's in-memory world ([`start_in_world`]): the world's engine replaces
+//!   the client, and the caller's seams the models, the tools or the task handler, with no
+//!   socket, so tokio's paused clock drives them. The paused-clock tests start them so.
 //!
 //! What differs from a production worker goes through the seams: shorter backoffs
-//! ([`fast_tuning`], [`StackWorkers::fast_agent_settings`]), an optional engine decorator, and an
-//! event channel. The admin endpoints are not served.
+//! ([`fast_tuning`], [`StackWorkers::fast_agent_settings`]), an optional engine decorator
+//! (a [`Gate`](super::gate::Gate)), stand-ins, and an event channel. The admin endpoints are not
+//! served.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,6 +21,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::stack::Stack;
+use super::world::{World, WorldEngine};
 use crate::agent::AgentSettings;
 use crate::app::{Seams, Tuning, Worker};
 use crate::backoff::Backoff;
@@ -67,15 +74,18 @@ pub struct WorkerHandle {
 
 impl WorkerHandle {
     /// Staged shutdown, waiting for the drain to end.
+    ///
+    /// # Panics
+    /// With the worker's own panic, when its runner panicked: a bug the caller must see.
     pub async fn stop(self) {
         self.shutdown.cancel();
-        let _ = self.join.await;
+        ended_cleanly(self.join.await);
     }
 
     /// [`WorkerHandle::stop`], then the events not received yet, in order.
     pub async fn stop_collecting(mut self) -> Vec<RunnerEvent> {
         self.shutdown.cancel();
-        let _ = (&mut self.join).await;
+        ended_cleanly((&mut self.join).await);
         let mut rest = Vec::new();
         while let Ok(e) = self.events.try_recv() {
             rest.push(e);
@@ -85,6 +95,15 @@ impl WorkerHandle {
 
     pub fn is_finished(&self) -> bool {
         self.join.is_finished()
+    }
+}
+
+/// Resumes the runner's panic, if it panicked.
+fn ended_cleanly(joined: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = joined
+        && e.is_panic()
+    {
+        std::panic::resume_unwind(e.into_panic());
     }
 }
 
@@ -193,6 +212,66 @@ pub fn worker_env(stack: &Stack, opts: &WorkerOptions) -> HashMap<String, String
     env
 }
 
+/// The engine's URL in the configuration of a worker against the world: the configuration
+/// requires one; it is never dialled (the world's engine replaces the client).
+const WORLD_ENGINE_URL: &str = "http://127.0.0.1:9/api";
+
+/// The whole `ABADA_AGENT_*` environment of a worker against the simulator's world: `opts`,
+/// and the model providers named in `providers` (kind `openai`; a stand-in registry given
+/// through [`Seams::providers`] replaces their adapters).
+pub fn world_worker_env(opts: &WorkerOptions, providers: &[&str]) -> HashMap<String, String> {
+    let ms = |d: Duration| d.as_millis().to_string();
+    let mut env = HashMap::from([
+        (config::ENV_ENGINE_URL.into(), WORLD_ENGINE_URL.into()),
+        (config::ENV_WORKER_ID.into(), opts.worker_id.clone()),
+        (config::ENV_MAX_TASKS.into(), opts.slots.to_string()),
+        (config::ENV_POLL_INTERVAL_MS.into(), ms(opts.poll_interval)),
+        (config::ENV_LOCK_DURATION_MS.into(), ms(opts.lock_duration)),
+        (
+            config::ENV_SHUTDOWN_GRACE_MS.into(),
+            ms(opts.shutdown_grace),
+        ),
+    ]);
+    if !providers.is_empty() {
+        env.insert(config::ENV_PROVIDERS.into(), providers.join(","));
+        for name in providers {
+            env.insert(
+                format!(
+                    "ABADA_AGENT_PROVIDER_{}_KIND",
+                    name.to_ascii_uppercase().replace('-', "_")
+                ),
+                "openai".into(),
+            );
+        }
+    }
+    env.extend(opts.env.iter().cloned());
+    env
+}
+
+/// Starts a worker against the simulator's `world` on the current runtime (a paused one in
+/// tests), built by the composition root from [`world_worker_env`]'s configuration with
+/// `opts.tuning` and `seams`: its engine is the world's engine for `opts.worker_id` (unless
+/// `seams` gives one), behind the seams' decorator.
+///
+/// # Panics
+/// When the worker cannot be built: the configuration is the caller's, so that is a bug.
+pub fn start_in_world(
+    world: &Arc<World>,
+    opts: WorkerOptions,
+    providers: &[&str],
+    mut seams: Seams,
+) -> WorkerHandle {
+    let config = match Config::from_env(&world_worker_env(&opts, providers)) {
+        Ok(c) => c,
+        Err(e) => panic!("in-process worker {}: {e}", opts.worker_id),
+    };
+    if seams.engine.is_none() {
+        seams.engine = Some(Arc::new(WorldEngine::new(world.clone(), &opts.worker_id)));
+    }
+    seams.tuning = opts.tuning;
+    start(&config, seams)
+}
+
 /// Builds a worker from `config` and `seams` through the composition root and runs it on the
 /// current runtime until its handle stops it.
 ///
@@ -277,7 +356,7 @@ fn spawn(
     stack: &Stack,
     opts: WorkerOptions,
     agent: AgentSettings,
-    engine: Option<crate::app::EngineWrapper>,
+    decorate_engine: Option<crate::app::EngineWrapper>,
 ) -> WorkerHandle {
     let config = match Config::from_env(&worker_env(stack, &opts)) {
         Ok(c) => c,
@@ -286,7 +365,7 @@ fn spawn(
     start(
         &config,
         Seams {
-            engine,
+            decorate_engine,
             agent,
             tuning: opts.tuning,
             ..Seams::default()

@@ -29,8 +29,9 @@ use super::error::{EngineError, LeaseLostReason};
 use super::headers::EngineHeaders;
 use super::wire::{self, PROTOCOL_HEADER, PROTOCOL_VERSION};
 use super::{
-    AppendOutcome, BpmnErrorReport, Engine, FailureReport, FetchRequest, Journal, JournalStep,
-    OP_PROCESS_DEFINITION, OP_PROCESS_INSTANCE, ProbeOutcome, ProcessDefinition, ProcessInstance,
+    AnonymousAccess, AppendOutcome, BpmnErrorReport, Engine, FailureReport, FetchRequest,
+    HISTORY_PAGE_SIZE, HistoryPage, Journal, JournalStep, OP_PROCESS_DEFINITION,
+    OP_PROCESS_HISTORY, OP_PROCESS_INSTANCE, ProbeOutcome, ProcessDefinition, ProcessInstance,
     Task, TaskRef, ToolCredential, TraceParent,
 };
 use crate::auth::TokenProvider;
@@ -38,6 +39,7 @@ use crate::backoff::Backoff;
 use crate::base_url::BaseUrl;
 use crate::body::{self, ReadError};
 use crate::metrics::Metrics;
+use crate::random::Random;
 use crate::secret::Secret;
 use crate::telemetry::spans;
 
@@ -60,6 +62,9 @@ pub struct EngineClientSettings {
     /// ([`crate::handler::TaskContext::fenced`]), so they stop the moment the lease is lost;
     /// this bound is for callers without a lease. Set it to the lock duration.
     pub outage_patience: Duration,
+    /// The worker's randomness: idempotency keys, the span ids of the trace context sent on,
+    /// the jitter of the command backoff.
+    pub random: Random,
 }
 
 impl EngineClientSettings {
@@ -72,6 +77,7 @@ impl EngineClientSettings {
             command_attempts: 6,
             command_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
             outage_patience: Duration::from_secs(120),
+            random: Random::os(),
         }
     }
 }
@@ -80,6 +86,8 @@ impl EngineClientSettings {
 const EXTERNAL_TASKS: &str = "/v1/external-tasks";
 /// Below the API root: the process API's reads (agents defined in the BPMN).
 const PROCESSES: &str = "/v1/processes";
+/// Below the API root: the operations API (an instance's activity history).
+const PROCESS_INSTANCES: &str = "/v1/process-instances";
 
 /// The engine over HTTP.
 pub struct HttpEngine {
@@ -130,6 +138,8 @@ enum Reading {
     /// A process definition with its BPMN XML, whole within
     /// `body::PROCESS_DEFINITION_MAX_BYTES`.
     Definition,
+    /// A page of activity history, whole within `body::HISTORY_PAGE_MAX_BYTES`.
+    History,
 }
 
 struct Answer {
@@ -187,13 +197,13 @@ impl HttpEngine {
     /// The call's URL, written out (for messages).
     fn url_of(&self, call: &Call<'_>) -> String {
         match &self.root {
-            Ok(root) => root.join(&call.path).to_string(),
+            Ok(root) => call_url(root, &call.path).to_string(),
             Err(_) => format!("{}{}", self.settings.engine_url, call.path),
         }
     }
 
-    fn new_key() -> String {
-        uuid::Uuid::now_v7().to_string()
+    fn new_key(&self) -> String {
+        self.settings.random.uuid_v7().to_string()
     }
 
     /// One exchange, with one forced token refresh and one retry on 401.
@@ -242,8 +252,11 @@ impl HttpEngine {
         } else {
             tracing::Span::none()
         };
-        let traceparent = spans::traceparent_of(&span)
-            .or_else(|| call.traceparent.as_ref().map(TraceParent::child_header));
+        let traceparent = spans::traceparent_of(&span).or_else(|| {
+            call.traceparent
+                .as_ref()
+                .map(|t| t.child_header(&self.settings.random))
+        });
         let result = self
             .send_once(call, token, traceparent)
             .instrument(span.clone())
@@ -277,7 +290,7 @@ impl HttpEngine {
             })?
             .expect("engine semaphore is never closed");
         let url = match &self.root {
-            Ok(root) => root.join(&call.path),
+            Ok(root) => call_url(root, &call.path),
             Err(why) => {
                 return Err(EngineError::Transient {
                     op: call.op,
@@ -389,6 +402,10 @@ impl HttpEngine {
                 answer.body =
                     body::read_capped(resp, body::PROCESS_DEFINITION_MAX_BYTES, &what).await?;
             }
+            Reading::History => {
+                let what = format!("the {} answer{subject}", call.op);
+                answer.body = body::read_capped(resp, body::HISTORY_PAGE_MAX_BYTES, &what).await?;
+            }
             Reading::Tasks => {
                 let decoded = body::decode_streamed(
                     resp,
@@ -451,7 +468,10 @@ impl HttpEngine {
                     retry_after: Some(d),
                     ..
                 } => (*d).min(self.settings.command_backoff.max),
-                _ => self.settings.command_backoff.delay(attempt - 1),
+                _ => self
+                    .settings
+                    .command_backoff
+                    .delay(attempt - 1, &self.settings.random),
             };
             let wait = if riding_out_outage {
                 // Never past the patience.
@@ -477,7 +497,7 @@ impl HttpEngine {
             "the task is larger than the worker takes: at least {} bytes of variables and agent definition, over the limit of {} bytes; make its variables smaller",
             task.seen, task.limit
         );
-        tracing::error!(task_id = %task.id, attempt = ?task.attempt, seen_bytes = task.seen, limit_bytes = task.limit, "a fetched task is too large to take; reporting it as an incident");
+        tracing::error!(task_id = %task.id, attempt = task.attempt, seen_bytes = task.seen, limit_bytes = task.limit, "a fetched task is too large to take; reporting it as an incident");
         let call = Call {
             op: "failure",
             method: Method::POST,
@@ -491,7 +511,7 @@ impl HttpEngine {
                 retry_timeout: 0,
                 attempt: task.attempt,
             }),
-            idempotency_key: Some(Self::new_key()),
+            idempotency_key: Some(self.new_key()),
             traceparent: None,
             read: Reading::Buffered,
         };
@@ -517,6 +537,19 @@ impl HttpEngine {
 }
 
 /// The `error.type` of an exchange that got no answer to classify.
+/// The root with the call's path set and, after a `?` in it, its query (a path of ours: its
+/// segments encoded, its query built from numbers).
+fn call_url(root: &BaseUrl, path: &str) -> reqwest::Url {
+    match path.split_once('?') {
+        Some((path, query)) => {
+            let mut url = root.join(path);
+            url.set_query(Some(query));
+            url
+        }
+        None => root.join(path),
+    }
+}
+
 fn exchange_error_type(e: &EngineError) -> &'static str {
     match e {
         EngineError::Transient { .. } => "transport",
@@ -739,8 +772,8 @@ impl Engine for HttpEngine {
                 lock_duration: request.lock_duration.as_millis() as u64,
                 max_tasks: request.max_tasks,
             }),
-            idempotency_key: Some(Self::new_key()),
-            traceparent: Some(TraceParent::new_root()),
+            idempotency_key: Some(self.new_key()),
+            traceparent: Some(TraceParent::new_root(&self.settings.random)),
             read: Reading::Tasks,
         };
         let started = Instant::now();
@@ -801,7 +834,7 @@ impl Engine for HttpEngine {
                 attempt: task.attempt,
             }),
             // Fresh per heartbeat: a reused key would be answered from storage and extend nothing.
-            idempotency_key: Some(Self::new_key()),
+            idempotency_key: Some(self.new_key()),
             traceparent: Self::trace(task),
             read: Reading::Buffered,
         };
@@ -828,7 +861,7 @@ impl Engine for HttpEngine {
                 variables,
                 attempt: task.attempt,
             }),
-            idempotency_key: Some(Self::new_key()),
+            idempotency_key: Some(self.new_key()),
             traceparent: Self::trace(task),
             read: Reading::Buffered,
         })
@@ -850,7 +883,7 @@ impl Engine for HttpEngine {
                 retry_timeout: report.retry_timeout.as_millis() as u64,
                 attempt: task.attempt,
             }),
-            idempotency_key: Some(Self::new_key()),
+            idempotency_key: Some(self.new_key()),
             traceparent: Self::trace(task),
             read: Reading::Buffered,
         })
@@ -875,7 +908,7 @@ impl Engine for HttpEngine {
                 variables: &report.variables,
                 attempt: task.attempt,
             }),
-            idempotency_key: Some(Self::new_key()),
+            idempotency_key: Some(self.new_key()),
             traceparent: Self::trace(task),
             read: Reading::Buffered,
         })
@@ -1010,6 +1043,94 @@ impl Engine for HttpEngine {
         })
     }
 
+    /// A read: retried like a command on transient errors, no key.
+    async fn process_history(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+        page: u32,
+    ) -> Result<HistoryPage, EngineError> {
+        let op = OP_PROCESS_HISTORY;
+        let id = usable_id(op, "processInstanceId", instance_id)?;
+        let answer = self
+            .command(Call {
+                op,
+                method: Method::GET,
+                task_id: Some(&task.task_id),
+                path: format!(
+                    "{PROCESS_INSTANCES}/{id}/history?page={page}&size={HISTORY_PAGE_SIZE}"
+                ),
+                body: Bytes::new(),
+                idempotency_key: None,
+                traceparent: Self::trace(task),
+                read: Reading::History,
+            })
+            .await?;
+        let total_pages = answer
+            .headers
+            .get("x-total-pages")
+            .map(|v| v.to_str().unwrap_or("(not text)"));
+        wire::decode_history_page(&answer.body, total_pages).map_err(|detail| {
+            EngineError::MalformedResponse {
+                op,
+                detail: format!("activity history of process instance {instance_id:?}: {detail}"),
+            }
+        })
+    }
+
+    /// Sent on the bare client: no token and none of the operator's headers, so the engine sees
+    /// a caller with no identity. Once, not retried: a transport error is the caller's to retry.
+    async fn anonymous_history_read(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+    ) -> Result<AnonymousAccess, EngineError> {
+        let op = OP_PROCESS_HISTORY;
+        let id = usable_id(op, "processInstanceId", instance_id)?;
+        let root = self.root.as_ref().map_err(|why| EngineError::Transient {
+            op,
+            request_sent: false,
+            message: format!("the engine URL cannot be used ({why})"),
+        })?;
+        let url = call_url(
+            root,
+            &format!("{PROCESS_INSTANCES}/{id}/history?page=0&size=1"),
+        );
+        let shown = url.to_string();
+        let sent = self
+            .http
+            .get(url)
+            .timeout(self.settings.request_timeout)
+            .header(reqwest::header::ACCEPT, "application/json")
+            .send()
+            .await;
+        let status = match sent {
+            Ok(resp) => resp.status(),
+            Err(e) => {
+                return Err(EngineError::Transient {
+                    op,
+                    request_sent: !e.is_connect(),
+                    message: format!(
+                        "an unauthenticated read of the activity history for task {}: {}",
+                        task.task_id,
+                        describe_transport_error(&e, &shown)
+                    ),
+                });
+            }
+        };
+        match status.as_u16() {
+            401 | 403 => Ok(AnonymousAccess::Refused),
+            200..=299 | 404 => Ok(AnonymousAccess::Answered),
+            other => Err(EngineError::Transient {
+                op,
+                request_sent: true,
+                message: format!(
+                    "an unauthenticated read of the activity history answered HTTP {other}"
+                ),
+            }),
+        }
+    }
+
     async fn tool_credential(
         &self,
         task: &TaskRef,
@@ -1027,7 +1148,7 @@ impl Engine for HttpEngine {
                     attempt: task.attempt,
                     server,
                 }),
-                idempotency_key: Some(Self::new_key()),
+                idempotency_key: Some(self.new_key()),
                 traceparent: Self::trace(task),
                 read: Reading::Buffered,
             })

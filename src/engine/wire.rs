@@ -503,6 +503,49 @@ pub(crate) fn decode_process_definition(body: &[u8]) -> Result<super::ProcessDef
     })
 }
 
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct HistoryEventWire {
+    event_type: String,
+    #[serde(default)]
+    actor: Option<String>,
+    #[serde(default)]
+    activity_id: Option<String>,
+    #[serde(default)]
+    details: Option<Map<String, Value>>,
+}
+
+/// Decodes one page of `GET /v1/process-instances/{id}/history`: an array of entries, each
+/// with `eventType` (required), `actor`, `activityId` and `details` read; `total_pages` is the
+/// engine's `X-Total-Pages` header. An entry that is not of this shape fails the whole page:
+/// what the history says is the proof of a decision, and a page half read proves nothing.
+pub(crate) fn decode_history_page(
+    body: &[u8],
+    total_pages: Option<&str>,
+) -> Result<super::HistoryPage, String> {
+    let wire: Vec<HistoryEventWire> = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    let total_pages = match total_pages {
+        None => None,
+        Some(raw) => Some(
+            raw.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("X-Total-Pages {raw:?} is not a page count"))?,
+        ),
+    };
+    Ok(super::HistoryPage {
+        events: wire
+            .into_iter()
+            .map(|e| super::HistoryEvent {
+                event_type: e.event_type,
+                actor: e.actor.unwrap_or_default(),
+                activity_id: e.activity_id,
+                details: e.details.unwrap_or_default(),
+            })
+            .collect(),
+        total_pages,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,7 +29,7 @@
 
 use std::time::Duration;
 
-use rand::Rng;
+use crate::random::Random;
 use tracing::Instrument;
 
 use super::capacity::{Capacity, ModelCapacities};
@@ -80,8 +80,8 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// The wait before retry number `retry` (0-based).
-    pub fn backoff(&self, retry: u32) -> Duration {
+    /// The wait before retry number `retry` (0-based), its jitter drawn from `random`.
+    pub fn backoff(&self, retry: u32, random: &Random) -> Duration {
         let factor = 2u32.saturating_pow(retry.min(31));
         let full = self
             .initial_backoff
@@ -91,8 +91,7 @@ impl RetryPolicy {
         if jitter == 0.0 {
             return full;
         }
-        let r: f64 = rand::rng().random();
-        full.mul_f64(1.0 - jitter * r)
+        full.mul_f64(1.0 - jitter * random.unit())
     }
 }
 
@@ -347,7 +346,7 @@ pub async fn call_models(
                     if retries < policy.transient_retries && !open =>
                 {
                     tracing::warn!(model = %model, error = %error, retry = retries + 1, "model call failed, retrying");
-                    tokio::time::sleep(policy.backoff(retries)).await;
+                    tokio::time::sleep(policy.backoff(retries, registry.random())).await;
                     retries += 1;
                     continue;
                 }
@@ -480,13 +479,13 @@ mod tests {
             jitter: 0.0,
             ..RetryPolicy::default()
         };
-        assert_eq!(p.backoff(0), Duration::from_millis(100));
-        assert_eq!(p.backoff(1), Duration::from_millis(200));
-        assert_eq!(p.backoff(2), Duration::from_millis(350));
-        assert_eq!(p.backoff(40), Duration::from_millis(350));
+        assert_eq!(p.backoff(0, &Random::os()), Duration::from_millis(100));
+        assert_eq!(p.backoff(1, &Random::os()), Duration::from_millis(200));
+        assert_eq!(p.backoff(2, &Random::os()), Duration::from_millis(350));
+        assert_eq!(p.backoff(40, &Random::os()), Duration::from_millis(350));
         let j = RetryPolicy { jitter: 1.0, ..p };
         for _ in 0..20 {
-            assert!(j.backoff(1) <= Duration::from_millis(200));
+            assert!(j.backoff(1, &Random::os()) <= Duration::from_millis(200));
         }
     }
 }

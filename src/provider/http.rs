@@ -367,6 +367,7 @@ mod tests {
                 api_key: None,
                 max_concurrency: Some(1),
                 request_timeout: Duration::from_secs(5),
+                structured_output: Default::default(),
             },
             reqwest::Client::new(),
         );

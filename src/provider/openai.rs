@@ -12,7 +12,9 @@ use serde_json::{Value, json};
 
 use super::http::HttpCore;
 use super::tool_names::ToolNames;
-use super::{ModelProvider, ModelRequest, ModelResponse, ProviderError, ProviderSettings};
+use super::{
+    ModelProvider, ModelRequest, ModelResponse, ProviderError, ProviderSettings, StructuredOutput,
+};
 use crate::conversation::{AssistantMessage, Message, Usage};
 
 /// A provider speaking Chat Completions.
@@ -37,13 +39,21 @@ impl OpenAiProvider {
     }
 }
 
-/// The request body for `req`, with tools named by `names`.
-pub(crate) fn request_body(req: &ModelRequest, names: &ToolNames) -> Value {
+/// The request body for `req`, with tools named by `names`, the output schema asked as
+/// `structured` says.
+pub(crate) fn request_body(
+    req: &ModelRequest,
+    names: &ToolNames,
+    structured: StructuredOutput,
+) -> Value {
     let mut messages = Vec::with_capacity(req.messages.len() + 1);
+    let native = structured == StructuredOutput::Native;
     // Structured output (`agent::output`): a strict schema is enforced by the provider; any
-    // other is sent too, and also asked for in the system prompt.
+    // other is sent too, and also asked for in the system prompt. `instructed`: asked for in the
+    // system prompt only (a server that makes `response_format` a grammar of the whole answer
+    // leaves no way to call a tool).
     let system = match &req.output {
-        Some(o) if o.strict => req.system.clone(),
+        Some(o) if o.strict && native => req.system.clone(),
         _ => req.system_with_output_instruction(),
     };
     if !system.is_empty() {
@@ -105,7 +115,7 @@ pub(crate) fn request_body(req: &ModelRequest, names: &ToolNames) -> Value {
     if let Some(cap) = req.max_output_tokens {
         body["max_completion_tokens"] = json!(cap);
     }
-    if let Some(o) = &req.output {
+    if let Some(o) = req.output.as_ref().filter(|_| native) {
         body["response_format"] = json!({
             "type": "json_schema",
             "json_schema": {"name": o.name, "schema": o.schema, "strict": o.strict},
@@ -240,7 +250,7 @@ impl ModelProvider for OpenAiProvider {
 
     async fn complete(&self, req: &ModelRequest) -> Result<ModelResponse, ProviderError> {
         let names = ToolNames::new(&req.tools);
-        let body = request_body(req, &names);
+        let body = request_body(req, &names, self.core.settings.structured_output);
         let key = self.core.key(&req.model)?;
         let mut headers = HeaderMap::new();
         if let Some(k) = &key {

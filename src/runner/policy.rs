@@ -5,17 +5,36 @@
 //! (instants come in), and its randomness is injected, so every rule is unit-tested below.
 //!
 //! The rules (design.md, Level 1; README.md Operations):
-//! - Only an empty answer means "nothing to do": it waits the poll interval, stretched at random
-//!   by up to `poll_jitter` (2 %) and never shortened: an idle worker asks at most once per
-//!   interval.
+//! - An empty answer means "nothing to do" unless it comes right after a full or partial one,
+//!   or is the worker's first: it waits the poll interval, stretched at random by up to
+//!   `poll_jitter` (2 %) and never shortened: an idle worker asks at most once per interval.
+//! - An empty answer right after a full or partial one (or after a run of such empties) is
+//!   contention, not an empty queue: another worker's fetch held the rows when ours ran. So is
+//!   the worker's first answer, empty: a replica that starts beside busy ones on a backlog
+//!   meets their locks first, and waiting a poll interval per collision leaves it idle for
+//!   seconds (on the real engine one worker of four once got no task of a run). The real
+//!   engine 0.11 on H2 (its dev profile) locks every row its acquisition query matches, not
+//!   only the one it returns, until its fetch's transaction commits, so a fetch that starts
+//!   meanwhile answers empty on a deep backlog (the engine's fetch is one transaction, and H2
+//!   2.3's `Select` locks every row it reads for `FOR UPDATE` before it sorts and limits; the
+//!   devkit emulator's `engine/contention.rs` cites the sources and models it). Waiting the
+//!   poll interval then idles the free slots while tasks wait. So it fetches again after a
+//!   short pause instead: [`CONTENTION_PAUSE`] (25 ms), doubling with each empty answer in a
+//!   row, drawn at random between half and all of it (`contention_backoff`, equal jitter, so
+//!   workers that collided do not collide again; the simulator turns the jitter off), for as
+//!   long as the nominal pauses together fit in one poll interval (with the default 1 s: 25,
+//!   50, 100, 200, 400 ms); the next empty answer waits the poll interval as above, and the run
+//!   of empties is over. So a queue that really emptied, and a worker's start on an empty
+//!   queue, cost at most a few more fetches (log2 of the poll interval over 25 ms), all within
+//!   one poll interval; an idle queue is otherwise asked once per interval.
 //! - Any other answer fetches again at once, for the slots still free (none free: once a task
 //!   ends). A full batch, of course; and a partial one too, because on a shared queue it means
 //!   others are fetching at the same moment (the engine's `FOR UPDATE SKIP LOCKED` skips the
 //!   rows their fetches hold), or the engine caps its answers, not that the queue is empty.
 //!   This cannot spin: every non-empty answer fills at least one free slot, so a run of
 //!   immediate fetches ends within the free slots, with the slots full (the next fetch waits
-//!   for a task's end) or an empty answer (the poll interval). No pause is needed, and a
-//!   pause would only leave slots idle while tasks wait.
+//!   for a task's end) or an empty answer (a contention pause, then the poll interval). No
+//!   pause is needed, and a pause would only leave slots idle while tasks wait.
 //! - A task that ends frees its slot and fetches at once, whatever the loop was waiting for:
 //!   also during the idle wait after an empty answer (its completion may well have made the
 //!   next task of its process, and the slot is free now). So an idle worker asks at most once
@@ -108,12 +127,27 @@ pub(crate) fn admit(free: u32, capacity: Capacity, now: Instant) -> Admit {
 /// The shortest wait for capacity: a capacity said to return "now" cannot make the loop spin.
 const ADMISSION_RECHECK: Duration = Duration::from_millis(1);
 
+/// The first pause after an empty answer that may be contention (see the module docs):
+/// about a fetch's transaction on the real engine under load (9-35 ms measured per fetch in
+/// BENCHMARKS.md), so the fetch that held the rows has likely committed when ours runs again.
+pub(crate) const CONTENTION_PAUSE: Duration = Duration::from_millis(25);
+
+/// A run of empty answers that began right after an answer with tasks, or at the start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Contention {
+    /// Empty answers in the run so far.
+    empties: u32,
+    /// The nominal pauses taken so far; the run ends before they exceed the poll interval.
+    paused: Duration,
+}
+
 /// The fetch policy of one poll loop (see the module docs).
 pub(crate) struct FetchPolicy {
     poll_interval: Duration,
     poll_jitter: f64,
     error_backoff: Backoff,
     throttle_backoff: Backoff,
+    contention_backoff: Backoff,
     random: Random,
     /// Consecutive failed fetches; 0 after a success.
     failures: u32,
@@ -122,6 +156,10 @@ pub(crate) struct FetchPolicy {
     fetch_at: Instant,
     /// When to probe the engine next; `None` unless backing off from a transient error.
     probe_at: Option<Instant>,
+    /// Set at the start and by an answer with tasks: an empty answer then is contention, not an
+    /// empty queue. `None` once such a run of empties has fallen back to the poll interval, or
+    /// after an error.
+    contention: Option<Contention>,
 }
 
 impl FetchPolicy {
@@ -132,11 +170,14 @@ impl FetchPolicy {
             poll_jitter: settings.poll_jitter,
             error_backoff: settings.error_backoff,
             throttle_backoff: settings.throttle_backoff,
+            contention_backoff: settings.contention_backoff,
             random,
             failures: 0,
             last_warned: None,
             fetch_at: now,
             probe_at: None,
+            // The first answer may meet other workers' locks too (see the module docs).
+            contention: Some(Contention::default()),
         }
     }
 
@@ -157,17 +198,39 @@ impl FetchPolicy {
     /// A fetch got `got` tasks (of however many it asked for). Returns whether it ends a run of
     /// failures that was logged (say that fetching works again).
     ///
-    /// Only an empty answer waits the poll interval; a full or partial one fetches again at once
-    /// (see the module docs for why a partial answer cannot make the loop spin).
+    /// A full or partial answer fetches again at once (see the module docs for why a partial
+    /// answer cannot make the loop spin); an empty one right after it (or the first) fetches
+    /// again after a short pause, backing off; any other empty answer waits the poll interval.
     pub fn fetched(&mut self, now: Instant, got: usize) -> bool {
         self.failures = 0;
         self.probe_at = None;
         self.fetch_at = if got == 0 {
-            now + backoff::stretched_with(self.poll_interval, self.poll_jitter, (self.random)())
+            now + self.after_empty()
         } else {
+            self.contention = Some(Contention::default());
             now
         };
         self.last_warned.take().is_some()
+    }
+
+    /// The wait after an empty answer: a contention pause while a run of empties that began
+    /// right after tasks (or at the start) lasts (see the module docs), else the poll interval.
+    fn after_empty(&mut self) -> Duration {
+        if let Some(run) = self.contention.take() {
+            let nominal = self.contention_backoff.delay_with(run.empties, 1.0);
+            let paused = run.paused.saturating_add(nominal);
+            if paused <= self.poll_interval {
+                self.contention = Some(Contention {
+                    empties: run.empties + 1,
+                    paused,
+                });
+                // With the default jitter (0.5): between half and all of the nominal pause.
+                return self
+                    .contention_backoff
+                    .delay_with(run.empties, (self.random)());
+            }
+        }
+        backoff::stretched_with(self.poll_interval, self.poll_jitter, (self.random)())
     }
 
     /// A task ended at `now` and freed its slot: fetch at once, cutting short the idle wait
@@ -182,6 +245,8 @@ impl FetchPolicy {
     /// A fetch failed with `error`.
     pub(crate) fn fetch_failed(&mut self, now: Instant, error: &EngineError) -> FetchFailed {
         self.failures = self.failures.saturating_add(1);
+        // The next empty answer no longer follows one with tasks.
+        self.contention = None;
         let wait = self.backoff(error);
         self.fetch_at = now + wait;
         // Probing is for an engine that may not answer at all; a throttling or refusing engine
@@ -236,7 +301,7 @@ impl FetchPolicy {
             // Jitter only lengthens the nominal delay here, so the number of fetches during an
             // outage is bounded (probes, not early fetches, detect the engine's return).
             _ => {
-                let nominal = self.error_backoff.without_jitter().delay(retry);
+                let nominal = self.error_backoff.without_jitter().delay_with(retry, 0.0);
                 let spread = 0.5
                     * self.error_backoff.jitter.clamp(0.0, 1.0)
                     * (self.random)().clamp(0.0, 1.0);
@@ -262,6 +327,13 @@ mod tests {
             FetchPolicy::new(&settings(), t0, Box::new(move || random)),
             t0,
         )
+    }
+
+    /// A policy past its start: its empty answers are an idle queue's, not contention.
+    fn idle(random: f64) -> (FetchPolicy, Instant) {
+        let (mut p, t0) = policy(random);
+        p.contention = None;
+        (p, t0)
     }
 
     fn ms(n: u64) -> Duration {
@@ -333,7 +405,7 @@ mod tests {
     #[test]
     fn an_empty_fetch_waits_the_poll_interval_stretched_by_at_most_two_percent() {
         for (random, wait) in [(0.0, ms(1000)), (0.5, ms(1010)), (1.0, ms(1020))] {
-            let (mut p, t0) = policy(random);
+            let (mut p, t0) = idle(random);
             p.fetched(t0, 0);
             assert_eq!(p.next(t0), Action::WaitUntil(t0 + wait), "{random}");
             assert_eq!(p.next(t0 + wait - ms(1)), Action::WaitUntil(t0 + wait));
@@ -390,12 +462,14 @@ mod tests {
             "waits for a free slot, not a poll interval"
         );
         // A queue that really has fewer tasks than slots: 2, then 1, then an empty answer,
-        // which waits the poll interval. No hot loop.
+        // which may be contention right after tasks: a short pause (the draw here is 0.0,
+        // half of the 25 ms), not a fetch at once. No hot loop (the pauses that follow back
+        // off to the poll interval: `repeated_empty_answers_back_off_to_the_poll_interval`).
         let (fetches, after) = fill(8, 3, 2);
         assert_eq!(fetches, vec![(8, 2), (6, 1), (5, 0)]);
         let t0 = Instant::now();
         assert!(
-            matches!(after, Action::WaitUntil(at) if at >= t0 + ms(999)),
+            matches!(after, Action::WaitUntil(at) if at >= t0 + ms(12)),
             "{after:?}"
         );
         // Whatever the queue and the cap: at most one fetch per free slot, plus the empty one.
@@ -412,9 +486,157 @@ mod tests {
         }
     }
 
+    /// Drives the policy through `answers` (tasks got per fetch), each fetch sent when the
+    /// policy says (it takes no time here); returns the waits it chose after each answer.
+    fn waits_after(random: f64, poll: Duration, answers: &[usize]) -> Vec<Duration> {
+        let mut s = settings();
+        s.poll_interval = poll;
+        let t0 = Instant::now();
+        let mut p = FetchPolicy::new(&s, t0, Box::new(move || random));
+        let mut now = t0;
+        let mut waits = Vec::new();
+        for &got in answers {
+            assert_eq!(p.next(now), Action::Fetch, "{answers:?}");
+            p.fetched(now, got);
+            match p.next(now) {
+                Action::WaitUntil(at) => {
+                    waits.push(at - now);
+                    now = at;
+                }
+                Action::Fetch => waits.push(Duration::ZERO),
+                Action::Probe => panic!("a probe without an error"),
+            }
+        }
+        waits
+    }
+
+    /// An empty answer right after a full or partial one is contention (another worker's fetch
+    /// held the rows), not an empty queue: fetch again after a short pause, jittered between
+    /// half and all of 25 ms, not after the poll interval.
+    #[test]
+    fn an_empty_answer_right_after_tasks_fetches_again_after_a_short_jittered_pause() {
+        for (random, pause) in [(0.0, 12_500), (0.5, 18_750), (1.0, 25_000)] {
+            // After a full answer (8 of 8) and after a partial one (3 of 8).
+            for got in [8, 3] {
+                let waits = waits_after(random, SECOND, &[got, 0]);
+                assert_eq!(
+                    waits,
+                    vec![Duration::ZERO, Duration::from_micros(pause)],
+                    "{random} {got}"
+                );
+            }
+        }
+        // The worker's first answer, empty, may be contention too: a replica starting beside
+        // busy ones meets their locks first.
+        assert_eq!(waits_after(0.0, SECOND, &[0]), vec![ms(12) + ms(1) / 2]);
+    }
+
+    /// Empty answers in a row back off: each pause doubles, for as long as the pauses together
+    /// fit in one poll interval; then the poll interval, and the run is over.
+    #[test]
+    fn repeated_empty_answers_back_off_to_the_poll_interval() {
+        let empties = [4, 0, 0, 0, 0, 0, 0, 0, 0];
+        // The draw at 1.0: the whole nominal pause; the poll interval stretched by 2 %.
+        assert_eq!(
+            waits_after(1.0, SECOND, &empties),
+            [0, 25, 50, 100, 200, 400, 1020, 1020, 1020].map(ms)
+        );
+        // The draw at 0.0: half of each pause; the poll interval as it is.
+        assert_eq!(
+            waits_after(0.0, SECOND, &empties),
+            [
+                0, 12_500, 25_000, 50_000, 100_000, 200_000, 1_000_000, 1_000_000, 1_000_000
+            ]
+            .map(Duration::from_micros)
+        );
+        // A longer poll interval allows more pauses, still within one interval (25..3200 ms
+        // make 6375 ms of 10 s); a shorter one fewer (25 + 50 of 100 ms), and none when the
+        // first pause does not fit.
+        let long = waits_after(
+            1.0,
+            Duration::from_secs(10),
+            &[[1].as_slice(), &[0; 10]].concat(),
+        );
+        assert_eq!(
+            long[1..],
+            [25, 50, 100, 200, 400, 800, 1600, 3200, 10_200, 10_200].map(ms)
+        );
+        assert_eq!(
+            waits_after(1.0, ms(100), &[1, 0, 0, 0, 0]),
+            [0, 25, 50, 102, 102].map(ms)
+        );
+        assert_eq!(
+            waits_after(1.0, ms(20), &[1, 0, 0]),
+            [0, 20_400, 20_400].map(Duration::from_micros)
+        );
+        // Tasks again start a new run from 25 ms.
+        assert_eq!(
+            waits_after(1.0, SECOND, &[2, 0, 0, 1, 0]),
+            [0, 25, 50, 0, 25].map(ms)
+        );
+        // So do the worker's first empty answers.
+        assert_eq!(
+            waits_after(1.0, SECOND, &[0; 7]),
+            [25, 50, 100, 200, 400, 1020, 1020].map(ms)
+        );
+    }
+
+    /// An idle queue is asked at most once per poll interval, as before, but for a few quick
+    /// fetches when the worker starts; a queue that empties costs a few more fetches too, all
+    /// within one poll interval of the last answer with tasks.
+    #[test]
+    fn an_idle_queue_is_still_asked_about_once_per_poll_interval() {
+        for random in [0.0, 0.5, 1.0] {
+            // Never a task, and a queue that empties after an answer with tasks: the fetches
+            // in the minute after the start (or that answer) are the minute's 60 plus at most
+            // the 5 contention retries, and those 5 come within one poll interval of it.
+            for answers in [vec![0; 100], [[8].as_slice(), &[0; 100]].concat()] {
+                let waits = waits_after(random, SECOND, &answers);
+                let mut at = Duration::ZERO;
+                let mut fetches = vec![at];
+                for w in &waits {
+                    at += *w;
+                    fetches.push(at);
+                }
+                let in_minute = fetches
+                    .iter()
+                    .filter(|t| **t <= Duration::from_secs(60))
+                    .count();
+                assert!(in_minute <= 60 + 5 + 1, "{random}: {in_minute}");
+                let soon = fetches.iter().filter(|t| **t < SECOND).count();
+                assert!(soon <= 7, "{random}: {fetches:?}");
+                assert!(
+                    fetches.windows(2).skip(7).all(|w| w[1] - w[0] >= SECOND),
+                    "{random}: {fetches:?}"
+                );
+            }
+        }
+    }
+
+    /// A task's end during a contention pause fetches at once, as during the idle wait; the
+    /// run of empties goes on (the next pause is the doubled one). A failed fetch ends it.
+    #[test]
+    fn a_task_end_cuts_a_contention_pause_short_and_an_error_ends_the_run() {
+        let (mut p, t0) = policy(1.0);
+        p.fetched(t0, 8);
+        p.fetched(t0, 0);
+        assert_eq!(p.next(t0), Action::WaitUntil(t0 + ms(25)));
+        p.task_ended(t0 + ms(5));
+        assert_eq!(p.next(t0 + ms(5)), Action::Fetch);
+        p.fetched(t0 + ms(6), 0);
+        assert_eq!(p.next(t0 + ms(6)), Action::WaitUntil(t0 + ms(56)));
+        // An error: backoff; the next empty answer is no longer right after tasks.
+        p.fetch_failed(t0 + ms(60), &down());
+        p.fetched(t0 + ms(2000), 0);
+        assert_eq!(
+            p.next(t0 + ms(2000)),
+            Action::WaitUntil(t0 + ms(2000) + ms(1020))
+        );
+    }
+
     #[test]
     fn a_task_ending_during_the_idle_wait_fetches_at_once() {
-        let (mut p, t0) = policy(0.5);
+        let (mut p, t0) = idle(0.5);
         p.fetched(t0, 0);
         let ended = t0 + ms(300);
         assert!(matches!(p.next(ended), Action::WaitUntil(_)));

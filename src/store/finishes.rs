@@ -168,13 +168,16 @@ pub(super) async fn idle_flusher<F, Fut>(
     let mut not_before = Instant::now();
     loop {
         let Some(oldest) = queue.oldest() else {
+            // Biased, the stop first: the drain writes what is left, not this loop.
             tokio::select! {
+                biased;
                 _ = stop.cancelled() => return,
                 _ = queue.arrived.notified() => continue,
             }
         };
         let due = (oldest + after).max(not_before);
         tokio::select! {
+            biased;
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep_until(due) => {}
         }

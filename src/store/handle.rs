@@ -38,14 +38,15 @@ impl std::fmt::Debug for StoreHandle {
 impl StoreHandle {
     /// Connects (and migrates) in the background, retrying with `backoff` until it succeeds
     /// or `stop` fires, then runs the sweeper and the idle flush of queued finishes (after
-    /// `idle_flush`, [`PgRunStore::spawn_finisher`]) until `stop`. Must be called on a tokio
-    /// runtime.
+    /// `idle_flush`, [`PgRunStore::spawn_finisher`]) until `stop`. The backoff's and the
+    /// sweeper's jitter come from `random` (the worker's). Must be called on a tokio runtime.
     pub(crate) fn connect_in_background(
         config: StoreConfig,
         metrics: Arc<Metrics>,
         backoff: Backoff,
         idle_flush: Duration,
         stop: CancellationToken,
+        random: crate::random::Random,
     ) -> StoreHandle {
         let handle = StoreHandle {
             state: Arc::new(RwLock::new(State::Connecting(None))),
@@ -54,14 +55,16 @@ impl StoreHandle {
         tokio::spawn(async move {
             let mut failures = 0u32;
             let store = loop {
+                // Biased, the stop first: nothing is connected for a worker that has stopped.
                 let connected = tokio::select! {
+                    biased;
                     _ = stop.cancelled() => return,
                     r = PgRunStore::connect(&config, metrics.clone()) => r,
                 };
                 match connected {
                     Ok(store) => break store,
                     Err(e) => {
-                        let wait = backoff.delay(failures);
+                        let wait = backoff.delay(failures, &random);
                         failures = failures.saturating_add(1);
                         tracing::warn!(
                             error = %e,
@@ -71,13 +74,14 @@ impl StoreHandle {
                         *state.write().expect("store handle lock poisoned") =
                             State::Connecting(Some(e));
                         tokio::select! {
+                            biased;
                             _ = stop.cancelled() => return,
                             _ = tokio::time::sleep(wait) => {}
                         }
                     }
                 }
             };
-            let sweeper = store.spawn_sweeper(stop.clone());
+            let sweeper = store.spawn_sweeper(stop.clone(), random);
             let finisher = store.spawn_finisher(idle_flush, stop.clone());
             *state.write().expect("store handle lock poisoned") = State::Ready(store);
             let _ = tokio::join!(sweeper, finisher);

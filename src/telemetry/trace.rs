@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use crate::random::Random;
+
 /// A parsed `traceparent` (version 00): trace id, parent span id and flags.
 #[derive(Clone, PartialEq, Eq)]
 pub struct TraceParent {
@@ -38,12 +40,11 @@ impl TraceParent {
         })
     }
 
-    /// A new root context (for calls that belong to no task).
-    pub(crate) fn new_root() -> Self {
-        let id = uuid::Uuid::new_v4().simple().to_string();
+    /// A new root context (for calls that belong to no task), its ids drawn from `random`.
+    pub(crate) fn new_root(random: &Random) -> Self {
         TraceParent {
-            trace_id: id,
-            span_id: random_span_id(),
+            trace_id: random_id::<16>(random),
+            span_id: random_id::<8>(random),
             flags: "01".into(),
         }
     }
@@ -62,9 +63,15 @@ impl TraceParent {
         &self.flags
     }
 
-    /// The header value for an outgoing call: same trace, a fresh span id, same flags.
-    pub fn child_header(&self) -> String {
-        format!("00-{}-{}-{}", self.trace_id, random_span_id(), self.flags)
+    /// The header value for an outgoing call: same trace, a fresh span id (drawn from
+    /// `random`), same flags.
+    pub fn child_header(&self, random: &Random) -> String {
+        format!(
+            "00-{}-{}-{}",
+            self.trace_id,
+            random_id::<8>(random),
+            self.flags
+        )
     }
 
     /// The context exactly as received.
@@ -73,14 +80,14 @@ impl TraceParent {
     }
 }
 
-fn random_span_id() -> String {
-    let mut id = [0u8; 8];
-    loop {
-        rand::fill(&mut id);
-        if id != [0; 8] {
-            break;
+/// `N` random bytes in lowercase hex, never all zero (an invalid id in W3C trace context).
+fn random_id<const N: usize>(random: &Random) -> String {
+    let id = loop {
+        let id = random.bytes::<N>();
+        if id != [0; N] {
+            break id;
         }
-    }
+    };
     id.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -99,7 +106,7 @@ mod tests {
         let tp =
             TraceParent::parse("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01").unwrap();
         assert_eq!(tp.trace_id(), "0af7651916cd43dd8448eb211c80319c");
-        let child = tp.child_header();
+        let child = tp.child_header(&Random::os());
         assert!(child.starts_with("00-0af7651916cd43dd8448eb211c80319c-"));
         assert!(child.ends_with("-01"));
         assert_ne!(child, tp.header());

@@ -1,8 +1,9 @@
 //! Which tool calls need a person's approval: the policy grammar (`"never"`, `"writes"`,
 //! `"always"`, or rules naming tools, optionally bounding a numeric argument), shared by the agent
 //! definitions and the operator's tool-server registry, and its pure evaluation on a tool's spec
-//! and a call's arguments (failing safe on hostile arguments). What happens to a call that needs
-//! approval is the agent's (`agent::approval`).
+//! and a call's arguments (failing safe on hostile arguments); a bound on an argument holds for
+//! each call and for the total of the run's calls of that tool performed without approval. What
+//! happens to a call that needs approval is the agent's (`agent::approval`).
 
 use std::cmp::Ordering;
 
@@ -115,15 +116,33 @@ impl ApprovalPolicy {
         }
     }
 
-    /// Whether a call of `spec` with `arguments` needs approval under this policy alone.
+    /// Whether a call of `spec` with `arguments` needs approval under this policy alone, as the
+    /// first call of its tool in a run.
+    #[cfg(test)]
     pub(crate) fn covers(&self, spec: &ToolSpec, arguments: &Value) -> bool {
+        self.covers_in_run(spec, arguments, &[])
+    }
+
+    /// Whether a call of `spec` with `arguments` needs approval under this policy alone, after
+    /// `earlier`: the arguments of the calls of the same tool the run performed without a
+    /// person's approval. A bound holds for each call and for the run's total, so twenty calls
+    /// of 9,999 do not pass under `above = 10000` ([`ArgumentBound::holds_in_run`]).
+    pub(crate) fn covers_in_run(
+        &self,
+        spec: &ToolSpec,
+        arguments: &Value,
+        earlier: &[&Value],
+    ) -> bool {
         match self {
             ApprovalPolicy::Never => false,
             ApprovalPolicy::Always => true,
             ApprovalPolicy::Writes => spec.is_write(),
-            ApprovalPolicy::Tools(rules) => rules
-                .iter()
-                .any(|r| r.tool == spec.tool && r.when.as_ref().is_none_or(|b| b.holds(arguments))),
+            ApprovalPolicy::Tools(rules) => rules.iter().any(|r| {
+                r.tool == spec.tool
+                    && r.when
+                        .as_ref()
+                        .is_none_or(|b| b.holds_in_run(arguments, earlier))
+            }),
         }
     }
 }
@@ -192,18 +211,65 @@ impl ArgumentBound {
     /// Whether a call with `arguments` needs approval: its argument is out of bounds, or not a
     /// finite number at all.
     pub fn holds(&self, arguments: &Value) -> bool {
+        self.holds_in_run(arguments, &[])
+    }
+
+    /// Whether a call with `arguments` needs approval after `earlier` (the arguments of the
+    /// calls of the same tool the run performed without approval): its own argument is out of
+    /// bounds or not a finite number, or the total of its argument and theirs is out of bounds
+    /// (a total that cannot be summed exactly, past `i128` or not finite, is out of bounds too).
+    /// An earlier call whose argument is no number is left out of the total: such a call needed
+    /// approval itself.
+    pub fn holds_in_run(&self, arguments: &Value, earlier: &[&Value]) -> bool {
+        let Some(n) = self.value(arguments) else {
+            return true;
+        };
+        if self.out_of_bounds(n) {
+            return true;
+        }
+        if earlier.is_empty() {
+            return false;
+        }
+        match total(n, earlier.iter().filter_map(|a| self.value(a))) {
+            Some(sum) => self.out_of_bounds(sum),
+            None => true,
+        }
+    }
+
+    /// The bounded argument of a call, when it is a finite number.
+    fn value(&self, arguments: &Value) -> Option<Bound> {
         let value = if self.argument.starts_with('/') {
             arguments.pointer(&self.argument)
         } else {
             arguments.get(&self.argument)
         };
-        let Some(n) = value.and_then(Value::as_number).and_then(Bound::of) else {
-            return true;
-        };
+        value.and_then(Value::as_number).and_then(Bound::of)
+    }
+
+    fn out_of_bounds(&self, n: Bound) -> bool {
         let out = |bound: Option<Bound>, outside: Ordering| {
             bound.is_some_and(|b| compare(n, b) == outside)
         };
         out(self.above, Ordering::Greater) || out(self.below, Ordering::Less)
+    }
+}
+
+/// `first` plus `rest`: exact while every value is an integer (`None` past `i128`), else as a
+/// float (`None` when not finite).
+fn total(first: Bound, mut rest: impl Iterator<Item = Bound>) -> Option<Bound> {
+    rest.try_fold(first, |sum, n| match (sum, n) {
+        (Bound::Integer(a), Bound::Integer(b)) => a.checked_add(b).map(Bound::Integer),
+        (a, b) => {
+            let f = as_float(a) + as_float(b);
+            f.is_finite().then_some(Bound::Float(f))
+        }
+    })
+}
+
+fn as_float(b: Bound) -> f64 {
+    match b {
+        Bound::Integer(i) => i as f64,
+        Bound::Float(f) => f,
     }
 }
 

@@ -12,6 +12,9 @@
 //! approval = "writes"             # optional; "never" | "writes" | "always" | [rule, ...]
 //! ```
 //!
+//! `processes`, `topics` and `approvers` say which tasks may use the server and who decides on
+//! its calls ([`super::server_scope`]).
+//!
 //! `approval` is the operator's word on which calls of this server wait for a person
 //! ([`approval_policy`](super::approval_policy), the same grammar as a definition's `approval`): it applies to
 //! every agent whose definition uses the server, on top of the definition's own, so a definition
@@ -50,6 +53,7 @@ use crate::auth::token::{self, GrantedToken, TokenError, TokenHandle, TokenSourc
 use crate::auth::{ClientAuth, ClientCredentials, GrantError, IssuerHttpClient};
 use crate::secret::{Secret, SecretSource};
 use crate::tools::approval_policy::ApprovalPolicy;
+use crate::tools::server_scope::{self, Approvers, OutOfScope, ServerScope, TaskOrigin};
 
 /// Bound on one token grant for a tool server.
 const GRANT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -105,6 +109,11 @@ pub struct RegisteredServer {
     pub auth: ServerAuth,
     /// Which calls of this server wait for a person, whatever the definition says.
     pub approval: ApprovalPolicy,
+    /// Which tasks may use it ([`super::server_scope`]); default every task.
+    pub scope: ServerScope,
+    /// Who may decide on its calls, as the engine records it; `None`: whatever the process
+    /// writes into the decision variable counts (the start-up warns).
+    pub approvers: Option<Approvers>,
 }
 
 /// The registry file, parsed and checked (no token fetched yet).
@@ -164,6 +173,9 @@ struct ServerWire {
     resource: Option<String>,
     client_auth: Option<String>,
     approval: Option<toml::Value>,
+    processes: Option<toml::Value>,
+    topics: Option<toml::Value>,
+    approvers: Option<toml::Value>,
 }
 
 impl ToolsFile {
@@ -377,11 +389,34 @@ fn parse_server(name: &str, value: toml::Value) -> Result<RegisteredServer, Fiel
             .and_then(|v| ApprovalPolicy::from_value(&v))
             .map_err(|p| (Some("approval"), p))?,
     };
+    let json = |field: &'static str, value: toml::Value| {
+        serde_json::to_value(value).map_err(|e| (Some(field), e.to_string()))
+    };
+    let names = |field: &'static str, value: Option<toml::Value>| {
+        value
+            .map(|v| {
+                server_scope::parse_names(field, &json(field, v)?).map_err(|p| (Some(field), p))
+            })
+            .transpose()
+    };
+    let scope = ServerScope {
+        processes: names("processes", wire.processes)?,
+        topics: names("topics", wire.topics)?,
+    };
+    let approvers = wire
+        .approvers
+        .map(|v| {
+            server_scope::parse_approvers(&json("approvers", v)?)
+                .map_err(|p| (Some("approvers"), p))
+        })
+        .transpose()?;
     Ok(RegisteredServer {
         name: name.to_string(),
         url,
         auth,
         approval,
+        scope,
+        approvers,
     })
 }
 
@@ -591,6 +626,59 @@ impl ToolRegistry {
             .filter_map(|n| self.servers.get(&n.name))
             .filter(|(server, _)| server.approval != ApprovalPolicy::Never)
             .map(|(server, _)| (server.name.clone(), server.approval.clone()))
+            .collect()
+    }
+
+    /// Whether any registered server among `named` is scoped to processes: the task's process
+    /// key must then be read from the engine before [`ToolRegistry::check_scope`].
+    pub(crate) fn scope_lists_processes(&self, named: &[NamedServer]) -> bool {
+        named
+            .iter()
+            .filter_map(|n| self.servers.get(&n.name))
+            .any(|(server, _)| server.scope.lists_processes())
+    }
+
+    /// Whether a task from `origin` may use every registered server among `named`: the first
+    /// whose scope does not admit it, else `Ok`. Servers the registry does not list have no
+    /// scope (their own checks are [`ToolRegistry::resolve`]'s).
+    pub(crate) fn check_scope(
+        &self,
+        named: &[NamedServer],
+        origin: TaskOrigin<'_>,
+    ) -> Result<(), OutOfScope> {
+        named
+            .iter()
+            .filter_map(|n| self.servers.get(&n.name))
+            .try_for_each(|(server, _)| server.scope.admit(&server.name, origin))
+    }
+
+    /// Who may decide on calls of the registered server `name`, when the operator said.
+    pub(crate) fn approvers(&self, name: &str) -> Option<&Approvers> {
+        self.servers
+            .get(name)
+            .and_then(|(server, _)| server.approvers.as_ref())
+    }
+
+    /// The servers that name approvers: their decisions are checked against the engine's
+    /// record of who completed the approval task (`agent::approver`).
+    pub fn servers_with_approvers(&self) -> Vec<String> {
+        self.servers
+            .values()
+            .filter(|(server, _)| server.approvers.is_some())
+            .map(|(server, _)| server.name.clone())
+            .collect()
+    }
+
+    /// The servers whose `approval` a process author could lower, for the start-up warning:
+    /// those with an `approval` but no `approvers`, where a decision is whatever the process
+    /// writes into its decision variable (a script task can copy the `requestId`).
+    pub fn approvals_without_approvers(&self) -> Vec<String> {
+        self.servers
+            .values()
+            .filter(|(server, _)| {
+                server.approval != ApprovalPolicy::Never && server.approvers.is_none()
+            })
+            .map(|(server, _)| server.name.clone())
             .collect()
     }
 

@@ -154,9 +154,12 @@ impl Session {
         let http = &McpHttp::new(http.clone());
         let client = if options.protocol == ToolProtocol::Auto {
             let slot = options.learned.slot(&server.url);
+            // Biased, a caller gone first (here and below): nothing is opened, and nothing
+            // kept open, for nobody.
             let mut learned = tokio::select! {
-                learned = slot.lock() => learned,
+                biased;
                 () = caller.closed() => return Err(abandoned()),
+                learned = slot.lock() => learned,
             };
             match *learned {
                 Some(protocol) => {
@@ -203,6 +206,9 @@ impl Session {
             list_bounded(session.client.peer(), &session.http),
         );
         let listed = tokio::select! {
+            biased;
+            // The session is open: close it now rather than list tools nobody will read.
+            () = caller.closed() => Err(abandoned()),
             listed = listing => match listed {
                 Err(_) => Err(SessionFailure::Unavailable(format!(
                     "tools/list had no answer within {:?}",
@@ -210,8 +216,6 @@ impl Session {
                 ))),
                 Ok(listed) => listed,
             },
-            // The session is open: close it now rather than list tools nobody will read.
-            () = caller.closed() => Err(abandoned()),
         };
         let tools = match listed {
             Ok(tools) => tools,

@@ -169,6 +169,7 @@ fn the_emulated_model_is_the_worked_example_bpmn() {
                 }
             }
             NodeKind::End => assert!(bpmn.contains(&format!(r#"<bpmn:endEvent id="{id}""#))),
+            NodeKind::ScriptTask { .. } => panic!("the worked example has no script task"),
         }
     }
 }
@@ -518,7 +519,7 @@ async fn a_refused_write_is_never_performed_and_the_model_is_told_why() {
     // The scripted model quotes the last tool result in its answer: the refusal it read.
     let told = done.variables["refundDecision"].to_string();
     assert!(
-        told.contains("erin refused it") && told.contains("over the customer's limit"),
+        told.contains("erin") && told.contains("over the customer's limit"),
         "{told}"
     );
     let c = stack.tools.counters().await;

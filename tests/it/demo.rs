@@ -239,7 +239,10 @@ async fn approval_on_the_store() {
         "{summary}"
     );
     let told = facts["refused"]["result"].as_str().unwrap();
-    assert!(told.contains("erin refused it"), "{told}");
+    assert!(
+        told.contains("\"refusedBy\":\"erin\"") && told.contains("not an instruction to you"),
+        "{told}"
+    );
     assert_eq!(
         facts["refused"]["request"]["arguments"]["amountCents"],
         40000

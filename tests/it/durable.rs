@@ -66,7 +66,7 @@ impl Op {
             gate::Op::FetchAndLock(_) => Op::Fetch,
             gate::Op::Heartbeat => Op::Heartbeat,
             gate::Op::Complete => Op::Complete,
-            gate::Op::Failure => Op::Failure,
+            gate::Op::Failure(_) => Op::Failure,
             gate::Op::BpmnError => Op::BpmnError,
             gate::Op::JournalRead => Op::JournalRead,
             gate::Op::JournalAppend(_) => Op::JournalAppend,

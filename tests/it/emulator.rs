@@ -1918,6 +1918,82 @@ async fn unknown_processes_instances_and_user_tasks_are_refused_like_the_engine(
     assert!(h.fetch("w1", 10).await.is_empty());
 }
 
+/// The real engine on H2 locks every row its acquisition query matches until its fetch's
+/// transaction commits (devkit `engine/contention.rs`): a fetch that starts meanwhile answers
+/// empty on a backlog, and the first is answered only when its transaction ends. Set over the
+/// admin API; bad bodies refused; off again, fetches run alone.
+#[tokio::test]
+async fn with_fetch_contention_a_fetch_during_anothers_transaction_answers_empty() {
+    let h = Arc::new(harness().await);
+    h.emu.create_tasks((0..20).map(|_| agent_task()));
+    let set = |body: Value| {
+        h.http
+            .post(format!("{}/admin/fetch-contention", h.emu.root_url()))
+            .json(&body)
+            .send()
+    };
+    for bad in [
+        json!({"transactionMs": -1}),
+        json!({"transactionMs": 60001}),
+        json!({"transactionMs": 15, "locks": "everything"}),
+        json!({"holdMs": 15}),
+    ] {
+        assert_eq!(set(bad.clone()).await.unwrap().status(), 400, "{bad}");
+    }
+    // A transaction far longer than the test (the leases, 60 s, outlast it): it ends when the
+    // clock is moved on.
+    assert_eq!(
+        set(json!({"transactionMs": 30000})).await.unwrap().status(),
+        204
+    );
+    let began = h.emu.now();
+    let fetch = |worker: &'static str, max: u32| {
+        let h = h.clone();
+        tokio::spawn(async move {
+            let got = h.fetch(worker, max).await;
+            (ids(&got), h.emu.now())
+        })
+    };
+    let recorded = |worker: &'static str| {
+        let h = h.clone();
+        async move {
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                h.emu.wait_for(|e| {
+                    e.calls()
+                        .iter()
+                        .any(|c| c.worker_id.as_deref() == Some(worker))
+                        .then_some(())
+                }),
+            )
+            .await
+            .expect("the fetch reaches the emulator")
+        }
+    };
+    let first = fetch("w1", 2);
+    recorded("w1").await;
+    let second = fetch("w2", 8);
+    recorded("w2").await;
+    h.emu.advance(Duration::from_secs(30));
+    let (first, first_answered) = first.await.unwrap();
+    let (second, _) = second.await.unwrap();
+    assert_eq!(first, ["t-000001", "t-000002"]);
+    assert!(second.is_empty(), "18 tasks wait, all locked: {second:?}");
+    assert!(
+        first_answered >= began + chrono::Duration::seconds(30),
+        "answered at its transaction's end, not at once: {began} -> {first_answered}"
+    );
+    // Committed: the next fetch gets its tasks (contention off, it answers at once).
+    assert_eq!(
+        set(json!({"transactionMs": null})).await.unwrap().status(),
+        204
+    );
+    assert_eq!(
+        ids(&h.fetch("w2", 8).await),
+        (3..=10).map(|n| format!("t-{n:06}")).collect::<Vec<_>>()
+    );
+}
+
 /// Issue 25: the emulator answers partially, as concurrent fetches do on the real engine
 /// (`FOR UPDATE SKIP LOCKED`), when told so over the admin API; a bad cap is refused.
 #[tokio::test]

@@ -240,7 +240,7 @@ proptest! {
         flags in "[0-9a-f]{2}",
     ) {
         if let Some(tp) = decoders::trace_parent(&raw) {
-            let _ = tp.child_header();
+            let _ = tp.child_header(&abada_agent_worker::random::Random::os());
         }
         let header = format!("00-{trace}-{span}-{flags}");
         if trace.chars().any(|c| c != '0') && span.chars().any(|c| c != '0') {
@@ -966,6 +966,7 @@ fn arb_agent_property() -> impl Strategy<Value = String> {
             "loopCounterVariable",
             "outputSchema",
             "outputRepairTurns",
+            "answerRepairTurns",
         ])
         .prop_map(str::to_string),
         "[a-zA-Z.]{0,12}",
@@ -991,6 +992,37 @@ proptest! {
         let _ = decoders::bpmn_agents(&text);
         let _ = decoders::engine_process_definition(&raw);
         let _ = decoders::engine_process_instance(&raw);
+        let _ = decoders::engine_history_page(&raw, Some(&text));
+    }
+
+    /// Any activity history the engine could send (any entries, actors, task ids and details,
+    /// in any order) is read and judged without a panic, and an approver's decision is only
+    /// ever named when an approver completed a user task in it.
+    #[test]
+    fn any_activity_history_is_judged_without_panic_and_names_only_approvers(
+        entries in prop::collection::vec(
+            (
+                prop::sample::select(vec!["TASK_COMPLETED", "EXTERNAL_TASK_COMPLETED", "EXTERNAL_TASK_LOCKED", "VARIABLES_UPDATED", "EVENT_CORRELATED", "TASK_CLAIMED", "TIMER_JOB_COMPLETED", "X"]),
+                prop::sample::select(vec!["alice", "mallory", "system", ""]),
+                prop::sample::select(vec!["t1", "t2", "t3"]),
+            ),
+            0..24,
+        ),
+        pages in "\\PC{0,6}",
+    ) {
+        let body: Vec<serde_json::Value> = entries
+            .iter()
+            .map(|(kind, actor, task)| serde_json::json!({
+                "eventType": kind, "actor": actor, "activityId": "a",
+                "details": {"externalTaskId": task, "variableNames": ["agentApproval"]},
+            }))
+            .collect();
+        let raw = serde_json::to_vec(&body).unwrap();
+        if let Ok((n, _, Ok(who))) = decoders::engine_history_page(&raw, Some(&pages)) {
+            prop_assert_eq!(who.as_str(), "alice");
+            prop_assert!(n > 0);
+            prop_assert!(entries.iter().any(|(k, a, _)| *k == "TASK_COMPLETED" && *a == "alice"));
+        }
     }
 
     /// A well-formed process whose agent task carries any properties with any values: the task

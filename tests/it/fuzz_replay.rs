@@ -9,7 +9,7 @@ mod props;
 
 use proptest::prelude::*;
 
-/// Cases per target and input shape: 13 targets x 3 shapes x 128 cases run in a few seconds.
+/// Cases per target and input shape: 14 targets x 3 shapes x 128 cases run in a few seconds.
 const CASES: u32 = 128;
 
 /// A target's input: raw bytes, JSON text, or text with the decoder's own words in it.
@@ -50,6 +50,11 @@ fn input() -> impl Strategy<Value = Vec<u8>> {
         "MAX_TASKS",
         "ENGINE_URL",
         "<bpmn:serviceTask id=\"a\">",
+        "<tool_call>",
+        "</tool_call>",
+        "```json\n",
+        "\"parameters\"",
+        "\"lookup_order\"",
         "</bpmn:serviceTask>",
         "camunda:topic=\"abada:agent\"",
         "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
@@ -100,6 +105,7 @@ fn targets() -> Vec<&'static str> {
 fn run(target: &str, data: &[u8]) {
     match target {
         "agent_definition" => props::agent_definition(data),
+        "answer_shape" => props::answer_shape(data),
         "agents_file" => props::agents_file(data),
         "bpmn_agents" => props::bpmn_agents(data),
         "config" => props::config(data),
@@ -181,6 +187,7 @@ macro_rules! replay {
 
 replay!(
     agent_definition,
+    answer_shape,
     agents_file,
     bpmn_agents,
     config,

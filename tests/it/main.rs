@@ -1,13 +1,16 @@
 //! The integration test binary (one binary keeps link time down): one module per area.
 
 mod agent;
+mod answer_shapes;
 mod approval;
+mod approval_floor;
 mod bpmn;
 mod ceilings;
 mod checker;
 mod content_keys;
 mod core_http;
 mod demo;
+mod determinism;
 mod durable;
 mod emulator;
 mod engine_conformance;

@@ -923,6 +923,7 @@ fn adapter(kind: ProviderKind, base_url: String) -> Arc<dyn ModelProvider> {
             api_key: Some(Arc::new(SecretSource::value("sk-test"))),
             max_concurrency: None,
             request_timeout: Duration::from_secs(10),
+            structured_output: Default::default(),
         }],
         reqwest::Client::new(),
     )

@@ -276,6 +276,9 @@ async fn sigterm_drains_finishes_short_tasks_releases_long_ones_and_a_second_wor
             .unwrap_or_else(|| panic!("no 'task started' line for {id}"));
         assert_eq!(line["attempt"], 1, "the task span carries its ids: {line}");
         assert!(line["process_instance_id"].is_string(), "{line}");
+        // The engine's count, as a number: not Rust's `Some(3)`, which a log query cannot
+        // compare (seen in the release worker's log against the real engine).
+        assert_eq!(line["retries"], 3, "{line}");
     }
     // Each long task's call in flight was cut short by the release, after one answered turn,
     // or two for the task whose first call went out alone (a model's first call waits for

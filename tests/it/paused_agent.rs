@@ -1,210 +1,46 @@
-//! Agent-task logic on tokio's paused clock: the production runner, heartbeat actor and agent
-//! runtime against the simulator's in-memory world (`devkit::world`: the emulator's engine state
-//! machine, scripted models, the tool server), with no socket and no wall clock. Each test here
+//! Agent-task logic on tokio's paused clock: production workers, built by the composition root
+//! (`Worker::build`, through `devkit::workers::start_in_world`) from a configuration parsed the
+//! production way, against the simulator's in-memory world (`devkit::world`: the emulator's
+//! engine state machine, scripted models, the tool server), with no socket and no wall clock. Each test here
 //! replaces, or times exactly, a devkit-stack test of `agent.rs`, `faults.rs` or
 //! `hostile_model.rs` whose verdict depended on a real-time margin (a lease of a few real
 //! seconds racing a slow model call, an outage ended "once a heartbeat met it", a call timeout
 //! a prompt call had to beat, the emulator's real clock read after the fact); tests/README.md
 //! maps each old test to its new place.
 //!
-//! What a test needs beyond the world goes through small decorators written here: an engine that
-//! refuses heartbeats, goes away for a while (as the HTTP client meets an outage), answers
-//! slowly and logs every call; models that answer "unavailable" on demand or take a while, per
-//! task; and a tool connector that counts the session sets opened and released and can answer
-//! keyed writes after the call timeout.
+//! What a test needs beyond the world goes through decorators: the engine's through the devkit's
+//! one engine decorator, a `FaultGate` (heartbeats refused, an outage as the HTTP client meets
+//! it, latency per operation, every call logged); the models' and the tools' through small ones
+//! written here: models that answer "unavailable" on demand or take a while, per task, and a
+//! tool connector that counts the session sets opened and released and can answer keyed writes
+//! after the call timeout.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use abada_agent_worker::agent::limits::Ceilings;
-use abada_agent_worker::agent::{AgentRuntime, AgentSettings};
+use abada_agent_worker::agent::AgentSettings;
+use abada_agent_worker::app::{Seams, Tuning};
 use abada_agent_worker::backoff::Backoff;
 use abada_agent_worker::conversation::{Message, ToolResult, ToolSpec};
 use abada_agent_worker::devkit::engine::{TaskSpec, TaskStatus, TaskView};
+use abada_agent_worker::devkit::gate::{Call, FaultGate, GatedEngine};
+use abada_agent_worker::devkit::workers::{WorkerHandle, WorkerOptions, start_in_world};
 use abada_agent_worker::devkit::world::{
-    Event, FaultPlan, ModelScript, World, WorldEngine, WorldModel, WorldOptions, WorldTools,
+    Event, FaultPlan, ModelScript, World, WorldModel, WorldOptions, WorldTools,
 };
-use abada_agent_worker::engine::{
-    AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
-    JournalStep, LeaseLostReason, ProbeOutcome, Task, TaskRef, ToolCredential,
-};
-use abada_agent_worker::handler::{TaskEnd, TaskHandler};
-use abada_agent_worker::metrics::Metrics;
+use abada_agent_worker::handler::TaskEnd;
 use abada_agent_worker::provider::fallback::RetryPolicy;
 use abada_agent_worker::provider::{
     ModelProvider, ModelRequest, ModelResponse, ProviderError, ProviderRegistry,
 };
-use abada_agent_worker::runner::{Runner, RunnerEvent, RunnerSettings};
+use abada_agent_worker::runner::RunnerEvent;
 use abada_agent_worker::tools::{TaskTools, ToolConnector, ToolError, ToolSessions};
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
-
-// ---- the engine: the world's, with one attempt's heartbeats refused, every call logged ------
-
-/// One engine call as the test saw it go out.
-#[derive(Clone, Debug)]
-struct Sent {
-    at: Instant,
-    op: &'static str,
-    task: Option<String>,
-    attempt: Option<u32>,
-    refused: bool,
-    /// Sent during an outage: never reached the engine.
-    down: bool,
-}
-
-struct LoggingEngine {
-    inner: WorldEngine,
-    /// Heartbeats of these (task, attempt) pairs are refused with 403 `WORKER_LOCK_NOT_OWNED`,
-    /// as the emulator's `Fault::RefuseHeartbeats` does: the engine's state is left as it is.
-    refuse_heartbeats_of: Mutex<HashSet<(String, u32)>>,
-    /// An engine outage from the first instant to the second: every call sent meanwhile fails
-    /// as a refused connection does (transient, never reached the engine).
-    outage: Mutex<Option<(Instant, Instant)>>,
-    /// How long the engine takes over each call of an operation, as the emulator's
-    /// `Fault::Latency` does (on the way there: the call executes after it).
-    latency: Mutex<HashMap<&'static str, Duration>>,
-    log: Mutex<Vec<Sent>>,
-}
-
-impl LoggingEngine {
-    fn note_down(&self, op: &'static str, task: Option<&TaskRef>, refused: bool, down: bool) {
-        self.log.lock().unwrap().push(Sent {
-            at: Instant::now(),
-            op,
-            task: task.map(|t| t.task_id.clone()),
-            attempt: task.and_then(|t| t.attempt),
-            refused,
-            down,
-        });
-    }
-
-    /// Notes a call, and plays the outage as the HTTP client meets it: a heartbeat or a fetch
-    /// (one exchange each) fails as a refused connection does; every other call is a command,
-    /// which the client rides out with the same key (`outage_patience`, above these outages),
-    /// so it is held until the engine is back (or dropped by the worker first).
-    async fn sent(
-        &self,
-        op: &'static str,
-        task: Option<&TaskRef>,
-        refused: bool,
-    ) -> Result<(), EngineError> {
-        let now = Instant::now();
-        let back = self
-            .outage
-            .lock()
-            .unwrap()
-            .filter(|(from, to)| *from <= now && now < *to)
-            .map(|(_, to)| to);
-        self.note_down(op, task, refused, back.is_some());
-        let latency = self.latency.lock().unwrap().get(op).copied();
-        if let Some(latency) = latency {
-            tokio::time::sleep(latency).await;
-        }
-        if let Some(back) = back {
-            if matches!(op, "heartbeat" | "fetch-and-lock") {
-                // A refused connection takes a moment, not nothing.
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                return Err(EngineError::Transient {
-                    op,
-                    message: "connection refused (the test's outage)".into(),
-                    request_sent: false,
-                });
-            }
-            tokio::time::sleep_until(back).await;
-        }
-        Ok(())
-    }
-
-    /// An outage from `from` for `length`.
-    fn outage(&self, from: Instant, length: Duration) {
-        *self.outage.lock().unwrap() = Some((from, from + length));
-    }
-
-    fn log(&self) -> Vec<Sent> {
-        self.log.lock().unwrap().clone()
-    }
-}
-
-#[async_trait]
-impl Engine for LoggingEngine {
-    async fn fetch_and_lock(&self, request: &FetchRequest) -> Result<Vec<Task>, EngineError> {
-        self.sent("fetch-and-lock", None, false).await?;
-        self.inner.fetch_and_lock(request).await
-    }
-
-    async fn heartbeat(&self, task: &TaskRef, lock_duration: Duration) -> Result<(), EngineError> {
-        let refused = self
-            .refuse_heartbeats_of
-            .lock()
-            .unwrap()
-            .contains(&(task.task_id.clone(), task.attempt.unwrap_or(0)));
-        self.sent("heartbeat", Some(task), refused).await?;
-        if refused {
-            return Err(EngineError::LeaseLost {
-                op: "heartbeat",
-                task_id: task.task_id.clone(),
-                reason: LeaseLostReason::NotOwned,
-            });
-        }
-        self.inner.heartbeat(task, lock_duration).await
-    }
-
-    async fn complete(
-        &self,
-        task: &TaskRef,
-        variables: &Map<String, Value>,
-    ) -> Result<(), EngineError> {
-        self.sent("complete", Some(task), false).await?;
-        self.inner.complete(task, variables).await
-    }
-
-    async fn failure(&self, task: &TaskRef, report: &FailureReport) -> Result<(), EngineError> {
-        self.sent("failure", Some(task), false).await?;
-        self.inner.failure(task, report).await
-    }
-
-    async fn bpmn_error(
-        &self,
-        task: &TaskRef,
-        report: &BpmnErrorReport,
-    ) -> Result<(), EngineError> {
-        self.sent("bpmn-error", Some(task), false).await?;
-        self.inner.bpmn_error(task, report).await
-    }
-
-    async fn read_journal(&self, task: &TaskRef) -> Result<Journal, EngineError> {
-        self.sent("journal-read", Some(task), false).await?;
-        self.inner.read_journal(task).await
-    }
-
-    async fn append_journal(
-        &self,
-        task: &TaskRef,
-        step: &JournalStep,
-    ) -> Result<AppendOutcome, EngineError> {
-        self.sent("journal-append", Some(task), false).await?;
-        self.inner.append_journal(task, step).await
-    }
-
-    async fn tool_credential(
-        &self,
-        task: &TaskRef,
-        server: &str,
-    ) -> Result<ToolCredential, EngineError> {
-        self.sent("tool-credentials", Some(task), false).await?;
-        self.inner.tool_credential(task, server).await
-    }
-
-    async fn probe(&self) -> ProbeOutcome {
-        self.inner.probe().await
-    }
-}
 
 // ---- the models: the world's scripts, made unavailable or slow on demand --------------------
 
@@ -385,7 +221,8 @@ const FALLBACK: &str = "fallback";
 
 struct Setup {
     world: Arc<World>,
-    engine: Arc<LoggingEngine>,
+    /// The engine's faults and the log of every call the worker sent.
+    gate: Arc<FaultGate>,
     primary: Arc<Model>,
     fallback: Arc<Model>,
     sessions: Arc<SessionCount>,
@@ -403,13 +240,7 @@ impl Setup {
             store_journal: false,
         });
         Setup {
-            engine: Arc::new(LoggingEngine {
-                inner: WorldEngine::new(world.clone(), "w"),
-                refuse_heartbeats_of: Mutex::new(HashSet::new()),
-                outage: Mutex::new(None),
-                latency: Mutex::new(HashMap::new()),
-                log: Mutex::new(Vec::new()),
-            }),
+            gate: FaultGate::new(),
             primary: Model::new(&world, PRIMARY, latency),
             fallback: Model::new(&world, FALLBACK, latency),
             sessions: Arc::new(SessionCount::default()),
@@ -472,17 +303,16 @@ impl Setup {
     }
 
     /// Starts the worker (two slots, the fast backoffs of the stack tests, no jitter).
-    fn start(&self) -> Running {
+    fn start(&self) -> WorkerHandle {
         self.start_with(|_| {})
     }
 
-    /// [`Self::start`] with the runner's settings changed by `tune` first.
-    fn start_with(&self, tune: impl FnOnce(&mut RunnerSettings)) -> Running {
+    /// [`Self::start`] with the worker's options changed by `tune` first.
+    fn start_with(&self, tune: impl FnOnce(&mut WorkerOptions)) -> WorkerHandle {
         let mut providers = ProviderRegistry::default();
         providers.insert(PRIMARY, self.primary.clone());
         providers.insert(FALLBACK, self.fallback.clone());
-        let metrics = Arc::new(Metrics::new());
-        let settings = AgentSettings {
+        let agent = AgentSettings {
             model_retry: RetryPolicy {
                 initial_backoff: Duration::from_millis(50),
                 max_backoff: Duration::from_millis(200),
@@ -496,39 +326,35 @@ impl Setup {
                 .without_jitter(),
             ..AgentSettings::default()
         };
-        let handler: Arc<dyn TaskHandler> = Arc::new(
-            AgentRuntime::new(
-                providers,
-                None,
-                reqwest::Client::new(),
-                settings,
-                metrics.clone(),
-                Ceilings::default(),
-            )
-            .with_tool_connector(Arc::new(CountingTools {
-                inner: WorldTools::new(self.world.clone(), "w"),
-                count: self.sessions.clone(),
-                late_writes: self.late_writes.clone(),
-            })),
-        );
-        let mut rs = RunnerSettings::new("w", self.lock);
-        rs.max_tasks = 2;
-        rs.poll_interval = Duration::from_millis(200);
-        rs.poll_jitter = 0.0;
-        rs.error_backoff =
-            Backoff::new(Duration::from_millis(200), Duration::from_secs(2)).without_jitter();
-        rs.heartbeat.retry_backoff = rs.heartbeat.retry_backoff.without_jitter();
-        tune(&mut rs);
-        let (tx, events) = mpsc::unbounded_channel();
-        let engine: Arc<dyn Engine> = self.engine.clone();
-        let runner = Runner::new(engine, handler, rs, metrics).with_events(tx);
-        let shutdown = CancellationToken::new();
-        let join = tokio::spawn(runner.run(shutdown.clone()));
-        Running {
-            shutdown,
-            join,
-            events,
-        }
+        let defaults = Tuning::default();
+        let mut opts = WorkerOptions {
+            lock_duration: self.lock,
+            tuning: Tuning {
+                error_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(2))
+                    .without_jitter(),
+                heartbeat_retry: defaults.heartbeat_retry.without_jitter(),
+                poll_jitter: 0.0,
+                ..defaults
+            },
+            ..WorkerOptions::new("w", 2)
+        };
+        tune(&mut opts);
+        start_in_world(
+            &self.world,
+            opts,
+            &[PRIMARY, FALLBACK],
+            Seams {
+                decorate_engine: Some(GatedEngine::wrapper(self.gate.clone())),
+                providers: Some(providers),
+                tools: Some(Arc::new(CountingTools {
+                    inner: WorldTools::new(self.world.clone(), "w"),
+                    count: self.sessions.clone(),
+                    late_writes: self.late_writes.clone(),
+                })),
+                agent,
+                ..Seams::default()
+            },
+        )
     }
 
     /// Waits (virtual time, checked every 10 ms) until `done` holds of the task, at most
@@ -546,19 +372,6 @@ impl Setup {
     }
 }
 
-struct Running {
-    shutdown: CancellationToken,
-    join: tokio::task::JoinHandle<()>,
-    events: mpsc::UnboundedReceiver<RunnerEvent>,
-}
-
-impl Running {
-    async fn stop(self) {
-        self.shutdown.cancel();
-        self.join.await.expect("the runner ends cleanly");
-    }
-}
-
 // ---- the tests ------------------------------------------------------------------------------
 
 /// Was `agent::a_lost_lease_stops_the_task_reports_nothing_and_closes_its_sessions` (devkit
@@ -573,11 +386,7 @@ impl Running {
 async fn a_lost_lease_stops_the_agent_task_reports_nothing_and_closes_its_sessions() {
     let s = Setup::new(Duration::from_secs(3), Duration::from_secs(2));
     let id = s.create_task("lost", "r");
-    s.engine
-        .refuse_heartbeats_of
-        .lock()
-        .unwrap()
-        .insert((id.clone(), 1));
+    s.gate.state().refuse_heartbeats_of.insert((id.clone(), 1));
     let mut w = s.start();
     let started = Instant::now();
     loop {
@@ -597,7 +406,7 @@ async fn a_lost_lease_stops_the_agent_task_reports_nothing_and_closes_its_sessio
         }
     }
     // The refusal came at the first heartbeat, a third of the lease in, during the model call.
-    let sent = s.engine.log();
+    let sent = s.gate.calls();
     let refusal = sent
         .iter()
         .find(|c| c.refused)
@@ -614,18 +423,18 @@ async fn a_lost_lease_stops_the_agent_task_reports_nothing_and_closes_its_sessio
     tokio::time::sleep(Duration::from_secs(5)).await;
     w.stop().await;
 
-    let sent = s.engine.log();
-    let late: Vec<&Sent> = sent
+    let sent = s.gate.calls();
+    let late: Vec<&Call> = sent
         .iter()
         .filter(|c| {
-            c.task.as_deref() == Some(id.as_str()) && c.attempt == Some(1) && c.at > refusal.at
+            c.task_id.as_deref() == Some(id.as_str()) && c.attempt == Some(1) && c.at > refusal.at
         })
         .collect();
     assert!(
         late.is_empty(),
         "no call about attempt 1 after its lease was refused: {late:#?}"
     );
-    let endings_of_1: Vec<&Sent> = sent
+    let endings_of_1: Vec<&Call> = sent
         .iter()
         .filter(|c| c.attempt == Some(1) && matches!(c.op, "complete" | "failure" | "bpmn-error"))
         .collect();
@@ -731,15 +540,11 @@ async fn no_tool_session_outlives_a_mixed_run() {
         }
     }
     for id in &lost {
-        s.engine
-            .refuse_heartbeats_of
-            .lock()
-            .unwrap()
-            .insert((id.clone(), 1));
+        s.gate.state().refuse_heartbeats_of.insert((id.clone(), 1));
     }
-    let mut w = s.start_with(|rs| {
-        rs.max_tasks = 16;
-        rs.shutdown_grace = Duration::from_millis(100);
+    let mut w = s.start_with(|opts| {
+        opts.slots = 16;
+        opts.shutdown_grace = Duration::from_millis(100);
     });
 
     let mut ended: HashMap<String, Vec<(Option<u32>, TaskEnd)>> = HashMap::new();
@@ -768,14 +573,7 @@ async fn no_tool_session_outlives_a_mixed_run() {
         stopped_at.elapsed() < Duration::from_secs(3),
         "before the lost leases ran out at the engine"
     );
-    let Running {
-        shutdown,
-        join,
-        mut events,
-    } = w;
-    shutdown.cancel();
-    join.await.expect("the runner ends cleanly");
-    while let Ok(event) = events.try_recv() {
+    for event in w.stop_collecting().await {
         note(&mut ended, event);
     }
 
@@ -849,7 +647,7 @@ async fn max_duration_ends_the_task_at_its_deadline_not_at_the_next_answer() {
     }
     w.stop().await;
 
-    let sent = s.engine.log();
+    let sent = s.gate.calls();
     for id in [&hung, &busy] {
         let v = s.task(id);
         assert_eq!(v.retries, Some(0), "an incident: {v:#?}");
@@ -860,7 +658,7 @@ async fn max_duration_ends_the_task_at_its_deadline_not_at_the_next_answer() {
         );
         let of_task = |op: &str| {
             sent.iter()
-                .filter(|c| c.op == op && c.task.as_deref() == Some(id.as_str()))
+                .filter(|c| c.op == op && c.task_id.as_deref() == Some(id.as_str()))
                 .map(|c| c.at)
                 .collect::<Vec<_>>()
         };
@@ -944,7 +742,7 @@ async fn a_short_engine_outage_is_ridden_out_and_every_lease_is_kept() {
     let s = Setup::new(Duration::from_secs(3), Duration::from_secs(2));
     let ids = [s.create_task("short-0", "r"), s.create_task("short-1", "r")];
     let started = Instant::now();
-    s.engine.outage(
+    s.gate.state().outage_from(
         started + Duration::from_millis(900),
         Duration::from_millis(1300),
     );
@@ -953,7 +751,7 @@ async fn a_short_engine_outage_is_ridden_out_and_every_lease_is_kept() {
     ended_until(&mut w.events, &mut seen, |seen| seen.len() == 2).await;
     w.stop().await;
     completed_once_each(&s, &ids, &seen, "a short outage");
-    let log = s.engine.log();
+    let log = s.gate.calls();
     let heartbeats_down = log.iter().filter(|c| c.op == "heartbeat" && c.down).count();
     assert!(
         heartbeats_down >= 2,
@@ -974,7 +772,7 @@ async fn a_long_engine_outage_fences_the_task_at_its_local_expiry_and_it_resumes
     let id = s.create_task("long", "r");
     let started = Instant::now();
     let back = started + Duration::from_millis(11_500);
-    s.engine.outage(
+    s.gate.state().outage_from(
         started + Duration::from_millis(1500),
         Duration::from_secs(10),
     );
@@ -983,7 +781,7 @@ async fn a_long_engine_outage_fences_the_task_at_its_local_expiry_and_it_resumes
     ended_until(&mut w.events, &mut seen, |seen| !seen.is_empty()).await;
     let (lost_at, _, attempt, end) = seen[0].clone();
     assert_eq!((attempt, end), (Some(1), TaskEnd::LeaseLost), "{seen:#?}");
-    let log = s.engine.log();
+    let log = s.gate.calls();
     let last_accepted = log
         .iter()
         .filter(|c| c.op == "heartbeat" && c.attempt == Some(1) && !c.down)
@@ -1009,8 +807,8 @@ async fn a_long_engine_outage_fences_the_task_at_its_local_expiry_and_it_resumes
     );
     assert!(seen[1].0 >= back);
     w.stop().await;
-    let log = s.engine.log();
-    let late: Vec<&Sent> = log
+    let log = s.gate.calls();
+    let late: Vec<&Call> = log
         .iter()
         .filter(|c| c.attempt == Some(1) && c.at > lost_at)
         .collect();
@@ -1115,7 +913,7 @@ async fn a_keyed_write_answered_after_its_timeout_is_resent_under_its_key_then_r
 async fn engine_latency_spikes_keep_every_lease_and_complete_every_task() {
     for (heartbeat, model) in [(600, 300), (1500, 2000)] {
         let s = Setup::new(Duration::from_secs(5), Duration::from_millis(model));
-        s.engine.latency.lock().unwrap().extend([
+        s.gate.state().latency.extend([
             ("heartbeat", Duration::from_millis(heartbeat)),
             ("fetch-and-lock", Duration::from_millis(300)),
             ("journal-append", Duration::from_millis(100)),
@@ -1130,8 +928,8 @@ async fn engine_latency_spikes_keep_every_lease_and_complete_every_task() {
         w.stop().await;
         completed_once_each(&s, &ids, &seen, &format!("heartbeats of {heartbeat} ms"));
         let heartbeats = s
-            .engine
-            .log()
+            .gate
+            .calls()
             .iter()
             .filter(|c| c.op == "heartbeat")
             .count();

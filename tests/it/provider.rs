@@ -137,6 +137,7 @@ fn settings(kind: ProviderKind, base_url: String, key: Option<&str>) -> Provider
         api_key: key.map(|k| Arc::new(SecretSource::value(k))),
         max_concurrency: None,
         request_timeout: Duration::from_secs(10),
+        structured_output: Default::default(),
     }
 }
 

@@ -13,7 +13,7 @@ use abada_agent_worker::devkit::world::approver::Manner;
 use abada_agent_worker::devkit::world::trace::{Answer, Event, Trace};
 
 /// Runs of seeds one at a time: a `sim-bugs` build selects its bug for the whole process.
-static SEEDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+pub(crate) static SEEDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn paused_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -23,7 +23,7 @@ fn paused_runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-fn seed(seed: u64) -> abada_agent_worker::devkit::sim::SeedReport {
+pub(crate) fn seed(seed: u64) -> abada_agent_worker::devkit::sim::SeedReport {
     let _one_at_a_time = SEEDS.lock().unwrap_or_else(|e| e.into_inner());
     run_seed(
         paused_runtime(),

@@ -1141,7 +1141,7 @@ async fn finished_runs_are_deleted_after_retention_in_small_batches() {
         .await
         .unwrap();
     let stop = tokio_util::sync::CancellationToken::new();
-    let sweeper = swept.spawn_sweeper(stop.clone());
+    let sweeper = swept.spawn_sweeper(stop.clone(), abada_agent_worker::random::Random::os());
     wait_count(
         &db,
         "the sweeper to delete the finished run",

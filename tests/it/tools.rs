@@ -137,6 +137,33 @@ async fn lists_tools_with_read_only_annotations() {
     orders.shutdown().await;
 }
 
+/// A server told to offer fewer tools lists only those, and answers a call of another as an
+/// unknown tool (the real model tier's refund agent sees a lookup and a write, nothing else).
+#[tokio::test]
+async fn a_server_offering_fewer_tools_lists_and_serves_only_those() {
+    let orders = server("orders").await;
+    orders.offer_only(&["lookup_order", "issue_refund"]);
+    let mut sessions = sessions_for(&[&orders], Arc::new(TestCredentials::default()));
+    let mut listed: Vec<String> = sessions
+        .tools()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.tool)
+        .collect();
+    listed.sort();
+    assert_eq!(listed, ["issue_refund", "lookup_order"]);
+    let refused = sessions
+        .call("orders", "echo", args(json!({"a": 1})), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, ToolError::UnknownTool { .. }),
+        "{refused:?}"
+    );
+    sessions.close().await;
+}
+
 #[tokio::test]
 async fn keyed_write_is_applied_once_and_carries_key_and_traceparent() {
     let orders = server("orders").await;

@@ -14,6 +14,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::Shared;
+use super::contention::{FetchContention, FetchLocks};
 use super::faults::Fault;
 use super::state::{InstanceAction, TaskSpec};
 use super::wire;
@@ -29,6 +30,7 @@ pub(crate) fn routes() -> Router<Arc<Shared>> {
         .route("/admin/faults", post(add_fault).delete(clear_faults))
         .route("/admin/outage", post(outage))
         .route("/admin/fetch-answer-cap", post(fetch_answer_cap))
+        .route("/admin/fetch-contention", post(fetch_contention))
         .route("/admin/tool-credentials/verify", post(verify_credential))
         .route(
             "/admin/instances/{id}",
@@ -189,6 +191,48 @@ async fn fetch_answer_cap(State(shared): State<Arc<Shared>>, body: Bytes) -> Res
     shared.state().set_answer_cap(max_tasks);
     StatusCode::NO_CONTENT.into_response()
 }
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ContentionBody {
+    transaction_ms: Option<u64>,
+    #[serde(default)]
+    locks: FetchLocks,
+}
+
+async fn fetch_contention(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let Ok(ContentionBody {
+        transaction_ms,
+        locks,
+    }) = serde_json::from_slice(&body)
+    else {
+        return admin_error(
+            StatusCode::BAD_REQUEST,
+            "body must be {\"transactionMs\": n} (n in ms, at most 60000), optionally with \
+             \"locks\": \"everyCandidate\" or \"returnedRows\"; {\"transactionMs\": null} for none",
+        );
+    };
+    let contention = match transaction_ms {
+        None => None,
+        Some(ms) if ms <= MAX_FETCH_TRANSACTION_MS => Some(FetchContention {
+            locks,
+            transaction: std::time::Duration::from_millis(ms),
+        }),
+        Some(ms) => {
+            return admin_error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "transactionMs {ms} is over {MAX_FETCH_TRANSACTION_MS}: every fetch would answer that late"
+                ),
+            );
+        }
+    };
+    shared.state().set_fetch_contention(contention);
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// The longest fetch transaction the admin API sets: a minute already stalls every worker.
+const MAX_FETCH_TRANSACTION_MS: u64 = 60_000;
 
 #[derive(Deserialize)]
 struct VerifyBody {

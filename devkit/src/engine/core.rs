@@ -5,16 +5,23 @@
 //! journal's sequence, the process instance's moves).
 //!
 //! What the HTTP layer adds and this has not: authentication, injected faults (the simulator
-//! injects its own), the call log and the lease-time formatting of answers.
+//! injects its own), the call log and the lease-time formatting of answers. Fetch contention
+//! (module `contention`) is the state's, so it is here too; only the wait for a fetch's
+//! transaction before its answer is the caller's (the HTTP layer sleeps it).
 
 use serde_json::Value;
 
 use super::ProtocolLevel;
+use super::contention::FetchContention;
 use super::http::parse_command_body;
 use super::process::{
     Caller, ProcessDefinitionView, ProcessInstanceView, ProcessModel, UserTaskStatus, UserTaskView,
 };
 use super::state::{EngineState, Operation, TaskSpec, TaskView};
+
+/// Who calls an engine without HTTP: no identity, as a request without `X-User` to an engine
+/// whose security is disabled (the history's `actor`).
+const ANONYMOUS: &str = "anonymous";
 
 /// An engine's refusal, as the HTTP layer would send it: status, error code and message.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,6 +49,8 @@ pub struct CoreReply {
 pub struct EngineCore {
     state: EngineState,
     protocol: ProtocolLevel,
+    /// The latest "now" a call gave (the time of history entries of calls without one).
+    now_ms: i64,
 }
 
 impl EngineCore {
@@ -50,6 +59,7 @@ impl EngineCore {
         EngineCore {
             state: EngineState::new(protocol, credential_ttl_ms, 0),
             protocol,
+            now_ms: 0,
         }
     }
 
@@ -65,6 +75,20 @@ impl EngineCore {
         self.state.task_views()
     }
 
+    /// Makes fetches contend as on the real engine (module `contention`): the rows a fetch
+    /// locks stay locked for [`FetchContention::transaction`] after its `now_ms`, and other
+    /// fetches meanwhile skip them. The HTTP layer answers a fetch when its transaction ends;
+    /// a caller of [`EngineCore::call`] should hand the answer on as late, so that its worker
+    /// cannot fetch again inside its own transaction. `None`: each fetch runs alone.
+    pub fn set_fetch_contention(&mut self, contention: Option<FetchContention>) {
+        self.state.set_fetch_contention(contention);
+    }
+
+    /// How fetches contend now.
+    pub fn fetch_contention(&self) -> Option<FetchContention> {
+        self.state.fetch_contention()
+    }
+
     /// Deploys `model` (its next version), as the engine's deployment does.
     pub fn deploy(&mut self, model: ProcessModel) {
         self.state.deploy(model, None);
@@ -76,7 +100,8 @@ impl EngineCore {
         process_id: &str,
         variables: serde_json::Map<String, Value>,
     ) -> Result<String, String> {
-        self.state.start_process(process_id, variables)
+        self.state
+            .start_process(process_id, variables, ANONYMOUS, self.now_ms)
     }
 
     /// Deploys `model` (its next version) with the BPMN XML the process API serves for it, as
@@ -123,7 +148,8 @@ impl EngineCore {
             user: user.to_string(),
             groups: groups.to_vec(),
         };
-        self.state.complete_user_task(id, &caller, variables)
+        self.state
+            .complete_user_task(id, &caller, variables, self.now_ms)
     }
 
     /// One request of the worker protocol: `body` as the worker would send it, `key` its
@@ -153,7 +179,11 @@ impl EngineCore {
             return Err(refusal(super::wire::ApiError::not_found_resource()));
         }
         let command = parse_command_body(op, Some(body), false).map_err(refusal)?;
-        match self.state.run(op, task_id, key, &command, now_ms) {
+        self.now_ms = self.now_ms.max(now_ms);
+        match self
+            .state
+            .run(op, task_id, key, &command, now_ms, ANONYMOUS)
+        {
             Ok((reply, _)) => Ok(CoreReply {
                 status: reply.status.as_u16(),
                 body: reply.body,

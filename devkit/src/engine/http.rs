@@ -6,7 +6,8 @@
 //! connection, 429 with Retry-After, a 200 with a bad body; none runs the command) → authorizer (401/403) → injected
 //! latency → injected 5xx / 409 → refused heartbeats → protocol level (agent/1 endpoints may be
 //! 404) → body parsing (415/400) → idempotency + command under the state mutex → injected
-//! response drop → response with the protocol header → call log.
+//! response drop → response with the protocol header → call log → with fetch contention on, a
+//! fetch's answer waits for its transaction's end.
 
 use std::convert::Infallible;
 use std::io;
@@ -250,9 +251,24 @@ struct Outcome<'a> {
     /// lock: nobody (a test waiting for a task's status, then reading the call log) can see a
     /// command's effect without its call.
     state: Option<MutexGuard<'a, EngineState>>,
+    /// When the answer goes out, in the emulator's clock: a fetch's transaction end with
+    /// contention on; `None`, at once.
+    answer_at: Option<i64>,
 }
 
 async fn handle(call: ApiCall, op: Operation) -> Response {
+    let shared = call.shared.clone();
+    let (response, answer_at) = answer(call, op).await;
+    // Recorded (and its effects visible) when it ran; answered when its transaction ends.
+    if let Some(at) = answer_at {
+        until_clock(&shared, at).await;
+    }
+    response
+}
+
+/// Runs an `/api` request and records it; returns its response and when to send it (`None`:
+/// at once).
+async fn answer(call: ApiCall, op: Operation) -> (Response, Option<i64>) {
     let shared = call.shared.clone();
     let parsed_body: Option<Value> = serde_json::from_slice(&call.body).ok();
     let mut record = CallRecord {
@@ -286,12 +302,12 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
         record.status = StatusCode::SERVICE_UNAVAILABLE.as_u16();
         record.response_dropped = true;
         shared.record_call(record);
-        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+        return (StatusCode::SERVICE_UNAVAILABLE.into_response(), None);
     }
 
     let early = shared.faults().take_early_answer(op);
     if let Some(early) = early {
-        return early_answer(&shared, &call, early, record);
+        return (early_answer(&shared, &call, early, record), None);
     }
 
     let mut outcome = pipeline(&call, op, parsed_body).await;
@@ -352,7 +368,7 @@ async fn handle(call: ApiCall, op: Operation) -> Response {
         }
         None => shared.record_call(record),
     }
-    response
+    (response, outcome.answer_at)
 }
 
 /// An injected answer that never runs the command: a reset connection, a 429, a bad body.
@@ -434,6 +450,7 @@ fn refused(error: ApiError, disposition: Disposition) -> Outcome<'static> {
         result: Err(error),
         disposition,
         state: None,
+        answer_at: None,
     }
 }
 
@@ -487,15 +504,44 @@ async fn pipeline(call: &ApiCall, op: Operation, parsed_body: Option<Value>) -> 
     };
     let key = header_str(&call.headers, "idempotency-key");
     let now = shared.clock.now_ms();
+    let actor = shared.caller(&call.headers).user;
     let mut state = shared.state();
-    let (result, disposition) = match state.run(op, call.task_id.as_deref(), key, &command, now) {
-        Ok((reply, disposition)) => (Ok(reply), disposition),
-        Err(error) => (Err(error), Disposition::Refused),
-    };
+    let (result, disposition) =
+        match state.run(op, call.task_id.as_deref(), key, &command, now, &actor) {
+            Ok((reply, disposition)) => (Ok(reply), disposition),
+            Err(error) => (Err(error), Disposition::Refused),
+        };
+    // With contention on, a fetch that ran answers when its transaction ends (module
+    // `contention`), as the real engine answers after its commit.
+    let answer_at = state
+        .fetch_contention()
+        .filter(|_| {
+            op == Operation::FetchAndLock && disposition == Disposition::Executed && result.is_ok()
+        })
+        .map(|c| now.saturating_add(c.transaction_ms()));
     Outcome {
         result,
         disposition,
         state: Some(state),
+        answer_at,
+    }
+}
+
+/// Waits until the emulator's clock reaches `at_ms`: real time, cut short when the clock is
+/// moved forward ([`super::EngineEmulator::advance`] wakes every waiter).
+async fn until_clock(shared: &Shared, at_ms: i64) {
+    loop {
+        let notified = shared.changed.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let left = at_ms.saturating_sub(shared.clock.now_ms());
+        if left <= 0 {
+            return;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_millis(left.unsigned_abs())) => {}
+            _ = notified => {}
+        }
     }
 }
 
@@ -576,7 +622,10 @@ pub(crate) fn parse_command_body(
             }
             Command::ToolCredentials(request)
         }
-        Operation::ProcessInstanceRead | Operation::ProcessDefinitionRead | Operation::Unknown => {
+        Operation::ProcessInstanceRead
+        | Operation::ProcessDefinitionRead
+        | Operation::ProcessHistoryRead
+        | Operation::Unknown => {
             return Err(ApiError::not_found_resource());
         }
     })

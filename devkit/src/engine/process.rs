@@ -1,7 +1,7 @@
 //! Process instances: the little of BPMN the approval flow needs, run the way the real engine
 //! 0.11 runs it (observed, /work/notes/real-engine.md §8). A [`ProcessModel`] is a graph of
-//! service tasks (an external task on a topic), user tasks, exclusive gateways and end events;
-//! an instance carries the process variables and waits at one node at a time.
+//! service tasks (an external task on a topic), user tasks, script tasks, exclusive gateways and
+//! end events; an instance carries the process variables and waits at one node at a time.
 //!
 //! The engine's rules kept here:
 //! - completing an external task or a user task merges its variables into the instance (top
@@ -14,12 +14,18 @@
 //!   `processInstanceId` and `activityId`, `retries` 3, every process variable; there is no loop
 //!   counter;
 //! - a user task is listed, claimed and completed through `/api/v1/tasks` (see `process_api`);
-//!   the caller is `X-User` with groups `X-Groups` (the engine's `disabled` security mode); a
-//!   candidate may complete without claiming.
+//!   the caller is who the security mode says (`X-User` with groups `X-Groups` in the engine's
+//!   `disabled` mode, the proxy's headers in `proxy` mode); a candidate may complete without
+//!   claiming;
+//! - a script task runs inside the move that reaches it and records no history entry; a move
+//!   that comes back to a node it passed (the task it resumed from included) stops there and
+//!   the token ends (`ProcessInstance.advance`'s `processedInThisRun`).
 //!
 //! Honest limits: a condition is only `${variable == 'value'}` (string, number or boolean), not
-//! the engine's JavaScript; models are built in code (no BPMN parsing); a new external task has
-//! no `traceParent`.
+//! the engine's JavaScript; a script only sets variables from templates (below); no timers;
+//! models are built in code (no BPMN parsing); a new external task has no `traceParent`; the JWT
+//! mode's user-task API still takes `X-User` (the engine takes the token's
+//! `preferred_username`).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -61,6 +67,19 @@ pub enum NodeKind {
     ExclusiveGateway {
         flows: Vec<ConditionalFlow>,
         default: Option<String>,
+    },
+    /// A JavaScript script task, run by the engine inside the move that reaches it
+    /// (`ProcessInstance.executeScript`: the variables are bound as globals, and after the
+    /// script every global is written back, so `agentApproval = ...` sets a variable, while
+    /// `variables.put(..)` only adds new ones: the bound old value is written back after it)
+    /// and recording no history entry. `script` is its text (for the BPMN); what it does is
+    /// `writes`: each variable set to its value, where a string `"${a.b}"` is the value at that
+    /// path of the variables as the script found them (the little of JavaScript the emulator
+    /// runs).
+    ScriptTask {
+        script: String,
+        writes: Map<String, Value>,
+        next: String,
     },
     End,
 }
@@ -148,17 +167,27 @@ pub(crate) enum Wait {
 /// instead of looping.
 const MAX_GATEWAY_HOPS: usize = 64;
 
-/// Follows the flow from `from` over gateways to the next node that waits.
+/// Follows the flow from `from` over gateways and script tasks (which write `variables`) to
+/// the next node that waits. `resumed` is the task whose completion moves the token: as in the
+/// engine's `ProcessInstance.advance` (`processedInThisRun`), a move that comes back to a node
+/// it already passed (the resumed task included, e.g. a script task leading straight back to
+/// the agent) stops there and the token ends: the instance completes.
 pub(crate) fn walk(
     model: &ProcessModel,
     from: &str,
-    variables: &Map<String, Value>,
+    variables: &mut Map<String, Value>,
+    resumed: Option<&str>,
 ) -> Result<Wait, String> {
     let mut id = from.to_string();
+    let mut passed: Vec<String> = resumed.map(str::to_string).into_iter().collect();
     for _ in 0..MAX_GATEWAY_HOPS {
         let node = model
             .node(&id)
             .ok_or_else(|| format!("Process {} has no flow node {id}", model.id))?;
+        if !matches!(node.kind, NodeKind::ExclusiveGateway { .. }) && passed.contains(&id) {
+            return Ok(Wait::End { activity_id: id });
+        }
+        passed.push(id.clone());
         match &node.kind {
             NodeKind::ServiceTask { topic, agent, .. } => {
                 return Ok(Wait::External {
@@ -179,6 +208,13 @@ pub(crate) fn walk(
                 });
             }
             NodeKind::End => return Ok(Wait::End { activity_id: id }),
+            NodeKind::ScriptTask { writes, next, .. } => {
+                let found = variables.clone();
+                for (name, value) in writes {
+                    variables.insert(name.clone(), substitute(value, &found));
+                }
+                id = next.clone();
+            }
             NodeKind::ExclusiveGateway { flows, default } => {
                 let taken = flows
                     .iter()
@@ -197,10 +233,40 @@ pub(crate) fn walk(
     ))
 }
 
+/// `value` with every string `"${a.b}"` in it replaced by the value at that dotted path of
+/// `variables` (null when there is none).
+fn substitute(value: &Value, variables: &Map<String, Value>) -> Value {
+    match value {
+        Value::String(s) => match s.strip_prefix("${").and_then(|r| r.strip_suffix('}')) {
+            Some(path) => {
+                let mut parts = path.split('.');
+                let first = parts.next().and_then(|p| variables.get(p));
+                parts
+                    .try_fold(first, |v, p| Some(v.and_then(|v| v.get(p))))
+                    .flatten()
+                    .cloned()
+                    .unwrap_or(Value::Null)
+            }
+            None => value.clone(),
+        },
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| (k.clone(), substitute(v, variables)))
+                .collect(),
+        ),
+        Value::Array(items) => {
+            Value::Array(items.iter().map(|v| substitute(v, variables)).collect())
+        }
+        other => other.clone(),
+    }
+}
+
 /// The node after `activity_id` (a task's outgoing flow).
 pub(crate) fn next_of(model: &ProcessModel, activity_id: &str) -> Option<String> {
     match &model.node(activity_id)?.kind {
-        NodeKind::ServiceTask { next, .. } | NodeKind::UserTask { next, .. } => Some(next.clone()),
+        NodeKind::ServiceTask { next, .. }
+        | NodeKind::UserTask { next, .. }
+        | NodeKind::ScriptTask { next, .. } => Some(next.clone()),
         _ => None,
     }
 }
@@ -570,25 +636,55 @@ mod tests {
         let model = ProcessModel::refund_approval(None);
         let required = vars(json!({"agentStatus": "approval-required"}));
         assert!(matches!(
-            walk(&model, "agentOutcome", &required),
+            walk(&model, "agentOutcome", &mut required.clone(), None),
             Ok(Wait::User { ref activity_id, .. }) if activity_id == "approveRefund"
         ));
         for other in [json!({"agentStatus": "done"}), json!({})] {
             assert_eq!(
-                walk(&model, "agentOutcome", &vars(other)),
+                walk(&model, "agentOutcome", &mut vars(other), None),
                 Ok(Wait::End {
                     activity_id: "end".into()
                 })
             );
         }
         assert!(matches!(
-            walk(&model, "approveRefund", &required),
+            walk(&model, "approveRefund", &mut required.clone(), None),
             Ok(Wait::User { .. })
         ));
         assert_eq!(
             next_of(&model, "approveRefund").as_deref(),
             Some("refundAgent")
         );
+    }
+
+    /// The engine's `processedInThisRun`: a move that comes back to the task it resumed from
+    /// (here through a script task) stops there and the token ends; after a wait it goes on.
+    #[test]
+    fn a_move_back_to_the_task_it_started_from_ends_the_token_as_the_engine_does() {
+        let mut model = ProcessModel::refund_approval(None);
+        if let NodeKind::ExclusiveGateway { flows, .. } = &mut model.nodes[1].kind {
+            flows[0].target = "forge".into();
+        }
+        model.nodes.push(ProcessNode {
+            id: "forge".into(),
+            kind: NodeKind::ScriptTask {
+                script: "agentApproval = 'x'".into(),
+                writes: vars(json!({"agentApproval": "${agentStatus}"})),
+                next: "refundAgent".into(),
+            },
+        });
+        let mut v = vars(json!({"agentStatus": "approval-required"}));
+        assert_eq!(
+            walk(&model, "agentOutcome", &mut v, Some("refundAgent")),
+            Ok(Wait::End {
+                activity_id: "refundAgent".into()
+            })
+        );
+        assert_eq!(v["agentApproval"], "approval-required", "the script ran");
+        assert!(matches!(
+            walk(&model, "forge", &mut v, Some("approveRefund")),
+            Ok(Wait::External { .. })
+        ));
     }
 
     #[test]
@@ -598,12 +694,12 @@ mod tests {
             *default = None;
         }
         assert_eq!(
-            walk(&model, "agentOutcome", &Map::new()),
+            walk(&model, "agentOutcome", &mut Map::new(), None),
             Err("No matching condition and no default flow for gateway agentOutcome".into())
         );
         if let NodeKind::ExclusiveGateway { default, .. } = &mut model.nodes[1].kind {
             *default = Some("agentOutcome".into());
         }
-        assert!(walk(&model, "agentOutcome", &Map::new()).is_err());
+        assert!(walk(&model, "agentOutcome", &mut Map::new(), None).is_err());
     }
 }

@@ -10,12 +10,17 @@
 //! | `GET /api/v1/tasks/{id}` | | 200 one [`UserTaskView`]; 404 |
 //! | `POST /api/v1/tasks/claim?taskId=` | | 200 `{"status":"Claimed","taskId"}`; 400 "User bob is not eligible to claim task X" |
 //! | `POST /api/v1/tasks/complete?taskId=` | the variables | 200 `{"status":"Completed","taskId"}`; 400 "Task is already completed." |
+//! | `GET /api/v1/process-instances/{id}/history?page=&size=` | | 200 a page of [`HistoryEntry`]s with `X-Page`, `X-Page-Size`, `X-Total-Count`, `X-Total-Pages`; 400 "size must be between 1 and 100"; 404 "Process instance not found: X" |
 //!
-//! The caller is `X-User` (else `anonymous`, who sees nothing) with the groups of `X-Groups`
-//! (comma-separated), as in the engine's `disabled` security mode. These routes are not worker
-//! protocol: no faults, and the authorizer only on the two reads below. The two reads a worker makes for agents defined in the
-//! BPMN (an instance, a definition) are in the call log ([`Operation::ProcessInstanceRead`],
-//! [`Operation::ProcessDefinitionRead`]), so tests count them.
+//! The caller is who the security mode says ([`super::Authorizer::identity`]): without an
+//! authorizer (the engine's `disabled` mode) `X-User` (else `anonymous`, who sees nothing) with
+//! the groups of `X-Groups` (comma-separated); behind the `proxy` mode's authorizer the proxy's
+//! identity headers, and then the user-task routes need `task:read` / `task:write` or a
+//! task-user group, and the history `operations:read` or an operator group (the engine's
+//! `SecurityConfig`). These routes are not worker protocol: no faults. The two reads a worker
+//! makes for agents defined in the BPMN (an instance, a definition) and its history reads are
+//! in the call log ([`Operation::ProcessInstanceRead`], [`Operation::ProcessDefinitionRead`],
+//! [`Operation::ProcessHistoryRead`]), so tests count them.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,7 +34,8 @@ use axum::routing::{get, post};
 use serde_json::{Map, Value, json};
 
 use super::Shared;
-use super::process::{Caller, UserTaskStatus};
+use super::history::{DEFAULT_PAGE_SIZE, HistoryEntry, MAX_PAGE_SIZE};
+use super::process::UserTaskStatus;
 use super::state::{CallRecord, Disposition, Operation};
 use super::wire::{self, ApiError};
 
@@ -42,30 +48,10 @@ pub(crate) fn routes() -> Router<Arc<Shared>> {
         .route("/api/v1/tasks/claim", post(claim))
         .route("/api/v1/tasks/complete", post(complete))
         .route("/api/v1/tasks/{id}", get(one))
+        .route("/api/v1/process-instances/{id}/history", get(history))
 }
 
 type Params = Query<HashMap<String, String>>;
-
-fn caller(headers: &HeaderMap) -> Caller {
-    let header = |name: &str| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .filter(|v| !v.is_empty())
-    };
-    Caller {
-        user: header("x-user").unwrap_or("anonymous").to_string(),
-        groups: header("x-groups")
-            .map(|g| {
-                g.split(',')
-                    .map(|s| s.trim().to_string())
-                    .filter(|s| !s.is_empty())
-                    .collect()
-            })
-            .unwrap_or_default(),
-    }
-}
 
 fn error(shared: &Shared, error: ApiError, path: &str) -> Response {
     let body = error.body(
@@ -95,13 +81,20 @@ fn required<'a>(params: &'a Params, name: &str) -> Result<&'a str, ApiError> {
         .ok_or_else(|| ApiError::invalid(format!("Required parameter '{name}' is not present.")))
 }
 
-async fn start(State(shared): State<Arc<Shared>>, params: Params, body: Bytes) -> Response {
+async fn start(
+    State(shared): State<Arc<Shared>>,
+    params: Params,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     const PATH: &str = "/api/v1/processes/start";
+    let actor = shared.caller(&headers).user;
+    let now = shared.clock.now_ms();
     let result = required(&params, "processId").and_then(|process_id| {
         let variables = variables(&body)?;
         shared
             .state()
-            .start_process(process_id, variables)
+            .start_process(process_id, variables, &actor, now)
             .map_err(ApiError::rejected)
     });
     shared.changed.notify_waiters();
@@ -226,7 +219,20 @@ async fn definition(
     }
 }
 
+/// The user-task API's rule in a secured mode ([`super::Authorizer::authorize_user_tasks`]).
+fn tasks_denied(shared: &Shared, headers: &HeaderMap, write: bool, path: &str) -> Option<Response> {
+    let rejection = shared
+        .authorizer
+        .as_ref()?
+        .authorize_user_tasks(headers, write)
+        .err()?;
+    Some(error(shared, super::auth_error(rejection), path))
+}
+
 async fn list(State(shared): State<Arc<Shared>>, params: Params, headers: HeaderMap) -> Response {
+    if let Some(denied) = tasks_denied(&shared, &headers, false, "/api/v1/tasks") {
+        return denied;
+    }
     let status = match params.get("status").map(String::as_str) {
         None => None,
         Some("AVAILABLE") => Some(UserTaskStatus::Available),
@@ -240,10 +246,17 @@ async fn list(State(shared): State<Arc<Shared>>, params: Params, headers: Header
             );
         }
     };
-    axum::Json(shared.state().user_tasks(&caller(&headers), status)).into_response()
+    axum::Json(shared.state().user_tasks(&shared.caller(&headers), status)).into_response()
 }
 
-async fn one(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+async fn one(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Some(denied) = tasks_denied(&shared, &headers, false, "/api/v1/tasks") {
+        return denied;
+    }
     match shared.state().user_task(&id) {
         Some(view) => axum::Json(view).into_response(),
         None => error(
@@ -260,10 +273,14 @@ async fn one(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Respo
 
 async fn claim(State(shared): State<Arc<Shared>>, params: Params, headers: HeaderMap) -> Response {
     const PATH: &str = "/api/v1/tasks/claim";
+    if let Some(denied) = tasks_denied(&shared, &headers, true, PATH) {
+        return denied;
+    }
+    let now = shared.clock.now_ms();
     let result = required(&params, "taskId").and_then(|id| {
         shared
             .state()
-            .claim_user_task(id, &caller(&headers))
+            .claim_user_task(id, &shared.caller(&headers), now)
             .map(|()| id.to_string())
             .map_err(ApiError::rejected)
     });
@@ -281,11 +298,15 @@ async fn complete(
     body: Bytes,
 ) -> Response {
     const PATH: &str = "/api/v1/tasks/complete";
+    if let Some(denied) = tasks_denied(&shared, &headers, true, PATH) {
+        return denied;
+    }
+    let now = shared.clock.now_ms();
     let result = required(&params, "taskId").and_then(|id| {
         let variables = variables(&body)?;
         shared
             .state()
-            .complete_user_task(id, &caller(&headers), variables)
+            .complete_user_task(id, &shared.caller(&headers), variables, now)
             .map(|()| id.to_string())
             .map_err(ApiError::rejected)
     });
@@ -294,4 +315,72 @@ async fn complete(
         Ok(id) => axum::Json(json!({"status": "Completed", "taskId": id})).into_response(),
         Err(e) => error(&shared, e, PATH),
     }
+}
+
+/// `GET /api/v1/process-instances/{id}/history` (`CockpitController.getHistory`): the
+/// authorizer's operations rule, the engine's paging checks (`Pagination.request`: `page` at
+/// least 0, `size` 1..=100, else 400 with its message), 404 for an unknown instance.
+async fn history(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    params: Params,
+    headers: HeaderMap,
+) -> Response {
+    let path = format!("/api/v1/process-instances/{id}/history");
+    let refused = |e: ApiError| {
+        record_read(&shared, Operation::ProcessHistoryRead, &headers, Some(&e));
+        error(&shared, e, &path)
+    };
+    if let Some(Err(rejection)) = shared
+        .authorizer
+        .as_ref()
+        .map(|a| a.authorize_operations_read(&headers))
+    {
+        return refused(super::auth_error(rejection));
+    }
+    let number = |name: &str, default: usize| -> Result<i64, ApiError> {
+        match params.get(name) {
+            None => Ok(default as i64),
+            Some(raw) => raw.trim().parse::<i64>().map_err(|_| ApiError::malformed()),
+        }
+    };
+    let (page, size) = match (number("page", 0), number("size", DEFAULT_PAGE_SIZE)) {
+        (Ok(page), Ok(size)) => (page, size),
+        (Err(e), _) | (_, Err(e)) => return refused(e),
+    };
+    if page < 0 {
+        return refused(ApiError::rejected(
+            "page must be greater than or equal to 0",
+        ));
+    }
+    if !(1..=MAX_PAGE_SIZE as i64).contains(&size) {
+        return refused(ApiError::rejected(format!(
+            "size must be between 1 and {MAX_PAGE_SIZE}"
+        )));
+    }
+    let found = shared
+        .state()
+        .history_page(&id, page as usize, size as usize);
+    let Some(found) = found else {
+        return refused(ApiError::new(
+            StatusCode::NOT_FOUND,
+            wire::code::RESOURCE_NOT_FOUND,
+            format!("Process instance not found: {id}"),
+        ));
+    };
+    record_read(&shared, Operation::ProcessHistoryRead, &headers, None);
+    let entries: Vec<HistoryEntry> = found.entries;
+    let mut response = axum::Json(entries).into_response();
+    let headers = response.headers_mut();
+    for (name, value) in [
+        ("x-page", page.to_string()),
+        ("x-page-size", size.to_string()),
+        ("x-total-count", found.total_count.to_string()),
+        ("x-total-pages", found.total_pages.to_string()),
+    ] {
+        if let Ok(value) = axum::http::HeaderValue::from_str(&value) {
+            headers.insert(name, value);
+        }
+    }
+    response
 }

@@ -8,6 +8,10 @@
 //! The process API's reads (`GET /v1/processes/**`) need the permission `process:read` or one of
 //! the groups `abada-task-user`, `abada-process-controller`, `abada-operator`, `abada-deployer`,
 //! `abada-admin` (the engine's `SecurityConfig`): `abada-worker` alone does not grant them.
+//! Likewise the activity history (`GET /v1/process-instances/**`) needs `operations:read` or
+//! `abada-operator` / `abada-admin`, and the user-task API `task:read` / `task:write` or
+//! `abada-task-user` / `abada-admin`; the caller there, and the `actor` the history records, is
+//! the proxy's user (the engine's `IdentityContextInterceptor`).
 
 use super::{AuthRejection, Authorizer, HeaderMap};
 
@@ -73,6 +77,38 @@ impl Authorizer for ProxyAuthorizer {
             ],
             "process:read",
         )
+    }
+
+    /// `GET /v1/process-instances/**` (the history): `operations:read`, or the operator or
+    /// admin group.
+    fn authorize_operations_read(&self, headers: &HeaderMap) -> Result<(), AuthRejection> {
+        ProxyAuthorizer::allows(
+            headers,
+            &["abada-operator", "abada-admin"],
+            "operations:read",
+        )
+    }
+
+    /// `/v1/tasks/**`: `task:read` to read, `task:write` to claim and complete, or the
+    /// task-user or admin group.
+    fn authorize_user_tasks(&self, headers: &HeaderMap, write: bool) -> Result<(), AuthRejection> {
+        ProxyAuthorizer::allows(
+            headers,
+            &["abada-task-user", "abada-admin"],
+            if write { "task:write" } else { "task:read" },
+        )
+    }
+
+    /// The engine's `IdentityContextInterceptor` in `proxy` mode: `X-Auth-Request-User`, else
+    /// `X-Auth-Request-Email`; groups from `X-Auth-Request-Groups`. `X-User` means nothing here.
+    fn identity(&self, headers: &HeaderMap) -> Option<(String, Vec<String>)> {
+        let user = header(headers, "x-auth-request-user")
+            .or_else(|| header(headers, "x-auth-request-email"))
+            .unwrap_or("anonymous");
+        let groups = list(headers, "x-auth-request-groups")
+            .map(str::to_string)
+            .collect();
+        Some((user.to_string(), groups))
     }
 
     fn authorize(&self, headers: &HeaderMap) -> Result<(), AuthRejection> {

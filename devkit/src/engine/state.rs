@@ -29,6 +29,8 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::ProtocolLevel;
+use super::contention::{FetchContention, FetchLocks, RowLocks};
+use super::history::{Event, History, HistoryPage};
 use super::process::{self, Caller, InstanceStatus, ProcessModel, Processes, Wait};
 use super::wire::{self, ApiError, Command};
 
@@ -57,6 +59,8 @@ pub enum Operation {
     ProcessInstanceRead,
     /// `GET /api/v1/processes/{id}`: a process definition with its BPMN XML.
     ProcessDefinitionRead,
+    /// `GET /api/v1/process-instances/{id}/history`: an instance's activity history.
+    ProcessHistoryRead,
     /// A request to a path the API does not have.
     Unknown,
 }
@@ -76,6 +80,7 @@ impl Operation {
             Operation::JournalRead
             | Operation::ProcessInstanceRead
             | Operation::ProcessDefinitionRead
+            | Operation::ProcessHistoryRead
             | Operation::Unknown => return None,
         })
     }
@@ -295,6 +300,17 @@ pub(crate) struct EngineState {
     /// fetch runs alone under the state's lock (so concurrent fetches always get disjoint
     /// tasks), and this cap is how a test or a benchmark makes the answers partial.
     answer_cap: Option<usize>,
+    /// Every instance's activity history (`history`).
+    history: History,
+    /// Who the request being run is, as the engine's security mode establishes it: the
+    /// `actor` of the history entries it writes.
+    actor: String,
+    /// The latest emulator time a command ran at (history entries of calls without a clock).
+    now_ms: i64,
+    /// How fetches contend (`contention` module): `None`, each fetch runs alone at its instant.
+    fetch_contention: Option<FetchContention>,
+    /// The rows the fetch transactions still open have locked.
+    row_locks: RowLocks,
 }
 
 /// The task id format: sortable, e.g. `t-000017`.
@@ -327,12 +343,77 @@ impl EngineState {
             processes: Processes::default(),
             calls: VecDeque::new(),
             answer_cap: None,
+            history: History::default(),
+            actor: "system".to_string(),
+            now_ms: 0,
+            fetch_contention: None,
+            row_locks: RowLocks::default(),
         }
+    }
+
+    /// Runs what follows as `actor` at `now` (the history's actor and time).
+    fn acting(&mut self, actor: &str, now: i64) {
+        self.actor = actor.to_string();
+        self.now_ms = self.now_ms.max(now);
+    }
+
+    /// Records a history entry of `instance` by the current actor: only for an instance started
+    /// from a deployed model (a task created through the admin API names an instance of its
+    /// own, and the load harness creates hundreds of thousands: their history would be memory
+    /// nobody reads).
+    fn record(&mut self, instance: &str, event_type: &str, activity: Option<&str>, details: Value) {
+        let Some(definition) = self
+            .processes
+            .instances
+            .get(instance)
+            .and_then(|i| i.token.as_ref())
+            .map(|t| t.model.clone())
+        else {
+            return;
+        };
+        let definition = Some(definition);
+        let actor = self.actor.clone();
+        self.history.record(
+            Event {
+                instance,
+                definition: definition.as_deref(),
+                event_type,
+                activity,
+                actor: &actor,
+                details,
+            },
+            self.now_ms,
+        );
+    }
+
+    /// `GET /api/v1/process-instances/{id}/history`: `None` for an unknown instance.
+    pub fn history_page(&self, instance: &str, page: usize, size: usize) -> Option<HistoryPage> {
+        self.processes
+            .instances
+            .contains_key(instance)
+            .then(|| self.history.page(instance, page, size))
+    }
+
+    /// Every history entry of `instance`.
+    pub fn history(&self, instance: &str) -> Vec<super::history::HistoryEntry> {
+        self.history.of(instance)
     }
 
     /// Caps every fetch answer at `cap` tasks (`None`: no cap), see [`EngineState::answer_cap`].
     pub fn set_answer_cap(&mut self, cap: Option<std::num::NonZeroU32>) {
         self.answer_cap = cap.map(|c| c.get() as usize);
+    }
+
+    /// Makes fetches contend as the real engine's do (`None` or a zero transaction: they never
+    /// overlap); see the `contention` module. Locks of fetches already answered stay as they
+    /// were taken.
+    pub fn set_fetch_contention(&mut self, contention: Option<FetchContention>) {
+        self.fetch_contention = contention.filter(|c| !c.transaction.is_zero());
+    }
+
+    /// How fetches contend now.
+    pub fn fetch_contention(&self) -> Option<FetchContention> {
+        self.fetch_contention
     }
 
     // ---- indexes -------------------------------------------------------------------------
@@ -436,21 +517,35 @@ impl EngineState {
         let Some(instance) = self.processes.instances.get_mut(id) else {
             return Err(format!("Process instance not found: {id}"));
         };
-        match action {
-            InstanceAction::Suspend => instance.suspended = true,
-            InstanceAction::Resume => instance.suspended = false,
+        let event = match action {
+            InstanceAction::Suspend => {
+                instance.suspended = true;
+                Some("PROCESS_SUSPENDED")
+            }
+            InstanceAction::Resume => {
+                instance.suspended = false;
+                Some("PROCESS_RESUMED")
+            }
             InstanceAction::Cancel if instance.status.terminal() => {
                 return Err(format!(
                     "Process instance is already in a terminal state: {}",
                     instance.status.as_str()
                 ));
             }
-            InstanceAction::Cancel => instance.status = InstanceStatus::Cancelled,
-            InstanceAction::Fail => {
-                if !instance.status.terminal() {
-                    instance.status = InstanceStatus::Failed;
-                }
+            InstanceAction::Cancel => {
+                instance.status = InstanceStatus::Cancelled;
+                Some("PROCESS_CANCELLED")
             }
+            InstanceAction::Fail if instance.status.terminal() => None,
+            InstanceAction::Fail => {
+                instance.status = InstanceStatus::Failed;
+                Some("PROCESS_FAILED")
+            }
+        };
+        // The admin API is an operator's call without an identity here.
+        if let Some(event) = event {
+            self.actor = "system".into();
+            self.record(id, event, None, serde_json::json!({}));
         }
         Ok(())
     }
@@ -487,6 +582,14 @@ impl EngineState {
             task.lock_expiration = None;
         }
         self.index(number);
+        let (instance, activity) = self.task_place(number);
+        self.actor = "system".into();
+        self.record(
+            &instance,
+            "EXTERNAL_TASK_RETRIES_SET",
+            Some(&activity),
+            serde_json::json!({"externalTaskId": id, "retries": retries}),
+        );
         true
     }
 
@@ -560,7 +663,9 @@ impl EngineState {
         key: Option<&str>,
         command: &Command,
         now: i64,
+        actor: &str,
     ) -> Result<(Reply, Disposition), ApiError> {
+        self.acting(actor, now);
         let key = key.filter(|k| !k.trim().is_empty());
         let (Some(key), Some(op_name)) = (key, operation.idempotency_name()) else {
             return self
@@ -654,15 +759,47 @@ impl EngineState {
         let max_tasks = (max_tasks as usize).min(self.answer_cap.unwrap_or(usize::MAX));
 
         self.promote_expired(now);
+        let contention = self.fetch_contention;
+        if contention.is_some() {
+            self.row_locks.release_ended(now);
+        }
+        // With contention: the rows this fetch's transaction locks (`contention` module), and
+        // the topics its selects have scanned so far (on H2 a topic's first select locks every
+        // candidate of the topic; its later ones lock the same rows again).
+        let mut ours: Vec<u64> = Vec::new();
+        let mut scanned: Vec<&str> = Vec::new();
         let mut locked = Vec::new();
         // The engine's loop: one task per topic per round, in the order the topics were sent.
         'rounds: while locked.len() < max_tasks {
             let mut acquired = false;
             for topic in topics {
-                let Some(number) = self.acquirable.get_mut(topic).and_then(|s| s.pop_first())
-                else {
+                let candidates = self.acquirable.get(topic.as_str());
+                let number = match contention {
+                    None => candidates.and_then(|s| s.first().copied()),
+                    Some(c) => {
+                        let row_locks = &self.row_locks;
+                        if c.locks == FetchLocks::EveryCandidate
+                            && !scanned.contains(&topic.as_str())
+                        {
+                            scanned.push(topic);
+                            ours.extend(
+                                candidates
+                                    .into_iter()
+                                    .flatten()
+                                    .filter(|n| !row_locks.is_held(**n)),
+                            );
+                        }
+                        // `order by id limit 1 ... skip locked`: the first row no other open
+                        // fetch holds.
+                        candidates.and_then(|s| s.iter().find(|n| !row_locks.is_held(**n)).copied())
+                    }
+                };
+                let Some(number) = number else {
                     continue;
                 };
+                if contention.is_some_and(|c| c.locks == FetchLocks::ReturnedRows) {
+                    ours.push(number);
+                }
                 self.unindex(number);
                 let Some(task) = self.tasks.get_mut(&number) else {
                     continue;
@@ -672,8 +809,16 @@ impl EngineState {
                 task.lock_expiration = Some(now.saturating_add(lock_duration));
                 task.attempt = task.attempt.saturating_add(1);
                 task.counters.acquisitions += 1;
+                let id = task.id.clone();
                 locked.push(self.locked_task_json(number));
                 self.index(number);
+                let (instance, activity) = self.task_place(number);
+                self.record(
+                    &instance,
+                    "EXTERNAL_TASK_LOCKED",
+                    Some(&activity),
+                    serde_json::json!({"externalTaskId": id, "workerId": worker, "topic": topic}),
+                );
                 acquired = true;
                 if locked.len() >= max_tasks {
                     break 'rounds;
@@ -683,10 +828,22 @@ impl EngineState {
                 break;
             }
         }
+        if let Some(c) = contention {
+            self.row_locks
+                .hold(ours, now.saturating_add(c.transaction_ms()));
+        }
         Ok(Reply {
             status: StatusCode::OK,
             body: Some(Value::Array(locked)),
         })
+    }
+
+    /// The instance and activity of task `number` (empty when there is no such task).
+    fn task_place(&self, number: u64) -> (String, String) {
+        self.tasks
+            .get(&number)
+            .map(|t| (t.process_instance_id.clone(), t.activity_id.clone()))
+            .unwrap_or_default()
     }
 
     fn locked_task_json(&self, number: u64) -> Value {
@@ -788,6 +945,13 @@ impl EngineState {
             task.counters.heartbeats += 1;
         }
         self.index(number);
+        let (instance, activity) = self.task_place(number);
+        self.record(
+            &instance,
+            "EXTERNAL_TASK_LOCK_EXTENDED",
+            Some(&activity),
+            serde_json::json!({"externalTaskId": id, "workerId": r.worker_id}),
+        );
         Ok(Reply::empty(StatusCode::NO_CONTENT))
     }
 
@@ -821,15 +985,31 @@ impl EngineState {
             )
             .map_err(ApiError::rejected)?;
         self.unindex(number);
+        let worker = self.tasks[&number].worker_id.clone().unwrap_or_default();
         if let Some(task) = self.tasks.get_mut(&number) {
             task.status = TaskStatus::Completed;
             task.lock_expiration = None;
             task.result_variables = Some(r.variables.clone().unwrap_or_default());
             task.counters.completes += 1;
         }
+        // The engine's order: `resumeFromEvent` (EVENT_CORRELATED, the user tasks reached),
+        // then EXTERNAL_TASK_COMPLETED.
+        let (instance, activity) = self.task_place(number);
+        self.record(
+            &instance,
+            "EVENT_CORRELATED",
+            Some(&activity),
+            serde_json::json!({}),
+        );
         if let Some(advance) = advance {
             self.advance(advance);
         }
+        self.record(
+            &instance,
+            "EXTERNAL_TASK_COMPLETED",
+            Some(&activity),
+            serde_json::json!({"externalTaskId": id, "workerId": worker}),
+        );
         Ok(Reply::empty(StatusCode::OK))
     }
 
@@ -860,6 +1040,13 @@ impl EngineState {
             task.counters.failures += 1;
         }
         self.index(number);
+        let (instance, activity) = self.task_place(number);
+        self.record(
+            &instance,
+            "EXTERNAL_TASK_FAILED",
+            Some(&activity),
+            serde_json::json!({"externalTaskId": id, "retries": r.retries.unwrap_or(-1)}),
+        );
         Ok(Reply::empty(StatusCode::OK))
     }
 
@@ -875,6 +1062,17 @@ impl EngineState {
         let number = self.owned(id, r.worker_id.as_deref(), r.attempt, false, now)?;
         refuse_top_level_null(r.variables.as_ref())?;
         self.unindex(number);
+        let (place, activity) = self.task_place(number);
+        if let Some(variables) = r.variables.as_ref().filter(|v| !v.is_empty()) {
+            let names: Vec<&String> = variables.keys().collect();
+            self.record(
+                &place,
+                "VARIABLES_UPDATED",
+                None,
+                serde_json::json!({"variableNames": names}),
+            );
+        }
+        let mut failed = false;
         if let Some(instance) = self
             .tasks
             .get(&number)
@@ -883,7 +1081,18 @@ impl EngineState {
         {
             // The engine's `failProcess`: the whole instance fails, suspended or not.
             instance.status = InstanceStatus::Failed;
+            failed = true;
         }
+        if failed {
+            self.record(&place, "PROCESS_FAILED", None, serde_json::json!({}));
+        }
+        self.record(
+            &place,
+            "EXTERNAL_TASK_BPMN_ERROR",
+            Some(&activity),
+            serde_json::json!({"externalTaskId": id, "errorCode": r.error_code,
+                               "errorMessage": r.error_message.clone().unwrap_or_default()}),
+        );
         if let Some(task) = self.tasks.get_mut(&number) {
             task.status = TaskStatus::BpmnError;
             task.bpmn_error_code = r.error_code.clone();
@@ -1044,13 +1253,16 @@ impl EngineState {
         &mut self,
         process_id: &str,
         variables: Map<String, Value>,
+        actor: &str,
+        now: i64,
     ) -> Result<String, String> {
         let model = self
             .processes
             .models
             .get(process_id)
             .ok_or_else(|| format!("Unknown process ID: {process_id}"))?;
-        let wait = process::walk(model, &model.start, &variables)?;
+        let mut variables = variables;
+        let wait = process::walk(model, &model.start, &mut variables, None)?;
         let start = model.start.clone();
         let version = self
             .processes
@@ -1066,6 +1278,15 @@ impl EngineState {
                 variables: Map::new(),
                 current: start,
             }),
+        );
+        // The engine records the start (at its start event: `start` in the worked example)
+        // before the user tasks it reached.
+        self.acting(actor, now);
+        self.record(
+            &instance,
+            "PROCESS_STARTED",
+            Some("start"),
+            serde_json::json!({}),
         );
         self.advance(Advance {
             instance: instance.clone(),
@@ -1102,7 +1323,7 @@ impl EngineState {
         }
         let next = process::next_of(model, activity_id)
             .ok_or_else(|| format!("Process {} has no task {activity_id}", model.id))?;
-        let wait = process::walk(model, &next, &merged)?;
+        let wait = process::walk(model, &next, &mut merged, Some(activity_id))?;
         Ok(Some(Advance {
             instance: instance.to_string(),
             variables: merged,
@@ -1118,6 +1339,14 @@ impl EngineState {
             wait,
         } = advance;
         let user_task = self.processes.new_user_task(&instance, &wait);
+        if let Wait::User { activity_id, .. } = &wait {
+            self.record(
+                &instance,
+                "TASK_CREATED",
+                Some(activity_id),
+                serde_json::json!({"assignee": "", "assignmentStrategy": "CLAIM"}),
+            );
+        }
         let Some(record) = self.processes.instances.get_mut(&instance) else {
             return;
         };
@@ -1172,8 +1401,19 @@ impl EngineState {
         Some(self.processes.user_task_view(task))
     }
 
-    pub fn claim_user_task(&mut self, id: &str, caller: &Caller) -> Result<(), String> {
-        self.processes.claim(id, caller)
+    pub fn claim_user_task(&mut self, id: &str, caller: &Caller, now: i64) -> Result<(), String> {
+        self.processes.claim(id, caller)?;
+        if let Some(task) = self.processes.user_tasks.get(id) {
+            let (instance, activity) = (task.instance.clone(), task.activity_id.clone());
+            self.acting(&caller.user, now);
+            self.record(
+                &instance,
+                "TASK_CLAIMED",
+                Some(&activity),
+                serde_json::json!({"assignee": caller.user}),
+            );
+        }
+        Ok(())
     }
 
     /// The engine's user-task completion: the variables are merged and the token moves on (or
@@ -1183,6 +1423,7 @@ impl EngineState {
         id: &str,
         caller: &Caller,
         variables: Map<String, Value>,
+        now: i64,
     ) -> Result<(), String> {
         let (instance, activity_id) = self.processes.check_completion(id, caller)?;
         self.require_active(&instance).map_err(|e| e.message)?;
@@ -1193,6 +1434,15 @@ impl EngineState {
             task.status = process::UserTaskStatus::Completed;
             task.assignee.get_or_insert_with(|| caller.user.clone());
         }
+        // The engine's `completeTask`: TASK_COMPLETED by the completer (nothing of the
+        // variables), then the user tasks reached.
+        self.acting(&caller.user, now);
+        self.record(
+            &instance,
+            "TASK_COMPLETED",
+            Some(&activity_id),
+            serde_json::json!({}),
+        );
         self.advance(advance);
         Ok(())
     }
@@ -1257,7 +1507,7 @@ mod tests {
             max_tasks: Some(3),
         });
         let (reply, _) = state
-            .run(Operation::FetchAndLock, None, None, &fetch, 0)
+            .run(Operation::FetchAndLock, None, None, &fetch, 0, "w")
             .unwrap();
         let ids: Vec<_> = reply
             .body
@@ -1278,7 +1528,7 @@ mod tests {
             max_tasks: Some(max_tasks),
         });
         let (reply, _) = state
-            .run(Operation::FetchAndLock, None, None, &fetch, 0)
+            .run(Operation::FetchAndLock, None, None, &fetch, 0, "w")
             .unwrap();
         reply
             .body
@@ -1310,5 +1560,135 @@ mod tests {
             state.create_task(TaskSpec::default());
         }
         assert_eq!(fetch(&mut state, "a", 8).len(), 5, "uncapped again");
+    }
+
+    fn complete(state: &mut EngineState, id: &str, worker: &str, variables: Value, now: i64) {
+        let command = Command::Complete(wire::CompleteRequest {
+            worker_id: Some(worker.into()),
+            variables: serde_json::from_value(variables).unwrap(),
+            attempt: None,
+        });
+        state
+            .run(Operation::Complete, Some(id), None, &command, now, worker)
+            .unwrap();
+    }
+
+    /// One approval round trip writes the entries the real engine writes, in its order, each by
+    /// who made the call (`ActivityHistoryService`, `ExternalTaskCommandService.complete`,
+    /// `AbadaEngine.completeTask`); a script task between writes variables and no entry.
+    #[test]
+    fn an_approval_round_trip_leaves_the_engines_history_and_a_script_leaves_none() {
+        let mut state = EngineState::new(ProtocolLevel::PlainV1, 60_000, 10);
+        state.deploy(ProcessModel::refund_approval(None), None);
+        let instance = state
+            .start_process("refundApproval", Map::new(), "starter", 5)
+            .unwrap();
+        let first = fetch(&mut state, "w", 1);
+        complete(
+            &mut state,
+            &first[0],
+            "w",
+            serde_json::json!({"agentStatus": "approval-required"}),
+            10,
+        );
+        let user_task = state.processes.user_tasks.keys().next().unwrap().clone();
+        let alice = Caller {
+            user: "alice".into(),
+            groups: vec!["refund-approvers".into()],
+        };
+        state
+            .complete_user_task(&user_task, &alice, Map::new(), 20)
+            .unwrap();
+        let second = fetch(&mut state, "w", 1);
+        let entries = state.history(&instance);
+        let seen: Vec<(&str, &str, Option<&str>)> = entries
+            .iter()
+            .map(|e| {
+                (
+                    e.event_type.as_str(),
+                    e.actor.as_str(),
+                    e.details.get("externalTaskId").and_then(Value::as_str),
+                )
+            })
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("PROCESS_STARTED", "starter", None),
+                ("EXTERNAL_TASK_LOCKED", "w", Some(first[0].as_str())),
+                ("EVENT_CORRELATED", "w", None),
+                ("TASK_CREATED", "w", None),
+                ("EXTERNAL_TASK_COMPLETED", "w", Some(first[0].as_str())),
+                ("TASK_COMPLETED", "alice", None),
+                ("EXTERNAL_TASK_LOCKED", "w", Some(second[0].as_str())),
+            ]
+        );
+        assert!(
+            entries
+                .iter()
+                .all(|e| e.process_definition_id.as_deref() == Some("refundApproval"))
+        );
+        let page = state.history_page(&instance, 1, 3).unwrap();
+        assert_eq!((page.total_count, page.total_pages), (7, 3));
+        assert_eq!(page.entries[0].event_type, "TASK_CREATED");
+        assert!(state.history_page("pi-nope", 0, 50).is_none());
+
+        // A script task between the user task and the agent: it copies the requestId into an
+        // approval, and the history shows no more than the user task's completion.
+        let mut model = ProcessModel::refund_approval(None);
+        let approve = model
+            .nodes
+            .iter_mut()
+            .find(|n| n.id == "approveRefund")
+            .unwrap();
+        if let process::NodeKind::UserTask { next, .. } = &mut approve.kind {
+            *next = "forge".into();
+        }
+        let writes = serde_json::json!({"agentApproval": {
+            "requestId": "${agentApprovalRequest.requestId}",
+            "callId": "${agentApprovalRequest.callId}",
+            "approved": true, "decidedBy": "alice"}});
+        model.nodes.push(process::ProcessNode {
+            id: "forge".into(),
+            kind: process::NodeKind::ScriptTask {
+                script: "variables.put('agentApproval', ...)".into(),
+                writes: serde_json::from_value(writes).unwrap(),
+                next: "refundAgent".into(),
+            },
+        });
+        let mut state = EngineState::new(ProtocolLevel::PlainV1, 60_000, 10);
+        state.deploy(model, None);
+        let instance = state
+            .start_process("refundApproval", Map::new(), "starter", 5)
+            .unwrap();
+        let first = fetch(&mut state, "w", 1);
+        let request = serde_json::json!({"requestId": "r-1", "callId": "call_0"});
+        complete(
+            &mut state,
+            &first[0],
+            "w",
+            serde_json::json!({"agentStatus": "approval-required", "agentApprovalRequest": request}),
+            10,
+        );
+        let user_task = state.processes.user_tasks.keys().next().unwrap().clone();
+        let mallory = Caller {
+            user: "mallory".into(),
+            groups: vec!["refund-approvers".into()],
+        };
+        state
+            .complete_user_task(&user_task, &mallory, Map::new(), 20)
+            .unwrap();
+        let variables = state.process_instance(&instance).unwrap().variables;
+        assert_eq!(
+            variables["agentApproval"],
+            serde_json::json!({"requestId": "r-1", "callId": "call_0", "approved": true, "decidedBy": "alice"})
+        );
+        let kinds: Vec<String> = state
+            .history(&instance)
+            .into_iter()
+            .map(|e| e.event_type)
+            .collect();
+        assert_eq!(kinds.iter().filter(|k| *k == "TASK_COMPLETED").count(), 1);
+        assert_eq!(kinds.len(), 6, "{kinds:?}");
     }
 }

@@ -1,7 +1,18 @@
-//! One simulated worker: the production runner, heartbeat actor and agent runtime, wired to the
-//! world's engine, model, tools and run store instead of HTTP, MCP and SQL, with every backoff's jitter off (the world's seeded
-//! source is the only randomness), and its runner events copied into the world's trace.
+//! One simulated worker: a production worker, built by the composition root
+//! ([`Worker::build`]) from a [`Config`] parsed the production way from an environment map, so
+//! the simulator runs the wiring production runs, every setting read from one place. The seams
+//! replace what the world stands in for: the engine, the model provider, the tool connector, the
+//! run store; and the randomness, a generator seeded from the seed and the worker's id, so every
+//! backoff keeps its jitter and still replays. Only the timing no variable sets is shortened
+//! (the agent's retries, the poll loop's backoffs), through the seams too. Its runner events are
+//! copied into the world's trace.
+//!
+//! A worker on a plain v1 engine (the journals in the run store) reads its agent from an agents
+//! file and the tool server from a tools file, as an operator writes them: [`SimFiles`] writes
+//! both once per process, under a name of their content.
 
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,68 +20,172 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::definition::AgentsFile;
-use crate::agent::limits::Ceilings;
-use crate::agent::{AgentRuntime, AgentSettings};
+use crate::agent::AgentSettings;
+use crate::app::{Seams, Tuning, Worker};
 use crate::backoff::Backoff;
+use crate::config::{self, Config};
 use crate::devkit::engine::AGENT_TOPIC;
 use crate::devkit::world::{Event, World, WorldEngine, WorldModel, WorldStore, WorldTools};
-use crate::engine::Engine;
-use crate::handler::TaskHandler;
 use crate::metrics::Metrics;
 use crate::provider::ProviderRegistry;
 use crate::provider::fallback::RetryPolicy;
-use crate::runner::{Runner, RunnerEvent, RunnerSettings};
-use crate::tools::registry::{ToolRegistry, ToolsFile};
+use crate::random::Random;
+use crate::runner::RunnerEvent;
 
 pub(crate) use crate::devkit::world::model::PROVIDER;
 
-/// The tools' HTTP client of every simulated worker: built once (loading the platform's roots
-/// takes milliseconds), never used (the world's tasks name no tool server).
-fn tool_http() -> reqwest::Client {
-    static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
-    CLIENT.get_or_init(reqwest::Client::new).clone()
+/// The engine's URL in a simulated worker's configuration: required by the configuration, never
+/// dialled (the world's engine replaces the client).
+const ENGINE_URL: &str = "http://127.0.0.1:9/api";
+
+/// The staged shutdown's grace period of every simulated worker.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// The agents file and the tools file of a worker whose engine sends no definition: the
+/// simulation's agent under the tasks' topic, and the world's tool server without
+/// authentication.
+struct SimFiles {
+    agents: PathBuf,
+    tools: PathBuf,
 }
 
-/// The agents file of a worker whose engine sends no definition: the simulation's agent under
-/// the tasks' topic.
-fn agents_file() -> AgentsFile {
-    static FILE: std::sync::OnceLock<AgentsFile> = std::sync::OnceLock::new();
-    FILE.get_or_init(|| {
-        let definition: toml::Value =
-            serde_json::from_value(crate::devkit::world::process::agent_definition(false))
-                .expect("the simulation's agent is plain JSON");
-        let mut agents = toml::map::Map::new();
-        agents.insert(AGENT_TOPIC.to_string(), definition);
-        let mut file = toml::map::Map::new();
-        file.insert("agents".into(), toml::Value::Table(agents));
-        let text = toml::to_string(&toml::Value::Table(file))
-            .expect("the simulation's agent renders as TOML");
-        AgentsFile::parse_str(&text).expect("the simulation's agent is a valid definition")
-    })
-    .clone()
+impl SimFiles {
+    /// The files, written if they are not there yet: in a directory named by a digest of their
+    /// content, so processes running seeds at once share them and never see a half-written one
+    /// (each file is written aside, then renamed into place).
+    fn get() -> SimFiles {
+        use sha2::{Digest, Sha256};
+        let agents = agents_text();
+        let tools = format!(
+            "[servers.{}]\nurl = \"{}\"\nauth = \"none\"\n",
+            crate::devkit::world::tools::SERVER,
+            crate::devkit::world::tools::URL
+        );
+        let digest = Sha256::digest(format!("{agents}\n{tools}").as_bytes());
+        let name: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let dir = std::env::temp_dir().join(format!("abada-sim-{name}"));
+        let files = SimFiles {
+            agents: dir.join("agents.toml"),
+            tools: dir.join("tools.toml"),
+        };
+        for (path, text) in [(&files.agents, &agents), (&files.tools, &tools)] {
+            if !path.exists() {
+                write_aside_then_rename(path, text).unwrap_or_else(|e| {
+                    panic!(
+                        "the simulator cannot write {} ({e}); check that the temporary directory is writable",
+                        path.display()
+                    )
+                });
+            }
+        }
+        files
+    }
 }
 
-/// The operator's registry of a worker whose engine issues no per-task credentials: the
-/// world's tool server without authentication. Built once (its client loads the platform's
-/// roots); it starts no token actor.
-fn tool_registry() -> Arc<ToolRegistry> {
-    static REGISTRY: std::sync::OnceLock<Arc<ToolRegistry>> = std::sync::OnceLock::new();
-    REGISTRY
-        .get_or_init(|| {
-            let text = format!(
-                "[servers.{}]\nurl = \"{}\"\nauth = \"none\"\n",
-                crate::devkit::world::tools::SERVER,
-                crate::devkit::world::tools::URL
-            );
-            let file = ToolsFile::parse(&text, std::path::Path::new("(simulation)"))
-                .expect("the simulation's tools file is valid");
-            Arc::new(
-                ToolRegistry::start(file, reqwest::Client::builder())
-                    .expect("the registry's client builds"),
-            )
-        })
-        .clone()
+/// Writes `text` to `path` through a file of this process beside it, renamed into place.
+fn write_aside_then_rename(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let aside = path.with_extension(format!("{}.part", std::process::id()));
+    std::fs::write(&aside, text)?;
+    std::fs::rename(&aside, path)
+}
+
+/// The simulation's agent under the tasks' topic, as an agents file.
+fn agents_text() -> String {
+    let definition: toml::Value =
+        serde_json::from_value(crate::devkit::world::process::agent_definition(false))
+            .expect("the simulation's agent is plain JSON");
+    let mut agents = toml::map::Map::new();
+    agents.insert(AGENT_TOPIC.to_string(), definition);
+    let mut file = toml::map::Map::new();
+    file.insert("agents".into(), toml::Value::Table(agents));
+    toml::to_string(&toml::Value::Table(file)).expect("the simulation's agent renders as TOML")
+}
+
+/// The `ABADA_AGENT_*` environment of worker `id` against `world`.
+fn worker_env(
+    world: &World,
+    id: &str,
+    slots: u32,
+    lock_duration: Duration,
+    poll_interval: Duration,
+) -> HashMap<String, String> {
+    let ms = |d: Duration| d.as_millis().to_string();
+    let provider = PROVIDER.to_ascii_uppercase();
+    let mut env = HashMap::from([
+        (config::ENV_ENGINE_URL.to_string(), ENGINE_URL.to_string()),
+        (config::ENV_WORKER_ID.to_string(), id.to_string()),
+        (config::ENV_MAX_TASKS.to_string(), slots.to_string()),
+        (config::ENV_POLL_INTERVAL_MS.to_string(), ms(poll_interval)),
+        (config::ENV_LOCK_DURATION_MS.to_string(), ms(lock_duration)),
+        (
+            config::ENV_SHUTDOWN_GRACE_MS.to_string(),
+            ms(SHUTDOWN_GRACE),
+        ),
+        (config::ENV_PROVIDERS.to_string(), PROVIDER.to_string()),
+        (
+            format!("ABADA_AGENT_PROVIDER_{provider}_KIND"),
+            "openai".to_string(),
+        ),
+    ]);
+    if world.store_journal {
+        let files = SimFiles::get();
+        env.insert(
+            config::ENV_AGENTS_FILE.to_string(),
+            files.agents.display().to_string(),
+        );
+        env.insert(
+            config::ENV_TOOLS_FILE.to_string(),
+            files.tools.display().to_string(),
+        );
+    }
+    env
+}
+
+/// The agent's retries, shortened to the simulation's scale (jitter kept: it is drawn from the
+/// worker's seeded randomness).
+fn agent_settings() -> AgentSettings {
+    AgentSettings {
+        model_retry: RetryPolicy {
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(1),
+            unavailable_default: Duration::from_secs(1),
+            ..RetryPolicy::default()
+        },
+        tool_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(1)),
+        technical_retry: Backoff::new(Duration::from_secs(1), Duration::from_secs(4))
+            .without_jitter(),
+        store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(1)),
+        // A redeployment reaches new tasks within a tenth of a second (scenarios are short, and
+        // a person's decision comes within one or two).
+        bpmn: crate::agent::bpmn::BpmnSettings {
+            latest_for: Duration::from_millis(100),
+            ..Default::default()
+        },
+        ..AgentSettings::default()
+    }
+}
+
+/// The poll loop's backoffs at the simulation's scale.
+fn tuning() -> Tuning {
+    Tuning {
+        error_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(2)),
+        throttle_backoff: Backoff::new(Duration::from_millis(500), Duration::from_secs(4)),
+        ..Tuning::default()
+    }
+}
+
+/// The seed of worker `id`'s randomness in the run of `seed`: its own stream, whatever the
+/// other workers draw.
+fn worker_seed(seed: u64, id: &str) -> u64 {
+    // FNV-1a over the id, mixed with the seed.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in id.bytes() {
+        hash = (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    hash ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 /// A worker running on the simulation's runtime.
@@ -83,75 +198,40 @@ pub(crate) struct SimWorker {
 }
 
 impl SimWorker {
-    /// Starts worker `id` with `slots` slots against `world`.
+    /// Starts worker `id` of the run of `seed`, with `slots` slots, against `world`.
+    ///
+    /// # Panics
+    /// When the worker cannot be built: its configuration is the simulator's, so that is a bug.
     pub fn start(
         world: &Arc<World>,
+        seed: u64,
         id: &str,
         slots: u32,
         lock_duration: Duration,
         poll_interval: Duration,
     ) -> SimWorker {
-        let engine: Arc<dyn Engine> = Arc::new(WorldEngine::new(world.clone(), id));
+        let env = worker_env(world, id, slots, lock_duration, poll_interval);
+        let config = Config::from_env(&env)
+            .unwrap_or_else(|e| panic!("simulated worker {id}: its configuration: {e}"));
         let mut providers = ProviderRegistry::default();
         providers.insert(PROVIDER, Arc::new(WorldModel::new(world.clone(), id)));
-        let metrics = Arc::new(Metrics::new());
-        let settings = AgentSettings {
-            model_retry: RetryPolicy {
-                initial_backoff: Duration::from_millis(100),
-                max_backoff: Duration::from_secs(1),
-                jitter: 0.0,
-                unavailable_default: Duration::from_secs(1),
-                ..RetryPolicy::default()
-            },
-            tool_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(1))
-                .without_jitter(),
-            technical_retry: Backoff::new(Duration::from_secs(1), Duration::from_secs(4))
-                .without_jitter(),
-            store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(1))
-                .without_jitter(),
-            // A redeployment reaches new tasks within a tenth of a second (scenarios are
-            // short, and a person's decision comes within one or two).
-            bpmn: crate::agent::bpmn::BpmnSettings {
-                latest_for: Duration::from_millis(100),
-                ..Default::default()
-            },
-            ..AgentSettings::default()
-        };
-        let runtime = AgentRuntime::new(
-            providers,
-            world.store_journal.then(agents_file),
-            tool_http(),
-            settings,
-            metrics.clone(),
-            Ceilings::default(),
-        )
-        .with_tool_connector(Arc::new(WorldTools::new(world.clone(), id)));
-        // The world's run store: where a plain v1 engine's runs live (it keeps no journal), and
-        // where approval round trips wait between tasks on either engine. A store that fails is
-        // waited out for a lock duration, as in `app.rs`.
-        let runtime = runtime.with_store(
-            Arc::new(WorldStore::new(world.clone(), id)),
-            id,
-            lock_duration,
-        );
-        let runtime = if world.store_journal {
-            runtime.with_tool_registry(tool_registry())
-        } else {
-            runtime
-        };
-        let handler: Arc<dyn TaskHandler> = Arc::new(runtime);
-        let mut rs = RunnerSettings::new(id, lock_duration);
-        rs.max_tasks = slots;
-        rs.poll_interval = poll_interval;
-        rs.poll_jitter = 0.0;
-        rs.shutdown_grace = Duration::from_secs(2);
-        rs.error_backoff =
-            Backoff::new(Duration::from_millis(200), Duration::from_secs(2)).without_jitter();
-        rs.throttle_backoff =
-            Backoff::new(Duration::from_millis(500), Duration::from_secs(4)).without_jitter();
-        rs.heartbeat.retry_backoff = rs.heartbeat.retry_backoff.without_jitter();
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let runner = Runner::new(engine, handler, rs, metrics.clone()).with_events(tx);
+        let seams = Seams {
+            engine: Some(Arc::new(WorldEngine::new(world.clone(), id))),
+            providers: Some(providers),
+            tools: Some(Arc::new(WorldTools::new(world.clone(), id))),
+            // Where a plain v1 engine's runs live (it keeps no journal), and where approval
+            // round trips wait between tasks on either engine.
+            store: Some(Arc::new(WorldStore::new(world.clone(), id))),
+            agent: agent_settings(),
+            tuning: tuning(),
+            events: Some(tx),
+            random: Random::seeded(worker_seed(seed, id)),
+            ..Seams::default()
+        };
+        let worker =
+            Worker::build(&config, seams).unwrap_or_else(|e| panic!("simulated worker {id}: {e}"));
+        let metrics = worker.metrics.clone();
         let shutdown = CancellationToken::new();
         let forward = {
             let world = world.clone();
@@ -190,7 +270,7 @@ impl SimWorker {
                 }
             }
         };
-        let run = runner.run(shutdown.clone());
+        let run = crate::app::run_tasks(worker.runner, worker.store, shutdown.clone());
         let join = tokio::spawn(async move {
             // The events are copied as they come, in the runner's order.
             tokio::join!(run, forward);

@@ -51,7 +51,7 @@ pub struct FaultPlan {
     pub refused: f64,
     /// The engine's clock steps forward by `.1` ms at `.0` (an NTP step on the engine's host):
     /// leases expire there before the workers' own clocks say so, past their safety margin.
-    pub(crate) engine_clock_jump: Option<(u64, u64)>,
+    pub engine_clock_jump: Option<(u64, u64)>,
     /// Odds per model call of a 429, a 5xx, a delay of up to `model_slow_max`.
     pub model_429: f64,
     pub(crate) model_5xx: f64,

@@ -180,34 +180,13 @@ impl Trace {
         self.events.push((at, event));
     }
 
-    /// SHA-256 over every event but the log lines, as hex: the same seed gives the same hash.
-    /// The approval requests' ids are the worker's own randomness (128 bits from the OS, as in
-    /// production): each is hashed as the order of its first appearance, which the seed fixes.
+    /// SHA-256 over every event, the workers' log lines, span fields and metrics included, as
+    /// hex: the same seed gives the same hash, in any process (the workers' randomness is seeded
+    /// from the seed: approval request ids, jitter).
     pub fn hash(&self) -> String {
         let mut h = Sha256::new();
-        let mut ids: std::collections::BTreeMap<String, usize> = Default::default();
         for (at, e) in &self.events {
-            match e {
-                Event::Log { .. } => continue,
-                Event::Decision {
-                    request_id,
-                    written,
-                    ..
-                } => {
-                    let mut text = format!("{at} {e:?}\n");
-                    let written_id = written
-                        .as_ref()
-                        .and_then(|w| w.get("requestId"))
-                        .and_then(serde_json::Value::as_str);
-                    for id in [request_id.as_deref(), written_id].into_iter().flatten() {
-                        let n = ids.len();
-                        let n = *ids.entry(id.to_string()).or_insert(n);
-                        text = text.replace(id, &format!("request#{n}"));
-                    }
-                    h.update(text.as_bytes());
-                }
-                _ => h.update(format!("{at} {e:?}\n").as_bytes()),
-            }
+            h.update(format!("{at} {e:?}\n").as_bytes());
         }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }

@@ -348,7 +348,7 @@ pub fn spawn_worker(emu: &EngineEmulator, opts: WorkerOptions) -> SpawnedWorker 
     let worker = Worker::build(
         &config,
         Seams {
-            engine: Some(GatedEngine::wrapper(engine.clone())),
+            decorate_engine: Some(GatedEngine::wrapper(engine.clone())),
             handler: Some(opts.handler),
             tuning: opts.tuning,
             events: Some(tx),

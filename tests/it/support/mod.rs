@@ -2,7 +2,6 @@
 
 pub mod chaos;
 pub mod emulator_worker;
-pub mod fake_engine;
 pub mod invariants;
 pub mod net;
 pub mod peers;
