@@ -62,10 +62,18 @@ pub enum Bug {
     /// The same, and `agentStatus` is rewritten only by a definition that may stop: the stale
     /// `approval-required` sends the token back to the person (the hole whole).
     RedeployHole,
+    /// An answer that is JSON is stored without being validated against the output schema.
+    OffSchemaStored,
+    /// The stop reason is not read: an answer cut by the output limit is judged as whole (with
+    /// no schema, stored as its text).
+    CutAnswerStored,
+    /// A rejected final answer always gets another repair turn: `outputRepairTurns` is never
+    /// exhausted, the model is asked until it answers well.
+    RepairsUnbounded,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 15] = [
+    pub const ALL: [Bug; 18] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
@@ -81,6 +89,9 @@ impl Bug {
         Bug::StoreUnfenced,
         Bug::RunHomeFromLatest,
         Bug::RedeployHole,
+        Bug::OffSchemaStored,
+        Bug::CutAnswerStored,
+        Bug::RepairsUnbounded,
     ];
 
     pub fn name(self) -> &'static str {
@@ -100,6 +111,9 @@ impl Bug {
             Bug::StoreUnfenced => "store-unfenced",
             Bug::RunHomeFromLatest => "run-home-from-latest",
             Bug::RedeployHole => "redeploy-hole",
+            Bug::OffSchemaStored => "off-schema-stored",
+            Bug::CutAnswerStored => "cut-answer-stored",
+            Bug::RepairsUnbounded => "repairs-unbounded",
         }
     }
 
@@ -122,6 +136,9 @@ impl Bug {
             Bug::StoreUnfenced => i::STALE_STORE_APPEND,
             Bug::RunHomeFromLatest => i::APPROVED_PERFORMED,
             Bug::RedeployHole => i::NO_LOOP,
+            Bug::OffSchemaStored => i::STRUCTURED_RESULT,
+            Bug::CutAnswerStored => i::STRUCTURED_RESULT,
+            Bug::RepairsUnbounded => i::REPAIRS_BOUNDED,
         }
     }
 

@@ -313,16 +313,27 @@ fn arrive(
         task,
         steps: steps.to_string(),
         hostile: t.hostile,
+        finals: String::new(),
     };
-    let first = script(t.key.clone(), &t.steps);
+    let first = ModelScript {
+        finals: t.finals.clone(),
+        ..script(t.key.clone(), &t.steps)
+    };
     match &t.shape {
+        Shape::Task if world.store_journal && t.schema => {
+            let _ = process::start_schema_task(world, &first);
+        }
         Shape::Task if world.store_journal => {
             let _ = process::start_task(world, &first);
         }
         Shape::Task => {
             world.core().create_task(TaskSpec {
                 variables: process::input_variables(&first),
-                agent: Some(process::agent_definition(false)),
+                agent: Some(if t.schema {
+                    process::schema_definition()
+                } else {
+                    process::agent_definition(false)
+                }),
                 retries: Some(t.retries),
                 ..TaskSpec::default()
             });

@@ -673,6 +673,99 @@ fn a_model_answer_paid_twice_without_an_interruption_fires() {
     assert!(invariants::model_repaid(&p.facts()).is_empty());
 }
 
+/// The one planned task `k0` (engine task `t-000001`) with the final answers `finals` played
+/// before the good one, and the other planned tasks with none.
+fn with_finals(finals: &str, schema: bool) -> Played {
+    let mut p = Played::new();
+    for t in &mut p.schedule.tasks {
+        t.finals = String::new();
+        t.schema = false;
+    }
+    p.schedule.tasks[0].finals = finals.into();
+    p.schedule.tasks[0].schema = schema;
+    p
+}
+
+/// Task `t-000001`, completed with `result` in the simulated agents' result variable.
+fn completed_with(result: serde_json::Value) -> Vec<TaskView> {
+    let mut core = EngineCore::new(ProtocolLevel::AgentV1, 60_000);
+    core.create_task(TaskSpec::default());
+    let mut views = core.tasks();
+    views[0].status = abada_agent_worker::devkit::engine::TaskStatus::Completed;
+    views[0].result_variables = Some(serde_json::Map::from_iter([("simResult".into(), result)]));
+    views
+}
+
+#[test]
+fn a_result_off_the_schema_or_cut_fires_and_one_matching_it_does_not() {
+    // Off the schema, cut by the output limit (stored as its text), one field too many.
+    for stored in [
+        serde_json::json!({"task": "k0", "route": "sideways"}),
+        serde_json::json!("{\"route\":\"done\",\"ta"),
+        serde_json::json!({"task": "k0", "turns": 1, "route": "done", "more": 1}),
+    ] {
+        let mut p = Played::new();
+        p.views = completed_with(stored);
+        fires(
+            invariants::structured_result(&p.facts()),
+            invariants::STRUCTURED_RESULT,
+            "task t-000001: completed (attempt 0) with a result that does not match the output schema",
+        );
+    }
+    let mut p = Played::new();
+    p.views = completed_with(serde_json::json!({"task": "k0", "turns": 1, "route": "done"}));
+    assert!(invariants::structured_result(&p.facts()).is_empty());
+}
+
+#[test]
+fn repair_turns_past_the_bound_and_an_exhausted_run_completed_fire() {
+    let model = |turn, answer| Event::ModelCall {
+        worker: w("w0"),
+        task: w("k0"),
+        turn,
+        answer,
+    };
+    // No schema: one repair turn for a cut answer (the default); the model asked three times.
+    let p = with_finals("ccc", false)
+        .at(0, fetched("w0", 1))
+        .at(50, model(0, "cut"))
+        .at(100, model(1, "cut"))
+        .at(150, model(2, "cut"));
+    fires(
+        invariants::repairs_bounded(&p.facts()),
+        invariants::REPAIRS_BOUNDED,
+        "task k0 (t-000001): the model answered 3 rejected final answers counted by outputRepairTurns, which allows 1 repair turns",
+    );
+    // Two cut answers exhaust it: the run completed instead of an incident.
+    let mut p = with_finals("cc", false)
+        .at(0, fetched("w0", 1))
+        .at(50, model(0, "cut"))
+        .at(100, model(1, "cut"))
+        .at(150, model(2, "final"));
+    p.views = completed_with(serde_json::json!({"task": "k0", "turns": 2, "route": "done"}));
+    fires(
+        invariants::repairs_bounded(&p.facts()),
+        invariants::REPAIRS_BOUNDED,
+        "task k0 (t-000001): completed although its model's rejected answers (cc) exhaust",
+    );
+    // With the schema's two repair turns the same run is within its bound; and the lost
+    // incident report's next attempt gets one more turn, as a retry of the incident does.
+    let mut p = with_finals("cc", true)
+        .at(0, fetched("w0", 1))
+        .at(50, model(0, "cut"))
+        .at(100, model(1, "cut"))
+        .at(150, model(2, "final"));
+    p.views = completed_with(serde_json::json!({"task": "k0", "turns": 2, "route": "done"}));
+    assert!(invariants::repairs_bounded(&p.facts()).is_empty());
+    let p = with_finals("ccc", false)
+        .at(0, fetched("w0", 1))
+        .at(50, model(0, "cut"))
+        .at(100, model(1, "cut"))
+        .at(11_000, fetched("w1", 2))
+        .at(11_050, model(2, "cut"));
+    assert!(invariants::repairs_bounded(&p.facts()).is_empty());
+}
+
 #[test]
 fn a_keyed_write_applied_twice_fires_and_a_deduplicated_resend_does_not() {
     let tool = |ms: u64, key: Option<&str>, answer: &'static str| {

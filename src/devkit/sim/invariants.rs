@@ -26,6 +26,13 @@
 //! - [`gated_call_decided`]: no keyed write of a gated shape performed unless a person approved
 //!   exactly the request it waited on (its requestId, callId and, when given, callDigest)
 //!   before; the approver's record of what it saw and wrote is the world's truth;
+//! - [`structured_result`]: a completed task's stored result matches the output schema (every
+//!   good final answer of the world's model does, so a result that does not is an off-schema,
+//!   cut or text-call answer stored);
+//! - [`repairs_bounded`]: the model is asked again after a rejected final answer at most as
+//!   often as the definition's repair turns allow (`outputRepairTurns` for off-schema and cut
+//!   answers, `answerRepairTurns` for a tool call written as text), and a script that
+//!   rejected more than that ends as an incident, never completed;
 //! - [`no_secret_leaked`]: no secret the world handed out in any log line, span field or
 //!   metric the workers emitted (`super::secrets`).
 
@@ -67,6 +74,10 @@ pub const NO_SECRET: &str = "no secret in any log line, span or metric";
 pub const APPROVED_PERFORMED: &str =
     "an approved call is performed or an incident is raised, never dropped";
 pub const NO_LOOP: &str = "the instance does not loop back to a person for an approved call";
+pub const STRUCTURED_RESULT: &str =
+    "a completed task's stored result matches its schema, never an off-schema or cut answer";
+pub const REPAIRS_BOUNDED: &str =
+    "repair turns within the definition's bounds, an exhausted one an incident";
 
 /// Every invariant [`check`] judges, in its order.
 pub const INVARIANTS: &[&str] = &[
@@ -83,6 +94,8 @@ pub const INVARIANTS: &[&str] = &[
     GATED_CALL_DECIDED,
     APPROVED_PERFORMED,
     NO_LOOP,
+    STRUCTURED_RESULT,
+    REPAIRS_BOUNDED,
     NO_SECRET,
 ];
 
@@ -115,6 +128,8 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(gated_call_decided(facts));
     v.extend(approved_performed(facts));
     v.extend(no_loop(facts));
+    v.extend(structured_result(facts));
+    v.extend(repairs_bounded(facts));
     v.extend(no_secret_leaked(facts));
     v
 }
@@ -155,8 +170,11 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
             Event::RunnerFetched { .. } | Event::TaskStarted { .. } | Event::SlotFreed { .. } => {
                 add(SLOTS)
             }
-            Event::ModelCall { answer, .. } if matches!(*answer, "tool" | "final") => {
-                add(MODEL_REPAID)
+            Event::ModelCall { answer, .. } if paid_answer(answer) => {
+                add(MODEL_REPAID);
+                if rejected_final(answer).is_some() {
+                    add(REPAIRS_BOUNDED);
+                }
             }
             Event::ToolCall {
                 write: Some(_),
@@ -175,6 +193,11 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
         }
     }
     *n.entry(ALL_ENDED).or_default() += facts.views.len();
+    *n.entry(STRUCTURED_RESULT).or_default() += facts
+        .views
+        .iter()
+        .filter(|v| stored_result(v).is_some())
+        .count();
     *n.entry(APPROVED_PERFORMED).or_default() += genuine_approvals(facts).len();
     n
 }
@@ -885,7 +908,7 @@ pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
             }
             Event::ModelCall {
                 task, turn, answer, ..
-            } if matches!(*answer, "tool" | "final") => {
+            } if paid_answer(answer) => {
                 *paid.entry(task).or_default().entry(*turn).or_default() += 1;
             }
             Event::Fetched { tasks, .. } => {
@@ -924,6 +947,142 @@ pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
                 MODEL_REPAID,
                 format!(
                     "task {id}: {repaid} model answers paid again (most at turn {worst:?}) over {interruptions} interruptions"
+                ),
+            ));
+        }
+    }
+    out
+}
+
+/// A model answer that was paid for (not an injected fault).
+fn paid_answer(answer: &str) -> bool {
+    matches!(answer, "tool" | "final") || rejected_final(answer).is_some()
+}
+
+/// Which repair bound a final answer the world's model played off its good one counts
+/// against: `true` the output's (`outputRepairTurns`), `false` the answer shape's
+/// (`answerRepairTurns`); `None`: not such an answer.
+fn rejected_final(answer: &str) -> Option<bool> {
+    use crate::devkit::world::model::{CUT, OFF_SCHEMA, TEXT_CALL};
+    match answer {
+        OFF_SCHEMA | CUT => Some(true),
+        TEXT_CALL => Some(false),
+        _ => None,
+    }
+}
+
+/// The result a completed task stored in the simulated agents' result variable.
+fn stored_result(view: &TaskView) -> Option<&Value> {
+    if view.status != crate::devkit::engine::TaskStatus::Completed {
+        return None;
+    }
+    view.result_variables.as_ref()?.get("simResult")
+}
+
+pub fn structured_result(facts: &Facts<'_>) -> Vec<Violation> {
+    facts
+        .views
+        .iter()
+        .filter_map(|v| Some((v, stored_result(v)?)))
+        .filter(|(_, result)| !crate::devkit::world::process::matches_output_schema(result))
+        .map(|(v, result)| {
+            let shown: String = result.to_string().chars().take(200).collect();
+            violation(
+                STRUCTURED_RESULT,
+                format!(
+                    "task {}: completed (attempt {}) with a result that does not match the output schema: {shown}",
+                    v.id, v.attempt
+                ),
+            )
+        })
+        .collect()
+}
+
+pub fn repairs_bounded(facts: &Facts<'_>) -> Vec<Violation> {
+    use crate::devkit::world::process::SCHEMA_REPAIR_TURNS;
+    // Per script, the distinct turns the model answered off its good answer, per bound.
+    let mut rejected: BTreeMap<&str, [BTreeSet<usize>; 2]> = BTreeMap::new();
+    let mut acquisitions: BTreeMap<&str, usize> = BTreeMap::new();
+    for (_, e) in &facts.trace.events {
+        match e {
+            Event::ModelCall {
+                task, turn, answer, ..
+            } => {
+                if let Some(output) = rejected_final(answer) {
+                    rejected.entry(task).or_default()[usize::from(output)].insert(*turn);
+                }
+            }
+            Event::Fetched { tasks, .. } => {
+                for (task, _) in tasks {
+                    *acquisitions.entry(task).or_default() += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    for t in &facts.schedule.tasks {
+        if t.finals.is_empty() {
+            continue;
+        }
+        let output_turns = if t.schema {
+            SCHEMA_REPAIR_TURNS
+        } else {
+            crate::agent::output::DEFAULT_REPAIR_TURNS
+        };
+        let bounds = [
+            (
+                "answerRepairTurns",
+                crate::agent::answer_shape::DEFAULT_REPAIR_TURNS,
+            ),
+            ("outputRepairTurns", output_turns),
+        ];
+        let played = rejected.get(t.key.as_str());
+        let engine_tasks = facts.keys.get(&t.key).cloned().unwrap_or_default();
+        let ids = engine_tasks.join(", ");
+        // An attempt that finds the run exhausted and its incident unreported (the report
+        // lost, the lease run out) resumes as a retry of the incident does: one more repair
+        // turn (`agent::output::Verdict::Exhausted`). Each acquisition past the first allows
+        // one.
+        let interruptions: usize = engine_tasks
+            .iter()
+            .map(|id| {
+                acquisitions
+                    .get(id.as_str())
+                    .copied()
+                    .unwrap_or(0)
+                    .saturating_sub(1)
+            })
+            .sum();
+        let mut exhausted = false;
+        for (output, (name, allowed)) in bounds.into_iter().enumerate() {
+            let scripted = t
+                .finals
+                .chars()
+                .filter(|c| (*c != 't') == (output == 1))
+                .count();
+            exhausted |= scripted > allowed as usize;
+            let asked = played.map_or(0, |p| p[output].len());
+            if asked > allowed as usize + 1 + interruptions {
+                out.push(violation(
+                    REPAIRS_BOUNDED,
+                    format!(
+                        "task {} ({ids}): the model answered {asked} rejected final answers counted by {name}, which allows {allowed} repair turns ({interruptions} interruptions)",
+                        t.key
+                    ),
+                ));
+            }
+        }
+        let completed = facts.views.iter().any(|v| {
+            facts.keys.get(&t.key).is_some_and(|k| k.contains(&v.id))
+                && v.status == crate::devkit::engine::TaskStatus::Completed
+        });
+        if exhausted && completed && interruptions == 0 {
+            out.push(violation(
+                REPAIRS_BOUNDED,
+                format!(
+                    "task {} ({ids}): completed although its model's rejected answers ({}) exhaust its repair turns: an incident was due",
+                    t.key, t.finals
                 ),
             ));
         }

@@ -20,6 +20,11 @@ pub struct TaskPlan {
     /// The model's tool-calling turns (`u`nknown tool, `r`ead, `w`rite), see `ModelScript`.
     pub steps: String,
     pub hostile: bool,
+    /// The final answers the model plays before its good one (`o` off-schema, `c` cut, `t` a
+    /// tool call written as text), see `ModelScript::finals`.
+    pub finals: String,
+    /// Its agent carries an output schema (`process::schema_definition`): one-task shapes only.
+    pub schema: bool,
     pub retries: i32,
     /// How the task comes to the workers.
     pub shape: Shape,
@@ -121,6 +126,8 @@ impl Schedule {
                     .map(|_| ['u', 'r', 'w', 'w'][rng.random_range(0..4)])
                     .collect(),
                 hostile: rng.random_bool(0.15),
+                finals: String::new(),
+                schema: false,
                 retries: rng.random_range(3..=6),
                 shape: Shape::Task,
             })
@@ -246,6 +253,24 @@ impl Schedule {
             })
             .collect();
         redeploys.sort_by_key(|r| r.at);
+        // Structured output, from a source of its own likewise: half the one-task shapes run
+        // the agent with an output schema, and half of the one-task shapes' models answer off
+        // their good final answer first, up to three times (past the repair turns, sometimes).
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x0075_7c7e_d000);
+        for t in tasks.iter_mut().filter(|t| t.shape == Shape::Task) {
+            t.schema = rng.random_bool(0.5);
+            if rng.random_bool(0.5) {
+                // Off-schema only where there is a schema: without one, it is a good answer.
+                let kinds: &[char] = if t.schema {
+                    &['o', 'c', 't']
+                } else {
+                    &['c', 't']
+                };
+                t.finals = (0..rng.random_range(1..=3))
+                    .map(|_| kinds[rng.random_range(0..kinds.len())])
+                    .collect();
+            }
+        }
         Schedule {
             seed,
             workers,

@@ -164,6 +164,8 @@ fn agent_settings() -> AgentSettings {
             latest_for: Duration::from_millis(100),
             ..Default::default()
         },
+        // One thread, whose order a blocking thread's validation would race.
+        validate_inline: true,
         ..AgentSettings::default()
     }
 }

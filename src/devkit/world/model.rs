@@ -1,9 +1,13 @@
 //! The world's scripted models: a [`ModelProvider`] that plays, for each task, the script its
-//! input names (`sim:{task}:{steps}:{style}`): one answer per step, each a tool call (a step in
-//! capitals comes after a long generation, one and a half lock durations): `u` a tool
+//! input names (`sim:{task}:{steps}:{style}[:{finals}]`): one answer per step, each a tool call
+//! (a step in capitals comes after a long generation, one and a half lock durations): `u` a tool
 //! nobody offers (the agent answers it with an error result, performing nothing), `r` the
-//! world's read-only lookup, `w` the world's keyed write number `n` (its turn); then a final
-//! answer naming the task. The `hostile` style sends malformed arguments to the unknown tool. Faults: 429
+//! world's read-only lookup, `w` the world's keyed write number `n` (its turn); then the final
+//! answers of `finals`, one per turn, each one a worker must send back (`o` off the schema of
+//! [`super::process::output_schema`], `c` cut by the output limit, stop reason `length`, `t` a
+//! tool call written as text in `<tool_call>` markup, as the real small model writes it,
+//! docs/REAL_MODEL.md); then a final answer naming the task that matches that schema. The
+//! `hostile` style sends malformed arguments to the unknown tool. Faults: 429
 //! and 5xx answers and slowness, drawn from the world's seeded source; every call is recorded,
 //! so the invariants can count the answers paid for.
 
@@ -28,13 +32,26 @@ pub struct ModelScript {
     /// One character per tool-calling turn: `u`, `r` or `w`.
     pub steps: String,
     pub hostile: bool,
+    /// The final answers played before the good one, one character each: `o` off-schema, `c`
+    /// cut, `t` a tool call written as text.
+    pub finals: String,
 }
+
+/// How the world's model answered a final turn off its good answer ([`ModelScript::finals`]),
+/// as recorded in [`Event::ModelCall`].
+pub(crate) const OFF_SCHEMA: &str = "off-schema";
+pub(crate) const CUT: &str = "cut";
+pub(crate) const TEXT_CALL: &str = "text-call";
 
 impl ModelScript {
     /// The input text that names this script (the agent's `input` template renders it).
     pub fn input(&self) -> String {
         let style = if self.hostile { "hostile" } else { "plain" };
-        format!("sim:{}:{}:{style}", self.task, self.steps)
+        if self.finals.is_empty() {
+            format!("sim:{}:{}:{style}", self.task, self.steps)
+        } else {
+            format!("sim:{}:{}:{style}:{}", self.task, self.steps, self.finals)
+        }
     }
 
     pub fn parse(text: &str) -> Option<ModelScript> {
@@ -42,10 +59,12 @@ impl ModelScript {
         let task = parts.next()?.to_string();
         let steps = parts.next()?.to_string();
         let hostile = parts.next()? == "hostile";
+        let finals = parts.next().unwrap_or_default().to_string();
         Some(ModelScript {
             task,
             steps,
             hostile,
+            finals,
         })
     }
 }
@@ -186,20 +205,52 @@ impl ModelProvider for WorldModel {
                     "tool",
                 )
             }
-            None => (
-                AssistantMessage {
-                    text: Some(json!({"task": script.task, "turns": turn}).to_string()),
-                    tool_calls: Vec::new(),
-                },
-                "final",
-            ),
+            None => {
+                // The final turns: those of `finals` first, then the good answer.
+                let good = json!({"task": script.task, "turns": turn, "route": "done"}).to_string();
+                let played = turn
+                    .checked_sub(script.steps.len())
+                    .and_then(|f| script.finals.as_bytes().get(f).copied());
+                let (text, answer) = match played {
+                    Some(b'o') => (
+                        json!({"task": script.task, "route": "sideways"}).to_string(),
+                        OFF_SCHEMA,
+                    ),
+                    // What the output limit left of the good answer.
+                    Some(b'c') => (good[..good.len() / 2].to_string(), CUT),
+                    Some(b't') => (
+                        format!(
+                            "<tool_call>{}</tool_call>",
+                            json!({"name": "sim_lookup", "arguments": {"task": script.task}})
+                        ),
+                        TEXT_CALL,
+                    ),
+                    _ => (good, "final"),
+                };
+                let kind = match answer {
+                    OFF_SCHEMA => Some("model off-schema answer"),
+                    CUT => Some("model cut answer"),
+                    TEXT_CALL => Some("model text tool call"),
+                    _ => None,
+                };
+                if let Some(kind) = kind {
+                    self.world.faults().count(kind);
+                }
+                (
+                    AssistantMessage {
+                        text: Some(text),
+                        tool_calls: Vec::new(),
+                    },
+                    answer,
+                )
+            }
         };
         self.record(&script.task, turn, answer);
         Ok(ModelResponse {
-            stop_reason: if answer == "final" {
-                "stop"
-            } else {
-                "tool_calls"
+            stop_reason: match answer {
+                "tool" => "tool_calls",
+                CUT => "length",
+                _ => "stop",
             }
             .into(),
             message,

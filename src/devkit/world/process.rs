@@ -5,10 +5,11 @@
 //! Each model is deployed with its BPMN XML, the agent written on the service task as
 //! `abada.agent.*` properties ([`bpmn_xml`]), as a process author writes it: a plain v1 engine
 //! (the real engine 0.11) sends no definition with its tasks, and the workers read it from the
-//! process API (`agent::bpmn`). Three processes: `simProcess` (below), `simParallel` (the
-//! gated agent node, then the end: its instance holds two tokens at the node) and `simTask`
+//! process API (`agent::bpmn`). Four processes: `simProcess` (below), `simParallel` (the
+//! gated agent node, then the end: its instance holds two tokens at the node), `simTask`
 //! (one agent node whose service task defines no agent: the agents file's entry for the topic
-//! runs it). A redeployment ([`redeploy`]) deploys the next version of the two gated ones:
+//! runs it) and `simSchema` (one agent node whose agent's answer must match an output schema,
+//! [`schema_definition`]). A redeployment ([`redeploy`]) deploys the next version of the two gated ones:
 //! instructions that perform no writes, with or without approval, so a run that began on the
 //! earlier version and waits for a person must keep its own (journaled) definition to perform
 //! the call the person approved.
@@ -37,6 +38,10 @@ use super::model::ModelScript;
 const PROCESS_ID: &str = "simProcess";
 const PARALLEL_ID: &str = "simParallel";
 const TASK_PROCESS_ID: &str = "simTask";
+const SCHEMA_PROCESS_ID: &str = "simSchema";
+/// The repair turns of the agent with an output schema ([`schema_definition`]): the agents
+/// without one get the default (`agent::output::DEFAULT_REPAIR_TURNS`, for a cut answer).
+pub(crate) const SCHEMA_REPAIR_TURNS: u32 = 2;
 const AGENT_NODE: &str = "agentNode";
 /// What a redeployed agent's instructions say: the world's model then plays every write of its
 /// script as a read (`model`), as a model told so would.
@@ -57,6 +62,46 @@ pub fn redeployed_definition(version: u32, approval: bool) -> Value {
     let mut def = agent_definition(approval);
     def["instructions"] =
         format!("Play the script your input names. {NO_WRITES} (version {version})").into();
+    def
+}
+
+/// The schema of the structured-output agent's answer: small, one a gateway after the node
+/// could route on (`route`).
+pub fn output_schema() -> Value {
+    json!({
+        "type": "object",
+        "required": ["task", "turns", "route"],
+        "properties": {
+            "task": {"type": "string"},
+            "turns": {"type": "integer", "minimum": 0},
+            "route": {"enum": ["done", "escalate"]}
+        },
+        "additionalProperties": false
+    })
+}
+
+/// Whether `value` matches [`output_schema`], checked here by hand (not by the worker's
+/// validator, which the invariants judge).
+pub(crate) fn matches_output_schema(value: &Value) -> bool {
+    let Some(o) = value.as_object() else {
+        return false;
+    };
+    o.len() == 3
+        && o.get("task").is_some_and(Value::is_string)
+        && o.get("turns").and_then(Value::as_u64).is_some()
+        && matches!(
+            o.get("route").and_then(Value::as_str),
+            Some("done" | "escalate")
+        )
+}
+
+/// The agent with an output schema: ungated, its final answers judged against
+/// [`output_schema`], with [`SCHEMA_REPAIR_TURNS`] repair turns.
+pub fn schema_definition() -> Value {
+    let mut def = agent_definition(false);
+    def["name"] = "sim-schema-agent".into();
+    def["outputSchema"] = output_schema();
+    def["outputRepairTurns"] = SCHEMA_REPAIR_TURNS.into();
     def
 }
 
@@ -247,6 +292,7 @@ pub fn deploy(world: &World) {
         model(agent_definition(true)),
         single_node(PARALLEL_ID, Some(agent_definition(true))),
         single_node(TASK_PROCESS_ID, None),
+        single_node(SCHEMA_PROCESS_ID, Some(schema_definition())),
     ] {
         let xml = bpmn_xml(&model);
         core.deploy_bpmn(model, xml);
@@ -274,6 +320,14 @@ pub(crate) fn start_task(world: &World, script: &ModelScript) -> Result<String, 
     world
         .core()
         .start_process(TASK_PROCESS_ID, input_variables(script))
+}
+
+/// Starts an instance of `simSchema` running `script`: one task whose definition (with its
+/// output schema) comes from the BPMN.
+pub(crate) fn start_schema_task(world: &World, script: &ModelScript) -> Result<String, String> {
+    world
+        .core()
+        .start_process(SCHEMA_PROCESS_ID, input_variables(script))
 }
 
 /// Starts an instance of `simParallel` running `script` at its agent node (the first token).
