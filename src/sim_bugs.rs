@@ -70,10 +70,15 @@ pub enum Bug {
     /// A rejected final answer always gets another repair turn: `outputRepairTurns` is never
     /// exhausted, the model is asked until it answers well.
     RepairsUnbounded,
+    /// The context window elides a keyed write's result like any other old result: the model
+    /// loses its only record that the write was performed.
+    KeyedResultElided,
+    /// The request is not fitted to the model's context window: it goes out whole.
+    WindowIgnored,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 18] = [
+    pub const ALL: [Bug; 20] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
@@ -92,6 +97,8 @@ impl Bug {
         Bug::OffSchemaStored,
         Bug::CutAnswerStored,
         Bug::RepairsUnbounded,
+        Bug::KeyedResultElided,
+        Bug::WindowIgnored,
     ];
 
     pub fn name(self) -> &'static str {
@@ -114,6 +121,8 @@ impl Bug {
             Bug::OffSchemaStored => "off-schema-stored",
             Bug::CutAnswerStored => "cut-answer-stored",
             Bug::RepairsUnbounded => "repairs-unbounded",
+            Bug::KeyedResultElided => "keyed-result-elided",
+            Bug::WindowIgnored => "window-ignored",
         }
     }
 
@@ -139,6 +148,8 @@ impl Bug {
             Bug::OffSchemaStored => i::STRUCTURED_RESULT,
             Bug::CutAnswerStored => i::STRUCTURED_RESULT,
             Bug::RepairsUnbounded => i::REPAIRS_BOUNDED,
+            Bug::KeyedResultElided => i::KEYED_RESULTS_KEPT,
+            Bug::WindowIgnored => i::WINDOW_BOUND,
         }
     }
 

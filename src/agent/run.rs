@@ -512,14 +512,31 @@ impl<'a> Attempt<'a> {
         };
         // [window] issue 26: the request fits the smallest context window of the chain (older
         // tool results elided, derived from the journal), or the task ends naming the sizes.
-        super::window::fit_to_chain(
-            &mut request,
-            self.scope.rt.providers.context_windows(),
-            &self.def.models,
-            self.limits.max_output_tokens,
-            &self.state.keyed_results,
-        )
-        .map_err(|e| incident(super::window::INCIDENT, e.to_string()))?;
+        let kept = &self.state.keyed_results;
+        // SIM-BUG (feature `sim-bugs`, selected at run time): no keyed result kept.
+        #[cfg(feature = "sim-bugs")]
+        let no_keyed = std::collections::HashSet::new();
+        #[cfg(feature = "sim-bugs")]
+        let kept = if crate::sim_bugs::active(crate::sim_bugs::Bug::KeyedResultElided) {
+            &no_keyed
+        } else {
+            kept
+        };
+        // SIM-BUG (feature `sim-bugs`, selected at run time): the window not consulted.
+        #[cfg(feature = "sim-bugs")]
+        let fits = !crate::sim_bugs::active(crate::sim_bugs::Bug::WindowIgnored);
+        #[cfg(not(feature = "sim-bugs"))]
+        let fits = true;
+        if fits {
+            super::window::fit_to_chain(
+                &mut request,
+                self.scope.rt.providers.context_windows(),
+                &self.def.models,
+                self.limits.max_output_tokens,
+                kept,
+            )
+            .map_err(|e| incident(super::window::INCIDENT, e.to_string()))?;
+        }
         // The budget is checked against the request about to go out, not only what was spent:
         // one call must not overshoot it by a context window.
         let estimated_input = limits::estimate_request_tokens(&request);

@@ -320,6 +320,9 @@ fn arrive(
         ..script(t.key.clone(), &t.steps)
     };
     match &t.shape {
+        Shape::Task if world.store_journal && t.small_window => {
+            let _ = process::start_window_task(world, &first);
+        }
         Shape::Task if world.store_journal && t.schema => {
             let _ = process::start_schema_task(world, &first);
         }
@@ -331,6 +334,8 @@ fn arrive(
                 variables: process::input_variables(&first),
                 agent: Some(if t.schema {
                     process::schema_definition()
+                } else if t.small_window {
+                    process::window_definition()
                 } else {
                     process::agent_definition(false)
                 }),

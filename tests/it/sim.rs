@@ -767,6 +767,35 @@ fn repair_turns_past_the_bound_and_an_exhausted_run_completed_fire() {
 }
 
 #[test]
+fn a_request_over_the_window_and_an_elided_write_result_fire() {
+    let request = |tokens, elided, elided_writes| Event::WindowRequest {
+        worker: w("w0"),
+        task: w("k0"),
+        turn: 3,
+        tokens,
+        window: 1200,
+        elided,
+        elided_writes,
+    };
+    let p = Played::new().at(100, request(1201, 0, 0));
+    fires(
+        invariants::window_bound(&p.facts()),
+        invariants::WINDOW_BOUND,
+        "task k0: w0's request for turn 3 at 0.100 s holds 1201 tokens",
+    );
+    let p = Played::new().at(100, request(900, 2, 1));
+    fires(
+        invariants::keyed_results_kept(&p.facts()),
+        invariants::KEYED_RESULTS_KEPT,
+        "task k0: w0's request for turn 3 at 0.100 s carries 1 keyed write results elided",
+    );
+    // At the window, with reads elided, both hold.
+    let p = Played::new().at(100, request(1200, 2, 0));
+    assert!(invariants::window_bound(&p.facts()).is_empty());
+    assert!(invariants::keyed_results_kept(&p.facts()).is_empty());
+}
+
+#[test]
 fn a_keyed_write_applied_twice_fires_and_a_deduplicated_resend_does_not() {
     let tool = |ms: u64, key: Option<&str>, answer: &'static str| {
         (

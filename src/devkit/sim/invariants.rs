@@ -33,6 +33,10 @@
 //!   often as the definition's repair turns allow (`outputRepairTurns` for off-schema and cut
 //!   answers, `answerRepairTurns` for a tool call written as text), and a script that
 //!   rejected more than that ends as an incident, never completed;
+//! - [`window_bound`]: no request to a model of the small context window exceeds it (its bytes
+//!   at 3 a token, as the worker's estimate assumes, plus the room asked for the answer);
+//! - [`keyed_results_kept`]: no request carries a keyed write's result elided (its result is
+//!   the model's only record that the write was performed);
 //! - [`no_secret_leaked`]: no secret the world handed out in any log line, span field or
 //!   metric the workers emitted (`super::secrets`).
 
@@ -76,6 +80,8 @@ pub const APPROVED_PERFORMED: &str =
 pub const NO_LOOP: &str = "the instance does not loop back to a person for an approved call";
 pub const STRUCTURED_RESULT: &str =
     "a completed task's stored result matches its schema, never an off-schema or cut answer";
+pub const WINDOW_BOUND: &str = "no model request exceeds its context window";
+pub const KEYED_RESULTS_KEPT: &str = "a keyed write's result is never elided from a request";
 pub const REPAIRS_BOUNDED: &str =
     "repair turns within the definition's bounds, an exhausted one an incident";
 
@@ -96,6 +102,8 @@ pub const INVARIANTS: &[&str] = &[
     NO_LOOP,
     STRUCTURED_RESULT,
     REPAIRS_BOUNDED,
+    WINDOW_BOUND,
+    KEYED_RESULTS_KEPT,
     NO_SECRET,
 ];
 
@@ -130,6 +138,8 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(no_loop(facts));
     v.extend(structured_result(facts));
     v.extend(repairs_bounded(facts));
+    v.extend(window_bound(facts));
+    v.extend(keyed_results_kept(facts));
     v.extend(no_secret_leaked(facts));
     v
 }
@@ -185,6 +195,12 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
                 add(KEYED_WRITE_ONCE);
                 if gated.contains(task.as_str()) {
                     add(GATED_CALL_DECIDED);
+                }
+            }
+            Event::WindowRequest { elided, .. } => {
+                add(WINDOW_BOUND);
+                if *elided > 0 {
+                    add(KEYED_RESULTS_KEPT);
                 }
             }
             Event::Log { .. } if !facts.secrets.is_empty() => add(NO_SECRET),
@@ -1083,6 +1099,55 @@ pub fn repairs_bounded(facts: &Facts<'_>) -> Vec<Violation> {
                 format!(
                     "task {} ({ids}): completed although its model's rejected answers ({}) exhaust its repair turns: an incident was due",
                     t.key, t.finals
+                ),
+            ));
+        }
+    }
+    out
+}
+
+pub fn window_bound(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        if let Event::WindowRequest {
+            worker,
+            task,
+            turn,
+            tokens,
+            window,
+            ..
+        } = e
+            && tokens > window
+        {
+            out.push(violation(
+                WINDOW_BOUND,
+                format!(
+                    "task {task}: {worker}'s request for turn {turn} at {} holds {tokens} tokens with the room for its answer, over the model's context window of {window}",
+                    at(*t)
+                ),
+            ));
+        }
+    }
+    out
+}
+
+pub fn keyed_results_kept(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        if let Event::WindowRequest {
+            worker,
+            task,
+            turn,
+            elided_writes,
+            ..
+        } = e
+            && *elided_writes > 0
+        {
+            out.push(violation(
+                KEYED_RESULTS_KEPT,
+                format!(
+                    "task {task}: {worker}'s request for turn {turn} at {} carries {elided_writes} keyed write results elided",
+                    at(*t)
                 ),
             ));
         }

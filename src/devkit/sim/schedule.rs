@@ -25,6 +25,9 @@ pub struct TaskPlan {
     pub finals: String,
     /// Its agent carries an output schema (`process::schema_definition`): one-task shapes only.
     pub schema: bool,
+    /// Its agent's model has a small context window (`process::window_definition`), and its
+    /// script reads enough to outgrow it: one-task shapes without a schema only.
+    pub small_window: bool,
     pub retries: i32,
     /// How the task comes to the workers.
     pub shape: Shape,
@@ -128,6 +131,7 @@ impl Schedule {
                 hostile: rng.random_bool(0.15),
                 finals: String::new(),
                 schema: false,
+                small_window: false,
                 retries: rng.random_range(3..=6),
                 shape: Shape::Task,
             })
@@ -268,6 +272,18 @@ impl Schedule {
                 };
                 t.finals = (0..rng.random_range(1..=3))
                     .map(|_| kinds[rng.random_range(0..kinds.len())])
+                    .collect();
+            }
+        }
+        // The context window, from a source of its own likewise: a quarter of the one-task
+        // shapes without a schema or off answers run on the small window, with four to six
+        // turns that read or write.
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x0c07_7e47_3100);
+        for t in tasks.iter_mut().filter(|t| t.shape == Shape::Task) {
+            if !t.schema && t.finals.is_empty() && rng.random_bool(0.25) {
+                t.small_window = true;
+                t.steps = (0..rng.random_range(4..=6))
+                    .map(|_| ['r', 'r', 'w'][rng.random_range(0..3)])
                     .collect();
             }
         }

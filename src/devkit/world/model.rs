@@ -24,6 +24,13 @@ use crate::provider::{ModelProvider, ModelRequest, ModelResponse, ProviderError}
 
 /// The provider name the world's model is registered under (`sim/…` in a definition).
 pub(crate) const PROVIDER: &str = "sim";
+/// The same models under a provider whose context window the workers are configured with
+/// ([`SMALL_WINDOW`] tokens, `ABADA_AGENT_PROVIDER_SIMSMALL_CONTEXT_WINDOW`): the agents that
+/// use it (`process::window_definition`) outgrow it, and the window elides old tool results.
+pub(crate) const SMALL_WINDOW_PROVIDER: &str = "simsmall";
+pub(crate) const SMALL_WINDOW: u64 = 1200;
+/// The start of the worker's stub for an elided tool result (`agent::window`).
+const ELIDED: &str = "[elided by the worker";
 
 /// What a task's input asks the model to play.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -73,6 +80,8 @@ impl ModelScript {
 pub struct WorldModel {
     world: Arc<World>,
     worker_id: String,
+    /// The context window this provider's models have, checked on every request.
+    window: Option<u64>,
 }
 
 impl WorldModel {
@@ -80,7 +89,60 @@ impl WorldModel {
         WorldModel {
             world,
             worker_id: worker_id.into(),
+            window: None,
         }
+    }
+
+    /// The models of [`SMALL_WINDOW_PROVIDER`]: each request is measured against
+    /// [`SMALL_WINDOW`] and read for elided results.
+    pub fn with_small_window(mut self) -> Self {
+        self.window = Some(SMALL_WINDOW);
+        self
+    }
+
+    /// Records what the window's invariants judge: the request's size by the world's own count
+    /// (its bytes at 3 a token, as many as the worker's estimate assumes, without its
+    /// per-message overheads, plus the room asked for the answer), and the tool results it
+    /// carries elided, keyed writes' among them.
+    fn record_window(&self, task: &str, turn: usize, req: &ModelRequest, window: u64) -> u64 {
+        let mut bytes = req.system.len();
+        let (mut elided, mut elided_writes) = (0, 0);
+        for m in &req.messages {
+            bytes += match m {
+                Message::User { text } => text.len(),
+                Message::Assistant(a) => {
+                    a.text.as_deref().map_or(0, str::len)
+                        + a.tool_calls
+                            .iter()
+                            .map(|c| c.tool.len() + c.arguments.to_string().len())
+                            .sum::<usize>()
+                }
+                Message::ToolResult { call, result } => {
+                    let text = result.to_model_text();
+                    if text.starts_with(ELIDED) {
+                        elided += 1;
+                        if call.tool == "sim_write" {
+                            elided_writes += 1;
+                        }
+                    }
+                    text.len()
+                }
+            };
+        }
+        for t in &req.tools {
+            bytes += t.tool.len() + t.description.len() + t.input_schema.to_string().len();
+        }
+        let tokens = (bytes as u64).div_ceil(3) + u64::from(req.max_output_tokens.unwrap_or(0));
+        self.world.record(Event::WindowRequest {
+            worker: self.worker_id.clone(),
+            task: task.to_string(),
+            turn,
+            tokens,
+            window,
+            elided,
+            elided_writes,
+        });
+        tokens
     }
 
     fn record(&self, task: &str, turn: usize, answer: &'static str) {
@@ -114,6 +176,20 @@ impl ModelProvider for WorldModel {
             .iter()
             .filter(|m| matches!(m, Message::Assistant(_)))
             .count();
+        if let Some(window) = self.window
+            && self.record_window(&script.task, turn, req, window) > window
+        {
+            // As a real model refuses a request longer than its window: 400, OpenAI's
+            // `context_length_exceeded` (its error code for it).
+            return Err(ProviderError::Rejected {
+                provider: SMALL_WINDOW_PROVIDER.into(),
+                model: req.model.clone(),
+                status: 400,
+                message: format!(
+                    "context_length_exceeded: this model's maximum context length is {window} tokens"
+                ),
+            });
+        }
         // Held while the worker is frozen, like its engine calls.
         self.world.hold(&self.worker_id).await;
         let now = self.world.elapsed_ms();

@@ -5,7 +5,8 @@
 //! Each model is deployed with its BPMN XML, the agent written on the service task as
 //! `abada.agent.*` properties ([`bpmn_xml`]), as a process author writes it: a plain v1 engine
 //! (the real engine 0.11) sends no definition with its tasks, and the workers read it from the
-//! process API (`agent::bpmn`). Four processes: `simProcess` (below), `simParallel` (the
+//! process API (`agent::bpmn`). Five processes (and `simWindow`, one agent node whose model has
+//! a small context window, [`window_definition`]): `simProcess` (below), `simParallel` (the
 //! gated agent node, then the end: its instance holds two tokens at the node), `simTask`
 //! (one agent node whose service task defines no agent: the agents file's entry for the topic
 //! runs it) and `simSchema` (one agent node whose agent's answer must match an output schema,
@@ -39,6 +40,7 @@ const PROCESS_ID: &str = "simProcess";
 const PARALLEL_ID: &str = "simParallel";
 const TASK_PROCESS_ID: &str = "simTask";
 const SCHEMA_PROCESS_ID: &str = "simSchema";
+const WINDOW_PROCESS_ID: &str = "simWindow";
 /// The repair turns of the agent with an output schema ([`schema_definition`]): the agents
 /// without one get the default (`agent::output::DEFAULT_REPAIR_TURNS`, for a cut answer).
 pub(crate) const SCHEMA_REPAIR_TURNS: u32 = 2;
@@ -102,6 +104,16 @@ pub fn schema_definition() -> Value {
     def["name"] = "sim-schema-agent".into();
     def["outputSchema"] = output_schema();
     def["outputRepairTurns"] = SCHEMA_REPAIR_TURNS.into();
+    def
+}
+
+/// The agent whose model has a small context window (`model::SMALL_WINDOW_PROVIDER`):
+/// ungated, room for a 256-token answer.
+pub fn window_definition() -> Value {
+    let mut def = agent_definition(false);
+    def["name"] = "sim-window-agent".into();
+    def["model"] = format!("{}/m1", super::model::SMALL_WINDOW_PROVIDER).into();
+    def["maxOutputTokens"] = 256.into();
     def
 }
 
@@ -293,6 +305,7 @@ pub fn deploy(world: &World) {
         single_node(PARALLEL_ID, Some(agent_definition(true))),
         single_node(TASK_PROCESS_ID, None),
         single_node(SCHEMA_PROCESS_ID, Some(schema_definition())),
+        single_node(WINDOW_PROCESS_ID, Some(window_definition())),
     ] {
         let xml = bpmn_xml(&model);
         core.deploy_bpmn(model, xml);
@@ -328,6 +341,14 @@ pub(crate) fn start_schema_task(world: &World, script: &ModelScript) -> Result<S
     world
         .core()
         .start_process(SCHEMA_PROCESS_ID, input_variables(script))
+}
+
+/// Starts an instance of `simWindow` running `script`: one task whose agent's model has a
+/// small context window.
+pub(crate) fn start_window_task(world: &World, script: &ModelScript) -> Result<String, String> {
+    world
+        .core()
+        .start_process(WINDOW_PROCESS_ID, input_variables(script))
 }
 
 /// Starts an instance of `simParallel` running `script` at its agent node (the first token).

@@ -77,6 +77,18 @@ pub enum Event {
         turn: usize,
         answer: &'static str,
     },
+    /// A request to a model of the small window (`model::SMALL_WINDOW_PROVIDER`), as it came:
+    /// its tokens by the world's count with the room for the answer, the window, and how many
+    /// tool results it carried elided, keyed writes' among them.
+    WindowRequest {
+        worker: String,
+        task: String,
+        turn: usize,
+        tokens: u64,
+        window: u64,
+        elided: usize,
+        elided_writes: usize,
+    },
     /// A tool call: the task it was for, the logical write (`n`) when it is one, the key it
     /// carried, and what the server did: `read`, `applied`, `deduplicated`, `5xx`,
     /// `applied-answer-lost`.
