@@ -6,9 +6,13 @@
 //! cargo run --release --example simulate -- --seed 17 --trace       # replay one, with its trace
 //! cargo run --release --example simulate -- --seeds 200 --workers 3
 //! cargo run --release --features sim-bugs --example simulate -- --seeds 1000 --bug fence-removed
+//! cargo run --features sim-bugs --example simulate -- --every-bug     # CI: each bug, its invariant
 //! ```
 //!
 //! Exits 1 on the first violated seed (after printing its replay command), 2 on bad arguments.
+//! `--every-bug` (a `sim-bugs` build) runs, for each reintroduced bug, seeds from `--from` until
+//! the invariant the bug names fires (at most `--seeds`, default 1000), and exits 1 when one
+//! is not caught so.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -25,11 +29,13 @@ struct Args {
     bug: Option<String>,
     /// Go on after a violated seed and count them (for the bug catch counts).
     keep_going: bool,
+    every_bug: bool,
+    seeds_given: bool,
 }
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: simulate [--seeds N] [--from S] [--seed N] [--trace] [--workers N] [--keep-going] [--bug NAME]"
+        "usage: simulate [--seeds N] [--from S] [--seed N] [--trace] [--workers N] [--keep-going] [--bug NAME | --every-bug]"
     );
     ExitCode::from(2)
 }
@@ -43,6 +49,8 @@ fn parse() -> Result<Args, String> {
         workers: None,
         bug: None,
         keep_going: false,
+        every_bug: false,
+        seeds_given: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -52,7 +60,11 @@ fn parse() -> Result<Args, String> {
                 .map_err(|_| format!("{name}: {v:?} is not a number"))
         };
         match a.as_str() {
-            "--seeds" => args.seeds = number("--seeds", value("--seeds")?)?,
+            "--seeds" => {
+                args.seeds = number("--seeds", value("--seeds")?)?;
+                args.seeds_given = true;
+            }
+            "--every-bug" => args.every_bug = true,
             "--from" => args.first = number("--from", value("--from")?)?,
             "--seed" => args.one = Some(number("--seed", value("--seed")?)?),
             "--workers" => {
@@ -83,6 +95,9 @@ fn main() -> ExitCode {
             return usage();
         }
     };
+    if args.every_bug {
+        return every_bug(&args);
+    }
     let mut options = SimOptions {
         workers: args.workers,
         keep_trace: args.trace,
@@ -180,4 +195,72 @@ fn main() -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// `--every-bug`: each reintroduced bug caught by the invariant it names.
+#[cfg(feature = "sim-bugs")]
+fn every_bug(args: &Args) -> ExitCode {
+    use abada_agent_worker::sim_bugs::Bug;
+    let limit = if args.seeds_given { args.seeds } else { 1000 };
+    let started = Instant::now();
+    let mut missed = Vec::new();
+    let mut ran = 0u64;
+    // `--bug NAME` narrows the run to that bug.
+    let only = args.bug.as_deref();
+    for bug in Bug::ALL
+        .into_iter()
+        .filter(|b| only.is_none_or(|name| name == b.name()))
+    {
+        let invariant = bug.caught_by();
+        let mut caught = None;
+        for seed in args.first..args.first + limit {
+            let report = run_seed(
+                paused_runtime(),
+                &SimOptions {
+                    seed,
+                    workers: args.workers,
+                    bug: Some(bug),
+                    ..SimOptions::default()
+                },
+            );
+            ran += 1;
+            if report.violations.iter().any(|v| v.invariant == invariant) {
+                caught = Some(seed);
+                break;
+            }
+        }
+        match caught {
+            Some(seed) => println!(
+                "{}: caught at seed {seed} ({} seeds) by \"{invariant}\"",
+                bug.name(),
+                seed - args.first + 1
+            ),
+            None => {
+                println!(
+                    "{}: NOT caught by \"{invariant}\" in seeds {}..{}",
+                    bug.name(),
+                    args.first,
+                    args.first + limit
+                );
+                missed.push(bug.name());
+            }
+        }
+    }
+    println!(
+        "{} bugs, {ran} seeds in {:.1} s; {} not caught by their invariant",
+        Bug::ALL.len(),
+        started.elapsed().as_secs_f64(),
+        missed.len()
+    );
+    if missed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+#[cfg(not(feature = "sim-bugs"))]
+fn every_bug(_: &Args) -> ExitCode {
+    eprintln!("simulate: --every-bug needs a build with --features sim-bugs");
+    usage()
 }

@@ -88,6 +88,11 @@ pub struct AgentSettings {
     pub store_backoff: Backoff,
     /// The caches of agents defined in the BPMN (how long a latest version is trusted).
     pub bpmn: bpmn::BpmnSettings,
+    /// Validate a final answer against its schema on the task's own thread, not on a blocking
+    /// thread (`agent::output::judge_off_runtime`): for the deterministic simulator only, whose
+    /// one thread's order a blocking thread's wake-up would race (the paused clock does not
+    /// move meanwhile, but what else runs at that instant does). Production keeps `false`.
+    pub validate_inline: bool,
 }
 
 impl Default for AgentSettings {
@@ -101,6 +106,7 @@ impl Default for AgentSettings {
                 .without_jitter(),
             store_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
             bpmn: bpmn::BpmnSettings::default(),
+            validate_inline: false,
         }
     }
 }

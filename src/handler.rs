@@ -416,6 +416,11 @@ impl Refusal for EngineError {
 
 impl Refusal for StoreError {
     fn lease_lost(&self) -> Option<LeaseLostReason> {
+        // SIM-BUG (feature `sim-bugs`, selected at run time): the store's fence not a loss.
+        #[cfg(feature = "sim-bugs")]
+        if crate::sim_bugs::active(crate::sim_bugs::Bug::StoreFenceIgnored) {
+            return None;
+        }
         (self.class() == ErrorClass::Fenced).then_some(LeaseLostReason::RunStoreFenced)
     }
 }

@@ -356,6 +356,21 @@ impl RunningTasks {
                 a.ended.clone()
             })
             .collect();
+        // SIM-BUG (feature `sim-bugs`, selected at run time): every older attempt superseded,
+        // reporting or not, and the newer started at once.
+        #[cfg(feature = "sim-bugs")]
+        let older = if crate::sim_bugs::active(crate::sim_bugs::Bug::SupersedeReporting) {
+            for a in self
+                .attempts
+                .values()
+                .filter(|a| a.lease.task().task_id == lease.task().task_id)
+            {
+                a.lease.mark_lost(LeaseLostReason::Superseded);
+            }
+            Vec::new()
+        } else {
+            older
+        };
         let ended = CancellationToken::new();
         let on_end = ended.clone().drop_guard();
         let handle = self.set.spawn(async move {
@@ -898,7 +913,18 @@ async fn run_task(
         // the work, or one that never returns), the task reports at once keeping its slot, as
         // if there were no permits: a report never waits for another's, and no fetch comes
         // while slots are held by reports.
-        let (slot, on_slot) = match shared.reports.clone().try_acquire_owned() {
+        let report_permit = shared.reports.clone().try_acquire_owned();
+        // SIM-BUG (feature `sim-bugs`, selected at run time): the slot goes back whatever the
+        // report permits say.
+        #[cfg(feature = "sim-bugs")]
+        let report_permit = report_permit.or_else(|e| {
+            if crate::sim_bugs::active(crate::sim_bugs::Bug::ReportPermitIgnored) {
+                Arc::new(Semaphore::new(1)).try_acquire_owned()
+            } else {
+                Err(e)
+            }
+        });
+        let (slot, on_slot) = match report_permit {
             Ok(report_permit) => {
                 drop(permit);
                 shared.update_slot_gauge();
@@ -946,6 +972,15 @@ async fn run_task(
             attempt: task.attempt,
             outcome: end,
         });
+        // SIM-BUG (feature `sim-bugs`, selected at run time): the slot of a failed report is
+        // never given back.
+        #[cfg(feature = "sim-bugs")]
+        if end == TaskEnd::ReportFailed
+            && crate::sim_bugs::active(crate::sim_bugs::Bug::SlotLeakedOnReportFailure)
+        {
+            std::mem::forget(slot);
+            return;
+        }
         // The report permit, or the slot of a task that reported holding it.
         drop(slot);
         if on_slot {
@@ -1000,6 +1035,25 @@ async fn report(shared: &Shared, task: &Task, lease: &Lease, outcome: Outcome) -
             None => Err(TaskError::Engine(e)),
         },
         other => other,
+    };
+    // SIM-BUG (feature `sim-bugs`, selected at run time): a failed complete sent again,
+    // unfenced, until the engine takes it.
+    #[cfg(feature = "sim-bugs")]
+    let result = match (result, &outcome) {
+        (Err(TaskError::Engine(_)), Outcome::Complete { variables })
+            if crate::sim_bugs::active(crate::sim_bugs::Bug::ReportRetriedPastLease) =>
+        {
+            let mut again = Err(TaskError::LeaseLost(LeaseLostReason::NotOwned));
+            for _ in 0..120 {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                if shared.engine.complete(task_ref, variables).await.is_ok() {
+                    again = Ok(());
+                    break;
+                }
+            }
+            again
+        }
+        (result, _) => result,
     };
     match result {
         Ok(()) => end,

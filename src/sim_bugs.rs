@@ -1,6 +1,13 @@
 //! Feature `sim-bugs` (test builds only, never production): bugs this worker once had or
 //! could have, each reintroduced only when selected at run time, so the deterministic simulator
-//! (`devkit::sim`) can show that its invariants catch it. Each call site is marked `SIM-BUG`.
+//! (`devkit::sim`) can show that its invariants catch it, each by the invariant it names
+//! ([`Bug::caught_by`]). Each call site is marked `SIM-BUG`.
+//!
+//! Two invariants judge the peers' fencing, not the worker's: an engine that accepts a journal
+//! append of a stale attempt, a run store that accepts one of a stale claim. No worker can make
+//! a correct peer do that, so their bugs are flaws of the world's engine and store
+//! ([`Bug::EngineAcceptsStaleAppend`], [`Bug::StoreUnfenced`]), as the conformance suites'
+//! flaws are.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -20,15 +27,78 @@ pub enum Bug {
     /// A person's decision is matched to the waiting call by its `callId` only: its
     /// `requestId` (missing, forged, stale or consumed) and its `callDigest` are not checked.
     ApprovalByCallId,
+    /// The runner, handed a task that still runs here, supersedes every older attempt at
+    /// once, one already waiting for its report's answer included, and starts the newer one
+    /// without waiting: an accepted report ends `lease_lost`.
+    SupersedeReporting,
+    /// The run store's `Fenced` refusal is not taken as a lost lease: the fenced holder goes
+    /// on, and reports for a task whose run another attempt holds.
+    StoreFenceIgnored,
+    /// A report that failed transiently (a `complete` the engine did not answer) is sent again
+    /// every half second, unfenced, until the engine takes it: past the lease, after another
+    /// holder completed the task (the engine answers the stale `complete` 200, a no-op).
+    ReportRetriedPastLease,
+    /// A finished task gives its slot back as its report goes out even when every report
+    /// permit is taken: slow reports pile up above the slots.
+    ReportPermitIgnored,
+    /// The slot of a task whose report failed is never given back: the worker fetches for
+    /// fewer slots, then none.
+    SlotLeakedOnReportFailure,
+    /// The engine's tool credential is logged (debug) as it is received.
+    CredentialLogged,
+    /// A flaw of the world's engine: a journal append is accepted from any attempt (as if the
+    /// task's holder sent it).
+    EngineAcceptsStaleAppend,
+    /// A flaw of the world's run store: an append's compare-and-set checks neither the attempt
+    /// nor the version (only the next `seq`), as if the run's holder sent it.
+    StoreUnfenced,
+    /// The task's run is not looked up before its definition is read, and a task carrying a
+    /// decision for a conversation it cannot find begins a new one: the latest definition
+    /// decides where the run lives, so after a redeployment that dropped approval the task
+    /// carrying a person's decision begins a new conversation on the new definition, and the
+    /// approved call is dropped (the redeployment hole found on the real engine 0.11, without
+    /// its loop).
+    RunHomeFromLatest,
+    /// The same, and `agentStatus` is rewritten only by a definition that may stop: the stale
+    /// `approval-required` sends the token back to the person (the hole whole).
+    RedeployHole,
+    /// An answer that is JSON is stored without being validated against the output schema.
+    OffSchemaStored,
+    /// The stop reason is not read: an answer cut by the output limit is judged as whole (with
+    /// no schema, stored as its text).
+    CutAnswerStored,
+    /// A rejected final answer always gets another repair turn: `outputRepairTurns` is never
+    /// exhausted, the model is asked until it answers well.
+    RepairsUnbounded,
+    /// The context window elides a keyed write's result like any other old result: the model
+    /// loses its only record that the write was performed.
+    KeyedResultElided,
+    /// The request is not fitted to the model's context window: it goes out whole.
+    WindowIgnored,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 5] = [
+    pub const ALL: [Bug; 20] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
         Bug::StoreFinishBeforeComplete,
         Bug::ApprovalByCallId,
+        Bug::SupersedeReporting,
+        Bug::StoreFenceIgnored,
+        Bug::ReportRetriedPastLease,
+        Bug::ReportPermitIgnored,
+        Bug::SlotLeakedOnReportFailure,
+        Bug::CredentialLogged,
+        Bug::EngineAcceptsStaleAppend,
+        Bug::StoreUnfenced,
+        Bug::RunHomeFromLatest,
+        Bug::RedeployHole,
+        Bug::OffSchemaStored,
+        Bug::CutAnswerStored,
+        Bug::RepairsUnbounded,
+        Bug::KeyedResultElided,
+        Bug::WindowIgnored,
     ];
 
     pub fn name(self) -> &'static str {
@@ -38,6 +108,48 @@ impl Bug {
             Bug::KeyedWriteWithoutKey => "keyed-write-without-key",
             Bug::StoreFinishBeforeComplete => "store-finish-before-complete",
             Bug::ApprovalByCallId => "approval-by-call-id",
+            Bug::SupersedeReporting => "supersede-reporting",
+            Bug::StoreFenceIgnored => "store-fence-ignored",
+            Bug::ReportRetriedPastLease => "report-retried-past-lease",
+            Bug::ReportPermitIgnored => "report-permit-ignored",
+            Bug::SlotLeakedOnReportFailure => "slot-leaked-on-report-failure",
+            Bug::CredentialLogged => "credential-logged",
+            Bug::EngineAcceptsStaleAppend => "engine-accepts-stale-append",
+            Bug::StoreUnfenced => "store-unfenced",
+            Bug::RunHomeFromLatest => "run-home-from-latest",
+            Bug::RedeployHole => "redeploy-hole",
+            Bug::OffSchemaStored => "off-schema-stored",
+            Bug::CutAnswerStored => "cut-answer-stored",
+            Bug::RepairsUnbounded => "repairs-unbounded",
+            Bug::KeyedResultElided => "keyed-result-elided",
+            Bug::WindowIgnored => "window-ignored",
+        }
+    }
+
+    /// The invariant of the simulator that must catch it (`devkit::sim::invariants`).
+    pub fn caught_by(self) -> &'static str {
+        use crate::devkit::sim::invariants as i;
+        match self {
+            Bug::FenceRemoved => i::AFTER_LOSS,
+            Bug::HeartbeatAfterExpiry => i::LOCAL_EXPIRY,
+            Bug::KeyedWriteWithoutKey => i::KEYED_WRITE_ONCE,
+            Bug::StoreFinishBeforeComplete => i::MODEL_REPAID,
+            Bug::ApprovalByCallId => i::GATED_CALL_DECIDED,
+            Bug::SupersedeReporting => i::ENDS_AGREE,
+            Bug::StoreFenceIgnored => i::AFTER_LOSS,
+            Bug::ReportRetriedPastLease => i::ONE_COMPLETION,
+            Bug::ReportPermitIgnored => i::SLOTS,
+            Bug::SlotLeakedOnReportFailure => i::ALL_ENDED,
+            Bug::CredentialLogged => i::NO_SECRET,
+            Bug::EngineAcceptsStaleAppend => i::STALE_APPEND,
+            Bug::StoreUnfenced => i::STALE_STORE_APPEND,
+            Bug::RunHomeFromLatest => i::APPROVED_PERFORMED,
+            Bug::RedeployHole => i::NO_LOOP,
+            Bug::OffSchemaStored => i::STRUCTURED_RESULT,
+            Bug::CutAnswerStored => i::STRUCTURED_RESULT,
+            Bug::RepairsUnbounded => i::REPAIRS_BOUNDED,
+            Bug::KeyedResultElided => i::KEYED_RESULTS_KEPT,
+            Bug::WindowIgnored => i::WINDOW_BOUND,
         }
     }
 
@@ -50,26 +162,21 @@ static SELECTED: AtomicU8 = AtomicU8::new(0);
 
 /// Selects the bug of the runs that follow (`None`: the worker as it is).
 pub fn select(bug: Option<Bug>) {
-    let code = match bug {
-        None => 0,
-        Some(Bug::FenceRemoved) => 1,
-        Some(Bug::HeartbeatAfterExpiry) => 2,
-        Some(Bug::KeyedWriteWithoutKey) => 3,
-        Some(Bug::StoreFinishBeforeComplete) => 4,
-        Some(Bug::ApprovalByCallId) => 5,
-    };
+    let code = bug.map_or(0, |b| b.code());
     SELECTED.store(code, Ordering::SeqCst);
 }
 
 /// Whether `bug` is selected now.
 pub fn active(bug: Bug) -> bool {
-    let code = SELECTED.load(Ordering::SeqCst);
-    matches!(
-        (code, bug),
-        (1, Bug::FenceRemoved)
-            | (2, Bug::HeartbeatAfterExpiry)
-            | (3, Bug::KeyedWriteWithoutKey)
-            | (4, Bug::StoreFinishBeforeComplete)
-            | (5, Bug::ApprovalByCallId)
-    )
+    SELECTED.load(Ordering::SeqCst) == bug.code()
+}
+
+impl Bug {
+    /// Its code in [`SELECTED`]: its place in [`Bug::ALL`], from 1 (0: none).
+    fn code(self) -> u8 {
+        Bug::ALL
+            .iter()
+            .position(|b| *b == self)
+            .map_or(0, |i| i as u8 + 1)
+    }
 }

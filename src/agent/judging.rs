@@ -83,10 +83,19 @@ impl Attempt<'_> {
             self.record(step).await?;
         }
         let schema = self.def.output_schema.as_ref();
+        let inline = self.scope.rt.settings.validate_inline;
+        let validation = async {
+            if inline {
+                Ok(output::judge(schema, answer, "", None))
+            } else {
+                output::judge_off_runtime(schema, answer, "", None, output::VALIDATION_DEADLINE)
+                    .await
+            }
+        };
         // Biased, the verdict first: a validation that ended as the worker stops is kept.
         let judged = tokio::select! {
             biased;
-            judged = output::judge_off_runtime(schema, answer, "", None, output::VALIDATION_DEADLINE) => judged,
+            judged = validation => judged,
             // Shutting down: the validation is abandoned (its thread ends by itself, bounded),
             // the task released; the next attempt judges again (a pass counted).
             _ = self.scope.ctx.stopped() => return Err(self.scope.released()),

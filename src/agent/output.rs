@@ -336,6 +336,11 @@ impl Rejection {
 /// Whether an answer's stop reason says the output limit cut it (OpenAI `length`, Anthropic
 /// `max_tokens`).
 fn was_cut(stop_reason: &str) -> bool {
+    // SIM-BUG (feature `sim-bugs`, selected at run time): the stop reason not read.
+    #[cfg(feature = "sim-bugs")]
+    if crate::sim_bugs::active(crate::sim_bugs::Bug::CutAnswerStored) {
+        return false;
+    }
     matches!(stop_reason, "length" | "max_tokens")
 }
 
@@ -383,6 +388,11 @@ pub fn judge(
     // collecting the schema's own errors builds one per failed branch of every `anyOf`, for
     // every item, which cost a minute of CPU, or gigabytes (BENCHMARKS.md).
     if schema.validator.is_valid(&value) {
+        return Ok(value);
+    }
+    // SIM-BUG (feature `sim-bugs`, selected at run time): any JSON answer stored.
+    #[cfg(feature = "sim-bugs")]
+    if crate::sim_bugs::active(crate::sim_bugs::Bug::OffSchemaStored) {
         return Ok(value);
     }
     let Some((instance, schema_path, message)) = report::first_error(&schema.reporter, &value)
@@ -514,6 +524,11 @@ impl Verdict {
         match judged {
             Ok(_) => Verdict::Accepted,
             Err(r) if repairs_spent < allowed => Verdict::Repair(r),
+            // SIM-BUG (feature `sim-bugs`, selected at run time): never exhausted.
+            #[cfg(feature = "sim-bugs")]
+            Err(r) if crate::sim_bugs::active(crate::sim_bugs::Bug::RepairsUnbounded) => {
+                Verdict::Repair(r)
+            }
             Err(r) => Verdict::Exhausted(r),
         }
     }

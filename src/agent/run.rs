@@ -49,6 +49,15 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
         Ok(placed) => placed,
         Err(outcome) => return outcome,
     };
+    // SIM-BUG (feature `sim-bugs`, selected at run time): the latest definition decides.
+    #[cfg(feature = "sim-bugs")]
+    let placed = if crate::sim_bugs::active(crate::sim_bugs::Bug::RunHomeFromLatest)
+        || crate::sim_bugs::active(crate::sim_bugs::Bug::RedeployHole)
+    {
+        super::run_home::Placed::default()
+    } else {
+        placed
+    };
     let pinned = placed
         .run
         .as_ref()
@@ -451,10 +460,14 @@ impl<'a> Attempt<'a> {
         let mut variables = Map::new();
         variables.insert(self.def.result_variable.clone(), value);
         let status = &self.def.approval_variables.status;
-        if self.approval.may_stop()
-            || !self.state.consumed_requests.is_empty()
-            || self.scope.task.variables.contains_key(status)
-        {
+        let ever_stopped = !self.state.consumed_requests.is_empty()
+            || self.scope.task.variables.contains_key(status);
+        // SIM-BUG (feature `sim-bugs`, selected at run time): written only by a definition
+        // that may stop.
+        #[cfg(feature = "sim-bugs")]
+        let ever_stopped =
+            ever_stopped && !crate::sim_bugs::active(crate::sim_bugs::Bug::RedeployHole);
+        if self.approval.may_stop() || ever_stopped {
             // Written on every completion of a node that may stop, or ever did (this run, or an
             // earlier visit: the variable is there): the engine keeps the last value, and a
             // stale "approval-required" would route the token back to the person.
@@ -504,14 +517,31 @@ impl<'a> Attempt<'a> {
         };
         // [window] issue 26: the request fits the smallest context window of the chain (older
         // tool results elided, derived from the journal), or the task ends naming the sizes.
-        super::window::fit_to_chain(
-            &mut request,
-            self.scope.rt.providers.context_windows(),
-            &self.def.models,
-            self.limits.max_output_tokens,
-            &self.state.keyed_results,
-        )
-        .map_err(|e| incident(super::window::INCIDENT, e.to_string()))?;
+        let kept = &self.state.keyed_results;
+        // SIM-BUG (feature `sim-bugs`, selected at run time): no keyed result kept.
+        #[cfg(feature = "sim-bugs")]
+        let no_keyed = std::collections::HashSet::new();
+        #[cfg(feature = "sim-bugs")]
+        let kept = if crate::sim_bugs::active(crate::sim_bugs::Bug::KeyedResultElided) {
+            &no_keyed
+        } else {
+            kept
+        };
+        // SIM-BUG (feature `sim-bugs`, selected at run time): the window not consulted.
+        #[cfg(feature = "sim-bugs")]
+        let fits = !crate::sim_bugs::active(crate::sim_bugs::Bug::WindowIgnored);
+        #[cfg(not(feature = "sim-bugs"))]
+        let fits = true;
+        if fits {
+            super::window::fit_to_chain(
+                &mut request,
+                self.scope.rt.providers.context_windows(),
+                &self.def.models,
+                self.limits.max_output_tokens,
+                kept,
+            )
+            .map_err(|e| incident(super::window::INCIDENT, e.to_string()))?;
+        }
         // The budget is checked against the request about to go out, not only what was spent:
         // one call must not overshoot it by a context window.
         let estimated_input = limits::estimate_request_tokens(&request);

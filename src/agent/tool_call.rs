@@ -25,19 +25,23 @@ pub(super) struct LeaseCredentials {
 #[async_trait]
 impl CredentialSource for LeaseCredentials {
     async fn credential(&self, server: &str) -> Result<Option<Secret>, CredentialError> {
-        self.ctx
-            .tool_credential(server)
-            .await
-            .map(|c| Some(c.token))
-            .map_err(|e| match e {
-                TaskError::LeaseLost(_) => CredentialError::LeaseLost {
-                    server: server.to_string(),
-                },
-                TaskError::Engine(e) => CredentialError::Transient {
-                    server: server.to_string(),
-                    reason: e.to_string(),
-                },
-            })
+        let credential = self.ctx.tool_credential(server).await;
+        // SIM-BUG (feature `sim-bugs`, selected at run time): the credential logged.
+        #[cfg(feature = "sim-bugs")]
+        if let Ok(c) = &credential
+            && crate::sim_bugs::active(crate::sim_bugs::Bug::CredentialLogged)
+        {
+            tracing::debug!(server, token = c.token.expose(), "tool credential received");
+        }
+        credential.map(|c| Some(c.token)).map_err(|e| match e {
+            TaskError::LeaseLost(_) => CredentialError::LeaseLost {
+                server: server.to_string(),
+            },
+            TaskError::Engine(e) => CredentialError::Transient {
+                server: server.to_string(),
+                reason: e.to_string(),
+            },
+        })
     }
 }
 

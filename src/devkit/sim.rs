@@ -47,8 +47,10 @@ pub struct SeedReport {
     pub violations: Vec<Violation>,
     /// The trace as text, when asked for.
     pub trace: Option<String>,
-    /// Faults injected, by kind.
+    /// Faults injected, by kind (`world::faults::KINDS`).
     pub injected: BTreeMap<&'static str, u64>,
+    /// Per invariant, how many events (or tasks) it judged.
+    pub judged: BTreeMap<&'static str, usize>,
     pub events: usize,
     /// The world's time when the run ended.
     pub sim_time: Duration,
@@ -109,6 +111,9 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         store_journal: schedule.store_journal,
     });
     process::deploy(&world);
+    if schedule.faults.engine_clock_jump.is_some() {
+        world.faults().count("engine clock step");
+    }
     let people = Arc::new(Mutex::new(People::default()));
     // Tasks arrive on their schedule, each in its shape.
     let creator = {
@@ -117,11 +122,38 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         let tasks = schedule.tasks.clone();
         tokio::spawn(async move {
             let start = tokio::time::Instant::now();
-            let mut tasks = tasks;
-            tasks.sort_by_key(|t| t.at);
-            for t in tasks {
-                tokio::time::sleep_until(start + Duration::from_millis(t.at)).await;
-                arrive(&world, &people, &t);
+            // Each planned task, and the twin token of each parallel shape, at its time.
+            let mut arrivals: Vec<(u64, &TaskPlan, bool)> = Vec::new();
+            for t in &tasks {
+                arrivals.push((t.at, t, false));
+                if let Shape::Parallel { twin_after, .. } = &t.shape {
+                    arrivals.push((t.at + twin_after, t, true));
+                }
+            }
+            arrivals.sort_by_key(|(at, _, _)| *at);
+            // The instance of each parallel shape's first token, for its twin.
+            let mut instances = BTreeMap::new();
+            for (at, t, twin) in arrivals {
+                tokio::time::sleep_until(start + Duration::from_millis(at)).await;
+                arrive(&world, &people, t, twin, &mut instances);
+            }
+        })
+    };
+    // The process author redeploys the gated processes on the schedule's times.
+    let redeploying = {
+        let world = world.clone();
+        let redeploys = schedule.redeploys.clone();
+        tokio::spawn(async move {
+            let start = tokio::time::Instant::now();
+            for (n, r) in redeploys.iter().enumerate() {
+                tokio::time::sleep_until(start + Duration::from_millis(r.at)).await;
+                let version = n as u32 + 2;
+                process::redeploy(&world, version, r.keeps_approval);
+                world.faults().count("redeploy");
+                world.record(Event::Redeployed {
+                    version,
+                    approval: r.keeps_approval,
+                });
             }
         })
     };
@@ -171,10 +203,12 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
                 workers[n] = Some(w);
             }
         } else if let Some(w) = workers[n].take() {
+            world.faults().count("worker kill");
             w.kill(&world);
         }
     }
     let _ = creator.await;
+    let _ = redeploying.await;
     // Until every task ended and no person has anything left to do, or the bound after the
     // faults stopped.
     let deadline = start + Duration::from_millis(schedule.faults.quiet_at) + END_BOUND;
@@ -233,6 +267,14 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         safety_margin: world.safety_margin,
         secrets: &secrets,
     });
+    let judged = invariants::judged(&invariants::Facts {
+        trace: &trace,
+        views: &views,
+        keys: &keys,
+        schedule: &schedule,
+        safety_margin: world.safety_margin,
+        secrets: &secrets,
+    });
     let injected = world.faults().injected.clone();
     for w in workers.into_iter().flatten() {
         w.kill(&world);
@@ -247,6 +289,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         }
     }
     SeedReport {
+        judged,
         store_journal: schedule.store_journal,
         decisions,
         secrets: secrets.len(),
@@ -255,19 +298,47 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
     }
 }
 
-/// A planned task's arrival in its shape.
-fn arrive(world: &World, people: &Mutex<People>, t: &TaskPlan) {
+/// A planned task's arrival in its shape; `twin`: the second token of a parallel shape. On a
+/// plain engine every task belongs to a process instance (the real engine has no other), and
+/// its definition comes from the BPMN or the agents file; on an agent/1 engine it comes with
+/// the task.
+fn arrive(
+    world: &World,
+    people: &Mutex<People>,
+    t: &TaskPlan,
+    twin: bool,
+    instances: &mut BTreeMap<String, String>,
+) {
     let script = |task: String, steps: &str| ModelScript {
         task,
         steps: steps.to_string(),
         hostile: t.hostile,
+        finals: String::new(),
     };
-    let first = script(t.key.clone(), &t.steps);
+    let first = ModelScript {
+        finals: t.finals.clone(),
+        ..script(t.key.clone(), &t.steps)
+    };
     match &t.shape {
+        Shape::Task if world.store_journal && t.small_window => {
+            let _ = process::start_window_task(world, &first);
+        }
+        Shape::Task if world.store_journal && t.schema => {
+            let _ = process::start_schema_task(world, &first);
+        }
+        Shape::Task if world.store_journal => {
+            let _ = process::start_task(world, &first);
+        }
         Shape::Task => {
             world.core().create_task(TaskSpec {
                 variables: process::input_variables(&first),
-                agent: Some(process::agent_definition(false)),
+                agent: Some(if t.schema {
+                    process::schema_definition()
+                } else if t.small_window {
+                    process::window_definition()
+                } else {
+                    process::agent_definition(false)
+                }),
                 retries: Some(t.retries),
                 ..TaskSpec::default()
             });
@@ -293,8 +364,19 @@ fn arrive(world: &World, people: &Mutex<People>, t: &TaskPlan) {
                 },
             );
         }
-        Shape::Parallel { twin_steps } => {
-            process::start_parallel(world, &first, &script(format!("{}t", t.key), twin_steps));
+        Shape::Parallel { twin_steps, .. } if world.store_journal => {
+            if twin {
+                if let Some(instance) = instances.get(&t.key) {
+                    let second = script(format!("{}t", t.key), twin_steps);
+                    process::start_parallel(world, &first, Some(&second), Some(instance));
+                }
+            } else if let Ok(instance) = process::start_parallel_instance(world, &first) {
+                instances.insert(t.key.clone(), instance);
+            }
+        }
+        Shape::Parallel { twin_steps, .. } => {
+            let second = twin.then(|| script(format!("{}t", t.key), twin_steps));
+            process::start_parallel(world, &first, second.as_ref(), None);
         }
     }
 }
@@ -329,6 +411,7 @@ fn report(
         violations,
         trace: options.keep_trace.then(|| trace.render()),
         injected,
+        judged: BTreeMap::new(),
         events: trace.events.len(),
         sim_time,
         store_journal: false,

@@ -163,6 +163,7 @@ impl World {
             let Some(until) = self.faults().frozen_until(worker, now) else {
                 return;
             };
+            self.faults().count("worker freeze");
             tokio::time::sleep(std::time::Duration::from_millis(
                 until.saturating_sub(now).max(1),
             ))

@@ -991,6 +991,7 @@ mod seam {
                 task: "k1".into(),
                 steps: steps.into(),
                 hostile: false,
+                finals: String::new(),
             };
             let tools = offered_tools(
                 abada_agent_worker::devkit::world::tools::SERVER,

@@ -271,6 +271,7 @@ impl Setup {
             task: key.into(),
             steps: steps.into(),
             hostile: false,
+            finals: String::new(),
         };
         let mut variables = Map::new();
         variables.insert("simInput".into(), script.input().into());

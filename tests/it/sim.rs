@@ -38,8 +38,16 @@ pub(crate) fn seed(seed: u64) -> abada_agent_worker::devkit::sim::SeedReport {
 fn fifty_seeds_hold_every_invariant() {
     let mut decisions = BTreeMap::new();
     let (mut secrets, mut lines) = (0, 0);
+    let mut judged: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut drawn: BTreeMap<&str, u64> = BTreeMap::new();
     for s in 0..50 {
         let report = seed(s);
+        for (invariant, n) in &report.judged {
+            *judged.entry(invariant).or_default() += n;
+        }
+        for (kind, n) in &report.injected {
+            *drawn.entry(kind).or_default() += n;
+        }
         assert!(
             report.violations.is_empty(),
             "seed {s}: {:#?}\nreplay: {}",
@@ -66,6 +74,19 @@ fn fifty_seeds_hold_every_invariant() {
         secrets > 0 && lines > 1000,
         "{secrets} secrets, {lines} lines"
     );
+    // Every invariant had events to judge, and every kind of fault was drawn.
+    for invariant in invariants::INVARIANTS {
+        assert!(
+            judged.get(invariant).copied().unwrap_or(0) > 0,
+            "invariant {invariant:?} judged nothing in 50 seeds: {judged:#?}"
+        );
+    }
+    for kind in abada_agent_worker::devkit::world::faults::KINDS {
+        assert!(
+            drawn.get(kind).copied().unwrap_or(0) > 0,
+            "no {kind:?} fault in 50 seeds: {drawn:#?}"
+        );
+    }
 }
 
 /// The capture the simulator installs for a seed writes down a real event's fields and a real
@@ -248,7 +269,7 @@ fn an_append_accepted_from_a_stale_attempt_fires() {
         .at(11_500, answer("w0", "journal-append", 1, Answer::Ok));
     fires(
         invariants::no_stale_append(&p.facts()),
-        "no append by a stale attempt accepted",
+        invariants::STALE_APPEND,
         "task t-000001: journal append by w0 attempt 1",
     );
 }
@@ -258,6 +279,7 @@ fn store_call(worker: &str, op: &'static str, attempt: Option<u64>, seq: Option<
         worker: w(worker),
         op,
         run: w("t-000001"),
+        task: w("t-000001"),
         attempt,
         seq,
     }
@@ -274,6 +296,7 @@ fn store_answer(
         worker: w(worker),
         op,
         run: w("t-000001"),
+        task: w("t-000001"),
         attempt,
         seq,
         answer,
@@ -304,8 +327,8 @@ fn an_append_accepted_by_the_store_from_a_stale_claim_fires() {
         );
     fires(
         invariants::no_stale_store_append(&p.facts()),
-        "no append by a stale attempt accepted",
-        "task t-000001: step 2 appended to the run store by w0 with run attempt 7",
+        invariants::STALE_STORE_APPEND,
+        "task t-000001: step 2 appended to run t-000001 by w0 with run attempt 7",
     );
 }
 
@@ -330,8 +353,8 @@ fn an_append_sent_to_the_store_after_the_engine_replaced_its_holder_fires() {
         );
     fires(
         invariants::no_stale_store_append(&p.facts()),
-        "no append by a stale attempt accepted",
-        "task t-000001: step 3 appended to the run store by w0 (sent at 11.100 s)",
+        invariants::STALE_STORE_APPEND,
+        "task t-000001: step 3 appended to run t-000001 by w0 (sent at 11.100 s)",
     );
 }
 
@@ -400,6 +423,7 @@ fn a_call_after_a_refusal_fires_and_one_at_its_instant_does_not() {
                 Answer::Refused {
                     status: 409,
                     code: w("STALE_ATTEMPT"),
+                    message: w("stale attempt"),
                 },
             ),
         )
@@ -441,6 +465,104 @@ fn a_call_after_the_run_store_fenced_the_attempt_fires() {
     );
 }
 
+fn ended(worker: &str, attempt: u32, outcome: &str) -> Event {
+    Event::TaskEnded {
+        worker: w(worker),
+        task: w("t-000001"),
+        attempt: Some(attempt),
+        outcome: w(outcome),
+    }
+}
+
+/// The supersession race's end: w0's failure was accepted, the task was offered again after
+/// its retry timeout while the answer was still on its way, and w0, handed the task again,
+/// disowned the older attempt (`lease_lost`) long before its lease ran out. The same end at the
+/// lease's local expiry (the answer never came in time), or after a refusal, is no breach;
+/// an end that claims a report the engine never accepted is one.
+#[test]
+fn an_accepted_report_ended_lease_lost_in_its_lease_fires_and_one_past_its_expiry_does_not() {
+    let fetch = Event::EngineCall {
+        worker: w("w0"),
+        op: "fetch-and-lock",
+        task: None,
+        attempt: None,
+    };
+    let late = Event::Late {
+        worker: w("w0"),
+        op: "failure",
+        task: Some(w("t-000001")),
+        attempt: Some(1),
+    };
+    let accepted = |p: Played| {
+        p.at(0, fetch.clone())
+            .at(0, fetched("w0", 1))
+            .at(2_000, call("w0", "failure", 1))
+            .at(2_000, answer("w0", "failure", 1, Answer::Ok))
+            .at(2_000, late.clone())
+            .at(3_500, fetched("w0", 2))
+    };
+    // Lock 10 s, margin 1 s: the lease runs until 9 s by w0's clock.
+    fires(
+        invariants::ends_agree(
+            &accepted(Played::new())
+                .at(3_500, ended("w0", 1, "lease_lost"))
+                .facts(),
+        ),
+        invariants::ENDS_AGREE,
+        "task t-000001: w0 attempt 1 ended lease_lost at 3.500 s, though the engine accepted its failure at 2.000 s and its lease ran until 9.000 s",
+    );
+    // The answer never reached w0 before its lease ran out: it could not know.
+    let p = accepted(Played::new()).at(9_000, ended("w0", 1, "lease_lost"));
+    assert!(invariants::ends_agree(&p.facts()).is_empty());
+    // The answer reached it: it ends failed, as the engine says.
+    let p = accepted(Played::new())
+        .at(
+            2_800,
+            Event::Delivered {
+                worker: w("w0"),
+                op: "failure",
+                task: Some(w("t-000001")),
+                attempt: Some(1),
+                executed: 2_000,
+            },
+        )
+        .at(2_801, ended("w0", 1, "failed"));
+    assert!(invariants::ends_agree(&p.facts()).is_empty());
+    // A heartbeat refused before: the loss was known.
+    let p = accepted(Played::new())
+        .at(3_000, call("w0", "heartbeat", 1))
+        .at(
+            3_000,
+            answer(
+                "w0",
+                "heartbeat",
+                1,
+                Answer::Refused {
+                    status: 403,
+                    code: w("WORKER_LOCK_NOT_OWNED"),
+                    message: w("not owned"),
+                },
+            ),
+        )
+        .at(3_500, ended("w0", 1, "lease_lost"));
+    assert!(invariants::ends_agree(&p.facts()).is_empty());
+    // An end that says completed, without any accepted report.
+    let p = Played::new()
+        .at(0, fetch.clone())
+        .at(0, fetched("w0", 1))
+        .at(2_000, call("w0", "complete", 1))
+        .at(
+            2_000,
+            answer("w0", "complete", 1, Answer::Fault("answer-lost")),
+        )
+        .at(2_001, ended("w0", 1, "completed"));
+    fires(
+        invariants::ends_agree(&p.facts()),
+        invariants::ENDS_AGREE,
+        "task t-000001: w0 attempt 1 ended completed at 2.001 s, but the engine accepted no report of it",
+    );
+}
+
 #[test]
 fn a_fetch_above_the_free_slots_and_a_task_above_the_slots_fire() {
     let started = |task: &str| Event::TaskStarted {
@@ -467,8 +589,8 @@ fn a_fetch_above_the_free_slots_and_a_task_above_the_slots_fire() {
         );
     fires(
         invariants::slots(&p.facts()),
-        "no fetch above the free slots",
-        "asked for 2 tasks at 0.010 s with 1 of 2 slots busy",
+        invariants::SLOTS,
+        "no fetch above the free slots: worker w0 asked for 2 tasks at 0.010 s with 1 of 2 slots busy",
     );
     let p = Played::new()
         .at(
@@ -482,8 +604,8 @@ fn a_fetch_above_the_free_slots_and_a_task_above_the_slots_fire() {
         .at(5, started("t-000001"));
     fires(
         invariants::slots(&p.facts()),
-        "running tasks never above the slots",
-        "task t-000001: started by w0 at 0.005 s with 2 tasks running on 1 slots",
+        invariants::SLOTS,
+        "running tasks above the slots: task t-000001 started by w0 at 0.005 s with 2 tasks running on 1 slots",
     );
     // A slot given back before the report does not count as busy: no breach.
     let freed = |task: &str| Event::SlotFreed {
@@ -507,8 +629,8 @@ fn a_fetch_above_the_free_slots_and_a_task_above_the_slots_fire() {
     let p = p.at(7, freed("t-000001"));
     fires(
         invariants::slots(&p.facts()),
-        "reports in flight never above the slots",
-        "task t-000001: w0 gave its slot back at 0.007 s with 2 reports in flight on 1 slots",
+        invariants::SLOTS,
+        "reports in flight above the slots: task t-000001: w0 gave its slot back at 0.007 s with 2 reports in flight on 1 slots",
     );
 }
 
@@ -549,6 +671,128 @@ fn a_model_answer_paid_twice_without_an_interruption_fires() {
         .at(11_000, fetched("w1", 2))
         .at(11_050, model(0));
     assert!(invariants::model_repaid(&p.facts()).is_empty());
+}
+
+/// The one planned task `k0` (engine task `t-000001`) with the final answers `finals` played
+/// before the good one, and the other planned tasks with none.
+fn with_finals(finals: &str, schema: bool) -> Played {
+    let mut p = Played::new();
+    for t in &mut p.schedule.tasks {
+        t.finals = String::new();
+        t.schema = false;
+    }
+    p.schedule.tasks[0].finals = finals.into();
+    p.schedule.tasks[0].schema = schema;
+    p
+}
+
+/// Task `t-000001`, completed with `result` in the simulated agents' result variable.
+fn completed_with(result: serde_json::Value) -> Vec<TaskView> {
+    let mut core = EngineCore::new(ProtocolLevel::AgentV1, 60_000);
+    core.create_task(TaskSpec::default());
+    let mut views = core.tasks();
+    views[0].status = abada_agent_worker::devkit::engine::TaskStatus::Completed;
+    views[0].result_variables = Some(serde_json::Map::from_iter([("simResult".into(), result)]));
+    views
+}
+
+#[test]
+fn a_result_off_the_schema_or_cut_fires_and_one_matching_it_does_not() {
+    // Off the schema, cut by the output limit (stored as its text), one field too many.
+    for stored in [
+        serde_json::json!({"task": "k0", "route": "sideways"}),
+        serde_json::json!("{\"route\":\"done\",\"ta"),
+        serde_json::json!({"task": "k0", "turns": 1, "route": "done", "more": 1}),
+    ] {
+        let mut p = Played::new();
+        p.views = completed_with(stored);
+        fires(
+            invariants::structured_result(&p.facts()),
+            invariants::STRUCTURED_RESULT,
+            "task t-000001: completed (attempt 0) with a result that does not match the output schema",
+        );
+    }
+    let mut p = Played::new();
+    p.views = completed_with(serde_json::json!({"task": "k0", "turns": 1, "route": "done"}));
+    assert!(invariants::structured_result(&p.facts()).is_empty());
+}
+
+#[test]
+fn repair_turns_past_the_bound_and_an_exhausted_run_completed_fire() {
+    let model = |turn, answer| Event::ModelCall {
+        worker: w("w0"),
+        task: w("k0"),
+        turn,
+        answer,
+    };
+    // No schema: one repair turn for a cut answer (the default); the model asked three times.
+    let p = with_finals("ccc", false)
+        .at(0, fetched("w0", 1))
+        .at(50, model(0, "cut"))
+        .at(100, model(1, "cut"))
+        .at(150, model(2, "cut"));
+    fires(
+        invariants::repairs_bounded(&p.facts()),
+        invariants::REPAIRS_BOUNDED,
+        "task k0 (t-000001): the model answered 3 rejected final answers counted by outputRepairTurns, which allows 1 repair turns",
+    );
+    // Two cut answers exhaust it: the run completed instead of an incident.
+    let mut p = with_finals("cc", false)
+        .at(0, fetched("w0", 1))
+        .at(50, model(0, "cut"))
+        .at(100, model(1, "cut"))
+        .at(150, model(2, "final"));
+    p.views = completed_with(serde_json::json!({"task": "k0", "turns": 2, "route": "done"}));
+    fires(
+        invariants::repairs_bounded(&p.facts()),
+        invariants::REPAIRS_BOUNDED,
+        "task k0 (t-000001): completed although its model's rejected answers (cc) exhaust",
+    );
+    // With the schema's two repair turns the same run is within its bound; and the lost
+    // incident report's next attempt gets one more turn, as a retry of the incident does.
+    let mut p = with_finals("cc", true)
+        .at(0, fetched("w0", 1))
+        .at(50, model(0, "cut"))
+        .at(100, model(1, "cut"))
+        .at(150, model(2, "final"));
+    p.views = completed_with(serde_json::json!({"task": "k0", "turns": 2, "route": "done"}));
+    assert!(invariants::repairs_bounded(&p.facts()).is_empty());
+    let p = with_finals("ccc", false)
+        .at(0, fetched("w0", 1))
+        .at(50, model(0, "cut"))
+        .at(100, model(1, "cut"))
+        .at(11_000, fetched("w1", 2))
+        .at(11_050, model(2, "cut"));
+    assert!(invariants::repairs_bounded(&p.facts()).is_empty());
+}
+
+#[test]
+fn a_request_over_the_window_and_an_elided_write_result_fire() {
+    let request = |tokens, elided, elided_writes| Event::WindowRequest {
+        worker: w("w0"),
+        task: w("k0"),
+        turn: 3,
+        tokens,
+        window: 1200,
+        elided,
+        elided_writes,
+    };
+    let p = Played::new().at(100, request(1201, 0, 0));
+    fires(
+        invariants::window_bound(&p.facts()),
+        invariants::WINDOW_BOUND,
+        "task k0: w0's request for turn 3 at 0.100 s holds 1201 tokens",
+    );
+    let p = Played::new().at(100, request(900, 2, 1));
+    fires(
+        invariants::keyed_results_kept(&p.facts()),
+        invariants::KEYED_RESULTS_KEPT,
+        "task k0: w0's request for turn 3 at 0.100 s carries 1 keyed write results elided",
+    );
+    // At the window, with reads elided, both hold.
+    let p = Played::new().at(100, request(1200, 2, 0));
+    assert!(invariants::window_bound(&p.facts()).is_empty());
+    assert!(invariants::keyed_results_kept(&p.facts()).is_empty());
 }
 
 #[test]
@@ -675,6 +919,78 @@ fn a_gated_write_performed_without_its_approval_fires_and_an_approved_one_does_n
     assert!(invariants::gated_call_decided(&p.facts()).is_empty());
 }
 
+/// A redeployment's hole: a person approved write 1 of k0's first visit, and nothing performed
+/// it, and no incident said so; then the instance came back to the person for the same call.
+/// The same approval followed by the call (or by an incident naming it) passes; decisions that
+/// approved nothing may be asked again.
+#[test]
+fn an_approved_call_dropped_and_an_instance_that_asks_again_fire() {
+    let approval = |p: Played| {
+        let mut p = p;
+        p.schedule.tasks[0].shape = Shape::Approval {
+            decisions: Vec::new(),
+            preset: false,
+            revisits: Vec::new(),
+        };
+        p.keys.insert(w("k0"), vec![w("t-000001"), w("t-000002")]);
+        p
+    };
+    let decision = |written: serde_json::Value, manner: &'static str| Event::Decision {
+        instance: w("pi-000001"),
+        task: w("k0"),
+        write: Some(1),
+        request_id: Some(w("3f2a")),
+        call_id: Some(w("call-1")),
+        call_digest: Some(w("sha256:aa")),
+        written: Some(written),
+        manner,
+    };
+    let honest = serde_json::json!({"requestId": "3f2a", "callId": "call-1", "callDigest": "sha256:aa", "approved": true, "decidedBy": "ann"});
+    let refused = serde_json::json!({"requestId": "3f2a", "callId": "call-1", "approved": false, "decidedBy": "ann"});
+    let performed = Event::ToolCall {
+        worker: w("w1"),
+        task: w("k0"),
+        write: Some(1),
+        key: Some(w("abada:t-000002:7")),
+        answer: "applied",
+    };
+    let p = approval(Played::new()).at(5_000, decision(honest.clone(), "approve"));
+    fires(
+        invariants::approved_performed(&p.facts()),
+        invariants::APPROVED_PERFORMED,
+        "task t-000001, t-000002 (script k0): write 1, approved by a person at 5.000 s, was never performed",
+    );
+    let p = approval(Played::new())
+        .at(5_000, decision(honest.clone(), "approve"))
+        .at(6_000, performed);
+    assert!(invariants::approved_performed(&p.facts()).is_empty());
+    let p = approval(Played::new())
+        .at(5_000, decision(honest.clone(), "approve"))
+        .at(
+            6_000,
+            Event::TaskEnded {
+                worker: w("w1"),
+                task: w("t-000002"),
+                attempt: Some(1),
+                outcome: w("incident"),
+            },
+        );
+    assert!(invariants::approved_performed(&p.facts()).is_empty());
+    // The loop: asked again for the approved call.
+    let p = approval(Played::new())
+        .at(5_000, decision(honest.clone(), "approve"))
+        .at(7_000, decision(honest, "approve"));
+    fires(
+        invariants::no_loop(&p.facts()),
+        invariants::NO_LOOP,
+        "instance pi-000001 (script k0): write 1 was approved at 5.000 s and the instance came back to the person for it at 7.000 s",
+    );
+    let p = approval(Played::new())
+        .at(5_000, decision(refused.clone(), "refuse"))
+        .at(7_000, decision(refused, "refuse"));
+    assert!(invariants::no_loop(&p.facts()).is_empty());
+}
+
 #[test]
 fn a_secret_in_a_log_line_span_or_metric_fires_and_the_message_masks_it() {
     let secret = "9c1e5d7f0a2b4c6d8e0f1a3b5c7d9e1f3a5b7c9d1e3f5a7b";
@@ -736,16 +1052,18 @@ fn a_secret_in_a_log_line_span_or_metric_fires_and_the_message_masks_it() {
     }
 }
 
-/// The reintroduced bugs (docs/SIMULATION.md): each caught within 1,000 seeds. Only in a build
-/// with `--features sim-bugs` (`cargo test --features sim-bugs --test it sim::`).
+/// The reintroduced bugs (docs/SIMULATION.md): each caught within 1,000 seeds by the invariant
+/// its docs name, not by any violation. Only in a build with `--features sim-bugs`
+/// (`cargo test --features sim-bugs --test it sim::`; CI runs the same search through
+/// `examples/simulate.rs --every-bug`).
 #[cfg(feature = "sim-bugs")]
 #[test]
-fn every_reintroduced_bug_is_caught_within_a_thousand_seeds() {
+fn every_reintroduced_bug_is_caught_within_a_thousand_seeds_by_its_invariant() {
     use abada_agent_worker::sim_bugs::Bug;
     let _one_at_a_time = SEEDS.lock().unwrap_or_else(|e| e.into_inner());
     for bug in Bug::ALL {
         let caught = (0..1000).find(|&s| {
-            !run_seed(
+            run_seed(
                 paused_runtime(),
                 &SimOptions {
                     seed: s,
@@ -754,8 +1072,14 @@ fn every_reintroduced_bug_is_caught_within_a_thousand_seeds() {
                 },
             )
             .violations
-            .is_empty()
+            .iter()
+            .any(|v| v.invariant == bug.caught_by())
         });
-        assert!(caught.is_some(), "{} not caught in 1000 seeds", bug.name());
+        assert!(
+            caught.is_some(),
+            "{} not caught by {:?} in 1000 seeds",
+            bug.name(),
+            bug.caught_by()
+        );
     }
 }

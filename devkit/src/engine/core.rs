@@ -14,7 +14,9 @@ use serde_json::Value;
 use super::ProtocolLevel;
 use super::contention::FetchContention;
 use super::http::parse_command_body;
-use super::process::{Caller, ProcessInstanceView, ProcessModel, UserTaskStatus, UserTaskView};
+use super::process::{
+    Caller, ProcessDefinitionView, ProcessInstanceView, ProcessModel, UserTaskStatus, UserTaskView,
+};
 use super::state::{EngineState, Operation, TaskSpec, TaskView};
 
 /// Who calls an engine without HTTP: no identity, as a request without `X-User` to an engine
@@ -102,8 +104,19 @@ impl EngineCore {
             .start_process(process_id, variables, ANONYMOUS, self.now_ms)
     }
 
+    /// Deploys `model` (its next version) with the BPMN XML the process API serves for it, as
+    /// [`super::EngineEmulator::deploy_bpmn`] does.
+    pub fn deploy_bpmn(&mut self, model: ProcessModel, bpmn_xml: String) {
+        self.state.deploy(model, Some(bpmn_xml));
+    }
+
     pub fn process_instance(&self, id: &str) -> Option<ProcessInstanceView> {
         self.state.process_instance(id)
+    }
+
+    /// `GET /api/v1/processes/{id}`: the latest deployed version of a process, with its XML.
+    pub fn process_definition(&self, id: &str) -> Option<ProcessDefinitionView> {
+        self.state.process_definition(id)
     }
 
     /// The open user tasks `user` of `groups` may see, with their instance's variables.

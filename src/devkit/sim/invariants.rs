@@ -26,6 +26,17 @@
 //! - [`gated_call_decided`]: no keyed write of a gated shape performed unless a person approved
 //!   exactly the request it waited on (its requestId, callId and, when given, callDigest)
 //!   before; the approver's record of what it saw and wrote is the world's truth;
+//! - [`structured_result`]: a completed task's stored result matches the output schema (every
+//!   good final answer of the world's model does, so a result that does not is an off-schema,
+//!   cut or text-call answer stored);
+//! - [`repairs_bounded`]: the model is asked again after a rejected final answer at most as
+//!   often as the definition's repair turns allow (`outputRepairTurns` for off-schema and cut
+//!   answers, `answerRepairTurns` for a tool call written as text), and a script that
+//!   rejected more than that ends as an incident, never completed;
+//! - [`window_bound`]: no request to a model of the small context window exceeds it (its bytes
+//!   at 3 a token, as the worker's estimate assumes, plus the room asked for the answer);
+//! - [`keyed_results_kept`]: no request carries a keyed write's result elided (its result is
+//!   the model's only record that the write was performed);
 //! - [`no_secret_leaked`]: no secret the world handed out in any log line, span field or
 //!   metric the workers emitted (`super::secrets`).
 
@@ -51,6 +62,51 @@ impl std::fmt::Display for Violation {
     }
 }
 
+/// The names of the invariants, each the `invariant` of its violations.
+pub const ONE_COMPLETION: &str = "one accepted completion per task";
+pub const STALE_APPEND: &str = "no engine journal append by a stale attempt accepted";
+pub const STALE_STORE_APPEND: &str = "no run-store append by a stale attempt accepted";
+pub const LOCAL_EXPIRY: &str = "no engine call after the local lease expired";
+pub const AFTER_LOSS: &str = "no call after the engine or the run store said the lease is lost";
+pub const ENDS_AGREE: &str = "a worker's end agrees with what the engine accepted";
+pub const SLOTS: &str = "running tasks, fetches and reports within the slots";
+pub const ALL_ENDED: &str = "every task ends once faults stop";
+pub const MODEL_REPAID: &str = "at most one model call re-paid per interruption";
+pub const KEYED_WRITE_ONCE: &str = "every keyed write applied at most once";
+pub const GATED_CALL_DECIDED: &str = "no gated call performed without the matching decision";
+pub const NO_SECRET: &str = "no secret in any log line, span or metric";
+pub const APPROVED_PERFORMED: &str =
+    "an approved call is performed or an incident is raised, never dropped";
+pub const NO_LOOP: &str = "the instance does not loop back to a person for an approved call";
+pub const STRUCTURED_RESULT: &str =
+    "a completed task's stored result matches its schema, never an off-schema or cut answer";
+pub const WINDOW_BOUND: &str = "no model request exceeds its context window";
+pub const KEYED_RESULTS_KEPT: &str = "a keyed write's result is never elided from a request";
+pub const REPAIRS_BOUNDED: &str =
+    "repair turns within the definition's bounds, an exhausted one an incident";
+
+/// Every invariant [`check`] judges, in its order.
+pub const INVARIANTS: &[&str] = &[
+    ONE_COMPLETION,
+    STALE_APPEND,
+    STALE_STORE_APPEND,
+    LOCAL_EXPIRY,
+    AFTER_LOSS,
+    ENDS_AGREE,
+    SLOTS,
+    ALL_ENDED,
+    MODEL_REPAID,
+    KEYED_WRITE_ONCE,
+    GATED_CALL_DECIDED,
+    APPROVED_PERFORMED,
+    NO_LOOP,
+    STRUCTURED_RESULT,
+    REPAIRS_BOUNDED,
+    WINDOW_BOUND,
+    KEYED_RESULTS_KEPT,
+    NO_SECRET,
+];
+
 /// What the checks read.
 pub struct Facts<'a> {
     pub trace: &'a Trace,
@@ -72,13 +128,94 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(no_stale_store_append(facts));
     v.extend(no_call_after_local_expiry(facts));
     v.extend(no_call_after_refusal(facts));
+    v.extend(ends_agree(facts));
     v.extend(slots(facts));
     v.extend(all_ended(facts));
     v.extend(model_repaid(facts));
     v.extend(keyed_write_once(facts));
     v.extend(gated_call_decided(facts));
+    v.extend(approved_performed(facts));
+    v.extend(no_loop(facts));
+    v.extend(structured_result(facts));
+    v.extend(repairs_bounded(facts));
+    v.extend(window_bound(facts));
+    v.extend(keyed_results_kept(facts));
     v.extend(no_secret_leaked(facts));
     v
+}
+
+/// Per invariant, how many events (or tasks) it had to judge: an invariant that judged
+/// nothing over many seeds checks nothing.
+pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
+    let gated = gated_scripts(facts.schedule);
+    let mut n: BTreeMap<&'static str, usize> = INVARIANTS.iter().map(|i| (*i, 0)).collect();
+    let mut add = |i: &'static str| *n.entry(i).or_default() += 1;
+    for (_, e) in &facts.trace.events {
+        match e {
+            Event::EngineAnswer {
+                op, answer, task, ..
+            } => {
+                match (*op, answer) {
+                    ("complete" | "bpmn-error", Answer::Ok) => add(ONE_COMPLETION),
+                    ("journal-append", Answer::Ok) => add(STALE_APPEND),
+                    _ => {}
+                }
+                if task.is_some() && lease_lost(answer) {
+                    add(AFTER_LOSS);
+                }
+            }
+            Event::StoreAnswer {
+                op: "append",
+                answer,
+                ..
+            } if store_accepted(answer) => add(STALE_STORE_APPEND),
+            Event::StoreAnswer {
+                answer: "fenced", ..
+            } => add(AFTER_LOSS),
+            Event::EngineCall {
+                attempt: Some(_), ..
+            } => add(LOCAL_EXPIRY),
+            Event::StoreCall { op, .. } if *op != "finish" => add(LOCAL_EXPIRY),
+            Event::TaskEnded { .. } => add(ENDS_AGREE),
+            Event::RunnerFetched { .. } | Event::TaskStarted { .. } | Event::SlotFreed { .. } => {
+                add(SLOTS)
+            }
+            Event::ModelCall { answer, .. } if paid_answer(answer) => {
+                add(MODEL_REPAID);
+                if rejected_final(answer).is_some() {
+                    add(REPAIRS_BOUNDED);
+                }
+            }
+            Event::ToolCall {
+                write: Some(_),
+                answer,
+                task,
+                ..
+            } if answer.starts_with("applied") => {
+                add(KEYED_WRITE_ONCE);
+                if gated.contains(task.as_str()) {
+                    add(GATED_CALL_DECIDED);
+                }
+            }
+            Event::WindowRequest { elided, .. } => {
+                add(WINDOW_BOUND);
+                if *elided > 0 {
+                    add(KEYED_RESULTS_KEPT);
+                }
+            }
+            Event::Log { .. } if !facts.secrets.is_empty() => add(NO_SECRET),
+            Event::Decision { .. } => add(NO_LOOP),
+            _ => {}
+        }
+    }
+    *n.entry(ALL_ENDED).or_default() += facts.views.len();
+    *n.entry(STRUCTURED_RESULT).or_default() += facts
+        .views
+        .iter()
+        .filter(|v| stored_result(v).is_some())
+        .count();
+    *n.entry(APPROVED_PERFORMED).or_default() += genuine_approvals(facts).len();
+    n
 }
 
 fn at(ms: u64) -> String {
@@ -140,7 +277,7 @@ pub fn one_completion(facts: &Facts<'_>) -> Vec<Violation> {
                     .unwrap_or(*t);
                 if sent_at >= *first_at {
                     out.push(violation(
-                        "one accepted completion per task",
+                        ONE_COMPLETION,
                         format!(
                             "task {task}: {op} by {worker} attempt {attempt:?} sent at {} and accepted at {}, after {first_op} by {w} attempt {a:?} was accepted at {}",
                             at(sent_at),
@@ -172,7 +309,7 @@ pub fn no_stale_append(facts: &Facts<'_>) -> Vec<Violation> {
             let latest = holders.get(task);
             if latest != Some(&(worker.clone(), *attempt)) {
                 out.push(violation(
-                    "no append by a stale attempt accepted",
+                    STALE_APPEND,
                     format!(
                         "task {task}: journal append by {worker} attempt {attempt} accepted at {} while the latest acquisition is {latest:?}",
                         at(*t)
@@ -193,7 +330,7 @@ pub fn no_stale_store_append(facts: &Facts<'_>) -> Vec<Violation> {
     // The store's side: the attempt of each run's latest claim, as executed.
     let mut claimed: BTreeMap<&str, u64> = BTreeMap::new();
     // The engine's side: who acquired each task last, and when; when each worker last sent an
-    // append about a run (the simulator keys runs by task id).
+    // append about a task's run.
     let mut holders: BTreeMap<&str, (&str, u64)> = BTreeMap::new();
     let mut sent: BTreeMap<(&str, &str, u64), u64> = BTreeMap::new();
     let mut out = Vec::new();
@@ -207,11 +344,11 @@ pub fn no_stale_store_append(facts: &Facts<'_>) -> Vec<Violation> {
             Event::StoreCall {
                 worker,
                 op: "append",
-                run,
+                task,
                 seq: Some(seq),
                 ..
             } => {
-                sent.insert((worker, run, *seq), *t);
+                sent.insert((worker, task, *seq), *t);
             }
             Event::StoreAnswer {
                 op: "claim",
@@ -226,6 +363,7 @@ pub fn no_stale_store_append(facts: &Facts<'_>) -> Vec<Violation> {
                 worker,
                 op: "append",
                 run,
+                task,
                 attempt: Some(attempt),
                 seq: Some(seq),
                 answer,
@@ -233,22 +371,23 @@ pub fn no_stale_store_append(facts: &Facts<'_>) -> Vec<Violation> {
                 let latest = claimed.get(run.as_str()).copied();
                 if latest != Some(*attempt) {
                     out.push(violation(
-                        "no append by a stale attempt accepted",
+                        STALE_STORE_APPEND,
                         format!(
-                            "task {run}: step {seq} appended to the run store by {worker} with run attempt {attempt} accepted ({answer}) at {} while the run's latest claim is attempt {latest:?}",
+                            "task {task}: step {seq} appended to run {run} by {worker} with run attempt {attempt} accepted ({answer}) at {} while the run's latest claim is attempt {latest:?}",
                             at(*t)
                         ),
                     ));
                 }
-                let sent_at = sent.get(&(worker.as_str(), run.as_str(), *seq)).copied();
-                if let (Some((holder, since)), Some(sent_at)) = (holders.get(run.as_str()), sent_at)
+                let sent_at = sent.get(&(worker.as_str(), task.as_str(), *seq)).copied();
+                if let (Some((holder, since)), Some(sent_at)) =
+                    (holders.get(task.as_str()), sent_at)
                     && holder != worker
                     && sent_at > *since
                 {
                     out.push(violation(
-                        "no append by a stale attempt accepted",
+                        STALE_STORE_APPEND,
                         format!(
-                            "task {run}: step {seq} appended to the run store by {worker} (sent at {}) accepted at {}, after the engine gave the task to {holder} at {}",
+                            "task {task}: step {seq} appended to run {run} by {worker} (sent at {}) accepted at {}, after the engine gave the task to {holder} at {}",
                             at(sent_at),
                             at(*t),
                             at(*since)
@@ -294,18 +433,18 @@ pub fn no_call_after_local_expiry(facts: &Facts<'_>) -> Vec<Violation> {
             // A finish runs after the engine accepted the task's end, fenced by the run's
             // attempt alone: no lease is left to expire.
             Event::StoreCall {
-                worker, op, run, ..
+                worker, op, task, ..
             } if *op != "finish" => {
-                let Some(&attempt) = acquired.get(&(worker.as_str(), run.as_str())) else {
+                let Some(&attempt) = acquired.get(&(worker.as_str(), task.as_str())) else {
                     continue;
                 };
-                if let Some(&deadline) = expiry.get(&(worker.as_str(), run.as_str(), attempt))
+                if let Some(&deadline) = expiry.get(&(worker.as_str(), task.as_str(), attempt))
                     && *t > deadline
                 {
                     out.push(violation(
-                        "no engine call after the local lease expired",
+                        LOCAL_EXPIRY,
                         format!(
-                            "task {run}: run-store {op} by {worker} (acquisition {attempt}) sent at {}, after its lease expired by the worker's own clock at {}",
+                            "task {task}: run-store {op} by {worker} (acquisition {attempt}) sent at {}, after its lease expired by the worker's own clock at {}",
                             at(*t),
                             at(deadline)
                         ),
@@ -323,7 +462,7 @@ pub fn no_call_after_local_expiry(facts: &Facts<'_>) -> Vec<Violation> {
                     && *t > deadline
                 {
                     out.push(violation(
-                        "no engine call after the local lease expired",
+                        LOCAL_EXPIRY,
                         format!(
                             "task {task}: {op} by {worker} attempt {attempt} sent at {}, after its lease expired by the worker's own clock at {}",
                             at(*t),
@@ -357,15 +496,26 @@ pub fn no_call_after_local_expiry(facts: &Facts<'_>) -> Vec<Violation> {
 /// Whether an answer says the lease of that attempt is no longer ours.
 fn lease_lost(answer: &Answer) -> bool {
     match answer {
-        Answer::Refused { status, code } => matches!(
-            (*status, code.as_str()),
-            (403, "WORKER_LOCK_NOT_OWNED")
-                | (
-                    409,
-                    "WORKER_LOCK_EXPIRED" | "STALE_ATTEMPT" | "JOURNAL_CONFLICT"
-                )
-                | (400, "ENGINE_COMMAND_REJECTED")
-        ),
+        Answer::Refused {
+            status,
+            code,
+            message,
+        } => {
+            matches!(
+                (*status, code.as_str()),
+                (403, "WORKER_LOCK_NOT_OWNED")
+                    | (
+                        409,
+                        "WORKER_LOCK_EXPIRED" | "STALE_ATTEMPT" | "JOURNAL_CONFLICT"
+                    )
+            ) || (*status == 400
+                && code == "ENGINE_COMMAND_REJECTED"
+                // Only these say the task is not ours (protocol.md A.2); another rejection (a
+                // suspended instance, one already ended) refuses the command, and the worker
+                // reports that outcome once as an incident.
+                && (message.starts_with("External task is not locked")
+                    || message.starts_with("External task not found")))
+        }
         Answer::Fault(kind) => *kind == "refused",
         _ => false,
     }
@@ -396,18 +546,18 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
             Event::StoreAnswer {
                 worker,
                 op,
-                run,
+                task,
                 answer: "fenced",
                 ..
             } => {
-                if let Some(attempt) = held.get(&(worker.as_str(), run.as_str())) {
+                if let Some(attempt) = held.get(&(worker.as_str(), task.as_str())) {
                     let op = match *op {
                         "claim" => "run-store claim",
                         "append" => "run-store append",
                         "finish" => "run-store finish",
                         _ => "run-store call",
                     };
-                    lost.entry((worker, run, *attempt)).or_insert((op, *t));
+                    lost.entry((worker, task, *attempt)).or_insert((op, *t));
                 }
             }
             Event::EngineCall {
@@ -434,11 +584,208 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
                     && *t > learned(refused_op, *refused_at)
                 {
                     out.push(violation(
-                        "no call after the engine or the run store said the lease is lost",
+                        AFTER_LOSS,
                         format!(
                             "task {task}: {op} by {worker} attempt {attempt} sent at {} after {refused_op} was refused as not ours at {}",
                             at(*t),
                             at(*refused_at)
+                        ),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The ops that report a task's end.
+fn is_report(op: &str) -> bool {
+    matches!(op, "complete" | "failure" | "bpmn-error")
+}
+
+/// One attempt of one worker: (worker, task, attempt).
+type AttemptKey<'a> = (&'a str, &'a str, u32);
+
+pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
+    let lock = facts.schedule.lock_duration.as_millis() as u64;
+    let margin = facts.safety_margin.as_millis() as u64;
+    // When each late answer reached its worker (`u64::MAX`: never), by (worker, op, task,
+    // attempt, executed at).
+    let mut delivered: BTreeMap<(&str, &str, &str, u32, u64), u64> = BTreeMap::new();
+    for (t, e) in &facts.trace.events {
+        match e {
+            Event::Late {
+                worker,
+                op,
+                task: Some(task),
+                attempt: Some(attempt),
+            } => {
+                delivered
+                    .entry((worker, op, task, *attempt, *t))
+                    .or_insert(u64::MAX);
+            }
+            Event::Delivered {
+                worker,
+                op,
+                task: Some(task),
+                attempt: Some(attempt),
+                executed,
+            } => {
+                delivered.insert((worker, op, task, *attempt, *executed), *t);
+            }
+            _ => {}
+        }
+    }
+    let mut fetch_started: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut beat_sent: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
+    // Per attempt: its expiry at acquisition, and each extension as (reached the worker at,
+    // new expiry), in the order they reached it.
+    let mut expiries: BTreeMap<AttemptKey<'_>, (u64, Vec<(u64, u64)>)> = BTreeMap::new();
+    let mut accepted: BTreeMap<AttemptKey<'_>, (&str, u64)> = BTreeMap::new();
+    let mut lost: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
+    let mut held: BTreeMap<(&str, &str), u32> = BTreeMap::new();
+    let mut unended: BTreeMap<(&str, &str), std::collections::VecDeque<u32>> = BTreeMap::new();
+    let mut reporting: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        match e {
+            Event::EngineCall {
+                worker,
+                op: "fetch-and-lock",
+                ..
+            } => {
+                fetch_started.insert(worker, *t);
+            }
+            Event::Fetched { worker, tasks, .. } => {
+                let sent = fetch_started.get(worker.as_str()).copied().unwrap_or(*t);
+                for (task, attempt) in tasks {
+                    expiries.insert((worker, task, *attempt), (sent + lock - margin, Vec::new()));
+                    held.insert((worker, task), *attempt);
+                    unended
+                        .entry((worker, task))
+                        .or_default()
+                        .push_back(*attempt);
+                }
+            }
+            Event::EngineCall {
+                worker,
+                op: "heartbeat",
+                task: Some(task),
+                attempt: Some(attempt),
+            } => {
+                beat_sent.insert((worker, task, *attempt), *t);
+            }
+            Event::EngineCall {
+                worker,
+                op,
+                task: Some(task),
+                attempt: Some(attempt),
+            } if is_report(op) => {
+                // The heartbeats stop as the report goes out: an extension answered later is
+                // not applied.
+                reporting.entry((worker, task, *attempt)).or_insert(*t);
+            }
+            Event::EngineAnswer {
+                worker,
+                op,
+                task: Some(task),
+                attempt: Some(attempt),
+                answer,
+            } => {
+                let key = (worker.as_str(), task.as_str(), *attempt);
+                let reached = delivered
+                    .get(&(worker.as_str(), *op, task.as_str(), *attempt, *t))
+                    .copied()
+                    .unwrap_or(*t + 1);
+                match answer {
+                    Answer::Ok if *op == "heartbeat" => {
+                        if let (Some(sent), Some((_, ext))) =
+                            (beat_sent.get(&key), expiries.get_mut(&key))
+                        {
+                            ext.push((reached, sent + lock - margin));
+                        }
+                    }
+                    Answer::Ok if is_report(op) => {
+                        accepted.entry(key).or_insert((op, *t));
+                    }
+                    a if lease_lost(a) => {
+                        lost.entry(key).or_insert(*t);
+                    }
+                    _ => {}
+                }
+            }
+            Event::StoreAnswer {
+                worker,
+                task,
+                answer: "fenced",
+                ..
+            } => {
+                if let Some(attempt) = held.get(&(worker.as_str(), task.as_str())) {
+                    lost.entry((worker, task, *attempt)).or_insert(*t);
+                }
+            }
+            Event::TaskEnded {
+                worker,
+                task,
+                attempt,
+                outcome,
+            } => {
+                // A plain v1 engine sends no attempt (the trace counts its acquisitions): a
+                // worker runs one attempt of a task at a time, so its ends come in the order
+                // of its acquisitions.
+                let running = unended.entry((worker, task)).or_default();
+                let attempt = match attempt {
+                    Some(a) => {
+                        running.retain(|r| r != a);
+                        *a
+                    }
+                    None => match running.pop_front() {
+                        Some(a) => a,
+                        None => continue,
+                    },
+                };
+                let attempt = &attempt;
+                let key = (worker.as_str(), task.as_str(), *attempt);
+                let report = accepted.get(&key).copied();
+                if outcome != "lease_lost" && outcome != "report_failed" {
+                    if report.is_none() {
+                        out.push(violation(
+                            ENDS_AGREE,
+                            format!(
+                                "task {task}: {worker} attempt {attempt} ended {outcome} at {}, but the engine accepted no report of it",
+                                at(*t)
+                            ),
+                        ));
+                    }
+                    continue;
+                }
+                let Some((op, accepted_at)) = report else {
+                    continue;
+                };
+                if outcome != "lease_lost" || lost.get(&key).is_some_and(|l| *l <= *t) {
+                    continue;
+                }
+                // The expiry the worker's own clock kept at the end: its extensions that reached
+                // it in time, in order.
+                let Some((mut expiry, extensions)) = expiries.get(&key).cloned() else {
+                    continue;
+                };
+                let released = reporting.get(&key).copied().unwrap_or(u64::MAX);
+                for (reached, until) in extensions {
+                    if reached <= *t && reached <= expiry && reached <= released {
+                        expiry = expiry.max(until);
+                    }
+                }
+                // A millisecond of slack: the trace's times are whole milliseconds.
+                if *t + 1 < expiry {
+                    out.push(violation(
+                        ENDS_AGREE,
+                        format!(
+                            "task {task}: {worker} attempt {attempt} ended lease_lost at {}, though the engine accepted its {op} at {} and its lease ran until {} by its own clock, and nothing said it was lost",
+                            at(*t),
+                            at(accepted_at),
+                            at(expiry)
                         ),
                     ));
                 }
@@ -467,9 +814,9 @@ pub fn slots(facts: &Facts<'_>) -> Vec<Violation> {
                 let busy = running.get(worker.as_str()).map_or(0, BTreeSet::len) as u32;
                 if *requested + busy > slots {
                     out.push(violation(
-                        "no fetch above the free slots",
+                        SLOTS,
                         format!(
-                            "worker {worker} asked for {requested} tasks at {} with {busy} of {slots} slots busy",
+                            "no fetch above the free slots: worker {worker} asked for {requested} tasks at {} with {busy} of {slots} slots busy",
                             at(*t)
                         ),
                     ));
@@ -485,9 +832,9 @@ pub fn slots(facts: &Facts<'_>) -> Vec<Violation> {
                 let slots = slots_of.get(worker.as_str()).copied().unwrap_or(0);
                 if set.len() as u32 > slots {
                     out.push(violation(
-                        "running tasks never above the slots",
+                        SLOTS,
                         format!(
-                            "task {task}: started by {worker} at {} with {} tasks running on {slots} slots",
+                            "running tasks above the slots: task {task} started by {worker} at {} with {} tasks running on {slots} slots",
                             at(*t),
                             set.len()
                         ),
@@ -507,9 +854,9 @@ pub fn slots(facts: &Facts<'_>) -> Vec<Violation> {
                 let slots = slots_of.get(worker.as_str()).copied().unwrap_or(0);
                 if set.len() as u32 > slots {
                     out.push(violation(
-                        "reports in flight never above the slots",
+                        SLOTS,
                         format!(
-                            "task {task}: {worker} gave its slot back at {} with {} reports in flight on {slots} slots",
+                            "reports in flight above the slots: task {task}: {worker} gave its slot back at {} with {} reports in flight on {slots} slots",
                             at(*t),
                             set.len()
                         ),
@@ -544,7 +891,7 @@ pub fn all_ended(facts: &Facts<'_>) -> Vec<Violation> {
         .filter(|v| !super::ended(v))
         .map(|v| {
             violation(
-                "every task ends once faults stop",
+                ALL_ENDED,
                 format!(
                     "task {}: still {:?} (attempt {}, {} journal steps) {} s after the faults stopped at {}",
                     v.id,
@@ -562,11 +909,22 @@ pub fn all_ended(facts: &Facts<'_>) -> Vec<Violation> {
 pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
     let mut paid: BTreeMap<&str, BTreeMap<usize, u32>> = BTreeMap::new();
     let mut acquisitions: BTreeMap<&str, u32> = BTreeMap::new();
+    // Tasks whose run another task's claim took over (a second token at the node, its holder
+    // silent past the hold): their conversation begins again, paid again, as documented.
+    let mut taken_over: BTreeSet<&str> = BTreeSet::new();
     for (_, e) in &facts.trace.events {
         match e {
+            Event::StoreAnswer {
+                task,
+                answer: "fenced",
+                op,
+                ..
+            } if *op != "finish" => {
+                taken_over.insert(task);
+            }
             Event::ModelCall {
                 task, turn, answer, ..
-            } if matches!(*answer, "tool" | "final") => {
+            } if paid_answer(answer) => {
                 *paid.entry(task).or_default().entry(*turn).or_default() += 1;
             }
             Event::Fetched { tasks, .. } => {
@@ -582,6 +940,9 @@ pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
         let Some(ids) = facts.keys.get(key) else {
             continue;
         };
+        if ids.iter().any(|id| taken_over.contains(id.as_str())) {
+            continue;
+        }
         // A task of a round trip that resumes the conversation is no interruption; each
         // acquisition of a task past its first is.
         let interruptions: u32 = ids
@@ -599,9 +960,194 @@ pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
         if repaid > interruptions {
             let worst = turns.iter().max_by_key(|(_, n)| **n).map(|(t, _)| *t);
             out.push(violation(
-                "at most one model call re-paid per interruption",
+                MODEL_REPAID,
                 format!(
                     "task {id}: {repaid} model answers paid again (most at turn {worst:?}) over {interruptions} interruptions"
+                ),
+            ));
+        }
+    }
+    out
+}
+
+/// A model answer that was paid for (not an injected fault).
+fn paid_answer(answer: &str) -> bool {
+    matches!(answer, "tool" | "final") || rejected_final(answer).is_some()
+}
+
+/// Which repair bound a final answer the world's model played off its good one counts
+/// against: `true` the output's (`outputRepairTurns`), `false` the answer shape's
+/// (`answerRepairTurns`); `None`: not such an answer.
+fn rejected_final(answer: &str) -> Option<bool> {
+    use crate::devkit::world::model::{CUT, OFF_SCHEMA, TEXT_CALL};
+    match answer {
+        OFF_SCHEMA | CUT => Some(true),
+        TEXT_CALL => Some(false),
+        _ => None,
+    }
+}
+
+/// The result a completed task stored in the simulated agents' result variable.
+fn stored_result(view: &TaskView) -> Option<&Value> {
+    if view.status != crate::devkit::engine::TaskStatus::Completed {
+        return None;
+    }
+    view.result_variables.as_ref()?.get("simResult")
+}
+
+pub fn structured_result(facts: &Facts<'_>) -> Vec<Violation> {
+    facts
+        .views
+        .iter()
+        .filter_map(|v| Some((v, stored_result(v)?)))
+        .filter(|(_, result)| !crate::devkit::world::process::matches_output_schema(result))
+        .map(|(v, result)| {
+            let shown: String = result.to_string().chars().take(200).collect();
+            violation(
+                STRUCTURED_RESULT,
+                format!(
+                    "task {}: completed (attempt {}) with a result that does not match the output schema: {shown}",
+                    v.id, v.attempt
+                ),
+            )
+        })
+        .collect()
+}
+
+pub fn repairs_bounded(facts: &Facts<'_>) -> Vec<Violation> {
+    use crate::devkit::world::process::SCHEMA_REPAIR_TURNS;
+    // Per script, the distinct turns the model answered off its good answer, per bound.
+    let mut rejected: BTreeMap<&str, [BTreeSet<usize>; 2]> = BTreeMap::new();
+    let mut acquisitions: BTreeMap<&str, usize> = BTreeMap::new();
+    for (_, e) in &facts.trace.events {
+        match e {
+            Event::ModelCall {
+                task, turn, answer, ..
+            } => {
+                if let Some(output) = rejected_final(answer) {
+                    rejected.entry(task).or_default()[usize::from(output)].insert(*turn);
+                }
+            }
+            Event::Fetched { tasks, .. } => {
+                for (task, _) in tasks {
+                    *acquisitions.entry(task).or_default() += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    for t in &facts.schedule.tasks {
+        if t.finals.is_empty() {
+            continue;
+        }
+        let output_turns = if t.schema {
+            SCHEMA_REPAIR_TURNS
+        } else {
+            crate::agent::output::DEFAULT_REPAIR_TURNS
+        };
+        let bounds = [
+            (
+                "answerRepairTurns",
+                crate::agent::answer_shape::DEFAULT_REPAIR_TURNS,
+            ),
+            ("outputRepairTurns", output_turns),
+        ];
+        let played = rejected.get(t.key.as_str());
+        let engine_tasks = facts.keys.get(&t.key).cloned().unwrap_or_default();
+        let ids = engine_tasks.join(", ");
+        // An attempt that finds the run exhausted and its incident unreported (the report
+        // lost, the lease run out) resumes as a retry of the incident does: one more repair
+        // turn (`agent::output::Verdict::Exhausted`). Each acquisition past the first allows
+        // one.
+        let interruptions: usize = engine_tasks
+            .iter()
+            .map(|id| {
+                acquisitions
+                    .get(id.as_str())
+                    .copied()
+                    .unwrap_or(0)
+                    .saturating_sub(1)
+            })
+            .sum();
+        let mut exhausted = false;
+        for (output, (name, allowed)) in bounds.into_iter().enumerate() {
+            let scripted = t
+                .finals
+                .chars()
+                .filter(|c| (*c != 't') == (output == 1))
+                .count();
+            exhausted |= scripted > allowed as usize;
+            let asked = played.map_or(0, |p| p[output].len());
+            if asked > allowed as usize + 1 + interruptions {
+                out.push(violation(
+                    REPAIRS_BOUNDED,
+                    format!(
+                        "task {} ({ids}): the model answered {asked} rejected final answers counted by {name}, which allows {allowed} repair turns ({interruptions} interruptions)",
+                        t.key
+                    ),
+                ));
+            }
+        }
+        let completed = facts.views.iter().any(|v| {
+            facts.keys.get(&t.key).is_some_and(|k| k.contains(&v.id))
+                && v.status == crate::devkit::engine::TaskStatus::Completed
+        });
+        if exhausted && completed && interruptions == 0 {
+            out.push(violation(
+                REPAIRS_BOUNDED,
+                format!(
+                    "task {} ({ids}): completed although its model's rejected answers ({}) exhaust its repair turns: an incident was due",
+                    t.key, t.finals
+                ),
+            ));
+        }
+    }
+    out
+}
+
+pub fn window_bound(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        if let Event::WindowRequest {
+            worker,
+            task,
+            turn,
+            tokens,
+            window,
+            ..
+        } = e
+            && tokens > window
+        {
+            out.push(violation(
+                WINDOW_BOUND,
+                format!(
+                    "task {task}: {worker}'s request for turn {turn} at {} holds {tokens} tokens with the room for its answer, over the model's context window of {window}",
+                    at(*t)
+                ),
+            ));
+        }
+    }
+    out
+}
+
+pub fn keyed_results_kept(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        if let Event::WindowRequest {
+            worker,
+            task,
+            turn,
+            elided_writes,
+            ..
+        } = e
+            && *elided_writes > 0
+        {
+            out.push(violation(
+                KEYED_RESULTS_KEPT,
+                format!(
+                    "task {task}: {worker}'s request for turn {turn} at {} carries {elided_writes} keyed write results elided",
+                    at(*t)
                 ),
             ));
         }
@@ -644,7 +1190,7 @@ pub fn keyed_write_once(facts: &Facts<'_>) -> Vec<Violation> {
             .map(|(t, w, k)| format!("{} by {w} with key {k:?}", at(*t)))
             .collect();
         out.push(violation(
-            "every keyed write applied at most once",
+            KEYED_WRITE_ONCE,
             format!(
                 "task {id}: write {n} applied {} times: {}",
                 times.len(),
@@ -748,7 +1294,7 @@ pub fn gated_call_decided(facts: &Facts<'_>) -> Vec<Violation> {
                     .get(&(task.as_str(), *n))
                     .map_or("none".to_string(), |d| d.join(", "));
                 out.push(violation(
-                    "no gated call performed without the matching decision",
+                    GATED_CALL_DECIDED,
                     format!(
                         "task {id} (script {task}): write {n}, the call of turn {n}, performed at {} by {worker} without an approval of the request it waited on (decisions on it: {decided})",
                         at(*t)
@@ -756,6 +1302,103 @@ pub fn gated_call_decided(facts: &Facts<'_>) -> Vec<Violation> {
                 ));
             }
             _ => {}
+        }
+    }
+    out
+}
+
+/// The genuine approvals of the trace, in order: (when, script, write, the person).
+fn genuine_approvals<'a>(facts: &'a Facts<'_>) -> Vec<(u64, &'a str, u64)> {
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        if let Event::Decision {
+            task,
+            write: Some(n),
+            request_id,
+            call_id,
+            call_digest,
+            written: Some(written),
+            ..
+        } = e
+            && genuine_approval(
+                written,
+                request_id.as_deref(),
+                call_id.as_deref(),
+                call_digest.as_deref(),
+            )
+        {
+            out.push((*t, task.as_str(), *n));
+        }
+    }
+    out
+}
+
+pub fn approved_performed(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for (approved_at, script, n) in genuine_approvals(facts) {
+        let ids = facts.keys.get(script).cloned().unwrap_or_default();
+        // Judged once the script's tasks have all ended (one still open is another breach).
+        let ended = ids.iter().all(|id| {
+            facts
+                .views
+                .iter()
+                .find(|v| &v.id == id)
+                .is_none_or(super::ended)
+        });
+        if !ended {
+            continue;
+        }
+        let performed = facts.trace.events.iter().any(|(t, e)| {
+            *t >= approved_at
+                && matches!(e, Event::ToolCall { task, write: Some(w), answer, .. }
+                    if task == script && *w == n
+                        && (answer.starts_with("applied") || *answer == "deduplicated"))
+        });
+        let incident = facts.trace.events.iter().any(|(t, e)| {
+            *t >= approved_at
+                && matches!(e, Event::TaskEnded { task, outcome, .. }
+                    if outcome == "incident" && ids.contains(task))
+        });
+        if !performed && !incident {
+            out.push(violation(
+                APPROVED_PERFORMED,
+                format!(
+                    "task {} (script {script}): write {n}, approved by a person at {}, was never performed, and no incident says so",
+                    ids.join(", "),
+                    at(approved_at)
+                ),
+            ));
+        }
+    }
+    out
+}
+
+pub fn no_loop(facts: &Facts<'_>) -> Vec<Violation> {
+    let approvals = genuine_approvals(facts);
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        let Event::Decision {
+            task,
+            write: Some(n),
+            instance,
+            manner,
+            ..
+        } = e
+        else {
+            continue;
+        };
+        if let Some((approved_at, _, _)) = approvals
+            .iter()
+            .find(|(a, script, w)| *a < *t && *script == task.as_str() && *w == *n)
+        {
+            out.push(violation(
+                NO_LOOP,
+                format!(
+                    "instance {instance} (script {task}): write {n} was approved at {} and the instance came back to the person for it at {} ({manner})",
+                    at(*approved_at),
+                    at(*t)
+                ),
+            ));
         }
     }
     out
@@ -774,7 +1417,7 @@ pub fn no_secret_leaked(facts: &Facts<'_>) -> Vec<Violation> {
             // The message names the secret and shows the line with it masked: a report of
             // a leak is no second leak.
             out.push(violation(
-                "no secret in any log line, span or metric",
+                NO_SECRET,
                 format!(
                     "{what}: in what the workers emitted at {}: {}",
                     at(*t),

@@ -20,6 +20,14 @@ pub struct TaskPlan {
     /// The model's tool-calling turns (`u`nknown tool, `r`ead, `w`rite), see `ModelScript`.
     pub steps: String,
     pub hostile: bool,
+    /// The final answers the model plays before its good one (`o` off-schema, `c` cut, `t` a
+    /// tool call written as text), see `ModelScript::finals`.
+    pub finals: String,
+    /// Its agent carries an output schema (`process::schema_definition`): one-task shapes only.
+    pub schema: bool,
+    /// Its agent's model has a small context window (`process::window_definition`), and its
+    /// script reads enough to outgrow it: one-task shapes without a schema only.
+    pub small_window: bool,
     pub retries: i32,
     /// How the task comes to the workers.
     pub shape: Shape,
@@ -40,9 +48,26 @@ pub enum Shape {
         preset: bool,
         revisits: Vec<String>,
     },
-    /// Two tasks of one instance at the agent node at once (two tokens): this one and a twin
-    /// (task `{key}t`, with `twin_steps`), both gated as above; nothing decides their requests.
-    Parallel { twin_steps: String },
+    /// Two tasks of one instance at the agent node (two tokens): this one and a twin (task
+    /// `{key}t`, with `twin_steps`) reaching the node `twin_after` ms later (its branch had
+    /// other work first), both gated as above; nothing decides their requests. A twin that
+    /// comes while the first holder has been silent for longer than the hold (a long model
+    /// call, a freeze) takes the run, and fences the holder.
+    /// `first_long`: the first task's first answer comes after a long generation (its
+    /// script begins with `R`, see `ModelScript`).
+    Parallel {
+        twin_steps: String,
+        twin_after: u64,
+        first_long: bool,
+    },
+}
+
+/// The process author deploys the next version of the gated processes at `at` (ms): its
+/// agent performs no writes, and waits for a person (`keeps_approval`) or not.
+#[derive(Clone, Debug)]
+pub struct Redeploy {
+    pub at: u64,
+    pub keeps_approval: bool,
 }
 
 /// A worker killed at `at`; a fresh one (new id) takes its place `restart_after` later.
@@ -66,6 +91,8 @@ pub struct Schedule {
     pub faults: FaultPlan,
     /// The journals live in the run store (the engine speaks plain v1): a third of the seeds.
     pub store_journal: bool,
+    /// Redeployments of the gated processes, in time order.
+    pub redeploys: Vec<Redeploy>,
 }
 
 /// The worker id of worker slot `n` in its `generation` (a restarted worker is a new process).
@@ -102,13 +129,24 @@ impl Schedule {
                     .map(|_| ['u', 'r', 'w', 'w'][rng.random_range(0..4)])
                     .collect(),
                 hostile: rng.random_bool(0.15),
+                finals: String::new(),
+                schema: false,
+                small_window: false,
                 retries: rng.random_range(3..=6),
                 shape: Shape::Task,
             })
             .collect();
         for t in &mut tasks {
-            t.shape = draw_shape(&mut shapes);
-            if !matches!(t.shape, Shape::Task) && !t.steps.contains('w') {
+            t.shape = draw_shape(&mut shapes, lock_ms);
+            if let Shape::Parallel {
+                first_long: true, ..
+            } = t.shape
+            {
+                // The first holder's first answer comes after a long generation: a twin
+                // arriving meanwhile finds its run silent past the hold.
+                t.steps.insert(0, 'R');
+            }
+            if !matches!(t.shape, Shape::Task) && !t.steps.to_ascii_lowercase().contains('w') {
                 // A gated shape asks a person at least once.
                 t.steps.push('w');
             }
@@ -193,6 +231,62 @@ impl Schedule {
             faults.store_slow_max = Duration::from_millis(rng.random_range(10..=lock_ms));
             faults.store_answer_lost = odds(&mut rng, 0.1);
         }
+        // What came after the run store, from a source of its own likewise.
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x1a7e_a45e_7e4c);
+        faults.engine_answer_late = odds(&mut rng, 0.15);
+        faults.engine_late_max = Duration::from_millis(rng.random_range(500..=lock_ms));
+        faults.model_stall = odds(&mut rng, 0.15);
+        // Redeployments: at any time, or while an approval round trip's first request waits
+        // for its person (its arrival, then a moment).
+        let waits: Vec<u64> = tasks
+            .iter()
+            .filter(|t| matches!(t.shape, Shape::Approval { .. }))
+            .map(|t| t.at)
+            .collect();
+        let mut redeploys: Vec<Redeploy> = (0..rng.random_range(0..=2))
+            .map(|_| {
+                let at = if !waits.is_empty() && rng.random_bool(0.5) {
+                    waits[rng.random_range(0..waits.len())] + rng.random_range(50..=1_500)
+                } else {
+                    rng.random_range(0..quiet_at)
+                };
+                Redeploy {
+                    at: at.min(quiet_at),
+                    keeps_approval: rng.random_bool(0.5),
+                }
+            })
+            .collect();
+        redeploys.sort_by_key(|r| r.at);
+        // Structured output, from a source of its own likewise: half the one-task shapes run
+        // the agent with an output schema, and half of the one-task shapes' models answer off
+        // their good final answer first, up to three times (past the repair turns, sometimes).
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x0075_7c7e_d000);
+        for t in tasks.iter_mut().filter(|t| t.shape == Shape::Task) {
+            t.schema = rng.random_bool(0.5);
+            if rng.random_bool(0.5) {
+                // Off-schema only where there is a schema: without one, it is a good answer.
+                let kinds: &[char] = if t.schema {
+                    &['o', 'c', 't']
+                } else {
+                    &['c', 't']
+                };
+                t.finals = (0..rng.random_range(1..=3))
+                    .map(|_| kinds[rng.random_range(0..kinds.len())])
+                    .collect();
+            }
+        }
+        // The context window, from a source of its own likewise: a quarter of the one-task
+        // shapes without a schema or off answers run on the small window, with four to six
+        // turns that read or write.
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x0c07_7e47_3100);
+        for t in tasks.iter_mut().filter(|t| t.shape == Shape::Task) {
+            if !t.schema && t.finals.is_empty() && rng.random_bool(0.25) {
+                t.small_window = true;
+                t.steps = (0..rng.random_range(4..=6))
+                    .map(|_| ['r', 'r', 'w'][rng.random_range(0..3)])
+                    .collect();
+            }
+        }
         Schedule {
             seed,
             workers,
@@ -203,6 +297,7 @@ impl Schedule {
             kills,
             faults,
             store_journal,
+            redeploys,
         }
     }
 }
@@ -215,7 +310,7 @@ fn draw_steps(rng: &mut StdRng, max: usize) -> String {
 
 /// A task's shape: mostly one task, else an approval round trip (its people's manners, a preset
 /// decision, re-entries) or two tokens at once.
-fn draw_shape(rng: &mut StdRng) -> Shape {
+fn draw_shape(rng: &mut StdRng, lock_ms: u64) -> Shape {
     let roll: f64 = rng.random();
     if roll < 0.55 {
         return Shape::Task;
@@ -250,7 +345,15 @@ fn draw_shape(rng: &mut StdRng) -> Shape {
             revisits,
         };
     }
+    let twin_steps = draw_steps(rng, 2);
+    let twin_after = if rng.random_bool(1.0 / 3.0) {
+        0
+    } else {
+        rng.random_range(lock_ms..=lock_ms * 2)
+    };
     Shape::Parallel {
-        twin_steps: draw_steps(rng, 2),
+        twin_steps,
+        twin_after,
+        first_long: rng.random_bool(0.5),
     }
 }

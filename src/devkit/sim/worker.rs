@@ -33,6 +33,7 @@ use crate::random::Random;
 use crate::runner::RunnerEvent;
 
 pub(crate) use crate::devkit::world::model::PROVIDER;
+use crate::devkit::world::model::{SMALL_WINDOW, SMALL_WINDOW_PROVIDER};
 
 /// The engine's URL in a simulated worker's configuration: required by the configuration, never
 /// dialled (the world's engine replaces the client).
@@ -114,6 +115,7 @@ fn worker_env(
 ) -> HashMap<String, String> {
     let ms = |d: Duration| d.as_millis().to_string();
     let provider = PROVIDER.to_ascii_uppercase();
+    let small = SMALL_WINDOW_PROVIDER.to_ascii_uppercase();
     let mut env = HashMap::from([
         (config::ENV_ENGINE_URL.to_string(), ENGINE_URL.to_string()),
         (config::ENV_WORKER_ID.to_string(), id.to_string()),
@@ -124,10 +126,21 @@ fn worker_env(
             config::ENV_SHUTDOWN_GRACE_MS.to_string(),
             ms(SHUTDOWN_GRACE),
         ),
-        (config::ENV_PROVIDERS.to_string(), PROVIDER.to_string()),
+        (
+            config::ENV_PROVIDERS.to_string(),
+            format!("{PROVIDER},{SMALL_WINDOW_PROVIDER}"),
+        ),
         (
             format!("ABADA_AGENT_PROVIDER_{provider}_KIND"),
             "openai".to_string(),
+        ),
+        (
+            format!("ABADA_AGENT_PROVIDER_{small}_KIND"),
+            "openai".to_string(),
+        ),
+        (
+            format!("ABADA_AGENT_PROVIDER_{small}_CONTEXT_WINDOW"),
+            SMALL_WINDOW.to_string(),
         ),
     ]);
     if world.store_journal {
@@ -158,6 +171,14 @@ fn agent_settings() -> AgentSettings {
         technical_retry: Backoff::new(Duration::from_secs(1), Duration::from_secs(4))
             .without_jitter(),
         store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(1)),
+        // A redeployment reaches new tasks within a tenth of a second (scenarios are short, and
+        // a person's decision comes within one or two).
+        bpmn: crate::agent::bpmn::BpmnSettings {
+            latest_for: Duration::from_millis(100),
+            ..Default::default()
+        },
+        // One thread, whose order a blocking thread's validation would race.
+        validate_inline: true,
         ..AgentSettings::default()
     }
 }
@@ -209,6 +230,10 @@ impl SimWorker {
             .unwrap_or_else(|e| panic!("simulated worker {id}: its configuration: {e}"));
         let mut providers = ProviderRegistry::default();
         providers.insert(PROVIDER, Arc::new(WorldModel::new(world.clone(), id)));
+        providers.insert(
+            SMALL_WINDOW_PROVIDER,
+            Arc::new(WorldModel::new(world.clone(), id).with_small_window()),
+        );
         let (tx, mut rx) = mpsc::unbounded_channel();
         let seams = Seams {
             engine: Some(Arc::new(WorldEngine::new(world.clone(), id))),

@@ -25,7 +25,8 @@ use super::trace::{Answer, Event};
 use crate::engine::client::{classify_answer, journal_append_key, journal_append_refusal};
 use crate::engine::{
     AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
-    JournalStep, ProbeOutcome, Task, TaskRef, ToolCredential, wire,
+    JournalStep, OP_PROCESS_DEFINITION, OP_PROCESS_INSTANCE, ProbeOutcome, ProcessDefinition,
+    ProcessInstance, Task, TaskRef, ToolCredential, wire,
 };
 
 /// One worker's view of the world's engine.
@@ -77,6 +78,20 @@ impl WorldEngine {
         key: Option<&str>,
         body: Value,
     ) -> Result<CoreReply, EngineError> {
+        self.exchange_timed(name, op, task, key, body)
+            .await
+            .map(|(reply, _)| reply)
+    }
+
+    /// [`Self::exchange_keyed`], with the world's time at which the engine executed the call.
+    async fn exchange_timed(
+        &self,
+        name: &'static str,
+        op: Operation,
+        task: Option<&TaskRef>,
+        key: Option<&str>,
+        body: Value,
+    ) -> Result<(CoreReply, u64), EngineError> {
         let answer = self.exchange_at_engine(name, op, task, key, body).await;
         tokio::time::sleep(Duration::from_millis(1)).await;
         answer
@@ -90,7 +105,7 @@ impl WorldEngine {
         task: Option<&TaskRef>,
         key: Option<&str>,
         body: Value,
-    ) -> Result<CoreReply, EngineError> {
+    ) -> Result<(CoreReply, u64), EngineError> {
         let task_id = task.map(|t| t.task_id.clone());
         let attempt = task.and_then(|t| t.attempt).or_else(|| {
             let acquired = self.acquired.lock().unwrap_or_else(|e| e.into_inner());
@@ -105,122 +120,118 @@ impl WorldEngine {
             task: task_id.clone(),
             attempt,
         });
+        // On the wire from here: the engine executes the call whatever becomes of the caller
+        // (a worker that gives the call up, at its lease's expiry or at shutdown, does not take
+        // back a request already sent).
+        let sent = tokio::spawn(at_engine(
+            self.world.clone(),
+            self.worker_id.clone(),
+            name,
+            op,
+            task_id.clone(),
+            attempt,
+            key.map(str::to_string),
+            body,
+        ));
+        let (reply, executed, late) = match sent.await {
+            Ok(result) => result?,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        };
+        if let Some(delay) = late {
+            // Executed; the answer reaches the worker only now, if it still waits.
+            tokio::time::sleep(delay).await;
+            self.thaw().await;
+            self.world.record(Event::Delivered {
+                worker: self.worker_id.clone(),
+                op: name,
+                task: task_id.clone(),
+                attempt,
+                executed,
+            });
+        }
+        Ok((reply, executed))
+    }
+
+    /// A read of the process API (`GET /v1/processes/...`): recorded, held while frozen,
+    /// refused in an outage, held through a hang, then `read` on the engine's state; `None` is
+    /// the engine's 404. Not written, so on the wire only while its caller waits.
+    async fn read_process<T>(
+        &self,
+        op: &'static str,
+        task: &TaskRef,
+        read: impl FnOnce(&abada_devkit::engine::EngineCore) -> Option<T>,
+    ) -> Result<T, EngineError> {
+        let task_id = Some(task.task_id.clone());
+        let attempt = task.attempt.or_else(|| {
+            let acquired = self.acquired.lock().unwrap_or_else(|e| e.into_inner());
+            acquired.get(&task.task_id).copied()
+        });
+        if self.world.faults().killed.contains(&self.worker_id) {
+            std::future::pending::<()>().await;
+        }
+        self.world.record(Event::EngineCall {
+            worker: self.worker_id.clone(),
+            op,
+            task: task_id.clone(),
+            attempt,
+        });
         self.thaw().await;
         let answer = |a: Answer| Event::EngineAnswer {
             worker: self.worker_id.clone(),
-            op: name,
+            op,
             task: task_id.clone(),
             attempt,
             answer: a,
         };
-        let transient = |message: &str, request_sent: bool| EngineError::Transient {
-            op: name,
-            message: message.to_string(),
-            request_sent,
-        };
         let now = self.world.elapsed_ms();
-        if self.world.faults().engine_down(now) {
-            // A refused connection takes a moment, not nothing: no loop spins at one instant.
+        let (down, hung_until) = {
+            let f = self.world.faults();
+            (f.engine_down(now), f.engine_hung_until(now))
+        };
+        let result = if down {
             tokio::time::sleep(Duration::from_millis(5)).await;
             self.world.faults().count("engine outage");
             self.world.record(answer(Answer::Fault("outage")));
-            return Err(transient("connection refused (simulated outage)", false));
-        }
-        let hung_until = self.world.faults().engine_hung_until(now);
-        if let Some(end) = hung_until {
-            // Accepted, never answered: held to the hang's end (or dropped by the worker first).
+            Err(EngineError::Transient {
+                op,
+                message: "connection refused (simulated outage)".into(),
+                request_sent: false,
+            })
+        } else if let Some(end) = hung_until {
             self.world.faults().count("engine hang");
             tokio::time::sleep(Duration::from_millis(end.saturating_sub(now).max(1))).await;
             self.world.record(answer(Answer::Fault("hang")));
-            return Err(transient(
-                "no answer within the request timeout (simulated hang)",
-                true,
-            ));
-        }
-        let (slow, slow_max, p5xx, p409, lost, refused) = {
-            let f = self.world.faults();
-            let p = &f.plan;
-            if f.active(now) {
-                (
-                    p.engine_slow,
-                    p.engine_slow_max,
-                    p.engine_5xx,
-                    p.engine_409,
-                    p.engine_answer_lost,
-                    p.refused,
-                )
-            } else {
-                (0.0, Duration::ZERO, 0.0, 0.0, 0.0, 0.0)
+            Err(EngineError::Transient {
+                op,
+                message: "no answer within the request timeout (simulated hang)".into(),
+                request_sent: true,
+            })
+        } else {
+            let found = read(&self.world.core());
+            match found {
+                Some(value) => {
+                    self.world.record(answer(Answer::Ok));
+                    Ok(value)
+                }
+                None => {
+                    // As the engine answers (`devkit::engine::process_api`).
+                    let code = "RESOURCE_NOT_FOUND";
+                    self.world.record(answer(Answer::Refused {
+                        status: 404,
+                        code: code.into(),
+                        message: "not found".into(),
+                    }));
+                    Err(classify(
+                        op,
+                        Some(&task.task_id),
+                        404,
+                        &json!({"code": code, "message": "not found"}),
+                    ))
+                }
             }
         };
-        if slow > 0.0 && self.world.draw() < slow {
-            let delay = slow_max.mul_f64(self.world.draw());
-            self.world.faults().count("engine slow");
-            tokio::time::sleep(delay).await;
-            self.thaw().await;
-        }
-        if p5xx > 0.0 && self.world.draw() < p5xx {
-            self.world.faults().count("engine 5xx");
-            self.world.record(answer(Answer::Fault("5xx")));
-            return Err(transient("HTTP 502 (simulated)", true));
-        }
-        if p409 > 0.0 && op != Operation::FetchAndLock && self.world.draw() < p409 {
-            self.world.faults().count("engine 409");
-            self.world.record(answer(Answer::Fault("409")));
-            return Err(EngineError::ConcurrentModification { op: name });
-        }
-        let refusable = matches!(
-            op,
-            Operation::Heartbeat
-                | Operation::JournalAppend
-                | Operation::JournalRead
-                | Operation::Complete
-        );
-        if refused > 0.0 && refusable && self.world.draw() < refused {
-            self.world.faults().count("refused");
-            self.world.record(answer(Answer::Fault("refused")));
-            let (status, code) = if op == Operation::Heartbeat {
-                (403, "WORKER_LOCK_NOT_OWNED")
-            } else {
-                (409, "STALE_ATTEMPT")
-            };
-            return Err(classify(
-                name,
-                task_id.as_deref(),
-                status,
-                &json!({"code": code, "message": "simulated refusal"}),
-            ));
-        }
-        let result = self
-            .world
-            .core()
-            .call(op, task_id.as_deref(), key, body, self.world.now_ms());
-        match result {
-            Ok(reply) => {
-                if lost > 0.0 && self.world.draw() < lost {
-                    self.world.faults().count("engine answer lost");
-                    self.world.record(answer(Answer::Fault("answer-lost")));
-                    return Err(transient(
-                        "connection reset after the request (simulated)",
-                        true,
-                    ));
-                }
-                self.world.record(answer(Answer::Ok));
-                Ok(reply)
-            }
-            Err(refusal) => {
-                self.world.record(answer(Answer::Refused {
-                    status: refusal.status,
-                    code: refusal.code.clone(),
-                }));
-                Err(classify(
-                    name,
-                    task_id.as_deref(),
-                    refusal.status,
-                    &refusal.body(),
-                ))
-            }
-        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        result
     }
 
     fn owned_body(&self, task: &TaskRef) -> Map<String, Value> {
@@ -230,6 +241,168 @@ impl WorldEngine {
             body.insert("attempt".into(), a.into());
         }
         body
+    }
+}
+
+/// The engine's side of one call already sent: held while its worker is frozen, faulted,
+/// executed, recorded. Its answer: the reply, when the engine executed it, and how long the
+/// answer is late on its way back (`None`: on time).
+#[allow(clippy::too_many_arguments)]
+async fn at_engine(
+    world: Arc<World>,
+    worker: String,
+    name: &'static str,
+    op: Operation,
+    task_id: Option<String>,
+    attempt: Option<u32>,
+    key: Option<String>,
+    body: Value,
+) -> Result<(CoreReply, u64, Option<Duration>), EngineError> {
+    world.hold(&worker).await;
+    let answer = |a: Answer| Event::EngineAnswer {
+        worker: worker.clone(),
+        op: name,
+        task: task_id.clone(),
+        attempt,
+        answer: a,
+    };
+    let transient = |message: &str, request_sent: bool| EngineError::Transient {
+        op: name,
+        message: message.to_string(),
+        request_sent,
+    };
+    let now = world.elapsed_ms();
+    if world.faults().engine_down(now) {
+        // A refused connection takes a moment, not nothing: no loop spins at one instant.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        world.faults().count("engine outage");
+        world.record(answer(Answer::Fault("outage")));
+        return Err(transient("connection refused (simulated outage)", false));
+    }
+    let hung_until = world.faults().engine_hung_until(now);
+    if let Some(end) = hung_until {
+        // Accepted, never answered: held to the hang's end (or dropped by the worker first).
+        world.faults().count("engine hang");
+        tokio::time::sleep(Duration::from_millis(end.saturating_sub(now).max(1))).await;
+        world.record(answer(Answer::Fault("hang")));
+        return Err(transient(
+            "no answer within the request timeout (simulated hang)",
+            true,
+        ));
+    }
+    let (slow, slow_max, p5xx, p409, lost, refused, late, late_max) = {
+        let f = world.faults();
+        let p = &f.plan;
+        if f.active(now) {
+            (
+                p.engine_slow,
+                p.engine_slow_max,
+                p.engine_5xx,
+                p.engine_409,
+                p.engine_answer_lost,
+                p.refused,
+                p.engine_answer_late,
+                p.engine_late_max,
+            )
+        } else {
+            (0.0, Duration::ZERO, 0.0, 0.0, 0.0, 0.0, 0.0, Duration::ZERO)
+        }
+    };
+    if slow > 0.0 && world.draw() < slow {
+        let delay = slow_max.mul_f64(world.draw());
+        world.faults().count("engine slow");
+        tokio::time::sleep(delay).await;
+        world.hold(&worker).await;
+    }
+    if p5xx > 0.0 && world.draw() < p5xx {
+        world.faults().count("engine 5xx");
+        world.record(answer(Answer::Fault("5xx")));
+        return Err(transient("HTTP 502 (simulated)", true));
+    }
+    if p409 > 0.0 && op != Operation::FetchAndLock && world.draw() < p409 {
+        world.faults().count("engine 409");
+        world.record(answer(Answer::Fault("409")));
+        return Err(EngineError::ConcurrentModification { op: name });
+    }
+    let refusable = matches!(
+        op,
+        Operation::Heartbeat
+            | Operation::JournalAppend
+            | Operation::JournalRead
+            | Operation::Complete
+    );
+    if refused > 0.0 && refusable && world.draw() < refused {
+        world.faults().count("refused");
+        world.record(answer(Answer::Fault("refused")));
+        let (status, code) = if op == Operation::Heartbeat {
+            (403, "WORKER_LOCK_NOT_OWNED")
+        } else {
+            (409, "STALE_ATTEMPT")
+        };
+        return Err(classify(
+            name,
+            task_id.as_deref(),
+            status,
+            &json!({"code": code, "message": "simulated refusal"}),
+        ));
+    }
+    // SIM-BUG (feature `sim-bugs`, selected at run time): an engine that takes a journal
+    // append from any attempt, as if its holder sent it.
+    #[cfg(feature = "sim-bugs")]
+    let body = match (op, task_id.as_deref(), body) {
+        (Operation::JournalAppend, Some(id), mut body)
+            if crate::sim_bugs::active(crate::sim_bugs::Bug::EngineAcceptsStaleAppend) =>
+        {
+            if let Some(view) = world.core().task(id) {
+                body["attempt"] = view.attempt.into();
+                if let Some(holder) = view.worker_id {
+                    body["workerId"] = holder.into();
+                }
+            }
+            body
+        }
+        (_, _, body) => body,
+    };
+    let result = world
+        .core()
+        .call(op, task_id.as_deref(), key.as_deref(), body, world.now_ms());
+    match result {
+        Ok(reply) => {
+            if lost > 0.0 && world.draw() < lost {
+                world.faults().count("engine answer lost");
+                world.record(answer(Answer::Fault("answer-lost")));
+                return Err(transient(
+                    "connection reset after the request (simulated)",
+                    true,
+                ));
+            }
+            world.record(answer(Answer::Ok));
+            let executed = world.elapsed_ms();
+            let late = (late > 0.0 && world.draw() < late).then(|| {
+                world.faults().count("engine answer late");
+                world.record(Event::Late {
+                    worker: worker.clone(),
+                    op: name,
+                    task: task_id.clone(),
+                    attempt,
+                });
+                late_max.mul_f64(world.draw())
+            });
+            Ok((reply, executed, late))
+        }
+        Err(refusal) => {
+            world.record(answer(Answer::Refused {
+                status: refusal.status,
+                code: refusal.code.clone(),
+                message: refusal.message.clone(),
+            }));
+            Err(classify(
+                name,
+                task_id.as_deref(),
+                refusal.status,
+                &refusal.body(),
+            ))
+        }
     }
 }
 
@@ -258,8 +431,8 @@ impl Engine for WorldEngine {
             "lockDuration": request.lock_duration.as_millis() as u64,
             "maxTasks": request.max_tasks,
         });
-        let reply = self
-            .exchange(op, Operation::FetchAndLock, None, body)
+        let (reply, executed) = self
+            .exchange_timed(op, Operation::FetchAndLock, None, None, body)
             .await?;
         let bytes = reply.body.unwrap_or(Value::Null).to_string();
         let (tasks, rejected) =
@@ -281,11 +454,16 @@ impl Engine for WorldEngine {
                 (t.id.clone(), attempt)
             })
             .collect();
-        self.world.record(Event::Fetched {
-            worker: self.worker_id.clone(),
-            asked: request.max_tasks,
-            tasks: tasks_seen,
-        });
+        // Stamped when the engine handed the tasks out (the trace is sorted by time): a late
+        // answer's tasks were this worker's from then on.
+        self.world.trace().push(
+            executed,
+            Event::Fetched {
+                worker: self.worker_id.clone(),
+                asked: request.max_tasks,
+                tasks: tasks_seen,
+            },
+        );
         Ok(tasks)
     }
 
@@ -401,6 +579,37 @@ impl Engine for WorldEngine {
         }
         wire::decode_tool_credential(body.to_string().as_bytes())
             .ok_or_else(|| malformed(op, "a tool credential without a token".into()))
+    }
+
+    async fn process_instance(
+        &self,
+        task: &TaskRef,
+        instance_id: &str,
+    ) -> Result<ProcessInstance, EngineError> {
+        self.read_process(OP_PROCESS_INSTANCE, task, |core| {
+            core.process_instance(instance_id)
+                .map(|view| ProcessInstance {
+                    id: view.id,
+                    process_definition_id: view.process_definition_id,
+                })
+        })
+        .await
+    }
+
+    async fn process_definition(
+        &self,
+        task: &TaskRef,
+        definition_id: &str,
+    ) -> Result<ProcessDefinition, EngineError> {
+        self.read_process(OP_PROCESS_DEFINITION, task, |core| {
+            core.process_definition(definition_id)
+                .map(|view| ProcessDefinition {
+                    id: view.id,
+                    version: Some(view.version),
+                    bpmn_xml: view.bpmn_xml,
+                })
+        })
+        .await
     }
 
     async fn probe(&self) -> ProbeOutcome {

@@ -40,6 +40,11 @@ pub struct FaultPlan {
     pub(crate) engine_5xx: f64,
     pub(crate) engine_409: f64,
     pub(crate) engine_answer_lost: f64,
+    /// Odds per engine call of an answer that comes late: executed at once, its answer held up
+    /// to `engine_late_max` on the way back (a report accepted while the worker still waits,
+    /// and meanwhile the task offered again after its retry timeout).
+    pub(crate) engine_answer_late: f64,
+    pub(crate) engine_late_max: Duration,
     /// Odds per heartbeat, journal call or completion of a refusal the engine's state does not
     /// back (403 `WORKER_LOCK_NOT_OWNED`, 409 `STALE_ATTEMPT`): the worker must stop, the task
     /// expires and is fetched again.
@@ -52,6 +57,9 @@ pub struct FaultPlan {
     pub(crate) model_5xx: f64,
     pub(crate) model_slow: f64,
     pub(crate) model_slow_max: Duration,
+    /// Odds per model call of a long generation: one to two lock durations (the task's
+    /// heartbeats keep its lease meanwhile; a visit's run it holds goes silent past the hold).
+    pub(crate) model_stall: f64,
     /// Odds per tool call of a 5xx, a delay of up to `tool_slow_max`, and (writes) of the write
     /// applied with its answer lost.
     pub(crate) tool_5xx: f64,
@@ -69,6 +77,37 @@ pub struct FaultPlan {
     /// the OS or a long GC; a call sent before the window arrives after it.
     pub freezes: BTreeMap<String, Vec<Window>>,
 }
+
+/// Every kind of fault the world injects, as the report counts them: the fifty-seed test
+/// requires each to have been drawn.
+pub const KINDS: &[&str] = &[
+    "engine outage",
+    "engine hang",
+    "engine slow",
+    "engine 5xx",
+    "engine 409",
+    "engine answer lost",
+    "engine answer late",
+    "engine clock step",
+    "refused",
+    "model 429",
+    "model 5xx",
+    "model slow",
+    "model stall",
+    "model long generation",
+    "model off-schema answer",
+    "model cut answer",
+    "model text tool call",
+    "tool 5xx",
+    "tool slow",
+    "tool write answer lost",
+    "store outage",
+    "store slow",
+    "store answer lost",
+    "worker freeze",
+    "worker kill",
+    "redeploy",
+];
 
 /// The live fault state: the plan, and counts of what was injected (for the report).
 #[derive(Debug)]
@@ -88,7 +127,9 @@ impl Faults {
         }
     }
 
+    /// Counts one injected fault of kind `what` (one of [`KINDS`]).
     pub fn count(&mut self, what: &'static str) {
+        debug_assert!(KINDS.contains(&what), "fault kind {what:?} is not in KINDS");
         *self.injected.entry(what).or_default() += 1;
     }
 

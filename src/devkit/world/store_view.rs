@@ -19,9 +19,14 @@ use crate::store::{Claim, Claimant, Fence, RunEnd, RunKey, RunStore, StoreError}
 const STORE: &str = "memory://world";
 
 /// One worker's view of the world's run store.
+#[derive(Clone)]
 pub(crate) struct WorldStore {
     world: Arc<World>,
     worker_id: String,
+    /// The engine task of each attempt this worker's claims took (attempts never repeat), so
+    /// a fence's calls name the task they are about: a visit's run is keyed by its process
+    /// visit, not by the task holding it.
+    tasks: Arc<std::sync::Mutex<std::collections::BTreeMap<u64, String>>>,
 }
 
 impl WorldStore {
@@ -29,18 +34,29 @@ impl WorldStore {
         WorldStore {
             world,
             worker_id: worker_id.into(),
+            tasks: Default::default(),
         }
     }
 
-    /// A call's way to the store: recorded, held while frozen, refused in an outage, slowed.
-    /// `Err` when the outage refused it (not executed).
+    /// The engine task whose claim took `attempt`.
+    fn task_of(&self, attempt: u64) -> String {
+        self.tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&attempt)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// A call sent: recorded (a killed worker sends nothing).
     async fn send(
         &self,
         op: &'static str,
         run: &RunKey,
+        task: &str,
         attempt: Option<u64>,
         seq: Option<u64>,
-    ) -> Result<(), StoreError> {
+    ) {
         if self.world.faults().killed.contains(&self.worker_id) {
             std::future::pending::<()>().await;
         }
@@ -48,16 +64,29 @@ impl WorldStore {
             worker: self.worker_id.clone(),
             op,
             run: run.to_string(),
+            task: task.to_string(),
             attempt,
             seq,
         });
+    }
+
+    /// A sent call's way to the store: held while frozen, refused in an outage, slowed. `Err`
+    /// when the outage refused it (not executed).
+    async fn deliver(
+        &self,
+        op: &'static str,
+        run: &RunKey,
+        task: &str,
+        attempt: Option<u64>,
+        seq: Option<u64>,
+    ) -> Result<(), StoreError> {
         self.world.hold(&self.worker_id).await;
         let now = self.world.elapsed_ms();
         if self.world.faults().store_down(now) {
             // A refused connection takes a moment: no loop spins at one instant.
             tokio::time::sleep(Duration::from_millis(5)).await;
             self.world.faults().count("store outage");
-            self.answered(op, run, attempt, seq, "outage");
+            self.answered(op, run, task, attempt, seq, "outage");
             return Err(unavailable("connection refused (simulated outage)"));
         }
         let (slow, slow_max) = {
@@ -77,11 +106,14 @@ impl WorldStore {
         Ok(())
     }
 
-    /// The answer's way back: recorded as executed, maybe lost, and 1 ms on the wire.
+    /// The answer's way back: recorded as executed, maybe lost (the caller adds its 1 ms on
+    /// the wire).
+    #[allow(clippy::too_many_arguments)]
     async fn answer<T>(
         &self,
         op: &'static str,
         run: &RunKey,
+        task: &str,
         attempt: Option<u64>,
         seq: Option<u64>,
         result: Result<T, StoreError>,
@@ -93,7 +125,7 @@ impl WorldStore {
         };
         // A claim that went ahead was recorded with the attempt it handed out (`claim`).
         if op != "claim" || result.is_err() {
-            self.answered(op, run, attempt, seq, answer);
+            self.answered(op, run, task, attempt, seq, answer);
         }
         let odds = {
             let f = self.world.faults();
@@ -103,23 +135,22 @@ impl WorldStore {
                 0.0
             }
         };
-        let result = if odds > 0.0 && self.world.draw() < odds {
+        if odds > 0.0 && self.world.draw() < odds {
             self.world.faults().count("store answer lost");
-            self.answered(op, run, attempt, seq, "answer-lost");
+            self.answered(op, run, task, attempt, seq, "answer-lost");
             Err(unavailable(
                 "the connection closed after the commit (simulated)",
             ))
         } else {
             result
-        };
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        result
+        }
     }
 
     fn answered(
         &self,
         op: &'static str,
         run: &RunKey,
+        task: &str,
         attempt: Option<u64>,
         seq: Option<u64>,
         answer: &'static str,
@@ -128,6 +159,7 @@ impl WorldStore {
             worker: self.worker_id.clone(),
             op,
             run: run.to_string(),
+            task: task.to_string(),
             attempt,
             seq,
             answer,
@@ -142,6 +174,19 @@ fn unavailable(reason: &str) -> StoreError {
     }
 }
 
+/// Runs a call already sent to its end whatever becomes of its caller (a worker that gives
+/// the call up does not take back a statement on the wire), then its answer's 1 ms back.
+async fn on_the_wire<T: Send + 'static>(
+    call: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+) -> Result<T, StoreError> {
+    let result = match tokio::spawn(call).await {
+        Ok(result) => result,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    };
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    result
+}
+
 #[async_trait]
 impl RunStore for WorldStore {
     async fn claim(
@@ -150,20 +195,41 @@ impl RunStore for WorldStore {
         claimant: &Claimant<'_>,
         first_step: Option<&JournalStep>,
     ) -> Result<Claim, StoreError> {
-        self.send("claim", run_key, None, None).await?;
-        let result = self.world.store.claim(run_key, claimant, first_step).await;
-        if let Ok(claim) = &result {
-            // Recorded as executed, with the attempt it handed out, before any loss.
-            self.answered(
-                "claim",
-                run_key,
-                Some(claim.fence.attempt()),
-                None,
-                "claimed",
-            );
-        }
-        self.answer("claim", run_key, None, None, result, |_| "claimed")
-            .await
+        let task = claimant.task_id.to_string();
+        self.send("claim", run_key, &task, None, None).await;
+        let (this, run_key, first_step) = (self.clone(), run_key.clone(), first_step.cloned());
+        let (worker, hold) = (claimant.worker_id.to_string(), claimant.hold);
+        on_the_wire(async move {
+            this.deliver("claim", &run_key, &task, None, None).await?;
+            let claimant = Claimant {
+                worker_id: &worker,
+                task_id: &task,
+                hold,
+            };
+            let result = this
+                .world
+                .store
+                .claim(&run_key, &claimant, first_step.as_ref())
+                .await;
+            if let Ok(claim) = &result {
+                this.tasks
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(claim.fence.attempt(), task.clone());
+                // Recorded as executed, with the attempt it handed out, before any loss.
+                this.answered(
+                    "claim",
+                    &run_key,
+                    &task,
+                    Some(claim.fence.attempt()),
+                    None,
+                    "claimed",
+                );
+            }
+            this.answer("claim", &run_key, &task, None, None, result, |_| "claimed")
+                .await
+        })
+        .await
     }
 
     async fn append(
@@ -172,15 +238,35 @@ impl RunStore for WorldStore {
         step: &JournalStep,
     ) -> Result<AppendOutcome, StoreError> {
         let (run, attempt, seq) = (fence.run_key().clone(), fence.attempt(), step.seq);
-        self.send("append", &run, Some(attempt), Some(seq)).await?;
-        // The fence advances on the store's answer only: a lost answer leaves the caller's
-        // fence where it was, as a lost acknowledgement does.
-        let mut executed = fence.clone();
-        let result = self.world.store.append(&mut executed, step).await;
-        let result = self
-            .answer(
+        let task = self.task_of(attempt);
+        self.send("append", &run, &task, Some(attempt), Some(seq))
+            .await;
+        let (this, sent, step) = (self.clone(), fence.clone(), step.clone());
+        let result = on_the_wire(async move {
+            this.deliver("append", &run, &task, Some(attempt), Some(seq))
+                .await?;
+            // The fence advances on the store's answer only: a lost answer leaves the caller's
+            // fence where it was, as a lost acknowledgement does.
+            let mut executed = sent;
+            // SIM-BUG (feature `sim-bugs`, selected at run time): a store whose append checks
+            // neither the attempt nor the version: it takes the fence as the holder's.
+            #[cfg(feature = "sim-bugs")]
+            if crate::sim_bugs::active(crate::sim_bugs::Bug::StoreUnfenced)
+                && let Some(now) = this.world.store.run(run.as_str())
+            {
+                executed = Fence::issue(
+                    run.clone(),
+                    now.attempt,
+                    now.version,
+                    executed.next_seq(),
+                    executed.journal_bytes(),
+                );
+            }
+            let result = this.world.store.append(&mut executed, &step).await;
+            this.answer(
                 "append",
                 &run,
+                &task,
                 Some(attempt),
                 Some(seq),
                 result,
@@ -189,19 +275,37 @@ impl RunStore for WorldStore {
                     AppendOutcome::AlreadyPresent => "already-present",
                 },
             )
-            .await;
-        if result.is_ok() {
+            .await
+            .map(|outcome| (outcome, executed))
+        })
+        .await;
+        result.map(|(outcome, executed)| {
             *fence = executed;
-        }
-        result
+            outcome
+        })
     }
 
     async fn finish(&self, fence: &Fence, end: RunEnd) -> Result<(), StoreError> {
         let (run, attempt) = (fence.run_key().clone(), fence.attempt());
-        self.send("finish", &run, Some(attempt), None).await?;
-        let result = self.world.store.finish(fence, end).await;
-        self.answer("finish", &run, Some(attempt), None, result, |_| "finished")
+        let task = self.task_of(attempt);
+        self.send("finish", &run, &task, Some(attempt), None).await;
+        let (this, fence) = (self.clone(), fence.clone());
+        on_the_wire(async move {
+            this.deliver("finish", &run, &task, Some(attempt), None)
+                .await?;
+            let result = this.world.store.finish(&fence, end).await;
+            this.answer(
+                "finish",
+                &run,
+                &task,
+                Some(attempt),
+                None,
+                result,
+                |_| "finished",
+            )
             .await
+        })
+        .await
     }
 
     /// A read that changes nothing: passed to the world's store without a fault of its own (a

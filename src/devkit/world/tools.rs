@@ -81,6 +81,12 @@ impl WorldSessions {
         if self.authorized {
             return Ok(());
         }
+        if self.world.store_journal {
+            // A plain engine issues no per-task credential: the workers reach the server
+            // through the operator's registry entry, which has no authentication (`sim::worker`).
+            self.authorized = true;
+            return Ok(());
+        }
         let credential = self
             .credentials
             .credential(SERVER)
@@ -178,13 +184,13 @@ impl ToolSessions for WorldSessions {
         let Some(n) = write else {
             self.record(&task, None, None, "read");
             return Ok(ToolResult {
-                content: vec![json!({"type": "text", "text": format!("order of {task}: ok")})],
+                content: vec![json!({"type": "text", "text": lookup_text(&task)})],
                 structured_content: None,
                 is_error: false,
             });
         };
         let result = ToolResult {
-            content: vec![json!({"type": "text", "text": format!("write {n} of {task} applied")})],
+            content: vec![json!({"type": "text", "text": receipt_text(&task, n)})],
             structured_content: None,
             is_error: false,
         };
@@ -209,4 +215,26 @@ impl ToolSessions for WorldSessions {
     }
 
     async fn close(&mut self) {}
+}
+
+/// The lookup's answer: an order record of about 1.2 KB, as a real lookup returns (what a small
+/// context window makes the worker elide).
+fn lookup_text(task: &str) -> String {
+    let mut text = format!("order of {task}: ok");
+    for line in 0..24 {
+        text.push_str(&format!(
+            "; line {line:02}: 1 x item-{line:02} at 10.00 EUR"
+        ));
+    }
+    text
+}
+
+/// A write's receipt, of about 470 bytes: longer than the worker's stub for an elided result,
+/// so only the rule that keeps keyed results keeps it whole.
+fn receipt_text(task: &str, n: u64) -> String {
+    let mut text = format!("write {n} of {task} applied");
+    for line in 0..16 {
+        text.push_str(&format!("; receipt {line:02}: ok at 10:00:{line:02}"));
+    }
+    text
 }

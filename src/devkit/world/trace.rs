@@ -22,19 +22,38 @@ pub enum Event {
         attempt: Option<u32>,
         answer: Answer,
     },
+    /// The answer just recorded ([`Event::EngineAnswer`], at the engine's execution) is late:
+    /// it reaches the worker at its [`Event::Delivered`], or never (the worker gave up the call
+    /// first). Every other answer reaches its worker 1 ms after its `EngineAnswer`.
+    Late {
+        worker: String,
+        op: &'static str,
+        task: Option<String>,
+        attempt: Option<u32>,
+    },
+    /// A late answer the engine executed at `executed` reached the worker now.
+    Delivered {
+        worker: String,
+        op: &'static str,
+        task: Option<String>,
+        attempt: Option<u32>,
+        executed: u64,
+    },
     /// A fetch's answer: the tasks and attempts handed to `worker`, of `asked`.
     Fetched {
         worker: String,
         asked: u32,
         tasks: Vec<(String, u32)>,
     },
-    /// A worker started a run-store call (`claim`, `append`, `finish`) about run `run` (the
-    /// simulator keys runs by task id), with its fence's attempt (none for a claim) and `seq`
-    /// (an append's step).
+    /// A worker started a run-store call (`claim`, `append`, `finish`) about run `run` for
+    /// engine task `task` (a task's run is keyed by the task's id; a visit's run, which the
+    /// tasks of one process visit share, by the instance and the node), with its fence's
+    /// attempt (none for a claim) and `seq` (an append's step).
     StoreCall {
         worker: String,
         op: &'static str,
         run: String,
+        task: String,
         attempt: Option<u64>,
         seq: Option<u64>,
     },
@@ -46,6 +65,7 @@ pub enum Event {
         worker: String,
         op: &'static str,
         run: String,
+        task: String,
         attempt: Option<u64>,
         seq: Option<u64>,
         answer: &'static str,
@@ -56,6 +76,18 @@ pub enum Event {
         task: String,
         turn: usize,
         answer: &'static str,
+    },
+    /// A request to a model of the small window (`model::SMALL_WINDOW_PROVIDER`), as it came:
+    /// its tokens by the world's count with the room for the answer, the window, and how many
+    /// tool results it carried elided, keyed writes' among them.
+    WindowRequest {
+        worker: String,
+        task: String,
+        turn: usize,
+        tokens: u64,
+        window: u64,
+        elided: usize,
+        elided_writes: usize,
     },
     /// A tool call: the task it was for, the logical write (`n`) when it is one, the key it
     /// carried, and what the server did: `read`, `applied`, `deduplicated`, `5xx`,
@@ -119,6 +151,12 @@ pub enum Event {
         instance: String,
         again: Option<String>,
     },
+    /// The process author deployed `version` of the gated processes: instructions that
+    /// perform no writes, their calls waiting for a person or not (`approval`).
+    Redeployed {
+        version: u32,
+        approval: bool,
+    },
     /// A line logged by the workers (kept for the secret check, not hashed: its wording is not
     /// a behaviour).
     Log {
@@ -131,8 +169,13 @@ pub enum Event {
 pub enum Answer {
     /// Executed (or replayed as a no-op by the engine) and answered.
     Ok,
-    /// Refused by the engine's rules: status and code.
-    Refused { status: u16, code: String },
+    /// Refused by the engine's rules: status, code and message (an `ENGINE_COMMAND_REJECTED`
+    /// says the lease is gone only by its message).
+    Refused {
+        status: u16,
+        code: String,
+        message: String,
+    },
     /// An injected fault: `outage`, `5xx`, `409`, `refused`, `answer-lost` (executed, then the
     /// answer was lost).
     Fault(&'static str),
