@@ -274,6 +274,38 @@ fn an_append_accepted_from_a_stale_attempt_fires() {
     );
 }
 
+/// Seen at exploration seed 123566 (plain v1): w0's complete for attempt 1 is held by an
+/// engine hang past its lease, w0 gives it up, fetches attempt 2, and only then does the engine
+/// execute the held complete (it fences by worker id only). Attempt 2 resumes the journal and
+/// completes the same outcome, answered as a no-op: no breach. A complete of attempt 2 after a
+/// completion attempt 2's holder could have known of still fires.
+#[test]
+fn an_earlier_attempts_complete_executed_late_does_not_make_the_current_holder_stale() {
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(5_000, call("w0", "complete", 1))
+        .at(9_000, fetched("w0", 2))
+        .at(9_500, answer("w0", "complete", 1, Answer::Ok))
+        .at(10_000, call("w0", "complete", 2))
+        .at(10_000, answer("w0", "complete", 2, Answer::Ok));
+    assert!(invariants::one_completion(&p.facts()).is_empty());
+    // The first completion sent after attempt 2 was handed out: attempt 2's holder is
+    // reporting over a completion it was not racing.
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(9_000, fetched("w1", 2))
+        .at(9_100, call("w1", "complete", 2))
+        .at(9_100, answer("w1", "complete", 2, Answer::Ok))
+        .at(9_200, fetched("w0", 3))
+        .at(10_000, call("w0", "complete", 3))
+        .at(10_000, answer("w0", "complete", 3, Answer::Ok));
+    fires(
+        invariants::one_completion(&p.facts()),
+        "one accepted completion per task",
+        "task t-000001: complete by w0 attempt Some(3) sent at 10.000 s",
+    );
+}
+
 fn store_call(worker: &str, op: &'static str, attempt: Option<u64>, seq: Option<u64>) -> Event {
     Event::StoreCall {
         worker: w(worker),
@@ -462,6 +494,42 @@ fn a_call_after_the_run_store_fenced_the_attempt_fires() {
         invariants::no_call_after_refusal(&p.facts()),
         "no call after the engine or the run store said the lease is lost",
         "task t-000001: complete by w0 attempt 1 sent at 12.002 s after run-store append was refused",
+    );
+}
+
+/// Seen at exploration seed 31617: the store's refusal of an append made with an earlier
+/// attempt's fence, answered late, after the worker claimed the run again for its next engine
+/// attempt, says nothing of that next attempt: its report is no breach. The same refusal of the
+/// fence the worker holds now still fires.
+#[test]
+fn a_late_refusal_of_an_earlier_fence_does_not_stop_the_next_attempt() {
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(10, store_answer("w0", "claim", Some(7), None, "claimed"))
+        .at(5_000, store_call("w0", "append", Some(7), Some(2)))
+        .at(9_000, fetched("w0", 2))
+        .at(9_010, store_answer("w0", "claim", Some(8), None, "claimed"))
+        .at(
+            9_500,
+            store_answer("w0", "append", Some(7), Some(2), "fenced"),
+        )
+        .at(10_000, call("w0", "failure", 2));
+    assert!(invariants::no_call_after_refusal(&p.facts()).is_empty());
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(10, store_answer("w0", "claim", Some(7), None, "claimed"))
+        .at(9_000, fetched("w0", 2))
+        .at(9_010, store_answer("w0", "claim", Some(8), None, "claimed"))
+        .at(9_500, store_call("w0", "append", Some(8), Some(2)))
+        .at(
+            9_500,
+            store_answer("w0", "append", Some(8), Some(2), "fenced"),
+        )
+        .at(10_000, call("w0", "failure", 2));
+    fires(
+        invariants::no_call_after_refusal(&p.facts()),
+        "no call after the engine or the run store said the lease is lost",
+        "task t-000001: failure by w0 attempt 2 sent at 10.000 s after run-store append",
     );
 }
 
@@ -671,6 +739,52 @@ fn a_model_answer_paid_twice_without_an_interruption_fires() {
         .at(11_000, fetched("w1", 2))
         .at(11_050, model(0));
     assert!(invariants::model_repaid(&p.facts()).is_empty());
+}
+
+/// Seen at exploration seed 777205: two tokens at one node share a visit's run; the first
+/// (t-000001) loses its lease before its next store call, the twin takes the run over (it
+/// begins a fresh journal, by design) and finishes it, and the first, back, begins again. Its
+/// conversation was taken over, so paying its turns again is no breach.
+#[test]
+fn a_run_taken_over_by_a_twins_claim_begins_again_without_a_breach() {
+    let model = |turn| Event::ModelCall {
+        worker: w("w0"),
+        task: w("k0"),
+        turn,
+        answer: "tool",
+    };
+    let twin_claim = Event::StoreAnswer {
+        worker: w("w0"),
+        op: "claim",
+        run: w("t-000001"),
+        task: w("t-000003"),
+        attempt: Some(9),
+        seq: None,
+        answer: "claimed",
+    };
+    let played = |twin: bool| {
+        let mut p = Played::new()
+            .at(0, fetched("w0", 1))
+            .at(10, store_answer("w0", "claim", Some(7), None, "claimed"))
+            .at(50, model(0))
+            .at(100, model(1));
+        if twin {
+            p = p.at(6_000, twin_claim.clone());
+        }
+        p.at(9_000, fetched("w0", 2))
+            .at(
+                9_010,
+                store_answer("w0", "claim", Some(10), None, "claimed"),
+            )
+            .at(9_050, model(0))
+            .at(9_100, model(1))
+    };
+    assert!(invariants::model_repaid(&played(true).facts()).is_empty());
+    fires(
+        invariants::model_repaid(&played(false).facts()),
+        "at most one model call re-paid per interruption",
+        "task t-000001: 2 model answers paid again",
+    );
 }
 
 /// The one planned task `k0` (engine task `t-000001`) with the final answers `finals` played

@@ -235,12 +235,29 @@ fn holder_updates(e: &Event, holders: &mut BTreeMap<String, (String, u32)>) {
     }
 }
 
+/// One accepted completion per task. A `complete` (or `bpmn-error`) the engine accepted after
+/// another holder's accepted one is a stale holder reporting, unless it could not have known:
+/// - it was sent before that completion was executed, and delayed in transit (the engine
+///   answers it as a no-op, as the real engine 0.11 does for a completed task:
+///   `ExternalTaskCommandService.complete` returns when the task is `COMPLETED`);
+/// - or that completion was itself in transit when this attempt was handed out: an earlier
+///   attempt's report the worker gave up at its lease's expiry, executed late by an engine
+///   that fences by worker id only (plain v1). The later attempt resumes the same journal and
+///   reports the same outcome, which the engine answers as a no-op.
 pub fn one_completion(facts: &Facts<'_>) -> Vec<Violation> {
-    let mut done: BTreeMap<String, (String, Option<u32>, &'static str, u64)> = BTreeMap::new();
+    // Per task: the first accepted completion (worker, attempt, op, executed at, sent at).
+    let mut done: BTreeMap<String, (String, Option<u32>, &'static str, u64, u64)> = BTreeMap::new();
     // When each (worker, op, task, attempt) call was last sent.
     let mut sent: BTreeMap<(&str, &str, &str, Option<u32>), u64> = BTreeMap::new();
+    // When each (task, attempt) was handed out.
+    let mut handed_out: BTreeMap<(&str, u32), u64> = BTreeMap::new();
     let mut out = Vec::new();
     for (t, e) in &facts.trace.events {
+        if let Event::Fetched { tasks, .. } = e {
+            for (task, attempt) in tasks {
+                handed_out.entry((task.as_str(), *attempt)).or_insert(*t);
+            }
+        }
         if let Event::EngineCall {
             worker,
             op,
@@ -263,19 +280,23 @@ pub fn one_completion(facts: &Facts<'_>) -> Vec<Violation> {
         if !matches!(*op, "complete" | "bpmn-error") {
             continue;
         }
+        let sent_at = sent
+            .get(&(worker.as_str(), *op, task.as_str(), *attempt))
+            .copied()
+            .unwrap_or(*t);
         match done.get(task) {
             None => {
-                done.insert(task.clone(), (worker.clone(), *attempt, op, *t));
+                done.insert(task.clone(), (worker.clone(), *attempt, op, *t, sent_at));
             }
-            Some((w, a, first_op, first_at)) if (w, a) != (worker, attempt) => {
-                // A request sent before the other holder's completion and delayed in transit is
-                // answered as a no-op by the engine; nothing a worker can prevent. One sent
-                // after it is a stale holder reporting.
-                let sent_at = sent
-                    .get(&(worker.as_str(), *op, task.as_str(), *attempt))
-                    .copied()
-                    .unwrap_or(*t);
-                if sent_at >= *first_at {
+            Some((w, a, first_op, first_at, first_sent)) if (w, a) != (worker, attempt) => {
+                let first_in_transit_at_hand_out = attempt
+                    .and_then(|n| handed_out.get(&(task.as_str(), n)))
+                    .is_some_and(|handed| {
+                        first_sent < handed
+                            && first_at > handed
+                            && a.is_some_and(|f| Some(f) < *attempt)
+                    });
+                if sent_at >= *first_at && !first_in_transit_at_hand_out {
                     out.push(violation(
                         ONE_COMPLETION,
                         format!(
@@ -526,12 +547,27 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
     // Each worker's engine attempt of each task, by its latest acquisition: a run-store fence
     // names the store's attempt, and the engine calls it stops are those of this one.
     let mut held: BTreeMap<(&str, &str), u32> = BTreeMap::new();
+    // The engine attempt each run-store fence was granted to: a refusal answered late, to a
+    // call of an earlier attempt's fence, says nothing of the attempt the worker holds now.
+    let mut fences: BTreeMap<(&str, &str, u64), u32> = BTreeMap::new();
     let mut out = Vec::new();
     for (t, e) in &facts.trace.events {
         match e {
             Event::Fetched { worker, tasks, .. } => {
                 for (task, attempt) in tasks {
                     held.insert((worker, task), *attempt);
+                }
+            }
+            Event::StoreAnswer {
+                worker,
+                op: "claim",
+                task,
+                attempt: Some(fence),
+                answer: "claimed",
+                ..
+            } => {
+                if let Some(attempt) = held.get(&(worker.as_str(), task.as_str())) {
+                    fences.insert((worker, task, *fence), *attempt);
                 }
             }
             Event::EngineAnswer {
@@ -547,10 +583,14 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
                 worker,
                 op,
                 task,
+                attempt: fence,
                 answer: "fenced",
                 ..
             } => {
-                if let Some(attempt) = held.get(&(worker.as_str(), task.as_str())) {
+                let granted = fence.and_then(|f| fences.get(&(worker.as_str(), task.as_str(), f)));
+                if let Some(attempt) =
+                    granted.or_else(|| held.get(&(worker.as_str(), task.as_str())))
+                {
                     let op = match *op {
                         "claim" => "run-store claim",
                         "append" => "run-store append",
@@ -911,7 +951,11 @@ pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
     let mut acquisitions: BTreeMap<&str, u32> = BTreeMap::new();
     // Tasks whose run another task's claim took over (a second token at the node, its holder
     // silent past the hold): their conversation begins again, paid again, as documented.
+    // Seen by the holder's next store call answered `fenced`, or, when the holder made none
+    // (its lease ran out first), by the other task's claim of the run it held.
     let mut taken_over: BTreeSet<&str> = BTreeSet::new();
+    // Each run's holder: the task whose claim took it last, until the run is finished.
+    let mut holders: BTreeMap<&str, &str> = BTreeMap::new();
     for (_, e) in &facts.trace.events {
         match e {
             Event::StoreAnswer {
@@ -921,6 +965,27 @@ pub fn model_repaid(facts: &Facts<'_>) -> Vec<Violation> {
                 ..
             } if *op != "finish" => {
                 taken_over.insert(task);
+            }
+            Event::StoreAnswer {
+                task,
+                run,
+                op: "claim",
+                answer: "claimed",
+                ..
+            } => {
+                if let Some(holder) = holders.insert(run, task)
+                    && holder != task.as_str()
+                {
+                    taken_over.insert(holder);
+                }
+            }
+            Event::StoreAnswer {
+                run,
+                op: "finish",
+                answer: "finished",
+                ..
+            } => {
+                holders.remove(run.as_str());
             }
             Event::ModelCall {
                 task, turn, answer, ..
