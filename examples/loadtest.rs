@@ -6,7 +6,7 @@
 //!     --slots 50 --tasks 2000 --model-latency-ms 100 --floor --runs 5
 //! ```
 //!
-//! Partial fetch answers (issue 25): an engine answering at most 2 tasks per fetch, as
+//! Partial fetch answers: an engine answering at most 2 tasks per fetch, as
 //! concurrent fetches under `SKIP LOCKED` do; one worker of 8 slots, then two on one engine:
 //!
 //! ```text
@@ -22,7 +22,7 @@
 //! cargo run --release --example loadtest -- --scenario contention
 //! ```
 //!
-//! A provider rate limit (issue 25): the scripted model allows 2 requests/s (a bucket of 2),
+//! A provider rate limit: the scripted model allows 2 requests/s (a bucket of 2),
 //! states it on every answer (`x-ratelimit-*`) and answers 429 with `retry-after-ms` beyond;
 //! one worker of 8 slots, 30 one-call tasks; prints the share of the limit used, 429s, tasks
 //! deferred and claims given back:

@@ -100,7 +100,7 @@ pub struct LoadOptions {
     /// (replicas deployed onto a waiting queue), instead of appearing once each has fetched
     /// from the empty queue (replicas idle when work arrives).
     pub backlog_first: bool,
-    /// The model's provider rate limit (issue 25): stated on every answer, 429 beyond.
+    /// The model's provider rate limit: stated on every answer, 429 beyond.
     pub rate_limit: Option<super::model::RateLimit>,
 }
 
@@ -592,7 +592,7 @@ async fn run_on(
     result.map(|()| figures)
 }
 
-/// Issue 25: how well the worker used the provider's rate limit. The share of the limit used
+/// How well the worker used the provider's rate limit. The share of the limit used
 /// (the calls let through over the most the limit allowed from the first call to the last),
 /// 429s as a share of the model requests, tasks deferred (a `failure` reported for a task,
 /// which the engine records), and claims given back (tasks locked by a fetch beyond the one

@@ -497,7 +497,7 @@ impl<'a> Attempt<'a> {
                 .as_ref()
                 .map(|s| s.format(&self.def.name)),
         };
-        // [window] issue 26: the request fits the smallest context window of the chain (older
+        // [window] the request fits the smallest context window of the chain (older
         // tool results elided, derived from the journal), or the task ends naming the sizes.
         super::window::fit_to_chain(
             &mut request,

@@ -638,7 +638,7 @@ mod tests {
         assert_eq!(l.retry_after, Some(Duration::from_secs(4)));
     }
 
-    /// Issue 25: the headers are outside input; no value panics or is believed past its bounds.
+    /// The headers are outside input; no value panics or is believed past its bounds.
     #[test]
     fn hostile_header_values_are_ignored_or_bounded_without_panic() {
         let hostile = [
@@ -807,7 +807,7 @@ mod tests {
         );
     }
 
-    /// Issue 25: a provider that sends nothing is throttled by the 429s it answers.
+    /// A provider that sends nothing is throttled by the 429s it answers.
     #[tokio::test(start_paused = true)]
     async fn a_provider_that_sends_nothing_is_throttled_by_its_429s() {
         let c = ModelCapacities::new(CapacityPolicy::default());
@@ -839,7 +839,7 @@ mod tests {
         );
     }
 
-    /// Issue 25: admission never claims more than the models can start, counting the tasks
+    /// Admission never claims more than the models can start, counting the tasks
     /// claimed that have not called yet.
     #[tokio::test(start_paused = true)]
     async fn admission_never_exceeds_capacity_and_counts_claims_not_yet_started() {

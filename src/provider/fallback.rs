@@ -6,7 +6,7 @@
 //! Before each call the model's capacity is taken ([`super::capacity::ModelCapacities`]): a call
 //! the provider's stated rate limit would refuse waits here until it may start, up to
 //! [`RetryPolicy::capacity_wait_max`] in all, instead of being sent to a 429; a model whose
-//! capacity comes back only later is skipped like an open circuit (issue 25).
+//! capacity comes back only later is skipped like an open circuit.
 //!
 //! | failure | what happens |
 //! | --- | --- |
@@ -16,7 +16,7 @@
 //! | `ContextTooLong`, `Setup` | next model |
 //! | `Rejected` | stop: a hard error of the task |
 //!
-//! When no model answered, in this order (issue 23, finding 6: a deferral is for an outage,
+//! When no model answered, in this order (a deferral is for an outage,
 //! never for one request):
 //! 1. a technical failure (malformed answers after retries, an unreadable key):
 //!    [`ModelCallError::Technical`];
@@ -60,7 +60,7 @@ pub struct RetryPolicy {
 pub(crate) const DEFAULT_CAPACITY_WAIT_MAX: Duration = Duration::from_secs(60);
 
 /// 429s of one model waited out within one call, at most: the next one counts as the model
-/// being unavailable (its circuit opens, as before issue 25). A rate limit tracked from the
+/// being unavailable (its circuit opens, as it did before the worker read rate limits). A rate limit tracked from the
 /// provider's headers rarely answers 429 at all; a provider answering nothing else is in an
 /// outage, and its task is deferred rather than held. Nor can a provider asking for no wait at
 /// all make a task spin on it.
@@ -350,7 +350,7 @@ pub async fn call_models(
                     retries += 1;
                     continue;
                 }
-                // Issue 23 (6): a model still failing after its retries is this request's
+                // A model still failing after its retries is this request's
                 // failure unless its circuit says it is down for everyone (decided below).
                 ProviderError::Transient { .. } => {}
                 ProviderError::Malformed { .. } | ProviderError::Setup { .. } => technical += 1,

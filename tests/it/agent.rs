@@ -240,7 +240,7 @@ mod outcomes {
         w.stop().await;
     }
 
-    /// Issue 25: a provider allowing 2 requests/s and saying so in `x-ratelimit-*` headers,
+    /// A provider allowing 2 requests/s and saying so in `x-ratelimit-*` headers,
     /// 429 beyond: the worker uses its limit without claiming tasks that cannot start, nor
     /// sending calls the limit refuses, nor deferring a task (a failure the engine records).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
