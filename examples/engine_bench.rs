@@ -1,4 +1,4 @@
-//! The benchmark against a REAL Abada engine (issue 25 item 5): the harness deploys a one-node
+//! The benchmark against a REAL Abada engine: the harness deploys a one-node
 //! process (start → service task `benchAgent` → end) to an engine already running on loopback,
 //! starts `--tasks` instances (the backlog), then runs `--workers` release worker processes of
 //! `--slots` slots each against it, with the devkit's scripted model (one final answer after

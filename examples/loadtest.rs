@@ -6,7 +6,7 @@
 //!     --slots 50 --tasks 2000 --model-latency-ms 100 --floor --runs 5
 //! ```
 //!
-//! Partial fetch answers (issue 25): an engine answering at most 2 tasks per fetch, as
+//! Partial fetch answers: an engine answering at most 2 tasks per fetch, as
 //! concurrent fetches under `SKIP LOCKED` do; one worker of 8 slots, then two on one engine:
 //!
 //! ```text

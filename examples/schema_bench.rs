@@ -1,5 +1,6 @@
 //! What validating one final answer costs, for the worst schemas the `outputSchema` bounds let
-//! through (BENCHMARKS.md, "Validating a final answer: the worst schemas the bounds allow"):
+//! through (docs/benchmarks-history.md, "Validating a final answer: the worst schemas the bounds
+//! allow"):
 //! the memory allocated at the peak (a counting global allocator) and the CPU time of the
 //! thread (`/proc/thread-self/schedstat`) of `agent::output::judge`, the call the worker makes
 //! on its blocking thread: the yes or no, then, for a refused answer, the one error from the

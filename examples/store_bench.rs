@@ -6,7 +6,7 @@
 //!   the queue flushed at the end as the worker's drain does): the latency of an append (p50,
 //!   p99) and the transactions a one-turn task costs. `store_bench -- 400 8 0` (one-turn tasks,
 //!   concurrent tasks, retention in seconds: 0 deletes runs as they finish, above keeps them);
-//!   a fourth argument `own` gives each finish a transaction of its own, as before issue 25.
+//!   a fourth argument `own` gives each finish a transaction of its own, as before finishes rode with the next claim.
 //! - `seed`: the seed's own check. The real worker binary (a child process, the load harness of
 //!   `devkit::loadtest`) on a plain v1 engine with its journal in the store runs the same backlog
 //!   at base model and tool latency and then with both ten times slower; prints, side by side,

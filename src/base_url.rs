@@ -1,7 +1,7 @@
 //! A base URL parsed once (the engine's API root, a provider's base URL), and the request URLs
 //! made from it: a path appended to the base's own path, without parsing the scheme and the
 //! host again for every request. A full parse was about 7 k instructions per request, a
-//! hundredth of a task's, and reqwest parses a `&str` URL once more on its own (issue 25).
+//! hundredth of a task's, and reqwest parses a `&str` URL once more on its own.
 //!
 //! The URL made is the one a parse of the base and the path written one after the other would
 //! give (`join_is_the_parse_of_the_concatenation`): the same path rules (dot segments, percent

@@ -4,7 +4,7 @@
 //! providers and the OIDC issuer read through here; tool servers are read by rmcp, whose
 //! transport gets its limits from the constants below (`tools/session.rs`).
 //!
-//! The limits are sized against what one slot may hold (issue 17: four slots under 64 MB of
+//! The limits are sized against what one slot may hold (four slots under 64 MB of
 //! resident memory with any single hostile input): each is far above what a well-behaved peer
 //! sends, and small enough that four of them at once stay a fraction of the budget.
 

@@ -124,7 +124,7 @@ mod tests {
         assert!(check("not a url", "x", true).is_err());
     }
 
-    /// Issue 23: a name under `localhost` is decided by its address, which this check does not
+    /// A name under `localhost` is decided by its address, which this check does not
     /// know, so it is not loopback: a DNS answer for `evil.localhost` could be anywhere.
     #[test]
     fn a_name_under_localhost_is_not_trusted_as_loopback() {

@@ -83,8 +83,8 @@ impl Outcome {
     /// variable (Abada 0.11 answers 500 and keeps the task locked, so a worker that sent it
     /// again and again would run the task forever): a completion or BPMN error carrying one
     /// becomes an incident naming the variables, reported once. Nested nulls are stored as
-    /// they are. (An agent whose final answer is `null` ends here; see README.md "How a task
-    /// ends".)
+    /// they are. (An agent whose final answer is `null` ends here; see docs/OPERATIONS.md "How a
+    /// task ends".)
     pub(crate) fn storable(self) -> Outcome {
         let variables = match &self {
             Outcome::Complete { variables } => variables,
@@ -476,14 +476,15 @@ mod tests {
         assert_eq!(*seen.lock().unwrap(), vec![TaskEnd::Completed]);
     }
 
-    /// The spellings are a public contract: README.md lists them for dashboards and alerts.
+    /// The spellings are a public contract: docs/OPERATIONS.md lists them for dashboards and
+    /// alerts.
     #[test]
-    fn every_task_end_is_spelled_as_the_readme_documents() {
-        let readme = include_str!("../README.md");
-        let row = readme
+    fn every_task_end_is_spelled_as_the_operations_manual_documents() {
+        let operations = include_str!("../docs/OPERATIONS.md");
+        let row = operations
             .lines()
             .find(|l| l.starts_with("| `abada_agent_tasks_ended_total`"))
-            .expect("README.md documents abada_agent_tasks_ended_total");
+            .expect("docs/OPERATIONS.md documents abada_agent_tasks_ended_total");
         let documented: Vec<&str> = row
             .split('`')
             .skip(5) // up to and past the metric name and the `outcome` label name

@@ -21,7 +21,7 @@ commands:
   dev-engine    run the engine emulator alone (`devkit` feature only)
   help          print this help
 
-The daemon's variables are listed in README.md (Operations).";
+The daemon's variables are listed in docs/OPERATIONS.md.";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -178,10 +178,10 @@ pub struct Metrics {
     pub(crate) model_call_duration: Family<ModelLabels, Histogram, fn() -> Histogram>,
     pub(crate) model_tokens: Family<ModelTokenLabels, Counter>,
     pub(crate) model_fallback_calls: Family<ModelRefLabels, Counter>,
-    /// A model's circuit opened: unavailable for every task of the worker (issue 23).
+    /// A model's circuit opened: unavailable for every task of the worker.
     pub(crate) model_circuit_opened: Family<ModelRefLabels, Counter>,
-    /// Calls a model may start now by its provider's stated rate limit, as of its last call
-    /// (issue 25); a model whose provider states none has no series.
+    /// Calls a model may start now by its provider's stated rate limit, as of its last call;
+    /// a model whose provider states none has no series.
     pub(crate) model_capacity: Family<ModelRefLabels, Gauge>,
     /// How long each model call waited for its model's capacity before it went out.
     pub(crate) model_capacity_wait: Family<ModelRefLabels, Histogram, fn() -> Histogram>,

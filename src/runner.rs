@@ -18,7 +18,7 @@
 //!   one report (complete, failure, bpmn-error) and runs what follows it. So the engine's
 //!   answer to a report does not hold a slot: the next task's fetch goes out while the
 //!   complete is still in flight, and a slot's cycle is the work plus one fetch, not the work
-//!   plus a complete plus a fetch (issue 25: on the real engine the two round trips were
+//!   plus a complete plus a fetch (on the real engine the two round trips were
 //!   100-190 ms each beside a 100 ms model call). Reports in flight on a permit are bounded by
 //!   the second semaphore: with all of them out, a finished task reports at once keeping its
 //!   slot (it never waits for another report, which may never return), so an engine slower
@@ -995,7 +995,7 @@ async fn run_task(
 /// Turns an outcome into its one engine call; nothing when the lease is lost. An outcome the
 /// engine cannot store, or a completion or BPMN error it refuses for good, ends the task once
 /// as an incident instead: never is a task left to expire and run again on a refusal that
-/// will repeat (README.md "How a task ends").
+/// will repeat (docs/OPERATIONS.md "How a task ends").
 async fn report(shared: &Shared, task: &Task, lease: &Lease, outcome: Outcome) -> TaskEnd {
     let outcome = outcome.storable();
     let end = outcome.end();

@@ -4,7 +4,7 @@
 
 /// How a task ended in this worker: the outcome the engine was told, or why it was told
 /// nothing. Runner events, the `task ended` log line and the `outcome` label of the task
-/// metrics all speak it; [`TaskEnd::as_str`] is its one spelling (README.md Operations lists
+/// metrics all speak it; [`TaskEnd::as_str`] is its one spelling (docs/OPERATIONS.md lists
 /// these values, and dashboards select on them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TaskEnd {
@@ -27,7 +27,7 @@ pub enum TaskEnd {
 }
 
 impl TaskEnd {
-    /// Every ending, in the order README.md lists them.
+    /// Every ending, in the order docs/OPERATIONS.md lists them.
     pub const ALL: [TaskEnd; 8] = [
         TaskEnd::Completed,
         TaskEnd::BpmnError,

@@ -1,4 +1,4 @@
-//! BPMN XML as the engine serves it (issue 26): any text, through the depth scan, the XML parser
+//! BPMN XML as the engine serves it: any text, through the depth scan, the XML parser
 //! (no DTD, node limit) and the `abada.agent.*` property mapping into the one definition parser.
 //! None may panic or overflow the stack.
 //! The property lives in `fuzz/props.rs`, shared with the replay under `cargo test`.

@@ -1,4 +1,4 @@
-//! Templates rendered the two ways the worker renders them (issue 17): the input (values as they
+//! Templates rendered the two ways the worker renders them: the input (values as they
 //! are) and instructions with `renderInstructions` (values fenced as data), under a cap. The
 //! first bytes choose the cap; the rest is `template\0variables-as-JSON`.
 //! The property lives in `fuzz/props.rs`, shared with the replay under `cargo test`.

@@ -1,4 +1,4 @@
-//! One `tools/list` entry as offered to the model (issue 17: description and schema limits), and
+//! One `tools/list` entry as offered to the model (description and schema limits), and
 //! text cut at a limit from the first byte.
 //! The property lives in `fuzz/props.rs`, shared with the replay under `cargo test`.
 #![no_main]

@@ -1,4 +1,4 @@
-//! Approval of tool calls by a person (issue 14), the pure part (the stop and the resume are
+//! Approval of tool calls by a person, the pure part (the stop and the resume are
 //! `run::Attempt::approval_gate`, the journal steps `journal::approval_*_step`): which calls
 //! need approval ([`ApprovalPolicy`] from `tools::approval_policy`, whose
 //! [`ToolRule`](crate::tools::approval_policy::ToolRule)s may bound a numeric argument;
@@ -14,7 +14,7 @@
 //! `agentStatus = "approval-required"`, the request, and a pending marker in the decision
 //! variable (a decision preset there is gone). The process routes it to a user task; the
 //! person's decision comes back on a new task of the same node, whose run is found by its run
-//! key (`run_key`). A decision counts only when it names the request waiting now (issue 23):
+//! key (`run_key`). A decision counts only when it names the request waiting now:
 //! its `requestId` (never one consumed before), its `callId`, and, when it carries one, its
 //! digest; the call performed must still have the journaled digest. Approved: the call is
 //! performed like any keyed write. Refused: the model reads a tool result saying who refused

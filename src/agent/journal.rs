@@ -20,12 +20,12 @@ pub(crate) const KIND_MODEL: &str = "model";
 pub(crate) const KIND_TOOL: &str = "tool";
 pub(crate) const STATE_STARTED: &str = "started";
 pub(crate) const STATE_FINISHED: &str = "finished";
-/// A run-store-only kind (issue 14): a call put to a person (`requested`) and their answer
+/// A run-store-only kind: a call put to a person (`requested`) and their answer
 /// (`decided`). Never written to the engine's journal, whose kinds protocol.md B.2 fixes.
 pub(crate) const KIND_APPROVAL: &str = "approval";
 pub(crate) const STATE_REQUESTED: &str = "requested";
 pub(crate) const STATE_DECIDED: &str = "decided";
-/// A run-store-only kind (issue 23): the run was deferred (every model unavailable for
+/// A run-store-only kind: the run was deferred (every model unavailable for
 /// everyone), counted so a run is deferred at most `ABADA_AGENT_MAX_DEFERRALS_PER_RUN` times.
 /// Never written to the engine's journal, whose kinds protocol.md B.2 fixes.
 pub(crate) const KIND_DEFERRAL: &str = "deferral";
@@ -278,7 +278,7 @@ pub(crate) struct Judging {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ApprovalState {
     /// Put to a person; no decision yet. A request journaled by a worker before requestIds
-    /// (issue 23) has none: it is put to a person again under a new one.
+    /// has none: it is put to a person again under a new one.
     Requested(PendingRequest),
     /// Decided on `request`.
     Decided {

@@ -1,4 +1,4 @@
-//! Limits on what a model can make the worker do (issue 17): tool calls per answer and per task,
+//! Limits on what a model can make the worker do: tool calls per answer and per task,
 //! keyed writes per task, model turns, a wall-clock deadline, the token budget and the output cap
 //! of each model call.
 //!

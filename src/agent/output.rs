@@ -7,21 +7,21 @@
 //! A final answer cut by the output limit (OpenAI `finish_reason: "length"`, Anthropic
 //! `stop_reason: "max_tokens"`) is never accepted, schema or not.
 //!
-//! A schema is a program its author hands the worker, so its cost is bounded by construction
-//! before it is compiled: its size and depth; only the keywords of one list (`keywords`: what
-//! the walker counts is what the validator applies, checked against the validator; any other
-//! keyword holding an object or array is refused, naming it and where, and so are the keywords
-//! whose cost no bound holds); only references inside the document, no recursion; and its
-//! weight (its subschemas with every `$ref` inlined, plus its `enum` values). Each schema's
-//! answer cap is the [`VALIDATION_WORK`] budget divided by its weight, so the worst answer
-//! against the worst schema is a measured, small cost (BENCHMARKS.md, "Validating a final
-//! answer: the worst schemas the bounds allow": 4 MiB and under 0.1 s of CPU on a debug
-//! build). Its `pattern`s run on the linear-time `regex` engine with size limits; nothing is
-//! fetched. A refused answer's one error comes from a reporting copy of the schema (`report`)
-//! that never builds every branch's errors. The validation runs off the async runtime
-//! ([`judge_off_runtime`]: a blocking thread, [`VALIDATIONS_AT_ONCE`] at a time) and is given up
-//! at [`VALIDATION_DEADLINE`]; an answer that needs it is journaled before it is judged
-//! (`agent::judging`), so no validation can crash the worker in a loop.
+//! A schema is a program its author hands the worker, so its cost is bounded by construction before
+//! it is compiled: its size and depth; only the keywords of one list (`keywords`: what the walker
+//! counts is what the validator applies, checked against the validator; any other keyword holding
+//! an object or array is refused, naming it and where, and so are the keywords whose cost no bound
+//! holds); only references inside the document, no recursion; and its weight (its subschemas with
+//! every `$ref` inlined, plus its `enum` values). Each schema's answer cap is the
+//! [`VALIDATION_WORK`] budget divided by its weight, so the worst answer against the worst schema
+//! is a measured, small cost (docs/benchmarks-history.md, "Validating a final answer: the worst
+//! schemas the bounds allow": 4 MiB and under 0.1 s of CPU on a debug build). Its `pattern`s run on
+//! the linear-time `regex` engine with size limits; nothing is fetched. A refused answer's one
+//! error comes from a reporting copy of the schema (`report`) that never builds every branch's
+//! errors. The validation runs off the async runtime ([`judge_off_runtime`]: a blocking thread,
+//! [`VALIDATIONS_AT_ONCE`] at a time) and is given up at [`VALIDATION_DEADLINE`]; an answer that
+//! needs it is journaled before it is judged (`agent::judging`), so no validation can crash the
+//! worker in a loop.
 
 use std::sync::{Arc, LazyLock};
 
@@ -61,11 +61,11 @@ const VALIDATION_WORK: usize = 2 * 1024 * 1024;
 const MIN_ANSWER_BYTES: usize = 1024;
 /// Final answers validated at once, each on a blocking thread (never on the async runtime's).
 const VALIDATIONS_AT_ONCE: usize = 2;
-/// How long a task waits for one validation before it gives up and the task becomes an
-/// incident naming the schema. The bounds make the worst answer against the worst schema cost
-/// well under a second of CPU on a debug build (BENCHMARKS.md, "Schemas the worker cannot
-/// bound"); this deadline is the second line, for what no measurement foresaw, with room for a
-/// loaded machine.
+/// How long a task waits for one validation before it gives up and the task becomes an incident
+/// naming the schema. The bounds make the worst answer against the worst schema cost well under a
+/// second of CPU on a debug build (docs/benchmarks-history.md, "Validating a final answer: the
+/// worst schemas the bounds allow"); this deadline is the second line, for what no measurement
+/// foresaw, with room for a loaded machine.
 pub(crate) const VALIDATION_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 /// The compiled size of one `pattern` regex, and its lazy DFA's cache.
 const MAX_PATTERN_BYTES: usize = 256 * 1024;
@@ -96,7 +96,7 @@ pub enum SchemaError {
     )]
     Expansion { limit: usize, via: String },
     #[error(
-        "outputSchema has the keyword {keyword:?} at {pointer} with an object or array value; the worker validates only the keywords it knows (JSON Schema's, listed in the README), and an unknown one may hold subschemas it cannot bound: remove it, or make it a plain value"
+        "outputSchema has the keyword {keyword:?} at {pointer} with an object or array value; the worker validates only the keywords it knows (JSON Schema's, listed in docs/OPERATIONS.md), and an unknown one may hold subschemas it cannot bound: remove it, or make it a plain value"
     )]
     UnknownKeyword { keyword: String, pointer: String },
     #[error("outputSchema uses {keyword:?} at {pointer}, which the worker refuses: {why}")]
@@ -386,7 +386,7 @@ pub fn judge(
     // A yes or no first (no error is built, the first failure ends it); then one error, from
     // the reporting copy, whose failed `anyOf`s and `oneOf`s report no branch (`report`):
     // collecting the schema's own errors builds one per failed branch of every `anyOf`, for
-    // every item, which cost a minute of CPU, or gigabytes (BENCHMARKS.md).
+    // every item, which cost a minute of CPU, or gigabytes (docs/benchmarks-history.md).
     if schema.validator.is_valid(&value) {
         return Ok(value);
     }
@@ -1271,7 +1271,7 @@ mod tests {
         );
     }
 
-    /// The figures in BENCHMARKS.md ("Validating a final answer"): the worst answers against
+    /// The figures in docs/benchmarks-history.md ("Validating a final answer"): the worst answers against
     /// the heaviest schemas, before (the 64 KiB cap alone, validated directly) and with the
     /// weight bound (`cargo test --lib output::tests::figure -- --ignored --nocapture`, in the
     /// build profile the figure names).

@@ -515,7 +515,7 @@ impl<'a> Attempt<'a> {
                 .as_ref()
                 .map(|s| s.format(&self.def.name)),
         };
-        // [window] issue 26: the request fits the smallest context window of the chain (older
+        // [window] the request fits the smallest context window of the chain (older
         // tool results elided, derived from the journal), or the task ends naming the sizes.
         let kept = &self.state.keyed_results;
         // SIM-BUG (feature `sim-bugs`, selected at run time): no keyed result kept.

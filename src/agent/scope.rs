@@ -147,7 +147,7 @@ mod tests {
     use super::*;
 
     /// A plain v1 task backs off longer as its retries run down, like an agent/1 task as its
-    /// attempts grow (issue 23: a request that fails on its own consumes a retry with backoff).
+    /// attempts grow (a request that fails on its own consumes a retry with backoff).
     #[test]
     fn technical_failures_back_off_by_attempt_or_by_the_retries_used() {
         let task = |attempt: Option<u32>, retries: Option<i32>| Task {

@@ -1,4 +1,4 @@
-//! The context window of a conversation (issue 26): no request is sent that the model would
+//! The context window of a conversation: no request is sent that the model would
 //! have to refuse as too long. Before each model call the request's tokens are estimated; when
 //! the estimate and the room for the answer (`maxOutputTokens`) exceed the smallest window of
 //! the definition's models, the oldest tool results are replaced by a stub that says so, one at

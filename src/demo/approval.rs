@@ -1,4 +1,4 @@
-//! Scenario `approval` (issue 14): the worked example's process (`examples/refund-approval.bpmn`,
+//! Scenario `approval`: the worked example's process (`examples/refund-approval.bpmn`,
 //! run by the emulator as `ProcessModel::refund_approval`) with a refund agent whose refunds
 //! above 10,000 cents wait for a person (`approval = [{tool = "issue_refund", argument =
 //! "amountCents", above = 10000}]`), its conversation kept in the PostgreSQL run store that
@@ -7,7 +7,7 @@
 //! "Approve refund" and applied once, with no model call before the stop paid again; one over it
 //! is refused, and the model explains the refusal to the customer; that write is never performed.
 //! A fourth is "decided" by someone who copies the public `callId` but not the request's
-//! `requestId` (a forged decision, issue 23): the task becomes an incident and nothing is
+//! `requestId` (a forged decision): the task becomes an incident and nothing is
 //! performed.
 
 use std::time::Duration;

@@ -1,6 +1,6 @@
 //! `dev-engine`: the engine emulator alone, on a fixed address, so a worker with real provider
 //! keys can be pointed at it and tasks created by hand with curl (the admin API is documented in
-//! [`crate::devkit::engine`] and the README).
+//! [`crate::devkit::engine`] and docs/DEVELOPMENT.md).
 
 use std::future::Future;
 use std::net::SocketAddr;

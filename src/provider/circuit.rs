@@ -21,7 +21,7 @@
 //! (a failure with the streak still unbroken, or another busy answer, opens it again at once).
 //!
 //! A deferral (a `failure` that keeps the task's retries) is for a model open here, never for
-//! one request's failure (issue 23, finding 6): `fallback` asks [`ModelCircuits::open_until`].
+//! one request's failure: `fallback` asks [`ModelCircuits::open_until`].
 //!
 //! The state machine is pure: every operation takes the instant (`tokio::time::Instant`, so the
 //! paused clock drives the tests). Memory is bounded: a model with nothing against it has no

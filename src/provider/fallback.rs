@@ -366,7 +366,7 @@ pub async fn call_models(
                     retries += 1;
                     continue;
                 }
-                // Issue 23 (6): a model still failing after its retries is this request's
+                // A model still failing after its retries is this request's
                 // failure unless its circuit says it is down for everyone (decided below).
                 ProviderError::Transient { .. } => {}
                 ProviderError::Malformed { .. } | ProviderError::Setup { .. } => technical += 1,

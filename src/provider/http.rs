@@ -248,7 +248,7 @@ impl HttpCore {
                 retry_after: parse_retry_after(headers, SystemTime::now()),
             };
         }
-        // Issue 23 (6): llama.cpp answers a conversation longer than its context with a 500
+        // llama.cpp answers a conversation longer than its context with a 500
         // ("Context size has been exceeded."), newer versions with `exceed_context_size_error`.
         // It is the request's fault, not the server's: retrying or deferring it cannot help.
         if status == 413

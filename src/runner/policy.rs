@@ -4,7 +4,7 @@
 //! outage probing and whether an error is worth a warning. It does no I/O and reads no clock
 //! (instants come in), and its randomness is injected, so every rule is unit-tested below.
 //!
-//! The rules (design.md, Level 1; README.md Operations):
+//! The rules (design.md, Level 1; docs/OPERATIONS.md):
 //! - An empty answer means "nothing to do" unless it comes right after a full or partial one,
 //!   or is the worker's first: it waits the poll interval, stretched at random by up to
 //!   `poll_jitter` (2 %) and never shortened: an idle worker asks at most once per interval.
@@ -181,7 +181,7 @@ pub(crate) const ADMISSION_RECHECK: Duration = Duration::from_millis(25);
 
 /// The first pause after an empty answer that may be contention (see the module docs):
 /// about a fetch's transaction on the real engine under load (9-35 ms measured per fetch in
-/// BENCHMARKS.md), so the fetch that held the rows has likely committed when ours runs again.
+/// docs/benchmarks-history.md), so the fetch that held the rows has likely committed when ours runs again.
 pub(crate) const CONTENTION_PAUSE: Duration = Duration::from_millis(25);
 
 /// A run of empty answers that began right after an answer with tasks, or at the start.
@@ -546,7 +546,7 @@ mod tests {
         }
     }
 
-    /// Issue 25: a partial answer is others fetching too, not an empty queue.
+    /// A partial answer is others fetching too, not an empty queue.
     #[test]
     fn a_partial_fetch_fetches_the_rest_at_once() {
         for random in [0.0, 0.5, 1.0] {

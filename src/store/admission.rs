@@ -1,5 +1,5 @@
 //! Which claim may take a run, and how: the pure rule that keeps the conversations of different
-//! tasks and visits apart (issue 23, finding 5). It reads the run as the claim found it, locked,
+//! tasks and visits apart. It reads the run as the claim found it, locked,
 //! and answers begin (a fresh journal), resume (the journal so far) or refuse; it does no I/O.
 //!
 //! The rule:

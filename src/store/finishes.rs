@@ -1,4 +1,4 @@
-//! Finishes waiting for a transaction (issue 25, part 4): once the engine accepted a task's end,
+//! Finishes waiting for a transaction: once the engine accepted a task's end,
 //! its run's finish (a delete with a retention of zero, a mark otherwise) waits here instead of
 //! taking a transaction of its own, and rides with the store's next transaction, the next claim.
 //! A worker with no claim to make flushes it after [`IDLE_FLUSH_AFTER`]; a worker shutting down

@@ -25,7 +25,7 @@ pub(crate) const MAX_RUN_KEY_BYTES: usize = 512;
 pub(crate) const MAX_BODY_DEPTH: usize = 100;
 
 /// Which run: an opaque key. The engine's task id ([`RunKey::for_task`]), or, for a
-/// conversation that spans several engine tasks (issue 14), its process visit: process
+/// conversation that spans several engine tasks, its process visit: process
 /// instance, activity and loop counter ([`RunKey::for_visit`]), with no change to the schema.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct RunKey {

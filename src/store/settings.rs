@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::secret::SecretSource;
 
-/// The run store (`ABADA_AGENT_STORE_*`, issue 12): PostgreSQL for engines that keep no journal.
+/// The run store (`ABADA_AGENT_STORE_*`): PostgreSQL for engines that keep no journal.
 #[derive(Clone, Debug)]
 pub struct StoreConfig {
     /// The `postgres://` URL. A secret, since it may hold the password: read again for every new

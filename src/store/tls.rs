@@ -1,6 +1,6 @@
 //! TLS for run-store connections: rustls with the aws-lc-rs provider reqwest already brings (no
-//! OpenSSL, no second crypto backend), and libpq's `sslmode` semantics (see README.md's
-//! `sslmode` table).
+//! OpenSSL, no second crypto backend), and libpq's `sslmode` semantics (see
+//! docs/OPERATIONS.md's `sslmode` table).
 //!
 //! One certificate verifier covers every mode: without trust roots (`prefer`, `require`) it
 //! accepts any certificate; with them it checks the chain (`verify-ca`) and, for `verify-full`,

@@ -37,8 +37,8 @@ use std::str::FromStr;
 
 use tokio_postgres::config::{ChannelBinding, Host};
 
-/// How the connection uses TLS: libpq's `sslmode`, honoured as libpq does (README.md's
-/// `sslmode` table says what each mode does).
+/// How the connection uses TLS: libpq's `sslmode`, honoured as libpq does
+/// (docs/OPERATIONS.md's `sslmode` table says what each mode does).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum SslMode {
     Disable,
@@ -876,7 +876,7 @@ mod tests {
         no_password(&format!("{e} {e:?}"));
     }
 
-    /// Issue 23 finding 2: tokio-postgres ends the user information at the first '@', the old
+    /// tokio-postgres ends the user information at the first '@', the old
     /// parser at the last. A raw '@' in the query made the worker see no query at all (and
     /// `sslmode=require` became `prefer`); one in the password printed its tail.
     #[test]
@@ -1156,7 +1156,7 @@ mod tests {
         }
     }
 
-    /// Issue 23 findings 3 and 9: `prefer` and `require` gave the password to anyone in the
+    /// `prefer` and `require` gave the password to anyone in the
     /// middle, and `disable` sent it over plain TCP to any host.
     #[test]
     fn a_remote_store_without_verified_tls_is_refused_unless_allowed() {

@@ -269,7 +269,7 @@ mod tests {
         }
     }
 
-    /// Issue 23: the metadata endpoints the list missed, and the IPv6 forms that carry a
+    /// The metadata endpoints the list missed, and the IPv6 forms that carry a
     /// forbidden IPv4 address to it (mapped, translated, compatible, NAT64 at every prefix
     /// length of the local-use range).
     #[test]
@@ -388,7 +388,7 @@ mod tests {
         assert!(e.contains("metadata.google.internal"), "{e}");
     }
 
-    /// Issue 23: a resolver answer carrying a metadata address in an IPv6 form is refused like
+    /// A resolver answer carrying a metadata address in an IPv6 form is refused like
     /// the address itself.
     #[tokio::test]
     async fn the_resolver_refuses_names_resolving_to_an_embedded_metadata_address() {
@@ -404,7 +404,7 @@ mod tests {
         }
     }
 
-    /// Issue 23: `localhost` is loopback only when every address it resolves to is.
+    /// `localhost` is loopback only when every address it resolves to is.
     #[tokio::test]
     async fn localhost_resolving_elsewhere_is_refused() {
         assert!(

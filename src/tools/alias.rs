@@ -343,7 +343,7 @@ mod tests {
             .map(drop)
     }
 
-    /// Issue 23: a URL whose host resolves to a registered server's address at its port is
+    /// A URL whose host resolves to a registered server's address at its port is
     /// that server, whatever the name: the cluster FQDN, another name, an address literal.
     #[tokio::test]
     async fn a_url_reaching_a_registered_servers_address_is_refused() {

@@ -1409,7 +1409,7 @@ mod tests {
         r.allow_unregistered(Arc::new(reqwest::Client::builder), None)
     }
 
-    /// Issue 23: with a registry, a server it does not list is an incident naming the server
+    /// With a registry, a server it does not list is an incident naming the server
     /// unless `ABADA_AGENT_TOOLS_UNREGISTERED=allow`: an engine-sent definition cannot add one.
     #[tokio::test]
     async fn an_unregistered_server_is_refused_by_default() {
@@ -1468,7 +1468,7 @@ mod tests {
         );
     }
 
-    /// Issue 23: a registered server's host and port under another spelling is the registered
+    /// A registered server's host and port under another spelling is the registered
     /// server, refused under another name whichever the policy: no escape from its approval.
     #[tokio::test]
     async fn an_alias_of_a_registered_server_is_refused_however_it_is_spelled() {

@@ -1,4 +1,4 @@
-//! Approval of tool calls (issue 14) end to end: the emulator runs the worked example's process
+//! Approval of tool calls end to end: the emulator runs the worked example's process
 //! (agent node, gateway on agentStatus, user task "Approve refund", back to the agent node) and
 //! the real runner works its agent tasks.
 //!
@@ -826,7 +826,7 @@ async fn a_worker_binary_killed_with_the_approved_write_in_flight_is_replaced_an
     db.drop().await;
 }
 
-// The attacker's decisions (issue 23, finding 1). A decision counts only when it names the
+// The attacker's decisions. A decision counts only when it names the
 // request waiting now (`requestId`, 128 random bits journaled with the call), that request was
 // never decided before, its `callId` matches, and the call waiting is exactly the one put to the
 // person (its digest). The model here numbers its calls `call_0` in every answer, as several

@@ -1,4 +1,4 @@
-//! Agents defined on the BPMN service task (issue 26): the emulator serves the process API as
+//! Agents defined on the BPMN service task: the emulator serves the process API as
 //! the real engine does (`GET /v1/processes/instances/{id}`, `GET /v1/processes/{id}`, the
 //! latest version only), and a worker WITHOUT an agents file runs the agent its service task's
 //! `abada.agent.*` properties define. Each promise has its test: one definition read per
@@ -320,7 +320,7 @@ async fn a_run_resumed_from_the_store_after_a_redeployment_keeps_its_definition(
     ));
     redeploy_then_answer_v1(&stack, &running, refund_bpmn(&v2)).await;
     assert_eq!(stack.model.calls("bpmn-v2"), 0, "the resumed run kept v1");
-    // Resuming on its own definition is no refusal of the store (README: an incident).
+    // Resuming on its own definition is no refusal of the store (docs/OPERATIONS.md: an incident).
     let refused: Vec<String> = worker
         .metrics
         .encode()

@@ -378,7 +378,7 @@ async fn invariant_4_fires_on_the_lease_of_a_healthy_task_running_out() {
 
 /// Invariant 5: a `complete` after the engine refused the attempt's heartbeat (injected, as a
 /// refused heartbeat of a lease taken over), and any call after the worker's own `lease_lost`
-/// end. Before issue 24 the refusal was exempt whenever the attempt had a committed ending, so
+/// end. The refusal used to be exempt whenever the attempt had a committed ending, so
 /// the very `complete` that broke the rule hid it. A heartbeat refused because the attempt's own
 /// `complete` ended the task first stays exempt.
 #[tokio::test]
@@ -438,7 +438,7 @@ async fn invariant_5_fires_on_an_ending_sent_after_a_refused_heartbeat() {
     emu.shutdown().await;
 }
 
-/// The hole issue 17 closed: refusals of an attempt with a committed ending were all exempt, so
+/// A hole the checker once had: refusals of an attempt with a committed ending were all exempt, so
 /// a `complete` sent after the journal refused a step (`JOURNAL_CONFLICT`) passed.
 #[tokio::test]
 async fn a_complete_after_a_journal_conflict_is_a_violation_even_though_it_committed() {
@@ -572,7 +572,7 @@ fn invariant_8_fires_on_memory_over_its_bound() {
 
 /// The crash tests' audit: a holder whose lease ran out, woken after another worker completed
 /// the task, sends `complete`; the engine answers 200 and does nothing (protocol.md A.2), yet
-/// the stale holder reported. Counted as a no-op before issue 24; now a stale write. The
+/// the stale holder reported. Once counted as a no-op; now a stale write. The
 /// completer's own re-send stays a no-op.
 #[tokio::test]
 async fn the_audit_counts_a_stale_holders_complete_of_a_completed_task_as_a_stale_write() {

@@ -1,4 +1,4 @@
-//! Keys when no journal exists (issue 13 item 3): on an engine without a journal (and no run
+//! Keys when no journal exists: on an engine without a journal (and no run
 //! store), a run that dies after its keyed write starts over on the next worker; the write it
 //! sends again carries the same content-derived key, so the tool server deduplicates it, while
 //! a write whose content differs gets another key and is applied. The real binary is killed

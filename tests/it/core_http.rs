@@ -888,8 +888,8 @@ async fn an_append_key_conflict_means_the_journal_moved_on() {
 
 // The engine that never answers ---------------------------------------------------------------
 
-/// The stall on the real engine 0.11 (BENCHMARKS.md, "The real engine 0.11 at full slots"): the
-/// engine accepts connections and answers nothing, while one task works and another's
+/// The stall on the real engine 0.11 (docs/benchmarks-history.md, "The real engine 0.11 at full
+/// slots"): the engine accepts connections and answers nothing, while one task works and another's
 /// completion is on its way. Every lease is lost at its local expiry (lock less a tenth, by the
 /// worker's clock), the held task's by the heartbeat scheduler and the reporting one's by its
 /// fenced report (before: the report rode the outage out for a whole lock duration past the

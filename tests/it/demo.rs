@@ -310,7 +310,7 @@ async fn rate_limit_falls_back_then_defers_without_consuming_a_retry() {
     let report = run(Scenario::RateLimit).await;
     let facts = &report.facts;
     assert_eq!(facts["primaryOk"], 0);
-    // Once: its circuit holds the rate-limited primary off for its Retry-After (issue 23), so
+    // Once: its circuit holds the rate-limited primary off for its Retry-After, so
     // the later turns go straight to the fallback.
     assert_eq!(facts["primaryRefused"], 1);
     assert_eq!(facts["fallbackOk"], 3);

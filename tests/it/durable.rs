@@ -1,4 +1,4 @@
-//! Durability end to end (issue 4): resuming from journals written by earlier attempts, the
+//! Durability end to end: resuming from journals written by earlier attempts, the
 //! journal's refusals (JOURNAL_CONFLICT, STALE_ATTEMPT, WORKER_LOCK_NOT_OWNED) stopping a run
 //! silently, an older attempt superseded in the same worker, engines without a journal, the
 //! frozen-worker story step by step, and a crash test of the real binary under SIGKILL and

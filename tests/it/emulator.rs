@@ -1994,7 +1994,7 @@ async fn with_fetch_contention_a_fetch_during_anothers_transaction_answers_empty
     );
 }
 
-/// Issue 25: the emulator answers partially, as concurrent fetches do on the real engine
+/// The emulator answers partially, as concurrent fetches do on the real engine
 /// (`FOR UPDATE SKIP LOCKED`), when told so over the admin API; a bad cap is refused.
 #[tokio::test]
 async fn a_fetch_answer_cap_set_over_the_admin_api_makes_answers_partial() {

@@ -1,4 +1,4 @@
-//! The fault-injection suite (issue 9): one scenario per fault group of the engine, the model
+//! The fault-injection suite: one scenario per fault group of the engine, the model
 //! providers and the tool servers. Each runs a handful of refund tasks through in-process workers
 //! (the real runner, agent runtime and HTTP clients) or the real binary against the devkit stack
 //! with the fault on, checks the expected outcome, and then runs the one invariant checker
@@ -317,7 +317,7 @@ async fn responses_dropped_after_the_command_committed_are_replayed_not_redone()
     );
     // A model that fails the first attempt's call and its two retries: that task ends in a
     // technical failure (its own: the model serves it alone), whose answer is dropped. Only that
-    // attempt: a failure consumes a retry now (issue 23), and three would be an incident.
+    // attempt: a failure consumes a retry now, and three would be an incident.
     s.model.set_script("broken", refund_script());
     s.model
         .inject_fault("broken", ModelFault::ServerError, FaultTimes::Next(3));
@@ -357,7 +357,7 @@ async fn responses_dropped_after_the_command_committed_are_replayed_not_redone()
         view.retries,
         Some(2),
         "one task's model failing while others are served: its own failure, one retry consumed \
-         (issue 23: never a deferral)"
+         (never a deferral)"
     );
     let dropped: HashSet<Operation> = s
         .engine
@@ -784,7 +784,7 @@ fn deferrals(recorder: &Recorder, task: &str) -> usize {
         .count()
 }
 
-/// Issue 23 (6), the attacker's test: one request that the model answers with a 500 every
+/// The attacker's test: one request that the model answers with a 500 every
 /// time (llama.cpp did, for a conversation past its context), beside tasks the same model
 /// answers. It consumes its retries and ends in an incident, never deferred; the others complete.
 /// On the old worker it was deferred "without consuming a retry" again and again.
@@ -826,7 +826,7 @@ async fn a_poison_request_beside_healthy_ones_consumes_its_retries_and_is_never_
     finish(&s, vec![(w, recorder)], Expect::default(), "poison request").await;
 }
 
-/// The other side of issue 23 (6): a model that fails every task (an outage answering 500)
+/// The other side of that: a model that fails every task (an outage answering 500)
 /// is down for everyone once distinct tasks failed in a row: the tasks are deferred with their
 /// retries kept (at most the first ones, before the circuit knew, consumed one), and all
 /// complete once it is back.
@@ -884,7 +884,7 @@ async fn a_model_failing_every_task_defers_them_with_their_retries_until_it_is_b
     .await;
 }
 
-/// Issue 23 (6): a conversation past the model's context, in each wire format's own words
+/// A conversation past the model's context, in each wire format's own words
 /// (llama.cpp's is a 500), ends the task at once as an incident that says so: not retried,
 /// not deferred.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -482,7 +482,7 @@ proptest! {
         prop_assert_eq!(r.turns as usize, turns.len());
         prop_assert_eq!(r.usage.input_tokens, 10 * turns.len() as u64);
         prop_assert_eq!(r.next_seq, steps.len() as u64 + 1);
-        // The limits' count of journaled work (issue 17): every call asked for, every keyed write.
+        // The limits' count of journaled work: every call asked for, every keyed write.
         let asked: usize = turns.iter().map(|t| match t { GenTurn::Calls(k) => k.len(), GenTurn::Final(_) => 0 }).sum();
         let writes: usize = turns.iter().map(|t| match t { GenTurn::Calls(k) => k.iter().filter(|w| **w).count(), GenTurn::Final(_) => 0 }).sum();
         prop_assert_eq!(r.spent.tool_calls as usize, asked);
@@ -639,7 +639,7 @@ proptest! {
     }
 }
 
-// ---- limits and fenced templates (issue 17) ------------------------------------------------
+// ---- limits and fenced templates -----------------------------------------------------------
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
@@ -792,7 +792,7 @@ fn an_absurd_retry_after_ms_is_ignored_not_a_panic() {
     );
 }
 
-// ---- issue 17: the limits on outside input ------------------------------------------------------
+// ---- the limits on outside input ---------------------------------------------------------------
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
@@ -837,7 +837,7 @@ fn a_journal_of_100k_steps_is_refused_at_the_step_limit() {
     assert!(err.contains("more steps than the limit of 4096"), "{err}");
 }
 
-// ---- tool listing limits and text cuts (issue 17) ---------------------------------------------
+// ---- tool listing limits and text cuts --------------------------------------------------------
 //
 // Inputs are built from a short generated piece repeated, so the sizes straddle the 4 KiB and
 // 32 KiB limits without generating tens of KiB per case; 64 cases each keep the block well under

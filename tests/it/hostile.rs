@@ -1,4 +1,4 @@
-//! Hostile peers (issue 17): a tool server, a model and an engine that send what no well-behaved
+//! Hostile peers: a tool server, a model and an engine that send what no well-behaved
 //! peer sends (endless list pages, 10 MB results, an SSE event past the cap, giant error
 //! messages, bodies dripped a byte at a time, a 48 MiB answer, tens of MiB of variables, journals
 //! of 100,000 steps). Each scenario runs four tasks through the

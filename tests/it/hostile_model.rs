@@ -1,4 +1,4 @@
-//! The fault suite's hostile model (issue 17): a scripted model that answers with hundreds of
+//! The fault suite's hostile model: a scripted model that answers with hundreds of
 //! tool calls, never stops calling tools, writes without end, invents a tool name each turn,
 //! reports no usage or absurd usage, or is slower than the task's deadline. Every task ends in a
 //! bounded, named outcome (an incident naming the limit and its value, or a completion), nothing

@@ -51,7 +51,7 @@ async fn backlog_run_of_the_real_binary_yields_every_figure() {
     assert_eq!(f.get("child_warn_error_lines"), Some(0.0));
 }
 
-/// Issue 25's scenario, tiny: two worker processes share one engine that answers at most 2
+/// The partial-answers scenario, tiny: two worker processes share one engine that answers at most 2
 /// tasks per fetch; every task is done once, and each worker's slot use is reported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_workers_on_a_partially_answering_engine_report_their_slot_use() {

@@ -1,4 +1,4 @@
-//! Kubernetes operations (issue 6): staged shutdown of the real binary on SIGTERM/SIGINT, the
+//! Kubernetes operations: staged shutdown of the real binary on SIGTERM/SIGINT, the
 //! second signal, `/readyz` and `/healthz`, `/metrics` checked against what the emulator, the
 //! scripted model and the tool server recorded, W3C trace context on every outgoing call, and the
 //! pretty log format.

@@ -1,4 +1,4 @@
-//! Spans against a real OpenTelemetry Collector (issue 16): the collector built by
+//! Spans against a real OpenTelemetry Collector: the collector built by
 //! `scripts/build-otelcol` (OTLP/HTTP receiver, file exporter) runs on 127.0.0.1, the real
 //! worker binary exports to it while it runs refund agents on the devkit stack, and the test
 //! reads the collector's own output file back.

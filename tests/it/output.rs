@@ -1,4 +1,4 @@
-//! Structured output end to end (issue 26, part 3), on both wire formats against the scripted
+//! Structured output end to end, on both wire formats against the scripted
 //! model on loopback: an off-schema answer is repaired in one turn, one still off-schema after
 //! it is an incident naming the schema path, a cut answer is never stored, the native
 //! `response_format` is strict only when the schema qualifies, the repair turn is journaled so

@@ -643,7 +643,7 @@ async fn no_tool_session_outlives_a_mixed_run() {
     );
 }
 
-/// `maxDurationMs` ends the task at its deadline, not later (issue 24 part 7: the devkit-stack
+/// `maxDurationMs` ends the task at its deadline, not later (the devkit-stack
 /// test `hostile_model::a_hostile_model_ends_every_task_in_a_named_bounded_outcome` reads the
 /// deadline off real instants, between 700 ms and the slow model's 5 s). Two tasks with
 /// `maxDurationMs = 700`: one whose model call never answers in time (5 s), one busy with

@@ -540,7 +540,7 @@ async fn errors_are_classified_for_the_retry_loop() {
             "openai/error_400_invalid_request.json",
             "rejected",
         ),
-        // Issue 23 (6): llama.cpp's context overflow, as a 500 (older servers) and as
+        // llama.cpp's context overflow, as a 500 (older servers) and as
         // `exceed_context_size_error` (newer ones, also seen behind a 500-answering proxy).
         case(
             OpenAi,
@@ -901,8 +901,8 @@ fn policy() -> RetryPolicy {
         max_backoff: Duration::from_secs(10),
         jitter: 0.0,
         unavailable_default: Duration::from_secs(60),
-        // The circuit's rules as they stand without waiting for capacity (issue 23); the
-        // wait is tested on its own below (issue 25).
+        // The circuit's rules as they stand without waiting for capacity; the
+        // wait is tested on its own below.
         capacity_wait_max: Duration::ZERO,
     }
 }
@@ -985,7 +985,7 @@ async fn transient_failures_are_retried_with_backoff_on_the_same_model() {
     assert_eq!(start.elapsed(), Duration::from_secs(3));
 }
 
-/// Issue 23 (6): a model still failing one request after its retries is not down for
+/// A model still failing one request after its retries is not down for
 /// everyone (one requester's failures never open its circuit): the task's own failure.
 #[tokio::test(start_paused = true)]
 async fn exhausted_transient_retries_move_on_and_are_the_tasks_failure() {
@@ -1074,7 +1074,7 @@ async fn all_unavailable_defers_by_the_earliest_retry_after() {
     }
 }
 
-/// Issue 23 (6): a model too small for the conversation beside a busy one is no outage: the
+/// A model too small for the conversation beside a busy one is no outage: the
 /// task ends for its context, never a deferral.
 #[tokio::test(start_paused = true)]
 async fn context_too_long_beside_a_busy_model_ends_for_the_context_not_in_a_deferral() {
@@ -1175,7 +1175,7 @@ async fn call_as(
     .await
 }
 
-/// Issue 23 (6), the attacker's case: one request that fails with a 500 every time, beside
+/// The attacker's case: one request that fails with a 500 every time, beside
 /// tasks the same model answers, is retried within its attempt and then is that task's failure,
 /// again and again: never a deferral, and the model stays available to the others.
 #[tokio::test(start_paused = true)]
@@ -1664,7 +1664,7 @@ async fn lenient_with_compatible_servers_that_send_object_arguments_and_no_ids()
     assert_eq!(r.usage, None);
 }
 
-/// Issue 25: a 429 whose Retry-After fits the capacity wait is waited out inside the task and
+/// A 429 whose Retry-After fits the capacity wait is waited out inside the task and
 /// the call made again, instead of a deferral; and other tasks see the model held, not open.
 #[tokio::test(start_paused = true)]
 async fn a_rate_limited_call_waits_for_its_retry_after_instead_of_deferring() {
@@ -1731,7 +1731,7 @@ async fn a_rate_limited_call_waits_for_its_retry_after_instead_of_deferring() {
     );
 }
 
-/// Issue 25: a call the provider's stated limit would refuse waits inside the task until the
+/// A call the provider's stated limit would refuse waits inside the task until the
 /// limit allows it, and is sent only then; beyond the wait bound the model counts as
 /// unavailable (a deferral while every model is), never a call sent to a certain 429.
 #[tokio::test(start_paused = true)]

@@ -1,4 +1,4 @@
-//! Engines behind an authenticating proxy (issue 13 item 5): `ABADA_AGENT_ENGINE_HEADERS_FILE`
+//! Engines behind an authenticating proxy: `ABADA_AGENT_ENGINE_HEADERS_FILE`
 //! against the emulator in the real engine's `proxy` security mode (`ProxyAuthorizer`), with the
 //! real binary: the headers reach every engine call, a rotated file is picked up without a
 //! restart, the values never reach the output, and a forbidden header is a start-up error.

@@ -1,9 +1,9 @@
-//! No task loops forever (issue 13 item 4): every report the engine refuses for good ends its
+//! No task loops forever: every report the engine refuses for good ends its
 //! task once, with the engine's message, instead of being left to expire and run again. The
 //! engine emulator refuses as the real engine 0.11 does (docs/REAL_ENGINE.md): a top-level
 //! `null` variable is a 500, a completion on a suspended or ended instance a 400 that is not a
 //! lost lease, a gateway that routes nowhere a 400. Each scenario ends with the invariant
-//! checker of the fault suite. README.md "How a task ends" states the rules.
+//! checker of the fault suite. docs/OPERATIONS.md "How a task ends" states the rules.
 
 use std::time::Duration;
 

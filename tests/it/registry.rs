@@ -272,7 +272,7 @@ async fn a_name_resolving_to_a_metadata_address_is_refused_at_connect_time() {
     orders.shutdown().await;
 }
 
-// ---- aliases of a registered server (issue 23) -------------------------------------------------
+// ---- aliases of a registered server ------------------------------------------------------------
 
 /// Answers each name from a table, its answers in turn (the last one repeats), and counts the
 /// queries; a name not in the table is not found.
@@ -374,7 +374,7 @@ fn named_sessions_resolving(
     .with_unregistered(unregistered))
 }
 
-/// Issue 23: a registered server (whose calls all wait for a person) reached under another
+/// A registered server (whose calls all wait for a person) reached under another
 /// name and another spelling of its URL. Spellings of its address are refused before anything
 /// is sent; `localhost` for `127.0.0.1` is refused where the session opens, by the address it
 /// resolves to. An unregistered server on another port, by the same names, is reached.
@@ -453,7 +453,7 @@ async fn an_alias_of_a_registered_server_never_reaches_it_by_any_spelling() {
     other.shutdown().await;
 }
 
-/// Issue 23: the address checked is the address connected to. The name answers an address
+/// The address checked is the address connected to. The name answers an address
 /// that is no registered server's to the check, then the registered server's (a rebinding
 /// DNS): the session connects where the check looked (192.0.2.1, TEST-NET-1, where nothing
 /// answers), never to the registered server, and the name is resolved once.
@@ -586,7 +586,7 @@ fn config_with(stack: &Stack, id: &str, extra: &[(&str, &Path)]) -> Config {
     Config::from_env(&env).unwrap()
 }
 
-/// The engine 0.11 of issue 13: no agent/1, so no engine credential; the agents file names
+/// The real engine 0.11 (plain v1): no agent/1, so no engine credential; the agents file names
 /// `orders`, the registry gives its URL and bearer token. Every tool call carries the registry's
 /// token, each keyed write is applied once, nothing is asked of the agent/1 paths.
 #[tokio::test]
@@ -701,7 +701,7 @@ async fn engine_sent_definitions_name_registry_servers_and_a_wrong_url_is_an_inc
     stack.shutdown().await;
 }
 
-/// Issue 23, through the emulator on an agent/1 engine: the registry's `orders` has
+/// Aliases through the emulator on an agent/1 engine: the registry's `orders` has
 /// `approval = "always"`. Engine-sent definitions reach it under other names and spellings, or
 /// name a server the registry lacks: with the default `ABADA_AGENT_TOOLS_UNREGISTERED` each is
 /// an incident naming the server, and no server sees a call; no approval was escaped.
@@ -754,7 +754,7 @@ async fn engine_sent_aliases_and_unregistered_servers_are_incidents_by_default()
     stack.shutdown().await;
 }
 
-/// Issue 23, with `ABADA_AGENT_TOOLS_UNREGISTERED=allow` through the emulator: `localhost` for
+/// Aliases with `ABADA_AGENT_TOOLS_UNREGISTERED=allow` through the emulator: `localhost` for
 /// the registered `127.0.0.1` server (whose calls all wait for a person) is refused where the
 /// session opens, as an incident naming the registered server; a server the registry does not
 /// list, at another port, completes with the engine's credential through a pinned client.
@@ -857,12 +857,12 @@ async fn a_bad_registry_or_an_agents_file_naming_an_unknown_server_stops_the_sta
     stack.shutdown().await;
 }
 
-/// Issue 17: an `oauth2` server's client secret goes to its `tokenUrl`, so a plain http://
+/// An `oauth2` server's client secret goes to its `tokenUrl`, so a plain http://
 /// token endpoint that is not loopback stops the start (naming the file, the server and the
 /// field) and receives nothing; `ABADA_AGENT_ALLOW_INSECURE_HTTP=true` allows it and the
 /// start-up warning's list names it. The endpoint is a listener on 127.0.0.1 reached as
 /// `0.0.0.0`, an address the channel check does not count as loopback (it is not one; an
-/// IPv4-mapped `[::ffff:127.0.0.1]` is, since issue 23) but which Linux delivers to the local
+/// IPv4-mapped `[::ffff:127.0.0.1]` is) but which Linux delivers to the local
 /// host: had the worker sent anything, the listener would have seen a connection.
 #[tokio::test]
 async fn an_oauth2_client_secret_for_a_plain_http_token_endpoint_stops_the_start() {

@@ -272,7 +272,7 @@ async fn a_freed_slot_is_refilled_as_its_report_goes_out() {
 }
 
 /// An engine slow to answer a complete does not hold the slot: the next task's fetch goes out
-/// and its work starts while the complete is in flight (issue 25: a slot's cycle is the work
+/// and its work starts while the complete is in flight (a slot's cycle is the work
 /// plus one fetch). Reports in flight are bounded by the slots, so the tasks this worker holds
 /// (handed out, not yet reported) never exceed twice the slots, and with every report permit
 /// out a finished task keeps its slot (no fetch) until one returns.
@@ -349,7 +349,7 @@ fn fetch_times(engine: &TestEngine, since: Instant) -> Vec<Duration> {
         .collect()
 }
 
-/// Issue 25: an engine whose concurrent fetches skip each other's locked rows answers 2 of the
+/// An engine whose concurrent fetches skip each other's locked rows answers 2 of the
 /// 8 tasks asked for. That is others fetching too, not an empty queue: the rest is fetched at
 /// once, so 8 slots are busy, not 2 per poll interval.
 #[tokio::test(start_paused = true)]
@@ -940,7 +940,7 @@ impl TaskHandler for FailFirstAttempt {
 /// while the worker still waits for the failure's answer (the failure's `retryTimeout` is 0:
 /// the engine offers the task again at once; its answer comes 2 s late); this worker, a slot
 /// free, fetches it. The older attempt is not superseded: its report was accepted, and it ends `failed`,
-/// not `lease_lost` (the flaky `faults::a_tool_server_down_or_slow_...` of issue 24). The
+/// not `lease_lost` (the race that once made `faults::a_tool_server_down_or_slow_...` flaky). The
 /// newer attempt starts its work only once the older one has its answer: one attempt of a task
 /// at a time in a worker.
 #[tokio::test(start_paused = true)]
@@ -1303,7 +1303,7 @@ async fn fetch_errors_back_off_exponentially_and_reset_on_success() {
     r.stop().await;
 }
 
-/// Issue 9, item 3: during a 60 s outage at most 12 fetches (with the production jitter on),
+/// During a 60 s outage at most 12 fetches (with the production jitter on),
 /// probes once per poll interval meanwhile, not ready; once the engine answers again, ready and
 /// fetching within one poll interval.
 #[tokio::test(start_paused = true)]
@@ -1360,8 +1360,8 @@ async fn an_outage_sees_at_most_twelve_fetches_and_fetching_resumes_within_one_p
 /// scheduler's expiry timer and the task's next call both ready. The task must not win that
 /// race: the call checks the worker's own clock against the lease's local expiry, not only the
 /// latch the scheduler sets. Here the runtime's one thread is blocked past the lease (nothing
-/// else can run, as in a stopped process), then the task reports at once: before issue 24 the
-/// `complete` reached the engine; now nothing does, and the lease is lost as LOCAL_EXPIRY. The
+/// else can run, as in a stopped process), then the task reports at once: the `complete` used to
+/// reach the engine; now nothing does, and the lease is lost as LOCAL_EXPIRY. The
 /// crash test found this (a stale holder's `complete` of a task completed by the next holder).
 #[tokio::test(flavor = "current_thread")]
 async fn a_task_woken_past_its_local_expiry_makes_no_call_even_before_the_scheduler_runs() {
@@ -1441,10 +1441,10 @@ impl TaskHandler for SilencingHandler {
     }
 }
 
-/// The stall on the real engine (BENCHMARKS.md, "The real engine 0.11 at full slots"): the
-/// engine stops answering while a task's completion is on its way, with no client timeout to
-/// end the call. The heartbeat scheduler no longer extends a lease whose task reports, so only
-/// the lease's own clock can end it: the report ends at the local expiry (the last accepted
+/// The stall on the real engine (docs/benchmarks-history.md, "The real engine 0.11 at full slots"):
+/// the engine stops answering while a task's completion is on its way, with no client timeout to
+/// end the call. The heartbeat scheduler no longer extends a lease whose task reports, so only the
+/// lease's own clock can end it: the report ends at the local expiry (the last accepted
 /// extension plus the lock less a tenth) as a lost lease, `LOCAL_EXPIRY`, its slot freed and
 /// nothing about the task sent after; once the engine answers again, fetching goes on.
 #[tokio::test(start_paused = true)]

@@ -1,4 +1,4 @@
-//! Issue 5 end to end: the real worker binary authenticating with OIDC client credentials at an
+//! The worker's identity towards the engine end to end: the real worker binary authenticating with OIDC client credentials at an
 //! issuer nobody here wrote (oauth2-mock-server, driven by `tests/interop/oidc-mock.mjs` for
 //! short-lived tokens, a missing scope and a checked client secret) against the engine emulator
 //! in secured mode (JWTs checked against the issuer's JWKS); the start-up failures and their

@@ -1,4 +1,4 @@
-//! The run store against real PostgreSQL (issue 12): migrations under concurrent start-up,
+//! The run store against real PostgreSQL: migrations under concurrent start-up,
 //! claims and fencing, appends whose acknowledgement was lost, a full pool, an outage and its
 //! recovery, retention and abandoned runs, TLS per `sslmode`, and the password kept out of
 //! every error, log line and `Debug` print.

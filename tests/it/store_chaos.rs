@@ -1,4 +1,4 @@
-//! Chaos on a plain v1 engine kept durable by the run store (issue 12): the crash test of
+//! Chaos on a plain v1 engine kept durable by the run store: the crash test of
 //! `durable.rs` (three real worker processes, SIGSTOP past the lease and SIGKILL, at least 200
 //! refund tasks, each a model and tool conversation with a keyed write) on the emulator's 0.11
 //! mode with `ABADA_AGENT_STORE_URL` set, against a real PostgreSQL.

@@ -1,6 +1,6 @@
 //! One conformance suite for every [`RunStore`]: each case below runs against the PostgreSQL
 //! store on real PostgreSQL (`pg::`) and against the in-memory store the simulator uses
-//! (`memory::`, on a paused clock), so the stand-in cannot drift from the real thing (issue 24).
+//! (`memory::`, on a paused clock), so the stand-in cannot drift from the real thing.
 //! The cases hold the promises of the trait's doc, observed through the trait itself (claims
 //! read the journal back), plus the two controls every store has: time passing for one run
 //! (`backdate`) and the sweeper.

@@ -1,4 +1,4 @@
-//! Two store transactions per one-turn task (issue 25, part 4), against a real PostgreSQL: the
+//! Two store transactions per one-turn task, against a real PostgreSQL: the
 //! final step is appended at once, fenced (a stale holder is stopped before it reports); the
 //! finish, once the engine accepted the task's end, is queued and rides with the next claim's
 //! transaction, fenced by its attempt, or is flushed by an idle worker or by the drain. With a

@@ -6,7 +6,7 @@
 //! from the store's journal.
 //!
 //! A plain engine issues no tool credential (protocol.md Part D): agents that call tools get
-//! their servers and tokens from issue 13's tool-server registry (`ABADA_AGENT_TOOLS_FILE`).
+//! their servers and tokens from the tool-server registry (`ABADA_AGENT_TOOLS_FILE`).
 //! The chaos test of this mode is `store_chaos.rs`.
 
 use std::path::PathBuf;
@@ -73,7 +73,7 @@ pub(crate) fn one_turn(latency: Duration) -> Script {
 
 /// What a worker on the plain engine reads from files, since the engine sends no definition and
 /// issues no tool credential: an agents file with a refund agent on `model` and, when a tool
-/// server is given, a tools file naming it `orders` with a bearer token file (issue 13's
+/// server is given, a tools file naming it `orders` with a bearer token file (the
 /// registry). Written under a directory of their own, left in place (a worker reads the token
 /// file again for every session).
 pub(crate) struct PlainFiles {
@@ -638,7 +638,7 @@ async fn warm_up(stack: &Stack, w: &WorkerHandle, order: &str) {
     .await;
 }
 
-/// The pool at its limit (issue 12): many tasks at once on a pool of one connection. Another
+/// The pool at its limit: many tasks at once on a pool of one connection. Another
 /// session holds a lock on the runs table, so the one pooled connection is stuck in a claim
 /// while the other tasks' claims queue for it.
 ///
@@ -789,7 +789,7 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
     db.drop().await;
 }
 
-/// Issue 23 (6): with the run store, a run is deferred at most
+/// With the run store, a run is deferred at most
 /// `ABADA_AGENT_MAX_DEFERRALS_PER_RUN` times, each journaled (a `deferral/recorded` step, so
 /// the count survives every worker); past that it ends as an incident naming the count, even
 /// while the model stays down for everyone. Without the cap it would be deferred for ever.

@@ -1,9 +1,8 @@
-//! The run store's URL and TLS rules on the wire, as an attacker in the middle would test them
-//! (issue 23 findings 2, 3 and 9): a fake PostgreSQL server on 127.0.0.1 speaks just enough of
-//! the start-up protocol to refuse TLS or to take it with a certificate of its own, then asks
-//! for the password in clear, as MD5, or by SCRAM without channel binding, and records every byte
-//! the worker sent it (after TLS, what the man in the middle reads). The password must never be
-//! among them.
+//! The run store's URL and TLS rules on the wire, as an attacker in the middle would test them:
+//! a fake PostgreSQL server on 127.0.0.1 speaks just enough of the start-up protocol to refuse
+//! TLS or to take it with a certificate of its own, then asks for the password in clear, as
+//! MD5, or by SCRAM without channel binding, and records every byte the worker sent it (after
+//! TLS, what the man in the middle reads). The password must never be among them.
 //!
 //! The fake server is reached as `localhost`: a name, which the worker counts as remote (only an
 //! address is loopback), so the rules for remote stores apply while the socket stays on

@@ -1,5 +1,5 @@
 //! The run store's fencing token and visit rule against real PostgreSQL, played as an attacker
-//! would (issue 23, findings 4 and 5): a holder frozen past its lease whose run was deleted
+//! would: a holder frozen past its lease whose run was deleted
 //! (finished with a retention of 0, or swept as abandoned) and created again under the same key
 //! by a new visit, then woken; a second live token at the same node; a next visit that races the
 //! previous visit's finish; a task whose input is not the waiting conversation's.

@@ -1,4 +1,4 @@
-//! The context window (issue 26, part 4) over real HTTP: the scripted model refuses, in each
+//! The context window over real HTTP: the scripted model refuses, in each
 //! wire format's words, any request whose prompt and output cap exceed its window, and records
 //! every request it received with its prompt's size. A conversation that outgrows the window
 //! elides its oldest tool results and completes; one that cannot fit ends with an incident

@@ -1,4 +1,4 @@
-//! The one invariant checker of the fault-injection suite (issue 9): after every scenario,
+//! The one invariant checker of the fault-injection suite: after every scenario,
 //! [`check_invariants`] reads the engine emulator's call log and task views, the tool server's
 //! counters and calls, and what each worker showed (runner events stamped with the emulator's
 //! clock, slot gauge samples, and for the real binary its output and peak memory), and checks:
