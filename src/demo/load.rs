@@ -1,7 +1,7 @@
 //! Scenario `load`: the worked example of the design. Twenty refund tasks arrive at once; two
 //! workers of four slots claim 4 + 4; every completion frees a slot that the next poll fills.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use serde_json::json;
@@ -26,13 +26,19 @@ const MERGE_WINDOW: Duration = Duration::from_millis(150);
 #[derive(Default)]
 struct Pending {
     ended: Vec<(String, TaskEnd)>,
+    /// Slots given back since the last line: a task's slot is free as its report goes out, so
+    /// the worker may claim its next task before the report's answer ends the task.
+    freed: u32,
     since: Option<Instant>,
     /// (asked, got, ids so far)
     claim: Option<(u32, usize, Vec<String>)>,
 }
 
 struct Board {
+    /// Each worker's tasks holding a slot.
     running: HashMap<usize, u32>,
+    /// Tasks whose slot was given back and that have not ended yet.
+    freed_before_end: HashSet<String>,
     claimed_total: usize,
     ended_total: usize,
 }
@@ -117,6 +123,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
 
     let mut board = Board {
         running: HashMap::new(),
+        freed_before_end: HashSet::new(),
         claimed_total: 0,
         ended_total: 0,
     };
@@ -279,7 +286,10 @@ fn on_event(
                 flush(tl, crew, board, pending, i);
             }
         }
-        RunnerEvent::SlotFreed { .. } => {}
+        RunnerEvent::SlotFreed { task_id, .. } => {
+            board.freed_before_end.insert(task_id);
+            pending.entry(i).or_default().freed += 1;
+        }
         RunnerEvent::TaskStarted { task_id, .. } => {
             let p = pending.entry(i).or_default();
             if let Some((_, got, ids)) = &mut p.claim {
@@ -294,6 +304,9 @@ fn on_event(
         } => {
             board.ended_total += 1;
             let p = pending.entry(i).or_default();
+            if !board.freed_before_end.remove(&task_id) {
+                p.freed += 1;
+            }
             p.ended.push((task_id, outcome));
             p.since.get_or_insert_with(Instant::now);
         }
@@ -326,12 +339,13 @@ fn flush(
     }
     let name = crew.workers[i].name.clone();
     let ended = std::mem::take(&mut p.ended);
+    let freed = std::mem::take(&mut p.freed);
     p.since = None;
     let claim = p.claim.take();
     // The board changes only when a line is printed, so the lines add up as read.
     let got = claim.as_ref().map_or(0, |c| c.1);
     let mine = board.running.entry(i).or_default();
-    *mine = mine.saturating_sub(ended.len() as u32) + got as u32;
+    *mine = mine.saturating_sub(freed) + got as u32;
     board.claimed_total += got;
     let (running, waiting) = board.totals();
     let mine = board.running.get(&i).copied().unwrap_or(0);
