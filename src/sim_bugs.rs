@@ -20,15 +20,27 @@ pub enum Bug {
     /// A person's decision is matched to the waiting call by its `callId` only: its
     /// `requestId` (missing, forged, stale or consumed) and its `callDigest` are not checked.
     ApprovalByCallId,
+    /// A 429 is taken as an outage: the call does not wait its turn again, and the task is
+    /// deferred while its provider answers (the worker before the pacing work).
+    RateLimitDefers,
+    /// A model's pacer releases every waiting call at once whenever nothing holds the model: no
+    /// one call at a time, no pace, no probe alone after a hold (a herd at every wait's end).
+    PacerHerd,
+    /// An empty fetch answer always waits the poll interval, also right after an answer with
+    /// tasks (contention read as an empty queue: the worker before the contention work).
+    ContentionAsEmptyQueue,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 5] = [
+    pub const ALL: [Bug; 8] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
         Bug::StoreFinishBeforeComplete,
         Bug::ApprovalByCallId,
+        Bug::RateLimitDefers,
+        Bug::PacerHerd,
+        Bug::ContentionAsEmptyQueue,
     ];
 
     pub fn name(self) -> &'static str {
@@ -38,6 +50,9 @@ impl Bug {
             Bug::KeyedWriteWithoutKey => "keyed-write-without-key",
             Bug::StoreFinishBeforeComplete => "store-finish-before-complete",
             Bug::ApprovalByCallId => "approval-by-call-id",
+            Bug::RateLimitDefers => "rate-limit-defers",
+            Bug::PacerHerd => "pacer-herd",
+            Bug::ContentionAsEmptyQueue => "contention-as-empty-queue",
         }
     }
 
@@ -57,6 +72,9 @@ pub fn select(bug: Option<Bug>) {
         Some(Bug::KeyedWriteWithoutKey) => 3,
         Some(Bug::StoreFinishBeforeComplete) => 4,
         Some(Bug::ApprovalByCallId) => 5,
+        Some(Bug::RateLimitDefers) => 6,
+        Some(Bug::PacerHerd) => 7,
+        Some(Bug::ContentionAsEmptyQueue) => 8,
     };
     SELECTED.store(code, Ordering::SeqCst);
 }
@@ -71,5 +89,8 @@ pub fn active(bug: Bug) -> bool {
             | (3, Bug::KeyedWriteWithoutKey)
             | (4, Bug::StoreFinishBeforeComplete)
             | (5, Bug::ApprovalByCallId)
+            | (6, Bug::RateLimitDefers)
+            | (7, Bug::PacerHerd)
+            | (8, Bug::ContentionAsEmptyQueue)
     )
 }

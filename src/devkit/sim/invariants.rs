@@ -28,6 +28,12 @@
 //!   before; the approver's record of what it saw and wrote is the world's truth;
 //! - [`no_secret_leaked`]: no secret the world handed out in any log line, span field or
 //!   metric the workers emitted (`super::secrets`).
+//!
+//! The fleet's promises about its provider and its engine are in [`fleet`]: no deferral while
+//! the provider answers, the provider limit's 429s bounded, no replica idle while the backlog
+//! is deep.
+
+pub mod fleet;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -78,6 +84,10 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(keyed_write_once(facts));
     v.extend(gated_call_decided(facts));
     v.extend(no_secret_leaked(facts));
+    // The fleet's (`fleet`).
+    v.extend(fleet::no_deferral_while_answering(facts));
+    v.extend(fleet::limit_refusals_bounded(facts));
+    v.extend(fleet::no_idle_replica(facts));
     v
 }
 
