@@ -75,10 +75,19 @@ pub enum Bug {
     KeyedResultElided,
     /// The request is not fitted to the model's context window: it goes out whole.
     WindowIgnored,
+    /// A 429 is taken as an outage: the call does not wait its turn again, and the task is
+    /// deferred while its provider answers (the worker before the pacing work).
+    RateLimitDefers,
+    /// A model's pacer releases every waiting call at once whenever nothing holds the model: no
+    /// one call at a time, no pace, no probe alone after a hold (a herd at every wait's end).
+    PacerHerd,
+    /// An empty fetch answer always waits the poll interval, also right after an answer with
+    /// tasks (contention read as an empty queue: the worker before the contention work).
+    ContentionAsEmptyQueue,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 20] = [
+    pub const ALL: [Bug; 23] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
@@ -99,6 +108,9 @@ impl Bug {
         Bug::RepairsUnbounded,
         Bug::KeyedResultElided,
         Bug::WindowIgnored,
+        Bug::RateLimitDefers,
+        Bug::PacerHerd,
+        Bug::ContentionAsEmptyQueue,
     ];
 
     pub fn name(self) -> &'static str {
@@ -123,6 +135,9 @@ impl Bug {
             Bug::RepairsUnbounded => "repairs-unbounded",
             Bug::KeyedResultElided => "keyed-result-elided",
             Bug::WindowIgnored => "window-ignored",
+            Bug::RateLimitDefers => "rate-limit-defers",
+            Bug::PacerHerd => "pacer-herd",
+            Bug::ContentionAsEmptyQueue => "contention-as-empty-queue",
         }
     }
 
@@ -150,6 +165,9 @@ impl Bug {
             Bug::RepairsUnbounded => i::REPAIRS_BOUNDED,
             Bug::KeyedResultElided => i::KEYED_RESULTS_KEPT,
             Bug::WindowIgnored => i::WINDOW_BOUND,
+            Bug::RateLimitDefers => i::NO_DEFERRAL_WHILE_ANSWERING,
+            Bug::PacerHerd => i::LIMIT_REFUSALS_BOUNDED,
+            Bug::ContentionAsEmptyQueue => i::NO_IDLE_REPLICA,
         }
     }
 

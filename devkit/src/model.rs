@@ -521,6 +521,30 @@ impl LimitState {
     }
 }
 
+/// A provider's rate limit on its own, for an in-process stand-in (the simulator's world): the
+/// very state [`ScriptedModel::set_rate_limit`] enforces over HTTP (see [`RateLimit`]), so the
+/// two cannot disagree. Its answers state OpenAI's headers.
+#[derive(Clone, Debug)]
+pub struct LimitCore(LimitState);
+
+impl LimitCore {
+    /// `limit`, its buckets full at `now` and its second windows starting at `now`.
+    pub fn new(limit: RateLimit, now: tokio::time::Instant) -> Self {
+        LimitCore(LimitState::new(limit, now))
+    }
+
+    /// A request costing `tokens` arrives at `now`: the headers its answer states (none when
+    /// the limit states nothing) and, over the limit, the wait until a request would pass.
+    pub fn take(
+        &mut self,
+        tokens: u64,
+        now: tokio::time::Instant,
+    ) -> (Vec<(&'static str, String)>, Option<Duration>) {
+        let verdict = self.0.take(WireFormat::OpenAi, tokens, now);
+        (verdict.headers, verdict.retry_after)
+    }
+}
+
 /// `secs` rounded up to the millisecond: a client that waits what it is told is not early.
 fn ceil_ms(secs: f64) -> Duration {
     Duration::from_millis((secs * 1000.0).ceil().clamp(0.0, 1e12) as u64)

@@ -10,6 +10,7 @@
 pub mod engine;
 pub mod faults;
 pub mod model;
+pub mod provider_limit;
 pub mod store;
 pub mod store_view;
 pub mod tools;
@@ -54,6 +55,8 @@ pub struct World {
     pub store_journal: bool,
     /// Every secret handed out (the tool credentials the engine issued), with what it is.
     secrets: Mutex<Vec<(String, String)>>,
+    /// The world's provider limit, one quota for every worker, and the fleet's shared pace.
+    pub(crate) provider: provider_limit::ProviderCapacity,
     origin: Instant,
     /// The lock duration every worker of the world asks for, and the local safety margin it
     /// keeps (for the check that no call is made after a local expiry).
@@ -74,15 +77,24 @@ pub struct WorldOptions {
 impl World {
     /// A world whose clock starts now (call it on the paused runtime that runs the workers).
     pub fn new(options: WorldOptions) -> Arc<World> {
+        let mut core = EngineCore::new(
+            if options.store_journal {
+                ProtocolLevel::PlainV1
+            } else {
+                ProtocolLevel::AgentV1
+            },
+            60_000,
+        );
+        // Fetches contend as on the real engine on H2 (`abada_devkit::engine::contention`).
+        core.set_fetch_contention(
+            options
+                .faults
+                .fetch_contention
+                .map(abada_devkit::engine::FetchContention::h2),
+        );
+        let provider = provider_limit::ProviderCapacity::new(options.faults.provider_limit);
         Arc::new(World {
-            core: Mutex::new(EngineCore::new(
-                if options.store_journal {
-                    ProtocolLevel::PlainV1
-                } else {
-                    ProtocolLevel::AgentV1
-                },
-                60_000,
-            )),
+            core: Mutex::new(core),
             faults: Mutex::new(Faults::new(options.faults)),
             rng: Mutex::new(StdRng::seed_from_u64(options.seed ^ 0x5eed_f00d)),
             trace: Mutex::new(Trace::default()),
@@ -90,6 +102,7 @@ impl World {
             store: MemoryRunStore::new(MemoryStoreSettings::default()),
             store_journal: options.store_journal,
             secrets: Mutex::new(Vec::new()),
+            provider,
             origin: Instant::now(),
             lock_duration: options.lock_duration,
             safety_margin: options.lock_duration / 10,

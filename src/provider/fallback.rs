@@ -307,7 +307,13 @@ pub async fn call_models(
                     ..
                 }) => {
                     let until = capacities.throttled(model, &release, *status, *retry_after, now);
-                    *status == 429 && until.saturating_duration_since(now) <= wait_left
+                    let waits = *status == 429 && until.saturating_duration_since(now) <= wait_left;
+                    // SIM-BUG (feature `sim-bugs`, selected at run time): a 429 taken as an
+                    // outage, never waited out.
+                    #[cfg(feature = "sim-bugs")]
+                    let waits =
+                        waits && !crate::sim_bugs::active(crate::sim_bugs::Bug::RateLimitDefers);
+                    waits
                 }
                 Err(_) => {
                     capacities.ended(model, &release);

@@ -474,6 +474,21 @@ impl Pacer {
             // A probe never answered within its timeout: the queue goes on.
             self.probe = None;
         }
+        // SIM-BUG (feature `sim-bugs`, selected at run time): every waiting call goes at once
+        // when nothing holds the model (no queue, no pace, no probe alone).
+        #[cfg(feature = "sim-bugs")]
+        if crate::sim_bugs::active(crate::sim_bugs::Bug::PacerHerd) {
+            self.queue.remove(&ticket);
+            self.probe = None;
+            self.probe_next = false;
+            self.last_release = Some((now, *cost));
+            return Turn::Go(Release {
+                at: now,
+                probe: false,
+                ticket,
+                spacing: Duration::ZERO,
+            });
+        }
         let (ready, why, exhausted) = self.ready_at(cost, now, policy);
         if exhausted.is_some() {
             // A figure at zero whose refill is unknown: once it expires, one call finds out.

@@ -268,6 +268,11 @@ impl FetchPolicy {
     /// The wait after an empty answer: a contention pause while a run of empties that began
     /// right after tasks (or at the start) lasts (see the module docs), else the poll interval.
     fn after_empty(&mut self) -> Duration {
+        // SIM-BUG (feature `sim-bugs`, selected at run time): every empty answer an empty queue.
+        #[cfg(feature = "sim-bugs")]
+        if crate::sim_bugs::active(crate::sim_bugs::Bug::ContentionAsEmptyQueue) {
+            self.contention = None;
+        }
         if let Some(run) = self.contention.take() {
             let nominal = self.contention_backoff.delay_with(run.empties, 1.0);
             let paused = run.paused.saturating_add(nominal);

@@ -1197,3 +1197,177 @@ fn every_reintroduced_bug_is_caught_within_a_thousand_seeds_by_its_invariant() {
         );
     }
 }
+
+// The fleet's invariants (`invariants::fleet`): the provider limit, the engine's contention.
+
+fn model_call(worker: &str, answer: &'static str) -> Event {
+    Event::ModelCall {
+        worker: w(worker),
+        task: w("k0"),
+        turn: 0,
+        answer,
+    }
+}
+
+fn deferred(worker: &str) -> Event {
+    Event::TaskEnded {
+        worker: w(worker),
+        task: w("t-000001"),
+        attempt: Some(1),
+        outcome: w("deferred"),
+    }
+}
+
+fn with_limit(mut p: Played) -> Played {
+    use abada_agent_worker::devkit::world::provider_limit::ProviderLimitPlan;
+    p.schedule.faults.provider_limit = Some(ProviderLimitPlan {
+        requests_per_minute: 120,
+        quantization: abada_agent_worker::devkit::world::provider_limit::Quantization::SecondWindow,
+        stated: true,
+        shared_pacing: false,
+    });
+    p
+}
+
+#[test]
+fn a_deferral_after_429s_alone_fires_and_one_after_an_outage_does_not() {
+    use abada_agent_worker::devkit::world::provider_limit::LIMIT_REFUSED;
+    let p = Played::new()
+        .at(1_000, model_call("w0", LIMIT_REFUSED))
+        .at(1_500, model_call("w0", "429"))
+        .at(2_000, deferred("w0"));
+    fires(
+        invariants::fleet::no_deferral_while_answering(&p.facts()),
+        "no task deferred while its provider answers",
+        "task t-000001 (attempt Some(1)): deferred by w0 at 2.000 s",
+    );
+    // A model 5xx, or the run store refused, explains it; another worker's does not.
+    for outage in [
+        model_call("w0", "5xx"),
+        Event::StoreAnswer {
+            worker: w("w0"),
+            op: "append",
+            run: w("t-000001"),
+            task: w("t-000001"),
+            attempt: Some(1),
+            seq: Some(1),
+            answer: "outage",
+        },
+    ] {
+        let p = Played::new()
+            .at(500, outage)
+            .at(1_000, model_call("w0", LIMIT_REFUSED))
+            .at(2_000, deferred("w0"));
+        assert!(invariants::fleet::no_deferral_while_answering(&p.facts()).is_empty());
+    }
+    let p = Played::new()
+        .at(500, model_call("w1", "5xx"))
+        .at(2_000, deferred("w0"));
+    assert_eq!(
+        invariants::fleet::no_deferral_while_answering(&p.facts()).len(),
+        1
+    );
+    // An outage long before does not explain it either.
+    let p = Played::new()
+        .at(500, model_call("w0", "5xx"))
+        .at(40_000, deferred("w0"));
+    assert_eq!(
+        invariants::fleet::no_deferral_while_answering(&p.facts()).len(),
+        1
+    );
+}
+
+#[test]
+fn a_herd_of_limit_429s_fires_and_one_a_second_does_not() {
+    use abada_agent_worker::devkit::world::provider_limit::LIMIT_REFUSED;
+    // One refusal a second over 10 s, and the start's few: within the bound.
+    let mut p = with_limit(Played::new());
+    for s in 0..10u64 {
+        p = p
+            .at(s * 1_000, model_call("w0", LIMIT_REFUSED))
+            .at(s * 1_000 + 500, model_call("w0", "tool"));
+    }
+    p = p.at(10_000, model_call("w0", "final"));
+    assert!(invariants::fleet::limit_refusals_bounded(&p.facts()).is_empty());
+    // Every waiting call at a hold's end, refused at once, every second: a herd.
+    let mut p = with_limit(Played::new());
+    for s in 0..10u64 {
+        for _ in 0..3 {
+            p = p.at(s * 1_000, model_call("w1", LIMIT_REFUSED));
+        }
+        p = p.at(s * 1_000 + 1, model_call("w1", "tool"));
+    }
+    fires(
+        invariants::fleet::limit_refusals_bounded(&p.facts()),
+        "the provider limit's 429s stay bounded",
+        "worker w1: 30 calls answered 429",
+    );
+    // Without a provider limit in the seed, nothing is counted.
+    p.schedule.faults.provider_limit = None;
+    assert!(invariants::fleet::limit_refusals_bounded(&p.facts()).is_empty());
+}
+
+#[test]
+fn an_empty_answer_during_a_backlog_left_for_the_poll_interval_fires() {
+    let backlog = |worker: &str, asked: u32, got: usize, waiting: usize| Event::FetchBacklog {
+        worker: w(worker),
+        asked,
+        got,
+        waiting,
+    };
+    let fetch = |worker: &str| Event::EngineCall {
+        worker: w(worker),
+        op: "fetch-and-lock",
+        task: None,
+        attempt: None,
+    };
+    let played = |next_fetch_at: u64| {
+        let mut p = Played::new();
+        p.schedule.faults.provider_limit = None;
+        p.schedule.poll_interval = Duration::from_millis(500);
+        p.at(0, fetch("w0"))
+            .at(20, backlog("w0", 2, 2, 3))
+            .at(900, fetch("w0"))
+            .at(920, backlog("w0", 1, 0, 3))
+            .at(920 + next_fetch_at, fetch("w0"))
+            .at(5_000, fetch("w1"))
+    };
+    // Fetching again 25 ms later (the contention pause) is fine; after the poll interval is
+    // idling while 3 tasks wait.
+    assert!(invariants::fleet::no_idle_replica(&played(25).facts()).is_empty());
+    fires(
+        invariants::fleet::no_idle_replica(&played(500).facts()),
+        "no replica idles while the backlog is deep",
+        "worker w0: its fetch of 1 at 0.920 s was answered empty while 3 tasks waited",
+    );
+    // A worker's first answer, empty while tasks wait, is contention too.
+    let mut p = Played::new();
+    p.schedule.faults.provider_limit = None;
+    p.schedule.poll_interval = Duration::from_millis(500);
+    let p = p
+        .at(0, fetch("w0"))
+        .at(20, backlog("w0", 2, 0, 3))
+        .at(520, fetch("w0"))
+        .at(5_000, fetch("w1"));
+    assert_eq!(invariants::fleet::no_idle_replica(&p.facts()).len(), 1);
+    // An empty queue (nothing waited), an empty answer after an empty one, a worker killed,
+    // a 429 lately (admission holds its fetches): no violation.
+    let mut quiet = played(500);
+    quiet.trace.events[3].1 = backlog("w0", 1, 0, 0);
+    assert!(invariants::fleet::no_idle_replica(&quiet.facts()).is_empty());
+    let mut again = played(500);
+    again.trace.events[1].1 = backlog("w0", 2, 0, 3);
+    again.trace.events.remove(0);
+    assert_eq!(
+        invariants::fleet::no_idle_replica(&again.facts()).len(),
+        1,
+        "the first empty answer is checked, the second is not"
+    );
+    let killed = played(500).at(1_000, Event::WorkerKilled { worker: w("w0") });
+    let mut killed = killed;
+    killed.trace.events.sort_by_key(|(t, _)| *t);
+    assert!(invariants::fleet::no_idle_replica(&killed.facts()).is_empty());
+    let mut limited = played(500).at(100, model_call("w0", "429"));
+    limited.trace.events.sort_by_key(|(t, _)| *t);
+    assert!(invariants::fleet::no_idle_replica(&limited.facts()).is_empty());
+}

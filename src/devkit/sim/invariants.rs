@@ -39,6 +39,12 @@
 //!   the model's only record that the write was performed);
 //! - [`no_secret_leaked`]: no secret the world handed out in any log line, span field or
 //!   metric the workers emitted (`super::secrets`).
+//!
+//! The fleet's promises about its provider and its engine are in [`fleet`]: no deferral while
+//! the provider answers, the provider limit's 429s bounded, no replica idle while the backlog
+//! is deep.
+
+pub mod fleet;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -84,6 +90,9 @@ pub const WINDOW_BOUND: &str = "no model request exceeds its context window";
 pub const KEYED_RESULTS_KEPT: &str = "a keyed write's result is never elided from a request";
 pub const REPAIRS_BOUNDED: &str =
     "repair turns within the definition's bounds, an exhausted one an incident";
+pub const NO_DEFERRAL_WHILE_ANSWERING: &str = "no task deferred while its provider answers";
+pub const LIMIT_REFUSALS_BOUNDED: &str = "the provider limit's 429s stay bounded";
+pub const NO_IDLE_REPLICA: &str = "no replica idles while the backlog is deep";
 
 /// Every invariant [`check`] judges, in its order.
 pub const INVARIANTS: &[&str] = &[
@@ -105,6 +114,9 @@ pub const INVARIANTS: &[&str] = &[
     WINDOW_BOUND,
     KEYED_RESULTS_KEPT,
     NO_SECRET,
+    NO_DEFERRAL_WHILE_ANSWERING,
+    LIMIT_REFUSALS_BOUNDED,
+    NO_IDLE_REPLICA,
 ];
 
 /// What the checks read.
@@ -141,6 +153,10 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(window_bound(facts));
     v.extend(keyed_results_kept(facts));
     v.extend(no_secret_leaked(facts));
+    // The fleet's (`fleet`).
+    v.extend(fleet::no_deferral_while_answering(facts));
+    v.extend(fleet::limit_refusals_bounded(facts));
+    v.extend(fleet::no_idle_replica(facts));
     v
 }
 
@@ -158,6 +174,7 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
                 match (*op, answer) {
                     ("complete" | "bpmn-error", Answer::Ok) => add(ONE_COMPLETION),
                     ("journal-append", Answer::Ok) => add(STALE_APPEND),
+                    ("failure", Answer::Ok) => add(NO_DEFERRAL_WHILE_ANSWERING),
                     _ => {}
                 }
                 if task.is_some() && lease_lost(answer) {
@@ -180,6 +197,14 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
             Event::RunnerFetched { .. } | Event::TaskStarted { .. } | Event::SlotFreed { .. } => {
                 add(SLOTS)
             }
+            Event::ModelCall { answer, .. }
+                if *answer == crate::devkit::world::provider_limit::LIMIT_REFUSED =>
+            {
+                add(LIMIT_REFUSALS_BOUNDED)
+            }
+            Event::FetchBacklog {
+                got: 0, waiting, ..
+            } if *waiting > 0 => add(NO_IDLE_REPLICA),
             Event::ModelCall { answer, .. } if paid_answer(answer) => {
                 add(MODEL_REPAID);
                 if rejected_final(answer).is_some() {

@@ -5,11 +5,13 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use abada_devkit::model::Quantization;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::devkit::world::approver::Manner;
 use crate::devkit::world::faults::{FaultPlan, Window};
+use crate::devkit::world::provider_limit::ProviderLimitPlan;
 
 /// One task the schedule creates.
 #[derive(Clone, Debug)]
@@ -286,6 +288,27 @@ impl Schedule {
                     .map(|_| ['r', 'r', 'w'][rng.random_range(0..3)])
                     .collect();
             }
+        }
+        // The fleet's conditions, from a source of their own too (every draw above stays what
+        // it was): half of the seeds a provider limit every worker shares (its requests a
+        // minute, enforced a second's worth per second window or bucket, stated or not, the
+        // replicas pacing as one queue or each alone), half of those with several workers an
+        // engine whose fetches contend (a fetch meanwhile answers empty).
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x00f1_ee70_11a1);
+        if rng.random_bool(0.5) {
+            faults.provider_limit = Some(ProviderLimitPlan {
+                requests_per_minute: [60, 120, 240][rng.random_range(0..3)],
+                quantization: if rng.random_bool(0.75) {
+                    Quantization::SecondWindow
+                } else {
+                    Quantization::SecondBucket
+                },
+                stated: rng.random_bool(0.75),
+                shared_pacing: workers > 1 && rng.random_bool(0.5),
+            });
+        }
+        if workers > 1 && rng.random_bool(0.5) {
+            faults.fetch_contention = Some(Duration::from_millis(rng.random_range(15..=100)));
         }
         Schedule {
             seed,

@@ -229,11 +229,25 @@ impl SimWorker {
         let config = Config::from_env(&env)
             .unwrap_or_else(|e| panic!("simulated worker {id}: its configuration: {e}"));
         let mut providers = ProviderRegistry::default();
-        providers.insert(PROVIDER, Arc::new(WorldModel::new(world.clone(), id)));
+        let capacities = providers.capacities().clone();
+        providers.insert(
+            PROVIDER,
+            Arc::new(WorldModel::new(world.clone(), id).with_capacities(capacities.clone())),
+        );
         providers.insert(
             SMALL_WINDOW_PROVIDER,
-            Arc::new(WorldModel::new(world.clone(), id).with_small_window()),
+            Arc::new(
+                WorldModel::new(world.clone(), id)
+                    .with_small_window()
+                    .with_capacities(capacities.clone()),
+            ),
         );
+        // Replicas sharing the provider's quota pace as one queue, as with a shared run store.
+        if world.provider.plan().is_some_and(|p| p.shared_pacing) {
+            capacities.share_pace(Arc::new(
+                crate::devkit::world::provider_limit::WorldPace::new(world.clone(), id),
+            ));
+        }
         let (tx, mut rx) = mpsc::unbounded_channel();
         let seams = Seams {
             engine: Some(Arc::new(WorldEngine::new(world.clone(), id))),

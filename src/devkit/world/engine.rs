@@ -234,6 +234,25 @@ impl WorldEngine {
         result
     }
 
+    /// The tasks of `topics` a fetch could lock now: open, or locked with the lease expired
+    /// (another fetch's row locks aside).
+    fn waiting(&self, topics: &[String]) -> usize {
+        let now = self.world.now_ms();
+        self.world
+            .core()
+            .tasks()
+            .iter()
+            .filter(|t| topics.contains(&t.topic))
+            .filter(|t| match t.status {
+                abada_devkit::engine::TaskStatus::Open => true,
+                abada_devkit::engine::TaskStatus::Locked => t
+                    .lock_expiration_time
+                    .is_some_and(|e| e.timestamp_millis() <= now),
+                _ => false,
+            })
+            .count()
+    }
+
     fn owned_body(&self, task: &TaskRef) -> Map<String, Value> {
         let mut body = Map::new();
         body.insert("workerId".into(), self.worker_id.clone().into());
@@ -434,6 +453,13 @@ impl Engine for WorldEngine {
         let (reply, executed) = self
             .exchange_timed(op, Operation::FetchAndLock, None, None, body)
             .await?;
+        // How deep the backlog was when the engine answered; with contention, the answer
+        // comes when the fetch's transaction commits.
+        let waiting = self.waiting(&request.topics);
+        let transaction = self.world.core().fetch_contention().map(|c| c.transaction);
+        if let Some(transaction) = transaction {
+            tokio::time::sleep(transaction).await;
+        }
         let bytes = reply.body.unwrap_or(Value::Null).to_string();
         let (tasks, rejected) =
             wire::decode_locked_tasks(bytes.as_bytes()).map_err(|e| malformed(op, e))?;
@@ -454,6 +480,7 @@ impl Engine for WorldEngine {
                 (t.id.clone(), attempt)
             })
             .collect();
+        let got = tasks.len();
         // Stamped when the engine handed the tasks out (the trace is sorted by time): a late
         // answer's tasks were this worker's from then on.
         self.world.trace().push(
@@ -462,6 +489,15 @@ impl Engine for WorldEngine {
                 worker: self.worker_id.clone(),
                 asked: request.max_tasks,
                 tasks: tasks_seen,
+            },
+        );
+        self.world.trace().push(
+            executed,
+            Event::FetchBacklog {
+                worker: self.worker_id.clone(),
+                asked: request.max_tasks,
+                got,
+                waiting,
             },
         );
         Ok(tasks)

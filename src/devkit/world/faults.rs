@@ -73,6 +73,13 @@ pub struct FaultPlan {
     pub(crate) store_slow: f64,
     pub(crate) store_slow_max: Duration,
     pub(crate) store_answer_lost: f64,
+    /// The world's model answers under this provider limit, one quota for every worker
+    /// (`provider_limit`); `None`: no limit.
+    pub provider_limit: Option<super::provider_limit::ProviderLimitPlan>,
+    /// Each fetch's transaction at the engine lasts this long, locking every candidate row, so
+    /// that a fetch meanwhile answers empty (the real engine on H2:
+    /// `abada_devkit::engine::contention`); `None`: fetches never overlap.
+    pub fetch_contention: Option<Duration>,
     /// Per worker id: when its calls (engine and model) are held, as in a process paused by
     /// the OS or a long GC; a call sent before the window arrives after it.
     pub freezes: BTreeMap<String, Vec<Window>>,
@@ -91,6 +98,7 @@ pub const KINDS: &[&str] = &[
     "engine clock step",
     "refused",
     "model 429",
+    "model limit 429",
     "model 5xx",
     "model slow",
     "model stall",

@@ -9,7 +9,9 @@
 //! docs/REAL_MODEL.md); then a final answer naming the task that matches that schema. The
 //! `hostile` style sends malformed arguments to the unknown tool. Faults: 429
 //! and 5xx answers and slowness, drawn from the world's seeded source; every call is recorded,
-//! so the invariants can count the answers paid for.
+//! so the invariants can count the answers paid for. A call first meets the world's provider
+//! limit when the seed has one (`provider_limit`: one quota for every worker), whose answers'
+//! figures reach the worker's capacities as an adapter hands them over.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,9 +20,11 @@ use async_trait::async_trait;
 use serde_json::{Value, json};
 
 use super::World;
+use super::provider_limit::{Arrival, LIMIT_REFUSED};
 use super::trace::Event;
 use crate::conversation::{AssistantMessage, Message, ToolCall, Usage};
-use crate::provider::{ModelProvider, ModelRequest, ModelResponse, ProviderError};
+use crate::provider::capacity::{ModelCapacities, RateLimits};
+use crate::provider::{ModelProvider, ModelRef, ModelRequest, ModelResponse, ProviderError};
 
 /// The provider name the world's model is registered under (`sim/…` in a definition).
 pub(crate) const PROVIDER: &str = "sim";
@@ -82,6 +86,8 @@ pub struct WorldModel {
     worker_id: String,
     /// The context window this provider's models have, checked on every request.
     window: Option<u64>,
+    /// The worker's capacities, told what each answer states (as the adapters tell them).
+    capacities: Option<Arc<ModelCapacities>>,
 }
 
 impl WorldModel {
@@ -90,6 +96,29 @@ impl WorldModel {
             world,
             worker_id: worker_id.into(),
             window: None,
+            capacities: None,
+        }
+    }
+
+    /// The model reporting every answer's rate-limit figures to `capacities`.
+    pub fn with_capacities(mut self, capacities: Arc<ModelCapacities>) -> Self {
+        self.capacities = Some(capacities);
+        self
+    }
+
+    /// What an answer stated, for a call sent at `sent`, handed to the worker's capacities.
+    fn observe(&self, model: &str, sent: tokio::time::Instant, limits: &RateLimits) {
+        if let Some(c) = &self.capacities {
+            let provider = if self.window.is_some() {
+                SMALL_WINDOW_PROVIDER
+            } else {
+                PROVIDER
+            };
+            let model = ModelRef {
+                provider: provider.into(),
+                model: model.to_string(),
+            };
+            c.observe(&model, sent, tokio::time::Instant::now(), limits);
         }
     }
 
@@ -192,6 +221,37 @@ impl ModelProvider for WorldModel {
         }
         // Held while the worker is frozen, like its engine calls.
         self.world.hold(&self.worker_id).await;
+        // The provider's limit, counted as the request arrives (`provider_limit`).
+        let sent = tokio::time::Instant::now();
+        let max_wait = self
+            .capacities
+            .as_ref()
+            .map_or(Duration::from_secs(60), |c| c.policy().max_wait);
+        let stated = match self
+            .world
+            .provider
+            .arrive(sent, self.world.now_ms(), max_wait)
+        {
+            Arrival::Unlimited => None,
+            Arrival::Admitted(limits) => Some(limits),
+            Arrival::Refused {
+                limits,
+                retry_after,
+            } => {
+                self.world.faults().count("model limit 429");
+                // A refusal takes a moment too, not nothing: no loop spins at one instant.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                self.record(&script.task, turn, LIMIT_REFUSED);
+                self.observe(&req.model, sent, &limits);
+                return Err(ProviderError::Unavailable {
+                    provider: "sim".into(),
+                    model: req.model.clone(),
+                    status: Some(429),
+                    message: "the provider's rate limit (simulated)".into(),
+                    retry_after,
+                });
+            }
+        };
         let now = self.world.elapsed_ms();
         let (p429, p5xx, slow, slow_max, stall) = {
             let f = self.world.faults();
@@ -322,6 +382,9 @@ impl ModelProvider for WorldModel {
             }
         };
         self.record(&script.task, turn, answer);
+        if let Some(limits) = &stated {
+            self.observe(&req.model, sent, limits);
+        }
         Ok(ModelResponse {
             stop_reason: match answer {
                 "tool" => "tool_calls",

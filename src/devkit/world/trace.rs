@@ -99,6 +99,15 @@ pub enum Event {
         key: Option<String>,
         answer: &'static str,
     },
+    /// With a fetch's answer (`got` of `asked`): how many tasks of its topics waited unlocked
+    /// at the engine when it answered (how deep the backlog was; rows another fetch's
+    /// transaction held count: the contention an empty answer may hide).
+    FetchBacklog {
+        worker: String,
+        asked: u32,
+        got: usize,
+        waiting: usize,
+    },
     /// The runner of `worker` asked for `requested` tasks (its free slots) and got `got`.
     RunnerFetched {
         worker: String,

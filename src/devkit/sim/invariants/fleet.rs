@@ -1,0 +1,276 @@
+//! The fleet's promises about its provider and its engine, checked on the trace like the
+//! others (`super`): a busy provider never defers a task, its 429s stay bounded, and no replica
+//! idles while the backlog is deep. They read the world's provider limit and engine contention
+//! (`world::provider_limit`, the schedule's `FaultPlan::provider_limit` and
+//! `FaultPlan::fetch_contention`).
+//!
+//! - [`no_deferral_while_answering`]: a task is deferred (a `failure` keeping its retries) only
+//!   after an outage: a model call of its worker answered 5xx, or a run-store call refused
+//!   (the store's patience ran out), within [`OUTAGE_LOOKBACK`] before. A 429, from the
+//!   provider's limit or injected, is the provider answering: it never defers.
+//! - [`limit_refusals_bounded`]: the provider limit's 429s stay under a bound per worker, from
+//!   what the pacer guarantees (see [`REFUSALS_PER_WORKER_SECOND`]).
+//! - [`no_idle_replica`]: a worker whose fetch was answered empty while tasks waited unlocked
+//!   (another fetch's transaction held them: contention), right after an answer with tasks or
+//!   as its first (a failed fetch between ends that run), fetches again within a quarter of
+//!   the poll interval.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::{Facts, Violation, at, violation};
+use crate::devkit::world::provider_limit::LIMIT_REFUSED;
+use crate::devkit::world::trace::{Answer, Event};
+
+/// How far back an outage explains a deferral: the model's circuit opens for a second or so in
+/// the simulation (no `Retry-After` on a 5xx), a task's own transient retries back off up to a
+/// second each, and the run store's patience is a lock duration (at most 8 s): 30 s covers all
+/// of them with room.
+pub(crate) const OUTAGE_LOOKBACK: u64 = 30_000;
+
+/// The bound on a worker's 429s from the provider limit: at most this many per second of the
+/// time its model calls were contested, plus [`REFUSALS_PER_WORKER_START`].
+///
+/// Why: the pacer releases one call at a time; a 429 with a `retry-after` (a stated limit)
+/// holds the model until then and lets one probe go alone, answered before the next call goes;
+/// a bare 429 (a limit stating nothing) lowers the pace at once and makes the next call wait
+/// an increment. A replica pacing alone beside others meets their calls at random phases, and
+/// AIMD lowers its pace at most once a second. So a worker draws at most about one refusal per
+/// second while its provider is contested, not one per waiting call: a herd (every waiting call
+/// at a hold's end) draws one per call. `REFUSALS_PER_WORKER_START` covers the first burst of a
+/// provider stating nothing (no pace known yet: the slots' calls go together, all but the
+/// second's worth refused) and the replicas' first probes meeting in one window.
+pub(crate) const REFUSALS_PER_WORKER_SECOND: f64 = 1.0;
+pub(crate) const REFUSALS_PER_WORKER_START: u64 = 3;
+
+/// How soon a worker fetches again after an empty answer that was contention: a quarter of
+/// the poll interval (the first pause is at most 25 ms; waiting the poll interval is idling).
+fn idle_bound(poll: Duration) -> u64 {
+    (poll.as_millis() as u64) / 4
+}
+
+/// A 429 answered to a worker's model call: the limit's or an injected one.
+fn refused(answer: &str) -> bool {
+    answer == LIMIT_REFUSED || answer == "429"
+}
+
+pub fn no_deferral_while_answering(facts: &Facts<'_>) -> Vec<Violation> {
+    // When each worker last saw an outage: a model 5xx, a run-store call refused.
+    let mut outages: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        match e {
+            Event::ModelCall { worker, answer, .. } if *answer == "5xx" => {
+                outages.entry(worker).or_default().push(*t);
+            }
+            Event::StoreAnswer { worker, answer, .. } if *answer == "outage" => {
+                outages.entry(worker).or_default().push(*t);
+            }
+            Event::TaskEnded {
+                worker,
+                task,
+                attempt,
+                outcome,
+            } if outcome == "deferred" => {
+                let explained = outages
+                    .get(worker.as_str())
+                    .is_some_and(|o| o.iter().any(|o| *o + OUTAGE_LOOKBACK >= *t));
+                if !explained {
+                    let busy = facts
+                        .trace
+                        .events
+                        .iter()
+                        .filter(|(u, e)| {
+                            *u <= *t
+                                && *u + OUTAGE_LOOKBACK >= *t
+                                && matches!(e, Event::ModelCall { worker: w, answer, .. } if w == worker && refused(answer))
+                        })
+                        .count();
+                    out.push(violation(
+                        super::NO_DEFERRAL_WHILE_ANSWERING,
+                        format!(
+                            "task {task} (attempt {attempt:?}): deferred by {worker} at {} with no outage (model 5xx, run store refused) in the {} s before; its model answered 429 {busy} times then",
+                            at(*t),
+                            OUTAGE_LOOKBACK / 1000
+                        ),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+pub fn limit_refusals_bounded(facts: &Facts<'_>) -> Vec<Violation> {
+    if facts.schedule.faults.provider_limit.is_none() {
+        return Vec::new();
+    }
+    // Per worker: its limit 429s, the calls let through, and the span from its first 429 to
+    // its last call (the time its provider was contested).
+    #[derive(Default)]
+    struct Seen {
+        refused: u64,
+        admitted: u64,
+        first_refused: Option<u64>,
+        last_call: u64,
+    }
+    let mut seen: BTreeMap<&str, Seen> = BTreeMap::new();
+    for (t, e) in &facts.trace.events {
+        if let Event::ModelCall { worker, answer, .. } = e {
+            let s = seen.entry(worker).or_default();
+            s.last_call = *t;
+            if *answer == LIMIT_REFUSED {
+                s.refused += 1;
+                s.first_refused.get_or_insert(*t);
+            } else {
+                s.admitted += 1;
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (worker, s) in seen {
+        let Some(first) = s.first_refused else {
+            continue;
+        };
+        let contested = s.last_call.saturating_sub(first) as f64 / 1000.0;
+        let bound =
+            REFUSALS_PER_WORKER_START + (REFUSALS_PER_WORKER_SECOND * contested).floor() as u64;
+        if s.refused > bound {
+            out.push(violation(
+                super::LIMIT_REFUSALS_BOUNDED,
+                format!(
+                    "worker {worker}: {} calls answered 429 by the provider's limit ({} let through) over {contested:.1} s from its first 429, above {bound} ({REFUSALS_PER_WORKER_START} + {REFUSALS_PER_WORKER_SECOND} a second)",
+                    s.refused, s.admitted
+                ),
+            ));
+        }
+    }
+    out
+}
+
+pub fn no_idle_replica(facts: &Facts<'_>) -> Vec<Violation> {
+    // A provider limit paces the worker's fetches by design (admission: no more claims than
+    // its model can start soon), so the check is for the seeds without one.
+    if facts.schedule.faults.provider_limit.is_some() {
+        return Vec::new();
+    }
+    let bound = idle_bound(facts.schedule.poll_interval);
+    let events = &facts.trace.events;
+    let end = events.last().map_or(0, |(t, _)| *t);
+    // Per worker: whether its last answer had tasks (or none came yet), its tasks running,
+    // whether it made a model call whose answer is out (its first: a probe that gates
+    // admission), its last 429.
+    #[derive(Default)]
+    struct State {
+        answers: u32,
+        last_had_tasks: bool,
+        running: u32,
+        started_any: bool,
+        answered_any: bool,
+    }
+    let mut state: BTreeMap<&str, State> = BTreeMap::new();
+    let mut out = Vec::new();
+    for (i, (t, e)) in events.iter().enumerate() {
+        match e {
+            Event::TaskStarted { worker, .. } => {
+                let s = state.entry(worker).or_default();
+                s.running += 1;
+                s.started_any = true;
+            }
+            Event::TaskEnded { worker, .. } => {
+                let s = state.entry(worker).or_default();
+                s.running = s.running.saturating_sub(1);
+            }
+            Event::ModelCall { worker, .. } => {
+                state.entry(worker).or_default().answered_any = true;
+            }
+            // A failed fetch ends a run that began with tasks (or at the start): the empty
+            // answer after it is not taken for contention.
+            Event::EngineAnswer {
+                worker, op, answer, ..
+            } if *op == "fetch-and-lock" && *answer != Answer::Ok => {
+                let s = state.entry(worker).or_default();
+                s.answers += 1;
+                s.last_had_tasks = false;
+            }
+            Event::FetchBacklog {
+                worker,
+                asked,
+                got,
+                waiting,
+            } => {
+                let s = state.entry(worker).or_default();
+                let first = s.answers == 0;
+                let after_tasks = s.last_had_tasks;
+                s.answers += 1;
+                s.last_had_tasks = *got > 0;
+                // The first model call of a worker is a probe: admission holds fetches until it
+                // is answered.
+                let probing = s.started_any && !s.answered_any;
+                if *got > 0 || *asked == 0 || *waiting == 0 || !(first || after_tasks) || probing {
+                    continue;
+                }
+                // A late answer reaches the worker when it is delivered (or never): the bound
+                // runs from then.
+                let late = events[..i].iter().rev().take_while(|(u, _)| u == t).any(|(_, e)| {
+                    matches!(e, Event::Late { worker: w, op, .. } if w == worker && *op == "fetch-and-lock")
+                });
+                let received = if late {
+                    let delivered = events[i + 1..].iter().find(|(_, e)| {
+                        matches!(e, Event::Delivered { worker: w, op, executed, .. } if w == worker && *op == "fetch-and-lock" && executed == t)
+                    });
+                    match delivered {
+                        Some((u, _)) => *u,
+                        None => continue,
+                    }
+                } else {
+                    *t
+                };
+                let deadline = received + bound;
+                if deadline > end {
+                    continue;
+                }
+                let mut excused = false;
+                let mut fetched = None;
+                for (u, later) in &events[i + 1..] {
+                    if *u > deadline {
+                        break;
+                    }
+                    match later {
+                        Event::EngineCall { worker: w, op, .. }
+                            if w == worker && *op == "fetch-and-lock" =>
+                        {
+                            fetched = Some(*u);
+                            break;
+                        }
+                        Event::WorkerKilled { worker: w } if w == worker => excused = true,
+                        _ => {}
+                    }
+                }
+                // A 429 lately: the model is held or paced, and admission may hold fetches.
+                let limited = events.iter().any(|(u, e)| {
+                    *u + 60_000 >= *t
+                        && *u <= deadline
+                        && matches!(e, Event::ModelCall { worker: w, answer, .. } if w == worker && refused(answer))
+                });
+                if fetched.is_none() && !excused && !limited {
+                    out.push(violation(
+                        super::NO_IDLE_REPLICA,
+                        format!(
+                            "worker {worker}: its fetch of {asked} at {} was answered empty while {waiting} tasks waited unlocked ({}), and it sent no fetch within {bound} ms",
+                            at(*t),
+                            if first {
+                                "its first answer"
+                            } else {
+                                "right after an answer with tasks"
+                            }
+                        ),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}

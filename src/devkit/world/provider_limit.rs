@@ -1,0 +1,170 @@
+//! The world's provider capacity and the fleet's conditions around it: the per-minute rate limit
+//! of the world's model, one quota every worker's calls count against (replicas sharing one
+//! provider key), and the fleet's shared pace in memory ([`WorldPace`]) for the seeds whose
+//! replicas pace as one queue.
+//!
+//! **The limit** is the scripted HTTP model's own state machine
+//! ([`abada_devkit::model::LimitCore`]), so the simulated provider and the one the load harness
+//! measures cannot disagree. It is modelled on what OpenAI and Anthropic document
+//! (<https://platform.openai.com/docs/guides/rate-limits>,
+//! <https://docs.anthropic.com/en/api/rate-limits>): stated per minute on every answer
+//! (`x-ratelimit-{limit,remaining,reset}-requests`), enforced quantized (a second's worth per
+//! second window of the provider's clock, or a bucket of a second's worth refilled evenly), and
+//! refused beyond with 429 and `retry-after-ms`; or, a provider stating nothing (vLLM, Ollama,
+//! llama.cpp), refused with a bare 429. A request counts when it arrives and is let through; a
+//! refused one costs nothing. The headers of each answer are read by the production parser
+//! ([`RateLimits::parse`]) and handed to the worker's capacities, as the adapters do
+//! (`provider::http`).
+//!
+//! **The shared pace** ([`WorldPace`]) is the rule of the run store's statement
+//! (`store::pace`): one `next_at` per model; a reservation takes `max(next_at, now)` if that
+//! comes within the wait the call has left, and moves `next_at` on by the call's spacing. Like
+//! every run-store call of the world, it is held while its worker is frozen and refused during a
+//! store outage (the replica then paces alone for a while, as in production).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, UNIX_EPOCH};
+
+pub use abada_devkit::model::Quantization;
+use abada_devkit::model::{LimitCore, RateLimit};
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use tokio::time::Instant;
+
+use super::World;
+use crate::provider::capacity::{RateLimits, SharedPace, SharedTurn};
+
+/// The answer the trace records for a call the provider's limit refused (an injected 429 fault
+/// is `429`).
+pub const LIMIT_REFUSED: &str = "limit-429";
+
+/// A seed's provider limit: how many requests a minute the world's model allows, how it
+/// enforces them over each second, whether its answers state the figures, and whether the
+/// workers pace as one queue (the fleet's shared pace, as with a run store shared by replicas).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ProviderLimitPlan {
+    pub requests_per_minute: u32,
+    pub quantization: Quantization,
+    pub stated: bool,
+    pub shared_pacing: bool,
+}
+
+/// What the provider did with a request that arrived.
+pub(crate) enum Arrival {
+    /// No limit in this world.
+    Unlimited,
+    /// Let through; the answer states these figures (empty when the provider states none).
+    Admitted(RateLimits),
+    /// Over the limit: 429, stating these figures, asking for this wait (none when the
+    /// provider states nothing).
+    Refused {
+        limits: RateLimits,
+        retry_after: Option<Duration>,
+    },
+}
+
+/// The world's provider capacity: the quota every worker shares, and the shared pace.
+pub(crate) struct ProviderCapacity {
+    plan: Option<ProviderLimitPlan>,
+    limit: Mutex<Option<LimitCore>>,
+    /// The shared pace's `next_at`, per model.
+    pace: Mutex<BTreeMap<String, Instant>>,
+}
+
+impl ProviderCapacity {
+    /// The capacity of a world whose clock starts now.
+    pub(crate) fn new(plan: Option<ProviderLimitPlan>) -> Self {
+        ProviderCapacity {
+            plan,
+            limit: Mutex::new(plan.map(|p| {
+                LimitCore::new(
+                    RateLimit {
+                        requests_per_minute: p.requests_per_minute,
+                        tokens_per_minute: None,
+                        quantization: p.quantization,
+                        stated: p.stated,
+                    },
+                    Instant::now(),
+                )
+            })),
+            pace: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    pub(crate) fn plan(&self) -> Option<ProviderLimitPlan> {
+        self.plan
+    }
+
+    /// A request arrives at the provider at `now`, the world's engine clock at `wall_ms`.
+    pub(crate) fn arrive(&self, now: Instant, wall_ms: i64, max_wait: Duration) -> Arrival {
+        let mut limit = self.limit.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(limit) = limit.as_mut() else {
+            return Arrival::Unlimited;
+        };
+        // The tokens budget never binds here (none is set): the call's tokens do not matter.
+        let (headers, retry_after) = limit.take(0, now);
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            if let Ok(v) = HeaderValue::from_str(&value) {
+                map.insert(HeaderName::from_static(name), v);
+            }
+        }
+        let wall = UNIX_EPOCH + Duration::from_millis(u64::try_from(wall_ms).unwrap_or(0));
+        let limits = RateLimits::parse(&map, wall, max_wait);
+        match retry_after {
+            None => Arrival::Admitted(limits),
+            Some(wait) => Arrival::Refused {
+                limits,
+                // A provider stating nothing answers a bare 429 (as the scripted model does).
+                retry_after: self.plan.is_some_and(|p| p.stated).then_some(wait),
+            },
+        }
+    }
+
+    /// The shared pace's rule (`store::pace`): reserves the next start of `model`.
+    fn reserve(&self, model: &str, spacing: Duration, within: Duration) -> SharedTurn {
+        let now = Instant::now();
+        let mut pace = self.pace.lock().unwrap_or_else(|e| e.into_inner());
+        let next = pace.entry(model.to_string()).or_insert(now);
+        let slot = (*next).max(now);
+        if slot <= now + within {
+            *next = slot + spacing;
+            SharedTurn::In(slot - now)
+        } else {
+            SharedTurn::Beyond(slot - now)
+        }
+    }
+}
+
+/// One worker's door to the fleet's shared pace in the world (see the module docs).
+pub struct WorldPace {
+    world: Arc<World>,
+    worker_id: String,
+}
+
+impl WorldPace {
+    pub fn new(world: Arc<World>, worker_id: impl Into<String>) -> Self {
+        WorldPace {
+            world,
+            worker_id: worker_id.into(),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl SharedPace for WorldPace {
+    async fn reserve(
+        &self,
+        model: &str,
+        spacing: Duration,
+        within: Duration,
+    ) -> Result<SharedTurn, String> {
+        self.world.hold(&self.worker_id).await;
+        if self.world.faults().store_down(self.world.elapsed_ms()) {
+            // A refused connection takes a moment, as the world's store's do.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            return Err("the run store refused the connection (simulated outage)".into());
+        }
+        Ok(self.world.provider.reserve(model, spacing, within))
+    }
+}
