@@ -75,10 +75,14 @@ pub enum Bug {
     KeyedResultElided,
     /// The request is not fitted to the model's context window: it goes out whole.
     WindowIgnored,
+    /// A resumed run whose definition came from the agents file runs the file's latest entry
+    /// (read by a restarted worker) instead of the definition it journaled: after the operator
+    /// dropped a node's approval, the run's next write is performed without a person.
+    AgentsFileLatest,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 20] = [
+    pub const ALL: [Bug; 21] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
@@ -99,6 +103,7 @@ impl Bug {
         Bug::RepairsUnbounded,
         Bug::KeyedResultElided,
         Bug::WindowIgnored,
+        Bug::AgentsFileLatest,
     ];
 
     pub fn name(self) -> &'static str {
@@ -123,6 +128,7 @@ impl Bug {
             Bug::RepairsUnbounded => "repairs-unbounded",
             Bug::KeyedResultElided => "keyed-result-elided",
             Bug::WindowIgnored => "window-ignored",
+            Bug::AgentsFileLatest => "agents-file-latest",
         }
     }
 
@@ -150,6 +156,7 @@ impl Bug {
             Bug::RepairsUnbounded => i::REPAIRS_BOUNDED,
             Bug::KeyedResultElided => i::KEYED_RESULTS_KEPT,
             Bug::WindowIgnored => i::WINDOW_BOUND,
+            Bug::AgentsFileLatest => i::GATED_CALL_DECIDED,
         }
     }
 

@@ -114,6 +114,9 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
     if schedule.faults.engine_clock_jump.is_some() {
         world.faults().count("engine clock step");
     }
+    if schedule.config_change.is_some() {
+        world.faults().count("agents file or registry changed");
+    }
     let people = Arc::new(Mutex::new(People::default()));
     // Tasks arrive on their schedule, each in its shape.
     let creator = {
@@ -165,6 +168,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
             Some(SimWorker::start(
                 &world,
                 options.seed,
+                (schedule.config_change, 0),
                 &worker_id(n, 0),
                 schedule.slots,
                 schedule.lock_duration,
@@ -194,6 +198,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
                 let w = SimWorker::start(
                     &world,
                     options.seed,
+                    (schedule.config_change, generations[n]),
                     &worker_id(n, generations[n]),
                     schedule.slots,
                     schedule.lock_duration,

@@ -1154,9 +1154,16 @@ pub fn repairs_bounded(facts: &Facts<'_>) -> Vec<Violation> {
                 ));
             }
         }
+        // Completed with an answer: not asking for a person (an agents file that added approval
+        // across a restart makes a write wait before any final answer was played).
         let completed = facts.views.iter().any(|v| {
             facts.keys.get(&t.key).is_some_and(|k| k.contains(&v.id))
                 && v.status == crate::devkit::engine::TaskStatus::Completed
+                && v.result_variables
+                    .as_ref()
+                    .and_then(|r| r.get("agentStatus"))
+                    .and_then(Value::as_str)
+                    != Some(crate::agent::approval::STATUS_APPROVAL_REQUIRED)
         });
         if exhausted && completed && interruptions == 0 {
             out.push(violation(

@@ -107,6 +107,7 @@ pub const KINDS: &[&str] = &[
     "worker freeze",
     "worker kill",
     "redeploy",
+    "agents file or registry changed",
 ];
 
 /// The live fault state: the plan, and counts of what was injected (for the report).
