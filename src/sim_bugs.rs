@@ -79,10 +79,14 @@ pub enum Bug {
     /// (read by a restarted worker) instead of the definition it journaled: after the operator
     /// dropped a node's approval, the run's next write is performed without a person.
     AgentsFileLatest,
+    /// A journal written by the previous release (its input step carries no definition) is
+    /// replayed from its input step alone: the run begins again, the model is asked for the
+    /// turns that release paid, and its writes go out again.
+    OldJournalFromInput,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 21] = [
+    pub const ALL: [Bug; 22] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
@@ -104,6 +108,7 @@ impl Bug {
         Bug::KeyedResultElided,
         Bug::WindowIgnored,
         Bug::AgentsFileLatest,
+        Bug::OldJournalFromInput,
     ];
 
     pub fn name(self) -> &'static str {
@@ -129,6 +134,7 @@ impl Bug {
             Bug::KeyedResultElided => "keyed-result-elided",
             Bug::WindowIgnored => "window-ignored",
             Bug::AgentsFileLatest => "agents-file-latest",
+            Bug::OldJournalFromInput => "old-journal-from-input",
         }
     }
 
@@ -157,6 +163,7 @@ impl Bug {
             Bug::KeyedResultElided => i::KEYED_RESULTS_KEPT,
             Bug::WindowIgnored => i::WINDOW_BOUND,
             Bug::AgentsFileLatest => i::GATED_CALL_DECIDED,
+            Bug::OldJournalFromInput => i::UPGRADE_RESUMED,
         }
     }
 

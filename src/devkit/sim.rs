@@ -117,6 +117,21 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
     if schedule.config_change.is_some() {
         world.faults().count("agents file or registry changed");
     }
+    // The runs the previous release left mid-run, there before this release's workers start.
+    for u in &schedule.upgraded {
+        let script = ModelScript {
+            task: u.key.clone(),
+            steps: u.steps.clone(),
+            hostile: false,
+            finals: String::new(),
+        };
+        if crate::devkit::world::upgrade::seed(&world, &script, u.retries)
+            .await
+            .is_some()
+        {
+            world.faults().count("run left by the previous release");
+        }
+    }
     let people = Arc::new(Mutex::new(People::default()));
     // Tasks arrive on their schedule, each in its shape.
     let creator = {

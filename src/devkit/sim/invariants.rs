@@ -85,6 +85,8 @@ pub const KEYED_RESULTS_KEPT: &str = "a keyed write's result is never elided fro
 pub const REPAIRS_BOUNDED: &str =
     "repair turns within the definition's bounds, an exhausted one an incident";
 
+pub const UPGRADE_RESUMED: &str = "a run left by the previous release resumes, never begins again";
+
 /// Every invariant [`check`] judges, in its order.
 pub const INVARIANTS: &[&str] = &[
     ONE_COMPLETION,
@@ -105,6 +107,7 @@ pub const INVARIANTS: &[&str] = &[
     WINDOW_BOUND,
     KEYED_RESULTS_KEPT,
     NO_SECRET,
+    UPGRADE_RESUMED,
 ];
 
 /// What the checks read.
@@ -141,7 +144,42 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(window_bound(facts));
     v.extend(keyed_results_kept(facts));
     v.extend(no_secret_leaked(facts));
+    v.extend(upgrade_resumed(facts));
     v
+}
+
+/// A run the previous release left mid-run (`world::upgrade`) paid the model's turn 0 and
+/// its write: this release resumes it from its journal (the write re-sent under its key, the
+/// model asked from turn 1), or ends it as an incident, never asks the model for turn 0 again
+/// (a run begun again, whose writes go out under new keys).
+pub fn upgrade_resumed(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for u in &facts.schedule.upgraded {
+        for (t, e) in &facts.trace.events {
+            if let Event::ModelCall {
+                worker,
+                task,
+                turn: 0,
+                ..
+            } = e
+                && *task == u.key
+            {
+                let id = facts
+                    .keys
+                    .get(task.as_str())
+                    .map_or(task.clone(), |ids| ids.join(", "));
+                out.push(violation(
+                    UPGRADE_RESUMED,
+                    format!(
+                        "task {id} (script {task}): {worker} asked the model for turn 0 at {}, which the previous release had paid: the run began again instead of resuming its journal",
+                        at(*t)
+                    ),
+                ));
+                break;
+            }
+        }
+    }
+    out
 }
 
 /// Per invariant, how many events (or tasks) it had to judge: an invariant that judged
@@ -215,6 +253,7 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
         .filter(|v| stored_result(v).is_some())
         .count();
     *n.entry(APPROVED_PERFORMED).or_default() += genuine_approvals(facts).len();
+    *n.entry(UPGRADE_RESUMED).or_default() += facts.schedule.upgraded.len();
     n
 }
 

@@ -70,6 +70,18 @@ pub struct Redeploy {
     pub keeps_approval: bool,
 }
 
+/// A task a worker of the previous release was running when it was replaced by this release
+/// (`world::upgrade`): its journal, in the previous release's format, holds its first step, a
+/// keyed write, started and applied.
+#[derive(Clone, Debug)]
+pub struct UpgradedPlan {
+    /// The script's name (`p0`, `p1`).
+    pub key: String,
+    /// The model's tool-calling turns, the first a write (played by the previous release).
+    pub steps: String,
+    pub retries: i32,
+}
+
 /// What the operator changes in the agents file or the tool registry between one generation of
 /// workers and the next: a restarted worker (a new process) reads the changed files at its
 /// start, while the workers not restarted keep what they read. Runs journaled before must keep
@@ -133,6 +145,9 @@ pub struct Schedule {
     pub store_journal: bool,
     /// Redeployments of the gated processes, in time order.
     pub redeploys: Vec<Redeploy>,
+    /// Runs the previous release left mid-run (`world::upgrade`), resumed by this release's
+    /// workers.
+    pub upgraded: Vec<UpgradedPlan>,
     /// The agents-file or registry change every restarted worker reads (plain engines only:
     /// an agent/1 engine sends the definitions).
     pub config_change: Option<ConfigChange>,
@@ -354,6 +369,22 @@ impl Schedule {
                 });
             }
         }
+        // A rolling upgrade, from a source of its own likewise: two seeds in five find one or two
+        // runs the previous release left mid-run.
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x0019_9ade_0001);
+        let mut upgraded = Vec::new();
+        if rng.random_bool(0.4) {
+            for i in 0..rng.random_range(1..=2) {
+                let rest: String = (0..rng.random_range(0..=2))
+                    .map(|_| ['r', 'w'][rng.random_range(0..2)])
+                    .collect();
+                upgraded.push(UpgradedPlan {
+                    key: format!("p{i}"),
+                    steps: format!("w{rest}"),
+                    retries: rng.random_range(3..=6),
+                });
+            }
+        }
         Schedule {
             seed,
             workers,
@@ -366,6 +397,7 @@ impl Schedule {
             store_journal,
             redeploys,
             config_change,
+            upgraded,
         }
     }
 }

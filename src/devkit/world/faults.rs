@@ -108,6 +108,7 @@ pub const KINDS: &[&str] = &[
     "worker kill",
     "redeploy",
     "agents file or registry changed",
+    "run left by the previous release",
 ];
 
 /// The live fault state: the plan, and counts of what was injected (for the report).
