@@ -18,10 +18,10 @@
 //! The model (`simProcess`):
 //!
 //! ```text
-//! start → agentNode (abada:agent) → routeAgent: agentStatus == 'approval-required' → approve
-//!                                               otherwise                           → review
-//! approve (user task, group sim-approvers) → agentNode          (the decision: the node re-entered)
-//! review  (user task, group sim-reviewers) → routeReview: simAgain == true → agentNode (a new visit)
+//! start → gatedAgentNode (abada:agent) → routeAgent: agentStatus == 'approval-required' → approve
+//!                                                    otherwise                           → review
+//! approve (user task, group sim-approvers) → gatedAgentNode     (the decision: the node re-entered)
+//! review  (user task, group sim-reviewers) → routeReview: simAgain == true → gatedAgentNode (a new visit)
 //!                                                         otherwise        → end
 //! ```
 //!
