@@ -84,10 +84,18 @@ pub enum Bug {
     /// An empty fetch answer always waits the poll interval, also right after an answer with
     /// tasks (contention read as an empty queue: the worker before the contention work).
     ContentionAsEmptyQueue,
+    /// A resumed run whose definition came from the agents file runs the file's latest entry
+    /// (read by a restarted worker) instead of the definition it journaled: after the operator
+    /// dropped a node's approval, the run's next write is performed without a person.
+    AgentsFileLatest,
+    /// A journal written by the previous release (its input step carries no definition) is
+    /// replayed from its input step alone: the run begins again, the model is asked for the
+    /// turns that release paid, and its writes go out again.
+    OldJournalFromInput,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 23] = [
+    pub const ALL: [Bug; 25] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
@@ -111,6 +119,8 @@ impl Bug {
         Bug::RateLimitDefers,
         Bug::PacerHerd,
         Bug::ContentionAsEmptyQueue,
+        Bug::AgentsFileLatest,
+        Bug::OldJournalFromInput,
     ];
 
     pub fn name(self) -> &'static str {
@@ -138,6 +148,8 @@ impl Bug {
             Bug::RateLimitDefers => "rate-limit-defers",
             Bug::PacerHerd => "pacer-herd",
             Bug::ContentionAsEmptyQueue => "contention-as-empty-queue",
+            Bug::AgentsFileLatest => "agents-file-latest",
+            Bug::OldJournalFromInput => "old-journal-from-input",
         }
     }
 
@@ -168,6 +180,8 @@ impl Bug {
             Bug::RateLimitDefers => i::NO_DEFERRAL_WHILE_ANSWERING,
             Bug::PacerHerd => i::LIMIT_REFUSALS_BOUNDED,
             Bug::ContentionAsEmptyQueue => i::NO_IDLE_REPLICA,
+            Bug::AgentsFileLatest => i::GATED_CALL_DECIDED,
+            Bug::OldJournalFromInput => i::UPGRADE_RESUMED,
         }
     }
 

@@ -63,6 +63,13 @@ pub(super) async fn run(rt: &AgentRuntime, task: &Task, ctx: &TaskContext) -> Ou
         .as_ref()
         .and_then(|r| r.definition.as_ref())
         .map(bpmn::from_journal_snapshot);
+    // SIM-BUG (feature `sim-bugs`, selected at run time): the agents file's latest entry
+    // instead of the journaled definition.
+    #[cfg(feature = "sim-bugs")]
+    let pinned = match pinned {
+        Some(Ok(def)) if agents_file_latest_bug(&def) => None,
+        pinned => pinned,
+    };
     let resolved = match pinned {
         Some(Ok(def)) => Ok(def),
         Some(Err(e)) => Err(ResolveError::Bpmn(e)),
@@ -269,6 +276,16 @@ fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// Whether the `agents-file-latest` bug is selected and `def` came from the agents file.
+#[cfg(feature = "sim-bugs")]
+fn agents_file_latest_bug(def: &AgentDefinition) -> bool {
+    crate::sim_bugs::active(crate::sim_bugs::Bug::AgentsFileLatest)
+        && def
+            .source
+            .as_ref()
+            .is_some_and(|s| s.kind == super::definition::SOURCE_AGENTS_FILE)
+}
+
 impl<'a> Attempt<'a> {
     async fn start(
         scope: Scope<'a>,
@@ -293,7 +310,16 @@ impl<'a> Attempt<'a> {
         }
         // A run started on a BPMN definition keeps it: the engine serves only the latest
         // version, and a redeployment must not change a running run's agent.
-        let (def, approval) = match &state.definition {
+        // SIM-BUG (feature `sim-bugs`, selected at run time): the journaled definition
+        // ignored for the agents file's latest entry.
+        #[cfg(feature = "sim-bugs")]
+        let journaled = state
+            .definition
+            .as_ref()
+            .filter(|_| !agents_file_latest_bug(&def));
+        #[cfg(not(feature = "sim-bugs"))]
+        let journaled = state.definition.as_ref();
+        let (def, approval) = match journaled {
             Some(snapshot) => {
                 let def = bpmn::from_journal_snapshot(snapshot)
                     .map_err(ResolveError::Bpmn)

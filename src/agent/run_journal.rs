@@ -200,6 +200,17 @@ impl Journal {
             }
             Home::Nowhere => (Journal::Nowhere(ContentKeys::default()), Vec::new()),
         };
+        // SIM-BUG (feature `sim-bugs`, selected at run time): a journal whose input step
+        // carries no definition (the previous release's) replayed from its input step alone.
+        #[cfg(feature = "sim-bugs")]
+        let steps = if crate::sim_bugs::active(crate::sim_bugs::Bug::OldJournalFromInput)
+            && steps.first().is_some_and(|s| {
+                s.kind == journal::KIND_INPUT && s.data.get("definition").is_none()
+            }) {
+            steps[..1].to_vec()
+        } else {
+            steps
+        };
         let state = Replayed::from_steps(&steps).map_err(|e| {
             let what = match journal {
                 Journal::Store(_) => "the task's journal in the run store cannot be resumed",

@@ -114,6 +114,24 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
     if schedule.faults.engine_clock_jump.is_some() {
         world.faults().count("engine clock step");
     }
+    if schedule.config_change.is_some() {
+        world.faults().count("agents file or registry changed");
+    }
+    // The runs the previous release left mid-run, there before this release's workers start.
+    for u in &schedule.upgraded {
+        let script = ModelScript {
+            task: u.key.clone(),
+            steps: u.steps.clone(),
+            hostile: false,
+            finals: String::new(),
+        };
+        if crate::devkit::world::upgrade::seed(&world, &script, u.retries)
+            .await
+            .is_some()
+        {
+            world.faults().count("run left by the previous release");
+        }
+    }
     let people = Arc::new(Mutex::new(People::default()));
     // Tasks arrive on their schedule, each in its shape.
     let creator = {
@@ -165,6 +183,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
             Some(SimWorker::start(
                 &world,
                 options.seed,
+                (schedule.config_change, 0),
                 &worker_id(n, 0),
                 schedule.slots,
                 schedule.lock_duration,
@@ -194,6 +213,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
                 let w = SimWorker::start(
                     &world,
                     options.seed,
+                    (schedule.config_change, generations[n]),
                     &worker_id(n, generations[n]),
                     schedule.slots,
                     schedule.lock_duration,

@@ -15,6 +15,7 @@ pub mod store;
 pub mod store_view;
 pub mod tools;
 pub mod trace;
+pub mod upgrade;
 // simapproval: the process shapes, the approver, and the run store the round trips wait in.
 pub mod approver;
 pub mod process;

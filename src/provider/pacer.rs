@@ -304,6 +304,10 @@ pub(crate) struct Pacer {
     /// recovery too).
     peak: f64,
     decreased_at: Option<Instant>,
+    /// 429s in a row, no answer between: each doubles the wait before the next call, so a
+    /// provider refusing without a `retry-after` within one round (the pace is lowered once a
+    /// round) gets geometrically fewer calls, not one per increment.
+    refused_in_a_row: u32,
     figures: [Option<Figure>; 4],
     rates: [Option<StatedRate>; 4],
     hold: Option<Hold>,
@@ -329,6 +333,7 @@ impl Pacer {
             learned: None,
             peak: 0.0,
             decreased_at: None,
+            refused_in_a_row: 0,
             figures: [None; 4],
             rates: [None; 4],
             hold: None,
@@ -559,6 +564,7 @@ impl Pacer {
     /// The call of `release` was answered at `now`: the learned rate rises.
     pub(crate) fn answered(&mut self, release: &Release, now: Instant, policy: &CapacityPolicy) {
         self.end_probe(release);
+        self.refused_in_a_row = 0;
         let Some(r) = self.learned_at(now, policy) else {
             self.learned = None;
             return;
@@ -594,6 +600,9 @@ impl Pacer {
         let round_over = self
             .decreased_at
             .is_none_or(|d| release.at >= d && now >= d + DECREASE_GAP);
+        if status == 429 {
+            self.refused_in_a_row = self.refused_in_a_row.saturating_add(1);
+        }
         if status == 429 && round_over {
             let current = self.current_rate(now, policy);
             let learning = self.learned_at(now, policy).is_some();
@@ -630,10 +639,15 @@ impl Pacer {
         }
         let mean = self.mean_cost();
         let increment = self.increment(&mean, now, policy);
+        // The k-th 429 in a row waits 2^(k-1) increments (within the model wait).
+        let doublings = self.refused_in_a_row.saturating_sub(1).min(16);
+        let backoff = increment
+            .saturating_mul(1 << doublings)
+            .min(policy.max_wait);
         let paced = self
             .next_release
             .map_or(now, |n| n.max(now))
-            .max(now + increment);
+            .max(now + backoff);
         self.next_release = Some(paced);
         self.hold_at(now).map_or(paced, |h| h.until.max(paced))
     }
@@ -1224,6 +1238,55 @@ mod tests {
         assert!(
             matches!(p.poll(3, &COST, later, &policy), Turn::Go(_)),
             "no pace left: the next call goes at once"
+        );
+    }
+
+    /// A provider refusing without a `retry-after`, again and again within one round (the pace
+    /// is lowered once a round): each 429 in a row doubles the wait before the next call, and
+    /// an answer ends the run of them. Seen in the simulator (seed 422 after the restarts
+    /// merge): five bare 429s 164 ms apart within one second's window.
+    #[tokio::test(start_paused = true)]
+    async fn bare_429s_in_a_row_double_the_wait_and_an_answer_resets_it() {
+        let policy = policy();
+        let t0 = Instant::now();
+        let (mut p, _) = known_at_two_per_second(t0);
+        let mut now = t0 + Duration::from_secs(1);
+        let mut gaps = Vec::new();
+        for t in 1..=4 {
+            p.enqueue(t);
+            let r = go(p.poll(t, &COST, now, &policy));
+            let refused_at = r.at + ms(10);
+            let next = p.throttled(&r, 429, None, refused_at, &policy);
+            gaps.push(next - refused_at);
+            now = next;
+        }
+        // At least doubled each time (the increment itself also grows when a round passes and
+        // the pace is lowered again).
+        for k in 1..gaps.len() {
+            assert!(
+                gaps[k] + ms(2) >= gaps[k - 1] * 2,
+                "429 number {}: waited {:?} after {:?} ({gaps:?})",
+                k + 1,
+                gaps[k],
+                gaps[k - 1]
+            );
+        }
+        // An answer ends the run: the next 429 waits one increment again.
+        p.enqueue(5);
+        let r = go(p.poll(5, &COST, now, &policy));
+        p.answered(&r, r.at + ms(10), &policy);
+        p.enqueue(6);
+        let (until, _) = match p.poll(6, &COST, r.at + ms(10), &policy) {
+            Turn::Go(r6) => (r6.at, WaitReason::Probe),
+            other => wait(other),
+        };
+        p.enqueue(7);
+        let r6 = go(p.poll(6, &COST, until, &policy));
+        let after = p.throttled(&r6, 429, None, r6.at + ms(10), &policy);
+        assert!(
+            after - (r6.at + ms(10)) < gaps[3] / 2,
+            "the run of 429s was not reset by the answer: {:?} after {gaps:?}",
+            after - (r6.at + ms(10))
         );
     }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use abada_agent_worker::devkit::engine::{EngineCore, ProtocolLevel, TaskSpec, TaskView};
 use abada_agent_worker::devkit::sim::invariants::{self, Facts};
-use abada_agent_worker::devkit::sim::schedule::{Schedule, Shape};
+use abada_agent_worker::devkit::sim::schedule::{Schedule, Shape, UpgradedPlan};
 use abada_agent_worker::devkit::sim::{SimOptions, run_seed};
 use abada_agent_worker::devkit::world::approver::Manner;
 use abada_agent_worker::devkit::world::trace::{Answer, Event, Trace};
@@ -1370,4 +1370,46 @@ fn an_empty_answer_during_a_backlog_left_for_the_poll_interval_fires() {
     let mut limited = played(500).at(100, model_call("w0", "429"));
     limited.trace.events.sort_by_key(|(t, _)| *t);
     assert!(invariants::fleet::no_idle_replica(&limited.facts()).is_empty());
+}
+
+/// A run the previous release left mid-run (its turn 0 and write paid) must resume: the model
+/// asked for turn 0 again is a run begun again; asked for turn 1 after the write re-sent under
+/// its key, it is a resume.
+#[test]
+fn a_run_left_by_the_previous_release_begun_again_fires_and_one_resumed_does_not() {
+    let model = |turn| Event::ModelCall {
+        worker: w("w0"),
+        task: w("p0"),
+        turn,
+        answer: "tool",
+    };
+    let write = |worker: &str, answer| Event::ToolCall {
+        worker: w(worker),
+        task: w("p0"),
+        write: Some(0),
+        key: Some(w("abada:t-000002:3")),
+        answer,
+    };
+    let played = || {
+        let mut p = Played::new();
+        p.schedule.upgraded = vec![UpgradedPlan {
+            key: w("p0"),
+            steps: w("wr"),
+            retries: 3,
+        }];
+        p.keys.insert(w("p0"), vec![w("t-000002")]);
+        p.at(0, write("previous-release", "applied"))
+            .at(10, fetched("w0", 1))
+    };
+    let p = played().at(60, model(0));
+    fires(
+        invariants::upgrade_resumed(&p.facts()),
+        invariants::UPGRADE_RESUMED,
+        "task t-000002 (script p0): w0 asked the model for turn 0 at 0.060 s",
+    );
+    let p = played()
+        .at(30, write("w0", "deduplicated"))
+        .at(80, model(1));
+    assert!(invariants::upgrade_resumed(&p.facts()).is_empty());
+    assert!(invariants::keyed_write_once(&p.facts()).is_empty());
 }

@@ -75,6 +75,12 @@ impl EngineCore {
         self.state.task_views()
     }
 
+    /// Replaces the journal of task `id` with `steps`, as earlier attempts (of a previous
+    /// release, say) would have written them; false when there is no such task.
+    pub fn seed_journal(&mut self, id: &str, steps: Vec<serde_json::Value>) -> bool {
+        self.state.seed_journal(id, steps)
+    }
+
     /// Makes fetches contend as on the real engine (module `contention`): the rows a fetch
     /// locks stay locked for [`FetchContention::transaction`] after its `now_ms`, and other
     /// fetches meanwhile skip them. The HTTP layer answers a fetch when its transaction ends;

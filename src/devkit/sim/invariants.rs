@@ -94,6 +94,8 @@ pub const NO_DEFERRAL_WHILE_ANSWERING: &str = "no task deferred while its provid
 pub const LIMIT_REFUSALS_BOUNDED: &str = "the provider limit's 429s stay bounded";
 pub const NO_IDLE_REPLICA: &str = "no replica idles while the backlog is deep";
 
+pub const UPGRADE_RESUMED: &str = "a run left by the previous release resumes, never begins again";
+
 /// Every invariant [`check`] judges, in its order.
 pub const INVARIANTS: &[&str] = &[
     ONE_COMPLETION,
@@ -117,6 +119,7 @@ pub const INVARIANTS: &[&str] = &[
     NO_DEFERRAL_WHILE_ANSWERING,
     LIMIT_REFUSALS_BOUNDED,
     NO_IDLE_REPLICA,
+    UPGRADE_RESUMED,
 ];
 
 /// What the checks read.
@@ -157,7 +160,42 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(fleet::no_deferral_while_answering(facts));
     v.extend(fleet::limit_refusals_bounded(facts));
     v.extend(fleet::no_idle_replica(facts));
+    v.extend(upgrade_resumed(facts));
     v
+}
+
+/// A run the previous release left mid-run (`world::upgrade`) paid the model's turn 0 and
+/// its write: this release resumes it from its journal (the write re-sent under its key, the
+/// model asked from turn 1), or ends it as an incident, never asks the model for turn 0 again
+/// (a run begun again, whose writes go out under new keys).
+pub fn upgrade_resumed(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for u in &facts.schedule.upgraded {
+        for (t, e) in &facts.trace.events {
+            if let Event::ModelCall {
+                worker,
+                task,
+                turn: 0,
+                ..
+            } = e
+                && *task == u.key
+            {
+                let id = facts
+                    .keys
+                    .get(task.as_str())
+                    .map_or(task.clone(), |ids| ids.join(", "));
+                out.push(violation(
+                    UPGRADE_RESUMED,
+                    format!(
+                        "task {id} (script {task}): {worker} asked the model for turn 0 at {}, which the previous release had paid: the run began again instead of resuming its journal",
+                        at(*t)
+                    ),
+                ));
+                break;
+            }
+        }
+    }
+    out
 }
 
 /// Per invariant, how many events (or tasks) it had to judge: an invariant that judged
@@ -240,6 +278,7 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
         .filter(|v| stored_result(v).is_some())
         .count();
     *n.entry(APPROVED_PERFORMED).or_default() += genuine_approvals(facts).len();
+    *n.entry(UPGRADE_RESUMED).or_default() += facts.schedule.upgraded.len();
     n
 }
 
@@ -1179,9 +1218,16 @@ pub fn repairs_bounded(facts: &Facts<'_>) -> Vec<Violation> {
                 ));
             }
         }
+        // Completed with an answer: not asking for a person (an agents file that added approval
+        // across a restart makes a write wait before any final answer was played).
         let completed = facts.views.iter().any(|v| {
             facts.keys.get(&t.key).is_some_and(|k| k.contains(&v.id))
                 && v.status == crate::devkit::engine::TaskStatus::Completed
+                && v.result_variables
+                    .as_ref()
+                    .and_then(|r| r.get("agentStatus"))
+                    .and_then(Value::as_str)
+                    != Some(crate::agent::approval::STATUS_APPROVAL_REQUIRED)
         });
         if exhausted && completed && interruptions == 0 {
             out.push(violation(

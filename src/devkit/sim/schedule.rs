@@ -72,6 +72,58 @@ pub struct Redeploy {
     pub keeps_approval: bool,
 }
 
+/// A task a worker of the previous release was running when it was replaced by this release
+/// (`world::upgrade`): its journal, in the previous release's format, holds its first step, a
+/// keyed write, started and applied.
+#[derive(Clone, Debug)]
+pub struct UpgradedPlan {
+    /// The script's name (`p0`, `p1`).
+    pub key: String,
+    /// The model's tool-calling turns, the first a write (played by the previous release).
+    pub steps: String,
+    pub retries: i32,
+}
+
+/// What the operator changes in the agents file or the tool registry between one generation of
+/// workers and the next: a restarted worker (a new process) reads the changed files at its
+/// start, while the workers not restarted keep what they read. Runs journaled before must keep
+/// their journaled definition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConfigChange {
+    /// The topic's entry tells the model to perform no writes (the world's model then plays
+    /// every write as a read).
+    Instructions,
+    /// The topic's entry gains `approval = "writes"`.
+    ApprovalAdded,
+    /// The gated node of `simProcess` is overridden by an agents-file entry (its activity id),
+    /// first as the BPMN defines it, then without approval and performing no writes.
+    ApprovalDropped,
+    /// The topic's entry lowers `maxTurns` to 1 (and `maxToolCalls` to 1).
+    Limits,
+    /// The tool server is removed from the registry.
+    ServerRemoved,
+}
+
+impl ConfigChange {
+    pub const ALL: [ConfigChange; 5] = [
+        ConfigChange::Instructions,
+        ConfigChange::ApprovalAdded,
+        ConfigChange::ApprovalDropped,
+        ConfigChange::Limits,
+        ConfigChange::ServerRemoved,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConfigChange::Instructions => "instructions",
+            ConfigChange::ApprovalAdded => "approval-added",
+            ConfigChange::ApprovalDropped => "approval-dropped",
+            ConfigChange::Limits => "limits",
+            ConfigChange::ServerRemoved => "server-removed",
+        }
+    }
+}
+
 /// A worker killed at `at`; a fresh one (new id) takes its place `restart_after` later.
 #[derive(Clone, Debug)]
 pub struct Kill {
@@ -95,6 +147,12 @@ pub struct Schedule {
     pub store_journal: bool,
     /// Redeployments of the gated processes, in time order.
     pub redeploys: Vec<Redeploy>,
+    /// Runs the previous release left mid-run (`world::upgrade`), resumed by this release's
+    /// workers.
+    pub upgraded: Vec<UpgradedPlan>,
+    /// The agents-file or registry change every restarted worker reads (plain engines only:
+    /// an agent/1 engine sends the definitions).
+    pub config_change: Option<ConfigChange>,
 }
 
 /// The worker id of worker slot `n` in its `generation` (a restarted worker is a new process).
@@ -310,6 +368,46 @@ impl Schedule {
         if workers > 1 && rng.random_bool(0.5) {
             faults.fetch_contention = Some(Duration::from_millis(rng.random_range(15..=100)));
         }
+        // Agents-file and registry changes across restarts, from a source of their own likewise:
+        // half the seeds on a plain engine change one thing for the restarted workers, and one
+        // whose workers are never killed gets a kill (and its restart).
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x0a9e_47f1_1e00);
+        let mut config_change = None;
+        if store_journal && rng.random_bool(0.5) {
+            // Approval dropped weighs double: it is the change a pinned definition matters most for.
+            let kinds = [
+                ConfigChange::Instructions,
+                ConfigChange::ApprovalAdded,
+                ConfigChange::ApprovalDropped,
+                ConfigChange::ApprovalDropped,
+                ConfigChange::Limits,
+                ConfigChange::ServerRemoved,
+            ];
+            config_change = Some(kinds[rng.random_range(0..kinds.len())]);
+            if kills.is_empty() {
+                kills.push(Kill {
+                    worker: rng.random_range(0..workers),
+                    at: rng.random_range(500..quiet_at),
+                    restart_after: rng.random_range(0..=lock_ms),
+                });
+            }
+        }
+        // A rolling upgrade, from a source of its own likewise: two seeds in five find one or two
+        // runs the previous release left mid-run.
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x0019_9ade_0001);
+        let mut upgraded = Vec::new();
+        if rng.random_bool(0.4) {
+            for i in 0..rng.random_range(1..=2) {
+                let rest: String = (0..rng.random_range(0..=2))
+                    .map(|_| ['r', 'w'][rng.random_range(0..2)])
+                    .collect();
+                upgraded.push(UpgradedPlan {
+                    key: format!("p{i}"),
+                    steps: format!("w{rest}"),
+                    retries: rng.random_range(3..=6),
+                });
+            }
+        }
         Schedule {
             seed,
             workers,
@@ -321,6 +419,8 @@ impl Schedule {
             faults,
             store_journal,
             redeploys,
+            config_change,
+            upgraded,
         }
     }
 }

@@ -25,6 +25,7 @@ use crate::app::{Seams, Tuning, Worker};
 use crate::backoff::Backoff;
 use crate::config::{self, Config};
 use crate::devkit::engine::AGENT_TOPIC;
+use crate::devkit::sim::schedule::ConfigChange;
 use crate::devkit::world::{Event, World, WorldEngine, WorldModel, WorldStore, WorldTools};
 use crate::metrics::Metrics;
 use crate::provider::ProviderRegistry;
@@ -44,24 +45,30 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 /// The agents file and the tools file of a worker whose engine sends no definition: the
 /// simulation's agent under the tasks' topic, and the world's tool server without
-/// authentication.
+/// authentication; changed as the seed's [`ConfigChange`] says for a restarted worker.
 struct SimFiles {
     agents: PathBuf,
     tools: PathBuf,
 }
 
 impl SimFiles {
-    /// The files, written if they are not there yet: in a directory named by a digest of their
-    /// content, so processes running seeds at once share them and never see a half-written one
-    /// (each file is written aside, then renamed into place).
-    fn get() -> SimFiles {
+    /// The files of a worker of `generation` (0: started with the seed; later: restarted),
+    /// written if they are not there yet: in a directory named by a digest of their content,
+    /// so processes running seeds at once share them and never see a half-written one (each
+    /// file is written aside, then renamed into place).
+    fn get(change: Option<ConfigChange>, generation: usize) -> SimFiles {
         use sha2::{Digest, Sha256};
-        let agents = agents_text();
-        let tools = format!(
-            "[servers.{}]\nurl = \"{}\"\nauth = \"none\"\n",
-            crate::devkit::world::tools::SERVER,
-            crate::devkit::world::tools::URL
-        );
+        let changed = change.filter(|_| generation > 0);
+        let agents = agents_text(change, changed.is_some());
+        let tools = if changed == Some(ConfigChange::ServerRemoved) {
+            "[servers]\n".to_string()
+        } else {
+            format!(
+                "[servers.{}]\nurl = \"{}\"\nauth = \"none\"\n",
+                crate::devkit::world::tools::SERVER,
+                crate::devkit::world::tools::URL
+            )
+        };
         let digest = Sha256::digest(format!("{agents}\n{tools}").as_bytes());
         let name: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
         let dir = std::env::temp_dir().join(format!("abada-sim-{name}"));
@@ -93,13 +100,56 @@ fn write_aside_then_rename(path: &std::path::Path, text: &str) -> std::io::Resul
     std::fs::rename(&aside, path)
 }
 
-/// The simulation's agent under the tasks' topic, as an agents file.
-fn agents_text() -> String {
-    let definition: toml::Value =
-        serde_json::from_value(crate::devkit::world::process::agent_definition(false))
-            .expect("the simulation's agent is plain JSON");
+/// The simulation's agent under the tasks' topic, as an agents file; with the seed's `change`
+/// once `changed` (a restarted worker's file). A seed that drops approval overrides the gated
+/// node of `simProcess` by its activity id in every generation: as the BPMN defines it first,
+/// then without approval and performing no writes (as a redeployment that drops it).
+fn agents_text(change: Option<ConfigChange>, changed: bool) -> String {
+    use crate::devkit::world::process;
+    let mut topic = process::agent_definition(false);
+    let mut gated_node = None;
+    match (change, changed) {
+        (Some(ConfigChange::ApprovalDropped), false) => {
+            gated_node = Some(process::agent_definition(true));
+        }
+        (Some(ConfigChange::ApprovalDropped), true) => {
+            let mut def = process::agent_definition(false);
+            def["instructions"] = format!(
+                "Play the script your input names. {} (agents file, changed)",
+                process::NO_WRITES
+            )
+            .into();
+            gated_node = Some(def);
+        }
+        (Some(ConfigChange::Instructions), true) => {
+            topic["instructions"] = format!(
+                "Play the script your input names. {} (agents file, changed)",
+                process::NO_WRITES
+            )
+            .into();
+        }
+        (Some(ConfigChange::ApprovalAdded), true) => {
+            topic["approval"] = "writes".into();
+        }
+        (Some(ConfigChange::ServerRemoved), true) => {
+            // The worker refuses to start with an entry naming a server the registry lacks: the
+            // operator removes it from both (the BPMN's definitions still name it).
+            topic["toolServers"] = serde_json::json!([]);
+        }
+        (Some(ConfigChange::Limits), true) => {
+            topic["maxTurns"] = 1.into();
+            topic["maxToolCalls"] = 1.into();
+        }
+        _ => {}
+    }
+    let to_toml = |def: serde_json::Value| -> toml::Value {
+        serde_json::from_value(def).expect("the simulation's agent is plain JSON")
+    };
     let mut agents = toml::map::Map::new();
-    agents.insert(AGENT_TOPIC.to_string(), definition);
+    agents.insert(AGENT_TOPIC.to_string(), to_toml(topic));
+    if let Some(def) = gated_node {
+        agents.insert(process::GATED_NODE.to_string(), to_toml(def));
+    }
     let mut file = toml::map::Map::new();
     file.insert("agents".into(), toml::Value::Table(agents));
     toml::to_string(&toml::Value::Table(file)).expect("the simulation's agent renders as TOML")
@@ -108,6 +158,8 @@ fn agents_text() -> String {
 /// The `ABADA_AGENT_*` environment of worker `id` against `world`.
 fn worker_env(
     world: &World,
+    change: Option<ConfigChange>,
+    generation: usize,
     id: &str,
     slots: u32,
     lock_duration: Duration,
@@ -144,7 +196,7 @@ fn worker_env(
         ),
     ]);
     if world.store_journal {
-        let files = SimFiles::get();
+        let files = SimFiles::get(change, generation);
         env.insert(
             config::ENV_AGENTS_FILE.to_string(),
             files.agents.display().to_string(),
@@ -213,19 +265,30 @@ pub(crate) struct SimWorker {
 }
 
 impl SimWorker {
-    /// Starts worker `id` of the run of `seed`, with `slots` slots, against `world`.
+    /// Starts worker `id` of the run of `seed`, with `slots` slots, against `world`; `config`:
+    /// the seed's agents-file or registry change and the worker's generation (0 at the seed's
+    /// start: the files before the change; later, restarted: after it).
     ///
     /// # Panics
     /// When the worker cannot be built: its configuration is the simulator's, so that is a bug.
     pub fn start(
         world: &Arc<World>,
         seed: u64,
+        config: (Option<ConfigChange>, usize),
         id: &str,
         slots: u32,
         lock_duration: Duration,
         poll_interval: Duration,
     ) -> SimWorker {
-        let env = worker_env(world, id, slots, lock_duration, poll_interval);
+        let env = worker_env(
+            world,
+            config.0,
+            config.1,
+            id,
+            slots,
+            lock_duration,
+            poll_interval,
+        );
         let config = Config::from_env(&env)
             .unwrap_or_else(|e| panic!("simulated worker {id}: its configuration: {e}"));
         let mut providers = ProviderRegistry::default();

@@ -115,6 +115,8 @@ pub const KINDS: &[&str] = &[
     "worker freeze",
     "worker kill",
     "redeploy",
+    "agents file or registry changed",
+    "run left by the previous release",
 ];
 
 /// The live fault state: the plan, and counts of what was injected (for the report).

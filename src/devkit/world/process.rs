@@ -18,10 +18,10 @@
 //! The model (`simProcess`):
 //!
 //! ```text
-//! start → agentNode (abada:agent) → routeAgent: agentStatus == 'approval-required' → approve
-//!                                               otherwise                           → review
-//! approve (user task, group sim-approvers) → agentNode          (the decision: the node re-entered)
-//! review  (user task, group sim-reviewers) → routeReview: simAgain == true → agentNode (a new visit)
+//! start → gatedAgentNode (abada:agent) → routeAgent: agentStatus == 'approval-required' → approve
+//!                                                    otherwise                           → review
+//! approve (user task, group sim-approvers) → gatedAgentNode     (the decision: the node re-entered)
+//! review  (user task, group sim-reviewers) → routeReview: simAgain == true → gatedAgentNode (a new visit)
 //!                                                         otherwise        → end
 //! ```
 //!
@@ -45,6 +45,9 @@ const WINDOW_PROCESS_ID: &str = "simWindow";
 /// without one get the default (`agent::output::DEFAULT_REPAIR_TURNS`, for a cut answer).
 pub(crate) const SCHEMA_REPAIR_TURNS: u32 = 2;
 const AGENT_NODE: &str = "agentNode";
+/// The agent node of `simProcess`: an id of its own, so an operator's agents-file entry for
+/// that activity (`sim::worker`, a drawn configuration change) overrides that node alone.
+pub(crate) const GATED_NODE: &str = "gatedAgentNode";
 /// What a redeployed agent's instructions say: the world's model then plays every write of its
 /// script as a read (`model`), as a model told so would.
 pub(crate) const NO_WRITES: &str = "Perform no writes.";
@@ -240,10 +243,10 @@ pub fn model(agent: Value) -> ProcessModel {
     ProcessModel {
         id: PROCESS_ID.into(),
         name: "Simulated agent with approval and review".into(),
-        start: AGENT_NODE.into(),
+        start: GATED_NODE.into(),
         nodes: vec![
             node(
-                AGENT_NODE,
+                GATED_NODE,
                 NodeKind::ServiceTask {
                     topic: abada_devkit::engine::AGENT_TOPIC.into(),
                     agent: Some(agent),
@@ -266,7 +269,7 @@ pub fn model(agent: Value) -> ProcessModel {
                 NodeKind::UserTask {
                     name: "Approve the agent's call".into(),
                     candidate_groups: vec![APPROVERS.into()],
-                    next: AGENT_NODE.into(),
+                    next: GATED_NODE.into(),
                 },
             ),
             node(
@@ -280,7 +283,7 @@ pub fn model(agent: Value) -> ProcessModel {
             node(
                 "routeReview",
                 NodeKind::ExclusiveGateway {
-                    flows: vec![when(AGAIN_VARIABLE, Value::Bool(true), AGENT_NODE)],
+                    flows: vec![when(AGAIN_VARIABLE, Value::Bool(true), GATED_NODE)],
                     default: Some("end".into()),
                 },
             ),

@@ -30,7 +30,7 @@ pub const URL: &str = "http://127.0.0.1:9/mcp";
 /// The writes applied, shared by every worker: by idempotency key, the result sent.
 #[derive(Debug, Default)]
 pub struct Ledger {
-    by_key: BTreeMap<String, ToolResult>,
+    pub(crate) by_key: BTreeMap<String, ToolResult>,
 }
 
 /// One worker's connector to the world's tool server.
@@ -231,7 +231,7 @@ fn lookup_text(task: &str) -> String {
 
 /// A write's receipt, of about 470 bytes: longer than the worker's stub for an elided result,
 /// so only the rule that keeps keyed results keeps it whole.
-fn receipt_text(task: &str, n: u64) -> String {
+pub(crate) fn receipt_text(task: &str, n: u64) -> String {
     let mut text = format!("write {n} of {task} applied");
     for line in 0..16 {
         text.push_str(&format!("; receipt {line:02}: ok at 10:00:{line:02}"));
