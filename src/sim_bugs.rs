@@ -92,10 +92,14 @@ pub enum Bug {
     /// replayed from its input step alone: the run begins again, the model is asked for the
     /// turns that release paid, and its writes go out again.
     OldJournalFromInput,
+    /// With every topic held, admission fetches nothing for an hour, whatever returns: one
+    /// hostile header stops every fetch of the worker (the wedge found with an Azure-style
+    /// unitless reset, where the held model's figure also never expired).
+    CapacityWedge,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 25] = [
+    pub const ALL: [Bug; 26] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
@@ -121,6 +125,7 @@ impl Bug {
         Bug::ContentionAsEmptyQueue,
         Bug::AgentsFileLatest,
         Bug::OldJournalFromInput,
+        Bug::CapacityWedge,
     ];
 
     pub fn name(self) -> &'static str {
@@ -150,6 +155,7 @@ impl Bug {
             Bug::ContentionAsEmptyQueue => "contention-as-empty-queue",
             Bug::AgentsFileLatest => "agents-file-latest",
             Bug::OldJournalFromInput => "old-journal-from-input",
+            Bug::CapacityWedge => "capacity-wedge",
         }
     }
 
@@ -182,6 +188,7 @@ impl Bug {
             Bug::ContentionAsEmptyQueue => i::NO_IDLE_REPLICA,
             Bug::AgentsFileLatest => i::GATED_CALL_DECIDED,
             Bug::OldJournalFromInput => i::UPGRADE_RESUMED,
+            Bug::CapacityWedge => i::FETCHING_CONTINUES,
         }
     }
 

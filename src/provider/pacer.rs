@@ -283,6 +283,9 @@ const ADMISSION_HORIZON: Duration = Duration::from_secs(1);
 const PROBE_RECHECK: Duration = Duration::from_millis(50);
 /// The window of releases the first decrease of a model without a pace measures.
 const MEASURE_WINDOW: Duration = Duration::from_secs(1);
+/// The longest wait 429s in a row add before the next call: a provider enforcing a limit per
+/// second (or per window of a few) has room again by then; the pace itself is lowered too.
+const REFUSAL_BACKOFF_MAX: Duration = Duration::from_secs(4);
 /// The least time between two decreases of the pace.
 const DECREASE_GAP: Duration = Duration::from_secs(1);
 /// Weight of the newest call in the running mean of call costs.
@@ -304,10 +307,14 @@ pub(crate) struct Pacer {
     /// recovery too).
     peak: f64,
     decreased_at: Option<Instant>,
-    /// 429s in a row, no answer between: each doubles the wait before the next call, so a
-    /// provider refusing without a `retry-after` within one round (the pace is lowered once a
-    /// round) gets geometrically fewer calls, not one per increment.
+    /// 429s in a row, no answer between, each for a call released after the one before was
+    /// refused (calls in flight together count once): each doubles the wait before the next
+    /// call, up to [`REFUSAL_BACKOFF_MAX`] past the increment, so a provider refusing without
+    /// a `retry-after` within one round (the pace is lowered once a round) gets geometrically
+    /// fewer calls, not one per increment.
     refused_in_a_row: u32,
+    /// When the last 429 was seen.
+    refused_at: Option<Instant>,
     figures: [Option<Figure>; 4],
     rates: [Option<StatedRate>; 4],
     hold: Option<Hold>,
@@ -334,6 +341,7 @@ impl Pacer {
             peak: 0.0,
             decreased_at: None,
             refused_in_a_row: 0,
+            refused_at: None,
             figures: [None; 4],
             rates: [None; 4],
             hold: None,
@@ -601,7 +609,10 @@ impl Pacer {
             .decreased_at
             .is_none_or(|d| release.at >= d && now >= d + DECREASE_GAP);
         if status == 429 {
-            self.refused_in_a_row = self.refused_in_a_row.saturating_add(1);
+            if self.refused_at.is_none_or(|r| release.at >= r) {
+                self.refused_in_a_row = self.refused_in_a_row.saturating_add(1);
+            }
+            self.refused_at = Some(now);
         }
         if status == 429 && round_over {
             let current = self.current_rate(now, policy);
@@ -643,6 +654,7 @@ impl Pacer {
         let doublings = self.refused_in_a_row.saturating_sub(1).min(16);
         let backoff = increment
             .saturating_mul(1 << doublings)
+            .min(increment.max(REFUSAL_BACKOFF_MAX))
             .min(policy.max_wait);
         let paced = self
             .next_release
@@ -1262,7 +1274,7 @@ mod tests {
         }
         // At least doubled each time (the increment itself also grows when a round passes and
         // the pace is lowered again).
-        for k in 1..gaps.len() {
+        for k in 1..3 {
             assert!(
                 gaps[k] + ms(2) >= gaps[k - 1] * 2,
                 "429 number {}: waited {:?} after {:?} ({gaps:?})",
@@ -1271,6 +1283,8 @@ mod tests {
                 gaps[k - 1]
             );
         }
+        // Bounded: the fourth waits no more than REFUSAL_BACKOFF_MAX (the increment being less).
+        assert!(gaps[3] <= REFUSAL_BACKOFF_MAX + ms(2), "{gaps:?}");
         // An answer ends the run: the next 429 waits one increment again.
         p.enqueue(5);
         let r = go(p.poll(5, &COST, now, &policy));

@@ -153,6 +153,13 @@ pub(crate) fn admit(
             Capacity::Until(at) => earliest = Some(earliest.map_or(*at, |e| e.min(*at))),
         }
     }
+    // SIM-BUG (feature `sim-bugs`, selected at run time): with every topic held, no fetch at
+    // all for an hour, whatever returns (the wedge: nothing fetched for any topic or provider
+    // while a held model's figure lasts, and it lasted for good).
+    #[cfg(feature = "sim-bugs")]
+    if open.is_empty() && crate::sim_bugs::active(crate::sim_bugs::Bug::CapacityWedge) {
+        return Admit::WaitUntil(now + Duration::from_secs(3600));
+    }
     if open.is_empty() {
         if probe_at <= now && !topics.is_empty() {
             return Admit::Fetch {

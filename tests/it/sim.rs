@@ -1225,6 +1225,7 @@ fn with_limit(mut p: Played) -> Played {
         quantization: abada_agent_worker::devkit::world::provider_limit::Quantization::SecondWindow,
         stated: true,
         shared_pacing: false,
+        hostile: false,
     });
     p
 }
@@ -1412,4 +1413,59 @@ fn a_run_left_by_the_previous_release_begun_again_fires_and_one_resumed_does_not
         .at(80, model(1));
     assert!(invariants::upgrade_resumed(&p.facts()).is_empty());
     assert!(invariants::keyed_write_once(&p.facts()).is_empty());
+}
+
+/// The worker never stops fetching for longer than its capacity lets it: with a provider limit
+/// in the seed and a slot free, a fetch answer is followed by the next fetch within twice the
+/// poll interval (and a quarter second); one 3 s later fires, one a poll interval later does
+/// not, and a worker whose slots are all taken is not expected to fetch.
+#[test]
+fn a_worker_that_stops_fetching_with_a_slot_free_fires() {
+    let fetch = |worker: &str| Event::EngineCall {
+        worker: w(worker),
+        op: "fetch-and-lock",
+        task: None,
+        attempt: None,
+    };
+    let fetched = |worker: &str| Event::EngineAnswer {
+        worker: w(worker),
+        op: "fetch-and-lock",
+        task: None,
+        attempt: None,
+        answer: Answer::Ok,
+    };
+    let started = |n: u32| Event::WorkerStarted {
+        worker: w("w0"),
+        slots: n,
+    };
+    let played = |slots: u32, next_fetch_at: u64| {
+        let mut p = with_limit(Played::new());
+        p.schedule.poll_interval = Duration::from_millis(500);
+        p = p
+            .at(0, started(slots))
+            .at(10, fetch("w0"))
+            .at(11, fetched("w0"))
+            .at(
+                12,
+                Event::TaskStarted {
+                    worker: w("w0"),
+                    task: w("t-000001"),
+                    attempt: Some(1),
+                },
+            )
+            .at(11 + next_fetch_at, fetch("w0"));
+        p
+    };
+    assert!(invariants::fleet::fetching_continues(&played(2, 500).facts()).is_empty());
+    fires(
+        invariants::fleet::fetching_continues(&played(2, 3_000).facts()),
+        "the worker never stops fetching for longer than its capacity lets it",
+        "worker w0: a slot free and no fetch from 0.011 s to 3.011 s",
+    );
+    // One slot, taken by the task: nothing to fetch for.
+    assert!(invariants::fleet::fetching_continues(&played(1, 3_000).facts()).is_empty());
+    // Without a provider limit in the seed, not judged.
+    let mut p = played(2, 3_000);
+    p.schedule.faults.provider_limit = None;
+    assert!(invariants::fleet::fetching_continues(&p.facts()).is_empty());
 }

@@ -93,6 +93,8 @@ pub const REPAIRS_BOUNDED: &str =
 pub const NO_DEFERRAL_WHILE_ANSWERING: &str = "no task deferred while its provider answers";
 pub const LIMIT_REFUSALS_BOUNDED: &str = "the provider limit's 429s stay bounded";
 pub const NO_IDLE_REPLICA: &str = "no replica idles while the backlog is deep";
+pub const FETCHING_CONTINUES: &str =
+    "the worker never stops fetching for longer than its capacity lets it";
 
 pub const UPGRADE_RESUMED: &str = "a run left by the previous release resumes, never begins again";
 
@@ -119,6 +121,7 @@ pub const INVARIANTS: &[&str] = &[
     NO_DEFERRAL_WHILE_ANSWERING,
     LIMIT_REFUSALS_BOUNDED,
     NO_IDLE_REPLICA,
+    FETCHING_CONTINUES,
     UPGRADE_RESUMED,
 ];
 
@@ -160,6 +163,7 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(fleet::no_deferral_while_answering(facts));
     v.extend(fleet::limit_refusals_bounded(facts));
     v.extend(fleet::no_idle_replica(facts));
+    v.extend(fleet::fetching_continues(facts));
     v.extend(upgrade_resumed(facts));
     v
 }
@@ -243,6 +247,9 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
             Event::FetchBacklog {
                 got: 0, waiting, ..
             } if *waiting > 0 => add(NO_IDLE_REPLICA),
+            Event::FetchBacklog { .. } if facts.schedule.faults.provider_limit.is_some() => {
+                add(FETCHING_CONTINUES)
+            }
             Event::ModelCall { answer, .. } if paid_answer(answer) => {
                 add(MODEL_REPAID);
                 if rejected_final(answer).is_some() {

@@ -363,7 +363,13 @@ impl Schedule {
                 },
                 stated: rng.random_bool(0.75),
                 shared_pacing: workers > 1 && rng.random_bool(0.5),
+                hostile: false,
             });
+        }
+        // Hostile rate-limit headers, from a source of their own (every draw above stays what
+        // it was): a third of the limited seeds answer through a gateway that states them.
+        if let Some(limit) = faults.provider_limit.as_mut() {
+            limit.hostile = StdRng::seed_from_u64(seed ^ 0x4057_11e0_0001).random_bool(0.35);
         }
         if workers > 1 && rng.random_bool(0.5) {
             faults.fetch_contention = Some(Duration::from_millis(rng.random_range(15..=100)));

@@ -99,6 +99,7 @@ pub const KINDS: &[&str] = &[
     "refused",
     "model 429",
     "model limit 429",
+    "model hostile header",
     "model 5xx",
     "model slow",
     "model stall",

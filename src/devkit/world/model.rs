@@ -234,6 +234,10 @@ impl ModelProvider for WorldModel {
         {
             Arrival::Unlimited => None,
             Arrival::Admitted(limits) => Some(limits),
+            Arrival::Hostile(limits) => {
+                self.world.faults().count("model hostile header");
+                Some(limits)
+            }
             Arrival::Refused {
                 limits,
                 retry_after,

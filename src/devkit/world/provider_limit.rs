@@ -47,7 +47,15 @@ pub struct ProviderLimitPlan {
     pub quantization: Quantization,
     pub stated: bool,
     pub shared_pacing: bool,
+    /// A gateway in front of it adds hostile figures to every answer it lets through: the
+    /// requests budget at `0` with a reset nobody can read (`NaN`, a negative duration, a
+    /// word, nothing), the header that once held a model for good while health checks stayed
+    /// green.
+    pub hostile: bool,
 }
+
+/// The unreadable resets a hostile gateway states, one after the other.
+const HOSTILE_RESETS: [&str; 4] = ["NaN", "-3s", "soon", ""];
 
 /// What the provider did with a request that arrived.
 pub(crate) enum Arrival {
@@ -55,6 +63,9 @@ pub(crate) enum Arrival {
     Unlimited,
     /// Let through; the answer states these figures (empty when the provider states none).
     Admitted(RateLimits),
+    /// Let through by a hostile gateway: the answer states these figures, a budget at zero
+    /// without a readable reset among them.
+    Hostile(RateLimits),
     /// Over the limit: 429, stating these figures, asking for this wait (none when the
     /// provider states nothing).
     Refused {
@@ -69,6 +80,8 @@ pub(crate) struct ProviderCapacity {
     limit: Mutex<Option<LimitCore>>,
     /// The shared pace's `next_at`, per model.
     pace: Mutex<BTreeMap<String, Instant>>,
+    /// Answers a hostile gateway stated figures on, for [`HOSTILE_RESETS`]' turn.
+    hostile_answers: Mutex<usize>,
 }
 
 impl ProviderCapacity {
@@ -88,6 +101,7 @@ impl ProviderCapacity {
                 )
             })),
             pace: Mutex::new(BTreeMap::new()),
+            hostile_answers: Mutex::new(0),
         }
     }
 
@@ -109,9 +123,27 @@ impl ProviderCapacity {
                 map.insert(HeaderName::from_static(name), v);
             }
         }
+        let hostile = retry_after.is_none() && self.plan.is_some_and(|p| p.hostile);
+        if hostile {
+            let mut n = self
+                .hostile_answers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let reset = HOSTILE_RESETS[*n % HOSTILE_RESETS.len()];
+            *n += 1;
+            map.insert(
+                HeaderName::from_static("x-ratelimit-remaining-requests"),
+                HeaderValue::from_static("0"),
+            );
+            map.insert(
+                HeaderName::from_static("x-ratelimit-reset-requests"),
+                HeaderValue::from_static(reset),
+            );
+        }
         let wall = UNIX_EPOCH + Duration::from_millis(u64::try_from(wall_ms).unwrap_or(0));
         let limits = RateLimits::parse(&map, wall, max_wait);
         match retry_after {
+            None if hostile => Arrival::Hostile(limits),
             None => Arrival::Admitted(limits),
             Some(wait) => Arrival::Refused {
                 limits,

@@ -274,3 +274,146 @@ pub fn no_idle_replica(facts: &Facts<'_>) -> Vec<Violation> {
     }
     out
 }
+
+/// The gap allowed between a worker's fetch answer and its next fetch while it has a free slot:
+/// admission may hold every topic, but a fetch of one task still goes out once a poll interval
+/// (`runner::policy::admit`), after at most the contention pauses (within one poll interval);
+/// twice the poll interval and a quarter second of slack for the world's small delays.
+fn fetch_gap_bound(poll: Duration) -> u64 {
+    2 * poll.as_millis() as u64 + 250
+}
+
+/// The worker never stops fetching for longer than its capacity lets it (the seeds with a
+/// provider limit, honest or hostile): from a fetch answer it received, or from when a slot
+/// became free after it, its next fetch comes within [`fetch_gap_bound`]. Not judged across a
+/// failed fetch (its backoff is the outage's), a kill or a freeze of the worker, or an engine
+/// outage or hang.
+pub fn fetching_continues(facts: &Facts<'_>) -> Vec<Violation> {
+    if facts.schedule.faults.provider_limit.is_none() {
+        return Vec::new();
+    }
+    let bound = fetch_gap_bound(facts.schedule.poll_interval);
+    let events = &facts.trace.events;
+    // The world's last event (the logs the workers print once the seed is over excepted).
+    let end = events
+        .iter()
+        .rev()
+        .find(|(_, e)| !matches!(e, Event::Log { .. }))
+        .map_or(0, |(t, _)| *t);
+    let frozen = |worker: &str, from: u64, to: u64| {
+        facts
+            .schedule
+            .faults
+            .freezes
+            .get(worker)
+            .is_some_and(|ws| ws.iter().any(|w| w.start < to && w.end > from))
+    };
+    // An engine that answers nothing holds the fetch sent meanwhile (its answer, or its
+    // failure, comes at the window's end).
+    let engine_silent = |from: u64, to: u64| {
+        let f = &facts.schedule.faults;
+        f.engine_hangs
+            .iter()
+            .chain(&f.engine_outages)
+            .any(|w| w.start < to && w.end > from)
+    };
+    #[derive(Default)]
+    struct Worker<'a> {
+        slots: usize,
+        running: std::collections::BTreeSet<&'a str>,
+        /// The fetch answer the gap is measured from (none across a failed or late one).
+        answered: Option<u64>,
+        /// Since when a slot has been free (none while every slot is taken).
+        free_from: Option<u64>,
+    }
+    impl Worker<'_> {
+        fn started(&mut self, at: u64) {
+            if self.running.len() >= self.slots {
+                self.free_from = None;
+            } else if self.free_from.is_none() {
+                self.free_from = Some(at);
+            }
+        }
+    }
+    let mut workers: BTreeMap<&str, Worker> = BTreeMap::new();
+    let mut out = Vec::new();
+    let mut check = |worker: &str, w: &Worker, to: u64| {
+        let (Some(answered), Some(free)) = (w.answered, w.free_from) else {
+            return;
+        };
+        let from = answered.max(free);
+        if to > from + bound && !frozen(worker, from, to) && !engine_silent(from, to) {
+            out.push(violation(
+                super::FETCHING_CONTINUES,
+                format!(
+                    "worker {worker}: a slot free and no fetch from {} to {} ({} ms, bound {bound} ms)",
+                    at(from),
+                    at(to),
+                    to - from
+                ),
+            ));
+        }
+    };
+    for (t, e) in events {
+        match e {
+            Event::WorkerStarted { worker, slots } => {
+                let w = Worker {
+                    slots: *slots as usize,
+                    ..Worker::default()
+                };
+                workers.insert(worker, w);
+                if let Some(w) = workers.get_mut(worker.as_str()) {
+                    w.started(*t);
+                }
+            }
+            Event::WorkerKilled { worker } => {
+                workers.remove(worker.as_str());
+            }
+            Event::TaskStarted { worker, task, .. } => {
+                if let Some(w) = workers.get_mut(worker.as_str()) {
+                    w.running.insert(task);
+                    w.started(*t);
+                }
+            }
+            Event::SlotFreed { worker, task, .. } | Event::TaskEnded { worker, task, .. } => {
+                if let Some(w) = workers.get_mut(worker.as_str()) {
+                    w.running.remove(task.as_str());
+                    w.started(*t);
+                }
+            }
+            Event::EngineCall { worker, op, .. } if *op == "fetch-and-lock" => {
+                if let Some(w) = workers.get_mut(worker.as_str()) {
+                    check(worker, w, *t);
+                    w.answered = None;
+                }
+            }
+            Event::EngineAnswer {
+                worker, op, answer, ..
+            } if *op == "fetch-and-lock" => {
+                if let Some(w) = workers.get_mut(worker.as_str()) {
+                    w.answered = (*answer == Answer::Ok).then_some(*t);
+                }
+            }
+            // A late answer is measured from when it reached the worker.
+            Event::Late { worker, op, .. } if *op == "fetch-and-lock" => {
+                if let Some(w) = workers.get_mut(worker.as_str()) {
+                    w.answered = None;
+                }
+            }
+            Event::Delivered { worker, op, .. } if *op == "fetch-and-lock" => {
+                if let Some(w) = workers.get_mut(worker.as_str()) {
+                    w.answered = Some(*t);
+                }
+            }
+            _ => {}
+        }
+    }
+    // At the seed's end, only when tasks were left open (a worker that stopped fetching for
+    // good leaves them so); otherwise the seed simply ended with a fetch on its way.
+    if facts.views.iter().any(|v| !super::super::ended(v)) {
+        for (worker, w) in &workers {
+            check(worker, w, end);
+        }
+    }
+    out
+}
