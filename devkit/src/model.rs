@@ -216,7 +216,8 @@ pub enum Fault {
 ///   <https://docs.anthropic.com/en/api/rate-limits>). The per-minute buckets refill
 ///   continuously ("token bucket ... continuously replenished", Anthropic) and a request counts
 ///   when it arrives and is let through; a refused one costs nothing. `limit` is the per-minute
-///   figure: no burst is stated that the providers do not state.
+///   figure: no burst is stated that the providers do not state. One limit per model for
+///   every client, as the providers' are their organisation's (replicas on one key share it).
 /// - **Enforced quantized.** "Rate limits may be quantized, meaning they are enforced over
 ///   shorter periods of time in proportion to your rate limit" (OpenAI: 60,000 requests a
 ///   minute "may be enforced as 1,000 requests/second"; Anthropic the same with 60 RPM as 1 a
@@ -1655,6 +1656,42 @@ mod tests {
         let d = l.take(WireFormat::OpenAi, 10, t0 + Duration::from_millis(1000));
         assert_eq!(d.retry_after, None);
         assert_eq!((l.admitted, l.refused), (3, 1));
+    }
+
+    /// One quota for every client (OpenAI's and Anthropic's limits are their organisation's,
+    /// so replicas on one key share them), and a quantized one keeps its stated per-minute
+    /// bucket nearly full: a fleet using the whole limit, one call every 0.5 s, reads the same
+    /// `remaining` and reset after each call as a lone client calling every 2 s. Replicas cannot read
+    /// their company from it (the pacer's module docs, "Replicas pacing alone").
+    #[test]
+    fn a_quantized_quota_is_shared_and_its_stated_bucket_stays_nearly_full() {
+        let t0 = tokio::time::Instant::now();
+        let remaining_after = |every_ms: u64| {
+            let mut l = LimitState::new(RateLimit::per_minute(120), t0);
+            let mut seen = std::collections::BTreeSet::new();
+            for k in 0..(60_000 / every_ms) {
+                let v = l.take(
+                    WireFormat::OpenAi,
+                    1,
+                    t0 + Duration::from_millis(k * every_ms),
+                );
+                assert_eq!(v.retry_after, None, "call {k}, every {every_ms} ms");
+                seen.insert(["remaining", "reset"].map(|f| {
+                    header(&v, &format!("x-ratelimit-{f}-requests"))
+                        .unwrap()
+                        .to_string()
+                }));
+            }
+            seen
+        };
+        // Four replicas, each a call every 2 s, at phases 0.5 s apart: the whole limit.
+        let fleet = remaining_after(500);
+        let alone = remaining_after(2000);
+        assert_eq!(fleet, alone, "the fleet's calls do not show in remaining");
+        assert_eq!(
+            fleet.into_iter().collect::<Vec<_>>(),
+            vec![["119".to_string(), "500ms".to_string()]]
+        );
     }
 
     /// The bucket shape: a second's worth at most at once, refilled evenly.

@@ -26,7 +26,9 @@
 //! pacer releases also reserves its start in the fleet's one queue of the model, spaced by the
 //! pacer's increment, and waits for it (within the wait it has left): the replicas' calls are
 //! then spaced as one worker's. A shared pace that fails or is slow is left alone for
-//! [`SHARED_PAUSE`], the replica pacing from its own view meanwhile.
+//! [`SHARED_PAUSE`], the replica pacing from its own view meanwhile. A replica pacing from its
+//! own view cannot tell its share of a quota enforced quantized (see [`super::pacer`],
+//! "Replicas pacing alone"): the shared pace is how a fleet meets one quota.
 //!
 //! Everything here is outside input: a value that does not parse is ignored, numbers saturate,
 //! every figure and hold expires within [`CapacityPolicy::max_wait`] (see [`super::pacer`]).
@@ -1327,5 +1329,178 @@ mod tests {
         tokio::time::advance(SHARED_PAUSE).await;
         assert!(turn(&c, &m, "t4").await.is_ok());
         assert_eq!(script.asked.lock().unwrap().len(), asked + 1, "asked again");
+    }
+
+    /// What a fleet of replicas did against one quantized quota ([`fleet_against_one_quota`]).
+    #[cfg(feature = "devkit")]
+    #[derive(Debug, Default)]
+    struct FleetUse {
+        admitted: u64,
+        refused: u64,
+        /// Calls whose turn came later than their wait: the task would be deferred.
+        deferred: u64,
+        first: Option<Instant>,
+        last: Option<Instant>,
+        /// The most calls that arrived within one window of the provider's clock.
+        most_in_a_window: u32,
+    }
+
+    #[cfg(feature = "devkit")]
+    impl FleetUse {
+        /// The rate calls were let through at over the limit's, from the first let through to
+        /// the last (as the load harness measures it).
+        fn share_used(&self, per_second: f64) -> f64 {
+            match (self.first, self.last) {
+                (Some(a), Some(b)) if b > a => {
+                    self.admitted.saturating_sub(1) as f64 / (per_second * (b - a).as_secs_f64())
+                }
+                _ => 0.0,
+            }
+        }
+
+        fn refused_share(&self) -> f64 {
+            self.refused as f64 / (self.admitted + self.refused).max(1) as f64
+        }
+    }
+
+    /// `replicas` workers of `slots` slots, each pacing alone (its own capacities, no shared
+    /// pace), share one provider quota of `rpm` requests a minute enforced a second's worth
+    /// per second window: the devkit's provider limit (`abada_devkit::model::LimitCore`, the
+    /// very state the load harness's scripted model and the simulator's world enforce), whose
+    /// answers state the quota's figures, shared by every replica, as OpenAI's and Anthropic's
+    /// are their organisation's. `tasks` one-call tasks; each call is answered 100 ms after it
+    /// arrives, its headers read by the production parser. A call whose turn comes later than
+    /// its wait is counted deferred and tried again then, with a fresh wait (as a task deferred
+    /// and claimed again would). Every replica's slots stay busy until the tasks run out.
+    #[cfg(feature = "devkit")]
+    async fn fleet_against_one_quota(
+        replicas: usize,
+        slots: usize,
+        tasks: usize,
+        rpm: u32,
+    ) -> FleetUse {
+        use abada_devkit::model::{LimitCore, RateLimit};
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let start = Instant::now();
+        let limit = Arc::new(Mutex::new(LimitCore::new(
+            RateLimit::per_minute(rpm),
+            start,
+        )));
+        let next = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(Mutex::new((FleetUse::default(), Vec::<u32>::new())));
+        let m = model("shared");
+        let mut joins = Vec::new();
+        for r in 0..replicas {
+            let c = Arc::new(ModelCapacities::new(CapacityPolicy::default()));
+            for slot in 0..slots {
+                let (c, m, limit, next, seen) = (
+                    c.clone(),
+                    m.clone(),
+                    limit.clone(),
+                    next.clone(),
+                    seen.clone(),
+                );
+                joins.push(tokio::spawn(async move {
+                    let who = format!("r{r}s{slot}");
+                    while next.fetch_add(1, Ordering::SeqCst) < tasks {
+                        let mut left = c.policy().max_wait;
+                        let mut ticket = None;
+                        loop {
+                            let release =
+                                match c.wait_turn(&m, &who, &COST, &mut left, ticket).await {
+                                    Ok(release) => release,
+                                    Err(until) => {
+                                        seen.lock().unwrap().0.deferred += 1;
+                                        tokio::time::sleep_until(until).await;
+                                        left = c.policy().max_wait;
+                                        ticket = None;
+                                        continue;
+                                    }
+                                };
+                            ticket = Some(release.ticket);
+                            let arrived = Instant::now();
+                            let (stated, retry_after) = limit.lock().unwrap().take(0, arrived);
+                            {
+                                let mut s = seen.lock().unwrap();
+                                let window = (arrived - start).as_secs() as usize;
+                                if s.1.len() <= window {
+                                    s.1.resize(window + 1, 0);
+                                }
+                                s.1[window] += 1;
+                                s.0.most_in_a_window = s.0.most_in_a_window.max(s.1[window]);
+                            }
+                            tokio::time::sleep(ms(100)).await;
+                            let now = Instant::now();
+                            let mut h = HeaderMap::new();
+                            for (k, v) in stated {
+                                h.insert(
+                                    HeaderName::from_static(k),
+                                    HeaderValue::from_str(&v).unwrap(),
+                                );
+                            }
+                            let limits = RateLimits::parse(&h, SystemTime::now(), MAX);
+                            c.observe(&m, release.at, now, &limits);
+                            match retry_after {
+                                None => {
+                                    c.answered(&m, &release, now);
+                                    let mut s = seen.lock().unwrap();
+                                    s.0.admitted += 1;
+                                    s.0.first.get_or_insert(arrived);
+                                    s.0.last = Some(arrived);
+                                    break;
+                                }
+                                Some(wait) => {
+                                    seen.lock().unwrap().0.refused += 1;
+                                    let until = c.throttled(&m, &release, 429, Some(wait), now);
+                                    if until.saturating_duration_since(now) > left {
+                                        seen.lock().unwrap().0.deferred += 1;
+                                        tokio::time::sleep_until(until).await;
+                                        left = c.policy().max_wait;
+                                        ticket = None;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }));
+            }
+        }
+        for j in joins {
+            j.await.unwrap();
+        }
+        let (fleet, _) = Arc::try_unwrap(seen).unwrap().into_inner().unwrap();
+        assert_eq!(
+            fleet.admitted, tasks as u64,
+            "every task's call got through"
+        );
+        fleet
+    }
+
+    /// Replicas pacing alone against one quantized quota (120 a minute, 2 a second enforced
+    /// per second window), on the paused clock: a report of what the quota's use, the 429s and
+    /// the deferrals come to (`--nocapture`), the paused-clock counterpart of the load
+    /// harness's `--scenario ratelimit` without a store (BENCHMARKS.md). It checks the one
+    /// worker's targets (at least 95 % of the limit, no 429, no deferral); the replicas' are
+    /// reported, not met (see the pacer's module docs, "Replicas pacing alone").
+    #[cfg(feature = "devkit")]
+    #[tokio::test(start_paused = true)]
+    async fn replicas_pacing_alone_against_one_quantized_quota() {
+        for (replicas, tasks) in [(1usize, 30usize), (4, 100), (4, 300), (8, 200)] {
+            let u = fleet_against_one_quota(replicas, 8, tasks, 120).await;
+            println!(
+                "{replicas} x 8 slots, {tasks} tasks: {:.1} % of the limit used, {} of {} answered 429 ({:.1} %), {} deferred, at most {} in a window",
+                u.share_used(2.0) * 100.0,
+                u.refused,
+                u.admitted + u.refused,
+                u.refused_share() * 100.0,
+                u.deferred,
+                u.most_in_a_window
+            );
+            if replicas == 1 {
+                assert!(u.share_used(2.0) >= 0.95, "{u:?}");
+                assert_eq!((u.refused, u.deferred), (0, 0), "{u:?}");
+                assert!(u.most_in_a_window <= 2, "{u:?}");
+            }
+        }
     }
 }

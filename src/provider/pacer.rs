@@ -41,6 +41,33 @@
 //!   figures or not (vLLM, Ollama and llama.cpp state none). A 429 teaches it even when the
 //!   figures said there was room.
 //!
+//! **Replicas pacing alone** (no shared pace: no run store, or
+//! `ABADA_AGENT_STORE_SHARED_PACING=false`) each see the whole stated limit. Their own view
+//! cannot tell them how many share the quota while the provider enforces it quantized, so they
+//! are not paced to a share of it; only their 429s pace them, as above. Why, measured on the
+//! paused clock (`capacity::tests::replicas_pacing_alone_against_one_quantized_quota`, and the
+//! designs tried in docs/benchmarks-history.md, "Replicas pacing alone"):
+//! - the stated figures are the quota's, shared by every replica (OpenAI's limits are its
+//!   organisation's and project's, Anthropic's its organisation's; the devkit's provider
+//!   limit states them so), but a quantized limit lets the fleet take at most a second's worth
+//!   a second: the per-minute bucket the figures state stays nearly full, and a full bucket
+//!   loses its refill. So `remaining` falls no faster with company than without: measured
+//!   from the levels (and the reset's milliseconds), the quota's use reads the whole rate
+//!   whether the fleet uses it or not;
+//! - 429s do not count the sharers either: before replicas settle, their calls meet by chance,
+//!   and a count raised on those 429s overshoots (tried: 4 replicas counted 6 to 19);
+//! - replicas pacing at independent phases meet a per-second window at random: with 4 such
+//!   streams sending 90 % of the limit in all, 15.7 % of requests find their window full and
+//!   only 76 % of the limit gets through (each stream one call or none per window, binomially);
+//!   getting 90 % through takes a demand whose refusals are a quarter of the requests, which is
+//!   what replicas pacing alone measure (27-32 %);
+//! - what would do it is one common pace: replicas pacing at the same share of the stated rate,
+//!   a refused call not counted in the pace and tried again after its hold at a random point
+//!   of the increment, settle into phases that no longer meet (tried with the share given:
+//!   4 replicas, 100 tasks, 84 % used, 9.9 % 429s, no deferral). The share is what the
+//!   own view lacks; the fleet's shared pace (`capacity`, `store::pace`) gives the replicas
+//!   one queue instead, and meets the targets (BENCHMARKS.md).
+//!
 //! **Holds.** Only a 429 or a 503 holds a model (never a 200, whatever it carries): for its
 //! `retry-after`, or a 503 without one for [`CapacityPolicy::throttle_default`]. A 429 without
 //! one only lowers the pace (the next call waits one increment), so a provider answering 429s
