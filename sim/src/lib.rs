@@ -5,9 +5,9 @@
 //! faults. After the run the [`invariants`] are checked on the trace and the engine's final
 //! state; the trace's hash makes a seed's run comparable.
 //!
-//! With the `sim-bugs` feature, [`SimOptions::bug`] reintroduces one known bug in the worker
+//! With the `sim-bugs` feature, `SimOptions::bug` reintroduces one known bug in the worker
 //! for the run (see the worker's `sim_bugs`), to show the invariants catch it, each by the one
-//! [`bugs::caught_by`] names.
+//! `bugs::caught_by` names.
 //!
 //! A crate of its own, beside the worker's: neither the production build nor the demo compiles
 //! it. What it needs of the worker is the worker's public API (the composition root and its
