@@ -402,11 +402,7 @@ pub(crate) fn agent_runtime(
 /// Runs the tasks until `shutdown` fires and the drain is over, then writes the run finishes
 /// the store still has queued (every task has ended, its finish queued): the production worker
 /// and the devkit's in-process workers alike.
-pub(crate) async fn run_tasks(
-    runner: Runner,
-    store: Option<StoreHandle>,
-    shutdown: CancellationToken,
-) {
+pub async fn run_tasks(runner: Runner, store: Option<StoreHandle>, shutdown: CancellationToken) {
     runner.run(shutdown).await;
     if let Some(store) = store {
         store.flush().await;

@@ -1,7 +1,7 @@
 //! Feature `sim-bugs` (test builds only, never production): bugs this worker once had or
 //! could have, each reintroduced only when selected at run time, so the deterministic simulator
-//! (`devkit::sim`) can show that its invariants catch it, each by the invariant it names
-//! ([`Bug::caught_by`]). Each call site is marked `SIM-BUG`.
+//! (the `abada-sim` crate) can show that its invariants catch it, each by the invariant the
+//! simulator names for it (`abada_sim::bugs::caught_by`). Each call site is marked `SIM-BUG`.
 //!
 //! Two invariants judge the peers' fencing, not the worker's: an engine that accepts a journal
 //! append of a stale attempt, a run store that accepts one of a stale claim. No worker can make
@@ -156,39 +156,6 @@ impl Bug {
             Bug::AgentsFileLatest => "agents-file-latest",
             Bug::OldJournalFromInput => "old-journal-from-input",
             Bug::CapacityWedge => "capacity-wedge",
-        }
-    }
-
-    /// The invariant of the simulator that must catch it (`devkit::sim::invariants`).
-    pub fn caught_by(self) -> &'static str {
-        use crate::devkit::sim::invariants as i;
-        match self {
-            Bug::FenceRemoved => i::AFTER_LOSS,
-            Bug::HeartbeatAfterExpiry => i::LOCAL_EXPIRY,
-            Bug::KeyedWriteWithoutKey => i::KEYED_WRITE_ONCE,
-            Bug::StoreFinishBeforeComplete => i::MODEL_REPAID,
-            Bug::ApprovalByCallId => i::GATED_CALL_DECIDED,
-            Bug::SupersedeReporting => i::ENDS_AGREE,
-            Bug::StoreFenceIgnored => i::AFTER_LOSS,
-            Bug::ReportRetriedPastLease => i::ONE_COMPLETION,
-            Bug::ReportPermitIgnored => i::SLOTS,
-            Bug::SlotLeakedOnReportFailure => i::ALL_ENDED,
-            Bug::CredentialLogged => i::NO_SECRET,
-            Bug::EngineAcceptsStaleAppend => i::STALE_APPEND,
-            Bug::StoreUnfenced => i::STALE_STORE_APPEND,
-            Bug::RunHomeFromLatest => i::APPROVED_PERFORMED,
-            Bug::RedeployHole => i::NO_LOOP,
-            Bug::OffSchemaStored => i::STRUCTURED_RESULT,
-            Bug::CutAnswerStored => i::STRUCTURED_RESULT,
-            Bug::RepairsUnbounded => i::REPAIRS_BOUNDED,
-            Bug::KeyedResultElided => i::KEYED_RESULTS_KEPT,
-            Bug::WindowIgnored => i::WINDOW_BOUND,
-            Bug::RateLimitDefers => i::NO_DEFERRAL_WHILE_ANSWERING,
-            Bug::PacerHerd => i::LIMIT_REFUSALS_BOUNDED,
-            Bug::ContentionAsEmptyQueue => i::NO_IDLE_REPLICA,
-            Bug::AgentsFileLatest => i::GATED_CALL_DECIDED,
-            Bug::OldJournalFromInput => i::UPGRADE_RESUMED,
-            Bug::CapacityWedge => i::FETCHING_CONTINUES,
         }
     }
 

@@ -547,9 +547,9 @@ pub struct BpmnSettings {
     /// tasks within this time.
     pub latest_for: Duration,
     /// Parsed definitions kept, per (key, version).
-    pub(crate) max_definitions: usize,
+    pub max_definitions: usize,
     /// Instance → key entries kept.
-    pub(crate) max_instances: usize,
+    pub max_instances: usize,
 }
 
 impl Default for BpmnSettings {

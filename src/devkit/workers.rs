@@ -4,9 +4,9 @@
 //! - against a devkit [`Stack`], over real HTTP on loopback: the configuration names the stack's
 //!   engine emulator and scripted model. The demo, the integration tests and the benchmarks
 //!   start them through [`StackWorkers`];
-//! - against the simulator's in-memory world ([`start_in_world`]): the world's engine replaces
-//!   the client, and the caller's seams the models, the tools or the task handler, with no
-//!   socket, so tokio's paused clock drives them. The paused-clock tests start them so.
+//! - against anything else the caller's seams stand in for, from a configuration the caller
+//!   parsed ([`start`]): the simulator's crate starts the paused-clock tests' workers against
+//!   its in-memory world so (`abada_sim::world::workers`).
 //!
 //! What differs from a production worker goes through the seams: shorter backoffs
 //! ([`fast_tuning`], [`StackWorkers::fast_agent_settings`]), an optional engine decorator
@@ -21,7 +21,6 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::stack::Stack;
-use super::world::{World, WorldEngine};
 use crate::agent::AgentSettings;
 use crate::app::{Seams, Tuning, Worker};
 use crate::backoff::Backoff;
@@ -213,66 +212,6 @@ pub fn worker_env(stack: &Stack, opts: &WorkerOptions) -> HashMap<String, String
     ]);
     env.extend(opts.env.iter().cloned());
     env
-}
-
-/// The engine's URL in the configuration of a worker against the world: the configuration
-/// requires one; it is never dialled (the world's engine replaces the client).
-const WORLD_ENGINE_URL: &str = "http://127.0.0.1:9/api";
-
-/// The whole `ABADA_AGENT_*` environment of a worker against the simulator's world: `opts`,
-/// and the model providers named in `providers` (kind `openai`; a stand-in registry given
-/// through [`Seams::providers`] replaces their adapters).
-pub fn world_worker_env(opts: &WorkerOptions, providers: &[&str]) -> HashMap<String, String> {
-    let ms = |d: Duration| d.as_millis().to_string();
-    let mut env = HashMap::from([
-        (config::ENV_ENGINE_URL.into(), WORLD_ENGINE_URL.into()),
-        (config::ENV_WORKER_ID.into(), opts.worker_id.clone()),
-        (config::ENV_MAX_TASKS.into(), opts.slots.to_string()),
-        (config::ENV_POLL_INTERVAL_MS.into(), ms(opts.poll_interval)),
-        (config::ENV_LOCK_DURATION_MS.into(), ms(opts.lock_duration)),
-        (
-            config::ENV_SHUTDOWN_GRACE_MS.into(),
-            ms(opts.shutdown_grace),
-        ),
-    ]);
-    if !providers.is_empty() {
-        env.insert(config::ENV_PROVIDERS.into(), providers.join(","));
-        for name in providers {
-            env.insert(
-                format!(
-                    "ABADA_AGENT_PROVIDER_{}_KIND",
-                    name.to_ascii_uppercase().replace('-', "_")
-                ),
-                "openai".into(),
-            );
-        }
-    }
-    env.extend(opts.env.iter().cloned());
-    env
-}
-
-/// Starts a worker against the simulator's `world` on the current runtime (a paused one in
-/// tests), built by the composition root from [`world_worker_env`]'s configuration with
-/// `opts.tuning` and `seams`: its engine is the world's engine for `opts.worker_id` (unless
-/// `seams` gives one), behind the seams' decorator.
-///
-/// # Panics
-/// When the worker cannot be built: the configuration is the caller's, so that is a bug.
-pub fn start_in_world(
-    world: &Arc<World>,
-    opts: WorkerOptions,
-    providers: &[&str],
-    mut seams: Seams,
-) -> WorkerHandle {
-    let config = match Config::from_env(&world_worker_env(&opts, providers)) {
-        Ok(c) => c,
-        Err(e) => panic!("in-process worker {}: {e}", opts.worker_id),
-    };
-    if seams.engine.is_none() {
-        seams.engine = Some(Arc::new(WorldEngine::new(world.clone(), &opts.worker_id)));
-    }
-    seams.tuning = opts.tuning;
-    start(&config, seams)
 }
 
 /// Builds a worker from `config` and `seams` through the composition root and runs it on the

@@ -109,6 +109,11 @@ impl CapacityPolicy {
             ..d
         }
     }
+
+    /// The longest any figure, hold, pace increment or `Retry-After` holds a model.
+    pub fn max_wait(&self) -> Duration {
+        self.max_wait
+    }
 }
 
 /// One budget as a provider states it on an answer.

@@ -57,7 +57,7 @@ impl InputDigest {
 
     /// The digest of an input step (`{"instructions", "input"}`, instructions optional as in
     /// replay); `None` for any other step.
-    pub(crate) fn of_step(step: &JournalStep) -> Option<InputDigest> {
+    pub fn of_step(step: &JournalStep) -> Option<InputDigest> {
         if step.kind != KIND_INPUT {
             return None;
         }
@@ -130,7 +130,7 @@ pub enum Phase {
 
 impl Phase {
     /// `tool_calls`: the number of tool calls of a model step (0 when it has none).
-    pub(crate) fn of_last_step(kind: &str, state: &str, tool_calls: i64) -> Phase {
+    pub fn of_last_step(kind: &str, state: &str, tool_calls: i64) -> Phase {
         match (kind, state) {
             (KIND_APPROVAL, STATE_REQUESTED) => Phase::AwaitsDecision,
             (KIND_MODEL, _) if tool_calls == 0 => Phase::Answered,
@@ -149,9 +149,9 @@ pub struct Seen {
     /// The holder claimed or wrote within the hold.
     pub held: bool,
     /// The digest of the journaled input step; `None` when seq 1 is no input step.
-    pub(crate) journaled_input: Option<InputDigest>,
+    pub journaled_input: Option<InputDigest>,
     /// The JSON text of the journaled input step's `definition`, when it has one.
-    pub(crate) journaled_definition: Option<String>,
+    pub journaled_definition: Option<String>,
     /// From the last step; `Working` when there is none.
     pub phase: Phase,
 }
@@ -159,11 +159,11 @@ pub struct Seen {
 /// Who claims, as the rule sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct Asking<'a> {
-    pub(crate) per_visit: bool,
+    pub per_visit: bool,
     pub task_id: &'a str,
     /// From the input step the claim offers; `None` when it offers none.
     pub input: Option<InputDigest>,
-    pub(crate) hold_ms: u64,
+    pub hold_ms: u64,
 }
 
 /// What the claim does.

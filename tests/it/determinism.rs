@@ -1,6 +1,6 @@
 //! Determinism by construction, and its proof across processes.
 //!
-//! - Every `tokio::select!` in the worker's sources is `biased;` (its branches polled in the
+//! - Every `tokio::select!` in the worker's sources (and the simulator's) is `biased;` (its branches polled in the
 //!   order written, each order chosen and said where it stands), so no race is settled by
 //!   tokio's random pick.
 //! - No `tokio::sync::watch` where the simulator runs: a watch wakes its receivers in a random
@@ -36,8 +36,13 @@ fn sources(dir: &Path) -> Vec<(PathBuf, String)> {
     out
 }
 
+/// The worker's sources and the simulator's (`sim/src`: its world runs beside the workers, on
+/// the same runtime, so the same rules hold there).
 fn worker_sources() -> Vec<(PathBuf, String)> {
-    sources(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"))
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut out = sources(&root.join("src"));
+    out.extend(sources(&root.join("sim/src")));
+    out
 }
 
 /// A line without its `//` comment (doc comments included).

@@ -18,13 +18,13 @@ use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 
 use abada_agent_worker::devkit::engine::{EngineEmulator, TaskSpec, TaskStatus};
-use abada_agent_worker::devkit::world::{FaultPlan, World, WorldEngine, WorldOptions};
 use abada_agent_worker::engine::client::{EngineClientSettings, HttpEngine};
 use abada_agent_worker::engine::{
     AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, JournalStep,
     Task, TaskRef,
 };
 use abada_agent_worker::metrics::Metrics;
+use abada_sim::world::{FaultPlan, World, WorldEngine, WorldOptions};
 
 const LOCK: Duration = Duration::from_secs(30);
 

@@ -36,11 +36,11 @@ use abada_agent_worker::conversation::{Message, ToolSpec};
 use abada_agent_worker::devkit::model::{
     Fault, FaultTimes, RateLimit, Script, ScriptedModel, Turn, WireFormat,
 };
-use abada_agent_worker::devkit::world::{FaultPlan, World, WorldModel, WorldOptions};
 use abada_agent_worker::provider::{
     ModelProvider, ModelRequest, ProviderError, ProviderKind, ProviderRegistry, ProviderSettings,
 };
 use abada_agent_worker::secret::SecretSource;
+use abada_sim::world::{FaultPlan, World, WorldModel, WorldOptions};
 use serde_json::{Value, json};
 
 // ---- the documents ---------------------------------------------------------------------------
@@ -987,16 +987,13 @@ mod seam {
         });
         let provider = WorldModel::new(world, "w1");
         for steps in ["r", "rw", "urw"] {
-            let script = abada_agent_worker::devkit::world::ModelScript {
+            let script = abada_sim::world::ModelScript {
                 task: "k1".into(),
                 steps: steps.into(),
                 hostile: false,
                 finals: String::new(),
             };
-            let tools = offered_tools(
-                abada_agent_worker::devkit::world::tools::SERVER,
-                ["sim_lookup", "sim_write"],
-            );
+            let tools = offered_tools(abada_sim::world::tools::SERVER, ["sim_lookup", "sim_write"]);
             seam_answers(&provider, "m", &script.input(), tools)
                 .await
                 .unwrap_or_else(|e| panic!("steps {steps}: {e}"));

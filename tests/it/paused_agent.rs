@@ -1,7 +1,8 @@
 //! Agent-task logic on tokio's paused clock: production workers, built by the composition root
-//! (`Worker::build`, through `devkit::workers::start_in_world`) from a configuration parsed the
-//! production way, against the simulator's in-memory world (`devkit::world`: the emulator's
-//! engine state machine, scripted models, the tool server), with no socket and no wall clock. Each test here
+//! (`Worker::build`, through `abada_sim::world::workers::start_in_world`) from a configuration
+//! parsed the production way, against the simulator's in-memory world (`abada_sim::world`: the
+//! emulator's engine state machine, scripted models, the tool server), with no socket and no
+//! wall clock. Each test here
 //! replaces, or times exactly, a devkit-stack test of `agent.rs`, `faults.rs` or
 //! `hostile_model.rs` whose verdict depended on a real-time margin (a lease of a few real
 //! seconds racing a slow model call, an outage ended "once a heartbeat met it", a call timeout
@@ -26,10 +27,7 @@ use abada_agent_worker::backoff::Backoff;
 use abada_agent_worker::conversation::{Message, ToolResult, ToolSpec};
 use abada_agent_worker::devkit::engine::{TaskSpec, TaskStatus, TaskView};
 use abada_agent_worker::devkit::gate::{Call, FaultGate, GatedEngine};
-use abada_agent_worker::devkit::workers::{WorkerHandle, WorkerOptions, start_in_world};
-use abada_agent_worker::devkit::world::{
-    Event, FaultPlan, ModelScript, World, WorldModel, WorldOptions, WorldTools,
-};
+use abada_agent_worker::devkit::workers::{WorkerHandle, WorkerOptions};
 use abada_agent_worker::handler::TaskEnd;
 use abada_agent_worker::provider::fallback::RetryPolicy;
 use abada_agent_worker::provider::{
@@ -37,6 +35,10 @@ use abada_agent_worker::provider::{
 };
 use abada_agent_worker::runner::RunnerEvent;
 use abada_agent_worker::tools::{TaskTools, ToolConnector, ToolError, ToolSessions};
+use abada_sim::world::workers::start_in_world;
+use abada_sim::world::{
+    Event, FaultPlan, ModelScript, World, WorldModel, WorldOptions, WorldTools,
+};
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
@@ -282,8 +284,8 @@ impl Setup {
                 "instructions": "Play the script your input names.",
                 "input": "${simInput}",
                 "toolServers": [{
-                    "name": abada_agent_worker::devkit::world::tools::SERVER,
-                    "url": abada_agent_worker::devkit::world::tools::URL,
+                    "name": abada_sim::world::tools::SERVER,
+                    "url": abada_sim::world::tools::URL,
                 }],
                 "maxTurns": 8,
                 "resultVariable": "simResult"

@@ -1,7 +1,7 @@
 //! The runner and the heartbeat scheduler under tokio's paused clock: workers built by the
-//! composition root (`Worker::build`, through `devkit::workers::start_in_world`) from a
+//! composition root (`Worker::build`, through `abada_sim::world::workers::start_in_world`) from a
 //! configuration parsed the production way, each running a test's task handler, against the
-//! simulator's in-process engine (the emulator's own state machine, `devkit::world`) behind the
+//! simulator's in-process engine (the emulator's own state machine, `abada_sim::world`) behind the
 //! devkit's one engine decorator: a `FaultGate`, whose knobs play what a test needs of the
 //! engine (slow, silent or down, partial or surplus answers, refused extensions, a failure's
 //! answer late) and which logs every call with its virtual time. Slots, refill, heartbeat
@@ -15,11 +15,12 @@ use std::time::Duration;
 use abada_agent_worker::app::{Seams, Tuning};
 use abada_agent_worker::devkit::engine::TaskSpec;
 use abada_agent_worker::devkit::gate::{Call, FaultGate, FaultState, GatedEngine};
-use abada_agent_worker::devkit::workers::{WorkerHandle, WorkerOptions, start_in_world};
-use abada_agent_worker::devkit::world::{FaultPlan, World, WorldEngine, WorldOptions};
+use abada_agent_worker::devkit::workers::{WorkerHandle, WorkerOptions};
 use abada_agent_worker::engine::{Engine, Task};
 use abada_agent_worker::handler::{Outcome, TaskContext, TaskEnd, TaskHandler};
 use abada_agent_worker::runner::RunnerEvent;
+use abada_sim::world::workers::start_in_world;
+use abada_sim::world::{FaultPlan, World, WorldEngine, WorldOptions};
 use async_trait::async_trait;
 use serde_json::Map;
 use tokio::sync::mpsc;

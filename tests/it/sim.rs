@@ -6,11 +6,11 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use abada_agent_worker::devkit::engine::{EngineCore, ProtocolLevel, TaskSpec, TaskView};
-use abada_agent_worker::devkit::sim::invariants::{self, Facts};
-use abada_agent_worker::devkit::sim::schedule::{Schedule, Shape, UpgradedPlan};
-use abada_agent_worker::devkit::sim::{SimOptions, run_seed};
-use abada_agent_worker::devkit::world::approver::Manner;
-use abada_agent_worker::devkit::world::trace::{Answer, Event, Trace};
+use abada_sim::invariants::{self, Facts};
+use abada_sim::schedule::{Schedule, Shape, UpgradedPlan};
+use abada_sim::world::approver::Manner;
+use abada_sim::world::trace::{Answer, Event, Trace};
+use abada_sim::{SimOptions, run_seed};
 
 /// Runs of seeds one at a time: a `sim-bugs` build selects its bug for the whole process.
 pub(crate) static SEEDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -23,7 +23,7 @@ fn paused_runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-pub(crate) fn seed(seed: u64) -> abada_agent_worker::devkit::sim::SeedReport {
+pub(crate) fn seed(seed: u64) -> abada_sim::SeedReport {
     let _one_at_a_time = SEEDS.lock().unwrap_or_else(|e| e.into_inner());
     run_seed(
         paused_runtime(),
@@ -81,7 +81,7 @@ fn fifty_seeds_hold_every_invariant() {
             "invariant {invariant:?} judged nothing in 50 seeds: {judged:#?}"
         );
     }
-    for kind in abada_agent_worker::devkit::world::faults::KINDS {
+    for kind in abada_sim::world::faults::KINDS {
         assert!(
             drawn.get(kind).copied().unwrap_or(0) > 0,
             "no {kind:?} fault in 50 seeds: {drawn:#?}"
@@ -93,7 +93,7 @@ fn fifty_seeds_hold_every_invariant() {
 /// span's, so a credential logged or put in a span by any code on the workers' thread is found.
 #[test]
 fn a_secret_logged_or_put_in_a_span_on_the_workers_thread_is_caught() {
-    use abada_agent_worker::devkit::sim::secrets::Capture;
+    use abada_sim::secrets::Capture;
     use tracing_subscriber::layer::SubscriberExt;
     let secret = "5ec7e7-credential-of-the-world";
     let capture = Capture::default();
@@ -1169,7 +1169,7 @@ fn a_secret_in_a_log_line_span_or_metric_fires_and_the_message_masks_it() {
 /// The reintroduced bugs (docs/SIMULATION.md): each caught within 1,000 seeds by the invariant
 /// its docs name, not by any violation. Only in a build with `--features sim-bugs`
 /// (`cargo test --features sim-bugs --test it sim::`; CI runs the same search through
-/// `examples/simulate.rs --every-bug`).
+/// `sim/examples/simulate.rs --every-bug`).
 #[cfg(feature = "sim-bugs")]
 #[test]
 fn every_reintroduced_bug_is_caught_within_a_thousand_seeds_by_its_invariant() {
@@ -1187,13 +1187,13 @@ fn every_reintroduced_bug_is_caught_within_a_thousand_seeds_by_its_invariant() {
             )
             .violations
             .iter()
-            .any(|v| v.invariant == bug.caught_by())
+            .any(|v| v.invariant == abada_sim::bugs::caught_by(bug))
         });
         assert!(
             caught.is_some(),
             "{} not caught by {:?} in 1000 seeds",
             bug.name(),
-            bug.caught_by()
+            abada_sim::bugs::caught_by(bug)
         );
     }
 }
@@ -1219,10 +1219,10 @@ fn deferred(worker: &str) -> Event {
 }
 
 fn with_limit(mut p: Played) -> Played {
-    use abada_agent_worker::devkit::world::provider_limit::ProviderLimitPlan;
+    use abada_sim::world::provider_limit::ProviderLimitPlan;
     p.schedule.faults.provider_limit = Some(ProviderLimitPlan {
         requests_per_minute: 120,
-        quantization: abada_agent_worker::devkit::world::provider_limit::Quantization::SecondWindow,
+        quantization: abada_sim::world::provider_limit::Quantization::SecondWindow,
         stated: true,
         shared_pacing: false,
         hostile: false,
@@ -1232,7 +1232,7 @@ fn with_limit(mut p: Played) -> Played {
 
 #[test]
 fn a_deferral_after_429s_alone_fires_and_one_after_an_outage_does_not() {
-    use abada_agent_worker::devkit::world::provider_limit::LIMIT_REFUSED;
+    use abada_sim::world::provider_limit::LIMIT_REFUSED;
     let p = Played::new()
         .at(1_000, model_call("w0", LIMIT_REFUSED))
         .at(1_500, model_call("w0", "429"))
@@ -1280,7 +1280,7 @@ fn a_deferral_after_429s_alone_fires_and_one_after_an_outage_does_not() {
 
 #[test]
 fn a_herd_of_limit_429s_fires_and_one_a_second_does_not() {
-    use abada_agent_worker::devkit::world::provider_limit::LIMIT_REFUSED;
+    use abada_sim::world::provider_limit::LIMIT_REFUSED;
     // One refusal a second over 10 s, and the start's few: within the bound.
     let mut p = with_limit(Played::new());
     for s in 0..10u64 {

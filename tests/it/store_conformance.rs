@@ -13,12 +13,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use abada_agent_worker::devkit::world::store::{Flaw, MemoryRunStore, MemoryStoreSettings};
 use abada_agent_worker::engine::{AppendOutcome, JournalStep};
 use abada_agent_worker::store::{
     ClaimRefusal, Claimant, ErrorClass, Fence, FenceReason, PgRunStore, Phase, RunEnd, RunKey,
     RunLookup, RunStore, StoreError, SweepReport,
 };
+use abada_sim::world::store::{Flaw, MemoryRunStore, MemoryStoreSettings};
 use serde_json::json;
 
 use crate::support::steps::{answer, asks_refund, input};

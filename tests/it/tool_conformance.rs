@@ -27,13 +27,13 @@ use std::time::Duration;
 
 use abada_agent_worker::devkit::engine::TaskSpec;
 use abada_agent_worker::devkit::tools::{AcceptAny, ToolServer, ToolServerOptions};
-use abada_agent_worker::devkit::world::{FaultPlan, World, WorldEngine, WorldOptions, WorldTools};
 use abada_agent_worker::engine::{Engine, FetchRequest, TaskRef};
 use abada_agent_worker::secret::Secret;
 use abada_agent_worker::tools::{
     CredentialError, CredentialSource, McpSessions, TaskTools, ToolConnector, ToolServerRef,
     ToolSessionOptions, ToolSessions,
 };
+use abada_sim::world::{FaultPlan, World, WorldEngine, WorldOptions, WorldTools};
 use async_trait::async_trait;
 use serde_json::{Map, Value, json};
 use tokio::process::{Child, Command};
@@ -809,7 +809,7 @@ mod seam {
                 Ok(Some(issued.token))
             }
         }
-        let server = abada_agent_worker::devkit::world::tools::SERVER;
+        let server = abada_sim::world::tools::SERVER;
         let mut sessions = WorldTools::new(world.clone(), "w1").sessions(TaskTools {
             servers: Vec::new(),
             credentials: Arc::new(Issued(engine, task.task_ref())),
@@ -831,7 +831,7 @@ mod seam {
             .events
             .iter()
             .filter(|(_, e)| {
-                matches!(e, abada_agent_worker::devkit::world::Event::ToolCall { answer, write: Some(_), .. } if *answer == "applied")
+                matches!(e, abada_sim::world::Event::ToolCall { answer, write: Some(_), .. } if *answer == "applied")
             })
             .count();
         assert_eq!(applied, 1, "the keyed write applied once");

@@ -18,8 +18,11 @@ use super::process::{
     AGAIN_VARIABLE, APPROVE_NODE, APPROVERS, INPUT_VARIABLE, REVIEW_NODE, REVIEWERS,
 };
 use super::trace::Event;
-use crate::agent::approval::{ApprovalVariables, call_digest};
-use crate::conversation::ToolCall;
+use abada_agent_worker::agent::approval::call_digest;
+use abada_agent_worker::conversation::ToolCall;
+use abada_agent_worker::devkit::sim_view::agent::{
+    DEFAULT_DECISION_VARIABLE, DEFAULT_REQUEST_VARIABLE,
+};
 
 /// How a person answers one request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,9 +150,8 @@ fn decide(
     variables: &Map<String, Value>,
     progress: &mut Progress,
 ) -> Map<String, Value> {
-    let names = ApprovalVariables::default();
     let request = variables
-        .get(&names.request)
+        .get(DEFAULT_REQUEST_VARIABLE)
         .cloned()
         .unwrap_or(Value::Null);
     let request_id = text(&request, "requestId");
@@ -236,7 +238,7 @@ fn decide(
     });
     let mut out = Map::new();
     if let Some(decision) = written {
-        out.insert(names.decision, decision);
+        out.insert(DEFAULT_DECISION_VARIABLE.into(), decision);
     }
     out
 }

@@ -17,8 +17,8 @@ use serde_json::{Map, Value, json};
 
 use super::World;
 use super::trace::Event;
-use crate::conversation::{ToolResult, ToolSpec};
-use crate::tools::{
+use abada_agent_worker::conversation::{ToolResult, ToolSpec};
+use abada_agent_worker::tools::{
     CredentialError, CredentialSource, TaskTools, ToolConnector, ToolError, ToolSessions,
 };
 

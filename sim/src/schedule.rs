@@ -9,9 +9,9 @@ use abada_devkit::model::Quantization;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::devkit::world::approver::Manner;
-use crate::devkit::world::faults::{FaultPlan, Window};
-use crate::devkit::world::provider_limit::ProviderLimitPlan;
+use crate::world::approver::Manner;
+use crate::world::faults::{FaultPlan, Window};
+use crate::world::provider_limit::ProviderLimitPlan;
 
 /// One task the schedule creates.
 #[derive(Clone, Debug)]

@@ -22,9 +22,11 @@ use serde_json::{Value, json};
 use super::World;
 use super::provider_limit::{Arrival, LIMIT_REFUSED};
 use super::trace::Event;
-use crate::conversation::{AssistantMessage, Message, ToolCall, Usage};
-use crate::provider::capacity::{ModelCapacities, RateLimits};
-use crate::provider::{ModelProvider, ModelRef, ModelRequest, ModelResponse, ProviderError};
+use abada_agent_worker::conversation::{AssistantMessage, Message, ToolCall, Usage};
+use abada_agent_worker::provider::capacity::{ModelCapacities, RateLimits};
+use abada_agent_worker::provider::{
+    ModelProvider, ModelRef, ModelRequest, ModelResponse, ProviderError,
+};
 
 /// The provider name the world's model is registered under (`sim/…` in a definition).
 pub(crate) const PROVIDER: &str = "sim";
@@ -226,7 +228,7 @@ impl ModelProvider for WorldModel {
         let max_wait = self
             .capacities
             .as_ref()
-            .map_or(Duration::from_secs(60), |c| c.policy().max_wait);
+            .map_or(Duration::from_secs(60), |c| c.policy().max_wait());
         let stated = match self
             .world
             .provider

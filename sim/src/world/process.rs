@@ -42,7 +42,7 @@ const TASK_PROCESS_ID: &str = "simTask";
 const SCHEMA_PROCESS_ID: &str = "simSchema";
 const WINDOW_PROCESS_ID: &str = "simWindow";
 /// The repair turns of the agent with an output schema ([`schema_definition`]): the agents
-/// without one get the default (`agent::output::DEFAULT_REPAIR_TURNS`, for a cut answer).
+/// without one get the default (`sim_view::agent::DEFAULT_OUTPUT_REPAIR_TURNS`, for a cut answer).
 pub(crate) const SCHEMA_REPAIR_TURNS: u32 = 2;
 const AGENT_NODE: &str = "agentNode";
 /// The agent node of `simProcess`: an id of its own, so an operator's agents-file entry for
@@ -258,7 +258,9 @@ pub fn model(agent: Value) -> ProcessModel {
                 NodeKind::ExclusiveGateway {
                     flows: vec![when(
                         "agentStatus",
-                        Value::from(crate::agent::approval::STATUS_APPROVAL_REQUIRED),
+                        Value::from(
+                            abada_agent_worker::devkit::sim_view::agent::STATUS_APPROVAL_REQUIRED,
+                        ),
                         APPROVE_NODE,
                     )],
                     default: Some(REVIEW_NODE.into()),
@@ -371,7 +373,7 @@ pub fn start(world: &World, script: &ModelScript, preset: bool) -> Result<String
     let mut variables = input_variables(script);
     if preset {
         variables.insert(
-            crate::agent::approval::ApprovalVariables::default().decision,
+            abada_agent_worker::devkit::sim_view::agent::DEFAULT_DECISION_VARIABLE.into(),
             json!({"requestId": "preset-by-the-starter", "callId": "call-0", "approved": true,
                    "decidedBy": "the process starter"}),
         );

@@ -1,7 +1,7 @@
 //! The in-memory run store: [`RunStore`] with the compare-and-set rules of the PostgreSQL store
 //! (`src/store/runs.rs`), statement for statement, on tokio's clock, so a paused runtime (the
 //! simulator, a paused test) drives it. The same conformance suite runs against it and against
-//! [`PgRunStore`](crate::store::PgRunStore) on real PostgreSQL (`tests/it/store_conformance.rs`),
+//! [`PgRunStore`](abada_agent_worker::store::PgRunStore) on real PostgreSQL (`tests/it/store_conformance.rs`),
 //! so the stand-in cannot drift from the real thing.
 //!
 //! What it mirrors, and where:
@@ -33,8 +33,8 @@ use async_trait::async_trait;
 use serde_json::Value;
 use tokio::time::Instant;
 
-use crate::engine::{AppendOutcome, JournalStep};
-use crate::store::{
+use abada_agent_worker::engine::{AppendOutcome, JournalStep};
+use abada_agent_worker::store::{
     Admission, Asking, Claim, Claimant, Fence, FenceReason, InputDigest, MAX_OPEN_RUNS, OpenRun,
     Phase, RunEnd, RunKey, RunLookup, RunStore, Seen, StoreError, SweepReport, admit, check_step,
 };

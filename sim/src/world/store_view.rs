@@ -12,8 +12,8 @@ use async_trait::async_trait;
 
 use super::World;
 use super::trace::Event;
-use crate::engine::{AppendOutcome, JournalStep};
-use crate::store::{Claim, Claimant, Fence, RunEnd, RunKey, RunStore, StoreError};
+use abada_agent_worker::engine::{AppendOutcome, JournalStep};
+use abada_agent_worker::store::{Claim, Claimant, Fence, RunEnd, RunKey, RunStore, StoreError};
 
 /// How the world names its store in errors.
 const STORE: &str = "memory://world";
@@ -251,8 +251,9 @@ impl RunStore for WorldStore {
             // SIM-BUG (feature `sim-bugs`, selected at run time): a store whose append checks
             // neither the attempt nor the version: it takes the fence as the holder's.
             #[cfg(feature = "sim-bugs")]
-            if crate::sim_bugs::active(crate::sim_bugs::Bug::StoreUnfenced)
-                && let Some(now) = this.world.store.run(run.as_str())
+            if abada_agent_worker::sim_bugs::active(
+                abada_agent_worker::sim_bugs::Bug::StoreUnfenced,
+            ) && let Some(now) = this.world.store.run(run.as_str())
             {
                 executed = Fence::issue(
                     run.clone(),
@@ -312,8 +313,8 @@ impl RunStore for WorldStore {
     /// lost answer or an outage shows on the claim that follows).
     async fn locate(
         &self,
-        lookup: &crate::store::RunLookup<'_>,
-    ) -> Result<Vec<crate::store::OpenRun>, StoreError> {
+        lookup: &abada_agent_worker::store::RunLookup<'_>,
+    ) -> Result<Vec<abada_agent_worker::store::OpenRun>, StoreError> {
         self.world.store.locate(lookup).await
     }
 }

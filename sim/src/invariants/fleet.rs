@@ -19,8 +19,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::{Facts, Violation, at, violation};
-use crate::devkit::world::provider_limit::LIMIT_REFUSED;
-use crate::devkit::world::trace::{Answer, Event};
+use crate::world::provider_limit::LIMIT_REFUSED;
+use crate::world::trace::{Answer, Event};
 
 /// How far back an outage explains a deferral: the model's circuit opens for a second or so in
 /// the simulation (no `Retry-After` on a 5xx), a task's own transient retries back off up to a

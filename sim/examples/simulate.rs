@@ -2,11 +2,11 @@
 //! world on a paused current-thread runtime and checks the invariants after each.
 //!
 //! ```text
-//! cargo run --release --example simulate -- --seeds 1000            # seeds 0..1000
-//! cargo run --release --example simulate -- --seed 17 --trace       # replay one, with its trace
-//! cargo run --release --example simulate -- --seeds 200 --workers 3
-//! cargo run --release --features sim-bugs --example simulate -- --seeds 1000 --bug fence-removed
-//! cargo run --features sim-bugs --example simulate -- --every-bug     # CI: each bug, its invariant
+//! cargo run -p abada-sim --release --example simulate -- --seeds 1000       # seeds 0..1000
+//! cargo run -p abada-sim --release --example simulate -- --seed 17 --trace  # replay one, traced
+//! cargo run -p abada-sim --release --example simulate -- --seeds 200 --workers 3
+//! cargo run -p abada-sim --release --features sim-bugs --example simulate -- --seeds 1000 --bug fence-removed
+//! cargo run -p abada-sim --features sim-bugs --example simulate -- --every-bug  # CI: each bug
 //! ```
 //!
 //! Exits 1 on the first violated seed (after printing its replay command), 2 on bad arguments.
@@ -17,7 +17,7 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use abada_agent_worker::devkit::sim::{SimOptions, run_seed};
+use abada_sim::{SimOptions, run_seed};
 
 struct Args {
     seeds: u64,
@@ -211,7 +211,7 @@ fn every_bug(args: &Args) -> ExitCode {
         .into_iter()
         .filter(|b| only.is_none_or(|name| name == b.name()))
     {
-        let invariant = bug.caught_by();
+        let invariant = abada_sim::bugs::caught_by(bug);
         let mut caught = None;
         for seed in args.first..args.first + limit {
             let report = run_seed(

@@ -32,7 +32,7 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use tokio::time::Instant;
 
 use super::World;
-use crate::provider::capacity::{RateLimits, SharedPace, SharedTurn};
+use abada_agent_worker::provider::capacity::{RateLimits, SharedPace, SharedTurn};
 
 /// The answer the trace records for a call the provider's limit refused (an injected 429 fault
 /// is `429`).

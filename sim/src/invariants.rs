@@ -52,8 +52,8 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::schedule::{Schedule, Shape};
-use crate::devkit::engine::TaskView;
-use crate::devkit::world::trace::{Answer, Event, Trace};
+use crate::world::trace::{Answer, Event, Trace};
+use abada_devkit::engine::TaskView;
 
 /// A broken promise: which, about which task, at which step.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -240,7 +240,7 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
                 add(SLOTS)
             }
             Event::ModelCall { answer, .. }
-                if *answer == crate::devkit::world::provider_limit::LIMIT_REFUSED =>
+                if *answer == crate::world::provider_limit::LIMIT_REFUSED =>
             {
                 add(LIMIT_REFUSALS_BOUNDED)
             }
@@ -1115,7 +1115,7 @@ fn paid_answer(answer: &str) -> bool {
 /// against: `true` the output's (`outputRepairTurns`), `false` the answer shape's
 /// (`answerRepairTurns`); `None`: not such an answer.
 fn rejected_final(answer: &str) -> Option<bool> {
-    use crate::devkit::world::model::{CUT, OFF_SCHEMA, TEXT_CALL};
+    use crate::world::model::{CUT, OFF_SCHEMA, TEXT_CALL};
     match answer {
         OFF_SCHEMA | CUT => Some(true),
         TEXT_CALL => Some(false),
@@ -1125,7 +1125,7 @@ fn rejected_final(answer: &str) -> Option<bool> {
 
 /// The result a completed task stored in the simulated agents' result variable.
 fn stored_result(view: &TaskView) -> Option<&Value> {
-    if view.status != crate::devkit::engine::TaskStatus::Completed {
+    if view.status != abada_devkit::engine::TaskStatus::Completed {
         return None;
     }
     view.result_variables.as_ref()?.get("simResult")
@@ -1136,7 +1136,7 @@ pub fn structured_result(facts: &Facts<'_>) -> Vec<Violation> {
         .views
         .iter()
         .filter_map(|v| Some((v, stored_result(v)?)))
-        .filter(|(_, result)| !crate::devkit::world::process::matches_output_schema(result))
+        .filter(|(_, result)| !crate::world::process::matches_output_schema(result))
         .map(|(v, result)| {
             let shown: String = result.to_string().chars().take(200).collect();
             violation(
@@ -1151,7 +1151,7 @@ pub fn structured_result(facts: &Facts<'_>) -> Vec<Violation> {
 }
 
 pub fn repairs_bounded(facts: &Facts<'_>) -> Vec<Violation> {
-    use crate::devkit::world::process::SCHEMA_REPAIR_TURNS;
+    use crate::world::process::SCHEMA_REPAIR_TURNS;
     // Per script, the distinct turns the model answered off its good answer, per bound.
     let mut rejected: BTreeMap<&str, [BTreeSet<usize>; 2]> = BTreeMap::new();
     let mut acquisitions: BTreeMap<&str, usize> = BTreeMap::new();
@@ -1180,12 +1180,12 @@ pub fn repairs_bounded(facts: &Facts<'_>) -> Vec<Violation> {
         let output_turns = if t.schema {
             SCHEMA_REPAIR_TURNS
         } else {
-            crate::agent::output::DEFAULT_REPAIR_TURNS
+            abada_agent_worker::devkit::sim_view::agent::DEFAULT_OUTPUT_REPAIR_TURNS
         };
         let bounds = [
             (
                 "answerRepairTurns",
-                crate::agent::answer_shape::DEFAULT_REPAIR_TURNS,
+                abada_agent_worker::devkit::sim_view::agent::DEFAULT_ANSWER_REPAIR_TURNS,
             ),
             ("outputRepairTurns", output_turns),
         ];
@@ -1229,12 +1229,12 @@ pub fn repairs_bounded(facts: &Facts<'_>) -> Vec<Violation> {
         // across a restart makes a write wait before any final answer was played).
         let completed = facts.views.iter().any(|v| {
             facts.keys.get(&t.key).is_some_and(|k| k.contains(&v.id))
-                && v.status == crate::devkit::engine::TaskStatus::Completed
+                && v.status == abada_devkit::engine::TaskStatus::Completed
                 && v.result_variables
                     .as_ref()
                     .and_then(|r| r.get("agentStatus"))
                     .and_then(Value::as_str)
-                    != Some(crate::agent::approval::STATUS_APPROVAL_REQUIRED)
+                    != Some(abada_agent_worker::devkit::sim_view::agent::STATUS_APPROVAL_REQUIRED)
         });
         if exhausted && completed && interruptions == 0 {
             out.push(violation(

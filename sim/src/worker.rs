@@ -20,21 +20,21 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::AgentSettings;
-use crate::app::{Seams, Tuning, Worker};
-use crate::backoff::Backoff;
-use crate::config::{self, Config};
-use crate::devkit::engine::AGENT_TOPIC;
-use crate::devkit::sim::schedule::ConfigChange;
-use crate::devkit::world::{Event, World, WorldEngine, WorldModel, WorldStore, WorldTools};
-use crate::metrics::Metrics;
-use crate::provider::ProviderRegistry;
-use crate::provider::fallback::RetryPolicy;
-use crate::random::Random;
-use crate::runner::RunnerEvent;
+use crate::schedule::ConfigChange;
+use crate::world::{Event, World, WorldEngine, WorldModel, WorldStore, WorldTools};
+use abada_agent_worker::agent::AgentSettings;
+use abada_agent_worker::app::{Seams, Tuning, Worker};
+use abada_agent_worker::backoff::Backoff;
+use abada_agent_worker::config::{self, Config};
+use abada_agent_worker::metrics::Metrics;
+use abada_agent_worker::provider::ProviderRegistry;
+use abada_agent_worker::provider::fallback::RetryPolicy;
+use abada_agent_worker::random::Random;
+use abada_agent_worker::runner::RunnerEvent;
+use abada_devkit::engine::AGENT_TOPIC;
 
-pub(crate) use crate::devkit::world::model::PROVIDER;
-use crate::devkit::world::model::{SMALL_WINDOW, SMALL_WINDOW_PROVIDER};
+pub(crate) use crate::world::model::PROVIDER;
+use crate::world::model::{SMALL_WINDOW, SMALL_WINDOW_PROVIDER};
 
 /// The engine's URL in a simulated worker's configuration: required by the configuration, never
 /// dialled (the world's engine replaces the client).
@@ -65,8 +65,8 @@ impl SimFiles {
         } else {
             format!(
                 "[servers.{}]\nurl = \"{}\"\nauth = \"none\"\n",
-                crate::devkit::world::tools::SERVER,
-                crate::devkit::world::tools::URL
+                crate::world::tools::SERVER,
+                crate::world::tools::URL
             )
         };
         let digest = Sha256::digest(format!("{agents}\n{tools}").as_bytes());
@@ -105,7 +105,7 @@ fn write_aside_then_rename(path: &std::path::Path, text: &str) -> std::io::Resul
 /// node of `simProcess` by its activity id in every generation: as the BPMN defines it first,
 /// then without approval and performing no writes (as a redeployment that drops it).
 fn agents_text(change: Option<ConfigChange>, changed: bool) -> String {
-    use crate::devkit::world::process;
+    use crate::world::process;
     let mut topic = process::agent_definition(false);
     let mut gated_node = None;
     match (change, changed) {
@@ -225,7 +225,7 @@ fn agent_settings() -> AgentSettings {
         store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(1)),
         // A redeployment reaches new tasks within a tenth of a second (scenarios are short, and
         // a person's decision comes within one or two).
-        bpmn: crate::agent::bpmn::BpmnSettings {
+        bpmn: abada_agent_worker::agent::bpmn::BpmnSettings {
             latest_for: Duration::from_millis(100),
             ..Default::default()
         },
@@ -307,9 +307,10 @@ impl SimWorker {
         );
         // Replicas sharing the provider's quota pace as one queue, as with a shared run store.
         if world.provider.plan().is_some_and(|p| p.shared_pacing) {
-            capacities.share_pace(Arc::new(
-                crate::devkit::world::provider_limit::WorldPace::new(world.clone(), id),
-            ));
+            capacities.share_pace(Arc::new(crate::world::provider_limit::WorldPace::new(
+                world.clone(),
+                id,
+            )));
         }
         let (tx, mut rx) = mpsc::unbounded_channel();
         let seams = Seams {
@@ -366,7 +367,7 @@ impl SimWorker {
                 }
             }
         };
-        let run = crate::app::run_tasks(worker.runner, worker.store, shutdown.clone());
+        let run = abada_agent_worker::app::run_tasks(worker.runner, worker.store, shutdown.clone());
         let join = tokio::spawn(async move {
             // The events are copied as they come, in the runner's order.
             tokio::join!(run, forward);

@@ -1,24 +1,36 @@
-//! The deterministic simulator: N production workers (built by the composition root, as the
-//! daemon's are: [`worker`]) against the in-memory [`world`](super::world) on tokio's
-//! current-thread runtime with a paused clock. A seed is a whole scenario ([`schedule`]): tasks, workers, outages, freezes,
-//! kills and the odds of per-call faults. After the run the [`invariants`] are checked on the
-//! trace and the engine's final state; the trace's hash makes a seed's run comparable.
+//! The deterministic simulator (the `abada-sim` crate, docs/SIMULATION.md): N production
+//! workers (built by the worker's composition root, as the daemon's are: [`worker`]) against the
+//! in-memory [`world`] on tokio's current-thread runtime with a paused clock. A seed is a whole
+//! scenario ([`schedule`]): tasks, workers, outages, freezes, kills and the odds of per-call
+//! faults. After the run the [`invariants`] are checked on the trace and the engine's final
+//! state; the trace's hash makes a seed's run comparable.
 //!
-//! With the `sim-bugs` feature, [`SimOptions::bug`] reintroduces one known bug in the worker
-//! for the run (see `crate::sim_bugs`), to show the invariants catch it.
+//! With the `sim-bugs` feature, `SimOptions::bug` reintroduces one known bug in the worker
+//! for the run (see the worker's `sim_bugs`), to show the invariants catch it, each by the one
+//! `bugs::caught_by` names.
+//!
+//! A crate of its own, beside the worker's: neither the production build nor the demo compiles
+//! it. What it needs of the worker is the worker's public API (the composition root and its
+//! seams, the engine, provider, tool and store traits, the agent's vocabulary).
+#![forbid(unsafe_code)]
+// The agent's future nests deeply (see the worker's lib.rs): the simulated workers spawn it.
+#![recursion_limit = "256"]
 
+#[cfg(feature = "sim-bugs")]
+pub mod bugs;
 pub mod invariants;
 pub mod schedule;
 pub mod secrets;
 pub mod worker;
+pub mod world;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::devkit::engine::{TaskSpec, TaskStatus, TaskView};
-use crate::devkit::world::approver::{self, People, PeoplePlan};
-use crate::devkit::world::{Event, ModelScript, Trace, World, WorldOptions, process};
+use crate::world::approver::{self, People, PeoplePlan};
+use crate::world::{Event, ModelScript, Trace, World, WorldOptions, process};
+use abada_devkit::engine::{TaskSpec, TaskStatus, TaskView};
 pub use invariants::Violation;
 use schedule::{Schedule, Shape, TaskPlan, worker_id};
 use worker::SimWorker;
@@ -36,7 +48,7 @@ pub struct SimOptions {
     pub keep_trace: bool,
     /// The bug to reintroduce for this run (`sim-bugs` builds only).
     #[cfg(feature = "sim-bugs")]
-    pub bug: Option<crate::sim_bugs::Bug>,
+    pub bug: Option<abada_agent_worker::sim_bugs::Bug>,
 }
 
 /// What one seed's run gave.
@@ -68,7 +80,7 @@ impl SeedReport {
     /// The one-line command that replays this seed with its full trace.
     pub fn replay_command(&self) -> String {
         format!(
-            "cargo run --release --example simulate -- --seed {} --trace",
+            "cargo run -p abada-sim --release --example simulate -- --seed {} --trace",
             self.seed
         )
     }
@@ -79,7 +91,7 @@ impl SeedReport {
 /// `test-util`, which the examples and tests have and the library does not).
 pub fn run_seed(runtime: tokio::runtime::Runtime, options: &SimOptions) -> SeedReport {
     #[cfg(feature = "sim-bugs")]
-    crate::sim_bugs::select(options.bug);
+    abada_agent_worker::sim_bugs::select(options.bug);
     // A second dispatcher, alive for the seed, before the capture's: with one registered alone,
     // tracing decides whether a callsite first hit on another thread (another test of the same
     // binary) is of interest from that thread's subscriber only and caches "never", and the
@@ -96,7 +108,7 @@ pub fn run_seed(runtime: tokio::runtime::Runtime, options: &SimOptions) -> SeedR
         runtime.block_on(simulate(options, &capture))
     });
     #[cfg(feature = "sim-bugs")]
-    crate::sim_bugs::select(None);
+    abada_agent_worker::sim_bugs::select(None);
     // Whatever is left (a killed worker's calls that never return) is dropped here.
     runtime.shutdown_background();
     report
@@ -125,7 +137,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
             hostile: false,
             finals: String::new(),
         };
-        if crate::devkit::world::upgrade::seed(&world, &script, u.retries)
+        if crate::world::upgrade::seed(&world, &script, u.retries)
             .await
             .is_some()
         {

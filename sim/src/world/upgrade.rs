@@ -25,12 +25,12 @@ use serde_json::{Value, json};
 use super::World;
 use super::model::ModelScript;
 use super::trace::Event;
-use crate::agent::definition::AgentDefinition;
-use crate::agent::journal;
-use crate::conversation::{AssistantMessage, ToolCall, ToolResult, Usage};
-use crate::devkit::engine::TaskSpec;
-use crate::engine::JournalStep;
-use crate::store::{Claimant, RunKey, RunStore};
+use abada_agent_worker::agent::definition::AgentDefinition;
+use abada_agent_worker::agent::journal;
+use abada_agent_worker::conversation::{AssistantMessage, ToolCall, ToolResult, Usage};
+use abada_agent_worker::engine::JournalStep;
+use abada_agent_worker::store::{Claimant, RunKey, RunStore};
+use abada_devkit::engine::TaskSpec;
 
 /// The worker id the previous release's process had (it is gone: no call of it is simulated).
 pub const PREVIOUS_WORKER: &str = "previous-release";

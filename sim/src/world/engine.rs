@@ -3,7 +3,7 @@
 //! into the body the HTTP client would send, run under the world's faults (held while its worker
 //! is frozen, refused during an outage, held unanswered through a hang, slowed, failed, or
 //! executed with its answer lost), and a
-//! refusal is classified by the HTTP client's own rules (`client::classify_answer`), so the
+//! refusal is classified by the HTTP client's own rules (`sim_view::engine_client::classify_answer`), so the
 //! worker's core sees exactly the errors it would see over the wire. Every call and answer is
 //! recorded in the world's trace.
 //!
@@ -22,11 +22,13 @@ use abada_devkit::engine::{CoreReply, Operation};
 
 use super::World;
 use super::trace::{Answer, Event};
-use crate::engine::client::{classify_answer, journal_append_key, journal_append_refusal};
-use crate::engine::{
+use abada_agent_worker::devkit::sim_view::engine_client::{
+    OP_PROCESS_DEFINITION, OP_PROCESS_INSTANCE, classify_answer, decode_journal,
+    decode_locked_tasks, decode_tool_credential, journal_append_key, journal_append_refusal,
+};
+use abada_agent_worker::engine::{
     AppendOutcome, BpmnErrorReport, Engine, EngineError, FailureReport, FetchRequest, Journal,
-    JournalStep, OP_PROCESS_DEFINITION, OP_PROCESS_INSTANCE, ProbeOutcome, ProcessDefinition,
-    ProcessInstance, Task, TaskRef, ToolCredential, wire,
+    JournalStep, ProbeOutcome, ProcessDefinition, ProcessInstance, Task, TaskRef, ToolCredential,
 };
 
 /// One worker's view of the world's engine.
@@ -370,7 +372,9 @@ async fn at_engine(
     #[cfg(feature = "sim-bugs")]
     let body = match (op, task_id.as_deref(), body) {
         (Operation::JournalAppend, Some(id), mut body)
-            if crate::sim_bugs::active(crate::sim_bugs::Bug::EngineAcceptsStaleAppend) =>
+            if abada_agent_worker::sim_bugs::active(
+                abada_agent_worker::sim_bugs::Bug::EngineAcceptsStaleAppend,
+            ) =>
         {
             if let Some(view) = world.core().task(id) {
                 body["attempt"] = view.attempt.into();
@@ -462,7 +466,7 @@ impl Engine for WorldEngine {
         }
         let bytes = reply.body.unwrap_or(Value::Null).to_string();
         let (tasks, rejected) =
-            wire::decode_locked_tasks(bytes.as_bytes()).map_err(|e| malformed(op, e))?;
+            decode_locked_tasks(bytes.as_bytes()).map_err(|e| malformed(op, e))?;
         if !rejected.is_empty() {
             return Err(malformed(op, rejected.join("; ")));
         }
@@ -561,7 +565,7 @@ impl Engine for WorldEngine {
             .exchange(op, Operation::JournalRead, Some(task), body.into())
             .await?;
         let bytes = reply.body.unwrap_or(Value::Null).to_string();
-        wire::decode_journal(bytes.as_bytes()).map_err(|e| malformed(op, e))
+        decode_journal(bytes.as_bytes()).map_err(|e| malformed(op, e))
     }
 
     async fn append_journal(
@@ -613,7 +617,7 @@ impl Engine for WorldEngine {
                 ),
             );
         }
-        wire::decode_tool_credential(body.to_string().as_bytes())
+        decode_tool_credential(body.to_string().as_bytes())
             .ok_or_else(|| malformed(op, "a tool credential without a token".into()))
     }
 

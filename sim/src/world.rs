@@ -2,7 +2,8 @@
 //! devkit emulator's state machine in-process, [`engine`]), the run store ([`store`], reached
 //! through [`store_view`]), scripted models ([`model`]), the
 //! faults a seeded schedule injects into them ([`faults`]) and the trace of everything that
-//! happened ([`trace`]), on tokio's clock so that a paused current-thread runtime drives it.
+//! happened ([`trace`]), on tokio's clock so that a paused current-thread runtime drives it. The
+//! paused-clock tests start workers against it too ([`workers`]).
 //!
 //! No socket, no thread, no wall clock and no unseeded randomness: given the same seed and the
 //! same calls in the same order, the world answers the same way.
@@ -16,6 +17,7 @@ pub mod store_view;
 pub mod tools;
 pub mod trace;
 pub mod upgrade;
+pub mod workers;
 // simapproval: the process shapes, the approver, and the run store the round trips wait in.
 pub mod approver;
 pub mod process;
