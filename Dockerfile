@@ -1,6 +1,6 @@
 # abada-agent-worker container image: a build stage that compiles the one binary, and a small,
 # non-root final stage that only runs it. The binary is the production build: without the cargo
-# feature `devkit` (no demo, no engine emulator, no JWT validator, no MCP tool server).
+# feature `devkit` (no demo crate, no engine emulator, no JWT validator, no MCP tool server).
 #
 #   docker build -t abada-agent-worker .                          # `dist` build (the default)
 #   docker build --build-arg PROFILE=dev -t abada-agent-worker .  # debug build, faster to compile
@@ -60,20 +60,22 @@ RUN cc --version && cargo --version
 # Dependencies first, in their own layer: build them against an empty crate, so a change to src/
 # rebuilds only this crate, not its ~250 dependencies (most of a build's time). --locked: the
 # image is built from exactly the committed Cargo.lock, or not at all. --no-default-features:
-# the production build, without the devkit. The workspace's other members (devkit/, sim/,
-# proofs/) are only loaded, never compiled (nothing the binary needs depends on them): cargo needs
-# each manifest and a target, so their stubs stay, and their sources never enter the image's
-# build.
+# the production build, without the devkit. The workspace's other members (devkit/, demo/,
+# sim/, proofs/) are only loaded, never compiled (nothing the binary needs depends on them):
+# cargo needs each manifest and a target, so their stubs stay, and their sources never enter the
+# image's build.
 # If Cargo.toml ever names explicit [[bin]]/[[test]]/[[bench]]/[[example]] paths, stub those
 # files here too (cargo checks that they exist when it reads the manifest).
 COPY Cargo.toml Cargo.lock ./
 COPY devkit/Cargo.toml devkit/
+COPY demo/Cargo.toml demo/
 COPY sim/Cargo.toml sim/
 COPY proofs/Cargo.toml proofs/
-RUN mkdir -p src devkit/src sim/src proofs/src \
+RUN mkdir -p src devkit/src demo/src sim/src proofs/src \
  && echo 'fn main() {}' > src/main.rs \
  && : > src/lib.rs \
  && : > devkit/src/lib.rs \
+ && : > demo/src/lib.rs \
  && : > sim/src/lib.rs \
  && : > proofs/src/lib.rs \
  && cargo build --profile "$PROFILE" --locked --no-default-features \

@@ -1,8 +1,9 @@
 //! The devkit, as the worker sees it (the `devkit` feature, on by default): the stand-ins of the
 //! `abada-devkit` crate under their usual paths (`devkit::engine`, `::model`, `::tools`, `::jwt`,
 //! `::loadtest`, `::stack`), plus what needs the worker itself: in-process workers started
-//! against a devkit [`stack::Stack`] ([`workers`]), the one engine decorator ([`gate`]) and the
-//! demo's freeze built on it ([`freeze`]), and the worker's internals the simulator reuses
+//! against a devkit [`stack::Stack`] ([`workers`]), the one engine decorator ([`gate`]), the
+//! demo's freeze built on it ([`freeze`]), the adapter through which the `abada-demo` crate
+//! starts its workers ([`demo_workers`]), and the worker's internals the simulator reuses
 //! ([`sim_view`]).
 //!
 //! The production build (`--no-default-features`) has none of it. The deterministic simulator
@@ -11,6 +12,7 @@
 
 pub use abada_devkit::{engine, jwt, loadtest, model, tools};
 
+pub mod demo_workers;
 pub mod freeze;
 pub mod gate;
 pub mod sim_view;

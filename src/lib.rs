@@ -18,8 +18,6 @@ pub mod config;
 pub mod conversation;
 pub mod decoders;
 #[cfg(feature = "devkit")]
-pub mod demo;
-#[cfg(feature = "devkit")]
 pub mod devkit;
 pub mod engine;
 pub mod env;

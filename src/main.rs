@@ -1,6 +1,7 @@
 //! The `abada-agent-worker` binary: parses the command line and the environment, sets up
 //! logging, waits for signals, and maps the result to an exit code. Everything else is in the
-//! library.
+//! library, and, with the `devkit` feature, in the `abada-demo` crate (`demo`, `dev-engine`),
+//! given the worker's adapter to start its workers with.
 
 use std::process::ExitCode;
 
@@ -28,9 +29,12 @@ fn main() -> ExitCode {
     match args.first().map(String::as_str) {
         None | Some("run") => daemon(),
         #[cfg(feature = "devkit")]
-        Some("demo") => abada_agent_worker::demo::cli_demo(&args[1..]),
+        Some("demo") => abada_demo::cli_demo(
+            &abada_agent_worker::devkit::demo_workers::DemoWorkers,
+            &args[1..],
+        ),
         #[cfg(feature = "devkit")]
-        Some("dev-engine") => abada_agent_worker::demo::cli_dev_engine(&args[1..]),
+        Some("dev-engine") => abada_demo::cli_dev_engine(&args[1..]),
         #[cfg(not(feature = "devkit"))]
         Some(command @ ("demo" | "dev-engine")) => {
             eprintln!(

@@ -1,7 +1,8 @@
 //! A freeze: a [`Gate`] that makes a worker stop talking to the engine, as a process paused by
 //! the OS or a long garbage collection would, and wake up later with its requests still in hand.
-//! The takeover demo puts it in front of a worker's engine client with
-//! [`GatedEngine`](super::gate::GatedEngine).
+//! The takeover demo has it put in front of a worker's engine client with
+//! [`GatedEngine`](super::gate::GatedEngine) by the demo's adapter
+//! ([`super::demo_workers`]), and drives it through the demo's `Freeze` port.
 //!
 //! While frozen, every call waits before it is sent (heartbeats included). A [`FreezePoint`]
 //! armed on the [`FreezeGate`] freezes the gate by itself at a chosen place in a task's life

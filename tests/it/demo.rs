@@ -1,19 +1,24 @@
-//! The demo's three scenarios, run in-process through the library function (as the binary runs
-//! them): each must pass its own checks, and the facts behind the checks are asserted here too.
+//! The demo's scenarios, run in-process through the `abada-demo` crate's function with the
+//! worker's adapter (as the binary runs them): each must pass its own checks, and the facts
+//! behind the checks are asserted here too.
 //! `takeover --store` and `approval` run against a database of its own on the test PostgreSQL
 //! (`ABADA_TEST_DATABASE_URL`, see `store.rs`).
 
-use abada_agent_worker::demo::{self, DemoArgs, DemoReport, DemoStore, Output, Scenario};
+use abada_agent_worker::devkit::demo_workers::DemoWorkers;
+use abada_demo::{DemoArgs, DemoReport, DemoStore, Output, Scenario};
 use serde_json::Value;
 
 use crate::store::TestDb;
 
 async fn run(scenario: Scenario) -> DemoReport {
-    let report = demo::run(DemoArgs {
-        scenario,
-        output: Output::Silent,
-        store: None,
-    })
+    let report = abada_demo::run(
+        &DemoWorkers,
+        DemoArgs {
+            scenario,
+            output: Output::Silent,
+            store: None,
+        },
+    )
     .await
     .expect("the scenario runs to its verdict");
     let failed: Vec<_> = report.checks.iter().filter(|c| !c.passed).collect();
@@ -146,11 +151,14 @@ async fn takeover_on_the_store() {
     let Some(db) = TestDb::create().await else {
         return;
     };
-    let report = demo::run(DemoArgs {
-        scenario: Scenario::Takeover,
-        output: Output::Silent,
-        store: Some(DemoStore::new(db.url.render()).unwrap()),
-    })
+    let report = abada_demo::run(
+        &DemoWorkers,
+        DemoArgs {
+            scenario: Scenario::Takeover,
+            output: Output::Silent,
+            store: Some(DemoStore::new(db.url.render(), &DemoWorkers).unwrap()),
+        },
+    )
     .await
     .expect("the scenario runs to its verdict");
     let failed: Vec<_> = report.checks.iter().filter(|c| !c.passed).collect();
@@ -209,11 +217,14 @@ async fn approval_on_the_store() {
     let Some(db) = TestDb::create().await else {
         return;
     };
-    let report = demo::run(DemoArgs {
-        scenario: Scenario::Approval,
-        output: Output::Silent,
-        store: Some(DemoStore::new(db.url.render()).unwrap()),
-    })
+    let report = abada_demo::run(
+        &DemoWorkers,
+        DemoArgs {
+            scenario: Scenario::Approval,
+            output: Output::Silent,
+            store: Some(DemoStore::new(db.url.render(), &DemoWorkers).unwrap()),
+        },
+    )
     .await
     .expect("the scenario runs to its verdict");
     let failed: Vec<_> = report.checks.iter().filter(|c| !c.passed).collect();

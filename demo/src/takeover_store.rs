@@ -18,15 +18,11 @@ use serde_json::json;
 use super::takeover::{LEASE, expire_w1_lease, w2_finishes, w2_takes_over};
 use super::takeover::{call_json, call_text, operation_name};
 use super::timeline::{Output, Timeline};
+use super::workers::{FreezeAt, TaskOutcome, WorkerSpec, Workers};
 use super::{Check, Crew, DemoError, DemoReport, DemoStore, metric_sum, pump, pump_until};
-use crate::devkit::engine::{CallRecord, Disposition, Operation, ProtocolLevel, TaskStatus};
-use crate::devkit::freeze::FreezeGate;
-use crate::devkit::gate::GatedEngine;
-use crate::devkit::stack::{
-    ORDERS_SERVER, REFUND_MODEL, Stack, StackWorkers, WorkerOptions, refund_script,
-};
-use crate::devkit::tools::{StaticTokens, ToolServer, ToolServerOptions};
-use crate::handler::TaskEnd;
+use abada_devkit::engine::{CallRecord, Disposition, Operation, ProtocolLevel, TaskStatus};
+use abada_devkit::stack::{ORDERS_SERVER, REFUND_MODEL, Stack, refund_script};
+use abada_devkit::tools::{StaticTokens, ToolServer, ToolServerOptions};
 
 const SCENARIO: &str = "takeover";
 const LIMIT: Duration = Duration::from_secs(20);
@@ -81,7 +77,11 @@ impl Drop for OperatorFiles {
     }
 }
 
-pub(super) async fn run(output: Output, store: &DemoStore) -> Result<DemoReport, DemoError> {
+pub(super) async fn run(
+    workers: &dyn Workers,
+    output: Output,
+    store: &DemoStore,
+) -> Result<DemoReport, DemoError> {
     let stack = Stack::start(ProtocolLevel::PlainV1).await?;
     stack.model.set_script(
         REFUND_MODEL,
@@ -96,7 +96,7 @@ pub(super) async fn run(output: Output, store: &DemoStore) -> Result<DemoReport,
     let result = match tools {
         Ok(tools) => {
             let result = match OperatorFiles::write(&tools.url()) {
-                Ok(files) => scenario(&stack, &tools, &files, store, output).await,
+                Ok(files) => scenario(workers, &stack, &tools, &files, store, output).await,
                 Err(e) => Err(e),
             };
             tools.shutdown().await;
@@ -108,24 +108,17 @@ pub(super) async fn run(output: Output, store: &DemoStore) -> Result<DemoReport,
     result
 }
 
-fn worker_options(name: &str, files: &OperatorFiles, store: &DemoStore) -> WorkerOptions {
-    let mut opts = WorkerOptions::new(name, 1);
-    opts.lock_duration = LEASE;
-    opts.env = store.worker_env();
-    opts.env.extend([
-        (
-            "ABADA_AGENT_AGENTS_FILE".into(),
-            files.agents.display().to_string(),
-        ),
-        (
-            "ABADA_AGENT_TOOLS_FILE".into(),
-            files.tools.display().to_string(),
-        ),
-    ]);
+fn worker_options(name: &str, files: &OperatorFiles, store: &DemoStore) -> WorkerSpec {
+    let mut opts = WorkerSpec::new(name, 1);
+    opts.lease = LEASE;
+    opts.store = Some(store.for_worker());
+    opts.agents_file = Some(files.agents.clone());
+    opts.tools_file = Some(files.tools.clone());
     opts
 }
 
 async fn scenario(
+    workers: &dyn Workers,
     stack: &Stack,
     tools: &ToolServer,
     files: &OperatorFiles,
@@ -154,13 +147,13 @@ async fn scenario(
 
     // Worker 1 is frozen inside its keyed write: the refund is applied, its answer held.
     tools.hold_next_write();
-    let gate1 = FreezeGate::new();
     let mut crew = Crew::new();
-    crew.add(stack.spawn_worker_with(
+    let gate1 = crew.start_freezable(
+        workers,
+        stack,
         worker_options("W1", files, store),
-        Stack::fast_agent_settings(),
-        GatedEngine::wrapper(gate1.clone()),
-    ));
+        FreezeAt::Manual,
+    )?;
     tl.emit(
         "demo",
         "worker_started",
@@ -203,6 +196,7 @@ async fn scenario(
     let gate2 = w2_takes_over(
         &mut tl,
         &mut crew,
+        workers,
         stack,
         worker_options("W2", files, store),
         ", run store",
@@ -210,7 +204,7 @@ async fn scenario(
         LIMIT,
     )
     .await?;
-    let w2_text = crew.workers[1].handle.metrics.encode();
+    let w2_text = crew.workers[1].worker.metrics_text();
     let w2_claims = metric_sum(
         &w2_text,
         "abada_agent_store_transaction_duration_seconds_count",
@@ -258,7 +252,7 @@ async fn scenario(
         LIMIT,
     )
     .await?;
-    let w1_text = crew.workers[0].handle.metrics.encode();
+    let w1_text = crew.workers[0].worker.metrics_text();
     let refused = metric_sum(
         &w1_text,
         "abada_agent_store_errors_total",
@@ -287,12 +281,12 @@ async fn scenario(
     };
 
     // Worker 2 finishes.
-    w2_finishes(&mut tl, &mut crew, stack, &gate2, &id, SCENARIO, LIMIT).await?;
+    w2_finishes(&mut tl, &mut crew, stack, &*gate2, &id, SCENARIO, LIMIT).await?;
     let w2_finished = {
-        let w2 = &crew.workers[1].handle;
+        let w2 = &crew.workers[1].worker;
         let finished = || {
             metric_sum(
-                &w2.metrics.encode(),
+                &w2.metrics_text(),
                 "abada_agent_store_transaction_duration_seconds_count",
                 &["operation=\"finish\""],
             )
@@ -362,10 +356,10 @@ async fn scenario(
     let w1_outcome = workers[0].ended.first().map(|e| e.2);
     checks.push(Check::new(
         "the store refused W1's append: RUN_STORE_FENCED",
-        refused == 1 && fenced == 1 && w1_outcome == Some(TaskEnd::LeaseLost),
+        refused == 1 && fenced == 1 && w1_outcome == Some(TaskOutcome::LeaseLost),
         format!(
             "refused appends {refused}, leases lost RUN_STORE_FENCED {fenced}; W1 ended {}",
-            w1_outcome.map_or("-", TaskEnd::as_str)
+            w1_outcome.map_or("-", TaskOutcome::as_str)
         ),
     ));
     let w1_reports = all

@@ -14,14 +14,14 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::timeline::{Output, Timeline};
+use super::workers::{LabelNames, TaskOutcome, WorkerSpec, Workers};
 use super::{
     Check, Crew, DemoError, DemoReport, model_calls_by_outcome, pump, pump_until, refund_task,
     start_stack,
 };
-use crate::devkit::engine::{TaskStatus, TaskView};
-use crate::devkit::model::{Fault, FaultTimes};
-use crate::devkit::stack::{DeclaredLabelNames, Stack, StackWorkers, WorkerOptions, refund_script};
-use crate::handler::TaskEnd;
+use abada_devkit::engine::{TaskStatus, TaskView};
+use abada_devkit::model::{Fault, FaultTimes};
+use abada_devkit::stack::{Stack, refund_script};
 
 const SCENARIO: &str = "rate-limit";
 const LIMIT: Duration = Duration::from_secs(15);
@@ -32,9 +32,9 @@ const FALLBACK: &str = "refund-fallback";
 const RETRY_AFTER: Duration = Duration::from_secs(3);
 const RETRIES: i32 = 3;
 
-pub(super) async fn run(output: Output) -> Result<DemoReport, DemoError> {
+pub(super) async fn run(workers: &dyn Workers, output: Output) -> Result<DemoReport, DemoError> {
     let stack = start_stack(Duration::from_millis(100)).await?;
-    let result = scenario(&stack, output).await;
+    let result = scenario(workers, &stack, output).await;
     stack.shutdown().await;
     result
 }
@@ -116,7 +116,11 @@ fn retries_text(retries: Option<i32>) -> String {
     retries.map_or_else(|| "null".to_string(), |r| r.to_string())
 }
 
-async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError> {
+async fn scenario(
+    workers: &dyn Workers,
+    stack: &Stack,
+    output: Output,
+) -> Result<DemoReport, DemoError> {
     let mut tl = Timeline::new(output);
     let latency = Duration::from_millis(100);
     stack
@@ -156,13 +160,14 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     );
     // Only an operator's names label metrics (the calls are counted by model): the worker's
     // agents file declares the agent and both models.
-    let names =
-        DeclaredLabelNames::write("refund-agent", &[primary.as_str(), fallback.as_str()], &[])
-            .map_err(|e| DemoError::Setup(format!("cannot write the declared label names: {e}")))?;
-    let mut opts = WorkerOptions::new("W1", 2);
-    opts.env.push(names.env());
+    let mut opts = WorkerSpec::new("W1", 2);
+    opts.label_names = Some(LabelNames {
+        agent: "refund-agent".into(),
+        models: vec![primary.clone(), fallback.clone()],
+        servers: Vec::new(),
+    });
     let mut crew = Crew::new();
-    crew.add(stack.spawn_worker(opts, Stack::fast_agent_settings()));
+    crew.start(workers, stack, opts)?;
     tl.emit(
         "demo",
         "worker_started",
@@ -175,7 +180,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     })
     .await?;
     worker_ended(&mut tl, &mut crew, 1).await?;
-    let phase1 = model_calls_by_outcome(&crew.workers[0].handle.metrics.encode());
+    let phase1 = model_calls_by_outcome(&crew.workers[0].worker.metrics_text());
     tl.emit(
         "model",
         "calls",
@@ -249,7 +254,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
         }),
     );
     worker_ended(&mut tl, &mut crew, 2).await?;
-    let before_recovery = model_calls_by_outcome(&crew.workers[0].handle.metrics.encode());
+    let before_recovery = model_calls_by_outcome(&crew.workers[0].worker.metrics_text());
 
     // 3. The provider recovers; the task comes back after its retry timeout and completes.
     stack.model.clear_faults(PRIMARY);
@@ -265,7 +270,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     })
     .await?;
     worker_ended(&mut tl, &mut crew, 3).await?;
-    let after = model_calls_by_outcome(&crew.workers[0].handle.metrics.encode());
+    let after = model_calls_by_outcome(&crew.workers[0].worker.metrics_text());
     let phase3 = diff(&after, &before_recovery);
     tl.emit(
         "model",
@@ -294,13 +299,13 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     let deferral_outcome = ended.iter().find(|(id, _, _)| *id == b).map(|(_, _, o)| *o);
     checks.push(Check::new(
         "every model unavailable: deferred without consuming a retry",
-        deferral_outcome == Some(TaskEnd::Deferred)
+        deferral_outcome == Some(TaskOutcome::Deferred)
             && deferred.counters.failures == 1
             && deferred.retries == Some(RETRIES)
             && deferred.hidden,
         format!(
             "first attempt of {b} ended {}; retries {} after the failure (created with {RETRIES}); hidden {}",
-            deferral_outcome.map_or("-", TaskEnd::as_str),
+            deferral_outcome.map_or("-", TaskOutcome::as_str),
             retries_text(deferred.retries),
             deferred.hidden
         ),

@@ -1,13 +1,19 @@
-//! The `demo` and `dev-engine` subcommands: the whole system on loopback with no keys and no
-//! services (the devkit engine emulator, the scripted model provider and the MCP tool server in
-//! this process, and real workers claiming real leases over HTTP), told as a timeline.
+//! The `demo` and `dev-engine` subcommands of `abada-agent-worker`: the whole system on loopback
+//! with no keys and no services (the devkit engine emulator, the scripted model provider and the
+//! MCP tool server in this process, and real workers claiming real leases over HTTP), told as a
+//! timeline.
 //!
 //! Scenarios: `load` (twenty refund tasks, two workers of four slots), `takeover` (a frozen
-//! worker's lease expires, another resumes the task from its journal, the first is fenced off)
-//! and `rate-limit` (fallback model, then a deferral that keeps the task's retries). Each checks
-//! its own invariants; [`DemoReport::passed`] is the verdict. [`run`] serves both the binary and
-//! the tests. `takeover --store` tells the takeover on an engine without agent/1, kept durable by
-//! the PostgreSQL run store that `ABADA_AGENT_STORE_URL` names; every other run needs nothing.
+//! worker's lease expires, another resumes the task from its journal, the first is fenced off),
+//! `rate-limit` (fallback model, then a deferral that keeps the task's retries) and `approval`
+//! (refunds that wait for a person). Each checks its own invariants; [`DemoReport::passed`] is
+//! the verdict. [`run`] serves both the binary and the tests. `takeover --store` tells the
+//! takeover on an engine without agent/1, kept durable by the PostgreSQL run store that
+//! `ABADA_AGENT_STORE_URL` names; `approval` needs that store too; every other run needs nothing.
+//!
+//! This crate does not depend on the worker (the worker's binary depends on it, and Cargo forbids
+//! the cycle): it starts and reaches its workers through its own port, [`workers::Workers`],
+//! which the worker's devkit side implements with real workers and the binary passes in.
 
 mod approval;
 mod dev_engine;
@@ -16,24 +22,27 @@ mod rate_limit;
 mod takeover;
 mod takeover_store;
 mod timeline;
+pub mod workers;
 
 use std::collections::HashMap;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::devkit::engine::{TaskSpec, TaskStatus, TaskView};
-use crate::devkit::stack::{Stack, StackError, WorkerHandle};
-use crate::handler::TaskEnd;
-use crate::heartbeat::HeartbeatEvent;
-use crate::runner::RunnerEvent;
+use abada_devkit::engine::{TaskSpec, TaskStatus, TaskView};
+use abada_devkit::stack::{Stack, StackError};
 
 pub(crate) use dev_engine::{DevEngineArgs, run_dev_engine};
 use timeline::Timeline;
 pub use timeline::{Event, Output};
+use workers::{
+    Freeze, FreezeAt, RunningWorker, STORE_ALLOW_INSECURE_VAR, STORE_URL_VAR, StartedWorker,
+    TaskOutcome, WorkerEvent, WorkerSpec, Workers,
+};
 
 /// Which story the demo tells.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,29 +98,23 @@ pub struct DemoStore {
 impl DemoStore {
     /// Checks the URL as the worker would (`ABADA_AGENT_STORE_URL`, with
     /// `ABADA_AGENT_STORE_ALLOW_INSECURE` from the environment).
-    pub fn new(url: impl Into<String>) -> Result<DemoStore, ArgsError> {
+    pub fn new(url: impl Into<String>, workers: &dyn Workers) -> Result<DemoStore, ArgsError> {
         let url = url.into();
-        let allow_insecure = std::env::var(crate::config::ENV_STORE_ALLOW_INSECURE)
+        let allow_insecure = std::env::var(STORE_ALLOW_INSECURE_VAR)
             .is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"));
-        let parsed = crate::store::StoreUrl::parse(&url, allow_insecure)
-            .map_err(|e| ArgsError::BadStoreUrl(e.to_string()))?;
+        let redacted = workers
+            .check_store_url(&url, allow_insecure)
+            .map_err(ArgsError::BadStoreUrl)?;
         Ok(DemoStore {
-            redacted: parsed.redacted().to_string(),
+            redacted,
             url,
             allow_insecure,
         })
     }
 
-    /// The store's variables for a demo worker.
-    pub(crate) fn worker_env(&self) -> Vec<(String, String)> {
-        let mut env = vec![(crate::config::ENV_STORE_URL.into(), self.url.clone())];
-        if self.allow_insecure {
-            env.push((
-                crate::config::ENV_STORE_ALLOW_INSECURE.into(),
-                "true".into(),
-            ));
-        }
-        env
+    /// The store as a demo worker is given it.
+    pub(crate) fn for_worker(&self) -> (String, bool) {
+        (self.url.clone(), self.allow_insecure)
     }
 
     /// The URL with its password replaced.
@@ -125,9 +128,6 @@ impl std::fmt::Debug for DemoStore {
         f.debug_tuple("DemoStore").field(&self.redacted).finish()
     }
 }
-
-/// The variable `--store` reads the run store's URL from (the worker's own).
-pub(crate) const STORE_URL_VAR: &str = crate::config::ENV_STORE_URL;
 
 /// What is wrong with a command line.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -192,11 +192,12 @@ fn flag_value<'a>(
 }
 
 /// Parses the arguments after `demo`. `color` says whether stdout is a terminal; `store_url` is
-/// `ABADA_AGENT_STORE_URL`, used with `--store` only.
+/// `ABADA_AGENT_STORE_URL`, used with `--store` and `approval` only, and checked by `workers`.
 pub(crate) fn parse_demo_args(
     args: &[String],
     color: bool,
     store_url: Option<String>,
+    workers: &dyn Workers,
 ) -> Result<DemoArgs, ArgsError> {
     let mut scenario = Scenario::Load;
     let mut json = false;
@@ -225,7 +226,7 @@ pub(crate) fn parse_demo_args(
         let url = store_url.ok_or(ArgsError::ApprovalWithoutUrl)?;
         return Ok(DemoArgs {
             scenario,
-            store: Some(DemoStore::new(url)?),
+            store: Some(DemoStore::new(url, workers)?),
             output,
         });
     }
@@ -235,7 +236,7 @@ pub(crate) fn parse_demo_args(
             return Err(ArgsError::StoreScenario(scenario.name()));
         }
         (true, None) => return Err(ArgsError::StoreWithoutUrl),
-        (true, Some(url)) => Some(DemoStore::new(url)?),
+        (true, Some(url)) => Some(DemoStore::new(url, workers)?),
     };
     Ok(DemoArgs {
         scenario,
@@ -328,14 +329,17 @@ pub enum DemoError {
     Setup(String),
 }
 
-/// Runs one scenario to its verdict, printing its timeline as it goes (per `args.output`).
-pub async fn run(args: DemoArgs) -> Result<DemoReport, DemoError> {
+/// Runs one scenario to its verdict with workers started by `workers`, printing its timeline as
+/// it goes (per `args.output`).
+pub async fn run(workers: &dyn Workers, args: DemoArgs) -> Result<DemoReport, DemoError> {
     let report = match (args.scenario, &args.store) {
-        (Scenario::Takeover, Some(store)) => takeover_store::run(args.output, store).await?,
-        (Scenario::Load, _) => load::run(args.output).await?,
-        (Scenario::Takeover, None) => takeover::run(args.output).await?,
-        (Scenario::RateLimit, _) => rate_limit::run(args.output).await?,
-        (Scenario::Approval, Some(store)) => approval::run(args.output, store).await?,
+        (Scenario::Takeover, Some(store)) => {
+            takeover_store::run(workers, args.output, store).await?
+        }
+        (Scenario::Load, _) => load::run(workers, args.output).await?,
+        (Scenario::Takeover, None) => takeover::run(workers, args.output).await?,
+        (Scenario::RateLimit, _) => rate_limit::run(workers, args.output).await?,
+        (Scenario::Approval, Some(store)) => approval::run(workers, args.output, store).await?,
         (Scenario::Approval, None) => {
             return Err(DemoError::Setup(ArgsError::ApprovalWithoutUrl.to_string()));
         }
@@ -344,15 +348,16 @@ pub async fn run(args: DemoArgs) -> Result<DemoReport, DemoError> {
     Ok(report)
 }
 
-/// `abada-agent-worker demo ...`: parses, runs, and maps the verdict to the exit code.
-pub fn cli_demo(args: &[String]) -> ExitCode {
+/// `abada-agent-worker demo ...`: parses, runs with workers started by `workers`, and maps the
+/// verdict to the exit code.
+pub fn cli_demo(workers: &dyn Workers, args: &[String]) -> ExitCode {
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!("{DEMO_USAGE}");
         return ExitCode::SUCCESS;
     }
     let color = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let store_url = std::env::var(STORE_URL_VAR).ok();
-    let args = match parse_demo_args(args, color, store_url) {
+    let args = match parse_demo_args(args, color, store_url, workers) {
         Ok(a) => a,
         Err(e) => {
             eprintln!("abada-agent-worker demo: {e}\n\n{DEMO_USAGE}");
@@ -363,7 +368,7 @@ pub fn cli_demo(args: &[String]) -> ExitCode {
     let Some(runtime) = build_runtime() else {
         return ExitCode::FAILURE;
     };
-    match runtime.block_on(run(args)) {
+    match runtime.block_on(run(workers, args)) {
         Ok(report) if report.passed() => ExitCode::SUCCESS,
         Ok(_) => ExitCode::FAILURE,
         Err(e) => {
@@ -435,21 +440,21 @@ fn init_quiet_logging() {
 /// How long `Crew::stop` waits for a stopped worker's last events.
 const FORWARDER_DRAIN: Duration = Duration::from_secs(5);
 
-/// A worker of a scenario: its handle and what its events said.
+/// A worker of a scenario: the worker and what its events said.
 pub(crate) struct DemoWorker {
     pub name: String,
-    pub handle: WorkerHandle,
+    pub worker: Box<dyn RunningWorker>,
     pub stats: WorkerSummary,
     pub running: u32,
     /// Each attempt this worker ended: (task, attempt, outcome).
-    pub ended: Vec<(String, Option<u32>, TaskEnd)>,
+    pub ended: Vec<(String, Option<u32>, TaskOutcome)>,
 }
 
 /// The workers of a scenario, their events merged into one channel (per-worker order kept).
 pub(crate) struct Crew {
     pub workers: Vec<DemoWorker>,
-    tx: mpsc::UnboundedSender<(usize, RunnerEvent)>,
-    pub rx: mpsc::UnboundedReceiver<(usize, RunnerEvent)>,
+    tx: mpsc::UnboundedSender<(usize, WorkerEvent)>,
+    pub rx: mpsc::UnboundedReceiver<(usize, WorkerEvent)>,
     /// One per worker: passes its events on, and ends once it has passed the last one.
     forwarders: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -465,10 +470,47 @@ impl Crew {
         }
     }
 
-    /// Adds a worker; returns its index.
-    pub fn add(&mut self, mut handle: WorkerHandle) -> usize {
+    /// Starts a worker per `spec` (with no freeze) and adds it.
+    pub fn start(
+        &mut self,
+        workers: &dyn Workers,
+        stack: &Stack,
+        mut spec: WorkerSpec,
+    ) -> Result<(), DemoError> {
+        spec.freeze = None;
+        let name = spec.name.clone();
+        let started = workers.start(stack, spec).map_err(DemoError::Setup)?;
+        self.add(name, started);
+        Ok(())
+    }
+
+    /// Starts a worker per `spec`, its engine client behind a freeze armed `at`, and adds it;
+    /// returns the freeze's switch.
+    pub fn start_freezable(
+        &mut self,
+        workers: &dyn Workers,
+        stack: &Stack,
+        mut spec: WorkerSpec,
+        at: FreezeAt,
+    ) -> Result<Arc<dyn Freeze>, DemoError> {
+        spec.freeze = Some(at);
+        let name = spec.name.clone();
+        let started = workers.start(stack, spec).map_err(DemoError::Setup)?;
+        self.add(name.clone(), started).ok_or_else(|| {
+            DemoError::Setup(format!(
+                "the worker adapter started {name} without the freeze its scenario asked for"
+            ))
+        })
+    }
+
+    /// Adds a started worker.
+    fn add(&mut self, name: String, started: StartedWorker) -> Option<Arc<dyn Freeze>> {
+        let StartedWorker {
+            worker,
+            mut events,
+            freeze,
+        } = started;
         let index = self.workers.len();
-        let mut events = std::mem::replace(&mut handle.events, mpsc::unbounded_channel().1);
         let tx = self.tx.clone();
         self.forwarders.push(tokio::spawn(async move {
             while let Some(e) = events.recv().await {
@@ -478,67 +520,62 @@ impl Crew {
             }
         }));
         self.workers.push(DemoWorker {
-            name: handle.worker_id.clone(),
             stats: WorkerSummary {
-                worker: handle.worker_id.clone(),
+                worker: name.clone(),
                 ..WorkerSummary::default()
             },
-            handle,
+            name,
+            worker,
             running: 0,
             ended: Vec::new(),
         });
-        index
+        freeze
     }
 
     /// Updates the worker's counters from one event.
-    pub(crate) fn absorb(&mut self, index: usize, event: &RunnerEvent) {
+    pub(crate) fn absorb(&mut self, index: usize, event: &WorkerEvent) {
         let w = &mut self.workers[index];
         match event {
-            RunnerEvent::Fetched { requested, got } => {
+            WorkerEvent::Fetched { requested, got } => {
                 w.stats.fetches += 1;
                 if w.stats.first_fetch.is_none() {
                     w.stats.first_fetch = Some((*requested, *got));
                 }
             }
-            RunnerEvent::FetchFailed { .. } => {}
-            RunnerEvent::TaskStarted { .. } => {
+            WorkerEvent::FetchFailed { .. } => {}
+            WorkerEvent::TaskStarted { .. } => {
                 w.stats.claimed += 1;
                 w.running += 1;
                 w.stats.max_running = w.stats.max_running.max(w.running);
             }
             // A slot is busy from a task's start until its work is done (its report goes out
             // after the slot is given back).
-            RunnerEvent::SlotFreed { .. } => w.running = w.running.saturating_sub(1),
-            RunnerEvent::TaskEnded {
+            WorkerEvent::SlotFreed { .. } => w.running = w.running.saturating_sub(1),
+            WorkerEvent::TaskEnded {
                 task_id,
                 attempt,
                 outcome,
             } => {
                 match outcome {
-                    TaskEnd::Completed => w.stats.completed += 1,
-                    TaskEnd::LeaseLost => w.stats.leases_lost += 1,
+                    TaskOutcome::Completed => w.stats.completed += 1,
+                    TaskOutcome::LeaseLost => w.stats.leases_lost += 1,
                     _ => {}
                 }
                 w.ended.push((task_id.clone(), *attempt, *outcome));
             }
-            RunnerEvent::Heartbeat(HeartbeatEvent::Extended { .. }) => w.stats.heartbeats += 1,
-            RunnerEvent::Heartbeat(_) => {}
+            WorkerEvent::LeaseExtended => w.stats.heartbeats += 1,
+            WorkerEvent::LeaseLost { .. } => {}
         }
     }
 
     /// Stops every worker (staged shutdown), drains the remaining events, and fills the model
     /// and tool counters from each worker's metrics.
     pub async fn stop(mut self) -> Vec<DemoWorker> {
-        let handles: Vec<_> = self
-            .workers
-            .iter()
-            .map(|w| w.handle.shutdown.clone())
-            .collect();
-        for h in &handles {
-            h.cancel();
+        for w in &self.workers {
+            w.worker.stop();
         }
         for w in &self.workers {
-            while !w.handle.is_finished() {
+            while !w.worker.is_finished() {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
@@ -551,7 +588,7 @@ impl Crew {
             self.absorb(i, &e);
         }
         for w in &mut self.workers {
-            let text = w.handle.metrics.encode();
+            let text = w.worker.metrics_text();
             w.stats.model_calls = metric_sum(&text, "abada_agent_model_calls_total", &[]);
             w.stats.tool_calls = metric_sum(&text, "abada_agent_tool_calls_total", &[]);
             w.stats.keyed_writes = metric_sum(
@@ -654,35 +691,35 @@ pub(crate) fn model_calls_by_outcome(metrics_text: &str) -> HashMap<(String, Str
 /// Starts the stack with the refund script slowed to `latency` per model turn, so the
 /// timeline is readable.
 pub(crate) async fn start_stack(latency: Duration) -> Result<Stack, DemoError> {
-    let stack = Stack::start(crate::devkit::engine::ProtocolLevel::AgentV1).await?;
+    let stack = Stack::start(abada_devkit::engine::ProtocolLevel::AgentV1).await?;
     stack.model.set_script(
-        crate::devkit::stack::REFUND_MODEL,
-        crate::devkit::stack::refund_script().with_latency(latency),
+        abada_devkit::stack::REFUND_MODEL,
+        abada_devkit::stack::refund_script().with_latency(latency),
     );
     Ok(stack)
 }
 
 /// Prints a worker event in plain words (scenarios with few tasks); empty polls, fetch counts
 /// and successful heartbeats are left out.
-pub(crate) fn narrate(tl: &mut Timeline, name: &str, event: &RunnerEvent) {
+pub(crate) fn narrate(tl: &mut Timeline, name: &str, event: &WorkerEvent) {
     match event {
-        RunnerEvent::TaskStarted { task_id, attempt } => tl.emit(
+        WorkerEvent::TaskStarted { task_id, attempt } => tl.emit(
             name,
             "claimed",
             format!("claims {task_id} (attempt {})", attempt_text(*attempt)),
             json!({"task": task_id, "attempt": attempt}),
         ),
-        RunnerEvent::TaskEnded {
+        WorkerEvent::TaskEnded {
             task_id,
             attempt,
             outcome,
         } => {
             let text = match outcome {
-                TaskEnd::Completed => format!("{task_id} completed"),
-                TaskEnd::LeaseLost => {
+                TaskOutcome::Completed => format!("{task_id} completed"),
+                TaskOutcome::LeaseLost => {
                     format!("{task_id}: lease lost -> abandons the attempt, reports nothing")
                 }
-                TaskEnd::Deferred => {
+                TaskOutcome::Deferred => {
                     format!("{task_id} deferred: failure with retries unchanged and a retryTimeout")
                 }
                 other => format!("{task_id} ended: {other}"),
@@ -694,20 +731,20 @@ pub(crate) fn narrate(tl: &mut Timeline, name: &str, event: &RunnerEvent) {
                 json!({"task": task_id, "attempt": attempt, "outcome": outcome.as_str()}),
             );
         }
-        RunnerEvent::SlotFreed { .. } => {}
-        RunnerEvent::FetchFailed { error } => tl.emit(
+        WorkerEvent::SlotFreed { .. } => {}
+        WorkerEvent::FetchFailed { error } => tl.emit(
             name,
             "fetch_failed",
             format!("fetch failed: {error}"),
             json!({"error": error}),
         ),
-        RunnerEvent::Heartbeat(HeartbeatEvent::Lost { reason, .. }) => tl.emit(
+        WorkerEvent::LeaseLost { reason } => tl.emit(
             name,
             "lease_lost",
             format!("heartbeat: lease lost ({reason})"),
-            json!({"reason": reason.to_string()}),
+            json!({"reason": reason}),
         ),
-        RunnerEvent::Fetched { .. } | RunnerEvent::Heartbeat(_) => {}
+        WorkerEvent::Fetched { .. } | WorkerEvent::LeaseExtended => {}
     }
 }
 
@@ -769,31 +806,60 @@ pub(crate) async fn pump_until(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use workers::{BoxFuture, StaleProbe};
 
     fn args(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| s.to_string()).collect()
     }
 
+    /// Checks store URLs only: a `postgres://` URL is accepted and redacted to its host, any
+    /// other refused (the worker's own check is tested with the worker's adapter).
+    struct UrlsOnly;
+
+    impl Workers for UrlsOnly {
+        fn start(&self, _: &Stack, spec: WorkerSpec) -> Result<StartedWorker, String> {
+            panic!("{} would start: these tests start no worker", spec.name)
+        }
+
+        fn check_store_url(&self, url: &str, _allow_insecure: bool) -> Result<String, String> {
+            match url.strip_prefix("postgres://") {
+                Some(rest) => Ok(format!(
+                    "postgres://***@{}",
+                    rest.rsplit_once('@').map_or(rest, |(_, host)| host)
+                )),
+                None => Err("is not a postgres:// URL".into()),
+            }
+        }
+
+        fn probe_stale_attempt<'a>(&'a self, _: &'a StaleProbe) -> BoxFuture<'a, ()> {
+            Box::pin(async {})
+        }
+    }
+
+    fn parse(list: &[&str], color: bool, store_url: Option<String>) -> Result<DemoArgs, ArgsError> {
+        parse_demo_args(&args(list), color, store_url, &UrlsOnly)
+    }
+
     #[test]
     fn the_command_line_is_parsed_by_hand() {
-        let a = parse_demo_args(&args(&[]), true, None).unwrap();
+        let a = parse(&[], true, None).unwrap();
         assert_eq!(a.scenario, Scenario::Load);
         assert_eq!(a.output, Output::Human { color: true });
-        let a = parse_demo_args(&args(&["--scenario", "takeover", "--json"]), true, None).unwrap();
+        let a = parse(&["--scenario", "takeover", "--json"], true, None).unwrap();
         assert_eq!(a.scenario, Scenario::Takeover);
         assert_eq!(a.output, Output::Json);
-        let a = parse_demo_args(&args(&["--scenario=rate-limit"]), false, None).unwrap();
+        let a = parse(&["--scenario=rate-limit"], false, None).unwrap();
         assert_eq!(a.scenario, Scenario::RateLimit);
         assert_eq!(
-            parse_demo_args(&args(&["--scenario", "chaos"]), false, None),
+            parse(&["--scenario", "chaos"], false, None),
             Err(ArgsError::UnknownScenario("chaos".into()))
         );
         assert_eq!(
-            parse_demo_args(&args(&["--scenario"]), false, None),
+            parse(&["--scenario"], false, None),
             Err(ArgsError::MissingValue("--scenario"))
         );
         assert_eq!(
-            parse_demo_args(&args(&["--fast"]), false, None),
+            parse(&["--fast"], false, None),
             Err(ArgsError::Unknown("--fast".into()))
         );
     }
@@ -802,19 +868,14 @@ mod tests {
     fn store_needs_the_takeover_and_a_url_and_never_prints_the_password() {
         let url = Some("postgres://abada:s3cret@127.0.0.1:5432/abada_demo".to_string());
         // Without --store the variable is not even read.
-        let a = parse_demo_args(&args(&["--scenario", "takeover"]), false, url.clone()).unwrap();
+        let a = parse(&["--scenario", "takeover"], false, url.clone()).unwrap();
         assert_eq!(a.store, None);
-        let a = parse_demo_args(
-            &args(&["--scenario", "takeover", "--store"]),
-            false,
-            url.clone(),
-        )
-        .unwrap();
+        let a = parse(&["--scenario", "takeover", "--store"], false, url.clone()).unwrap();
         let store = a.store.unwrap();
-        assert!(!store.redacted().contains("s3cret"), "{}", store.redacted());
+        assert_eq!(store.redacted(), "postgres://***@127.0.0.1:5432/abada_demo");
         assert!(!format!("{store:?}").contains("s3cret"));
         assert_eq!(
-            parse_demo_args(&args(&["--scenario", "takeover", "--store"]), false, None),
+            parse(&["--scenario", "takeover", "--store"], false, None),
             Err(ArgsError::StoreWithoutUrl)
         );
         assert!(
@@ -823,11 +884,11 @@ mod tests {
                 .contains("ABADA_AGENT_STORE_URL")
         );
         assert_eq!(
-            parse_demo_args(&args(&["--store"]), false, url.clone()),
+            parse(&["--store"], false, url.clone()),
             Err(ArgsError::StoreScenario("load"))
         );
-        let bad = parse_demo_args(
-            &args(&["--scenario", "takeover", "--store"]),
+        let bad = parse(
+            &["--scenario", "takeover", "--store"],
             false,
             Some("mysql://root:s3cret@db/x".into()),
         )

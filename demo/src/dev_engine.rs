@@ -1,12 +1,12 @@
 //! `dev-engine`: the engine emulator alone, on a fixed address, so a worker with real provider
 //! keys can be pointed at it and tasks created by hand with curl (the admin API is documented in
-//! [`crate::devkit::engine`] and docs/DEVELOPMENT.md).
+//! [`abada_devkit::engine`] and docs/DEVELOPMENT.md).
 
 use std::future::Future;
 use std::net::SocketAddr;
 
 use super::ArgsError;
-use crate::devkit::engine::{self, EmulatorError, EmulatorOptions};
+use abada_devkit::engine::{self, EmulatorError, EmulatorOptions};
 
 pub(crate) const DEV_ENGINE_USAGE: &str = "\
 usage: abada-agent-worker dev-engine [--addr 127.0.0.1:5601]

@@ -8,11 +8,10 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use super::timeline::{Output, Timeline};
+use super::workers::{LabelNames, TaskOutcome, WorkerEvent, WorkerSpec, Workers};
 use super::{Check, Crew, DemoError, DemoReport, refund_task, start_stack, timeout_error};
-use crate::devkit::engine::TaskStatus;
-use crate::devkit::stack::{DeclaredLabelNames, Stack, StackWorkers, WorkerOptions};
-use crate::handler::TaskEnd;
-use crate::runner::RunnerEvent;
+use abada_devkit::engine::TaskStatus;
+use abada_devkit::stack::{ORDERS_SERVER, Stack};
 
 const SCENARIO: &str = "load";
 const TASKS: usize = 20;
@@ -25,7 +24,7 @@ const MERGE_WINDOW: Duration = Duration::from_millis(150);
 /// for its task ids.
 #[derive(Default)]
 struct Pending {
-    ended: Vec<(String, TaskEnd)>,
+    ended: Vec<(String, TaskOutcome)>,
     /// Slots given back since the last line: a task's slot is free as its report goes out, so
     /// the worker may claim its next task before the report's answer ends the task.
     freed: u32,
@@ -54,17 +53,17 @@ fn ids_text(ids: &[String]) -> String {
     ids.join(", ")
 }
 
-fn ended_text(ended: &[(String, TaskEnd)]) -> String {
+fn ended_text(ended: &[(String, TaskOutcome)]) -> String {
     let mut by_outcome: Vec<String> = Vec::new();
     for (id, outcome) in ended {
-        let word = if *outcome == TaskEnd::Completed {
+        let word = if *outcome == TaskOutcome::Completed {
             String::new()
         } else {
             format!(" ({outcome})")
         };
         by_outcome.push(format!("{id}{word}"));
     }
-    let verb = if ended.iter().all(|(_, o)| *o == TaskEnd::Completed) {
+    let verb = if ended.iter().all(|(_, o)| *o == TaskOutcome::Completed) {
         "completed"
     } else {
         "ended"
@@ -72,14 +71,18 @@ fn ended_text(ended: &[(String, TaskEnd)]) -> String {
     format!("{} {verb}", by_outcome.join(", "))
 }
 
-pub(super) async fn run(output: Output) -> Result<DemoReport, DemoError> {
+pub(super) async fn run(workers: &dyn Workers, output: Output) -> Result<DemoReport, DemoError> {
     let stack = start_stack(Duration::from_millis(150)).await?;
-    let result = scenario(&stack, output).await;
+    let result = scenario(workers, &stack, output).await;
     stack.shutdown().await;
     result
 }
 
-async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError> {
+async fn scenario(
+    workers: &dyn Workers,
+    stack: &Stack,
+    output: Output,
+) -> Result<DemoReport, DemoError> {
     let mut tl = Timeline::new(output);
     let agent = stack.refund_agent("openai/refund", &[]);
     let ids = stack.engine.create_tasks(
@@ -97,22 +100,21 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     );
     // Only an operator's names label metrics (the keyed writes are counted by tool): the
     // workers' agents file declares the agent, its model and its tool server.
-    let names = DeclaredLabelNames::write(
-        "refund-agent",
-        &["openai/refund"],
-        &[(crate::devkit::stack::ORDERS_SERVER, &stack.tools.url())],
-    )
-    .map_err(|e| DemoError::Setup(format!("cannot write the declared label names: {e}")))?;
+    let names = LabelNames {
+        agent: "refund-agent".into(),
+        models: vec!["openai/refund".into()],
+        servers: vec![(ORDERS_SERVER.into(), stack.tools.url())],
+    };
     let mut crew = Crew::new();
     for name in ["W1", "W2"] {
-        let mut opts = WorkerOptions::new(name, SLOTS);
-        opts.env.push(names.env());
+        let mut opts = WorkerSpec::new(name, SLOTS);
+        opts.label_names = Some(names.clone());
         // Tasks take about a second; a 30s lease is extended only when a task is very slow
         // (a heartbeat racing `complete` would make the runner count a lost lease: see the
         // runner's report path).
-        opts.lock_duration = Duration::from_secs(30);
+        opts.lease = Duration::from_secs(30);
         opts.poll_interval = Duration::from_millis(200);
-        crew.add(stack.spawn_worker(opts, Stack::fast_agent_settings()));
+        crew.start(workers, stack, opts)?;
     }
     tl.emit(
         "demo",
@@ -272,10 +274,10 @@ fn on_event(
     board: &mut Board,
     pending: &mut HashMap<usize, Pending>,
     i: usize,
-    event: RunnerEvent,
+    event: WorkerEvent,
 ) {
     match event {
-        RunnerEvent::Fetched { requested, got } => {
+        WorkerEvent::Fetched { requested, got } => {
             let p = pending.entry(i).or_default();
             if got == 0 && p.ended.is_empty() {
                 // An empty poll with nothing to say.
@@ -286,11 +288,11 @@ fn on_event(
                 flush(tl, crew, board, pending, i);
             }
         }
-        RunnerEvent::SlotFreed { task_id, .. } => {
+        WorkerEvent::SlotFreed { task_id, .. } => {
             board.freed_before_end.insert(task_id);
             pending.entry(i).or_default().freed += 1;
         }
-        RunnerEvent::TaskStarted { task_id, .. } => {
+        WorkerEvent::TaskStarted { task_id, .. } => {
             let p = pending.entry(i).or_default();
             if let Some((_, got, ids)) = &mut p.claim {
                 ids.push(task_id);
@@ -299,7 +301,7 @@ fn on_event(
                 }
             }
         }
-        RunnerEvent::TaskEnded {
+        WorkerEvent::TaskEnded {
             task_id, outcome, ..
         } => {
             board.ended_total += 1;
@@ -310,7 +312,7 @@ fn on_event(
             p.ended.push((task_id, outcome));
             p.since.get_or_insert_with(Instant::now);
         }
-        RunnerEvent::FetchFailed { error } => {
+        WorkerEvent::FetchFailed { error } => {
             let name = crew.workers[i].name.clone();
             tl.emit(
                 &name,
@@ -319,7 +321,7 @@ fn on_event(
                 json!({"error": error}),
             );
         }
-        RunnerEvent::Heartbeat(_) => {}
+        WorkerEvent::LeaseExtended | WorkerEvent::LeaseLost { .. } => {}
     }
 }
 

@@ -15,13 +15,12 @@ use std::time::Duration;
 use serde_json::{Map, Value, json};
 
 use super::timeline::{Output, Timeline};
+use super::workers::{WorkerSpec, Workers};
 use super::{Check, Crew, DemoError, DemoReport, DemoStore, pump};
-use crate::devkit::engine::{
+use abada_devkit::engine::{
     InstanceStatus, ProcessInstanceView, ProcessModel, ProtocolLevel, TaskView,
 };
-use crate::devkit::stack::{
-    REFUND_MODEL, Stack, StackWorkers, WorkerOptions, refund_amount_script,
-};
+use abada_devkit::stack::{REFUND_MODEL, Stack, refund_amount_script};
 
 const SCENARIO: &str = "approval";
 const LIMIT: Duration = Duration::from_secs(30);
@@ -33,13 +32,17 @@ const THRESHOLD_CENTS: u64 = 10_000;
 /// The agent's input: the order and the amount the customer asks for, as JSON the model reads.
 const AGENT_INPUT: &str = r#"{"orderId": "${orderId}", "amountCents": ${amountCents}}"#;
 
-pub(super) async fn run(output: Output, store: &DemoStore) -> Result<DemoReport, DemoError> {
+pub(super) async fn run(
+    workers: &dyn Workers,
+    output: Output,
+    store: &DemoStore,
+) -> Result<DemoReport, DemoError> {
     let stack = Stack::start(ProtocolLevel::AgentV1).await?;
     stack.model.set_script(
         REFUND_MODEL,
         refund_amount_script().with_latency(Duration::from_millis(100)),
     );
-    let result = scenario(&stack, store, output).await;
+    let result = scenario(workers, &stack, store, output).await;
     stack.shutdown().await;
     result
 }
@@ -60,6 +63,7 @@ struct Refund<'a> {
 }
 
 async fn scenario(
+    workers: &dyn Workers,
     stack: &Stack,
     store: &DemoStore,
     output: Output,
@@ -89,10 +93,10 @@ async fn scenario(
         ),
         json!({"approval": approval}),
     );
-    let mut opts = WorkerOptions::new("W1", 2);
-    opts.env = store.worker_env();
+    let mut opts = WorkerSpec::new("W1", 2);
+    opts.store = Some(store.for_worker());
     let mut crew = Crew::new();
-    crew.add(stack.spawn_worker(opts, Stack::fast_agent_settings()));
+    crew.start(workers, stack, opts)?;
     tl.emit(
         "demo",
         "worker_started",
@@ -532,7 +536,7 @@ async fn forged_path(
         crew,
         stack.engine.wait_for(move |e| {
             e.tasks().into_iter().find(|t| {
-                t.process_instance_id == id && t.status == crate::devkit::engine::TaskStatus::Failed
+                t.process_instance_id == id && t.status == abada_devkit::engine::TaskStatus::Failed
             })
         }),
         SCENARIO,

@@ -4,27 +4,22 @@
 //! original key (the tool server deduplicates it); worker 1 wakes and is fenced off: its calls
 //! are refused and it abandons the task without reporting anything.
 //!
-//! The freeze is a [`FreezeGate`] in front of worker 1's engine client; lease expiry is the
-//! emulator's [`advance`](crate::devkit::engine::EngineEmulator::advance), so worker 1's own
+//! The freeze is a [`Freeze`] in front of worker 1's engine client; lease expiry is the
+//! emulator's [`advance`](abada_devkit::engine::EngineEmulator::advance), so worker 1's own
 //! clock sees no time pass (as after a pause it could not notice) and nothing waits in real time.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
 use super::timeline::{Output, Timeline};
+use super::workers::{Freeze, FreezeAt, ProbeStep, StaleProbe, TaskOutcome, WorkerSpec, Workers};
 use super::{
     Check, Crew, DemoError, DemoReport, journal_names, pump, pump_until, refund_task, start_stack,
 };
-use crate::devkit::engine::{CallRecord, Disposition, Operation, TaskStatus};
-use crate::devkit::freeze::{FreezeGate, FreezePoint, StepMatch};
-use crate::devkit::gate::GatedEngine;
-use crate::devkit::stack::{ORDERS_SERVER, Stack, StackWorkers, WorkerOptions};
-use crate::engine::client::{EngineClientSettings, HttpEngine};
-use crate::engine::{Engine, JournalStep, TaskRef};
-use crate::handler::TaskEnd;
-use crate::metrics::Metrics;
+use abada_devkit::engine::{CallRecord, Disposition, Operation, TaskStatus};
+use abada_devkit::stack::{ORDERS_SERVER, Stack};
 
 const SCENARIO: &str = "takeover";
 const LIMIT: Duration = Duration::from_secs(15);
@@ -32,9 +27,9 @@ const LIMIT: Duration = Duration::from_secs(15);
 /// moved on.
 pub(super) const LEASE: Duration = Duration::from_secs(10);
 
-pub(super) async fn run(output: Output) -> Result<DemoReport, DemoError> {
+pub(super) async fn run(workers: &dyn Workers, output: Output) -> Result<DemoReport, DemoError> {
     let stack = start_stack(Duration::from_millis(100)).await?;
-    let result = scenario(&stack, output).await;
+    let result = scenario(workers, &stack, output).await;
     stack.shutdown().await;
     result
 }
@@ -85,7 +80,11 @@ fn is_fenced(c: &CallRecord) -> bool {
         )
 }
 
-async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError> {
+async fn scenario(
+    workers: &dyn Workers,
+    stack: &Stack,
+    output: Output,
+) -> Result<DemoReport, DemoError> {
     let mut tl = Timeline::new(output);
     let agent = stack.refund_agent("openai/refund", &[]);
     let id = stack.engine.create_task(refund_task(agent, "o-417"));
@@ -97,22 +96,19 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     );
 
     // Worker 1 freezes before journaling the result of its keyed write.
-    let gate1 = FreezeGate::new();
-    gate1.arm(FreezePoint::BeforeJournal(
-        StepMatch::new("tool", "finished").keyed(),
-    ));
     let mut crew = Crew::new();
-    let w1 = {
-        let gate = gate1.clone();
-        let mut opts = WorkerOptions::new("W1", 1);
-        opts.lock_duration = LEASE;
-        stack.spawn_worker_with(
-            opts,
-            Stack::fast_agent_settings(),
-            GatedEngine::wrapper(gate),
-        )
-    };
-    crew.add(w1);
+    let mut w1 = WorkerSpec::new("W1", 1);
+    w1.lease = LEASE;
+    let gate1 = crew.start_freezable(
+        workers,
+        stack,
+        w1,
+        FreezeAt::BeforeJournal {
+            kind: "tool".into(),
+            state: "finished".into(),
+            keyed_only: true,
+        },
+    )?;
     tl.emit(
         "demo",
         "worker_started",
@@ -163,9 +159,9 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     }
     expire_w1_lease(&mut tl, stack, &id);
 
-    let mut w2_options = WorkerOptions::new("W2", 1);
-    w2_options.lock_duration = LEASE;
-    let gate2 = w2_takes_over(&mut tl, &mut crew, stack, w2_options, "", SCENARIO, LIMIT).await?;
+    let mut w2 = WorkerSpec::new("W2", 1);
+    w2.lease = LEASE;
+    let gate2 = w2_takes_over(&mut tl, &mut crew, workers, stack, w2, "", SCENARIO, LIMIT).await?;
     let counters = stack.tools.counters().await;
     let resent = stack
         .tools
@@ -268,7 +264,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
         "probe: each fenced call W1's stale attempt could still make, sent as W1 attempt 1",
         json!({}),
     );
-    probe_stale_attempt(stack, &id, &key).await;
+    probe_stale_attempt(workers, stack, &id, &key).await;
     let probes: Vec<CallRecord> = stack.engine.calls()[probe_mark..]
         .iter()
         .filter(|c| w1_about_task(c))
@@ -284,7 +280,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
     }
 
     // Worker 2 finishes.
-    w2_finishes(&mut tl, &mut crew, stack, &gate2, &id, SCENARIO, LIMIT).await?;
+    w2_finishes(&mut tl, &mut crew, stack, &*gate2, &id, SCENARIO, LIMIT).await?;
     let workers = crew.stop().await;
 
     // The verdict.
@@ -320,7 +316,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
         "W1's calls after waking were refused",
         !w1_calls.is_empty()
             && w1_calls.iter().all(is_fenced)
-            && w1_outcome == Some(TaskEnd::LeaseLost),
+            && w1_outcome == Some(TaskOutcome::LeaseLost),
         format!(
             "{}; W1 ended {}",
             w1_calls
@@ -332,7 +328,7 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
                 ))
                 .collect::<Vec<_>>()
                 .join(", "),
-            w1_outcome.map_or("-", TaskEnd::as_str)
+            w1_outcome.map_or("-", TaskOutcome::as_str)
         ),
     ));
     let w1_reports = all[..probe_mark]
@@ -430,33 +426,24 @@ async fn scenario(stack: &Stack, output: Output) -> Result<DemoReport, DemoError
 
 /// Sends extend, journal append, tool-credential and complete as W1's attempt 1 (one try
 /// each, no retries); the engine's answers land in its call log.
-async fn probe_stale_attempt(stack: &Stack, id: &str, key: &str) {
-    let mut settings = EngineClientSettings::new(stack.engine.base_url(), "W1");
-    settings.command_attempts = 1;
-    settings.request_timeout = Duration::from_secs(5);
-    let engine = HttpEngine::new(
-        reqwest::Client::new(),
-        settings,
-        None,
-        Arc::new(Metrics::new()),
-    );
-    let stale = TaskRef {
+async fn probe_stale_attempt(workers: &dyn Workers, stack: &Stack, id: &str, key: &str) {
+    let probe = StaleProbe {
+        engine_url: stack.engine.base_url(),
+        worker: "W1".into(),
         task_id: id.to_string(),
         attempt: Some(1),
-        trace_parent: None,
-    };
-    let step = JournalStep {
-        seq: 6,
-        kind: "tool".into(),
-        state: "finished".into(),
-        key: Some(key.to_string()),
-        data: json!({"server": ORDERS_SERVER, "tool": "issue_refund", "result": {"content": [], "isError": false}}),
+        lease: LEASE,
+        step: ProbeStep {
+            seq: 6,
+            kind: "tool".into(),
+            state: "finished".into(),
+            key: Some(key.to_string()),
+            data: json!({"server": ORDERS_SERVER, "tool": "issue_refund", "result": {"content": [], "isError": false}}),
+        },
+        tool_server: ORDERS_SERVER.into(),
     };
     // Each answer is a refusal; what matters is what the engine logged.
-    let _ = engine.heartbeat(&stale, LEASE).await;
-    let _ = engine.append_journal(&stale, &step).await;
-    let _ = engine.tool_credential(&stale, ORDERS_SERVER).await;
-    let _ = engine.complete(&stale, &Map::new()).await;
+    workers.probe_stale_attempt(&probe).await;
 }
 
 /// Worker 1 is frozen: the emulator's clock jumps past its lease (both takeover stories do so).
@@ -478,24 +465,20 @@ pub(super) fn expire_w1_lease(tl: &mut Timeline, stack: &Stack, id: &str) {
 /// Worker 2 starts with `options`, takes the task over and is held just before `complete`, so
 /// that worker 1 wakes while worker 2 owns the task (both takeover stories do so); returns the
 /// gate that holds it. `what_else` ends the start-up line of the timeline.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn w2_takes_over(
     tl: &mut Timeline,
     crew: &mut Crew,
+    workers: &dyn Workers,
     stack: &Stack,
-    options: WorkerOptions,
+    options: WorkerSpec,
     what_else: &str,
     scenario: &'static str,
     limit: Duration,
-) -> Result<Arc<FreezeGate>, DemoError> {
-    let gate2 = FreezeGate::new();
-    gate2.arm(FreezePoint::BeforeComplete);
+) -> Result<Arc<dyn Freeze>, DemoError> {
     let slots = options.slots;
-    let lease = options.lock_duration.as_secs();
-    crew.add(stack.spawn_worker_with(
-        options,
-        Stack::fast_agent_settings(),
-        GatedEngine::wrapper(gate2.clone()),
-    ));
+    let lease = options.lease.as_secs();
+    let gate2 = crew.start_freezable(workers, stack, options, FreezeAt::BeforeComplete)?;
     tl.emit(
         "demo",
         "worker_started",
@@ -520,7 +503,7 @@ pub(super) async fn w2_finishes(
     tl: &mut Timeline,
     crew: &mut Crew,
     stack: &Stack,
-    gate2: &FreezeGate,
+    gate2: &dyn Freeze,
     id: &str,
     scenario: &'static str,
     limit: Duration,
