@@ -30,7 +30,7 @@ import org.camunda.bpm.client.task.ExternalTaskHandler;
  * documentation's {@code asyncResponseTimeout} of 10 s (long polling), the client's defaults
  * otherwise (lockDuration 20 s, exponential back-off on empty answers, handlers run one
  * after the other on the client's single thread). MODE {@code clients}: the maintainers' answer to
- * "parallel task execution" (camunda-external-task-client-java issue 16): several clients of
+ * "parallel task execution" (github.com/camunda/camunda-external-task-client-java/issues/16): several clients of
  * {@code maxTasks} 1 with long polling, here 8 clients in one JVM, each with its own thread.
  */
 public final class CamundaPeer {
