@@ -25,14 +25,28 @@
 //! - engine requests and store transactions per task from the workers' `/metrics`;
 //! - the engine's and the workers' CPU per task (`/proc/<pid>/stat`, from just before the
 //!   workers start to the last task's end; the engine's idle CPU rate, measured just before, is
-//!   printed too).
+//!   printed too), each worker process's CPU in all and before its first fetch (start-up), and
+//!   its peak RSS (`VmHWM`) at the end.
+//!
+//! **The peer** (`--peer camunda`): instead of our worker, the Camunda 7 external task client
+//! (`bench/camunda-peer`, built with `mvn -q package` there) does the same one-turn tasks on the
+//! same engine and the same scripted model: one chat-completions call, then complete with the
+//! answer. It speaks Camunda 7's REST API, so it reaches the engine through
+//! `examples/camunda_bridge.rs`, a separate process whose CPU and memory are printed apart
+//! (`bridge_*`), charged to neither side. `--camunda-mode sequential` is one client with
+//! `maxTasks` = `--slots` (its handlers run one after the other, as the client documents);
+//! `clients` is `--slots` clients of `maxTasks` 1 in one JVM (the maintainers' way to work in
+//! parallel). The wall time runs from the bridge's first fetch answer with tasks to its last
+//! completion, the counterpart of the worker's first task start to last task end; the client's
+//! CPU is the JVM's (`/proc/<pid>/stat`) from its start to the last completion, start-up (before
+//! its first fetch) printed apart; its peak RSS is the JVM's `VmHWM`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use abada_agent_worker::devkit::loadtest::{Histogram, clock_ticks, cpu_seconds};
+use abada_agent_worker::devkit::loadtest::{Histogram, clock_ticks, cpu_seconds, status_mb};
 use abada_agent_worker::devkit::model::{Script, ScriptedModel, Turn};
 use serde_json::{Value, json};
 
@@ -50,7 +64,12 @@ usage: engine_bench --engine-url URL --engine-pid PID [FLAGS]
   --runs N                repeat, default 1
   --store-admin-url URL   run store: a database of its own per run is created (and dropped) there
   --worker-bin PATH       default: target/release/abada-agent-worker beside this example
-  --keep-logs DIR         keep each worker's log in DIR";
+  --keep-logs DIR         keep each worker's log in DIR
+  --peer worker|camunda   who does the tasks, default worker (ours); camunda: the Camunda 7 client
+  --camunda-dir DIR       the built bench/camunda-peer (target/*.jar and target/lib), default bench/camunda-peer
+  --camunda-mode MODE     sequential (one client, maxTasks = --slots) or clients (--slots clients of maxTasks 1)
+  --java PATH             the java launcher for the peer, default java
+  --bridge-bin PATH       default: camunda_bridge beside this example";
 
 const ACTIVITY: &str = "benchAgent";
 const MODEL: &str = "bench";
@@ -69,6 +88,17 @@ struct Args {
     store_admin_url: Option<String>,
     worker_bin: PathBuf,
     keep_logs: Option<PathBuf>,
+    peer: Peer,
+    camunda_dir: PathBuf,
+    camunda_mode: String,
+    java: PathBuf,
+    bridge_bin: PathBuf,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Peer {
+    Worker,
+    Camunda,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -87,10 +117,20 @@ fn parse_args() -> Result<Args, String> {
             v.parse().map_err(|e| format!("{flag} {v:?}: {e}"))
         })
     };
-    let default_bin = std::env::current_exe()
-        .ok()
+    let exe = std::env::current_exe().ok();
+    let default_bin = exe
+        .as_ref()
         .and_then(|p| Some(p.parent()?.parent()?.join("abada-agent-worker")))
         .unwrap_or_else(|| PathBuf::from("target/release/abada-agent-worker"));
+    let default_bridge = exe
+        .as_ref()
+        .and_then(|p| Some(p.parent()?.join("camunda_bridge")))
+        .unwrap_or_else(|| PathBuf::from("target/release/examples/camunda_bridge"));
+    let peer = match flags.get("--peer").map(String::as_str) {
+        None | Some("worker") => Peer::Worker,
+        Some("camunda") => Peer::Camunda,
+        Some(other) => return Err(format!("--peer is worker or camunda, not {other:?}")),
+    };
     let args = Args {
         engine_url: flags
             .get("--engine-url")
@@ -108,7 +148,24 @@ fn parse_args() -> Result<Args, String> {
         store_admin_url: flags.get("--store-admin-url").cloned(),
         worker_bin: flags.get("--worker-bin").map_or(default_bin, PathBuf::from),
         keep_logs: flags.get("--keep-logs").map(PathBuf::from),
+        peer,
+        camunda_dir: flags
+            .get("--camunda-dir")
+            .map_or_else(|| PathBuf::from("bench/camunda-peer"), PathBuf::from),
+        camunda_mode: flags
+            .get("--camunda-mode")
+            .cloned()
+            .unwrap_or_else(|| "sequential".into()),
+        java: flags
+            .get("--java")
+            .map_or_else(|| PathBuf::from("java"), PathBuf::from),
+        bridge_bin: flags
+            .get("--bridge-bin")
+            .map_or(default_bridge, PathBuf::from),
     };
+    if !["sequential", "clients"].contains(&args.camunda_mode.as_str()) {
+        return Err("--camunda-mode is sequential or clients".into());
+    }
     if args.engine_pid == 0 {
         return Err("--engine-pid is required".into());
     }
@@ -420,6 +477,8 @@ async fn run_once(
     // Each worker's admin address, then the end of the backlog.
     let deadline = Instant::now() + Duration::from_secs(600);
     let mut worker_cpu = vec![0.0; workers.len()];
+    let mut worker_startup_cpu = vec![f64::NAN; workers.len()];
+    let mut worker_peak_rss = vec![f64::NAN; workers.len()];
     let mut last_texts = vec![String::new(); workers.len()];
     loop {
         if Instant::now() > deadline {
@@ -440,6 +499,10 @@ async fn run_once(
                     let rest = l.split_once("\"admin_addr\":\"")?.1;
                     Some(rest.split_once('"')?.0.to_string())
                 });
+                // Logged as the worker starts serving, just before its first fetch.
+                if w.admin.is_some() {
+                    worker_startup_cpu[i] = cpu_seconds(w.child.id(), ticks).unwrap_or(f64::NAN);
+                }
             }
             if let Some(admin) = &w.admin {
                 let text = metrics(http, admin).await?;
@@ -456,7 +519,8 @@ async fn run_once(
         cpu_seconds(args.engine_pid, ticks).ok_or("engine pid unreadable")? - engine_cpu_before;
     let wall_to_done = started.elapsed().as_secs_f64();
     let load_after = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    for w in &mut workers {
+    for (i, w) in workers.iter_mut().enumerate() {
+        worker_peak_rss[i] = status_mb(w.child.id(), "VmHWM").unwrap_or(f64::NAN);
         w.stop();
     }
 
@@ -606,6 +670,15 @@ async fn run_once(
         "workers_cpu_ms_per_task",
         1000.0 * worker_cpu.iter().sum::<f64>() / tasks,
     );
+    f.insert("client_cpu_s", worker_cpu.iter().sum::<f64>());
+    f.insert(
+        "client_startup_cpu_s",
+        worker_startup_cpu.iter().sum::<f64>(),
+    );
+    f.insert(
+        "client_peak_rss_mb",
+        worker_peak_rss.iter().copied().fold(f64::NAN, f64::max),
+    );
     let load = |s: &str| {
         s.split_whitespace()
             .next()
@@ -639,6 +712,236 @@ async fn run_once(
     if !odd.is_empty() {
         eprintln!("run {n}: warnings of the workers (first 3 each): {odd:#?}");
     }
+    Ok(f)
+}
+
+/// A child process of the peer side (the bridge, the JVM), stopped by SIGTERM, killed if it
+/// lingers or when dropped.
+struct PeerChild {
+    name: &'static str,
+    child: Child,
+}
+
+impl PeerChild {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn stop(&mut self) {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for PeerChild {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Starts the bridge and reads the JSON line it prints: its Camunda base URL and stats URL.
+fn spawn_bridge(args: &Args, dir: &Path) -> Result<(PeerChild, String, String), String> {
+    use std::io::BufRead;
+    let log = std::fs::File::create(dir.join("bridge.log")).map_err(|e| format!("log: {e}"))?;
+    let mut child = Command::new(&args.bridge_bin)
+        .args(["--engine-url", &args.engine_url])
+        .args(["--long-poll-interval-ms", &args.poll_ms.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", args.bridge_bin.display()))?;
+    let stdout = child.stdout.take().ok_or("the bridge's stdout")?;
+    let bridge = PeerChild {
+        name: "bridge",
+        child,
+    };
+    let mut line = String::new();
+    std::io::BufReader::new(stdout)
+        .read_line(&mut line)
+        .map_err(|e| format!("the bridge's first line: {e}"))?;
+    let v: Value = serde_json::from_str(&line)
+        .map_err(|e| format!("the bridge printed {line:?}, not its URLs: {e}"))?;
+    let base = v["camundaBaseUrl"].as_str().ok_or("no camundaBaseUrl")?;
+    let stats = v["statsUrl"].as_str().ok_or("no statsUrl")?;
+    Ok((bridge, base.to_string(), stats.to_string()))
+}
+
+fn spawn_camunda_peer(
+    args: &Args,
+    dir: &Path,
+    base_url: &str,
+    model_url: &str,
+    topic: &str,
+) -> Result<PeerChild, String> {
+    let target = args.camunda_dir.join("target");
+    let jar = std::fs::read_dir(&target)
+        .map_err(|e| {
+            format!(
+                "{}: {e}; build the peer first (cd bench/camunda-peer && mvn -q package)",
+                target.display()
+            )
+        })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "jar"))
+        .ok_or_else(|| format!("no jar in {}", target.display()))?;
+    let classpath = format!("{}:{}/lib/*", jar.display(), target.display());
+    let log = std::fs::File::create(dir.join("camunda-peer.log")).map_err(|e| format!("{e}"))?;
+    let err = log.try_clone().map_err(|e| format!("{e}"))?;
+    let child = Command::new(&args.java)
+        .args(["-cp", &classpath, "dev.abada.bench.CamundaPeer"])
+        .args([base_url, model_url, topic, &args.camunda_mode])
+        .arg(args.slots.to_string())
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(err)
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", args.java.display()))?;
+    Ok(PeerChild {
+        name: "camunda-peer",
+        child,
+    })
+}
+
+/// The same backlog done by the Camunda 7 client through the bridge.
+async fn run_camunda_once(
+    http: &reqwest::Client,
+    args: &Args,
+    model: &ScriptedModel,
+    n: u32,
+) -> Result<BTreeMap<&'static str, f64>, String> {
+    let tag = format!("{}-{n}", std::process::id());
+    let process = format!("engineBench_{}", tag.replace('-', "_"));
+    let topic = format!("abada:bench-{tag}");
+    let dir = std::env::temp_dir().join(format!("abada-engine-bench-{tag}"));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    deploy(http, args, &bench_bpmn(&process, &topic)).await?;
+    let created = Instant::now();
+    start_instances(http, args, &process).await?;
+    eprintln!(
+        "run {n}: {} instances started in {:.1} s",
+        args.tasks,
+        created.elapsed().as_secs_f64()
+    );
+    let ticks = clock_ticks();
+    let (mut bridge, base_url, stats_url) = spawn_bridge(args, &dir)?;
+    let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let engine_cpu_before = cpu_seconds(args.engine_pid, ticks).ok_or("engine pid unreadable")?;
+    let bridge_cpu_before = cpu_seconds(bridge.pid(), ticks).unwrap_or(f64::NAN);
+    let started = Instant::now();
+    let mut peer = spawn_camunda_peer(args, &dir, &base_url, &model.base_url_openai(), &topic)?;
+    let deadline = Instant::now() + Duration::from_secs(900);
+    let mut startup_cpu = f64::NAN;
+    let mut first_fetch_after = f64::NAN;
+    let stats = loop {
+        if Instant::now() > deadline {
+            return Err("the backlog did not end within 900 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for c in [&mut bridge, &mut peer] {
+            if let Ok(Some(status)) = c.child.try_wait() {
+                return Err(format!(
+                    "{} exited with {status}; its log is in {}",
+                    c.name,
+                    dir.display()
+                ));
+            }
+        }
+        let cpu = cpu_seconds(peer.pid(), ticks).unwrap_or(f64::NAN);
+        let stats: Value = http
+            .get(&stats_url)
+            .send()
+            .await
+            .map_err(|e| format!("bridge stats: {e}"))?
+            .json()
+            .await
+            .map_err(|e| format!("bridge stats: {e}"))?;
+        if first_fetch_after.is_nan() && stats["fetches"].as_u64().unwrap_or(0) > 0 {
+            // The JVM's CPU before its first fetch reached the bridge: its start-up.
+            startup_cpu = cpu;
+            first_fetch_after = started.elapsed().as_secs_f64();
+        }
+        if stats["completed"].as_u64().unwrap_or(0) + stats["refused"].as_u64().unwrap_or(0)
+            >= u64::from(args.tasks)
+        {
+            break stats;
+        }
+    };
+    let peer_cpu = cpu_seconds(peer.pid(), ticks).unwrap_or(f64::NAN);
+    let engine_cpu =
+        cpu_seconds(args.engine_pid, ticks).ok_or("engine pid unreadable")? - engine_cpu_before;
+    let bridge_cpu = cpu_seconds(bridge.pid(), ticks).unwrap_or(f64::NAN) - bridge_cpu_before;
+    let peer_rss = status_mb(peer.pid(), "VmHWM").unwrap_or(f64::NAN);
+    let bridge_rss = status_mb(bridge.pid(), "VmHWM").unwrap_or(f64::NAN);
+    let load_after = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    peer.stop();
+    bridge.stop();
+    if let Some(keep) = &args.keep_logs {
+        let _ = std::fs::create_dir_all(keep);
+        for name in ["camunda-peer.log", "bridge.log"] {
+            let _ = std::fs::copy(dir.join(name), keep.join(format!("{tag}-{name}")));
+        }
+    }
+    let peer_log = std::fs::read_to_string(dir.join("camunda-peer.log")).unwrap_or_default();
+    let warnings: Vec<&str> = peer_log
+        .lines()
+        .filter(|l| l.contains("WARN") || l.contains("ERROR") || l.contains("Exception"))
+        .take(5)
+        .collect();
+    if !warnings.is_empty() {
+        eprintln!("run {n}: the Camunda client's log (first 5 warnings): {warnings:#?}");
+    }
+    if args.keep_logs.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    let us = |k: &str| stats[k].as_f64().unwrap_or(f64::NAN);
+    let tasks = f64::from(args.tasks);
+    let wall = (us("lastCompletedUs") - us("firstLockedUs")) / 1e6;
+    let latency = args.model_latency.as_secs_f64();
+    let slots = f64::from(args.slots);
+    let best_wall = (tasks / slots).ceil() * latency;
+    let load = |s: &str| {
+        s.split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    let mut f = BTreeMap::new();
+    f.insert("tasks_completed", us("completed"));
+    f.insert("tasks_other_outcomes", us("refused"));
+    f.insert("wall_s", wall);
+    f.insert("tasks_per_s", tasks / wall);
+    f.insert("ceiling_tasks_per_s", slots / latency);
+    f.insert("pct_of_ceiling", 100.0 * tasks / wall / (slots / latency));
+    f.insert("best_wall_s", best_wall);
+    f.insert("pct_of_best_wall", 100.0 * best_wall / wall);
+    f.insert("client_cpu_s", peer_cpu);
+    f.insert("client_startup_cpu_s", startup_cpu);
+    f.insert("client_start_to_first_fetch_s", first_fetch_after);
+    f.insert("client_cpu_ms_per_task", 1000.0 * peer_cpu / tasks);
+    f.insert("client_peak_rss_mb", peer_rss);
+    f.insert("bridge_cpu_s", bridge_cpu);
+    f.insert("bridge_peak_rss_mb", bridge_rss);
+    f.insert("fetches_per_task", us("fetches") / tasks);
+    f.insert("engine_fetches_per_task", us("engineFetches") / tasks);
+    f.insert("engine_cpu_ms_per_task", 1000.0 * engine_cpu / tasks);
+    f.insert("load1_before", load(&load_before));
+    f.insert("load1_after", load(&load_after));
     Ok(f)
 }
 
@@ -684,20 +987,33 @@ async fn main() -> ExitCode {
     let http = reqwest::Client::new();
     let mut runs = Vec::new();
     for n in 1..=args.runs {
-        match run_once(&http, &args, &model, n).await {
+        let run = match args.peer {
+            Peer::Worker => run_once(&http, &args, &model, n).await,
+            Peer::Camunda => run_camunda_once(&http, &args, &model, n).await,
+        };
+        match run {
             Ok(f) => {
-                println!(
-                    "run {n}: workers {} x {} slots, {} tasks, model {} ms, store {}",
-                    args.workers,
-                    args.slots,
-                    args.tasks,
-                    args.model_latency.as_millis(),
-                    if args.store_admin_url.is_some() {
-                        "on"
-                    } else {
-                        "off"
-                    }
-                );
+                match args.peer {
+                    Peer::Worker => println!(
+                        "run {n}: workers {} x {} slots, {} tasks, model {} ms, store {}",
+                        args.workers,
+                        args.slots,
+                        args.tasks,
+                        args.model_latency.as_millis(),
+                        if args.store_admin_url.is_some() {
+                            "on"
+                        } else {
+                            "off"
+                        }
+                    ),
+                    Peer::Camunda => println!(
+                        "run {n}: Camunda 7 client ({}), {} slots, {} tasks, model {} ms",
+                        args.camunda_mode,
+                        args.slots,
+                        args.tasks,
+                        args.model_latency.as_millis(),
+                    ),
+                }
                 for (k, v) in &f {
                     println!("  {k} = {}", fmt(*v));
                 }
