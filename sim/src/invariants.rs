@@ -757,7 +757,12 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
     let mut lost: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
     let mut held: BTreeMap<(&str, &str), u32> = BTreeMap::new();
     let mut unended: BTreeMap<(&str, &str), std::collections::VecDeque<u32>> = BTreeMap::new();
+    // Per attempt: when the heartbeats stopped, at the latest. The worker stops extending when
+    // its work ends (after the attempt's last answer about its work, a journal append's or a
+    // credential's), before its report goes out; an extension answered in that same millisecond
+    // or later may reach the heartbeat actor after the release and is then not applied.
     let mut reporting: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
+    let mut work_answered: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
     let mut out = Vec::new();
     for (t, e) in &facts.trace.events {
         match e {
@@ -793,9 +798,11 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
                 task: Some(task),
                 attempt: Some(attempt),
             } if is_report(op) => {
-                // The heartbeats stop as the report goes out: an extension answered later is
-                // not applied.
-                reporting.entry((worker, task, *attempt)).or_insert(*t);
+                // The heartbeats stopped by the time the report goes out, and no earlier than
+                // the work's last answer (see `work_answered`).
+                let key = (worker.as_str(), task.as_str(), *attempt);
+                let stopped = work_answered.get(&key).map_or(*t, |w| (*w).min(*t));
+                reporting.entry(key).or_insert(stopped);
             }
             Event::EngineAnswer {
                 worker,
@@ -809,6 +816,9 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
                     .get(&(worker.as_str(), *op, task.as_str(), *attempt, *t))
                     .copied()
                     .unwrap_or(*t + 1);
+                if *op != "heartbeat" && !is_report(op) {
+                    work_answered.insert(key, reached);
+                }
                 match answer {
                     Answer::Ok if *op == "heartbeat" => {
                         if let (Some(sent), Some((_, ext))) =
@@ -829,11 +839,14 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
             Event::StoreAnswer {
                 worker,
                 task,
-                answer: "fenced",
+                answer,
                 ..
             } => {
                 if let Some(attempt) = held.get(&(worker.as_str(), task.as_str())) {
-                    lost.entry((worker, task, *attempt)).or_insert(*t);
+                    if *answer == "fenced" {
+                        lost.entry((worker, task, *attempt)).or_insert(*t);
+                    }
+                    work_answered.insert((worker, task, *attempt), *t);
                 }
             }
             Event::TaskEnded {
@@ -884,7 +897,7 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
                 };
                 let released = reporting.get(&key).copied().unwrap_or(u64::MAX);
                 for (reached, until) in extensions {
-                    if reached <= *t && reached <= expiry && reached <= released {
+                    if reached <= *t && reached <= expiry && reached < released {
                         expiry = expiry.max(until);
                     }
                 }

@@ -631,6 +631,48 @@ fn an_accepted_report_ended_lease_lost_in_its_lease_fires_and_one_past_its_expir
     );
 }
 
+/// The worker stops extending when its work ends, before its report goes out: an extension
+/// whose answer reaches it in the millisecond of the work's last answer (or later) may arrive
+/// after the release and count for nothing, so an end at the older expiry is no breach; one
+/// answered before the work ended was applied, and the same end then fires (found at seed
+/// 3206357219 of a random window, where the heartbeat's answer and the last journal append's came
+/// in the same millisecond).
+#[test]
+fn an_extension_answered_as_the_work_ends_may_go_unapplied_and_one_answered_before_may_not() {
+    let fetch = Event::EngineCall {
+        worker: w("w0"),
+        op: "fetch-and-lock",
+        task: None,
+        attempt: None,
+    };
+    let late = Event::Late {
+        worker: w("w0"),
+        op: "complete",
+        task: Some(w("t-000001")),
+        attempt: Some(1),
+    };
+    // Lock 10 s, margin 1 s: 9 s from the fetch, 12 s from the heartbeat sent at 3 s.
+    let played = |beat_answered: u64| {
+        Played::new()
+            .at(0, fetch.clone())
+            .at(0, fetched("w0", 1))
+            .at(3_000, call("w0", "heartbeat", 1))
+            .at(4_000, call("w0", "journal-append", 1))
+            .at(beat_answered, answer("w0", "heartbeat", 1, Answer::Ok))
+            .at(5_000, answer("w0", "journal-append", 1, Answer::Ok))
+            .at(5_001, call("w0", "complete", 1))
+            .at(5_001, answer("w0", "complete", 1, Answer::Ok))
+            .at(5_001, late.clone())
+            .at(9_000, ended("w0", 1, "lease_lost"))
+    };
+    assert!(invariants::ends_agree(&played(5_000).facts()).is_empty());
+    fires(
+        invariants::ends_agree(&played(4_500).facts()),
+        invariants::ENDS_AGREE,
+        "task t-000001: w0 attempt 1 ended lease_lost at 9.000 s, though the engine accepted its complete at 5.001 s and its lease ran until 12.000 s",
+    );
+}
+
 #[test]
 fn a_fetch_above_the_free_slots_and_a_task_above_the_slots_fire() {
     let started = |task: &str| Event::TaskStarted {
