@@ -53,7 +53,7 @@ use serde_json::Value;
 
 use super::schedule::{Schedule, Shape};
 use crate::world::trace::{Answer, Event, Trace};
-use abada_devkit::engine::TaskView;
+use abada_devkit::engine::{TaskStatus, TaskView};
 
 /// A broken promise: which, about which task, at which step.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -622,7 +622,8 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
     // call of an earlier attempt's fence, says nothing of the attempt the worker holds now.
     let mut fences: BTreeMap<(&str, &str, u64), u32> = BTreeMap::new();
     let mut out = Vec::new();
-    for (t, e) in &facts.trace.events {
+    let events = &facts.trace.events;
+    for (i, (t, e)) in events.iter().enumerate() {
         match e {
             Event::Fetched { worker, tasks, .. } => {
                 for (task, attempt) in tasks {
@@ -656,8 +657,9 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
                 task,
                 attempt: fence,
                 answer: "fenced",
+                seq,
                 ..
-            } => {
+            } if !answer_lost_after(events, i, worker, op, task, *seq) => {
                 let granted = fence.and_then(|f| fences.get(&(worker.as_str(), task.as_str(), f)));
                 if let Some(attempt) =
                     granted.or_else(|| held.get(&(worker.as_str(), task.as_str())))
@@ -708,6 +710,24 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
         }
     }
     out
+}
+
+/// Whether the store answer at `i` never reached its worker: the store records what it
+/// executed, then `answer-lost` for the same call when the connection drops on the way back
+/// (nothing runs between the two), so the worker heard a transient error, not the fence.
+fn answer_lost_after(
+    events: &[(u64, Event)],
+    i: usize,
+    worker: &str,
+    op: &str,
+    task: &str,
+    seq: Option<u64>,
+) -> bool {
+    matches!(
+        events.get(i + 1),
+        Some((_, Event::StoreAnswer { worker: w, op: o, task: k, seq: s, answer: "answer-lost", .. }))
+            if w == worker && *o == op && k == task && *s == seq
+    )
 }
 
 /// The ops that report a task's end.
@@ -764,7 +784,8 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
     let mut reporting: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
     let mut work_answered: BTreeMap<AttemptKey<'_>, u64> = BTreeMap::new();
     let mut out = Vec::new();
-    for (t, e) in &facts.trace.events {
+    let events = &facts.trace.events;
+    for (i, (t, e)) in events.iter().enumerate() {
         match e {
             Event::EngineCall {
                 worker,
@@ -838,12 +859,15 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
             }
             Event::StoreAnswer {
                 worker,
+                op,
                 task,
+                seq,
                 answer,
                 ..
             } => {
                 if let Some(attempt) = held.get(&(worker.as_str(), task.as_str())) {
-                    if *answer == "fenced" {
+                    if *answer == "fenced" && !answer_lost_after(events, i, worker, op, task, *seq)
+                    {
                         lost.entry((worker, task, *attempt)).or_insert(*t);
                     }
                     work_answered.insert((worker, task, *attempt), *t);
@@ -1138,7 +1162,7 @@ fn rejected_final(answer: &str) -> Option<bool> {
 
 /// The result a completed task stored in the simulated agents' result variable.
 fn stored_result(view: &TaskView) -> Option<&Value> {
-    if view.status != abada_devkit::engine::TaskStatus::Completed {
+    if view.status != TaskStatus::Completed {
         return None;
     }
     view.result_variables.as_ref()?.get("simResult")
@@ -1242,7 +1266,7 @@ pub fn repairs_bounded(facts: &Facts<'_>) -> Vec<Violation> {
         // across a restart makes a write wait before any final answer was played).
         let completed = facts.views.iter().any(|v| {
             facts.keys.get(&t.key).is_some_and(|k| k.contains(&v.id))
-                && v.status == abada_devkit::engine::TaskStatus::Completed
+                && v.status == TaskStatus::Completed
                 && v.result_variables
                     .as_ref()
                     .and_then(|r| r.get("agentStatus"))
@@ -1514,7 +1538,7 @@ pub fn approved_performed(facts: &Facts<'_>) -> Vec<Violation> {
             *t >= approved_at
                 && matches!(e, Event::TaskEnded { task, outcome, .. }
                     if outcome == "incident" && ids.contains(task))
-        });
+        }) || engine_incident_since(facts, &ids, approved_at);
         if !performed && !incident {
             out.push(violation(
                 APPROVED_PERFORMED,
@@ -1527,6 +1551,23 @@ pub fn approved_performed(facts: &Facts<'_>) -> Vec<Violation> {
         }
     }
     out
+}
+
+/// Whether the engine holds an incident raised on one of `ids` by a failure sent at or after
+/// `since`: the worker's own end may say `report_failed` when the failure's answer was lost on
+/// its way back, though the engine executed it (seed 4000001651 of a random window).
+fn engine_incident_since(facts: &Facts<'_>, ids: &[String], since: u64) -> bool {
+    let failed = |id: &String| {
+        facts
+            .views
+            .iter()
+            .any(|v| &v.id == id && v.status == TaskStatus::Failed)
+    };
+    facts.trace.events.iter().any(|(t, e)| {
+        *t >= since
+            && matches!(e, Event::EngineCall { op: "failure", task: Some(task), .. }
+                if ids.contains(task) && failed(task))
+    })
 }
 
 pub fn no_loop(facts: &Facts<'_>) -> Vec<Violation> {

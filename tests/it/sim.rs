@@ -533,6 +533,42 @@ fn a_late_refusal_of_an_earlier_fence_does_not_stop_the_next_attempt() {
     );
 }
 
+/// Found at seed 3714189527 of a random window: the store fenced an append, but the answer was
+/// lost on its way back, so the worker heard a transient error and retried; its heartbeats
+/// meanwhile are no breach. Once a retried append's fence reaches it, a call after that fires.
+#[test]
+fn a_fence_whose_answer_was_lost_is_not_heard_and_the_retried_one_is() {
+    let lost_fence = || {
+        Played::new()
+            .at(0, fetched("w0", 1))
+            .at(10, store_answer("w0", "claim", Some(7), None, "claimed"))
+            .at(6_500, store_call("w0", "append", Some(7), Some(2)))
+            .at(
+                6_500,
+                store_answer("w0", "append", Some(7), Some(2), "fenced"),
+            )
+            .at(
+                6_500,
+                store_answer("w0", "append", Some(7), Some(2), "answer-lost"),
+            )
+            .at(6_558, store_call("w0", "append", Some(7), Some(2)))
+            .at(6_667, call("w0", "heartbeat", 1))
+    };
+    assert!(invariants::no_call_after_refusal(&lost_fence().facts()).is_empty());
+    let heard = lost_fence()
+        .at(
+            7_999,
+            store_answer("w0", "append", Some(7), Some(2), "fenced"),
+        )
+        .at(8_000, call("w0", "heartbeat", 1));
+    assert!(invariants::no_call_after_refusal(&heard.facts()).is_empty());
+    fires(
+        invariants::no_call_after_refusal(&heard.at(8_001, call("w0", "heartbeat", 1)).facts()),
+        "no call after the engine or the run store said the lease is lost",
+        "task t-000001: heartbeat by w0 attempt 1 sent at 8.001 s after run-store append was refused as not ours at 7.999 s",
+    );
+}
+
 fn ended(worker: &str, attempt: u32, outcome: &str) -> Event {
     Event::TaskEnded {
         worker: w(worker),
@@ -1132,6 +1168,48 @@ fn an_approved_call_dropped_and_an_instance_that_asks_again_fire() {
             },
         );
     assert!(invariants::approved_performed(&p.facts()).is_empty());
+    // The worker raised the incident, but the failure's answer was lost on its way back: its
+    // own end says report_failed, the engine holds the incident (seed 4000001651 of a random
+    // window). Without the engine's incident, the same trace fires.
+    let failure_lost = |p: Played| {
+        p.at(5_000, decision(honest.clone(), "approve"))
+            .at(
+                6_000,
+                Event::EngineCall {
+                    worker: w("w1"),
+                    op: "failure",
+                    task: Some(w("t-000002")),
+                    attempt: Some(1),
+                },
+            )
+            .at(
+                6_000,
+                answer("w1", "failure", 1, Answer::Fault("answer-lost")),
+            )
+            .at(
+                6_001,
+                Event::TaskEnded {
+                    worker: w("w1"),
+                    task: w("t-000002"),
+                    attempt: Some(1),
+                    outcome: w("report_failed"),
+                },
+            )
+    };
+    let mut p = failure_lost(approval(Played::new()));
+    let mut core = EngineCore::new(ProtocolLevel::AgentV1, 60_000);
+    core.create_task(TaskSpec::default());
+    core.create_task(TaskSpec::default());
+    p.views = core.tasks();
+    p.views[0].status = abada_agent_worker::devkit::engine::TaskStatus::Completed;
+    p.views[1].status = abada_agent_worker::devkit::engine::TaskStatus::Failed;
+    assert!(invariants::approved_performed(&p.facts()).is_empty());
+    p.views[1].status = abada_agent_worker::devkit::engine::TaskStatus::Completed;
+    fires(
+        invariants::approved_performed(&p.facts()),
+        invariants::APPROVED_PERFORMED,
+        "write 1, approved by a person at 5.000 s, was never performed",
+    );
     // The loop: asked again for the approved call.
     let p = approval(Played::new())
         .at(5_000, decision(honest.clone(), "approve"))
@@ -1509,5 +1587,51 @@ fn a_worker_that_stops_fetching_with_a_slot_free_fires() {
     // Without a provider limit in the seed, not judged.
     let mut p = played(2, 3_000);
     p.schedule.faults.provider_limit = None;
+    assert!(invariants::fleet::fetching_continues(&p.facts()).is_empty());
+    // One slot, and the task's next attempt started on it while the attempt before winds down
+    // (its slot given back, its lease run out): the earlier attempt's end frees nothing (seed
+    // 4000002522 of a random window). Keyed by task alone, the end freed the slot and fired.
+    let one = |n: u32| (w("w0"), w("t-000001"), Some(n));
+    let (a1, a2) = (one(1), one(2));
+    let mut p = with_limit(Played::new());
+    p.schedule.poll_interval = Duration::from_millis(500);
+    let p = p
+        .at(0, started(1))
+        .at(10, fetch("w0"))
+        .at(11, fetched("w0"))
+        .at(
+            12,
+            Event::TaskStarted {
+                worker: a1.0.clone(),
+                task: a1.1.clone(),
+                attempt: a1.2,
+            },
+        )
+        .at(
+            100,
+            Event::SlotFreed {
+                worker: a1.0.clone(),
+                task: a1.1.clone(),
+                attempt: a1.2,
+            },
+        )
+        .at(
+            200,
+            Event::TaskStarted {
+                worker: a2.0,
+                task: a2.1,
+                attempt: a2.2,
+            },
+        )
+        .at(
+            300,
+            Event::TaskEnded {
+                worker: a1.0,
+                task: a1.1,
+                attempt: a1.2,
+                outcome: w("lease_lost"),
+            },
+        )
+        .at(3_011, fetch("w0"));
     assert!(invariants::fleet::fetching_continues(&p.facts()).is_empty());
 }

@@ -320,7 +320,10 @@ pub fn fetching_continues(facts: &Facts<'_>) -> Vec<Violation> {
     #[derive(Default)]
     struct Worker<'a> {
         slots: usize,
-        running: std::collections::BTreeSet<&'a str>,
+        /// At work, by (task, attempt): a task's next attempt may start on a freed slot while
+        /// the one before still winds down (seed 4000002522 of a random window), and the
+        /// earlier one's end frees nothing of it.
+        running: std::collections::BTreeSet<(&'a str, Option<u32>)>,
         /// The fetch answer the gap is measured from (none across a failed or late one).
         answered: Option<u64>,
         /// Since when a slot has been free (none while every slot is taken).
@@ -369,15 +372,29 @@ pub fn fetching_continues(facts: &Facts<'_>) -> Vec<Violation> {
             Event::WorkerKilled { worker } => {
                 workers.remove(worker.as_str());
             }
-            Event::TaskStarted { worker, task, .. } => {
+            Event::TaskStarted {
+                worker,
+                task,
+                attempt,
+            } => {
                 if let Some(w) = workers.get_mut(worker.as_str()) {
-                    w.running.insert(task);
+                    w.running.insert((task, *attempt));
                     w.started(*t);
                 }
             }
-            Event::SlotFreed { worker, task, .. } | Event::TaskEnded { worker, task, .. } => {
+            Event::SlotFreed {
+                worker,
+                task,
+                attempt,
+            }
+            | Event::TaskEnded {
+                worker,
+                task,
+                attempt,
+                ..
+            } => {
                 if let Some(w) = workers.get_mut(worker.as_str()) {
-                    w.running.remove(task.as_str());
+                    w.running.remove(&(task.as_str(), *attempt));
                     w.started(*t);
                 }
             }
