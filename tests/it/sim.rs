@@ -1491,6 +1491,27 @@ fn an_empty_answer_during_a_backlog_left_for_the_poll_interval_fires() {
     let mut limited = played(500).at(100, model_call("w0", "429"));
     limited.trace.events.sort_by_key(|(t, _)| *t);
     assert!(invariants::fleet::no_idle_replica(&limited.facts()).is_empty());
+    // With fetch contention the answer reaches the worker when the fetch's transaction commits
+    // (100 ms here): a fetch 126 ms after the engine picked nothing is 26 ms after the worker
+    // heard, no idling (seed 4000010262 of a random window). Without contention it fires.
+    let first_answer = |contention: Option<Duration>| {
+        let mut p = Played::new();
+        p.schedule.faults.provider_limit = None;
+        p.schedule.faults.fetch_contention = contention;
+        p.schedule.poll_interval = Duration::from_millis(500);
+        p.at(0, fetch("w1"))
+            .at(0, backlog("w1", 1, 0, 1))
+            .at(126, fetch("w1"))
+            .at(5_000, fetch("w0"))
+    };
+    assert!(
+        invariants::fleet::no_idle_replica(&first_answer(Some(Duration::from_millis(100))).facts())
+            .is_empty()
+    );
+    assert_eq!(
+        invariants::fleet::no_idle_replica(&first_answer(None).facts()).len(),
+        1
+    );
 }
 
 /// A run the previous release left mid-run (its turn 0 and write paid) must resume: the model
