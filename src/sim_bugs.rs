@@ -96,10 +96,13 @@ pub enum Bug {
     /// hostile header stops every fetch of the worker (the wedge found with an Azure-style
     /// unitless reset, where the held model's figure also never expired).
     CapacityWedge,
+    /// Reading a tool call the model wrote as text looks one call past the last: the task's
+    /// handler panics on the model's output (the runner fails the task technically and says so).
+    TextCallPanics,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 26] = [
+    pub const ALL: [Bug; 27] = [
         Bug::FenceRemoved,
         Bug::HeartbeatAfterExpiry,
         Bug::KeyedWriteWithoutKey,
@@ -126,6 +129,7 @@ impl Bug {
         Bug::AgentsFileLatest,
         Bug::OldJournalFromInput,
         Bug::CapacityWedge,
+        Bug::TextCallPanics,
     ];
 
     pub fn name(self) -> &'static str {
@@ -156,6 +160,7 @@ impl Bug {
             Bug::AgentsFileLatest => "agents-file-latest",
             Bug::OldJournalFromInput => "old-journal-from-input",
             Bug::CapacityWedge => "capacity-wedge",
+            Bug::TextCallPanics => "text-call-panics",
         }
     }
 

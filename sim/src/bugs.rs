@@ -35,5 +35,6 @@ pub fn caught_by(bug: Bug) -> &'static str {
         Bug::AgentsFileLatest => i::GATED_CALL_DECIDED,
         Bug::OldJournalFromInput => i::UPGRADE_RESUMED,
         Bug::CapacityWedge => i::FETCHING_CONTINUES,
+        Bug::TextCallPanics => i::NOTHING_PANICKED,
     }
 }

@@ -1,9 +1,12 @@
-//! The promises checked after every seed, on the world's trace and the engine's final state.
-//! Each check is a function of [`Facts`] only, so a test can hand-play a violation (a trace
-//! written by hand) and see it fire. Every message names the task and the step.
+//! The project's one invariant checker: the promises checked after every seed, on the world's
+//! trace and the engine's final state, and after every fault-suite scenario on a run on the
+//! wire written in the same vocabulary (`crate::observed`, with its [`Scenario`]). Each check
+//! is a function of [`Facts`] only, so a test can hand-play a violation (a trace written by
+//! hand) and see it fire. Every message names the task and the step.
 //!
 //! - [`one_completion`]: at most one holder's completion (or BPMN error) accepted per task, an
-//!   engine "no-op" acceptance of a stale holder's complete included;
+//!   engine "no-op" acceptance of a stale holder's complete included, and one ending call
+//!   executed per attempt;
 //! - [`no_stale_append`]: no journal append accepted from an attempt other than the task's
 //!   latest acquisition;
 //! - [`no_stale_store_append`]: the same for the run store (a third of the seeds keep their
@@ -40,11 +43,17 @@
 //! - [`no_secret_leaked`]: no secret the world handed out in any log line, span field or
 //!   metric the workers emitted (`super::secrets`).
 //!
+//! - [`nothing_panicked`]: no line logged or printed, and no failure reported, says a thread
+//!   panicked;
+//! - [`memory_bounded`]: a worker process's peak resident memory under its bound (runs on the
+//!   wire).
+//!
 //! The fleet's promises about its provider and its engine are in [`fleet`]: no deferral while
 //! the provider answers, the provider limit's 429s bounded, no replica idle while the backlog
-//! is deep.
+//! is deep. Those only a run with a [`Scenario`] can judge are in [`scenario`].
 
 pub mod fleet;
+pub mod scenario;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -97,6 +106,10 @@ pub const FETCHING_CONTINUES: &str =
     "the worker never stops fetching for longer than its capacity lets it";
 
 pub const UPGRADE_RESUMED: &str = "a run left by the previous release resumes, never begins again";
+pub const KEYS_RESENT: &str = "keyed writes re-sent only after an interruption";
+pub const HEALTHY_LEASES: &str = "no lease of a healthy task expired";
+pub const NOTHING_PANICKED: &str = "nothing panicked";
+pub const MEMORY_BOUNDED: &str = "memory bounded";
 
 /// Every invariant [`check`] judges, in its order.
 pub const INVARIANTS: &[&str] = &[
@@ -123,7 +136,16 @@ pub const INVARIANTS: &[&str] = &[
     NO_IDLE_REPLICA,
     FETCHING_CONTINUES,
     UPGRADE_RESUMED,
+    KEYS_RESENT,
+    HEALTHY_LEASES,
+    NOTHING_PANICKED,
+    MEMORY_BOUNDED,
 ];
+
+/// The invariants only a run on the wire judges ([`Scenario`]): the simulator's faults hit
+/// leases and tool servers at random (its "every keyed write applied at most once" and lease
+/// invariants judge those), and its workers run in one process whose memory is not theirs.
+pub const WIRE_ONLY: &[&str] = &[KEYS_RESENT, HEALTHY_LEASES, MEMORY_BOUNDED];
 
 /// What the checks read.
 pub struct Facts<'a> {
@@ -136,6 +158,27 @@ pub struct Facts<'a> {
     pub safety_margin: Duration,
     /// Every secret the world handed out (`World::secrets`), with what it is.
     pub secrets: &'a [(String, String)],
+    /// A run on the wire (`crate::observed`): what its scenario makes legitimate. `None` for
+    /// the simulator's seeds.
+    pub scenario: Option<&'a Scenario>,
+}
+
+/// What a run on the wire (the fault suite: real HTTP to the engine emulator, real processes,
+/// the emulator's clock) tells the checks that its trace cannot. Its times are when the
+/// emulator received each call, not when the worker sent it, and a test may move the
+/// emulator's clock by hand: the checks that need a worker's own send times (the local lease
+/// expiry, a lease's end by the worker's clock, a heartbeat in flight while a refusal was on its
+/// way) judge such a trace by what it can show, as each says.
+#[derive(Clone, Debug, Default)]
+pub struct Scenario {
+    /// Tasks whose lease the scenario's faults target on purpose: they may lose it.
+    pub lease_loss: BTreeSet<String>,
+    /// Sends of one keyed write an attempt may make: the worker's tool attempts where the
+    /// scenario makes a tool server fail transiently (the answer lost, the write re-sent under
+    /// its key), else 1.
+    pub tool_tries: u32,
+    /// Tasks the emulator still leased, live, when the run ended: no outcome yet is no breach.
+    pub leased_live: BTreeSet<String>,
 }
 
 /// Every check, in order.
@@ -165,6 +208,11 @@ pub fn check(facts: &Facts<'_>) -> Vec<Violation> {
     v.extend(fleet::no_idle_replica(facts));
     v.extend(fleet::fetching_continues(facts));
     v.extend(upgrade_resumed(facts));
+    // What a run on the wire shows (`scenario`), and what any run may.
+    v.extend(scenario::keys_resent(facts));
+    v.extend(scenario::healthy_leases(facts));
+    v.extend(nothing_panicked(facts));
+    v.extend(memory_bounded(facts));
     v
 }
 
@@ -214,9 +262,11 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
                 op, answer, task, ..
             } => {
                 match (*op, answer) {
-                    ("complete" | "bpmn-error", Answer::Ok) => add(ONE_COMPLETION),
-                    ("journal-append", Answer::Ok) => add(STALE_APPEND),
-                    ("failure", Answer::Ok) => add(NO_DEFERRAL_WHILE_ANSWERING),
+                    ("complete" | "bpmn-error", Answer::Ok | Answer::Replayed) => {
+                        add(ONE_COMPLETION)
+                    }
+                    ("journal-append", Answer::Ok | Answer::Replayed) => add(STALE_APPEND),
+                    ("failure", Answer::Ok | Answer::Replayed) => add(NO_DEFERRAL_WHILE_ANSWERING),
                     _ => {}
                 }
                 if task.is_some() && lease_lost(answer) {
@@ -273,7 +323,15 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
                     add(KEYED_RESULTS_KEPT);
                 }
             }
-            Event::Log { .. } if !facts.secrets.is_empty() => add(NO_SECRET),
+            Event::Log { .. } => {
+                add(NOTHING_PANICKED);
+                if !facts.secrets.is_empty() {
+                    add(NO_SECRET);
+                }
+            }
+            Event::PeakMemory { .. } => add(MEMORY_BOUNDED),
+            Event::SlotsInUse { .. } | Event::WorkerStopped { .. } => add(SLOTS),
+            Event::ToolCall { key: Some(_), .. } if facts.scenario.is_some() => add(KEYS_RESENT),
             Event::Decision { .. } => add(NO_LOOP),
             _ => {}
         }
@@ -286,6 +344,13 @@ pub fn judged(facts: &Facts<'_>) -> BTreeMap<&'static str, usize> {
         .count();
     *n.entry(APPROVED_PERFORMED).or_default() += genuine_approvals(facts).len();
     *n.entry(UPGRADE_RESUMED).or_default() += facts.schedule.upgraded.len();
+    if let Some(scenario) = facts.scenario {
+        *n.entry(HEALTHY_LEASES).or_default() += facts
+            .views
+            .iter()
+            .filter(|v| !scenario.lease_loss.contains(&v.id))
+            .count();
+    }
     n
 }
 
@@ -316,13 +381,13 @@ fn holder_updates(e: &Event, holders: &mut BTreeMap<String, (String, u32)>) {
 ///   that fences by worker id only (plain v1). The later attempt resumes the same journal and
 ///   reports the same outcome, which the engine answers as a no-op.
 pub fn one_completion(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = one_ending_per_attempt(facts);
     // Per task: the first accepted completion (worker, attempt, op, executed at, sent at).
     let mut done: BTreeMap<String, (String, Option<u32>, &'static str, u64, u64)> = BTreeMap::new();
     // When each (worker, op, task, attempt) call was last sent.
     let mut sent: BTreeMap<(&str, &str, &str, Option<u32>), u64> = BTreeMap::new();
     // When each (task, attempt) was handed out.
     let mut handed_out: BTreeMap<(&str, u32), u64> = BTreeMap::new();
-    let mut out = Vec::new();
     for (t, e) in &facts.trace.events {
         if let Event::Fetched { tasks, .. } = e {
             for (task, attempt) in tasks {
@@ -343,7 +408,7 @@ pub fn one_completion(facts: &Facts<'_>) -> Vec<Violation> {
             op,
             task: Some(task),
             attempt,
-            answer: Answer::Ok,
+            answer: Answer::Ok | Answer::Replayed,
         } = e
         else {
             continue;
@@ -385,6 +450,57 @@ pub fn one_completion(facts: &Facts<'_>) -> Vec<Violation> {
     out
 }
 
+/// Whether the engine ran the call this answer is of: answered, or answered and the answer
+/// lost on its way back. A repeat it answered without running ([`Answer::Replayed`]) is not.
+fn executed(answer: &Answer) -> bool {
+    matches!(answer, Answer::Ok | Answer::Fault("answer-lost"))
+}
+
+/// One ending per attempt: a worker's ending calls (`complete`, `failure`, `bpmn-error`) of one
+/// attempt of a task executed at most once. A re-send after a lost answer carries the first's
+/// idempotency key and is answered as a repeat; a second one executed is a second outcome
+/// sent (a `complete` of a completed task is executed as a no-op, and still sent twice).
+fn one_ending_per_attempt(facts: &Facts<'_>) -> Vec<Violation> {
+    // Per (worker, task, attempt): each executed ending's op and time.
+    type Ending<'a> = (&'a str, u64);
+    let mut endings: BTreeMap<(&str, &str, Option<u32>), Vec<Ending<'_>>> = BTreeMap::new();
+    for (t, e) in &facts.trace.events {
+        if let Event::EngineAnswer {
+            worker,
+            op,
+            task: Some(task),
+            attempt,
+            answer,
+        } = e
+            && is_report(op)
+            && executed(answer)
+        {
+            endings
+                .entry((worker, task, *attempt))
+                .or_default()
+                .push((op, *t));
+        }
+    }
+    endings
+        .into_iter()
+        .filter(|(_, ends)| ends.len() > 1)
+        .map(|((worker, task, attempt), ends)| {
+            let list: Vec<String> = ends
+                .iter()
+                .map(|(op, t)| format!("{op} at {}", at(*t)))
+                .collect();
+            violation(
+                ONE_COMPLETION,
+                format!(
+                    "task {task}: {worker} attempt {attempt:?}: {} ending calls executed ({})",
+                    ends.len(),
+                    list.join(", ")
+                ),
+            )
+        })
+        .collect()
+}
+
 pub fn no_stale_append(facts: &Facts<'_>) -> Vec<Violation> {
     let mut holders = BTreeMap::new();
     let mut out = Vec::new();
@@ -395,7 +511,7 @@ pub fn no_stale_append(facts: &Facts<'_>) -> Vec<Violation> {
             op: "journal-append",
             task: Some(task),
             attempt: Some(attempt),
-            answer: Answer::Ok,
+            answer: Answer::Ok | Answer::Replayed,
         } = e
         {
             let latest = holders.get(task);
@@ -494,6 +610,11 @@ pub fn no_stale_store_append(facts: &Facts<'_>) -> Vec<Violation> {
 }
 
 pub fn no_call_after_local_expiry(facts: &Facts<'_>) -> Vec<Violation> {
+    // A run on the wire stamps each call when the emulator received it, and its tests move the
+    // emulator's clock by hand: the worker's own clock is not in its trace.
+    if facts.scenario.is_some() {
+        return Vec::new();
+    }
     let lock = facts.schedule.lock_duration.as_millis() as u64;
     let margin = facts.safety_margin.as_millis() as u64;
     // The latest start of a fetch per worker (the runner takes its acquisition instant before
@@ -571,7 +692,7 @@ pub fn no_call_after_local_expiry(facts: &Facts<'_>) -> Vec<Violation> {
                 op: "heartbeat",
                 task: Some(task),
                 attempt: Some(attempt),
-                answer: Answer::Ok,
+                answer: Answer::Ok | Answer::Replayed,
             } => {
                 let key = (worker.as_str(), task.as_str(), *attempt);
                 if let Some(&sent) = beat_started.get(&key) {
@@ -614,6 +735,9 @@ fn lease_lost(answer: &Answer) -> bool {
 }
 
 pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
+    if facts.scenario.is_some() {
+        return no_ending_after_refusal_on_the_wire(facts);
+    }
     let mut lost: BTreeMap<(&str, &str, u32), (&str, u64)> = BTreeMap::new();
     // Each worker's engine attempt of each task, by its latest acquisition: a run-store fence
     // names the store's attempt, and the engine calls it stops are those of this one.
@@ -673,6 +797,20 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
                     lost.entry((worker, task, *attempt)).or_insert((op, *t));
                 }
             }
+            // The worker's own end: it said the lease is lost, so it sends nothing after.
+            Event::TaskEnded {
+                worker,
+                task,
+                attempt,
+                outcome,
+            } if outcome == "lease_lost" => {
+                if let Some(attempt) =
+                    attempt.or_else(|| held.get(&(worker.as_str(), task.as_str())).copied())
+                {
+                    lost.entry((worker, task, attempt))
+                        .or_insert((OWN_LEASE_LOST_END, *t));
+                }
+            }
             Event::EngineCall {
                 worker,
                 op,
@@ -696,12 +834,19 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
                     lost.get(&(worker.as_str(), task.as_str(), *attempt))
                     && *t > learned(refused_op, *refused_at)
                 {
+                    let cause = if *refused_op == OWN_LEASE_LOST_END {
+                        format!("its own lease_lost end at {}", at(*refused_at))
+                    } else {
+                        format!(
+                            "{refused_op} was refused as not ours at {}",
+                            at(*refused_at)
+                        )
+                    };
                     out.push(violation(
                         AFTER_LOSS,
                         format!(
-                            "task {task}: {op} by {worker} attempt {attempt} sent at {} after {refused_op} was refused as not ours at {}",
+                            "task {task}: {op} by {worker} attempt {attempt} sent at {} after {cause}",
                             at(*t),
-                            at(*refused_at)
                         ),
                     ));
                 }
@@ -711,6 +856,103 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
     }
     out
 }
+
+/// [`no_call_after_refusal`] on a run on the wire, whose times are arrivals at the emulator:
+/// a heartbeat the worker sent before it heard a refusal may arrive after it, so only an ending
+/// call (`complete`, `failure`, `bpmn-error`) that ran after the refusal counts, as any call
+/// after the worker's own `lease_lost` end does (it sent it after deciding). A refusal the
+/// attempt's own ending caused (a heartbeat finding the task ended) is no loss, unless it is a
+/// `JOURNAL_CONFLICT`: the journal refused a step unlike the one it holds, whatever became of
+/// the task.
+fn no_ending_after_refusal_on_the_wire(facts: &Facts<'_>) -> Vec<Violation> {
+    let events = &facts.trace.events;
+    let answer_of = |i: usize| match events.get(i + 1) {
+        Some((_, Event::EngineAnswer { answer, .. })) => Some(answer),
+        _ => None,
+    };
+    let mut out = Vec::new();
+    for (i, (t, e)) in events.iter().enumerate() {
+        match e {
+            Event::TaskEnded {
+                worker,
+                task,
+                attempt,
+                outcome,
+            } if outcome == "lease_lost" => {
+                for (u, later) in &events[i + 1..] {
+                    if let Event::EngineCall {
+                        worker: w,
+                        op,
+                        task: Some(k),
+                        attempt: a,
+                    } = later
+                        && w == worker
+                        && k == task
+                        && *a == *attempt
+                        && *u > *t
+                    {
+                        out.push(violation(
+                            AFTER_LOSS,
+                            format!(
+                                "{worker}: {op} about task {task} attempt {attempt:?} after its lease was lost (its own lease_lost end at {})",
+                                at(*t)
+                            ),
+                        ));
+                    }
+                }
+            }
+            Event::EngineAnswer {
+                worker,
+                op: refused_op,
+                task: Some(task),
+                attempt,
+                answer,
+            } if lease_lost(answer) => {
+                let own_ending_first = !matches!(answer, Answer::Refused { code, .. } if code == "JOURNAL_CONFLICT")
+                    && events[..i].iter().any(|(_, before)| {
+                        matches!(before, Event::EngineAnswer { op, task: Some(k), attempt: a, answer, .. }
+                            if is_report(op) && k == task && a == attempt && executed(answer))
+                    });
+                if own_ending_first {
+                    continue;
+                }
+                let code = match answer {
+                    Answer::Refused { code, .. } => code.as_str(),
+                    _ => "refused",
+                };
+                for (j, (u, later)) in events.iter().enumerate().skip(i + 1) {
+                    if let Event::EngineCall {
+                        worker: w,
+                        op,
+                        task: Some(k),
+                        attempt: a,
+                    } = later
+                        && is_report(op)
+                        && w == worker
+                        && k == task
+                        && a == attempt
+                        && *u > *t
+                        && answer_of(j) != Some(&Answer::Replayed)
+                    {
+                        out.push(violation(
+                            AFTER_LOSS,
+                            format!(
+                                "{op} about task {task} by {worker} attempt {attempt:?} at {} after {refused_op} was refused {code} at {}",
+                                at(*u),
+                                at(*t)
+                            ),
+                        ));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The cause [`no_call_after_refusal`] records for a worker's own `lease_lost` end.
+const OWN_LEASE_LOST_END: &str = "its own lease_lost end";
 
 /// Whether the store answer at `i` never reached its worker: the store records what it
 /// executed, then `answer-lost` for the same call when the connection drops on the way back
@@ -841,14 +1083,14 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
                     work_answered.insert(key, reached);
                 }
                 match answer {
-                    Answer::Ok if *op == "heartbeat" => {
+                    Answer::Ok | Answer::Replayed if *op == "heartbeat" => {
                         if let (Some(sent), Some((_, ext))) =
                             (beat_sent.get(&key), expiries.get_mut(&key))
                         {
                             ext.push((reached, sent + lock - margin));
                         }
                     }
-                    Answer::Ok if is_report(op) => {
+                    Answer::Ok | Answer::Replayed if is_report(op) => {
                         accepted.entry(key).or_insert((op, *t));
                     }
                     a if lease_lost(a) => {
@@ -915,10 +1157,15 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
                     continue;
                 }
                 // The expiry the worker's own clock kept at the end: its extensions that reached
-                // it in time, in order.
+                // it in time, in order. A run on the wire does not show the worker's clock (its
+                // tests move the emulator's by hand): a report accepted there, and nothing
+                // refused, leaves no lease to lose.
                 let Some((mut expiry, extensions)) = expiries.get(&key).cloned() else {
                     continue;
                 };
+                if facts.scenario.is_some() {
+                    expiry = u64::MAX;
+                }
                 let released = reporting.get(&key).copied().unwrap_or(u64::MAX);
                 for (reached, until) in extensions {
                     if reached <= *t && reached <= expiry && reached < released {
@@ -926,7 +1173,16 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
                     }
                 }
                 // A millisecond of slack: the trace's times are whole milliseconds.
-                if *t + 1 < expiry {
+                if expiry == u64::MAX {
+                    out.push(violation(
+                        ENDS_AGREE,
+                        format!(
+                            "task {task}: {worker} attempt {attempt} ended lease_lost at {}, though the engine accepted its {op} at {} and nothing said the lease was lost",
+                            at(*t),
+                            at(accepted_at)
+                        ),
+                    ));
+                } else if *t + 1 < expiry {
                     out.push(violation(
                         ENDS_AGREE,
                         format!(
@@ -945,11 +1201,11 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
 }
 
 pub fn slots(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = slots_gauge(facts);
     let mut slots_of: BTreeMap<&str, u32> = BTreeMap::new();
     // At work: started, slot not given back yet. Reporting: slot given back, not ended yet.
     let mut running: BTreeMap<&str, BTreeSet<(&str, Option<u32>)>> = BTreeMap::new();
     let mut reporting: BTreeMap<&str, BTreeSet<(&str, Option<u32>)>> = BTreeMap::new();
-    let mut out = Vec::new();
     for (t, e) in &facts.trace.events {
         match e {
             Event::WorkerStarted { worker, slots } => {
@@ -1032,7 +1288,64 @@ pub fn slots(facts: &Facts<'_>) -> Vec<Violation> {
     out
 }
 
+/// The slots as a worker's metrics show them, and its tasks once it stopped: every sample of
+/// its slots-in-use gauge within `0..=slots`, the last one taken after it stopped at 0, and
+/// every task it started ended by then.
+fn slots_gauge(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut slots_of: BTreeMap<&str, u32> = BTreeMap::new();
+    let mut last_sample: BTreeMap<&str, i64> = BTreeMap::new();
+    let mut started: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut ended: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut out = Vec::new();
+    for (t, e) in &facts.trace.events {
+        match e {
+            Event::WorkerStarted { worker, slots } => {
+                slots_of.insert(worker, *slots);
+            }
+            Event::TaskStarted { worker, .. } => *started.entry(worker).or_default() += 1,
+            Event::TaskEnded { worker, .. } => *ended.entry(worker).or_default() += 1,
+            Event::SlotsInUse { worker, in_use } => {
+                let slots = slots_of.get(worker.as_str()).copied().unwrap_or(0);
+                if *in_use < 0 || *in_use > i64::from(slots) {
+                    out.push(violation(
+                        SLOTS,
+                        format!(
+                            "{worker}: slots in use {in_use} outside 0..={slots} at {}",
+                            at(*t)
+                        ),
+                    ));
+                }
+                last_sample.insert(worker, *in_use);
+            }
+            Event::WorkerStopped { worker } => {
+                let w = worker.as_str();
+                if let Some(n) = last_sample.get(w).filter(|n| **n != 0) {
+                    out.push(violation(
+                        SLOTS,
+                        format!("{worker}: {n} slots still in use after it stopped"),
+                    ));
+                }
+                let (s, e) = (
+                    started.get(w).copied().unwrap_or(0),
+                    ended.get(w).copied().unwrap_or(0),
+                );
+                if s != e {
+                    out.push(violation(
+                        SLOTS,
+                        format!("{worker}: {s} tasks started, {e} ended when it stopped"),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
 pub fn all_ended(facts: &Facts<'_>) -> Vec<Violation> {
+    if let Some(scenario) = facts.scenario {
+        return ended_or_leased(facts, scenario);
+    }
     facts
         .views
         .iter()
@@ -1050,6 +1363,87 @@ pub fn all_ended(facts: &Facts<'_>) -> Vec<Violation> {
                     at(facts.schedule.faults.quiet_at)
                 ),
             )
+        })
+        .collect()
+}
+
+/// [`all_ended`] on a run on the wire, which stops when its scenario is done, faults or not:
+/// every task ended, or back at the engine after a report (deferred, failed with retries left,
+/// released), hidden by a failure's `retryTimeout`, never fetched, or still leased, live.
+fn ended_or_leased(facts: &Facts<'_>, scenario: &Scenario) -> Vec<Violation> {
+    let reported = |id: &str| {
+        facts.trace.events.iter().any(|(_, e)| {
+            matches!(e, Event::EngineAnswer { op, task: Some(k), answer, .. }
+                if is_report(op) && k == id && executed(answer))
+        })
+    };
+    facts
+        .views
+        .iter()
+        .filter(|v| {
+            let fine = match v.status {
+                TaskStatus::Completed | TaskStatus::Failed | TaskStatus::BpmnError => true,
+                TaskStatus::Open => v.attempt == 0 || reported(&v.id),
+                TaskStatus::Locked => v.hidden || scenario.leased_live.contains(&v.id),
+            };
+            !fine
+        })
+        .map(|v| {
+            violation(
+                ALL_ENDED,
+                format!(
+                    "task {} is {:?} (attempt {}, lease until {:?}) without an outcome",
+                    v.id, v.status, v.attempt, v.lock_expiration_time
+                ),
+            )
+        })
+        .collect()
+}
+
+/// Nothing panicked: no line the workers logged or printed says a thread panicked, and no
+/// task's failure reported to the engine does (the runner turns a handler's panic into a
+/// failure that says so).
+pub fn nothing_panicked(facts: &Facts<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for v in facts.views {
+        for text in [&v.error_message, &v.error_details].into_iter().flatten() {
+            if text.contains("panicked") {
+                out.push(violation(
+                    NOTHING_PANICKED,
+                    format!("task {}: {text}", v.id),
+                ));
+            }
+        }
+    }
+    for (t, e) in &facts.trace.events {
+        if let Event::Log { line } = e
+            && line.contains("panicked")
+        {
+            out.push(violation(
+                NOTHING_PANICKED,
+                format!("at {}: {line}", at(*t)),
+            ));
+        }
+    }
+    out
+}
+
+/// Memory bounded: a worker process's peak resident memory under its bound.
+pub fn memory_bounded(facts: &Facts<'_>) -> Vec<Violation> {
+    facts
+        .trace
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::PeakMemory {
+                worker,
+                kib,
+                bound_kib,
+            } if kib > bound_kib => Some(violation(
+                MEMORY_BOUNDED,
+                format!("{worker}: peak resident memory {kib} KiB over the bound {bound_kib} KiB"),
+            )),
+            _ => None,
         })
         .collect()
 }

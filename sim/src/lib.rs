@@ -19,6 +19,7 @@
 #[cfg(feature = "sim-bugs")]
 pub mod bugs;
 pub mod invariants;
+pub mod observed;
 pub mod schedule;
 pub mod secrets;
 pub mod worker;
@@ -298,6 +299,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         schedule: &schedule,
         safety_margin: world.safety_margin,
         secrets: &secrets,
+        scenario: None,
     });
     let judged = invariants::judged(&invariants::Facts {
         trace: &trace,
@@ -306,6 +308,7 @@ async fn simulate(options: &SimOptions, capture: &secrets::Capture) -> SeedRepor
         schedule: &schedule,
         safety_margin: world.safety_margin,
         secrets: &secrets,
+        scenario: None,
     });
     let injected = world.faults().injected.clone();
     for w in workers.into_iter().flatten() {

@@ -203,6 +203,15 @@ impl Malformed {
     }
 
     fn call_as_text(found: &InText, offered: &Offered) -> Self {
+        // SIM-BUG (feature `sim-bugs`, selected at run time): one call past the last.
+        #[cfg(feature = "sim-bugs")]
+        if crate::sim_bugs::active(crate::sim_bugs::Bug::TextCallPanics) {
+            let past = found.calls.len();
+            let _ = found
+                .calls
+                .get(past)
+                .expect("index out of bounds: one call past the last");
+        }
         let names: Vec<String> = found
             .calls
             .iter()

@@ -1,9 +1,11 @@
-//! The invariant checker itself (`support::invariants`) and the crash tests' audit
-//! (`support::chaos`): each must catch what it exists to catch. Each test plays a worker's calls
-//! by hand against the engine emulator (and, where an invariant reads them, what a tool server
-//! received and what a worker showed), breaking one rule, and expects the checker to name the
-//! violation; a control beside it keeps to the rule and must pass. Every invariant of
-//! `INVARIANTS` is shown firing here.
+//! The one invariant checker on runs on the wire (`abada_sim::observed`, through
+//! `support::invariants`) and the crash tests' audit (`support::chaos`): each must catch what it
+//! exists to catch. Each test plays a worker's calls by hand against the engine emulator (and,
+//! where an invariant reads them, what a tool server received and what a worker showed),
+//! breaking one rule, and expects the checker to name the violation; a control beside it keeps
+//! to the rule and must pass. Every promise the fault suite relies on is shown firing here, on
+//! a trace written from the emulator's log; `tests/it/sim.rs` shows the same checker firing on
+//! hand-played simulator traces.
 
 use std::time::Duration;
 
@@ -15,8 +17,11 @@ use serde_json::{Value, json};
 
 use crate::support::chaos::audit_stale_writes;
 use crate::support::invariants::{
-    Expect, INVARIANTS, Report, Stamped, ToolObservation, WorkerObservation, check_invariants,
-    check_observed,
+    Expect, Report, Stamped, ToolObservation, WorkerObservation, check_invariants, check_observed,
+};
+use abada_sim::invariants::{
+    AFTER_LOSS, ALL_ENDED, ENDS_AGREE, HEALTHY_LEASES, KEYS_RESENT, MEMORY_BOUNDED,
+    NOTHING_PANICKED, ONE_COMPLETION, SLOTS,
 };
 
 /// The lease every hand-played fetch asks for.
@@ -103,33 +108,20 @@ fn expire_leases(emu: &engine::EngineEmulator) {
     emu.advance(Duration::from_millis(LOCK_MS + 1_000));
 }
 
-/// The violations of invariant `index` (0-based, as in `INVARIANTS`).
-fn violations(report: &Report, index: usize) -> Vec<String> {
-    report
-        .checks
-        .iter()
-        .find(|c| c.name == INVARIANTS[index])
-        .unwrap_or_else(|| panic!("invariant {:?} is checked", INVARIANTS[index]))
-        .violations
-        .clone()
-}
-
-/// Asserts that invariant `index` names each of `names` (one violation each at least) and
+/// Asserts that invariant `name` names each of `names` (one violation each at least) and
 /// nothing that names one of `clean`.
-fn assert_fires(report: &Report, index: usize, names: &[&str], clean: &[&str]) {
-    let v = violations(report, index);
-    for name in names {
+fn assert_fires(report: &Report, name: &str, names: &[&str], clean: &[&str]) {
+    let v = report.violations(name);
+    for expected in names {
         assert!(
-            v.iter().any(|line| line.contains(name)),
-            "{:?} does not name {name}: {v:?}",
-            INVARIANTS[index]
+            v.iter().any(|line| line.contains(expected)),
+            "{name:?} does not name {expected}: {v:?}"
         );
     }
-    for name in clean {
+    for kept in clean {
         assert!(
-            !v.iter().any(|line| line.contains(name)),
-            "{:?} names {name}, which kept the rule: {v:?}",
-            INVARIANTS[index]
+            !v.iter().any(|line| line.contains(kept)),
+            "{name:?} names {kept}, which kept the rule: {v:?}"
         );
     }
     assert!(!report.passed());
@@ -176,10 +168,10 @@ fn tool_finished(seq: u64, key: &str) -> Value {
         "data": {"callId": "c1", "server": "orders", "tool": "issue_refund", "result": {}}})
 }
 
-/// Invariant 1: a second `complete` of a completed task (the engine answers 200 and does
+/// One completion: a second `complete` of a completed task (the engine answers 200 and does
 /// nothing) is a second completion sent.
 #[tokio::test]
-async fn invariant_1_fires_on_a_task_completed_twice() {
+async fn one_completion_fires_on_a_task_completed_twice_by_its_holder() {
     let emu = emulator().await;
     let twice = emu.create_task(task());
     let once = emu.create_task(task());
@@ -188,16 +180,16 @@ async fn invariant_1_fires_on_a_task_completed_twice() {
         assert_eq!(complete(&emu, id, "w1", 1).await, 200);
     }
     let report = check_invariants(&emu, &[], &[], &Expect::default()).await;
-    assert_fires(&report, 0, &[&twice], &[&once]);
+    assert_fires(&report, ONE_COMPLETION, &[&twice], &[&once]);
     emu.shutdown().await;
 }
 
-/// Invariant 2: a key sent twice with no interruption between its `tool/started` and
+/// Keyed writes re-sent only after an interruption: a key sent twice with no interruption between its `tool/started` and
 /// `finished` steps, a key a journaled task never journaled, a content key re-sent without a
 /// re-delivery, and an unkeyed write all fire; a key re-sent once after the one interruption its
 /// journal shows does not.
 #[tokio::test]
-async fn invariant_2_fires_on_a_keyed_write_re_sent_without_an_interruption() {
+async fn keys_resent_fires_on_a_keyed_write_re_sent_without_an_interruption() {
     let emu = emulator().await;
     let same_attempt = emu.create_task(task());
     let interrupted = emu.create_task(task());
@@ -241,7 +233,7 @@ async fn invariant_2_fires_on_a_keyed_write_re_sent_without_an_interruption() {
     );
     assert_fires(
         &report,
-        1,
+        KEYS_RESENT,
         &[
             &format!("key {key_a} sent 2 times, 1 allowed"),
             &format!("key {key_b} sent 3 times, 2 allowed"),
@@ -270,7 +262,7 @@ async fn invariant_2_fires_on_a_keyed_write_re_sent_without_an_interruption() {
         &[],
         &Expect::default(),
     );
-    assert_eq!(violations(&report, 1), Vec::<String>::new());
+    assert_eq!(report.violations(KEYS_RESENT), Vec::<String>::new());
     // A third send of the interrupted key is one more than its one interruption allows.
     let thrice = ToolObservation {
         server: "orders".into(),
@@ -287,17 +279,17 @@ async fn invariant_2_fires_on_a_keyed_write_re_sent_without_an_interruption() {
     );
     assert_fires(
         &report,
-        1,
+        KEYS_RESENT,
         &[&format!("key {key_b} sent 3 times, 2 allowed")],
         &[],
     );
     emu.shutdown().await;
 }
 
-/// Invariant 3: the slot gauge above the slots, a slot still in use at the end, and a task
+/// Slots: the slot gauge above the slots, a slot still in use at the end, and a task
 /// started that never ended.
 #[test]
-fn invariant_3_fires_on_a_leaked_slot() {
+fn slots_fire_on_a_leaked_slot() {
     let mut leaky = worker("w-leaky");
     leaky.slot_samples = vec![0, 3, 1];
     leaky.events.push(Stamped {
@@ -317,7 +309,7 @@ fn invariant_3_fires_on_a_leaked_slot() {
     );
     assert_fires(
         &report,
-        2,
+        SLOTS,
         &[
             "w-leaky: slots in use 3 outside 0..=2",
             "w-leaky: 1 slots still in use",
@@ -327,11 +319,11 @@ fn invariant_3_fires_on_a_leaked_slot() {
     );
 }
 
-/// Invariant 4: a lease that ran out under a healthy task (a new attempt without an ending of
+/// Healthy leases: a lease that ran out under a healthy task (a new attempt without an ending of
 /// the one before, a heartbeat refused WORKER_LOCK_EXPIRED) and a `lease_lost` end the scenario
 /// did not expect. The same calls pass when the scenario names the task.
 #[tokio::test]
-async fn invariant_4_fires_on_the_lease_of_a_healthy_task_running_out() {
+async fn healthy_leases_fire_on_the_lease_of_a_healthy_task_running_out() {
     let emu = emulator().await;
     let id = emu.create_task(task());
     assert_eq!(fetch(&emu, "w1", 1).await, vec![id.clone()]);
@@ -356,10 +348,10 @@ async fn invariant_4_fires_on_the_lease_of_a_healthy_task_running_out() {
     );
     assert_fires(
         &report,
-        3,
+        HEALTHY_LEASES,
         &[
             &format!("task {id}: attempt 1 was followed by attempt 2 without ending"),
-            &format!("task {id}: Heartbeat refused WORKER_LOCK_EXPIRED"),
+            &format!("task {id}: heartbeat refused WORKER_LOCK_EXPIRED"),
             &format!("w1: task {id} ended lease_lost"),
         ],
         &[],
@@ -372,17 +364,17 @@ async fn invariant_4_fires_on_the_lease_of_a_healthy_task_running_out() {
         &[w1],
         &Expect::lease_loss([id.as_str()]),
     );
-    assert_eq!(violations(&report, 3), Vec::<String>::new());
+    assert_eq!(report.violations(HEALTHY_LEASES), Vec::<String>::new());
     emu.shutdown().await;
 }
 
-/// Invariant 5: a `complete` after the engine refused the attempt's heartbeat (injected, as a
+/// No call after a loss: a `complete` after the engine refused the attempt's heartbeat (injected, as a
 /// refused heartbeat of a lease taken over), and any call after the worker's own `lease_lost`
 /// end. The refusal used to be exempt whenever the attempt had a committed ending, so
 /// the very `complete` that broke the rule hid it. A heartbeat refused because the attempt's own
 /// `complete` ended the task first stays exempt.
 #[tokio::test]
-async fn invariant_5_fires_on_an_ending_sent_after_a_refused_heartbeat() {
+async fn after_loss_fires_on_an_ending_sent_after_a_refused_heartbeat() {
     let emu = emulator().await;
     let refused = emu.create_task(task());
     let own_ending = emu.create_task(task());
@@ -424,13 +416,12 @@ async fn invariant_5_fires_on_an_ending_sent_after_a_refused_heartbeat() {
     );
     assert_fires(
         &report,
-        4,
+        AFTER_LOSS,
         &[
+            &format!("complete about task {refused} by w1 attempt Some(1)"),
+            "after heartbeat was refused WORKER_LOCK_NOT_OWNED",
             &format!(
-                "Complete about task Some(\"{refused}\") after Heartbeat was refused Some(\"WORKER_LOCK_NOT_OWNED\")"
-            ),
-            &format!(
-                "w1: Heartbeat about task {after_loss} attempt Some(1) after its lease was lost"
+                "w1: heartbeat about task {after_loss} attempt Some(1) after its lease was lost"
             ),
         ],
         &[&own_ending],
@@ -461,7 +452,7 @@ async fn a_complete_after_a_journal_conflict_is_a_violation_even_though_it_commi
         assert_eq!(complete(&emu, id, "w1", 1).await, 200);
     }
     let report = check_invariants(&emu, &[], &[], &Expect::default()).await;
-    let v = violations(&report, 4);
+    let v = report.violations(AFTER_LOSS);
     assert_eq!(v.len(), 1, "{v:?}");
     assert!(
         v[0].contains(&conflicted) && v[0].contains("JOURNAL_CONFLICT"),
@@ -471,10 +462,10 @@ async fn a_complete_after_a_journal_conflict_is_a_violation_even_though_it_commi
     emu.shutdown().await;
 }
 
-/// Invariant 6: a task left locked past its lease with no outcome, a worker that says it
+/// Every task ended or leased, and an end that agrees with the engine: a task left locked past its lease with no outcome, a worker that says it
 /// completed a task the engine never heard of, and one that says `lease_lost` after reporting.
 #[tokio::test]
-async fn invariant_6_fires_on_a_task_without_exactly_one_outcome() {
+async fn all_ended_and_ends_agree_fire_on_a_task_without_exactly_one_outcome() {
     let emu = emulator().await;
     let abandoned = emu.create_task(task());
     let reported = emu.create_task(task());
@@ -498,22 +489,25 @@ async fn invariant_6_fires_on_a_task_without_exactly_one_outcome() {
     );
     assert_fires(
         &report,
-        5,
+        ALL_ENDED,
+        &[&format!("task {abandoned} is Locked (attempt 1")],
+        &[&fine],
+    );
+    assert_fires(
+        &report,
+        ENDS_AGREE,
         &[
-            &format!("task {abandoned} is Locked (attempt 1"),
-            &format!(
-                "task {abandoned} attempt Some(1) ended completed but the engine has no such call"
-            ),
-            &format!("task {reported} attempt Some(1) ended lease_lost but reported 1 time(s)"),
+            &format!("task {abandoned}: w1 attempt 1 ended completed at"),
+            &format!("task {reported}: w1 attempt 1 ended lease_lost at"),
         ],
         &[&fine],
     );
     emu.shutdown().await;
 }
 
-/// Invariant 7: a panic reported to the engine as a failure, and one in a worker's output.
+/// Nothing panicked: a panic reported to the engine as a failure, and one in a worker's output.
 #[tokio::test]
-async fn invariant_7_fires_on_a_panic() {
+async fn nothing_panicked_fires_on_a_panic() {
     let emu = emulator().await;
     let id = emu.create_task(task());
     assert_eq!(fetch(&emu, "w1", 1).await, vec![id.clone()]);
@@ -540,16 +534,16 @@ async fn invariant_7_fires_on_a_panic() {
     );
     assert_fires(
         &report,
-        6,
+        NOTHING_PANICKED,
         &[&format!("task {id}: "), "w-binary: thread 'main' panicked"],
         &["w-fine"],
     );
     emu.shutdown().await;
 }
 
-/// Invariant 8: a peak resident memory over its bound.
+/// Memory bounded: a peak resident memory over its bound.
 #[test]
-fn invariant_8_fires_on_memory_over_its_bound() {
+fn memory_bounded_fires_on_memory_over_its_bound() {
     let mut fat = worker("w-fat");
     fat.memory = Some((300_000, 200_000));
     let mut lean = worker("w-lean");
@@ -564,7 +558,7 @@ fn invariant_8_fires_on_memory_over_its_bound() {
     );
     assert_fires(
         &report,
-        7,
+        MEMORY_BOUNDED,
         &["w-fat: peak resident memory 300000 KiB over the bound 200000 KiB"],
         &["w-lean"],
     );

@@ -1252,6 +1252,15 @@ async fn the_real_binary_rides_out_a_fault_mix_without_panic_in_bounded_memory()
     eprintln!("real binary under faults: peak resident memory {peak} KiB");
     let report = check_invariants(&s.engine, &[&s.tools], &[observation], &Expect::default()).await;
     report.assert_ok("real binary fault mix");
+    // The promises only a run on the wire can judge had something to judge here: the keyed
+    // refunds, the tasks' leases, the binary's memory.
+    for invariant in abada_sim::invariants::WIRE_ONLY {
+        assert!(
+            report.judged.get(invariant).copied().unwrap_or(0) > 0,
+            "{invariant:?} judged nothing: {:?}",
+            report.judged
+        );
+    }
     s.shutdown().await;
 }
 

@@ -17,7 +17,7 @@ use super::http::parse_command_body;
 use super::process::{
     Caller, ProcessDefinitionView, ProcessInstanceView, ProcessModel, UserTaskStatus, UserTaskView,
 };
-use super::state::{EngineState, Operation, TaskSpec, TaskView};
+use super::state::{Disposition, EngineState, Operation, TaskSpec, TaskView};
 
 /// Who calls an engine without HTTP: no identity, as a request without `X-User` to an engine
 /// whose security is disabled (the history's `actor`).
@@ -43,6 +43,9 @@ impl CoreRefusal {
 pub struct CoreReply {
     pub status: u16,
     pub body: Option<Value>,
+    /// Answered from the idempotency store: the first request with the same key ran, this one
+    /// ran nothing.
+    pub replayed: bool,
 }
 
 /// The in-process engine: one state, no clock of its own, no I/O.
@@ -190,9 +193,10 @@ impl EngineCore {
             .state
             .run(op, task_id, key, &command, now_ms, ANONYMOUS)
         {
-            Ok((reply, _)) => Ok(CoreReply {
+            Ok((reply, disposition)) => Ok(CoreReply {
                 status: reply.status.as_u16(),
                 body: reply.body,
+                replayed: disposition == Disposition::Replayed,
             }),
             Err(e) => Err(refusal(e)),
         }

@@ -399,7 +399,10 @@ async fn at_engine(
                     true,
                 ));
             }
-            world.record(answer(Answer::Ok));
+            // A repeat that ran nothing: a key the engine saw before, or a journal step
+            // already there (answered 200, not 201).
+            let repeat = reply.replayed || (op == Operation::JournalAppend && reply.status == 200);
+            world.record(answer(if repeat { Answer::Replayed } else { Answer::Ok }));
             let executed = world.elapsed_ms();
             let late = (late > 0.0 && world.draw() < late).then(|| {
                 world.faults().count("engine answer late");

@@ -166,6 +166,24 @@ pub enum Event {
         version: u32,
         approval: bool,
     },
+    /// A sample of `worker`'s slots-in-use gauge (`abada_agent_slots_in_use`), as a run on the
+    /// wire reads it from the worker's metrics (the simulator counts slots from the runner's
+    /// events instead).
+    SlotsInUse {
+        worker: String,
+        in_use: i64,
+    },
+    /// `worker` stopped and its last event was taken: every task it started has ended by now.
+    WorkerStopped {
+        worker: String,
+    },
+    /// The peak resident memory of `worker`'s process (a real binary's `VmHWM`), in KiB, and
+    /// the bound it must stay under.
+    PeakMemory {
+        worker: String,
+        kib: u64,
+        bound_kib: u64,
+    },
     /// A line logged by the workers (kept for the secret check, not hashed: its wording is not
     /// a behaviour).
     Log {
@@ -176,8 +194,13 @@ pub enum Event {
 /// How the world answered an engine call.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Answer {
-    /// Executed (or replayed as a no-op by the engine) and answered.
+    /// Executed and answered (a command the engine's rules make a no-op, such as a second
+    /// `complete` of a completed task, is executed too).
     Ok,
+    /// A repeat the engine answered without running anything: a request whose idempotency
+    /// key ran before (answered from the engine's store), or a journal step already appended
+    /// (answered 200 instead of 201).
+    Replayed,
     /// Refused by the engine's rules: status, code and message (an `ENGINE_COMMAND_REJECTED`
     /// says the lease is gone only by its message).
     Refused {
