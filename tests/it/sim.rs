@@ -1698,48 +1698,54 @@ fn a_worker_that_stops_fetching_with_a_slot_free_fires() {
     assert!(invariants::fleet::fetching_continues(&p.facts()).is_empty());
     // One slot, and the task's next attempt started on it while the attempt before winds down
     // (its slot given back, its lease run out): the earlier attempt's end frees nothing (seed
-    // 4000002522 of a random window). Keyed by task alone, the end freed the slot and fired.
-    let one = |n: u32| (w("w0"), w("t-000001"), Some(n));
-    let (a1, a2) = (one(1), one(2));
-    let mut p = with_limit(Played::new());
-    p.schedule.poll_interval = Duration::from_millis(500);
-    let p = p
-        .at(0, started(1))
-        .at(10, fetch("w0"))
-        .at(11, fetched("w0"))
-        .at(
-            12,
-            Event::TaskStarted {
-                worker: a1.0.clone(),
-                task: a1.1.clone(),
-                attempt: a1.2,
-            },
-        )
-        .at(
-            100,
-            Event::SlotFreed {
-                worker: a1.0.clone(),
-                task: a1.1.clone(),
-                attempt: a1.2,
-            },
-        )
-        .at(
-            200,
-            Event::TaskStarted {
-                worker: a2.0,
-                task: a2.1,
-                attempt: a2.2,
-            },
-        )
-        .at(
-            300,
-            Event::TaskEnded {
-                worker: a1.0,
-                task: a1.1,
-                attempt: a1.2,
-                outcome: w("lease_lost"),
-            },
-        )
-        .at(3_011, fetch("w0"));
-    assert!(invariants::fleet::fetching_continues(&p.facts()).is_empty());
+    // 4000002522 of a random window). Keyed by task alone, the end freed the slot and fired. A
+    // plain engine numbers no attempt: the end is the oldest's (seed 4000030372).
+    for numbered in [true, false] {
+        let one = |n: u32| (w("w0"), w("t-000001"), numbered.then_some(n));
+        let (a1, a2) = (one(1), one(2));
+        let mut p = with_limit(Played::new());
+        p.schedule.poll_interval = Duration::from_millis(500);
+        let p = p
+            .at(0, started(1))
+            .at(10, fetch("w0"))
+            .at(11, fetched("w0"))
+            .at(
+                12,
+                Event::TaskStarted {
+                    worker: a1.0.clone(),
+                    task: a1.1.clone(),
+                    attempt: a1.2,
+                },
+            )
+            .at(
+                100,
+                Event::SlotFreed {
+                    worker: a1.0.clone(),
+                    task: a1.1.clone(),
+                    attempt: a1.2,
+                },
+            )
+            .at(
+                200,
+                Event::TaskStarted {
+                    worker: a2.0,
+                    task: a2.1,
+                    attempt: a2.2,
+                },
+            )
+            .at(
+                300,
+                Event::TaskEnded {
+                    worker: a1.0,
+                    task: a1.1,
+                    attempt: a1.2,
+                    outcome: w("lease_lost"),
+                },
+            )
+            .at(3_011, fetch("w0"));
+        assert!(
+            invariants::fleet::fetching_continues(&p.facts()).is_empty(),
+            "attempts numbered: {numbered}"
+        );
+    }
 }

@@ -334,18 +334,50 @@ pub fn fetching_continues(facts: &Facts<'_>) -> Vec<Violation> {
     #[derive(Default)]
     struct Worker<'a> {
         slots: usize,
-        /// At work, by (task, attempt): a task's next attempt may start on a freed slot while
-        /// the one before still winds down (seed 4000002522 of a random window), and the
-        /// earlier one's end frees nothing of it.
-        running: std::collections::BTreeSet<(&'a str, Option<u32>)>,
+        /// Per task, its attempts on this worker in the order they started, and whether each
+        /// is at work (its slot not given back): a task's next attempt may start on a freed
+        /// slot while the one before still winds down, and the earlier one's end frees nothing
+        /// of it (seed 4000002522 of a random window). A plain engine's attempts carry no
+        /// number: a slot given back is the oldest at work's, an end the oldest's (seed
+        /// 4000030372).
+        attempts: BTreeMap<&'a str, std::collections::VecDeque<(Option<u32>, bool)>>,
         /// The fetch answer the gap is measured from (none across a failed or late one).
         answered: Option<u64>,
         /// Since when a slot has been free (none while every slot is taken).
         free_from: Option<u64>,
     }
-    impl Worker<'_> {
+    impl<'a> Worker<'a> {
+        fn running(&self) -> usize {
+            self.attempts
+                .values()
+                .flatten()
+                .filter(|(_, at_work)| *at_work)
+                .count()
+        }
+
+        fn slot_freed(&mut self, task: &'a str, attempt: Option<u32>) {
+            let list = self.attempts.entry(task).or_default();
+            if let Some(entry) = list
+                .iter_mut()
+                .find(|(a, at_work)| *at_work && (attempt.is_none() || *a == attempt))
+            {
+                entry.1 = false;
+            }
+        }
+
+        fn ended(&mut self, task: &'a str, attempt: Option<u32>) {
+            let list = self.attempts.entry(task).or_default();
+            let position = match attempt {
+                Some(_) => list.iter().position(|(a, _)| *a == attempt),
+                None => (!list.is_empty()).then_some(0),
+            };
+            if let Some(i) = position {
+                list.remove(i);
+            }
+        }
+
         fn started(&mut self, at: u64) {
-            if self.running.len() >= self.slots {
+            if self.running() >= self.slots {
                 self.free_from = None;
             } else if self.free_from.is_none() {
                 self.free_from = Some(at);
@@ -392,7 +424,10 @@ pub fn fetching_continues(facts: &Facts<'_>) -> Vec<Violation> {
                 attempt,
             } => {
                 if let Some(w) = workers.get_mut(worker.as_str()) {
-                    w.running.insert((task, *attempt));
+                    w.attempts
+                        .entry(task)
+                        .or_default()
+                        .push_back((*attempt, true));
                     w.started(*t);
                 }
             }
@@ -400,15 +435,20 @@ pub fn fetching_continues(facts: &Facts<'_>) -> Vec<Violation> {
                 worker,
                 task,
                 attempt,
+            } => {
+                if let Some(w) = workers.get_mut(worker.as_str()) {
+                    w.slot_freed(task, *attempt);
+                    w.started(*t);
+                }
             }
-            | Event::TaskEnded {
+            Event::TaskEnded {
                 worker,
                 task,
                 attempt,
                 ..
             } => {
                 if let Some(w) = workers.get_mut(worker.as_str()) {
-                    w.running.remove(&(task.as_str(), *attempt));
+                    w.ended(task, *attempt);
                     w.started(*t);
                 }
             }
