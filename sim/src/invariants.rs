@@ -745,6 +745,8 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
     // The engine attempt each run-store fence was granted to: a refusal answered late, to a
     // call of an earlier attempt's fence, says nothing of the attempt the worker holds now.
     let mut fences: BTreeMap<(&str, &str, u64), u32> = BTreeMap::new();
+    // Each worker's attempts of each task not ended yet, in the order it acquired them.
+    let mut unended: BTreeMap<(&str, &str), std::collections::VecDeque<u32>> = BTreeMap::new();
     let mut out = Vec::new();
     let events = &facts.trace.events;
     for (i, (t, e)) in events.iter().enumerate() {
@@ -752,6 +754,10 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
             Event::Fetched { worker, tasks, .. } => {
                 for (task, attempt) in tasks {
                     held.insert((worker, task), *attempt);
+                    unended
+                        .entry((worker, task))
+                        .or_default()
+                        .push_back(*attempt);
                 }
             }
             Event::StoreAnswer {
@@ -797,15 +803,26 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
                     lost.entry((worker, task, *attempt)).or_insert((op, *t));
                 }
             }
-            // The worker's own end: it said the lease is lost, so it sends nothing after.
+            // The worker's own end: it said the lease is lost, so it sends nothing after. A
+            // plain engine numbers no attempt: a worker's ends come in the order of its
+            // acquisitions (seed 1500002205 of a random window: the end of attempt 2 is not
+            // attempt 3's, which runs on).
             Event::TaskEnded {
                 worker,
                 task,
                 attempt,
                 outcome,
-            } if outcome == "lease_lost" => {
-                if let Some(attempt) =
-                    attempt.or_else(|| held.get(&(worker.as_str(), task.as_str())).copied())
+            } => {
+                let running = unended.entry((worker, task)).or_default();
+                let attempt = match attempt {
+                    Some(a) => {
+                        running.retain(|r| r != a);
+                        Some(*a)
+                    }
+                    None => running.pop_front(),
+                };
+                if let Some(attempt) = attempt
+                    && outcome == "lease_lost"
                 {
                     lost.entry((worker, task, attempt))
                         .or_insert((OWN_LEASE_LOST_END, *t));

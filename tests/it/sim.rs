@@ -624,6 +624,26 @@ fn a_call_after_the_workers_own_lease_lost_end_fires() {
         invariants::AFTER_LOSS,
         "task t-000001: failure by w0 attempt 1 sent at 9.002 s after its own lease_lost end at 9.000 s",
     );
+    // A plain engine numbers no attempt in the worker's ends: they come in the order of its
+    // acquisitions, so this end is attempt 2's, and attempt 3 (acquired since) runs on (seed
+    // 1500002205 of a random window).
+    let unnumbered = Event::TaskEnded {
+        worker: w("w0"),
+        task: w("t-000001"),
+        attempt: None,
+        outcome: w("lease_lost"),
+    };
+    let p = Played::new()
+        .at(0, fetched("w0", 2))
+        .at(8_000, fetched("w0", 3))
+        .at(9_000, unnumbered)
+        .at(10_000, call("w0", "heartbeat", 3));
+    assert!(invariants::no_call_after_refusal(&p.facts()).is_empty());
+    fires(
+        invariants::no_call_after_refusal(&p.at(10_001, call("w0", "heartbeat", 2)).facts()),
+        invariants::AFTER_LOSS,
+        "heartbeat by w0 attempt 2 sent at 10.001 s after its own lease_lost end at 9.000 s",
+    );
 }
 
 /// Nothing panicked: a line a worker logged that says a thread panicked, and a failure the
