@@ -74,8 +74,9 @@ pub(crate) fn one_turn(latency: Duration) -> Script {
 /// What a worker on the plain engine reads from files, since the engine sends no definition and
 /// issues no tool credential: an agents file with a refund agent on `model` and, when a tool
 /// server is given, a tools file naming it `orders` with a bearer token file (the
-/// registry). Written under a directory of their own, left in place (a worker reads the token
-/// file again for every session).
+/// registry). Written under a directory of their own in Cargo's scratch directory for
+/// integration tests (`target/tmp`, gone with `cargo clean`), left in place for the test's
+/// whole run (a worker reads the token file again for every session).
 pub(crate) struct PlainFiles {
     pub(crate) agents: PathBuf,
     pub(crate) tools: Option<PathBuf>,
@@ -84,7 +85,8 @@ pub(crate) struct PlainFiles {
 impl PlainFiles {
     /// `orders`: the tool server's URL and the token it accepts.
     pub(crate) fn write(model: &str, orders: Option<(&str, &str)>) -> PlainFiles {
-        let dir = std::env::temp_dir().join(format!("abada-store-runs-{}", uuid::Uuid::new_v4()));
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("abada-store-runs-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
         let servers = if orders.is_some() {
             "toolServers = [\"orders\"]\n"
