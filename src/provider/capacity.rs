@@ -475,7 +475,15 @@ impl ModelCapacities {
     /// Waits for the turn of a call of `model` made for `requester`, expected to spend `cost`,
     /// at most `wait_left` (less what it waited, on return). `ticket`: the call's place from an
     /// earlier turn (a call retried after a 429 keeps it). Returns the release to give back when
-    /// the call ends, or, when its turn comes only after the wait it has left, when it would.
+    /// the call ends, or, when the provider's word (a hold, a stated figure without room) puts
+    /// its turn after the wait it has left, or a probe's answer does not come within it, when
+    /// it would.
+    ///
+    /// The worker's own estimates (the pace, the queue) never make a call give up: a call they
+    /// put beyond its wait waits the wait out, and then goes alone ([`Pacer::poll_due`]).
+    /// `yield_when_spent` false (the call may not wait here at all: a later model of the chain
+    /// can take it now) keeps the stricter rule for the pace and the queue too: a wait beyond
+    /// what is left is not begun.
     pub(crate) async fn wait_turn(
         &self,
         model: &ModelRef,
@@ -483,6 +491,7 @@ impl ModelCapacities {
         cost: &CallCost,
         wait_left: &mut Duration,
         ticket: Option<u64>,
+        yield_when_spent: bool,
     ) -> Result<Release, Instant> {
         let now = Instant::now();
         let ticket = {
@@ -517,11 +526,17 @@ impl ModelCapacities {
             tokio::pin!(notified);
             notified.as_mut().enable();
             let now = Instant::now();
-            let turn = self
-                .lock()
-                .models
-                .get_mut(model)
-                .map(|p| p.poll(ticket, cost, now, &self.policy));
+            let spent = wait_left.is_zero() && yield_when_spent;
+            let turn = self.lock().models.get_mut(model).map(|p| {
+                match p.poll(ticket, cost, now, &self.policy) {
+                    // The pace or the queue alone keeps a call whose wait is spent: they yield.
+                    Turn::Wait {
+                        why: WaitReason::Pace | WaitReason::Queue,
+                        ..
+                    } if spent => p.poll_due(ticket, cost, now, &self.policy),
+                    turn => turn,
+                }
+            });
             let (until, why) = match turn {
                 None => {
                     waiting.done = true;
@@ -540,10 +555,17 @@ impl ModelCapacities {
                 }
                 Some(Turn::Wait { until, why }) => (until, why),
             };
-            // Strictly: a wait longer than what is left is not begun (a probe's answer may come
-            // any moment, so that one is waited for until the budget is spent).
+            // Strictly: a wait the provider asks for (a hold, a stated figure without room)
+            // longer than what is left is not begun; a probe's answer may come any moment, and
+            // the pace and the queue yield when the wait is spent, so those are waited for
+            // until it is.
             let wait = until.saturating_duration_since(now);
-            if wait_left.is_zero() || (why != WaitReason::Probe && wait > *wait_left) {
+            let providers_word = matches!(why, WaitReason::Held(_) | WaitReason::Stated);
+            let own_estimate = matches!(why, WaitReason::Pace | WaitReason::Queue);
+            if wait_left.is_zero()
+                || (providers_word && wait > *wait_left)
+                || (!yield_when_spent && own_estimate && wait > *wait_left)
+            {
                 return Err(until);
             }
             let deadline = now + wait.min(*wait_left);
@@ -668,6 +690,15 @@ impl ModelCapacities {
             .models
             .get(model)
             .map_or(Capacity::Unbounded, |p| p.capacity(0, now, &self.policy))
+    }
+
+    /// Until when the provider's word holds `model` ([`Pacer::provider_hold`]): what a
+    /// deferral may say, never this worker's pace or queue.
+    pub(crate) fn provider_hold(&self, model: &ModelRef, now: Instant) -> Option<Instant> {
+        self.lock()
+            .models
+            .get(model)
+            .and_then(|p| p.provider_hold(now))
     }
 
     /// Whether `model`'s probe call is out, the others waiting for what it tells.
@@ -980,7 +1011,7 @@ mod tests {
     /// Takes a turn with the whole model wait, as a call does.
     async fn turn(c: &ModelCapacities, m: &ModelRef, who: &str) -> Result<Release, Instant> {
         let mut left = c.policy().max_wait;
-        c.wait_turn(m, who, &COST, &mut left, None).await
+        c.wait_turn(m, who, &COST, &mut left, None, true).await
     }
 
     /// Each hostile figure, stated on a 200 (Azure's `-1` with a reset of `0`, unitless,
@@ -1069,20 +1100,95 @@ mod tests {
         c.throttled(&m, &first, 429, Some(Duration::from_secs(5)), now);
         let mut left = Duration::from_secs(4);
         let start = Instant::now();
-        let err = c.wait_turn(&m, "t1", &COST, &mut left, None).await;
+        let err = c.wait_turn(&m, "t1", &COST, &mut left, None, true).await;
         assert_eq!(err, Err(now + Duration::from_secs(5)));
         assert_eq!(start.elapsed(), Duration::ZERO, "nothing waited");
         assert_eq!(left, Duration::from_secs(4));
         let mut left = Duration::from_secs(5);
-        let r = c.wait_turn(&m, "t1", &COST, &mut left, None).await.unwrap();
+        let r = c
+            .wait_turn(&m, "t1", &COST, &mut left, None, true)
+            .await
+            .unwrap();
         assert!(r.probe, "the first call after a hold goes alone");
         assert_eq!(left, Duration::ZERO);
         // A probe out: the next waits for its answer while its budget lasts, then gives up.
         let mut left = ms(300);
         let start = Instant::now();
-        assert!(c.wait_turn(&m, "t2", &COST, &mut left, None).await.is_err());
+        assert!(
+            c.wait_turn(&m, "t2", &COST, &mut left, None, true)
+                .await
+                .is_err()
+        );
         assert_eq!(start.elapsed(), ms(300));
         assert_eq!(left, Duration::ZERO);
+    }
+
+    /// The pace is this worker's own estimate: a replica refused by chance lowers it to one
+    /// call every half minute or slower, which says nothing of when the provider answers. A
+    /// call it puts beyond the wait left waits the wait out and then goes alone, never giving
+    /// up on the estimate; a hold the provider asked for beyond the wait is still not begun.
+    #[tokio::test(start_paused = true)]
+    async fn a_lowered_pace_yields_to_a_spent_wait_and_a_providers_hold_does_not() {
+        let c = ModelCapacities::new(CapacityPolicy::default());
+        let m = model("a");
+        // Refused on every call, no wait asked: each round lowers the pace.
+        for _ in 0..12 {
+            let r = turn(&c, &m, "t0").await.unwrap();
+            c.throttled(&m, &r, 429, None, Instant::now());
+        }
+        let Capacity::Until(free) = c.capacity(&m, Instant::now()) else {
+            panic!("the pace is lowered")
+        };
+        assert!(
+            free > Instant::now() + Duration::from_secs(20),
+            "the pace: one call in {:?}",
+            free - Instant::now()
+        );
+        assert_eq!(
+            c.provider_hold(&m, Instant::now()),
+            None,
+            "nothing the provider said"
+        );
+        let mut left = Duration::from_secs(10);
+        let start = Instant::now();
+        let r = c
+            .wait_turn(&m, "t1", &COST, &mut left, None, true)
+            .await
+            .expect("the pace yields when the wait is spent");
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_secs(10),
+            "the wait waited out"
+        );
+        assert_eq!(left, Duration::ZERO);
+        assert!(r.probe, "it goes alone");
+        // Another call whose wait is spent meanwhile waits for that one's answer, not beside it.
+        let mut left = Duration::ZERO;
+        assert!(
+            c.wait_turn(&m, "t2", &COST, &mut left, None, true)
+                .await
+                .is_err()
+        );
+        c.answered(&m, &r, Instant::now());
+        // The provider asks for 30 s: a call with 10 s left does not begin to wait.
+        let mut left = Duration::ZERO;
+        let r = c
+            .wait_turn(&m, "t3", &COST, &mut left, None, true)
+            .await
+            .unwrap();
+        let now = Instant::now();
+        c.throttled(&m, &r, 429, Some(Duration::from_secs(30)), now);
+        assert_eq!(
+            c.provider_hold(&m, now),
+            Some(now + Duration::from_secs(30))
+        );
+        let mut left = Duration::from_secs(10);
+        let start = Instant::now();
+        assert_eq!(
+            c.wait_turn(&m, "t4", &COST, &mut left, None, true).await,
+            Err(now + Duration::from_secs(30))
+        );
+        assert_eq!(start.elapsed(), Duration::ZERO, "nothing waited");
     }
 
     /// Calls waiting in one model's queue go one at a time, in the order they came, at the
@@ -1374,9 +1480,10 @@ mod tests {
     /// very state the load harness's scripted model and the simulator's world enforce), whose
     /// answers state the quota's figures, shared by every replica, as OpenAI's and Anthropic's
     /// are their organisation's. `tasks` one-call tasks; each call is answered 100 ms after it
-    /// arrives, its headers read by the production parser. A call whose turn comes later than
-    /// its wait is counted deferred and tried again then, with a fresh wait (as a task deferred
-    /// and claimed again would). Every replica's slots stay busy until the tasks run out.
+    /// arrives, its headers read by the production parser. A call the provider holds beyond
+    /// its wait (or refuses when its wait is spent) is counted deferred and tried again then,
+    /// with a fresh wait (as a task deferred and claimed again would). Every replica's slots
+    /// stay busy until the tasks run out.
     #[cfg(feature = "devkit")]
     async fn fleet_against_one_quota(
         replicas: usize,
@@ -1412,7 +1519,7 @@ mod tests {
                         let mut ticket = None;
                         loop {
                             let release =
-                                match c.wait_turn(&m, &who, &COST, &mut left, ticket).await {
+                                match c.wait_turn(&m, &who, &COST, &mut left, ticket, true).await {
                                     Ok(release) => release,
                                     Err(until) => {
                                         seen.lock().unwrap().0.deferred += 1;
@@ -1456,9 +1563,19 @@ mod tests {
                                 }
                                 Some(wait) => {
                                     seen.lock().unwrap().0.refused += 1;
-                                    let until = c.throttled(&m, &release, 429, Some(wait), now);
-                                    if until.saturating_duration_since(now) > left {
+                                    c.throttled(&m, &release, 429, Some(wait), now);
+                                    // As `fallback`: waited out while the provider's hold
+                                    // fits the wait left; deferred for that hold (at least a
+                                    // second, the circuit's least) when not.
+                                    let hold = c.provider_hold(&m, now);
+                                    if left.is_zero()
+                                        || hold.is_some_and(|u| {
+                                            u.saturating_duration_since(now) > left
+                                        })
+                                    {
                                         seen.lock().unwrap().0.deferred += 1;
+                                        let until =
+                                            hold.unwrap_or(now).max(now + Duration::from_secs(1));
                                         tokio::time::sleep_until(until).await;
                                         left = c.policy().max_wait;
                                         ticket = None;

@@ -6,14 +6,16 @@
 //! Before each call the call waits for its turn in its model's pacer
 //! ([`super::capacity::ModelCapacities::wait_turn`], [`super::pacer`]): one at a time, at the
 //! pace the provider states and the 429s taught, up to [`RetryPolicy::capacity_wait_max`] in
-//! all for one model call, instead of being sent to a 429. A model whose turn comes only later
-//! than that (or later than a later model of the chain could take the call) is skipped like an
-//! open circuit.
+//! all for one model call, instead of being sent to a 429. A model the provider holds (a
+//! `retry-after`, a 503, a stated budget at zero) beyond what the call has left of that wait
+//! (or that a later model of the chain could take the call before) is skipped like an open
+//! circuit. The worker's own pace and queue never skip it: a call they would keep past its
+//! wait waits it out and then goes alone, and the provider's answer decides.
 //!
 //! | failure | what happens |
 //! | --- | --- |
-//! | a 429 | the pace drops and its `retry-after` holds the model; the same call waits for its turn again while that fits the wait it has left, keeping its place in the queue; never the circuit (a busy limit is no outage) |
-//! | a 429 whose wait does not fit | next model at once; the model counts as unavailable (a deferral when every model is) |
+//! | a 429 | the pace drops and its `retry-after` holds the model; the same call waits for its turn again while that hold fits the wait it has left, keeping its place in the queue; never the circuit (a busy limit is no outage) |
+//! | a 429 whose hold does not fit, or answered when the wait is spent | next model at once; the model counts as unavailable (a deferral when every model is, for what the provider said) |
 //! | `Unavailable` (503, 529, overloaded, no concurrency slot) | next model at once; the circuit opens for its Retry-After (a 503 also holds the model in its pacer) |
 //! | `Transient`, `Malformed` | same model again after a backoff, `transient_retries` times (unless its circuit opened meanwhile), then next model |
 //! | `ContextTooLong`, `Setup` | next model |
@@ -25,9 +27,11 @@
 //!    [`ModelCallError::Technical`];
 //! 2. a model said the conversation is too long for it: [`ModelCallError::ContextTooLong`],
 //!    an end with that reason, never a deferral;
-//! 3. every model of the chain is unavailable for everyone (its circuit is open, or its turn
-//!    comes later than the call may wait): [`ModelCallError::AllUnavailable`], until the
-//!    earliest may take a call;
+//! 3. every model of the chain is unavailable for everyone (its circuit is open, or its
+//!    provider holds it beyond what the call may wait, or still refused it when the wait was
+//!    spent): [`ModelCallError::AllUnavailable`], until the earliest may take a call by what the
+//!    providers said (never the worker's own pace: that would hide the task from replicas that
+//!    can run it now);
 //! 4. else a model failed this request while it serves others (or no other task has shown
 //!    otherwise yet): [`ModelCallError::Technical`], the task's own failure (a retry consumed).
 
@@ -231,7 +235,7 @@ pub async fn call_models(
             let mut left = wait_left_here;
             let waiting_since = tokio::time::Instant::now();
             let turn = capacities
-                .wait_turn(model, requester, &cost, &mut left, ticket)
+                .wait_turn(model, requester, &cost, &mut left, ticket, !later_ready)
                 .await;
             wait_left = wait_left.saturating_sub(wait_left_here - left);
             let waited = waiting_since.elapsed();
@@ -306,8 +310,16 @@ pub async fn call_models(
                     retry_after,
                     ..
                 }) => {
-                    let until = capacities.throttled(model, &release, *status, *retry_after, now);
-                    let waits = *status == 429 && until.saturating_duration_since(now) <= wait_left;
+                    capacities.throttled(model, &release, *status, *retry_after, now);
+                    // Waited out while the provider's hold fits the wait left; the lowered
+                    // pace is this worker's estimate and yields when the wait is spent
+                    // (`wait_turn`), so it never makes the call give up. A call whose wait is
+                    // spent stops here: its next 429 would come at once.
+                    let waits = *status == 429
+                        && !wait_left.is_zero()
+                        && capacities
+                            .provider_hold(model, now)
+                            .is_none_or(|until| until.saturating_duration_since(now) <= wait_left);
                     // SIM-BUG (feature `sim-bugs`, selected at run time): a 429 taken as an
                     // outage, never waited out.
                     #[cfg(feature = "sim-bugs")]
@@ -397,17 +409,17 @@ pub async fn call_models(
         return Err(ModelCallError::ContextTooLong { last });
     }
     // A deferral only while every model of the chain is unavailable for everyone: its circuit
-    // open, or its rate limit allowing no call now.
+    // open, or the provider holding it (a 429's or 503's wait, a stated figure at zero), and
+    // for as long as that says. Never for this worker's own pace or queue: they say nothing
+    // of the provider, and a retryTimeout from them hides the task from replicas that could
+    // run it now.
     let now = tokio::time::Instant::now();
     let held: Vec<Option<tokio::time::Instant>> = models
         .iter()
         .map(|m| {
             circuits
                 .open_until(m, now)
-                .or(match capacities.capacity(m, now) {
-                    Capacity::Until(at) => Some(at),
-                    Capacity::Unbounded | Capacity::Now(_) => None,
-                })
+                .or(capacities.provider_hold(m, now))
         })
         .collect();
     let reopens = held

@@ -20,6 +20,12 @@
 //!   that carried it, refilled at its stated rate, less the calls (and their estimated tokens)
 //!   this worker started since.
 //!
+//! The pace and the queue are this worker's own estimates; a hold and a stated figure are the
+//! provider's word. A call whose wait (`ABADA_AGENT_MODEL_WAIT_MAX_MS`) is spent while only the
+//! estimates keep it goes then, alone ([`Pacer::poll_due`]): an estimate may delay a call, never
+//! make it give up (a replica pacing alone lowers its pace on 429s it drew by chance, down to
+//! one call a `max_wait`, while the provider answers the others).
+//!
 //! **The rate** (the increment is the largest of these, each per call):
 //! - *stated*: from each budget the provider states (requests, tokens, input and output tokens)
 //!   the refill rate of its bucket, `(limit - remaining) / reset` (OpenAI's and Anthropic's
@@ -450,7 +456,6 @@ impl Pacer {
     ) -> (Instant, Option<WaitReason>, Option<HoldReason>) {
         let mut at = now;
         let mut why = None;
-        let mut exhausted = None;
         let paced = self
             .last_release
             .map(|(last, c)| last + self.increment(&c, now, policy));
@@ -460,6 +465,19 @@ impl Pacer {
             at = next;
             why = Some(WaitReason::Pace);
         }
+        let (stated, exhausted) = self.stated_at(cost, now);
+        if stated > at {
+            at = stated;
+            why = Some(WaitReason::Stated);
+        }
+        (at, why, exhausted)
+    }
+
+    /// When every fresh stated figure has room for a call of `cost` (not before `now`): the
+    /// provider's word, apart from the pace; whether a figure ran out without a readable refill.
+    fn stated_at(&self, cost: &CallCost, now: Instant) -> (Instant, Option<HoldReason>) {
+        let mut at = now;
+        let mut exhausted = None;
         for d in Dimension::ALL {
             let Some(f) = self.figures[d.index()].filter(|f| f.expires > now) else {
                 continue;
@@ -480,12 +498,9 @@ impl Pacer {
                     _ => HoldReason::TokensExhausted,
                 });
             }
-            if when > at {
-                at = when;
-                why = Some(WaitReason::Stated);
-            }
+            at = at.max(when);
         }
-        (at, why, exhausted)
+        (at, exhausted)
     }
 
     /// Whether the call holding `ticket`, of `cost`, may start at `now`.
@@ -550,9 +565,68 @@ impl Pacer {
                 why: why.unwrap_or(WaitReason::Pace),
             };
         }
+        let probe = std::mem::take(&mut self.probe_next);
+        self.release(ticket, cost, now, policy, probe, increment)
+    }
+
+    /// The call holding `ticket` has spent its wait: the pace and the queue, the worker's own
+    /// estimates, yield to it, so it goes now unless the provider's word holds the model (a
+    /// hold, a stated figure without room) or a probe is out. It goes alone, as a probe: calls
+    /// whose waits end together never go in a crowd. Why: the pace is what this worker guessed
+    /// from its own 429s (a replica pacing alone beside others draws them by chance and can
+    /// lower its pace to one call per `max_wait`), which says nothing of when the provider
+    /// will answer; only the provider's answer may make the model unavailable to the call.
+    pub(crate) fn poll_due(
+        &mut self,
+        ticket: u64,
+        cost: &CallCost,
+        now: Instant,
+        policy: &CapacityPolicy,
+    ) -> Turn {
+        self.last_used = now;
+        if let Some(h) = self.hold_at(now) {
+            return Turn::Wait {
+                until: h.until,
+                why: WaitReason::Held(h.reason),
+            };
+        }
+        if let Some(since) = self
+            .probe
+            .filter(|since| *since + policy.probe_timeout > now)
+        {
+            return Turn::Wait {
+                until: since + policy.probe_timeout,
+                why: WaitReason::Probe,
+            };
+        }
+        self.probe = None;
+        let (stated, exhausted) = self.stated_at(cost, now);
+        if stated > now {
+            if exhausted.is_some() {
+                self.probe_next = true;
+            }
+            return Turn::Wait {
+                until: stated,
+                why: WaitReason::Stated,
+            };
+        }
+        self.probe_next = false;
+        let increment = self.increment(cost, now, policy);
+        self.release(ticket, cost, now, policy, true, increment)
+    }
+
+    /// Lets the call holding `ticket` go at `now`.
+    fn release(
+        &mut self,
+        ticket: u64,
+        cost: &CallCost,
+        now: Instant,
+        policy: &CapacityPolicy,
+        probe: bool,
+        increment: Duration,
+    ) -> Turn {
         self.queue.remove(&ticket);
         self.last_release = Some((now, *cost));
-        let probe = std::mem::take(&mut self.probe_next);
         if probe {
             self.probe = Some(now);
         }
@@ -776,6 +850,17 @@ impl Pacer {
             since: now,
             until: ready,
         })
+    }
+
+    /// Until when the provider's word holds the model: a hold (a 429's `retry-after`, a 503),
+    /// or a stated figure at zero without a readable refill. Never the pace or the queue, which
+    /// are this worker's own estimates.
+    pub(crate) fn provider_hold(&self, now: Instant) -> Option<Instant> {
+        if let Some(h) = self.hold_at(now) {
+            return Some(h.until);
+        }
+        let (stated, exhausted) = self.stated_at(&self.mean_cost(), now);
+        exhausted.and(Some(stated)).filter(|at| *at > now)
     }
 
     /// How many calls could start within the admission horizon, less those already waiting

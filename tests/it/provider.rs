@@ -1722,14 +1722,58 @@ async fn a_rate_limited_call_waits_for_its_retry_after_instead_of_deferring() {
     assert!(b.calls() >= 5 && b.calls() < 20, "{} calls", b.calls());
     let waits: Vec<Duration> = log.iter().skip(1).map(|c| c.capacity_wait).collect();
     // Each wait at least the one before (429s in a row double it, up to 4 s past the
-    // increment, while the lowered pace lengthens the increment itself), and longer in the end.
+    // increment, while the lowered pace lengthens the increment itself), and longer in the end;
+    // but the last, which is what was left of the wait (the pace yields to it).
+    let paced = &waits[..waits.len() - 1];
     assert!(
-        waits.windows(2).all(|w| w[1] >= w[0]) && waits.last() > waits.first(),
+        paced.windows(2).all(|w| w[1] >= w[0]) && paced.last() > paced.first(),
         "the pace falls: {waits:?}"
     );
     assert!(
         !log.iter().any(|c| c.circuit_opened),
         "a busy limit is no outage"
+    );
+}
+
+/// A replica the provider refuses on every call (others take its quota's windows) lowers its
+/// own pace far below one call in the wait it has left. That pace is its own guess, not the
+/// provider's word: the call keeps trying until its whole wait is spent, and when it then
+/// defers, the retryTimeout is what the provider asked (its retry-after), not the pace's
+/// estimate, which would hide the task from replicas that could run it now.
+#[tokio::test(start_paused = true)]
+async fn a_starved_replica_waits_its_whole_wait_and_defers_for_the_providers_word_only() {
+    let a = Fake::new((0..200).map(|_| Err(unavailable(Some(1)))).collect());
+    let mut r = ProviderRegistry::default();
+    r.insert("a", a.clone());
+    let models = vec![ModelRef::parse("a/one").unwrap()];
+    let waiting = RetryPolicy {
+        capacity_wait_max: Duration::from_secs(60),
+        ..policy()
+    };
+    let start = tokio::time::Instant::now();
+    let mut sent: Vec<Duration> = Vec::new();
+    let err = call_models(&r, &models, &request(), &waiting, "t1", &mut |_| {
+        sent.push(start.elapsed())
+    })
+    .await
+    .unwrap_err();
+    let ModelCallError::AllUnavailable { retry_after, .. } = err else {
+        panic!("{err}")
+    };
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_secs(60),
+        "the whole wait, not given up on the pace: calls at {sent:?}"
+    );
+    assert_eq!(
+        sent.last().copied(),
+        Some(Duration::from_secs(60)),
+        "tried once more when the wait was spent: {sent:?}"
+    );
+    assert_eq!(
+        retry_after,
+        Duration::from_secs(1),
+        "the provider's retry-after"
     );
 }
 

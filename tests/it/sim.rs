@@ -1503,6 +1503,46 @@ fn a_deferral_after_429s_alone_fires_and_one_after_an_outage_does_not() {
         invariants::fleet::no_deferral_while_answering(&p.facts()).len(),
         1
     );
+    // A replica refused by chance whose own lowered pace put its next call beyond the wait
+    // left gave up 31 s into the attempt (seed 4000009729): it fires. One whose call waited
+    // the whole model wait (60 s, less the provider's last hold of at most a second) and was
+    // still refused is what protocol.md B.5 defers: it does not.
+    let started = Event::TaskStarted {
+        worker: w("w0"),
+        task: w("t-000001"),
+        attempt: Some(1),
+    };
+    let p = Played::new()
+        .at(17_000, started.clone())
+        .at(30_000, model_call("w0", LIMIT_REFUSED))
+        .at(48_000, deferred("w0"));
+    fires(
+        invariants::fleet::no_deferral_while_answering(&p.facts()),
+        "no task deferred while its provider answers",
+        "deferred by w0 at 48.000 s, 31.000 s into the attempt",
+    );
+    let p = Played::new()
+        .at(17_000, started.clone())
+        .at(30_000, model_call("w0", LIMIT_REFUSED))
+        .at(76_000, model_call("w0", LIMIT_REFUSED))
+        .at(76_000, deferred("w0"));
+    assert!(invariants::fleet::no_deferral_while_answering(&p.facts()).is_empty());
+    // Another attempt's start (or another worker's) does not count.
+    let p = Played::new()
+        .at(
+            0,
+            Event::TaskStarted {
+                worker: w("w1"),
+                task: w("t-000001"),
+                attempt: Some(1),
+            },
+        )
+        .at(17_000, started)
+        .at(70_000, deferred("w0"));
+    assert_eq!(
+        invariants::fleet::no_deferral_while_answering(&p.facts()).len(),
+        1
+    );
 }
 
 #[test]

@@ -6,8 +6,10 @@
 //!
 //! - [`no_deferral_while_answering`]: a task is deferred (a `failure` keeping its retries) only
 //!   after an outage: a model call of its worker answered 5xx, or a run-store call refused
-//!   (the store's patience ran out), within [`OUTAGE_LOOKBACK`] before. A 429, from the
-//!   provider's limit or injected, is the provider answering: it never defers.
+//!   (the store's patience ran out), within [`OUTAGE_LOOKBACK`] before; or once a model call
+//!   of the attempt waited its whole model wait ([`MODEL_WAIT`], less [`PROVIDER_HOLD_MAX`]).
+//!   A 429, from the provider's limit or injected, is the provider answering: within that
+//!   wait it never defers.
 //! - [`limit_refusals_bounded`]: the provider limit's 429s stay under a bound per worker, from
 //!   what the pacer guarantees (see [`REFUSALS_PER_WORKER_SECOND`]).
 //! - [`no_idle_replica`]: a worker whose fetch was answered empty while tasks waited unlocked
@@ -27,6 +29,25 @@ use crate::world::trace::{Answer, Event};
 /// second each, and the run store's patience is a lock duration (at most 8 s): 30 s covers all
 /// of them with room.
 pub(crate) const OUTAGE_LOOKBACK: u64 = 30_000;
+
+/// The wait one model call may spend on a busy limit, in all, before the model counts as
+/// unavailable: the worker's `ABADA_AGENT_MODEL_WAIT_MAX_MS`, whose default the simulated
+/// workers keep (`provider::fallback::DEFAULT_CAPACITY_WAIT_MAX`).
+///
+/// Why a deferral after it is no broken promise: protocol.md B.5 defers "a rate limit whose
+/// wait exceeds the task's wait budget", and no worker whose waits are bounded can promise
+/// less to replicas pacing alone. Their own view does not show their share of a quota they
+/// share (BENCHMARKS.md, "Replicas pacing alone"), so nothing bounds how long one replica's
+/// calls may find the provider's windows taken by the others'. What the worker does promise,
+/// and this checks: it waits that whole wait first. Its own lowered pace never makes a call
+/// give up before (`Pacer::poll_due`), and only the provider's word (a hold beyond the wait
+/// left) may end the wait early, by at most [`PROVIDER_HOLD_MAX`] here.
+pub(crate) const MODEL_WAIT: u64 = 60_000;
+
+/// The longest wait the world's provider asks for: its limit's `retry-after-ms` runs to the
+/// end of the current second (window) or to a second's refill (bucket), an injected 429 asks
+/// for 200 ms, and a hostile figure holds for the pacer's `figure_ttl`, 1 s.
+pub(crate) const PROVIDER_HOLD_MAX: u64 = 1_000;
 
 /// The bound on a worker's 429s from the provider limit: at most this many per second of the
 /// time its model calls were contested, plus [`REFUSALS_PER_WORKER_START`].
@@ -62,9 +83,18 @@ pub fn no_deferral_while_answering(facts: &Facts<'_>) -> Vec<Violation> {
     }
     // When each worker last saw an outage: a model 5xx, a run-store call refused.
     let mut outages: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    // When each attempt began on its worker.
+    let mut started: BTreeMap<(&str, &str, Option<u32>), u64> = BTreeMap::new();
     let mut out = Vec::new();
     for (t, e) in &facts.trace.events {
         match e {
+            Event::TaskStarted {
+                worker,
+                task,
+                attempt,
+            } => {
+                started.insert((worker, task, *attempt), *t);
+            }
             Event::ModelCall { worker, answer, .. } if *answer == "5xx" => {
                 outages.entry(worker).or_default().push(*t);
             }
@@ -77,10 +107,13 @@ pub fn no_deferral_while_answering(facts: &Facts<'_>) -> Vec<Violation> {
                 attempt,
                 outcome,
             } if outcome == "deferred" => {
-                let explained = outages
+                let after_outage = outages
                     .get(worker.as_str())
                     .is_some_and(|o| o.iter().any(|o| *o + OUTAGE_LOOKBACK >= *t));
-                if !explained {
+                let after_the_wait = started
+                    .get(&(worker.as_str(), task.as_str(), *attempt))
+                    .is_some_and(|s| *s + MODEL_WAIT - PROVIDER_HOLD_MAX <= *t);
+                if !after_outage && !after_the_wait {
                     let busy = facts
                         .trace
                         .events
@@ -94,8 +127,12 @@ pub fn no_deferral_while_answering(facts: &Facts<'_>) -> Vec<Violation> {
                     out.push(violation(
                         super::NO_DEFERRAL_WHILE_ANSWERING,
                         format!(
-                            "task {task} (attempt {attempt:?}): deferred by {worker} at {} with no outage (model 5xx, run store refused) in the {} s before; its model answered 429 {busy} times then",
+                            "task {task} (attempt {attempt:?}): deferred by {worker} at {}, {} into the attempt (its model wait of {} s not spent), with no outage (model 5xx, run store refused) in the {} s before; its model answered 429 {busy} times then",
                             at(*t),
+                            started
+                                .get(&(worker.as_str(), task.as_str(), *attempt))
+                                .map_or_else(|| "?".to_string(), |s| at(*t - *s)),
+                            MODEL_WAIT / 1000,
                             OUTAGE_LOOKBACK / 1000
                         ),
                     ));
