@@ -34,7 +34,8 @@
 //!   budget paces by the call's estimated tokens. The stated rate is a ceiling: headers set it
 //!   when they are tighter than what was learned;
 //! - *learned* (AIMD, additive increase and multiplicative decrease, as TCP congestion control
-//!   and AWS's adaptive client rate limiting do): a 429 multiplies the current rate by
+//!   and AWS's adaptive client rate limiting do): a 429 multiplies the current rate (with no
+//!   pace known yet, the calls released in the last second less those refused, [`Measure`]) by
 //!   [`CapacityPolicy::decrease`], at most once per round (a 429 for a call released before the
 //!   last decrease tells of the old rate, and a second passes between two decreases); each answer adds `(1 - decrease) * r0 / recovery`
 //!   calls per second per second of answers (`r0` the stated rate, else the highest rate a
@@ -324,6 +325,35 @@ const DECREASE_GAP: Duration = Duration::from_secs(1);
 /// Weight of the newest call in the running mean of call costs.
 const COST_WEIGHT: f64 = 0.2;
 
+/// The rate a model without a pace was measured at by its first decrease: the calls released
+/// in the [`MEASURE_WINDOW`] before it, less those refused. With no pace known the waiting
+/// calls go together (a slot's worth), and their 429s come one after the other, each after
+/// the decrease: counted as sent they would make the burst a rate the provider let through
+/// (3 refused of 4 sent read as 4 a second, 2.8 learned, against a limit of 1 a second: the
+/// simulator's seed 4000038549 drew 6 refusals in 3 s), and the pace would take several rounds
+/// of refusals, each a second at least, to come down to it. Taking them out is one measure made right, not a decrease
+/// compounded: it never goes below the one call a window the first decrease assumes.
+#[derive(Clone, Copy, Debug)]
+struct Measure {
+    /// The decrease it was taken for.
+    at: Instant,
+    sent: u32,
+    refused: u32,
+}
+
+impl Measure {
+    /// The calls a second the provider let through, of those measured (at least one call a
+    /// window).
+    fn rate(&self) -> f64 {
+        f64::from(self.sent.saturating_sub(self.refused).max(1)) / MEASURE_WINDOW.as_secs_f64()
+    }
+
+    /// Whether the call released at `released` was one of those measured.
+    fn counts(&self, released: Instant) -> bool {
+        released < self.at && released + MEASURE_WINDOW > self.at
+    }
+}
+
 /// One model's pacer (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Pacer {
@@ -340,6 +370,10 @@ pub(crate) struct Pacer {
     /// recovery too).
     peak: f64,
     decreased_at: Option<Instant>,
+    /// The last decrease started from a measured rate (no pace known: the calls of its window
+    /// went together): the 429s of that window's calls are taken out of the measure as they
+    /// come (see [`Measure`]).
+    measure: Option<Measure>,
     /// 429s in a row, no answer between, each for a call released after the one before was
     /// refused (calls in flight together count once): each doubles the wait before the next
     /// call, up to [`REFUSAL_BACKOFF_MAX`] past the increment, so a provider refusing without
@@ -373,6 +407,7 @@ impl Pacer {
             learned: None,
             peak: 0.0,
             decreased_at: None,
+            measure: None,
             refused_in_a_row: 0,
             refused_at: None,
             figures: [None; 4],
@@ -650,20 +685,34 @@ impl Pacer {
         }
     }
 
-    /// The rate the pacer sends at now: the pace when it has one, else what it sent lately.
-    fn current_rate(&self, now: Instant, policy: &CapacityPolicy) -> f64 {
+    /// The rate the pacer sends at now: the pace when it has one, else what it sent lately
+    /// and was not refused ([`Measure`], taken for a decrease at `now` for the call released at
+    /// `refused`).
+    fn current_rate(
+        &self,
+        refused: Instant,
+        now: Instant,
+        policy: &CapacityPolicy,
+    ) -> (f64, Option<Measure>) {
         let mean = self.mean_cost();
         let increment = self.increment(&mean, now, policy);
         if !increment.is_zero() {
-            return 1.0 / increment.as_secs_f64();
+            return (1.0 / increment.as_secs_f64(), None);
         }
-        let recent = self
+        let sent = self
             .releases
             .iter()
             .filter(|(at, _)| *at + MEASURE_WINDOW > now)
-            .count()
-            .max(1);
-        recent as f64 / MEASURE_WINDOW.as_secs_f64()
+            .count();
+        let mut measure = Measure {
+            at: now,
+            sent: u32::try_from(sent).unwrap_or(u32::MAX),
+            refused: 0,
+        };
+        if measure.counts(refused) {
+            measure.refused = 1;
+        }
+        (measure.rate(), Some(measure))
     }
 
     fn floor_rate(policy: &CapacityPolicy) -> f64 {
@@ -715,8 +764,9 @@ impl Pacer {
             }
             self.refused_at = Some(now);
         }
+        let decreased_at = self.decreased_at;
         if status == 429 && round_over {
-            let current = self.current_rate(now, policy);
+            let (current, measure) = self.current_rate(release.at, now, policy);
             let learning = self.learned_at(now, policy).is_some();
             self.peak = if learning {
                 self.peak.max(current)
@@ -725,6 +775,19 @@ impl Pacer {
             };
             self.learned = Some((current * policy.decrease).max(Self::floor_rate(policy)));
             self.decreased_at = Some(now);
+            self.measure = measure;
+        } else if let Some(m) = self
+            .measure
+            .as_mut()
+            .filter(|m| status == 429 && decreased_at == Some(m.at) && m.counts(release.at))
+        {
+            // A call of the measured window refused too: the measure made right (once per
+            // call; the rate never rises by it, answers meanwhile included).
+            m.refused = m.refused.saturating_add(1);
+            let current = m.rate();
+            self.peak = self.peak.min(current);
+            let corrected = (current * policy.decrease).max(Self::floor_rate(policy));
+            self.learned = Some(self.learned.map_or(corrected, |l| l.min(corrected)));
         }
         let wait = match (status, retry_after) {
             (_, Some(d)) => d.min(policy.max_wait),
@@ -1436,5 +1499,104 @@ mod tests {
         // The limit changed (30 a minute now): an answer outside the interval starts it again.
         p.observe(&requests(30, 29, ms(2000)), t0, t0 + ms(200), &policy);
         assert!((p.rates[0].unwrap().per_second - 0.5).abs() < 1e-9);
+    }
+
+    /// Plays a worker of `slots` slots against a provider stating nothing that lets one call
+    /// a second through (a bucket of a second's worth, full at the start): each slot calls,
+    /// waits its turn, is answered 50 ms later (a 429 within 5 ms, the same call then waiting
+    /// its turn again with its ticket), and calls again 2 ms after an answer. Returns when
+    /// each answer came and whether it was a 429, for `secs` seconds.
+    fn against_one_a_second(slots: u64, secs: u64) -> Vec<(Instant, bool)> {
+        let policy = policy();
+        let t0 = Instant::now();
+        let mut p = Pacer::new(t0);
+        let mut level = 1.0_f64;
+        let mut filled = t0;
+        let mut next_ticket = 0;
+        // Per slot: the ticket it waits with, or the call out and when and how it is answered,
+        // or when it calls again.
+        enum Slot {
+            Waiting(u64),
+            Out(Release, Instant, bool),
+            Calls(Instant),
+        }
+        let mut state: Vec<Slot> = (0..slots).map(|_| Slot::Calls(t0)).collect();
+        let mut answers = Vec::new();
+        let mut now = t0;
+        while now < t0 + Duration::from_secs(secs) {
+            for slot in state.iter_mut() {
+                match *slot {
+                    Slot::Out(r, at, refused) if at <= now => {
+                        answers.push((now, refused));
+                        if refused {
+                            p.throttled(&r, 429, None, now, &policy);
+                            *slot = Slot::Waiting(r.ticket);
+                        } else {
+                            p.answered(&r, now, &policy);
+                            *slot = Slot::Calls(now + ms(2));
+                        }
+                    }
+                    Slot::Calls(at) if at <= now => {
+                        next_ticket += 1;
+                        p.enqueue(next_ticket);
+                        *slot = Slot::Waiting(next_ticket);
+                    }
+                    _ => {}
+                }
+            }
+            let mut waiting: Vec<usize> = (0..state.len())
+                .filter(|i| matches!(state[*i], Slot::Waiting(_)))
+                .collect();
+            waiting.sort_by_key(|i| match state[*i] {
+                Slot::Waiting(t) => t,
+                _ => 0,
+            });
+            for i in waiting {
+                let Slot::Waiting(ticket) = state[i] else {
+                    continue;
+                };
+                if let Turn::Go(r) = p.poll(ticket, &COST, now, &policy) {
+                    level = (level + (now - filled).as_secs_f64()).min(1.0);
+                    filled = now;
+                    let admitted = level >= 1.0;
+                    if admitted {
+                        level -= 1.0;
+                    }
+                    let latency = if admitted { ms(50) } else { ms(5) };
+                    state[i] = Slot::Out(r, now + latency, !admitted);
+                }
+            }
+            now += ms(1);
+        }
+        answers
+    }
+
+    /// A provider stating nothing: after a model's first call (alone), the slots' calls go
+    /// together and all but what the limit holds are refused. The pace the first decrease
+    /// learns is the rate the provider let through, those refusals taken out, not the burst's:
+    /// so the worker draws no more than the burst and about one refusal a second after it
+    /// (the simulator's bound: 3 + 1 a second from the first 429). Before, the burst read as
+    /// 4 calls a second against a limit of 1, and the pace took rounds of refusals to come
+    /// down (seed 4000038549: 6 refusals in 3 s).
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_first_burst_teaches_the_rate_let_through_not_the_bursts() {
+        let answers = against_one_a_second(3, 20);
+        let first = answers
+            .iter()
+            .find(|(_, refused)| *refused)
+            .expect("the burst is refused")
+            .0;
+        let mut refused = 0u64;
+        for (at, r) in &answers {
+            refused += u64::from(*r);
+            let bound = 3 + (*at - first).as_secs();
+            assert!(
+                refused <= bound,
+                "{refused} refusals by {:?} after the first, above {bound}: {answers:?}",
+                *at - first
+            );
+        }
+        let admitted = answers.iter().filter(|(_, r)| !r).count();
+        assert!(admitted >= 10, "the limit is used: {admitted} in 20 s");
     }
 }
