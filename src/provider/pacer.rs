@@ -546,23 +546,8 @@ impl Pacer {
         now: Instant,
         policy: &CapacityPolicy,
     ) -> Turn {
-        self.last_used = now;
-        if let Some(h) = self.hold_at(now) {
-            return Turn::Wait {
-                until: h.until,
-                why: WaitReason::Held(h.reason),
-            };
-        }
-        if let Some(since) = self.probe {
-            let until = since + policy.probe_timeout;
-            if until > now {
-                return Turn::Wait {
-                    until,
-                    why: WaitReason::Probe,
-                };
-            }
-            // A probe never answered within its timeout: the queue goes on.
-            self.probe = None;
+        if let Some(wait) = self.held_or_probing(now, policy) {
+            return wait;
         }
         // SIM-BUG (feature `sim-bugs`, selected at run time): every waiting call goes at once
         // when nothing holds the model (no queue, no pace, no probe alone).
@@ -618,23 +603,9 @@ impl Pacer {
         now: Instant,
         policy: &CapacityPolicy,
     ) -> Turn {
-        self.last_used = now;
-        if let Some(h) = self.hold_at(now) {
-            return Turn::Wait {
-                until: h.until,
-                why: WaitReason::Held(h.reason),
-            };
+        if let Some(wait) = self.held_or_probing(now, policy) {
+            return wait;
         }
-        if let Some(since) = self
-            .probe
-            .filter(|since| *since + policy.probe_timeout > now)
-        {
-            return Turn::Wait {
-                until: since + policy.probe_timeout,
-                why: WaitReason::Probe,
-            };
-        }
-        self.probe = None;
         let (stated, exhausted) = self.stated_at(cost, now);
         if stated > now {
             if exhausted.is_some() {
@@ -648,6 +619,29 @@ impl Pacer {
         self.probe_next = false;
         let increment = self.increment(cost, now, policy);
         self.release(ticket, cost, now, policy, true, increment)
+    }
+
+    /// What holds every call at `now` whatever its place: the provider's hold, or a probe out
+    /// (a probe never answered within its timeout is dropped: the queue goes on).
+    fn held_or_probing(&mut self, now: Instant, policy: &CapacityPolicy) -> Option<Turn> {
+        self.last_used = now;
+        if let Some(h) = self.hold_at(now) {
+            return Some(Turn::Wait {
+                until: h.until,
+                why: WaitReason::Held(h.reason),
+            });
+        }
+        if let Some(since) = self.probe {
+            let until = since + policy.probe_timeout;
+            if until > now {
+                return Some(Turn::Wait {
+                    until,
+                    why: WaitReason::Probe,
+                });
+            }
+            self.probe = None;
+        }
+        None
     }
 
     /// Lets the call holding `ticket` go at `now`.
