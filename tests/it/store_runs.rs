@@ -642,13 +642,17 @@ async fn warm_up(stack: &Stack, w: &WorkerHandle, order: &str) {
 
 /// The pool at its limit: many tasks at once on a pool of one connection. Another
 /// session holds a lock on the runs table, so the one pooled connection is stuck in a claim
-/// while the other tasks' claims queue for it.
+/// while the other tasks' store calls queue for it: their claims, or, for a task that reaches
+/// the store only once the stuck claim holds the connection, the lookup of its run that comes
+/// before the claim (`locate`, which the lock alone would not stop). Which of the two a task
+/// queues in is the scheduler's choice, so the test counts both.
 ///
 /// With a patient pool the tasks wait and then proceed: every task completes once, each model
 /// turn is paid once, two transactions per task (the finishes ride with claims), not one store error, never more than one
 /// connection, and the pool-wait histogram shows the queue. With an acquire timeout shorter
-/// than the lock, the waiting is bounded: the queued claims give up (transient errors of the
-/// claim, nothing else) while the connection is still held, retry, and complete once it frees.
+/// than the lock, the waiting is bounded: the queued calls give up (transient errors of the
+/// claim or the lookup, nothing else) while the connection is still held, at most once per
+/// task per acquire timeout (no error storm), retry, and complete once it frees.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_storm() {
     let Some(db) = TestDb::create().await else {
@@ -731,35 +735,61 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
     assert!(db.count(&sessions_of("pool-limit-a")).await <= 1);
     w.stop().await;
 
-    // An impatient pool: the queued claims give up after 2 s while the connection is held. Not
+    // An impatient pool: the queued calls give up after 2 s while the connection is held. Not
     // shorter: once the lock is gone, six tasks' claims, appends and finishes queue for the one
     // connection, and on a loaded machine a 200 ms wait there could give up an append.
-    let w = pool_of_one(&stack, &db, "pool-limit-b", 6, 2_000);
+    let (slots, acquire_timeout) = (6, Duration::from_secs(2));
+    let w = pool_of_one(
+        &stack,
+        &db,
+        "pool-limit-b",
+        slots,
+        acquire_timeout.as_millis() as u64,
+    );
     warm_up(&stack, &w, "o-warm-b").await;
     locker.batch_execute(lock_runs).await.unwrap();
-    let ids: Vec<String> = (0..6)
-        .map(|i| {
-            stack.engine.create_task(spec(
-                stack.refund_agent("openai/one-turn", &[]),
-                &format!("o-b{i}"),
-            ))
-        })
-        .collect();
+    let locked_at = std::time::Instant::now();
+    // All six in one go, so one fetch takes them all and their lookups usually queue before the
+    // first claim takes the connection (created one by one, a fetch between two creations let
+    // the first task's claim take it before the others reached the store at all). Either way
+    // each of the five other tasks is queued for the connection, in its claim or its lookup.
+    let ids = stack.engine.create_tasks((0..slots).map(|i| {
+        spec(
+            stack.refund_agent("openai/one-turn", &[]),
+            &format!("o-b{i}"),
+        )
+    }));
+    let gave_up = |w: &WorkerHandle| {
+        ["claim", "locate"]
+            .iter()
+            .map(|op| {
+                sample(
+                    w,
+                    &format!(
+                        "abada_agent_store_errors_total{{operation=\"{op}\",class=\"transient\"}}"
+                    ),
+                )
+            })
+            .sum::<f64>()
+    };
     eventually(
         Duration::from_secs(30),
-        "the queued claims to give up while the connection is held",
-        async || {
-            sample(
-                &w,
-                "abada_agent_store_errors_total{operation=\"claim\",class=\"transient\"}",
-            ) >= 5.0
-        },
+        "the queued claims and lookups to give up while the connection is held",
+        async || gave_up(&w) >= 5.0,
     )
     .await;
     assert_eq!(
         db.count(&lock_waits_of("pool-limit-b")).await,
         1,
         "the connection was still held when they gave up: the wait was the acquire timeout"
+    );
+    // No error storm: a queued call gives up only after waiting the whole acquire timeout, so
+    // each task fails at most once per timeout while the connection is held.
+    let (failed, held) = (gave_up(&w), locked_at.elapsed());
+    let bound = f64::from(slots) * (held.as_secs_f64() / acquire_timeout.as_secs_f64()).floor();
+    assert!(
+        failed <= bound,
+        "{failed} claims and lookups gave up within {held:?}: more than one per task per {acquire_timeout:?}"
     );
     assert_eq!(stack.model.total_calls(), 26);
     locker.batch_execute("COMMIT").await.unwrap();
@@ -773,13 +803,14 @@ async fn with_the_pool_at_its_limit_tasks_wait_then_proceed_without_an_error_sto
         );
     }
     assert_eq!(stack.model.total_calls(), 32, "each turn paid once");
-    // Only what the test provoked: the pool's timeouts (transient), on the claims queued behind
-    // the lock and on the sweeper or an idle flush of finishes if one came by meanwhile; nothing
-    // fenced, conflicting or internal.
+    // Only what the test provoked: the pool's timeouts (transient), on the claims and lookups
+    // queued behind the lock and on the sweeper or an idle flush of finishes if one came by
+    // meanwhile; nothing fenced, conflicting or internal.
     for (labels, n) in store_errors(&w) {
         assert!(
             labels.contains("class=\"transient\"")
                 && (labels.contains("operation=\"claim\"")
+                    || labels.contains("operation=\"locate\"")
                     || labels.contains("operation=\"sweep\"")
                     || labels.contains("operation=\"finish\"")),
             "unexpected store errors {labels}: {n}"
