@@ -904,6 +904,7 @@ fn a_task_left_open_after_the_faults_stopped_fires() {
 fn a_model_answer_paid_twice_without_an_interruption_fires() {
     let model = |turn| Event::ModelCall {
         worker: w("w0"),
+        provider: "sim",
         task: w("k0"),
         turn,
         answer: "final",
@@ -934,6 +935,7 @@ fn a_model_answer_paid_twice_without_an_interruption_fires() {
 fn a_run_taken_over_by_a_twins_claim_begins_again_without_a_breach() {
     let model = |turn| Event::ModelCall {
         worker: w("w0"),
+        provider: "sim",
         task: w("k0"),
         turn,
         answer: "tool",
@@ -1020,6 +1022,7 @@ fn a_result_off_the_schema_or_cut_fires_and_one_matching_it_does_not() {
 fn repair_turns_past_the_bound_and_an_exhausted_run_completed_fire() {
     let model = |turn, answer| Event::ModelCall {
         worker: w("w0"),
+        provider: "sim",
         task: w("k0"),
         turn,
         answer,
@@ -1430,6 +1433,7 @@ fn every_reintroduced_bug_is_caught_within_a_thousand_seeds_by_its_invariant() {
 fn model_call(worker: &str, answer: &'static str) -> Event {
     Event::ModelCall {
         worker: w(worker),
+        provider: "sim",
         task: w("k0"),
         turn: 0,
         answer,
@@ -1568,7 +1572,39 @@ fn a_herd_of_limit_429s_fires_and_one_a_second_does_not() {
     fires(
         invariants::fleet::limit_refusals_bounded(&p.facts()),
         "the provider limit's 429s stay bounded",
-        "worker w1: 30 calls answered 429",
+        "worker w1, provider sim: 30 calls answered 429",
+    );
+    // One worker's two providers, each its own quota and its own pacer: each start's few and a
+    // refusal a second are each within its bound (5 refusals in 1.4 s in all, seed 3300017334:
+    // both pacers' first calls, then each one's probe after its hold).
+    let on = |provider: &'static str, answer: &'static str| Event::ModelCall {
+        worker: w("w1"),
+        provider,
+        task: w("k0"),
+        turn: 0,
+        answer,
+    };
+    let p = with_limit(Played::new())
+        .at(11_173, on("sim", LIMIT_REFUSED))
+        .at(11_173, on("simsmall", LIMIT_REFUSED))
+        .at(11_175, on("sim", LIMIT_REFUSED))
+        .at(12_594, on("simsmall", LIMIT_REFUSED))
+        .at(12_596, on("sim", LIMIT_REFUSED))
+        .at(12_600, on("sim", "tool"))
+        .at(12_601, on("simsmall", "tool"));
+    assert!(invariants::fleet::limit_refusals_bounded(&p.facts()).is_empty());
+    // The same five from one provider are a herd.
+    let mut p = with_limit(Played::new())
+        .at(11_173, on("sim", LIMIT_REFUSED))
+        .at(11_173, on("sim", LIMIT_REFUSED))
+        .at(11_175, on("sim", LIMIT_REFUSED))
+        .at(12_594, on("sim", LIMIT_REFUSED))
+        .at(12_596, on("sim", LIMIT_REFUSED))
+        .at(12_600, on("sim", "tool"));
+    fires(
+        invariants::fleet::limit_refusals_bounded(&p.facts()),
+        "the provider limit's 429s stay bounded",
+        "worker w1, provider sim: 5 calls answered 429",
     );
     // Without a provider limit in the seed, nothing is counted.
     p.schedule.faults.provider_limit = None;
@@ -1668,6 +1704,7 @@ fn an_empty_answer_during_a_backlog_left_for_the_poll_interval_fires() {
 fn a_run_left_by_the_previous_release_begun_again_fires_and_one_resumed_does_not() {
     let model = |turn| Event::ModelCall {
         worker: w("w0"),
+        provider: "sim",
         task: w("p0"),
         turn,
         answer: "tool",

@@ -49,8 +49,9 @@ pub(crate) const MODEL_WAIT: u64 = 60_000;
 /// for 200 ms, and a hostile figure holds for the pacer's `figure_ttl`, 1 s.
 pub(crate) const PROVIDER_HOLD_MAX: u64 = 1_000;
 
-/// The bound on a worker's 429s from the provider limit: at most this many per second of the
-/// time its model calls were contested, plus [`REFUSALS_PER_WORKER_START`].
+/// The bound on a worker's 429s from one provider's limit (each provider name its own quota
+/// and its own pacer): at most this many per second of the time its model calls were
+/// contested, plus [`REFUSALS_PER_WORKER_START`].
 ///
 /// Why: the pacer releases one call at a time; a 429 with a `retry-after` (a stated limit)
 /// holds the model until then and lets one probe go alone, answered before the next call goes;
@@ -148,8 +149,9 @@ pub fn limit_refusals_bounded(facts: &Facts<'_>) -> Vec<Violation> {
     if facts.schedule.faults.provider_limit.is_none() {
         return Vec::new();
     }
-    // Per worker: its limit 429s, the calls let through, and the span from its first 429 to
-    // its last call (the time its provider was contested).
+    // Per worker and provider (each its own quota and its own pacer): the limit's 429s, the
+    // calls let through, and the span from the first 429 to the last call (the time the
+    // provider was contested).
     #[derive(Default)]
     struct Seen {
         refused: u64,
@@ -157,10 +159,16 @@ pub fn limit_refusals_bounded(facts: &Facts<'_>) -> Vec<Violation> {
         first_refused: Option<u64>,
         last_call: u64,
     }
-    let mut seen: BTreeMap<&str, Seen> = BTreeMap::new();
+    let mut seen: BTreeMap<(&str, &str), Seen> = BTreeMap::new();
     for (t, e) in &facts.trace.events {
-        if let Event::ModelCall { worker, answer, .. } = e {
-            let s = seen.entry(worker).or_default();
+        if let Event::ModelCall {
+            worker,
+            provider,
+            answer,
+            ..
+        } = e
+        {
+            let s = seen.entry((worker, provider)).or_default();
             s.last_call = *t;
             if *answer == LIMIT_REFUSED {
                 s.refused += 1;
@@ -171,7 +179,7 @@ pub fn limit_refusals_bounded(facts: &Facts<'_>) -> Vec<Violation> {
         }
     }
     let mut out = Vec::new();
-    for (worker, s) in seen {
+    for ((worker, provider), s) in seen {
         let Some(first) = s.first_refused else {
             continue;
         };
@@ -182,7 +190,7 @@ pub fn limit_refusals_bounded(facts: &Facts<'_>) -> Vec<Violation> {
             out.push(violation(
                 super::LIMIT_REFUSALS_BOUNDED,
                 format!(
-                    "worker {worker}: {} calls answered 429 by the provider's limit ({} let through) over {contested:.1} s from its first 429, above {bound} ({REFUSALS_PER_WORKER_START} + {REFUSALS_PER_WORKER_SECOND} a second)",
+                    "worker {worker}, provider {provider}: {} calls answered 429 by the provider's limit ({} let through) over {contested:.1} s from its first 429, above {bound} ({REFUSALS_PER_WORKER_START} + {REFUSALS_PER_WORKER_SECOND} a second)",
                     s.refused, s.admitted
                 ),
             ));

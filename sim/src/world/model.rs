@@ -108,16 +108,20 @@ impl WorldModel {
         self
     }
 
+    /// The provider name this model is configured under.
+    fn provider(&self) -> &'static str {
+        if self.window.is_some() {
+            SMALL_WINDOW_PROVIDER
+        } else {
+            PROVIDER
+        }
+    }
+
     /// What an answer stated, for a call sent at `sent`, handed to the worker's capacities.
     fn observe(&self, model: &str, sent: tokio::time::Instant, limits: &RateLimits) {
         if let Some(c) = &self.capacities {
-            let provider = if self.window.is_some() {
-                SMALL_WINDOW_PROVIDER
-            } else {
-                PROVIDER
-            };
             let model = ModelRef {
-                provider: provider.into(),
+                provider: self.provider().into(),
                 model: model.to_string(),
             };
             c.observe(&model, sent, tokio::time::Instant::now(), limits);
@@ -179,6 +183,7 @@ impl WorldModel {
     fn record(&self, task: &str, turn: usize, answer: &'static str) {
         self.world.record(Event::ModelCall {
             worker: self.worker_id.clone(),
+            provider: self.provider(),
             task: task.to_string(),
             turn,
             answer,
@@ -229,35 +234,36 @@ impl ModelProvider for WorldModel {
             .capacities
             .as_ref()
             .map_or(Duration::from_secs(60), |c| c.policy().max_wait());
-        let stated = match self
-            .world
-            .provider
-            .arrive(sent, self.world.now_ms(), max_wait)
-        {
-            Arrival::Unlimited => None,
-            Arrival::Admitted(limits) => Some(limits),
-            Arrival::Hostile(limits) => {
-                self.world.faults().count("model hostile header");
-                Some(limits)
-            }
-            Arrival::Refused {
-                limits,
-                retry_after,
-            } => {
-                self.world.faults().count("model limit 429");
-                // A refusal takes a moment too, not nothing: no loop spins at one instant.
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                self.record(&script.task, turn, LIMIT_REFUSED);
-                self.observe(&req.model, sent, &limits);
-                return Err(ProviderError::Unavailable {
-                    provider: "sim".into(),
-                    model: req.model.clone(),
-                    status: Some(429),
-                    message: "the provider's rate limit (simulated)".into(),
+        let stated =
+            match self
+                .world
+                .provider
+                .arrive(self.provider(), sent, self.world.now_ms(), max_wait)
+            {
+                Arrival::Unlimited => None,
+                Arrival::Admitted(limits) => Some(limits),
+                Arrival::Hostile(limits) => {
+                    self.world.faults().count("model hostile header");
+                    Some(limits)
+                }
+                Arrival::Refused {
+                    limits,
                     retry_after,
-                });
-            }
-        };
+                } => {
+                    self.world.faults().count("model limit 429");
+                    // A refusal takes a moment too, not nothing: no loop spins at one instant.
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    self.record(&script.task, turn, LIMIT_REFUSED);
+                    self.observe(&req.model, sent, &limits);
+                    return Err(ProviderError::Unavailable {
+                        provider: "sim".into(),
+                        model: req.model.clone(),
+                        status: Some(429),
+                        message: "the provider's rate limit (simulated)".into(),
+                        retry_after,
+                    });
+                }
+            };
         let now = self.world.elapsed_ms();
         let (p429, p5xx, slow, slow_max, stall) = {
             let f = self.world.faults();

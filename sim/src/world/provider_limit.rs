@@ -1,7 +1,14 @@
 //! The world's provider capacity and the fleet's conditions around it: the per-minute rate limit
-//! of the world's model, one quota every worker's calls count against (replicas sharing one
-//! provider key), and the fleet's shared pace in memory ([`WorldPace`]) for the seeds whose
-//! replicas pace as one queue.
+//! of each of the world's models, one quota per provider name that every worker's calls to it
+//! count against (replicas sharing one provider key), and the fleet's shared pace in memory
+//! ([`WorldPace`]) for the seeds whose replicas pace as one queue.
+//!
+//! **One quota per model.** OpenAI sets a project's limits per model (its admin API,
+//! `GET /v1/organization/projects/{project_id}/rate_limits`, "returns the rate limits per
+//! model for a project", each entry naming its `model`), and the world's two providers serve
+//! two models (the small-window one is another model, with another context window), so each
+//! has a quota of its own, under the same plan. Two provider names for one model and one key
+//! would share a quota and get two pacers; docs/OPERATIONS.md says to give such a pair one name.
 //!
 //! **The limit** is the scripted HTTP model's own state machine
 //! ([`abada_devkit::model::LimitCore`]), so the simulated provider and the one the load harness
@@ -74,10 +81,13 @@ pub(crate) enum Arrival {
     },
 }
 
-/// The world's provider capacity: the quota every worker shares, and the shared pace.
+/// The world's provider capacity: the quotas every worker shares (one per provider name), and
+/// the shared pace.
 pub(crate) struct ProviderCapacity {
     plan: Option<ProviderLimitPlan>,
-    limit: Mutex<Option<LimitCore>>,
+    /// When the world's clock started: every quota's second windows start there.
+    start: Instant,
+    limits: Mutex<BTreeMap<String, LimitCore>>,
     /// The shared pace's `next_at`, per model.
     pace: Mutex<BTreeMap<String, Instant>>,
     /// Answers a hostile gateway stated figures on, for [`HOSTILE_RESETS`]' turn.
@@ -89,17 +99,8 @@ impl ProviderCapacity {
     pub(crate) fn new(plan: Option<ProviderLimitPlan>) -> Self {
         ProviderCapacity {
             plan,
-            limit: Mutex::new(plan.map(|p| {
-                LimitCore::new(
-                    RateLimit {
-                        requests_per_minute: p.requests_per_minute,
-                        tokens_per_minute: None,
-                        quantization: p.quantization,
-                        stated: p.stated,
-                    },
-                    Instant::now(),
-                )
-            })),
+            start: Instant::now(),
+            limits: Mutex::new(BTreeMap::new()),
             pace: Mutex::new(BTreeMap::new()),
             hostile_answers: Mutex::new(0),
         }
@@ -109,12 +110,29 @@ impl ProviderCapacity {
         self.plan
     }
 
-    /// A request arrives at the provider at `now`, the world's engine clock at `wall_ms`.
-    pub(crate) fn arrive(&self, now: Instant, wall_ms: i64, max_wait: Duration) -> Arrival {
-        let mut limit = self.limit.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(limit) = limit.as_mut() else {
+    /// A request to `provider`'s model arrives at `now`, the world's engine clock at `wall_ms`.
+    pub(crate) fn arrive(
+        &self,
+        provider: &str,
+        now: Instant,
+        wall_ms: i64,
+        max_wait: Duration,
+    ) -> Arrival {
+        let Some(plan) = self.plan else {
             return Arrival::Unlimited;
         };
+        let mut limits = self.limits.lock().unwrap_or_else(|e| e.into_inner());
+        let limit = limits.entry(provider.to_string()).or_insert_with(|| {
+            LimitCore::new(
+                RateLimit {
+                    requests_per_minute: plan.requests_per_minute,
+                    tokens_per_minute: None,
+                    quantization: plan.quantization,
+                    stated: plan.stated,
+                },
+                self.start,
+            )
+        });
         // The tokens budget never binds here (none is set): the call's tokens do not matter.
         let (headers, retry_after) = limit.take(0, now);
         let mut map = HeaderMap::new();
@@ -198,5 +216,46 @@ impl SharedPace for WorldPace {
             return Err("the run store refused the connection (simulated outage)".into());
         }
         Ok(self.world.provider.reserve(model, spacing, within))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each provider name is a quota of its own: a second's worth of one does not take the
+    /// other's (the two pacers of a worker then cannot meet in one quota).
+    #[tokio::test(start_paused = true)]
+    async fn each_provider_name_has_a_quota_of_its_own() {
+        let capacity = ProviderCapacity::new(Some(ProviderLimitPlan {
+            requests_per_minute: 120,
+            quantization: Quantization::SecondWindow,
+            stated: true,
+            shared_pacing: false,
+            hostile: false,
+        }));
+        let wait = Duration::from_secs(60);
+        let admitted = |a: Arrival| matches!(a, Arrival::Admitted(_));
+        let now = Instant::now();
+        assert!(admitted(capacity.arrive("sim", now, 0, wait)));
+        assert!(admitted(capacity.arrive("sim", now, 0, wait)));
+        assert!(
+            matches!(
+                capacity.arrive("sim", now, 0, wait),
+                Arrival::Refused {
+                    retry_after: Some(_),
+                    ..
+                }
+            ),
+            "a second's worth of 120 a minute is 2"
+        );
+        assert!(admitted(capacity.arrive("simsmall", now, 0, wait)));
+        assert!(admitted(capacity.arrive("simsmall", now, 0, wait)));
+        assert!(!admitted(capacity.arrive("simsmall", now, 0, wait)));
+        // The next window lets each through again.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let now = Instant::now();
+        assert!(admitted(capacity.arrive("sim", now, 1_000, wait)));
+        assert!(admitted(capacity.arrive("simsmall", now, 1_000, wait)));
     }
 }

@@ -70,9 +70,11 @@ pub enum Event {
         seq: Option<u64>,
         answer: &'static str,
     },
-    /// A model call: the task it was for (by its input), the turn, and the answer.
+    /// A model call: the provider name it went to (each its own quota and pacer), the task it
+    /// was for (by its input), the turn, and the answer.
     ModelCall {
         worker: String,
+        provider: &'static str,
         task: String,
         turn: usize,
         answer: &'static str,
