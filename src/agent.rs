@@ -4,6 +4,8 @@
 //!
 //! - `answer_shape`: a model's answer examined before it is acted on: a tool call written as
 //!   text (repaired or parsed, per provider), an empty answer, a call repeated after its result;
+//! - `examining`: what an attempt does with that examination: the repair turn journaled and
+//!   counted, the incident once the repairs are spent, a repeated write answered, not performed;
 //! - `approval`: which tool calls wait for a person's approval, and the decision variables;
 //! - `bpmn`: agent definitions written on the BPMN service task (`abada.agent.*` properties);
 //! - `definition`: agent definitions, the agents file, `${name}` templates;
@@ -35,6 +37,7 @@ mod attempt;
 pub mod bpmn;
 mod canonical;
 pub mod definition;
+mod examining;
 pub mod journal;
 mod judging;
 pub mod limits;

@@ -105,7 +105,7 @@ fn write_aside_then_rename(path: &std::path::Path, text: &str) -> std::io::Resul
 /// node of `simProcess` by its activity id in every generation: as the BPMN defines it first,
 /// then without approval and performing no writes (as a redeployment that drops it).
 fn agents_text(change: Option<ConfigChange>, changed: bool) -> String {
-    use crate::world::process;
+    use crate::world::{model, process};
     let mut topic = process::agent_definition(false);
     let mut gated_node = None;
     match (change, changed) {
@@ -116,7 +116,7 @@ fn agents_text(change: Option<ConfigChange>, changed: bool) -> String {
             let mut def = process::agent_definition(false);
             def["instructions"] = format!(
                 "Play the script your input names. {} (agents file, changed)",
-                process::NO_WRITES
+                model::NO_WRITES
             )
             .into();
             gated_node = Some(def);
@@ -124,7 +124,7 @@ fn agents_text(change: Option<ConfigChange>, changed: bool) -> String {
         (Some(ConfigChange::Instructions), true) => {
             topic["instructions"] = format!(
                 "Play the script your input names. {} (agents file, changed)",
-                process::NO_WRITES
+                model::NO_WRITES
             )
             .into();
         }

@@ -23,7 +23,7 @@ use super::attempt::{Attempt, Deadline, Toolbox, Trace};
 use super::bpmn::{self, ResolveError};
 use super::definition::AgentDefinition;
 use super::journal::{self, PendingCall};
-use super::limits::{self, LimitExceeded, Limits};
+use super::limits::{LimitExceeded, Limits};
 use super::output;
 use super::run_journal::{JOURNALED_TRACE, Journal, Opened};
 use super::scope::{Scope, Step, incident, limit_reached};
@@ -35,6 +35,7 @@ use crate::metrics::labels::DeclaredNames;
 use crate::provider::CallAttempt;
 use crate::provider::ModelRequest;
 use crate::provider::fallback::{ModelCallError, call_models};
+use crate::provider::token_estimate;
 use crate::telemetry::spans;
 use crate::tools::TaskTools;
 use crate::tools::registry::ToolRegistry;
@@ -570,7 +571,7 @@ impl<'a> Attempt<'a> {
         }
         // The budget is checked against the request about to go out, not only what was spent:
         // one call must not overshoot it by a context window.
-        let estimated_input = limits::estimate_request_tokens(&request);
+        let estimated_input = token_estimate::estimate_request_tokens(&request);
         let cap = self
             .limits
             .output_cap(self.state.usage, estimated_input)
@@ -622,7 +623,7 @@ impl<'a> Attempt<'a> {
             None => (
                 Usage {
                     input_tokens: estimated_input,
-                    output_tokens: limits::estimate_answer_tokens(&response.message),
+                    output_tokens: token_estimate::estimate_answer_tokens(&response.message),
                 },
                 true,
             ),

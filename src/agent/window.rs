@@ -27,8 +27,7 @@ use crate::conversation::{Message, ToolResult};
 use crate::provider::ModelRef;
 use crate::provider::ModelRequest;
 use crate::provider::context::ContextWindows;
-
-use super::limits::{message_bytes, tool_bytes};
+use crate::provider::token_estimate::{message_bytes, tool_bytes};
 
 /// Bytes per token of the window's estimate (see the module docs).
 pub(crate) const BYTES_PER_TOKEN: u64 = 3;
@@ -433,7 +432,9 @@ mod tests {
         // The window errs high: a request the budget's estimate passes may still not fit.
         for bytes in [0, 10, 1000, 100_000] {
             let req = request(conversation(3, bytes));
-            assert!(estimate(&req) >= super::super::limits::estimate_request_tokens(&req));
+            assert!(
+                estimate(&req) >= crate::provider::token_estimate::estimate_request_tokens(&req)
+            );
         }
     }
 }

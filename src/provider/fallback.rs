@@ -190,7 +190,7 @@ pub async fn call_models(
     // What the call spends of a stated tokens budget, as providers count it at arrival: the
     // request's input and its output cap.
     let cost = CallCost {
-        input_tokens: crate::agent::limits::estimate_request_tokens(request),
+        input_tokens: super::token_estimate::estimate_request_tokens(request),
         output_tokens: u64::from(request.max_output_tokens.unwrap_or(0)),
     };
     let mut technical = 0usize;

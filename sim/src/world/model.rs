@@ -35,6 +35,10 @@ pub(crate) const PROVIDER: &str = "sim";
 /// use it (`process::window_definition`) outgrow it, and the window elides old tool results.
 pub(crate) const SMALL_WINDOW_PROVIDER: &str = "simsmall";
 pub(crate) const SMALL_WINDOW: u64 = 1200;
+/// The instruction the world's model obeys: told it (a redeployed agent's instructions say it,
+/// `process::redeployed_definition`), the model plays every write of its script as a read, as a
+/// model told so would.
+pub(crate) const NO_WRITES: &str = "Perform no writes.";
 /// The start of the worker's stub for an elided tool result (`agent::window`).
 const ELIDED: &str = "[elided by the worker";
 
@@ -319,7 +323,7 @@ impl ModelProvider for WorldModel {
             tokio::time::sleep(self.world.lock_duration.mul_f64(1.5)).await;
         }
         // Told to perform no writes (a redeployed definition), the model reads instead.
-        let no_writes = req.system.contains(super::process::NO_WRITES);
+        let no_writes = req.system.contains(NO_WRITES);
         let step = step.map(|s| match s.to_ascii_lowercase() {
             b'w' if no_writes => b'r',
             s => s,

@@ -34,7 +34,7 @@ use serde_json::{Map, Value, json};
 use abada_devkit::engine::{ConditionalFlow, NodeKind, ProcessModel, ProcessNode, TaskSpec};
 
 use super::World;
-use super::model::ModelScript;
+use super::model::{ModelScript, NO_WRITES};
 
 const PROCESS_ID: &str = "simProcess";
 const PARALLEL_ID: &str = "simParallel";
@@ -48,9 +48,6 @@ const AGENT_NODE: &str = "agentNode";
 /// The agent node of `simProcess`: an id of its own, so an operator's agents-file entry for
 /// that activity (`sim::worker`, a drawn configuration change) overrides that node alone.
 pub(crate) const GATED_NODE: &str = "gatedAgentNode";
-/// What a redeployed agent's instructions say: the world's model then plays every write of its
-/// script as a read (`model`), as a model told so would.
-pub(crate) const NO_WRITES: &str = "Perform no writes.";
 pub(crate) const APPROVE_NODE: &str = "approve";
 pub(crate) const REVIEW_NODE: &str = "review";
 /// The candidate groups of the two user tasks.
