@@ -21,6 +21,7 @@ pub mod fallback;
 mod http;
 pub mod openai;
 pub mod pacer;
+pub mod rate_limits;
 pub(crate) mod token_estimate;
 pub mod tool_names;
 

@@ -93,7 +93,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::capacity::{Budget, Capacity, CapacityPolicy, RateLimits};
+use super::rate_limits::{Budget, Capacity, CapacityPolicy, RateLimits};
 
 /// What one call is expected to spend of each budget: the request's estimated input tokens and
 /// its output cap (OpenAI counts a request's `max_tokens` against its tokens per minute;
