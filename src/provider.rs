@@ -387,6 +387,33 @@ pub(crate) fn parse_retry_after(
     Some(when.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
+/// Provider names that reach another's quota, mapped to the name that paces it (the first of
+/// them by name): configured with the same kind, the same base URL (a trailing `/` aside) and
+/// the same key (the same value or key file, or none). A provider's limits are its account's
+/// per model (OpenAI's a project's, Anthropic's an organisation's), so two names for one key
+/// are one quota, and paced as one.
+fn quota_names(settings: &[ProviderSettings]) -> HashMap<String, String> {
+    let same_quota = |a: &ProviderSettings, b: &ProviderSettings| {
+        a.kind == b.kind
+            && a.base_url.trim_end_matches('/') == b.base_url.trim_end_matches('/')
+            && match (&a.api_key, &b.api_key) {
+                (Some(x), Some(y)) => x.same_as(y),
+                (None, None) => true,
+                _ => false,
+            }
+    };
+    let mut sorted: Vec<&ProviderSettings> = settings.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut names = HashMap::new();
+    for (i, s) in sorted.iter().enumerate() {
+        if let Some(owner) = sorted[..i].iter().find(|o| same_quota(o, s)) {
+            let owner = names.get(&owner.name).unwrap_or(&owner.name).clone();
+            names.insert(s.name.clone(), owner);
+        }
+    }
+    names
+}
+
 /// Every configured provider, by name, and the circuit of every model they serve (shared by
 /// every clone: one per worker).
 #[derive(Clone, Default)]
@@ -427,7 +454,9 @@ impl ProviderRegistry {
         policy: capacity::CapacityPolicy,
     ) -> Self {
         let mut registry = ProviderRegistry {
-            capacities: Arc::new(capacity::ModelCapacities::new(policy)),
+            capacities: Arc::new(
+                capacity::ModelCapacities::new(policy).with_quota_names(quota_names(&settings)),
+            ),
             ..ProviderRegistry::default()
         };
         for s in settings {
@@ -539,6 +568,88 @@ pub struct CallAttempt {
 mod tests {
     use super::*;
     use reqwest::header::{HeaderMap, HeaderValue};
+
+    /// Which names share a quota: the same kind, base URL (a trailing `/` aside) and key (the
+    /// same value or key file, or none); any difference, and each paces alone.
+    #[test]
+    fn names_for_one_key_share_a_quota_and_any_difference_keeps_them_apart() {
+        let setting = |name: &str, kind, url: &str, key: Option<SecretSource>| ProviderSettings {
+            name: name.into(),
+            kind,
+            base_url: url.into(),
+            api_key: key.map(Arc::new),
+            max_concurrency: None,
+            request_timeout: Duration::from_secs(30),
+            structured_output: StructuredOutput::default(),
+        };
+        let open = ProviderKind::OpenAi;
+        let url = "https://api.openai.com/v1";
+        let names = quota_names(&[
+            setting("openai", open, url, Some(SecretSource::value("sk-one"))),
+            setting(
+                "openai-mini",
+                open,
+                "https://api.openai.com/v1/",
+                Some(SecretSource::value("sk-one")),
+            ),
+            setting("b-first", open, url, Some(SecretSource::value("sk-one"))),
+            setting("other-key", open, url, Some(SecretSource::value("sk-two"))),
+            setting("no-key", open, url, None),
+            setting(
+                "other-url",
+                open,
+                "https://eu.api.openai.com/v1",
+                Some(SecretSource::value("sk-one")),
+            ),
+            setting(
+                "claude",
+                ProviderKind::Anthropic,
+                url,
+                Some(SecretSource::value("sk-one")),
+            ),
+            setting(
+                "file-a",
+                open,
+                url,
+                Some(SecretSource::file("/run/keys/openai")),
+            ),
+            setting(
+                "file-b",
+                open,
+                url,
+                Some(SecretSource::file("/run/keys/openai")),
+            ),
+            setting(
+                "file-c",
+                open,
+                url,
+                Some(SecretSource::file("/run/keys/other")),
+            ),
+            setting("local-a", open, "http://127.0.0.1:8080/v1", None),
+            setting("local-b", open, "http://127.0.0.1:8080/v1", None),
+        ]);
+        let owner = |n: &str| names.get(n).map(String::as_str);
+        // The first by name paces the quota.
+        assert_eq!(owner("b-first"), None);
+        assert_eq!(owner("openai"), Some("b-first"));
+        assert_eq!(owner("openai-mini"), Some("b-first"));
+        assert_eq!(owner("file-b"), Some("file-a"));
+        assert_eq!(owner("local-b"), Some("local-a"));
+        for apart in [
+            "other-key",
+            "no-key",
+            "other-url",
+            "claude",
+            "file-a",
+            "file-c",
+            "local-a",
+        ] {
+            assert_eq!(owner(apart), None, "{apart}");
+        }
+        assert_eq!(names.len(), 4);
+        // Nothing of a key reaches the map.
+        assert!(!format!("{names:?}").contains("sk-"));
+    }
 
     #[test]
     fn kinds_parse_case_insensitively() {

@@ -78,6 +78,16 @@ impl SecretSource {
         }
     }
 
+    /// Whether both name one secret: the same value, or the same file (what it holds may
+    /// change; both read the change). Compares in memory only; nothing is shown.
+    pub fn same_as(&self, other: &SecretSource) -> bool {
+        match (self, other) {
+            (SecretSource::Value(a), SecretSource::Value(b)) => a == b,
+            (SecretSource::File { path: a, .. }, SecretSource::File { path: b, .. }) => a == b,
+            _ => false,
+        }
+    }
+
     /// The current secret. For a file, a `stat` per call and a read only when it changed; a
     /// trailing newline is trimmed.
     pub fn load(&self) -> Result<Secret, SecretError> {

@@ -35,6 +35,7 @@
 //! Memory is bounded: at most [`CapacityPolicy::max_models`] models, [`MAX_TOPICS`] topics of
 //! [`MAX_MODELS_PER_TOPIC`] models each, and [`CapacityPolicy::max_starts`] claims.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -112,6 +113,9 @@ pub struct ModelCapacities {
     shared: OnceLock<Arc<dyn SharedPace>>,
     /// When the shared pace last failed: left alone for [`SHARED_PAUSE`] after.
     shared_failed: Mutex<Option<Instant>>,
+    /// Provider names that reach another's quota (the same kind, base URL and key): each
+    /// paced as the name it maps to, so one quota has one pacer ([`ModelCapacities::quota`]).
+    quota_names: HashMap<String, String>,
 }
 
 impl std::fmt::Debug for ModelCapacities {
@@ -182,6 +186,25 @@ impl ModelCapacities {
         }
     }
 
+    /// The capacities with the models of each provider name in `names` paced as the provider
+    /// it maps to: names configured with the same kind, base URL and key reach one quota.
+    pub fn with_quota_names(mut self, names: HashMap<String, String>) -> Self {
+        self.quota_names = names;
+        self
+    }
+
+    /// The model whose pacer paces `model`: itself, or the same model under the provider name
+    /// that owns its quota.
+    pub fn quota<'m>(&self, model: &'m ModelRef) -> Cow<'m, ModelRef> {
+        match self.quota_names.get(&model.provider) {
+            Some(owner) => Cow::Owned(ModelRef {
+                provider: owner.clone(),
+                model: model.model.clone(),
+            }),
+            None => Cow::Borrowed(model),
+        }
+    }
+
     /// Paces every model with the other replicas through `shared` from now on (once; a second
     /// call is ignored).
     pub fn share_pace(&self, shared: Arc<dyn SharedPace>) {
@@ -232,6 +255,7 @@ impl ModelCapacities {
         if limits.is_empty() {
             return;
         }
+        let model = &*self.quota(model);
         let mut state = self.lock();
         if let Some(p) = self.entry(&mut state, model, now) {
             p.observe(limits, sent, now, &self.policy);
@@ -261,6 +285,7 @@ impl ModelCapacities {
         ticket: Option<u64>,
         yield_when_spent: bool,
     ) -> Result<Release, Instant> {
+        let model = &*self.quota(model);
         let now = Instant::now();
         let ticket = {
             let mut state = self.lock();
@@ -419,7 +444,7 @@ impl ModelCapacities {
 
     /// The call of `release` was answered at `now`.
     pub(crate) fn answered(&self, model: &ModelRef, release: &Release, now: Instant) {
-        if let Some(p) = self.lock().models.get_mut(model) {
+        if let Some(p) = self.lock().models.get_mut(&*self.quota(model)) {
             p.answered(release, now, &self.policy);
         }
         self.changed.notify_waiters();
@@ -436,16 +461,20 @@ impl ModelCapacities {
         retry_after: Option<Duration>,
         now: Instant,
     ) -> Instant {
-        let until = self.lock().models.get_mut(model).map_or(now, |p| {
-            p.throttled(release, status, retry_after, now, &self.policy)
-        });
+        let until = self
+            .lock()
+            .models
+            .get_mut(&*self.quota(model))
+            .map_or(now, |p| {
+                p.throttled(release, status, retry_after, now, &self.policy)
+            });
         self.changed.notify_waiters();
         until
     }
 
     /// The call of `release` ended otherwise: failed, or dropped before its answer.
     pub(crate) fn ended(&self, model: &ModelRef, release: &Release) {
-        if let Some(p) = self.lock().models.get_mut(model) {
+        if let Some(p) = self.lock().models.get_mut(&*self.quota(model)) {
             p.ended(release);
         }
         self.changed.notify_waiters();
@@ -456,7 +485,7 @@ impl ModelCapacities {
     pub fn capacity(&self, model: &ModelRef, now: Instant) -> Capacity {
         self.lock()
             .models
-            .get(model)
+            .get(&*self.quota(model))
             .map_or(Capacity::Unbounded, |p| p.capacity(0, now, &self.policy))
     }
 
@@ -465,7 +494,7 @@ impl ModelCapacities {
     pub(crate) fn provider_hold(&self, model: &ModelRef, now: Instant) -> Option<Instant> {
         self.lock()
             .models
-            .get(model)
+            .get(&*self.quota(model))
             .and_then(|p| p.provider_hold(now))
     }
 
@@ -474,7 +503,7 @@ impl ModelCapacities {
         let now = Instant::now();
         self.lock()
             .models
-            .get(model)
+            .get(&*self.quota(model))
             .is_some_and(|p| p.probing(now, &self.policy))
     }
 
@@ -490,6 +519,7 @@ impl ModelCapacities {
             .models
             .retain(|(_, seen)| *seen + ATTRIBUTION_TTL > now);
         for m in models {
+            let m = &*self.quota(m);
             if let Some((_, seen)) = entry.models.iter_mut().find(|(known, _)| known == m) {
                 *seen = now;
             } else if entry.models.len() < MAX_MODELS_PER_TOPIC {
@@ -866,6 +896,67 @@ mod tests {
             c.lock().models[&m].idle(Instant::now()),
             "nobody left in the queue"
         );
+    }
+
+    /// Two provider names for one quota (one key) are paced as one: a 429's hold seen under one
+    /// name holds the other, and their calls wait in one queue, released one at a time, rather
+    /// than two pacers' calls meeting in the quota.
+    #[tokio::test(start_paused = true)]
+    async fn two_names_for_one_quota_share_one_pacer() {
+        let c = std::sync::Arc::new(
+            ModelCapacities::new(CapacityPolicy::default())
+                .with_quota_names(HashMap::from([("p2".to_string(), "p".to_string())])),
+        );
+        let (one, two) = (model("m"), ModelRef::parse("p2/m").unwrap());
+        assert_eq!(*c.quota(&two), one);
+        assert_eq!(*c.quota(&one), one, "the owner paces as itself");
+        let other = ModelRef::parse("p2/other").unwrap();
+        assert_eq!(c.quota(&other).provider, "p", "every model of the name");
+        // A hold seen under one name holds the other.
+        let r = turn(&c, &two, "t0").await.unwrap();
+        let now = Instant::now();
+        c.throttled(&two, &r, 429, Some(ms(800)), now);
+        assert_eq!(c.provider_hold(&one, now), Some(now + ms(800)));
+        assert_eq!(c.provider_hold(&one, now), c.provider_hold(&two, now));
+        assert_eq!(c.lock().models.len(), 1, "one pacer for both names");
+        // Calls under both names, one queue: the probe after the hold goes alone, then the
+        // others one at a time at the stated pace, whichever name they came under.
+        tokio::time::advance(ms(800)).await;
+        let t0 = Instant::now();
+        c.observe(
+            &one,
+            t0,
+            t0,
+            &RateLimits {
+                requests: Budget {
+                    limit: Some(120),
+                    remaining: Some(119),
+                    reset: Some(ms(500)),
+                },
+                ..RateLimits::default()
+            },
+        );
+        let starts = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let mut joins = Vec::new();
+        for i in 0..4u32 {
+            let m = if i % 2 == 0 { one.clone() } else { two.clone() };
+            let (c, starts) = (c.clone(), starts.clone());
+            joins.push(tokio::spawn(async move {
+                let r = turn(&c, &m, &format!("t{}", i + 1)).await.unwrap();
+                starts.lock().unwrap().push(r.at);
+                c.answered(&m, &r, Instant::now());
+            }));
+            tokio::task::yield_now().await;
+        }
+        for j in joins {
+            j.await.unwrap();
+        }
+        let starts = starts.lock().unwrap().clone();
+        assert_eq!(starts.len(), 4);
+        let inc = Duration::from_secs_f64(0.5 / c.policy().margin);
+        for w in starts.windows(2) {
+            assert!(w[1] - w[0] >= inc - ms(1), "{:?}", w[1] - w[0]);
+        }
     }
 
     /// Admission gates a topic only by the models its tasks use: a model held stops its own

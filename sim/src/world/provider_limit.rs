@@ -7,8 +7,9 @@
 //! `GET /v1/organization/projects/{project_id}/rate_limits`, "returns the rate limits per
 //! model for a project", each entry naming its `model`), and the world's two providers serve
 //! two models (the small-window one is another model, with another context window), so each
-//! has a quota of its own, under the same plan. Two provider names for one model and one key
-//! would share a quota and get two pacers; docs/OPERATIONS.md says to give such a pair one name.
+//! has a quota of its own, under the same plan. (Two provider names configured with one key
+//! and base URL reach one quota, and the worker paces them as one, `provider::quota_names`;
+//! the world's providers are stand-ins plugged in by name, configured with neither.)
 //!
 //! **The limit** is the scripted HTTP model's own state machine
 //! ([`abada_devkit::model::LimitCore`]), so the simulated provider and the one the load harness
