@@ -649,6 +649,19 @@ mod tests {
         assert_eq!(names.len(), 4);
         // Nothing of a key reaches the map.
         assert!(!format!("{names:?}").contains("sk-"));
+        // The registry's capacities pace by it.
+        let registry = ProviderRegistry::new(
+            vec![
+                setting("work", open, url, Some(SecretSource::value("sk-one"))),
+                setting("batch", open, url, Some(SecretSource::value("sk-one"))),
+            ],
+            reqwest::Client::new(),
+        );
+        let m = ModelRef::parse("work/gpt-4.1-mini").unwrap();
+        assert_eq!(
+            registry.capacities().quota(&m).to_string(),
+            "batch/gpt-4.1-mini"
+        );
     }
 
     #[test]
