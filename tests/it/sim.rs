@@ -1473,18 +1473,22 @@ fn a_deferral_after_429s_alone_fires_and_one_after_an_outage_does_not() {
         "no task deferred while its provider answers",
         "task t-000001 (attempt Some(1)): deferred by w0 at 2.000 s",
     );
-    // A model 5xx, or the run store refused, explains it; another worker's does not.
+    // A model 5xx, the run store refused, or a run-store answer lost (seed 600009731: an
+    // append's answer lost twice, the task deferred while the store was waited out) explains
+    // it; another worker's does not.
+    let store = |answer| Event::StoreAnswer {
+        worker: w("w0"),
+        op: "append",
+        run: w("t-000001"),
+        task: w("t-000001"),
+        attempt: Some(1),
+        seq: Some(1),
+        answer,
+    };
     for outage in [
         model_call("w0", "5xx"),
-        Event::StoreAnswer {
-            worker: w("w0"),
-            op: "append",
-            run: w("t-000001"),
-            task: w("t-000001"),
-            attempt: Some(1),
-            seq: Some(1),
-            answer: "outage",
-        },
+        store("outage"),
+        store("answer-lost"),
     ] {
         let p = Played::new()
             .at(500, outage)

@@ -5,9 +5,10 @@
 //! `FaultPlan::fetch_contention`).
 //!
 //! - [`no_deferral_while_answering`]: a task is deferred (a `failure` keeping its retries) only
-//!   after an outage: a model call of its worker answered 5xx, or a run-store call refused
-//!   (the store's patience ran out), within [`OUTAGE_LOOKBACK`] before; or once a model call
-//!   of the attempt waited its whole model wait ([`MODEL_WAIT`], less [`PROVIDER_HOLD_MAX`]).
+//!   after an outage: a model call of its worker answered 5xx, or a run-store call refused or
+//!   its answer lost (the store's patience ran out), within [`OUTAGE_LOOKBACK`] before; or once
+//!   a model call of the attempt waited its whole model wait ([`MODEL_WAIT`], less
+//!   [`PROVIDER_HOLD_MAX`]).
 //!   A 429, from the provider's limit or injected, is the provider answering: within that
 //!   wait it never defers.
 //! - [`limit_refusals_bounded`]: the provider limit's 429s stay under a bound per worker, from
@@ -82,7 +83,8 @@ pub fn no_deferral_while_answering(facts: &Facts<'_>) -> Vec<Violation> {
     if facts.scenario.is_some() {
         return Vec::new();
     }
-    // When each worker last saw an outage: a model 5xx, a run-store call refused.
+    // When each worker last saw an outage: a model 5xx, a run-store call refused or its
+    // answer lost (the worker saw the call fail, and waits the store out).
     let mut outages: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
     // When each attempt began on its worker.
     let mut started: BTreeMap<(&str, &str, Option<u32>), u64> = BTreeMap::new();
@@ -99,7 +101,9 @@ pub fn no_deferral_while_answering(facts: &Facts<'_>) -> Vec<Violation> {
             Event::ModelCall { worker, answer, .. } if *answer == "5xx" => {
                 outages.entry(worker).or_default().push(*t);
             }
-            Event::StoreAnswer { worker, answer, .. } if *answer == "outage" => {
+            Event::StoreAnswer { worker, answer, .. }
+                if *answer == "outage" || *answer == "answer-lost" =>
+            {
                 outages.entry(worker).or_default().push(*t);
             }
             Event::TaskEnded {
@@ -128,7 +132,7 @@ pub fn no_deferral_while_answering(facts: &Facts<'_>) -> Vec<Violation> {
                     out.push(violation(
                         super::NO_DEFERRAL_WHILE_ANSWERING,
                         format!(
-                            "task {task} (attempt {attempt:?}): deferred by {worker} at {}, {} into the attempt (its model wait of {} s not spent), with no outage (model 5xx, run store refused) in the {} s before; its model answered 429 {busy} times then",
+                            "task {task} (attempt {attempt:?}): deferred by {worker} at {}, {} into the attempt (its model wait of {} s not spent), with no outage (model 5xx, run store refused or its answer lost) in the {} s before; its model answered 429 {busy} times then",
                             at(*t),
                             started
                                 .get(&(worker.as_str(), task.as_str(), *attempt))
