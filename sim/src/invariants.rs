@@ -428,8 +428,11 @@ pub fn one_completion(facts: &Facts<'_>) -> Vec<Violation> {
                 let first_in_transit_at_hand_out = attempt
                     .and_then(|n| handed_out.get(&(task.as_str(), n)))
                     .is_some_and(|handed| {
+                        // Executed in the same millisecond as the hand-out counts: a task
+                        // completed is never handed out, so the hand-out came first (seed
+                        // 3300022212).
                         first_sent < handed
-                            && first_at > handed
+                            && first_at >= handed
                             && a.is_some_and(|f| Some(f) < *attempt)
                     });
                 if sent_at >= *first_at && !first_in_transit_at_hand_out {

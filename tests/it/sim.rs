@@ -294,6 +294,16 @@ fn an_earlier_attempts_complete_executed_late_does_not_make_the_current_holder_s
         .at(10_000, call("w0", "complete", 2))
         .at(10_000, answer("w0", "complete", 2, Answer::Ok));
     assert!(invariants::one_completion(&p.facts()).is_empty());
+    // The held complete executed in the same millisecond as the hand-out, just after it (seed
+    // 3300022212): a completed task is never handed out, so the hand-out came first.
+    let p = Played::new()
+        .at(0, fetched("w0", 1))
+        .at(56, call("w0", "complete", 1))
+        .at(8_819, fetched("w0", 2))
+        .at(8_819, answer("w0", "complete", 1, Answer::Ok))
+        .at(8_821, call("w0", "complete", 2))
+        .at(8_821, answer("w0", "complete", 2, Answer::Ok));
+    assert!(invariants::one_completion(&p.facts()).is_empty());
     // The first completion sent after attempt 2 was handed out: attempt 2's holder is
     // reporting over a completion it was not racing.
     let p = Played::new()
