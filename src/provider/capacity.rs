@@ -628,22 +628,12 @@ impl ModelCapacities {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::provider::rate_limits::tests::headers;
     use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
     use std::time::SystemTime;
 
     fn model(name: &str) -> ModelRef {
         ModelRef::parse(&format!("p/{name}")).unwrap()
-    }
-
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in pairs {
-            h.insert(
-                HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                HeaderValue::from_str(v).unwrap(),
-            );
-        }
-        h
     }
 
     const MAX: Duration = Duration::from_secs(60);
@@ -654,6 +644,18 @@ mod tests {
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
+    }
+
+    /// OpenAI's figures for 120 requests a minute, one of them just taken: two a second.
+    fn two_a_second() -> RateLimits {
+        RateLimits {
+            requests: Budget {
+                limit: Some(120),
+                remaining: Some(119),
+                reset: Some(ms(500)),
+            },
+            ..RateLimits::default()
+        }
     }
 
     /// Takes a turn with the whole model wait, as a call does.
@@ -847,19 +849,7 @@ mod tests {
         let m = model("a");
         let first = turn(&c, &m, "t0").await.unwrap();
         let t0 = Instant::now();
-        c.observe(
-            &m,
-            t0,
-            t0,
-            &RateLimits {
-                requests: Budget {
-                    limit: Some(120),
-                    remaining: Some(119),
-                    reset: Some(ms(500)),
-                },
-                ..RateLimits::default()
-            },
-        );
+        c.observe(&m, t0, t0, &two_a_second());
         let order = std::sync::Arc::new(Mutex::new(Vec::new()));
         let mut joins = Vec::new();
         for i in 0..6u32 {
@@ -923,19 +913,7 @@ mod tests {
         // others one at a time at the stated pace, whichever name they came under.
         tokio::time::advance(ms(800)).await;
         let t0 = Instant::now();
-        c.observe(
-            &one,
-            t0,
-            t0,
-            &RateLimits {
-                requests: Budget {
-                    limit: Some(120),
-                    remaining: Some(119),
-                    reset: Some(ms(500)),
-                },
-                ..RateLimits::default()
-            },
-        );
+        c.observe(&one, t0, t0, &two_a_second());
         let starts = std::sync::Arc::new(Mutex::new(Vec::new()));
         let mut joins = Vec::new();
         for i in 0..4u32 {
@@ -1119,19 +1097,7 @@ mod tests {
         assert_eq!(start.elapsed(), ms(700), "waited for the reserved start");
         assert_eq!(first.at, Instant::now(), "released when it starts");
         assert_eq!(script.asked.lock().unwrap()[0].1, SHARED_PROBE_SPACING);
-        c.observe(
-            &m,
-            first.at,
-            first.at,
-            &RateLimits {
-                requests: Budget {
-                    limit: Some(120),
-                    remaining: Some(119),
-                    reset: Some(ms(500)),
-                },
-                ..RateLimits::default()
-            },
-        );
+        c.observe(&m, first.at, first.at, &two_a_second());
         c.answered(&m, &first, Instant::now());
         // The next start is 90 s off: not waited for, and nothing of this call holds the model.
         let err = turn(&c, &m, "t1").await.unwrap_err();

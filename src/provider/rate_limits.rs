@@ -246,11 +246,12 @@ pub enum Capacity {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use reqwest::header::{HeaderName, HeaderValue};
 
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+    /// A header map of `pairs` (the capacities' tests read answers through it too).
+    pub(crate) fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
             h.insert(
