@@ -371,6 +371,23 @@ fn holder_updates(e: &Event, holders: &mut BTreeMap<String, (String, u32)>) {
     }
 }
 
+/// The attempt a worker's task end is of, taken off the attempts of the task it runs
+/// (`running`, in the order of their acquisitions): the one it names, or, a plain v1 engine
+/// numbering none, the oldest (a worker runs one attempt of a task at a time, so its ends come
+/// in the order of its acquisitions).
+fn attempt_ended(
+    running: &mut std::collections::VecDeque<u32>,
+    attempt: Option<u32>,
+) -> Option<u32> {
+    match attempt {
+        Some(a) => {
+            running.retain(|r| *r != a);
+            Some(a)
+        }
+        None => running.pop_front(),
+    }
+}
+
 /// One accepted completion per task. A `complete` (or `bpmn-error`) the engine accepted after
 /// another holder's accepted one is a stale holder reporting, unless it could not have known:
 /// - it was sent before that completion was executed, and delayed in transit (the engine
@@ -816,14 +833,7 @@ pub fn no_call_after_refusal(facts: &Facts<'_>) -> Vec<Violation> {
                 attempt,
                 outcome,
             } => {
-                let running = unended.entry((worker, task)).or_default();
-                let attempt = match attempt {
-                    Some(a) => {
-                        running.retain(|r| r != a);
-                        Some(*a)
-                    }
-                    None => running.pop_front(),
-                };
+                let attempt = attempt_ended(unended.entry((worker, task)).or_default(), *attempt);
                 if let Some(attempt) = attempt
                     && outcome == "lease_lost"
                 {
@@ -1141,19 +1151,11 @@ pub fn ends_agree(facts: &Facts<'_>) -> Vec<Violation> {
                 attempt,
                 outcome,
             } => {
-                // A plain v1 engine sends no attempt (the trace counts its acquisitions): a
-                // worker runs one attempt of a task at a time, so its ends come in the order
-                // of its acquisitions.
-                let running = unended.entry((worker, task)).or_default();
-                let attempt = match attempt {
-                    Some(a) => {
-                        running.retain(|r| r != a);
-                        *a
-                    }
-                    None => match running.pop_front() {
-                        Some(a) => a,
-                        None => continue,
-                    },
+                // A plain v1 engine sends no attempt: the trace counts its acquisitions.
+                let Some(attempt) =
+                    attempt_ended(unended.entry((worker, task)).or_default(), *attempt)
+                else {
+                    continue;
                 };
                 let attempt = &attempt;
                 let key = (worker.as_str(), task.as_str(), *attempt);
